@@ -1,1 +1,119 @@
-"""Built-in workloads: a byte-level GPT on the Python standard library, and a tiny MLP for tests."""
+"""Built-in workloads: a byte-level GPT on the Python standard library, and a tiny MLP for tests.
+
+Both implement ``geoloco.algorithms.workload.Workload``. They are found by name in ``WORKLOADS``;
+``build_workload(name, **options)`` turns the plain values of a TOML table into the workload's
+config dataclass, field for field, and rejects unknown names, unknown options and wrongly typed
+values with a message that says what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, ClassVar, Protocol, Union
+
+from geoloco.algorithms.workload import Workload
+from geoloco.scenarios.workloads.corpus import CorpusSplit, CorpusUnavailableError
+from geoloco.scenarios.workloads.gpt import (
+    GPT,
+    GPT_PRESETS,
+    GPTConfig,
+    GPTWorkload,
+    GPTWorkloadConfig,
+)
+from geoloco.scenarios.workloads.mlp import MLPWorkload, MLPWorkloadConfig
+
+__all__ = [
+    "GPT",
+    "GPT_PRESETS",
+    "WORKLOADS",
+    "CorpusSplit",
+    "CorpusUnavailableError",
+    "GPTConfig",
+    "GPTWorkload",
+    "GPTWorkloadConfig",
+    "MLPWorkload",
+    "MLPWorkloadConfig",
+    "WorkloadFactory",
+    "build_workload",
+    "workload_config",
+]
+
+
+class WorkloadFactory(Protocol):
+    """A workload class: knows its config dataclass and builds itself from one."""
+
+    config_class: ClassVar[type[Any]]
+
+    def __call__(self, config: Any) -> Workload: ...
+
+
+WORKLOADS: dict[str, WorkloadFactory] = {
+    "gpt": GPTWorkload,
+    "mlp": MLPWorkload,
+}
+"""Workload name -> class; the class's ``config_class`` lists the options it accepts."""
+
+
+def _describe(annotation: object) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def _accepts(annotation: object, value: object) -> tuple[bool, object]:
+    """Whether ``value`` fits ``annotation`` (int, float, str, bool, or ``X | None``), and the value
+    converted where the conversion is lossless (an int where a float is expected)."""
+    origin = typing.get_origin(annotation)
+    if origin is Union or origin is types.UnionType:
+        for member in typing.get_args(annotation):
+            ok, converted = _accepts(member, value)
+            if ok:
+                return True, converted
+        return False, value
+    if annotation is type(None):
+        return value is None, value
+    if annotation is bool:
+        return isinstance(value, bool), value
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False, value
+        return True, float(value)
+    if annotation is str:
+        return isinstance(value, str), value
+    raise TypeError(f"unsupported option type {annotation!r} in a workload config")
+
+
+def workload_config(name: str, **options: object) -> Any:
+    """The config dataclass of workload ``name`` built from plain option values, validated."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; valid workloads: {sorted(WORKLOADS)}")
+    config_class = WORKLOADS[name].config_class
+    hints = typing.get_type_hints(config_class)
+    fields = {field.name: hints[field.name] for field in dataclasses.fields(config_class)}
+    converted: dict[str, object] = {}
+    for key, value in options.items():
+        if key not in fields:
+            allowed = ", ".join(f"{field} ({_describe(kind)})" for field, kind in fields.items())
+            raise ValueError(
+                f"unknown option {key!r} for workload {name!r}; allowed options: {allowed}"
+            )
+        ok, converted[key] = _accepts(fields[key], value)
+        if not ok:
+            raise ValueError(
+                f"option {key!r} of workload {name!r} must be {_describe(fields[key])}, "
+                f"got {type(value).__name__} {value!r}"
+            )
+    try:
+        return config_class(**converted)
+    except ValueError as error:
+        raise ValueError(f"workload {name!r}: {error}") from error
+
+
+def build_workload(name: str, **options: object) -> Workload:
+    """Workload ``name`` configured by ``options`` (the fields of its config dataclass)."""
+    config = workload_config(name, **options)
+    return WORKLOADS[name](config)

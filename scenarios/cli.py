@@ -1,5 +1,58 @@
-"""The `geoloco` command."""
+"""The ``geoloco`` command: one entry point, one subcommand per job.
+
+Each subcommand lives in its own module exposing ``register(subparsers)``; the module is imported
+only to build the parser, and the heavy imports (torch, grpc) happen inside the handler so that
+``geoloco --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
 import sys
-def main(argv=None) -> int:
-    print("ok")
-    return 0
+from collections.abc import Sequence
+
+# Subcommand name -> module that registers it. One place to look when adding a command.
+SUBCOMMANDS: dict[str, str] = {
+    "simulate": "geoloco.scenarios.simulate_cmd",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="geoloco",
+        description=(
+            "Low-communication geo-distributed training. Sites run many local steps and exchange "
+            "compressed pseudo-gradients with a coordinator (DiLoCo family)."
+        ),
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="verbosity of log messages on stderr (default: %(default)s)",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in SUBCOMMANDS.values():
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        logging.getLogger("geoloco").warning("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Crash-safe coordinator checkpoints: safetensors for tensors, JSON for everything else.
+
+A checkpoint is two files in the checkpoint folder:
+
+* ``round-000012.safetensors`` — every tensor (global weights, outer optimizer state, downlink
+  residual), never pickle, so loading a checkpoint cannot execute code;
+* ``checkpoint.json`` — the pointer to the newest tensor file, with its SHA-256, the round number
+  and JSON metadata (config, scalar optimizer state).
+
+Each file is written to a temporary name, fsync'ed, renamed over its final name and the folder is
+fsync'ed, so ``kill -9`` at any instant leaves either the previous checkpoint or the new one, never
+a torn file. The tensor file is written before the pointer; a crash between the two leaves an
+orphan tensor file that the next save removes. The last ``keep`` tensor files are kept so an
+operator can roll back by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save
+
+logger = logging.getLogger(__name__)
+
+POINTER_NAME = "checkpoint.json"
+FORMAT_VERSION = 1
+_TENSOR_FILE = re.compile(r"^round-(\d{6,})\.safetensors$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint exists but cannot be trusted (missing file, checksum mismatch, bad JSON)."""
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """What a coordinator needs to resume: the round it reached, its tensors and its metadata."""
+
+    round: int
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    round_number: int,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, Any] | None = None,
+    *,
+    keep: int = 2,
+) -> Path:
+    """Write a checkpoint for ``round_number`` atomically and return the tensor file's path."""
+    if round_number < 0:
+        raise ValueError(f"round_number must be >= 0, got {round_number}")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    cpu_tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    blob = save(cpu_tensors)
+    tensor_path = folder / f"round-{round_number:06d}.safetensors"
+    _atomic_write(tensor_path, blob)
+    pointer = {
+        "format_version": FORMAT_VERSION,
+        "round": round_number,
+        "tensor_file": tensor_path.name,
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "metadata": metadata or {},
+    }
+    _atomic_write(folder / POINTER_NAME, json.dumps(pointer, indent=2, sort_keys=True).encode())
+    _prune(folder, keep=keep, current=tensor_path.name)
+    logger.debug("checkpoint for round %d written to %s", round_number, tensor_path)
+    return tensor_path
+
+
+def _round_of(name: str) -> int | None:
+    match = _TENSOR_FILE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def _prune(folder: Path, *, keep: int, current: str) -> None:
+    current_round = _round_of(current)
+    assert current_round is not None
+    rounds = {p: r for p in folder.iterdir() if (r := _round_of(p.name)) is not None}
+    older = sorted((p for p, r in rounds.items() if r < current_round), key=rounds.__getitem__)
+    # Files newer than the current one are orphans of a crash between the tensor file and the
+    # pointer update, superseded by a restart from an older round; they would mislead an operator.
+    newer = [p for p, r in rounds.items() if r > current_round]
+    for p in older[: max(0, len(older) - (keep - 1))] + newer:
+        p.unlink(missing_ok=True)
+    for tmp in folder.glob(".*.tmp-*"):
+        tmp.unlink(missing_ok=True)
+
+
+def load_latest_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint | None:
+    """The newest checkpoint in ``directory``, or ``None`` when there is none yet.
+
+    Raises :class:`CheckpointError` when a pointer exists but its tensor file is missing or does
+    not match its checksum: resuming from silently corrupted weights would be worse than stopping.
+    """
+    folder = Path(directory)
+    pointer_path = folder / POINTER_NAME
+    if not pointer_path.exists():
+        return None
+    try:
+        pointer = json.loads(pointer_path.read_text())
+        tensor_path = folder / pointer["tensor_file"]
+        round_number = int(pointer["round"])
+        expected = str(pointer["sha256"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{pointer_path} is not a valid geoloco checkpoint pointer: {exc}") from exc
+    if pointer.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{pointer_path} has format_version {pointer.get('format_version')!r}; "
+            f"this geoloco reads version {FORMAT_VERSION}"
+        )
+    if not tensor_path.exists():
+        raise CheckpointError(f"{pointer_path} names {tensor_path.name}, which does not exist")
+    blob = tensor_path.read_bytes()
+    actual = hashlib.sha256(blob).hexdigest()
+    if actual != expected:
+        raise CheckpointError(
+            f"{tensor_path} fails its checksum (sha256 {actual[:16]}..., expected {expected[:16]}...); "
+            "restore it from a backup or delete the checkpoint folder to start over"
+        )
+    tensors = load_file(str(tensor_path))
+    return Checkpoint(round=round_number, tensors=tensors, metadata=pointer.get("metadata", {}), path=tensor_path)

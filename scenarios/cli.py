@@ -16,6 +16,7 @@ from collections.abc import Sequence
 # Subcommand name -> module that registers it. One place to look when adding a command.
 SUBCOMMANDS: dict[str, str] = {
     "simulate": "geoloco.scenarios.simulate_cmd",
+    "certs": "geoloco.scenarios.certs_cmd",
 }
 
 

@@ -1,0 +1,407 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_STALE_SESSION: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_A_MEMBER: _ClassVar[ErrorReason]
+    ERROR_REASON_WRONG_ROUND: _ClassVar[ErrorReason]
+    ERROR_REASON_MANIFEST_CONFLICT: _ClassVar[ErrorReason]
+    ERROR_REASON_CHECKSUM_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_CHUNK_OUT_OF_BOUNDS: _ClassVar[ErrorReason]
+    ERROR_REASON_BAD_MANIFEST: _ClassVar[ErrorReason]
+    ERROR_REASON_IDENTITY_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_RESYNC_REQUIRED: _ClassVar[ErrorReason]
+    ERROR_REASON_RUN_FINISHED: _ClassVar[ErrorReason]
+    ERROR_REASON_PROTOCOL_VERSION: _ClassVar[ErrorReason]
+
+class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKSUM_ALGORITHM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_ALGORITHM_CRC32: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_ALGORITHM_SHA256: _ClassVar[ChecksumAlgorithm]
+
+class Weighting(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WEIGHTING_UNSPECIFIED: _ClassVar[Weighting]
+    WEIGHTING_SAMPLES: _ClassVar[Weighting]
+    WEIGHTING_UNIFORM: _ClassVar[Weighting]
+
+class SitePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SITE_PHASE_UNSPECIFIED: _ClassVar[SitePhase]
+    SITE_PHASE_FETCHING: _ClassVar[SitePhase]
+    SITE_PHASE_TRAINING: _ClassVar[SitePhase]
+    SITE_PHASE_UPLOADING: _ClassVar[SitePhase]
+    SITE_PHASE_WAITING: _ClassVar[SitePhase]
+
+class BroadcastAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BROADCAST_ACTION_UNSPECIFIED: _ClassVar[BroadcastAction]
+    BROADCAST_ACTION_APPLY_DELTA: _ClassVar[BroadcastAction]
+    BROADCAST_ACTION_RESYNC: _ClassVar[BroadcastAction]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+ERROR_REASON_STALE_SESSION: ErrorReason
+ERROR_REASON_NOT_A_MEMBER: ErrorReason
+ERROR_REASON_WRONG_ROUND: ErrorReason
+ERROR_REASON_MANIFEST_CONFLICT: ErrorReason
+ERROR_REASON_CHECKSUM_MISMATCH: ErrorReason
+ERROR_REASON_CHUNK_OUT_OF_BOUNDS: ErrorReason
+ERROR_REASON_BAD_MANIFEST: ErrorReason
+ERROR_REASON_IDENTITY_MISMATCH: ErrorReason
+ERROR_REASON_RESYNC_REQUIRED: ErrorReason
+ERROR_REASON_RUN_FINISHED: ErrorReason
+ERROR_REASON_PROTOCOL_VERSION: ErrorReason
+CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
+CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
+CHECKSUM_ALGORITHM_SHA256: ChecksumAlgorithm
+WEIGHTING_UNSPECIFIED: Weighting
+WEIGHTING_SAMPLES: Weighting
+WEIGHTING_UNIFORM: Weighting
+SITE_PHASE_UNSPECIFIED: SitePhase
+SITE_PHASE_FETCHING: SitePhase
+SITE_PHASE_TRAINING: SitePhase
+SITE_PHASE_UPLOADING: SitePhase
+SITE_PHASE_WAITING: SitePhase
+BROADCAST_ACTION_UNSPECIFIED: BroadcastAction
+BROADCAST_ACTION_APPLY_DELTA: BroadcastAction
+BROADCAST_ACTION_RESYNC: BroadcastAction
+
+class Checksum(_message.Message):
+    __slots__ = ("algorithm", "digest")
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    algorithm: ChecksumAlgorithm
+    digest: bytes
+    def __init__(self, algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class IndexRange(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class BlobManifest(_message.Message):
+    __slots__ = ("total_bytes", "chunk_size", "num_chunks", "checksum", "codec", "shape", "dtype")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    chunk_size: int
+    num_chunks: int
+    checksum: Checksum
+    codec: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, total_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., num_chunks: _Optional[int] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ..., codec: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("index", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TensorLayout(_message.Message):
+    __slots__ = ("name", "shape", "offset", "numel")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    numel: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class ModelLayout(_message.Message):
+    __slots__ = ("tensors", "numel", "dtype")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorLayout]
+    numel: int
+    dtype: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., numel: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class RunConfig(_message.Message):
+    __slots__ = ("inner_steps", "uplink_codec", "downlink_codec", "seed", "weighting", "total_rounds", "quorum", "round_deadline_ms", "heartbeat_interval_ms", "heartbeat_timeout_ms", "config_json")
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    UPLINK_CODEC_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_CODEC_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTING_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    ROUND_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    inner_steps: int
+    uplink_codec: str
+    downlink_codec: str
+    seed: int
+    weighting: Weighting
+    total_rounds: int
+    quorum: int
+    round_deadline_ms: int
+    heartbeat_interval_ms: int
+    heartbeat_timeout_ms: int
+    config_json: str
+    def __init__(self, inner_steps: _Optional[int] = ..., uplink_codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., seed: _Optional[int] = ..., weighting: _Optional[_Union[Weighting, str]] = ..., total_rounds: _Optional[int] = ..., quorum: _Optional[int] = ..., round_deadline_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
+
+class RoundInfo(_message.Message):
+    __slots__ = ("round", "round_seed", "deadline_remaining_ms")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SEED_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    round_seed: int
+    deadline_remaining_ms: int
+    def __init__(self, round: _Optional[int] = ..., round_seed: _Optional[int] = ..., deadline_remaining_ms: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("site", "protocol_version", "software_version", "has_weights", "weights_round", "weights_digest")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ROUND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    protocol_version: int
+    software_version: str
+    has_weights: bool
+    weights_round: int
+    weights_digest: Checksum
+    def __init__(self, site: _Optional[str] = ..., protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., has_weights: bool = ..., weights_round: _Optional[int] = ..., weights_digest: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("session_id", "site", "config", "round", "layout", "weights_digest", "must_fetch_model", "protocol_version")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MUST_FETCH_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    site: str
+    config: RunConfig
+    round: RoundInfo
+    layout: ModelLayout
+    weights_digest: Checksum
+    must_fetch_model: bool
+    protocol_version: int
+    def __init__(self, session_id: _Optional[str] = ..., site: _Optional[str] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., weights_digest: _Optional[_Union[Checksum, _Mapping]] = ..., must_fetch_model: bool = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("site", "session_id", "round", "phase", "inner_steps_done")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    session_id: str
+    round: int
+    phase: SitePhase
+    inner_steps_done: int
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[SitePhase, str]] = ..., inner_steps_done: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("rejoin_required", "round", "run_finished")
+    REJOIN_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RUN_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    rejoin_required: bool
+    round: RoundInfo
+    run_finished: bool
+    def __init__(self, rejoin_required: bool = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., run_finished: bool = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("site", "session_id", "reason")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    session_id: str
+    reason: str
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FetchModelRequest(_message.Message):
+    __slots__ = ("site", "session_id", "start_chunk", "expect_digest")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    START_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    session_id: str
+    start_chunk: int
+    expect_digest: Checksum
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., start_chunk: _Optional[int] = ..., expect_digest: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
+
+class ModelManifest(_message.Message):
+    __slots__ = ("round", "layout", "blob", "start_chunk")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    START_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    layout: ModelLayout
+    blob: BlobManifest
+    start_chunk: int
+    def __init__(self, round: _Optional[int] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., start_chunk: _Optional[int] = ...) -> None: ...
+
+class FetchModelResponse(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: ModelManifest
+    chunk: Chunk
+    def __init__(self, manifest: _Optional[_Union[ModelManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class UploadManifest(_message.Message):
+    __slots__ = ("site", "session_id", "round", "fragment", "sample_weight", "blob", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    session_id: str
+    round: int
+    fragment: int
+    sample_weight: float
+    blob: BlobManifest
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., sample_weight: _Optional[float] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class UploadRequest(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: UploadManifest
+    chunk: Chunk
+    def __init__(self, manifest: _Optional[_Union[UploadManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class UploadResponse(_message.Message):
+    __slots__ = ("complete", "missing", "received_bytes")
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    complete: bool
+    missing: _containers.RepeatedCompositeFieldContainer[IndexRange]
+    received_bytes: int
+    def __init__(self, complete: bool = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., received_bytes: _Optional[int] = ...) -> None: ...
+
+class UploadStatusRequest(_message.Message):
+    __slots__ = ("site", "session_id", "round", "fragment")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    session_id: str
+    round: int
+    fragment: int
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
+
+class UploadStatusResponse(_message.Message):
+    __slots__ = ("known", "manifest", "received", "missing", "complete")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    manifest: UploadManifest
+    received: _containers.RepeatedCompositeFieldContainer[IndexRange]
+    missing: _containers.RepeatedCompositeFieldContainer[IndexRange]
+    complete: bool
+    def __init__(self, known: bool = ..., manifest: _Optional[_Union[UploadManifest, _Mapping]] = ..., received: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., complete: bool = ...) -> None: ...
+
+class AwaitBroadcastRequest(_message.Message):
+    __slots__ = ("site", "session_id", "round", "fragment", "start_chunk")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    START_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    session_id: str
+    round: int
+    fragment: int
+    start_chunk: int
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., start_chunk: _Optional[int] = ...) -> None: ...
+
+class BroadcastHeader(_message.Message):
+    __slots__ = ("action", "round", "included", "num_contributors", "delta", "weights_digest", "next_round", "run_finished", "start_chunk")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    INCLUDED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    RUN_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    START_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    action: BroadcastAction
+    round: int
+    included: bool
+    num_contributors: int
+    delta: BlobManifest
+    weights_digest: Checksum
+    next_round: RoundInfo
+    run_finished: bool
+    start_chunk: int
+    def __init__(self, action: _Optional[_Union[BroadcastAction, str]] = ..., round: _Optional[int] = ..., included: bool = ..., num_contributors: _Optional[int] = ..., delta: _Optional[_Union[BlobManifest, _Mapping]] = ..., weights_digest: _Optional[_Union[Checksum, _Mapping]] = ..., next_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., run_finished: bool = ..., start_chunk: _Optional[int] = ...) -> None: ...
+
+class RoundProgress(_message.Message):
+    __slots__ = ("round", "uploads_complete", "quorum", "deadline_remaining_ms")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    UPLOADS_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    uploads_complete: int
+    quorum: int
+    deadline_remaining_ms: int
+    def __init__(self, round: _Optional[int] = ..., uploads_complete: _Optional[int] = ..., quorum: _Optional[int] = ..., deadline_remaining_ms: _Optional[int] = ...) -> None: ...
+
+class AwaitBroadcastResponse(_message.Message):
+    __slots__ = ("progress", "header", "chunk")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    progress: RoundProgress
+    header: BroadcastHeader
+    chunk: Chunk
+    def __init__(self, progress: _Optional[_Union[RoundProgress, _Mapping]] = ..., header: _Optional[_Union[BroadcastHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,58 @@
+"""Who is who on the wire: site names and how certificates carry them.
+
+One module owns the rule so that the certificate issuer (``geoloco certs``) and the coordinator,
+which reads the name back from the peer certificate, can never disagree. No dependencies.
+
+A site certificate names the site twice: subject common name ``NAME`` and the URI subject
+alternative name ``geoloco:site:NAME``. The URI is what the coordinator trusts: it cannot be
+confused with a host name, and the coordinator's own certificate carries ``geoloco:coordinator``
+instead, so a stolen server certificate does not authenticate as any site.
+"""
+
+from __future__ import annotations
+
+import re
+
+SITE_URI_PREFIX = "geoloco:site:"
+"""URI SAN prefix of a site certificate; the rest of the URI is the site name."""
+
+COORDINATOR_URI = "geoloco:coordinator"
+"""URI SAN of the coordinator's server certificate."""
+
+SITE_NAME_MAX_LENGTH = 63
+_SITE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+SITE_NAME_RULE = (
+    "1-63 characters from letters, digits, '.', '_' and '-', starting with a letter or digit "
+    "(the name becomes a file name and a certificate URI)"
+)
+
+
+def validate_site_name(name: str) -> str:
+    """Return ``name`` if it is a valid site name, else raise ``ValueError`` saying why.
+
+    Site names end up in file names (``NAME.crt``), metric labels and certificate URIs, so path
+    separators, spaces, leading dots and control characters are refused.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"site name must be a str, got {type(name).__name__}")
+    if not name:
+        raise ValueError(f"site name is empty; use {SITE_NAME_RULE}")
+    if _SITE_NAME_RE.fullmatch(name) is None:
+        raise ValueError(f"invalid site name {name!r}: use {SITE_NAME_RULE}")
+    return name
+
+
+def site_uri(name: str) -> str:
+    """The URI SAN that names ``name`` in its certificate."""
+    return SITE_URI_PREFIX + validate_site_name(name)
+
+
+def site_from_uri(uri: str) -> str | None:
+    """The site name in a ``geoloco:site:NAME`` URI, or None when the URI names no valid site."""
+    if not uri.startswith(SITE_URI_PREFIX):
+        return None
+    name = uri[len(SITE_URI_PREFIX) :]
+    try:
+        return validate_site_name(name)
+    except ValueError:
+        return None

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, str] = {
     "simulate": "geoloco.scenarios.simulate_cmd",
     "certs": "geoloco.scenarios.certs_cmd",
+    "coordinator": "geoloco.scenarios.coordinator_cmd",
+    "site": "geoloco.scenarios.site_cmd",
 }
 
 

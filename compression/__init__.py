@@ -1,1 +1,68 @@
-"""geoloco.compression."""
+"""Tensor codecs for pseudo-gradients and weight deltas: quantizers, sparsifiers, error feedback.
+
+Pure code: tensors in, tensors out, on whatever device the tensor lives on; only
+:meth:`Encoded.to_bytes` moves (compressed) bytes to the host.
+
+Specs (see :func:`describe_codecs` for the generated list)::
+
+    none                      lossless: raw values in the tensor's own dtype
+    fp32 | bf16 | fp16        cast to that float type (round to nearest, saturating)
+    int8 | int4 | int2 | int1 block-wise quantization, options block=N (default 256, multiple of 8)
+                              and the flag stochastic (unbiased rounding); see quantize.py
+    topk:F[,chunk=N]          per-chunk top-k by magnitude, indices bit-packed; see sparsify.py
+    randk:F[,unbiased]        random-k from encode()'s seed, indices not sent; see sparsify.py
+
+Pipelines put one sparsifier before one value codec: ``"topk:0.01|int4"``, ``"randk:0.05|int8"``;
+a bare sparsifier sends its values losslessly (``"topk:0.01"`` is ``"topk:0.01,chunk=4096|none"``).
+``Codec.spec`` is the canonical form with every default filled in, and is what the wire carries.
+
+Wire size, exactly (``Encoded.nbytes``): ``21 + len(spec) + 8 * ndim + payload`` where the payload
+for ``n`` values of original dtype size ``d`` bytes is
+
+- ``none``: ``n * d``; ``fp32``: ``4n``; ``bf16``/``fp16``: ``2n``
+- ``intB:block=b``: ``2 * ceil(n / b) + ceil(n * B / 8)`` (bfloat16 scales, then packed codes)
+- ``topk:F,chunk=c|V``: ``roundup8(ceil(k * ceil(log2 c) / 8)) + V(k)`` with
+  ``k = (n // c) * ceil(F * c) + ceil(F * (n % c))``
+- ``randk:F|V``: ``8 + V(ceil(F * n))`` (the seed)
+
+Typical use::
+
+    codec = parse_codec("topk:0.01|int4")
+    feedback = ErrorFeedback(codec)
+    encoded = feedback.encode(pseudo_gradient, seed=round_seed)
+    wire = encoded.to_bytes()                 # len(wire) == encoded.nbytes
+    update = decode(wire, device="cuda")      # on the receiver
+"""
+
+from geoloco.compression.codec import (
+    CODEC_NAMES,
+    CODECS,
+    SPARSIFIER_NAMES,
+    VALUE_CODEC_NAMES,
+    Codec,
+    CodecType,
+    PipelineCodec,
+    decode,
+    describe_codecs,
+    parse_codec,
+)
+from geoloco.compression.encoded import CodecError, Encoded
+from geoloco.compression.error_feedback import ErrorFeedback
+from geoloco.compression.sparsify import random_indices
+
+__all__ = [
+    "CODECS",
+    "CODEC_NAMES",
+    "SPARSIFIER_NAMES",
+    "VALUE_CODEC_NAMES",
+    "Codec",
+    "CodecError",
+    "CodecType",
+    "Encoded",
+    "ErrorFeedback",
+    "PipelineCodec",
+    "decode",
+    "describe_codecs",
+    "parse_codec",
+    "random_indices",
+]

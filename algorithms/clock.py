@@ -1,0 +1,200 @@
+"""The simulator's virtual clock: compute time from a speed factor, links as latency + bytes/bandwidth.
+
+One synchronous round ``t`` on the clock (all times in seconds, ``k`` a site):
+
+- ``s_k``: site ``k`` holds ``θ_t`` (0 for the first round; else its previous download end).
+- ``c_k = s_k + H · step_time_s · step_time_factor_k``: it has finished its inner steps.
+- ``a_k = c_k + latency_k + 8 · upload_bytes_k / uplink_bps_k``: its upload has fully arrived.
+- ``O_t``: the coordinator opened the round (sent ``θ_t``); ``O_1 = 0``, ``O_{t+1} = A_t``.
+- Participants: every site, or with a round deadline ``D`` those with ``a_k ≤ O_t + D``.
+  ``A_t`` (aggregation) is ``max a_k`` when everyone made it; otherwise the coordinator waited
+  until the deadline, ``O_t + D`` — or, if fewer than ``min_sites`` arrived by then, until the
+  ``min_sites``-th arrival, and takes everyone who arrived by that time.
+- ``r_k = max(A_t, a_k) + latency_k + 8 · download_bytes / downlink_bps_k``: site ``k`` holds
+  ``θ_{t+1}`` (a straggler gets it after its own late upload) and starts round ``t + 1``.
+- The round ends at ``E_t = max_k r_k`` (every site has the new weights): that is the reported
+  virtual wall-clock; a site's utilization is ``(c_k − s_k) / (r_k − s_k)``, the share of its own
+  round it spent computing.
+
+Aggregation and the outer step take no virtual time; links are full duplex and independent per
+site (no shared bottleneck at the coordinator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from geoloco.algorithms.config import config_to_dict, require
+
+__all__ = [
+    "RoundTiming",
+    "SiteConfig",
+    "SiteRoundTime",
+    "download_ends",
+    "round_timing",
+    "select_participants",
+    "transfer_time",
+    "upload_arrivals",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class SiteConfig:
+    """One simulated site: its link to the coordinator and its compute speed."""
+
+    name: str | None = None
+    """Label in reports; unset = ``site-<index>``."""
+    uplink_bps: float = 1e9
+    """Site -> coordinator bandwidth in bits per second (1e9 = 1 Gbit/s)."""
+    downlink_bps: float = 1e9
+    """Coordinator -> site bandwidth in bits per second."""
+    latency_s: float = 0.05
+    """One-way latency in seconds, paid once per transfer in each direction."""
+    step_time_factor: float = 1.0
+    """Multiplier on the inner-step compute time: 2.0 is a site twice as slow as the reference."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        require(self.uplink_bps > 0, "uplink_bps", f"must be > 0 bits/s, got {self.uplink_bps}")
+        require(
+            self.downlink_bps > 0, "downlink_bps", f"must be > 0 bits/s, got {self.downlink_bps}"
+        )
+        require(self.latency_s >= 0, "latency_s", f"must be >= 0 seconds, got {self.latency_s}")
+        require(
+            self.step_time_factor > 0,
+            "step_time_factor",
+            f"must be > 0, got {self.step_time_factor}",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+def transfer_time(nbytes: int, bandwidth_bps: float, latency_s: float) -> float:
+    """Seconds to move ``nbytes`` over one link direction: ``latency + 8 · bytes / bandwidth``."""
+    return latency_s + 8.0 * nbytes / bandwidth_bps
+
+
+@dataclass(frozen=True, slots=True)
+class SiteRoundTime:
+    """One site's timeline in one round."""
+
+    start_s: float
+    """When it held the round's starting weights."""
+    compute_s: float
+    """Seconds spent computing inner steps."""
+    upload_end_s: float
+    """When its upload had fully arrived at the coordinator."""
+    download_end_s: float
+    """When it held the next weights."""
+
+    @property
+    def compute_end_s(self) -> float:
+        return self.start_s + self.compute_s
+
+    @property
+    def utilization(self) -> float:
+        """Share of this site's round spent computing."""
+        span = self.download_end_s - self.start_s
+        return self.compute_s / span if span > 0 else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTiming:
+    """All sites' timelines for one synchronous round."""
+
+    open_s: float
+    """When the coordinator opened the round."""
+    aggregate_s: float
+    """When it aggregated (``A_t``)."""
+    included: tuple[int, ...]
+    """Sites whose uploads were aggregated, in site order."""
+    sites: tuple[SiteRoundTime, ...]
+
+    @property
+    def end_s(self) -> float:
+        """``E_t``: when the last site held the new weights."""
+        return max(s.download_end_s for s in self.sites)
+
+
+def upload_arrivals(
+    starts: Sequence[float],
+    compute_s: Sequence[float],
+    upload_bytes: Sequence[int],
+    sites: Sequence[SiteConfig],
+) -> list[float]:
+    """``a_k = s_k + compute_k + latency_k + 8 · bytes_k / uplink_bps_k`` for every site."""
+    return [
+        start + compute + transfer_time(nbytes, site.uplink_bps, site.latency_s)
+        for start, compute, nbytes, site in zip(starts, compute_s, upload_bytes, sites, strict=True)
+    ]
+
+
+def select_participants(
+    arrivals: Sequence[float],
+    *,
+    open_s: float,
+    deadline_s: float | None = None,
+    min_sites: int = 1,
+) -> tuple[tuple[int, ...], float]:
+    """Which uploads the coordinator aggregates, and when (``A_t``); see the module docstring."""
+    if not arrivals:
+        raise ValueError("a round needs at least one site")
+    if deadline_s is None:
+        return tuple(range(len(arrivals))), max(arrivals)
+    cutoff = open_s + deadline_s
+    on_time = [k for k, a in enumerate(arrivals) if a <= cutoff]
+    if len(on_time) == len(arrivals):
+        return tuple(on_time), max(arrivals)
+    quorum = min(min_sites, len(arrivals))
+    aggregate_s = max(cutoff, sorted(arrivals)[quorum - 1])
+    included = tuple(k for k, a in enumerate(arrivals) if a <= aggregate_s)
+    return included, aggregate_s
+
+
+def download_ends(
+    aggregate_s: float,
+    arrivals: Sequence[float],
+    download_bytes: int | Sequence[int],
+    sites: Sequence[SiteConfig],
+) -> list[float]:
+    """``r_k = max(A_t, a_k) + latency_k + 8 · bytes / downlink_bps_k`` for every site."""
+    sizes = (
+        [download_bytes] * len(sites) if isinstance(download_bytes, int) else list(download_bytes)
+    )
+    return [
+        max(aggregate_s, arrival) + transfer_time(nbytes, site.downlink_bps, site.latency_s)
+        for arrival, nbytes, site in zip(arrivals, sizes, sites, strict=True)
+    ]
+
+
+def round_timing(
+    *,
+    open_s: float,
+    starts: Sequence[float],
+    compute_s: Sequence[float],
+    upload_bytes: Sequence[int],
+    download_bytes: int | Sequence[int],
+    sites: Sequence[SiteConfig],
+    deadline_s: float | None = None,
+    min_sites: int = 1,
+) -> RoundTiming:
+    """The whole round on the virtual clock (the three steps above, composed)."""
+    arrivals = upload_arrivals(starts, compute_s, upload_bytes, sites)
+    included, aggregate_s = select_participants(
+        arrivals, open_s=open_s, deadline_s=deadline_s, min_sites=min_sites
+    )
+    ends = download_ends(aggregate_s, arrivals, download_bytes, sites)
+    return RoundTiming(
+        open_s=open_s,
+        aggregate_s=aggregate_s,
+        included=included,
+        sites=tuple(
+            SiteRoundTime(start_s=s, compute_s=c, upload_end_s=a, download_end_s=r)
+            for s, c, a, r in zip(starts, compute_s, arrivals, ends, strict=True)
+        ),
+    )

@@ -1,0 +1,167 @@
+"""Turning plain dicts (parsed TOML, JSON logs) into validated config dataclasses.
+
+Every config in ``geoloco.algorithms`` is a ``@dataclass(kw_only=True, slots=True)`` that validates
+itself in one ``validate()`` method (called from ``__post_init__``), so a config built in code is
+checked exactly like one read from a file. ``config_from_dict`` adds what only a file needs: unknown
+keys and wrong types are reported with the dotted key path (``outer_optimizer.lr``) and the allowed
+values, so the CLI can name the file and the key without a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, of the wrong type or impossible.
+
+    ``key`` is the dotted path of the offending key (``"algorithm.inner_steps"``) and ``message``
+    says what is allowed, so a caller can prefix the file name and show it to a user as is.
+    """
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        self.message = message
+        super().__init__(f"{key}: {message}" if key else message)
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error with its key nested under ``prefix`` (``"sites[2]"`` + ``"speed"``)."""
+        if not prefix:
+            return self
+        key = f"{prefix}.{self.key}" if self.key and not self.key.startswith("[") else (
+            f"{prefix}{self.key}"
+        )
+        return ConfigError(key, self.message)
+
+
+def require(condition: bool, key: str, message: str) -> None:
+    """Raise ``ConfigError(key, message)`` unless ``condition``; keeps ``validate()`` bodies flat."""
+    if not condition:
+        raise ConfigError(key, message)
+
+
+def type_name(tp: Any) -> str:
+    """A human name for an annotation: ``float``, ``'uniform' | 'samples'``, ``int | None``."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join("None" if a is type(None) else type_name(a) for a in get_args(tp))
+    if origin in (list, tuple, dict):
+        args = get_args(tp)
+        inner = ", ".join("..." if a is Ellipsis else type_name(a) for a in args)
+        return f"{origin.__name__}[{inner}]" if args else origin.__name__
+    if dataclasses.is_dataclass(tp):
+        return "table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against annotation ``tp`` and convert (int -> float, list -> tuple)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value in get_args(tp) and not isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"got {value!r}; allowed values: {type_name(tp)}")
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(key, f"must be set; expected {type_name(tp)}")
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(key, f"got {value!r}; expected {type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"expected a table of {tp.__name__} keys, got {value!r}")
+        return config_from_dict(tp, value, prefix=key)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"got {value!r}; expected {type_name(tp)}")
+        (item_type,) = get_args(tp) or (Any,)
+        return [_convert(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        args = get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"got {value!r}; expected {type_name(tp)}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(key, f"got {len(value)} values; expected {type_name(tp)}")
+        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"got {value!r}; expected a table")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"got {value!r}; expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"got {value!r}; expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(key, f"got {value!r}; expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(key, f"got {value!r}; expected a string")
+    raise TypeError(f"config_from_dict cannot check annotation {tp!r} of {key}")
+
+
+def config_from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
+    """Build config dataclass ``cls`` from ``data``, checking keys and types.
+
+    Raises ``ConfigError`` naming the dotted key (under ``prefix``) for an unknown key, a value of
+    the wrong type, or a value ``cls.validate()`` rejects. Missing keys take the field default.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(prefix, f"expected a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(key, f"unknown key; allowed keys: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _convert(value, hints[name], key)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.under(prefix) from None
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A JSON-able dict of a config dataclass (tuples become lists, nesting is kept)."""
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        return value
+
+    return plain(config)

@@ -1,0 +1,384 @@
+"""Inner and outer optimizers, and their state as safetensors-ready tensors plus JSON scalars.
+
+The outer optimizer is a real ``torch.optim`` optimizer over the flat global weight vector, fed
+with the averaged pseudo-gradient in ``.grad`` (as in torchft's DiLoCo): Nesterov momentum is
+torch's, not hand-rolled. Checkpoints never pickle: ``optimizer_state_tensors`` splits a torch
+optimizer's ``state_dict()`` into named tensors (for safetensors) and JSON-able metadata.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from geoloco.algorithms.config import ConfigError, config_to_dict, require
+
+__all__ = [
+    "INNER_OPTIMIZERS",
+    "OUTER_OPTIMIZERS",
+    "InnerOptimizerConfig",
+    "OuterOptimizer",
+    "OuterOptimizerConfig",
+    "load_optimizer_state_",
+    "optimizer_state_tensors",
+    "split_flat_optimizer_state",
+]
+
+Params = Iterable[torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# Inner optimizer (what each site runs for H steps)
+
+
+def _build_adamw(config: InnerOptimizerConfig, params: Params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        params,
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+    )
+
+
+def _build_inner_sgd(config: InnerOptimizerConfig, params: Params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        params,
+        lr=config.lr,
+        momentum=config.momentum,
+        nesterov=config.nesterov,
+        weight_decay=config.weight_decay,
+    )
+
+
+INNER_OPTIMIZERS: dict[str, Callable[[InnerOptimizerConfig, Params], torch.optim.Optimizer]] = {
+    "adamw": _build_adamw,
+    "sgd": _build_inner_sgd,
+}
+"""Inner optimizer name -> factory ``(config, params) -> torch.optim.Optimizer``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class InnerOptimizerConfig:
+    """The optimizer a site runs for its H inner steps (state kept across rounds)."""
+
+    name: str = "adamw"
+    """One of ``INNER_OPTIMIZERS``: ``"adamw"`` (DiLoCo's choice) or ``"sgd"``."""
+    lr: float = 1e-3
+    """Learning rate of every inner step."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay for AdamW, L2 penalty for SGD."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decay rates (0.95 for the second moment, as is usual for transformers)."""
+    eps: float = 1e-8
+    """AdamW's denominator epsilon."""
+    momentum: float = 0.0
+    """SGD momentum (0 = plain SGD)."""
+    nesterov: bool = False
+    """SGD: use Nesterov momentum (needs momentum > 0)."""
+    grad_clip_norm: float | None = None
+    """Clip each step's gradient to this global L2 norm; ``None`` disables clipping."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        require(
+            self.name in INNER_OPTIMIZERS,
+            "name",
+            f"unknown inner optimizer {self.name!r}; valid names: {', '.join(INNER_OPTIMIZERS)}",
+        )
+        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        require(
+            all(0 <= b < 1 for b in self.betas), "betas", f"each must be in [0, 1), got {self.betas}"
+        )
+        require(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
+        require(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
+        require(
+            not self.nesterov or self.momentum > 0,
+            "nesterov",
+            "Nesterov SGD needs momentum > 0; set momentum (e.g. 0.9) or nesterov = false",
+        )
+        require(
+            self.grad_clip_norm is None or self.grad_clip_norm > 0,
+            "grad_clip_norm",
+            f"must be > 0 or unset, got {self.grad_clip_norm}",
+        )
+
+    def build(self, params: Params) -> torch.optim.Optimizer:
+        return INNER_OPTIMIZERS[self.name](self, params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Outer optimizer (what the coordinator applies to the averaged pseudo-gradient)
+
+
+@dataclass(frozen=True, slots=True)
+class _OuterSpec:
+    factory: Callable[[OuterOptimizerConfig, Params], torch.optim.Optimizer]
+    lr: float
+    momentum: float
+
+
+def _build_nesterov(config: OuterOptimizerConfig, params: Params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        params, lr=config.lr, momentum=config.momentum, nesterov=True,
+        weight_decay=config.weight_decay,
+    )
+
+
+def _build_outer_sgd(config: OuterOptimizerConfig, params: Params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+
+
+def _build_adam(config: OuterOptimizerConfig, params: Params) -> torch.optim.Optimizer:
+    return torch.optim.Adam(
+        params, lr=config.lr, betas=config.betas, eps=config.eps,
+        weight_decay=config.weight_decay,
+    )
+
+
+OUTER_OPTIMIZERS: dict[str, _OuterSpec] = {
+    # DiLoCo (Douillard et al. 2023): Nesterov momentum, lr 0.7, momentum 0.9.
+    "nesterov": _OuterSpec(_build_nesterov, lr=0.7, momentum=0.9),
+    # lr 1, no momentum: the average of the sites' weights, i.e. FedAvg / Local SGD.
+    "sgd": _OuterSpec(_build_outer_sgd, lr=1.0, momentum=0.0),
+    # FedOpt / FedAdam (Reddi et al. 2021): Adam on the pseudo-gradient.
+    "adam": _OuterSpec(_build_adam, lr=1e-2, momentum=0.0),
+}
+"""Outer optimizer name -> factory and its default lr / momentum."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OuterOptimizerConfig:
+    """The optimizer the coordinator applies to the averaged pseudo-gradient.
+
+    ``name``, ``lr`` and ``momentum`` left unset take the algorithm's and the optimizer's defaults
+    (``resolved()``): DiLoCo -> Nesterov lr 0.7 momentum 0.9, FedAvg -> SGD lr 1, FedOpt -> Adam.
+    """
+
+    name: str | None = None
+    """One of ``OUTER_OPTIMIZERS`` (``"nesterov"``, ``"sgd"``, ``"adam"``); unset = the algorithm's default."""
+    lr: float | None = None
+    """Outer learning rate; unset = the optimizer's default (nesterov 0.7, sgd 1.0, adam 0.01)."""
+    momentum: float | None = None
+    """SGD/Nesterov momentum; unset = the optimizer's default (nesterov 0.9, sgd 0)."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """Adam's moment decay rates."""
+    eps: float = 1e-8
+    """Adam's denominator epsilon (FedOpt often uses a larger value such as 1e-3)."""
+    weight_decay: float = 0.0
+    """L2 penalty added by the outer optimizer (rarely wanted)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        require(
+            self.name is None or self.name in OUTER_OPTIMIZERS,
+            "name",
+            f"unknown outer optimizer {self.name!r}; valid names: {', '.join(OUTER_OPTIMIZERS)}",
+        )
+        require(self.lr is None or self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(
+            self.momentum is None or 0 <= self.momentum < 1,
+            "momentum",
+            f"must be in [0, 1), got {self.momentum}",
+        )
+        if self.name == "nesterov":
+            require(
+                self.momentum is None or self.momentum > 0,
+                "momentum",
+                "Nesterov needs momentum > 0; use name = \"sgd\" for momentum 0",
+            )
+        require(
+            all(0 <= b < 1 for b in self.betas), "betas", f"each must be in [0, 1), got {self.betas}"
+        )
+        require(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
+        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+
+    def resolved(self, default_name: str = "nesterov") -> OuterOptimizerConfig:
+        """A copy with ``name``, ``lr`` and ``momentum`` filled in from the defaults."""
+        name = self.name or default_name
+        spec = OUTER_OPTIMIZERS[name]
+        return OuterOptimizerConfig(
+            name=name,
+            lr=spec.lr if self.lr is None else self.lr,
+            momentum=spec.momentum if self.momentum is None else self.momentum,
+            betas=self.betas,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+class OuterOptimizer:
+    """A torch optimizer over a private copy of the flat global weights.
+
+    ``step(global_flat, pseudo_gradient)`` loads ``θ_t``, puts the pseudo-gradient in ``.grad``,
+    runs ``optimizer.step()`` and returns ``θ'`` as a new tensor. The caller keeps ``θ_t``: with a
+    lossy downlink the next global weights are ``θ_t + D(C(θ' − θ_t + e))``, not ``θ'``, so the
+    optimizer's parameter is reloaded from the caller's weights at every step while its state
+    (momentum, Adam moments) persists.
+
+    ``from_inner`` builds one from an inner-optimizer config: the data-parallel baseline's single
+    shared AdamW state, applied by the coordinator to the averaged gradient (with the inner
+    config's gradient clipping, over the global norm of the flat vector).
+    """
+
+    def __init__(
+        self,
+        config: OuterOptimizerConfig,
+        numel: int,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if config.name is None or config.lr is None or config.momentum is None:
+            config = config.resolved()
+        self.config: OuterOptimizerConfig | InnerOptimizerConfig = config
+        self.grad_clip_norm: float | None = None
+        self.param = torch.nn.Parameter(torch.zeros(numel, dtype=torch.float32, device=device))
+        self.optimizer = OUTER_OPTIMIZERS[config.name].factory(config, [self.param])  # type: ignore[index]
+
+    @classmethod
+    def from_inner(
+        cls,
+        config: InnerOptimizerConfig,
+        numel: int,
+        *,
+        device: torch.device | str | None = None,
+    ) -> OuterOptimizer:
+        self = cls.__new__(cls)
+        self.config = config
+        self.grad_clip_norm = config.grad_clip_norm
+        self.param = torch.nn.Parameter(torch.zeros(numel, dtype=torch.float32, device=device))
+        self.optimizer = config.build([self.param])
+        return self
+
+    def step(self, global_flat: torch.Tensor, pseudo_gradient: torch.Tensor) -> torch.Tensor:
+        """``θ' = OuterOpt(θ_t, ĝ)``; returns a new tensor, leaves ``global_flat`` untouched."""
+        if global_flat.shape != self.param.shape or pseudo_gradient.shape != self.param.shape:
+            raise ValueError(
+                f"outer optimizer holds {self.param.numel()} weights; got weights "
+                f"{tuple(global_flat.shape)} and pseudo-gradient {tuple(pseudo_gradient.shape)}"
+            )
+        with torch.no_grad():
+            self.param.copy_(global_flat)
+        self.param.grad = pseudo_gradient.detach().to(self.param).clone()
+        if self.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_([self.param], self.grad_clip_norm)
+        self.optimizer.step()
+        self.param.grad = None
+        return self.param.detach().clone()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Optimizer state as named tensors (momentum buffer, Adam moments and step)."""
+        return optimizer_state_tensors(self.optimizer)[0]
+
+    def state_meta(self) -> dict[str, Any]:
+        """JSON-able part of the state: hyper-parameters per param group."""
+        return optimizer_state_tensors(self.optimizer)[1]
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Restore what ``state_tensors()`` / ``state_meta()`` returned."""
+        load_optimizer_state_(self.optimizer, tensors, meta)
+
+
+# --------------------------------------------------------------------------------------------
+# State without pickle
+
+_TUPLE_KEYS = frozenset({"betas"})
+STATE_PREFIX: str = "state"
+
+
+def optimizer_state_tensors(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split ``optimizer.state_dict()`` into tensors and JSON-able metadata.
+
+    Tensors are named ``state.<param index>.<key>`` (e.g. ``state.0.momentum_buffer``), ready for
+    ``safetensors.torch.save_file``; non-tensor per-parameter state and the param groups go into
+    the metadata dict, ready for ``json.dumps``.
+    """
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, state in sd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{STATE_PREFIX}.{index}.{key}"] = value.detach().clone().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    groups = [
+        {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()}
+        for group in sd["param_groups"]
+    ]
+    return tensors, {"param_groups": groups, "scalar_state": scalars}
+
+
+def load_optimizer_state_(
+    optimizer: torch.optim.Optimizer,
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any],
+) -> None:
+    """Restore an optimizer from ``optimizer_state_tensors`` output (tensors moved to its device)."""
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        prefix, index, key = name.split(".", 2)
+        if prefix != STATE_PREFIX:
+            raise ConfigError(name, f"not an optimizer state tensor (expected '{STATE_PREFIX}.*')")
+        # Clone: torch keeps tensors that already match the parameter's dtype/device as they are,
+        # and two optimizers loaded from one dict must not share their moment buffers.
+        state.setdefault(int(index), {})[key] = value.clone()
+    for index, values in meta.get("scalar_state", {}).items():
+        state.setdefault(int(index), {}).update(values)
+    groups = [
+        {k: tuple(v) if k in _TUPLE_KEYS and isinstance(v, list) else v for k, v in g.items()}
+        for g in meta["param_groups"]
+    ]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+
+def split_flat_optimizer_state(
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any],
+    entries: Sequence[tuple[int, tuple[int, ...]]],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Turn the state of an optimizer over one flat vector into one over per-tensor parameters.
+
+    ``entries`` are ``(offset, shape)`` of each parameter in the flat vector (``ParamLayout``
+    order). Vectors as long as the flat vector (momentum, Adam moments) are sliced and reshaped;
+    anything else
+    (Adam's step count) is copied to every parameter. Used to hand the shared state of the
+    data-parallel warm-up to each site's inner optimizer, as if every site had run the warm-up.
+    """
+    sizes = [math.prod(shape) for _, shape in entries]
+    total = sum(sizes)
+    out: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        prefix, index, key = name.split(".", 2)
+        if index != "0":
+            raise ValueError(f"flat optimizer state has more than one parameter ({name})")
+        for i, ((offset, shape), numel) in enumerate(zip(entries, sizes)):
+            if value.dim() == 1 and value.numel() == total:
+                out[f"{prefix}.{i}.{key}"] = value[offset : offset + numel].reshape(shape).clone()
+            else:
+                out[f"{prefix}.{i}.{key}"] = value.clone()
+    scalar_state = {
+        str(i): dict(meta.get("scalar_state", {}).get("0", {})) for i in range(len(entries))
+    }
+    groups = [dict(g, params=list(range(len(entries)))) for g in meta["param_groups"]]
+    return out, {"param_groups": groups, "scalar_state": scalar_state}

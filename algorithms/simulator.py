@@ -1,0 +1,527 @@
+"""The single-process simulator: N sites in a loop on a virtual network clock, same math as the real system.
+
+Scaling choice: there is ONE model instance for all sites. Before a site's inner steps the global
+weights are loaded into it; what each site owns is only its inner-optimizer state (one torch
+optimizer instance per site over the same shared parameters — each instance keeps its own state),
+its uplink error-feedback residual and its data stream. Sites run one after another within a round,
+so memory is ``model + N × (optimizer state + residual)``: 64 sites of a 0.45M-parameter GPT fit
+in well under a gigabyte.
+
+Time is virtual (``geoloco.algorithms.clock``): compute is ``step_time_s × step_time_factor`` per
+step (or the measured wall time of the real steps with ``step_time_s = "measure"``) and every
+transfer costs ``latency + 8 · Encoded.nbytes / bandwidth``, from the bytes really produced by
+the codecs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from geoloco.algorithms.clock import (
+    SiteConfig,
+    download_ends,
+    select_participants,
+    upload_arrivals,
+)
+from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
+from geoloco.algorithms.diloco import (
+    UpdateEncoder,
+    batch_size,
+    compute_gradient,
+    pseudo_gradient,
+    run_inner_steps,
+)
+from geoloco.algorithms.optimizers import (
+    InnerOptimizerConfig,
+    OuterOptimizerConfig,
+    load_optimizer_state_,
+    optimizer_state_tensors,
+    split_flat_optimizer_state,
+)
+from geoloco.algorithms.params import ParamLayout, weights_digest
+from geoloco.algorithms.strategy import (
+    UPDATE_GRADIENT,
+    AlgorithmConfig,
+    DataParallel,
+    Strategy,
+    build_strategy,
+)
+from geoloco.algorithms.workload import Workload
+from geoloco.compression import Encoded
+
+__all__ = [
+    "RoundRecord",
+    "SimulationConfig",
+    "Simulator",
+    "SimulatorConfig",
+    "resolve_device",
+    "simulate",
+]
+
+logger = logging.getLogger(__name__)
+
+MEASURE = "measure"
+"""``step_time_s`` value that uses the measured wall time of the real inner steps."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SimulationConfig:
+    """How long to run, what to measure, and the coordinator's round policy."""
+
+    rounds: int = 100
+    """Maximum number of rounds (the run stops earlier once ``target_eval_loss`` is reached)."""
+    target_eval_loss: float | None = None
+    """Stop at the first evaluation whose loss is <= this (time-to-target runs); unset = never."""
+    eval_every: int = 10
+    """Evaluate the global model every this many rounds (and always after the last round)."""
+    seed: int = 0
+    """Seed of the model initialisation, the data streams and the codecs' randomness."""
+    step_time_s: float | Literal["measure"] = 0.1
+    """Virtual seconds per inner step of a reference site, or ``"measure"`` (real wall time)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model trains: ``"auto"`` picks CUDA when available."""
+    round_deadline_s: float | None = None
+    """Uploads arriving later than this after the round opened are left out (stragglers keep
+    their update in their error-feedback residual); unset = wait for every site."""
+    min_sites: int = 1
+    """Quorum: with a deadline, wait past it until at least this many uploads arrived."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        require(self.rounds >= 1, "rounds", f"must be >= 1, got {self.rounds}")
+        require(self.eval_every >= 1, "eval_every", f"must be >= 1, got {self.eval_every}")
+        if not isinstance(self.step_time_s, str):
+            require(
+                self.step_time_s >= 0,
+                "step_time_s",
+                f"must be >= 0 seconds or \"{MEASURE}\", got {self.step_time_s}",
+            )
+        else:
+            require(
+                self.step_time_s == MEASURE,
+                "step_time_s",
+                f"must be a number of seconds or \"{MEASURE}\", got {self.step_time_s!r}",
+            )
+        require(
+            self.target_eval_loss is None or math.isfinite(self.target_eval_loss),
+            "target_eval_loss",
+            f"must be a finite number or unset, got {self.target_eval_loss}",
+        )
+        require(
+            self.round_deadline_s is None or self.round_deadline_s > 0,
+            "round_deadline_s",
+            f"must be > 0 seconds or unset, got {self.round_deadline_s}",
+        )
+        require(self.min_sites >= 1, "min_sites", f"must be >= 1, got {self.min_sites}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+def _default_sites() -> list[SiteConfig]:
+    return [SiteConfig() for _ in range(4)]
+
+
+@dataclass(kw_only=True, slots=True)
+class SimulatorConfig:
+    """Everything a simulated run needs besides the workload; TOML sections map onto the fields."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Algorithm, H, codecs, error feedback, weighting, warm-up."""
+    inner_optimizer: InnerOptimizerConfig = field(default_factory=InnerOptimizerConfig)
+    """Each site's optimizer for its inner steps (the shared optimizer for ``ddp``)."""
+    outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
+    """The coordinator's optimizer on the averaged pseudo-gradient (unused by ``ddp``)."""
+    sites: list[SiteConfig] = field(default_factory=_default_sites)
+    """One entry per site (in a file: ``[[sites]]`` entries, or a ``[sites]`` table with
+    ``count`` plus the fields every site shares)."""
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    """Run length, evaluation, clock and round policy."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        require(len(self.sites) >= 1, "sites", "at least one site is needed")
+        require(
+            self.simulation.min_sites <= len(self.sites),
+            "simulation.min_sites",
+            f"must be <= the number of sites ({len(self.sites)}), got {self.simulation.min_sites}",
+        )
+        require(
+            not (self.algorithm.name == "ddp" and self.simulation.round_deadline_s is not None),
+            "simulation.round_deadline_s",
+            "the ddp baseline waits for every site each step; unset round_deadline_s",
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SimulatorConfig:
+        """Build from a parsed TOML/JSON dict; errors name the dotted key and what is allowed.
+
+        ``sites`` may be a list of site tables, or one table with ``count`` (default 4) and the
+        fields all sites share.
+        """
+        data = dict(data)
+        sites = data.get("sites")
+        if isinstance(sites, Mapping):
+            shared = dict(sites)
+            count = shared.pop("count", 4)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ConfigError("sites.count", f"must be an integer >= 1, got {count!r}")
+            template = config_from_dict(SiteConfig, shared, prefix="sites")
+            data["sites"] = [config_to_dict(template) for _ in range(count)]
+        elif sites is not None and not isinstance(sites, list):
+            raise ConfigError(
+                "sites", "expected a list of [[sites]] tables or a [sites] table with count"
+            )
+        return config_from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+@dataclass(slots=True)
+class RoundRecord:
+    """What one round (or the warm-up, ``round = 0``) cost and achieved."""
+
+    round: int
+    """Round index; 0 is the data-parallel warm-up."""
+    phase: Literal["warmup", "train"]
+    """``"warmup"`` for the synchronous warm-up, ``"train"`` for algorithm rounds."""
+    inner_steps: int
+    """Training steps each site ran in this record."""
+    train_loss: float
+    """Mean of the sites' inner-step losses."""
+    eval_loss: float | None
+    """Held-out loss of the global weights after the round (``None`` when not evaluated)."""
+    sites_aggregated: int
+    """Sites whose updates entered the aggregate (for ddp/warm-up: per step, all)."""
+    stragglers: list[int]
+    """Sites left out by the round deadline."""
+    bytes_up: list[int]
+    """Bytes each site uploaded in this record (``Encoded.nbytes``)."""
+    bytes_down: list[int]
+    """Bytes each site downloaded in this record."""
+    bytes_up_total: int
+    """Cumulative upload bytes of all sites since the start."""
+    bytes_down_total: int
+    """Cumulative download bytes of all sites since the start."""
+    round_time_s: float
+    """Virtual seconds from the previous record's end to this one's."""
+    wall_clock_s: float
+    """Virtual time when every site held the new weights."""
+    compute_s: list[float]
+    """Per site, virtual seconds spent computing in this record."""
+    utilization: list[float]
+    """Per site, the share of its round spent computing (``compute_s`` / its round span)."""
+    digest: str
+    """``weights_digest`` of the global weights after the round."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> CUDA if available else CPU; ``"cuda"`` without CUDA is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "simulation.device", "\"cuda\" requested but CUDA is not available; use \"auto\" or \"cpu\""
+        )
+    return torch.device(device)
+
+
+@dataclass(slots=True)
+class _Site:
+    index: int
+    config: SiteConfig
+    batches: Iterator[Any]
+    optimizer: torch.optim.Optimizer | None
+    uplink: UpdateEncoder
+    ready_s: float = 0.0
+    """Virtual time at which this site holds the current global weights."""
+
+
+class Simulator:
+    """A simulated run; iterate ``run()`` for records. ``global_flat`` holds the current weights."""
+
+    def __init__(self, config: SimulatorConfig, workload: Workload) -> None:
+        self.config = config
+        self.workload = workload
+        sim = config.simulation
+        self.device = resolve_device(sim.device)
+        self.model = workload.build_model(sim.seed).to(self.device)
+        self.layout = ParamLayout.from_model(self.model)
+        self.global_flat = self.layout.flatten(self.model)
+        self.strategy: Strategy = build_strategy(
+            config.algorithm,
+            numel=self.layout.numel,
+            outer_optimizer=config.outer_optimizer,
+            inner_optimizer=config.inner_optimizer,
+            seed=sim.seed,
+            device=self.device,
+        )
+        self.data_parallel = self.strategy.update_kind == UPDATE_GRADIENT
+        num_sites = len(config.sites)
+        self.sites = [
+            _Site(
+                index=k,
+                config=site,
+                batches=workload.site_batches(k, num_sites, sim.seed),
+                optimizer=None if self.data_parallel else config.inner_optimizer.build(
+                    self.model.parameters()
+                ),
+                uplink=self.strategy.build_uplink(),
+            )
+            for k, site in enumerate(config.sites)
+        ]
+        self.clock_s = 0.0
+        self.open_s = 0.0
+        self.bytes_up_total = 0
+        self.bytes_down_total = 0
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _step_seconds(self, site: _Site, steps: int, measured_s: float) -> float:
+        step_time = self.config.simulation.step_time_s
+        base = measured_s if step_time == MEASURE else steps * float(step_time)
+        return base * site.config.step_time_factor
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _evaluate(self) -> float:
+        self.layout.load_(self.model, self.global_flat)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return float(self.workload.eval_loss(self.model))
+        finally:
+            self.model.train()
+
+    # -- data-parallel steps (the ddp baseline and the warm-up) ------------------------------
+
+    def _data_parallel_steps(
+        self, strategy: Strategy, uplinks: list[UpdateEncoder], steps: int, first_index: int
+    ) -> dict[str, Any]:
+        """``steps`` synchronous DDP steps through ``strategy`` (a ``DataParallel``)."""
+        n = len(self.sites)
+        bytes_up = [0] * n
+        bytes_down = [0] * n
+        compute = [0.0] * n
+        starts0 = [s.ready_s for s in self.sites]
+        losses: list[float] = []
+        for step in range(steps):
+            plan = strategy.configure_round(first_index + step, [s.index for s in self.sites])
+            aggregator = strategy.new_aggregator()
+            self.layout.load_(self.model, self.global_flat)
+            step_compute = []
+            upload_sizes = []
+            for site, uplink in zip(self.sites, uplinks):
+                self._sync_device()
+                t0 = time.perf_counter()
+                batch = next(site.batches)
+                grad, loss = compute_gradient(self.model, self.layout, batch, self.workload.loss)
+                self._sync_device()
+                seconds = self._step_seconds(site, 1, time.perf_counter() - t0)
+                encoded = uplink.encode(grad, seed=plan.uplink_seed(site.index))
+                aggregator.add(encoded, strategy.site_weight(batch_size(batch)), site=site.index)
+                losses.append(loss)
+                step_compute.append(seconds)
+                upload_sizes.append(encoded.nbytes)
+            update = strategy.aggregate_round(self.global_flat, aggregator, plan)
+            self.global_flat = update.global_flat
+            arrivals = upload_arrivals(
+                [s.ready_s for s in self.sites], step_compute, upload_sizes,
+                [s.config for s in self.sites],
+            )
+            _, aggregate_s = select_participants(arrivals, open_s=self.open_s)
+            ends = download_ends(
+                aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in self.sites]
+            )
+            self.open_s = aggregate_s
+            for k, site in enumerate(self.sites):
+                site.ready_s = ends[k]
+                compute[k] += step_compute[k]
+                bytes_up[k] += upload_sizes[k]
+                bytes_down[k] += update.downlink.nbytes
+        spans = [s.ready_s - start for s, start in zip(self.sites, starts0)]
+        return {
+            "train_loss": sum(losses) / len(losses),
+            "bytes_up": bytes_up,
+            "bytes_down": bytes_down,
+            "compute_s": compute,
+            "utilization": [c / span if span > 0 else 1.0 for c, span in zip(compute, spans)],
+            "stragglers": [],
+            "sites_aggregated": n,
+        }
+
+    # -- one DiLoCo-family round -------------------------------------------------------------
+
+    def _diloco_round(self, round_index: int) -> dict[str, Any]:
+        sim = self.config.simulation
+        strategy = self.strategy
+        plan = strategy.configure_round(round_index, [s.index for s in self.sites])
+        aggregator = strategy.new_aggregator()
+        deadline = None if sim.round_deadline_s is None else self.open_s + sim.round_deadline_s
+        pending: dict[int, Encoded] = {}
+        arrivals: list[float] = []
+        compute: list[float] = []
+        upload_sizes: list[int] = []
+        losses: list[float] = []
+        weights: dict[int, float] = {}
+        for site in self.sites:
+            assert site.optimizer is not None
+            self.layout.load_(self.model, self.global_flat)
+            self._sync_device()
+            t0 = time.perf_counter()
+            result = run_inner_steps(
+                self.model,
+                site.optimizer,
+                site.batches,
+                plan.inner_steps,
+                self.workload.loss,
+                grad_clip_norm=self.config.inner_optimizer.grad_clip_norm,
+            )
+            self._sync_device()
+            seconds = self._step_seconds(site, plan.inner_steps, time.perf_counter() - t0)
+            update = pseudo_gradient(self.global_flat, self.layout.flatten(self.model))
+            encoded = site.uplink.encode(update, seed=plan.uplink_seed(site.index))
+            del update
+            (arrival,) = upload_arrivals([site.ready_s], [seconds], [encoded.nbytes], [site.config])
+            weights[site.index] = strategy.site_weight(result.samples)
+            if deadline is None or arrival <= deadline:
+                aggregator.add(encoded, weights[site.index], site=site.index)
+            else:
+                pending[site.index] = encoded
+            arrivals.append(arrival)
+            compute.append(seconds)
+            upload_sizes.append(encoded.nbytes)
+            losses.extend(result.losses)
+        included, aggregate_s = select_participants(
+            arrivals, open_s=self.open_s, deadline_s=sim.round_deadline_s, min_sites=sim.min_sites
+        )
+        # Late uploads the quorum rule pulled in are aggregated; the others go back to the sites'
+        # residuals (with error feedback) so their work arrives next round.
+        for k in included:
+            if k in pending:
+                aggregator.add(pending.pop(k), weights[k], site=k)
+        for k, encoded in pending.items():
+            self.sites[k].uplink.restore(encoded)
+        update = strategy.aggregate_round(self.global_flat, aggregator, plan)
+        self.global_flat = update.global_flat
+        ends = download_ends(
+            aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in self.sites]
+        )
+        utilization = []
+        for k, site in enumerate(self.sites):
+            span = ends[k] - site.ready_s
+            utilization.append(compute[k] / span if span > 0 else 1.0)
+            site.ready_s = ends[k]
+        self.open_s = aggregate_s
+        return {
+            "train_loss": sum(losses) / len(losses),
+            "bytes_up": upload_sizes,
+            "bytes_down": [update.downlink.nbytes] * len(self.sites),
+            "compute_s": compute,
+            "utilization": utilization,
+            "stragglers": sorted(pending),
+            "sites_aggregated": len(included),
+        }
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def _record(self, round_index: int, phase: str, steps: int, stats: dict[str, Any],
+                eval_loss: float | None) -> RoundRecord:
+        self.bytes_up_total += sum(stats["bytes_up"])
+        self.bytes_down_total += sum(stats["bytes_down"])
+        end = max(s.ready_s for s in self.sites)
+        record = RoundRecord(
+            round=round_index,
+            phase=phase,  # type: ignore[arg-type]
+            inner_steps=steps,
+            train_loss=stats["train_loss"],
+            eval_loss=eval_loss,
+            sites_aggregated=stats["sites_aggregated"],
+            stragglers=stats["stragglers"],
+            bytes_up=stats["bytes_up"],
+            bytes_down=stats["bytes_down"],
+            bytes_up_total=self.bytes_up_total,
+            bytes_down_total=self.bytes_down_total,
+            round_time_s=end - self.clock_s,
+            wall_clock_s=end,
+            compute_s=stats["compute_s"],
+            utilization=stats["utilization"],
+            digest=weights_digest(self.global_flat),
+        )
+        self.clock_s = end
+        return record
+
+    def run(self) -> Iterator[RoundRecord]:
+        """Warm-up (if any), then rounds until ``rounds`` or ``target_eval_loss`` is reached."""
+        sim = self.config.simulation
+        algo = self.config.algorithm
+        # Dropout and anything else drawing from the global generator; seeded when the run starts
+        # (not at construction), so runs consumed one after another in a process are identical.
+        torch.manual_seed(sim.seed)
+        if algo.warmup_steps > 0:
+            warmup = DataParallel(
+                AlgorithmConfig(name="ddp", inner_steps=1),
+                numel=self.layout.numel,
+                inner_optimizer=self.config.inner_optimizer,
+                seed=sim.seed,
+                device=self.device,
+            )
+            stats = self._data_parallel_steps(
+                warmup, [warmup.build_uplink() for _ in self.sites], algo.warmup_steps, 1
+            )
+            self._seed_site_optimizers(warmup)
+            yield self._record(0, "warmup", algo.warmup_steps, stats, self._evaluate())
+        for round_index in range(1, sim.rounds + 1):
+            if self.data_parallel:
+                first = (round_index - 1) * algo.inner_steps + 1
+                stats = self._data_parallel_steps(
+                    self.strategy, [s.uplink for s in self.sites], algo.inner_steps, first
+                )
+            else:
+                stats = self._diloco_round(round_index)
+            last = round_index == sim.rounds
+            eval_loss = (
+                self._evaluate() if last or round_index % sim.eval_every == 0 else None
+            )
+            yield self._record(round_index, "train", algo.inner_steps, stats, eval_loss)
+            if (
+                sim.target_eval_loss is not None
+                and eval_loss is not None
+                and eval_loss <= sim.target_eval_loss
+            ):
+                logger.info(
+                    "eval loss %.4f reached target %.4f after round %d",
+                    eval_loss, sim.target_eval_loss, round_index,
+                )
+                return
+
+    def _seed_site_optimizers(self, warmup: Strategy) -> None:
+        """Give every site the warm-up's shared optimizer state (as if each had run it)."""
+        tensors, meta = optimizer_state_tensors(warmup.outer.optimizer)
+        entries = [(e.offset, e.shape) for e in self.layout.entries]
+        per_param, per_meta = split_flat_optimizer_state(tensors, meta, entries)
+        for site in self.sites:
+            assert site.optimizer is not None
+            load_optimizer_state_(site.optimizer, per_param, per_meta)
+
+
+def simulate(config: SimulatorConfig, workload: Workload) -> Iterator[RoundRecord]:
+    """Run ``config`` on ``workload`` and yield one ``RoundRecord`` per round (warm-up first)."""
+    return Simulator(config, workload).run()

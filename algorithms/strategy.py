@@ -1,0 +1,341 @@
+"""One interface for "how a round is planned and aggregated" (Flower's ``Strategy``).
+
+The coordinator (real or simulated) drives a round through a ``Strategy``:
+
+1. ``plan = strategy.configure_round(round_index, site_ids)`` — who trains, how many inner steps,
+   which codec and seeds (sent to the sites).
+2. Each site builds its ``strategy.build_uplink()`` encoder once and, per round, uploads
+   ``encode(update, seed=plan.uplink_seed(site))`` with ``strategy.site_weight(samples)``.
+3. ``agg = strategy.new_aggregator()``; ``agg.add(encoded, weight, site=k)`` per arrival.
+4. ``update = strategy.aggregate_round(θ_t, agg, plan)`` — outer step and downlink encoding;
+   ``update.global_flat`` is ``θ_{t+1}``, ``update.downlink`` the bytes to broadcast.
+
+DiLoCo, FedAvg and FedOpt differ only in their default outer optimizer. The data-parallel
+baseline (``DataParallel``) is the same machinery with ``H = 1``, sites uploading gradients
+instead of pseudo-gradients, and the coordinator applying the *inner* optimizer (one shared
+AdamW state) to the averaged gradient: exactly one DDP step, whose delta every replica applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from geoloco.algorithms.config import ConfigError, config_to_dict, require
+from geoloco.algorithms.diloco import StreamingAggregator, UpdateEncoder, encode_downlink
+from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, OuterOptimizerConfig
+from geoloco.algorithms.params import derive_seed, weights_digest
+from geoloco.compression import CodecError, Encoded, parse_codec
+
+__all__ = [
+    "ALGORITHMS",
+    "UPDATE_GRADIENT",
+    "UPDATE_PSEUDO_GRADIENT",
+    "AlgorithmConfig",
+    "DataParallel",
+    "DiLoCo",
+    "FedAvg",
+    "FedOpt",
+    "RoundPlan",
+    "RoundUpdate",
+    "Strategy",
+    "build_strategy",
+]
+
+UPDATE_PSEUDO_GRADIENT: str = "pseudo_gradient"
+"""Sites run H inner steps and upload ``θ_t − θ_k``."""
+UPDATE_GRADIENT: str = "gradient"
+"""Sites compute one batch's gradient and upload it (data-parallel)."""
+
+UpdateKind = Literal["pseudo_gradient", "gradient"]
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """Which algorithm, how often sites synchronise, and how updates are compressed and weighted."""
+
+    name: str = "diloco"
+    """One of ``ALGORITHMS``: ``"diloco"``, ``"fedavg"``, ``"fedopt"`` or ``"ddp"`` (baseline)."""
+    inner_steps: int = 50
+    """H: inner steps per round (for ``"ddp"``: synchronous steps per reported round)."""
+    uplink_codec: str = "none"
+    """Codec spec for site -> coordinator updates, e.g. ``"int8"``, ``"topk:0.01|int4"``."""
+    downlink_codec: str = "none"
+    """Codec spec for the coordinator -> site delta ``θ' − θ_t``."""
+    error_feedback: bool = True
+    """Keep what a lossy codec dropped and add it to the next update (uplink and downlink)."""
+    error_feedback_decay: float = 1.0
+    """Factor on the kept residual (1 = keep all; < 1 forgets old errors)."""
+    weighting: Literal["uniform", "samples"] = "uniform"
+    """Average site updates uniformly, or weighted by the samples each site trained on."""
+    warmup_steps: int = 0
+    """Synchronous data-parallel steps before the first round (their bytes are counted)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        require(
+            self.name in ALGORITHMS,
+            "name",
+            f"unknown algorithm {self.name!r}; valid names: {', '.join(ALGORITHMS)}",
+        )
+        require(self.inner_steps >= 1, "inner_steps", f"must be >= 1, got {self.inner_steps}")
+        for key in ("uplink_codec", "downlink_codec"):
+            try:
+                parse_codec(getattr(self, key))
+            except (CodecError, ValueError) as err:
+                raise ConfigError(key, str(err)) from None
+        require(
+            0 < self.error_feedback_decay <= 1,
+            "error_feedback_decay",
+            f"must be in (0, 1], got {self.error_feedback_decay}",
+        )
+        require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        require(
+            not (self.name == "ddp" and self.warmup_steps > 0),
+            "warmup_steps",
+            "the ddp baseline is data-parallel throughout; set warmup_steps = 0",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    """What the coordinator tells the sites at the start of a round."""
+
+    round: int
+    """Round index (1 for the first round)."""
+    inner_steps: int
+    """Steps each site runs before uploading."""
+    sites: tuple[int, ...]
+    """Sites asked to train this round."""
+    update_kind: UpdateKind
+    """What the sites upload: pseudo-gradients or gradients."""
+    uplink_codec: str
+    """Codec spec for the uploads."""
+    seed: int
+    """Round seed; per-site codec seeds derive from it (``uplink_seed``)."""
+
+    def uplink_seed(self, site: int) -> int:
+        """Seed for site ``site``'s uplink codec this round (random-k, stochastic rounding)."""
+        return derive_seed(self.seed, "uplink", site)
+
+    @property
+    def downlink_seed(self) -> int:
+        return derive_seed(self.seed, "downlink")
+
+
+@dataclass(slots=True)
+class RoundUpdate:
+    """Result of aggregating a round."""
+
+    global_flat: torch.Tensor
+    """``θ_{t+1} = θ_t + D(d_t)`` (identical to what each site computes from ``downlink``)."""
+    downlink: Encoded
+    """``d_t``, the bytes broadcast to every site."""
+    digest: str
+    """``weights_digest(global_flat)``, sent with the broadcast."""
+    sites: tuple[int, ...]
+    """Sites whose uploads were aggregated."""
+
+
+class Strategy:
+    """Plans rounds and turns aggregated updates into new global weights (one outer step).
+
+    Subclasses set class attributes; the math is shared. State (outer optimizer, downlink
+    residual) is exposed as tensors + JSON metadata for safetensors checkpoints.
+    """
+
+    name: ClassVar[str] = "diloco"
+    default_outer_optimizer: ClassVar[str] = "nesterov"
+    update_kind: ClassVar[UpdateKind] = "pseudo_gradient"
+
+    def __init__(
+        self,
+        config: AlgorithmConfig,
+        *,
+        numel: int,
+        outer_optimizer: OuterOptimizerConfig | None = None,
+        inner_optimizer: InnerOptimizerConfig | None = None,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.config = config
+        self.numel = numel
+        self.seed = seed
+        self.device = device
+        self.inner_optimizer_config = inner_optimizer or InnerOptimizerConfig()
+        self.outer_optimizer_config = (outer_optimizer or OuterOptimizerConfig()).resolved(
+            self.default_outer_optimizer
+        )
+        self.outer = self._build_outer()
+        self.downlink = UpdateEncoder(
+            config.downlink_codec,
+            error_feedback=config.error_feedback,
+            decay=config.error_feedback_decay,
+        )
+
+    def _build_outer(self) -> OuterOptimizer:
+        return OuterOptimizer(self.outer_optimizer_config, self.numel, device=self.device)
+
+    @property
+    def inner_steps(self) -> int:
+        """Inner steps per round that the sites run."""
+        return self.config.inner_steps
+
+    def configure_round(self, round_index: int, sites: Sequence[int]) -> RoundPlan:
+        return RoundPlan(
+            round=round_index,
+            inner_steps=self.inner_steps,
+            sites=tuple(sites),
+            update_kind=self.update_kind,
+            uplink_codec=self.config.uplink_codec,
+            seed=derive_seed(self.seed, self.name, round_index),
+        )
+
+    def build_uplink(self) -> UpdateEncoder:
+        """A site's uplink encoder (one per site, kept across rounds for its residual)."""
+        return UpdateEncoder(
+            self.config.uplink_codec,
+            error_feedback=self.config.error_feedback,
+            decay=self.config.error_feedback_decay,
+        )
+
+    def site_weight(self, samples: int) -> float:
+        """``w_k`` for a site that trained on ``samples`` samples this round."""
+        return 1.0 if self.config.weighting == "uniform" else float(samples)
+
+    def new_aggregator(self) -> StreamingAggregator:
+        return StreamingAggregator(numel=self.numel, device=self.device)
+
+    def aggregate_round(
+        self,
+        global_flat: torch.Tensor,
+        aggregator: StreamingAggregator,
+        plan: RoundPlan,
+    ) -> RoundUpdate:
+        """Outer step on the aggregated update, then the downlink encoding of the change."""
+        mean_update = aggregator.result()
+        new_flat = self.outer.step(global_flat, mean_update)
+        downlink, next_flat = encode_downlink(
+            self.downlink, global_flat, new_flat, seed=plan.downlink_seed
+        )
+        return RoundUpdate(
+            global_flat=next_flat,
+            downlink=downlink,
+            digest=weights_digest(next_flat),
+            sites=tuple(aggregator.sites),
+        )
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Outer optimizer state and downlink residual, named for one safetensors file."""
+        tensors = {f"outer.{k}": v for k, v in self.outer.state_tensors().items()}
+        tensors.update({f"downlink.{k}": v for k, v in self.downlink.state_tensors().items()})
+        return tensors
+
+    def state_meta(self) -> dict[str, Any]:
+        """JSON-able rest of the state, with the configs it was built from."""
+        return {
+            "algorithm": self.name,
+            "config": self.config.to_dict(),
+            "outer_optimizer": self.outer_optimizer_config.to_dict(),
+            "outer": self.outer.state_meta(),
+            "downlink": self.downlink.state_meta(),
+        }
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Restore what ``state_tensors()`` / ``state_meta()`` returned."""
+        if meta.get("algorithm") != self.name:
+            raise ValueError(
+                f"state was saved by algorithm {meta.get('algorithm')!r}; this is {self.name!r}"
+            )
+        outer = {k.removeprefix("outer."): v for k, v in tensors.items() if k.startswith("outer.")}
+        down = {
+            k.removeprefix("downlink."): v for k, v in tensors.items() if k.startswith("downlink.")
+        }
+        self.outer.load_state(outer, meta["outer"])
+        self.downlink.load_state(down, meta["downlink"])
+
+
+class DiLoCo(Strategy):
+    """DiLoCo (Douillard et al. 2023): H inner AdamW steps, outer Nesterov SGD lr 0.7 m 0.9."""
+
+    name = "diloco"
+    default_outer_optimizer = "nesterov"
+
+
+class FedAvg(Strategy):
+    """FedAvg / Local SGD (McMahan et al. 2017): outer SGD lr 1, i.e. average the sites' weights."""
+
+    name = "fedavg"
+    default_outer_optimizer = "sgd"
+
+
+class FedOpt(FedAvg):
+    """FedOpt / FedAdam (Reddi et al. 2021): an adaptive outer optimizer on the pseudo-gradient."""
+
+    name = "fedopt"
+    default_outer_optimizer = "adam"
+
+
+class DataParallel(Strategy):
+    """The data-parallel baseline: synchronous DDP, one shared inner-optimizer state.
+
+    Every step, sites upload one batch's gradient; the coordinator averages them and applies one
+    step of the *inner* optimizer (e.g. AdamW, with gradient clipping) over the flat weights —
+    the step every DDP replica would take after its all-reduce — and broadcasts the change. With
+    the default ``"none"`` codecs that is each site's fp32 gradient up and one fp32 vector down
+    per step, DDP's traffic. ``θ_t + (θ' − θ_t)`` can differ from ``θ'`` in the last bit; all
+    replicas apply the same addition, so they stay identical.
+    """
+
+    name = "ddp"
+    update_kind = "gradient"
+
+    def _build_outer(self) -> OuterOptimizer:
+        return OuterOptimizer.from_inner(self.inner_optimizer_config, self.numel, device=self.device)
+
+    @property
+    def inner_steps(self) -> int:
+        return 1
+
+
+ALGORITHMS: dict[str, type[Strategy]] = {
+    "diloco": DiLoCo,
+    "fedavg": FedAvg,
+    "fedopt": FedOpt,
+    "ddp": DataParallel,
+}
+"""Algorithm name -> strategy class."""
+
+
+def build_strategy(
+    config: AlgorithmConfig,
+    *,
+    numel: int,
+    outer_optimizer: OuterOptimizerConfig | None = None,
+    inner_optimizer: InnerOptimizerConfig | None = None,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> Strategy:
+    """The strategy named by ``config.name``."""
+    try:
+        cls = ALGORITHMS[config.name]
+    except KeyError:
+        raise ValueError(
+            f"unknown algorithm {config.name!r}; valid names: {', '.join(ALGORITHMS)}"
+        ) from None
+    return cls(
+        config,
+        numel=numel,
+        outer_optimizer=outer_optimizer,
+        inner_optimizer=inner_optimizer,
+        seed=seed,
+        device=device,
+    )

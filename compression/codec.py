@@ -1,0 +1,400 @@
+"""Codecs as pipelines parsed from a spec string, the codec registry, and ``decode``.
+
+Spec grammar: ``stage ("|" stage)*``, ``stage = name [":" arg ("," arg)*]``, where an ``arg`` is a
+positional fraction (sparsifiers only), ``key=value`` or a flag. A pipeline is at most one
+sparsifier followed by exactly one value codec; a bare sparsifier gets ``none`` (lossless values).
+``Codec.spec`` is canonical: every option spelled out, so two specs denote the same codec exactly
+when their canonical forms are equal, and the canonical form is what each :class:`Encoded` records.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import torch
+
+from geoloco.compression import _memory
+from geoloco.compression.casts import Cast, Lossless
+from geoloco.compression.encoded import DTYPE_CODES, CodecError, Encoded
+from geoloco.compression.quantize import BLOCK_OPTION, STOCHASTIC_OPTION, BlockQuantizer
+from geoloco.compression.sparsify import RandK, TopK
+from geoloco.compression.stages import Option, Sparsifier, Stage, ValueCodec, check_payload_nbytes
+
+
+class Codec(ABC):
+    """Encodes a tensor into an :class:`Encoded` and back. Instances are stateless and thread-safe."""
+
+    spec: str
+    """Canonical spec, e.g. ``"topk:0.01,chunk=4096|int4:block=256"``."""
+
+    @abstractmethod
+    def encode(self, tensor: torch.Tensor, *, seed: int = 0) -> Encoded:
+        """Encode ``tensor`` (float32/float16/bfloat16/float64, any shape) on its own device.
+
+        ``seed`` is the round's shared seed; only ``randk`` uses it. Raises :class:`ValueError`
+        for NaN/Inf or unsupported dtypes, before anything is encoded.
+        """
+
+    @abstractmethod
+    def decode(
+        self,
+        encoded: Encoded | bytes | bytearray | memoryview,
+        *,
+        device: torch.device | str | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Reconstruct the tensor, in the original shape and dtype, on ``device``.
+
+        ``device`` defaults to the payload's device; only the compressed payload is moved.
+        ``out`` (optional, contiguous, matching numel) receives the result instead of a new
+        tensor; a float ``out`` of another dtype receives the values converted directly.
+        Raises :class:`CodecError` when the data does not fit this codec.
+        """
+
+    @abstractmethod
+    def encoded_nbytes(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> int:
+        """Exact wire size (``Encoded.nbytes``) of encoding a tensor of this shape and dtype,
+        without encoding one: what a simulator charges a link for."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def __repr__(self) -> str:
+        return f"parse_codec({self.spec!r})"
+
+
+class PipelineCodec(Codec):
+    """An optional sparsifier followed by a value codec; what :func:`parse_codec` returns."""
+
+    def __init__(self, values: ValueCodec, sparsifier: Sparsifier | None = None) -> None:
+        self.values = values
+        self.sparsifier = sparsifier
+        stages: list[Stage] = [values] if sparsifier is None else [sparsifier, values]
+        self._spec = "|".join(stage.canonical() for stage in stages)
+
+    @property
+    def spec(self) -> str:  # type: ignore[override]
+        """Canonical spec (read-only: parsed codecs are cached and shared)."""
+        return self._spec
+
+    def payload_nbytes(self, numel: int, dtype: torch.dtype) -> int:
+        """Exact payload size for a tensor of ``numel`` elements of ``dtype``."""
+        if self.sparsifier is None:
+            return self.values.payload_nbytes(numel, dtype)
+        return self.sparsifier.index_nbytes(numel) + self.values.payload_nbytes(
+            self.sparsifier.num_selected(numel), dtype
+        )
+
+    def encoded_nbytes(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> int:
+        numel = math.prod(shape)
+        probe = Encoded(self.spec, tuple(shape), dtype, torch.empty(0, dtype=torch.uint8))
+        return probe.nbytes + self.payload_nbytes(numel, dtype)
+
+    def encode(self, tensor: torch.Tensor, *, seed: int = 0) -> Encoded:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"codec {self.spec!r} encodes torch tensors, got {type(tensor).__name__}")
+        if tensor.dtype not in DTYPE_CODES:
+            raise ValueError(
+                f"codec {self.spec!r} encodes floating-point tensors "
+                f"({', '.join(map(str, DTYPE_CODES))}); got {tensor.dtype}: convert it first"
+            )
+        with torch.no_grad():
+            flat = tensor.detach().reshape(-1).contiguous()
+            absmax = None
+            lossless_values = isinstance(self.values, Lossless)
+            if self.sparsifier is not None or not self.values.checks_finite or flat.dtype == torch.float64:
+                absmax = _check_encodable(flat, self.spec, float32_range=not lossless_values)
+            numel = flat.numel()
+            payload = _memory.empty(self.payload_nbytes(numel, flat.dtype), torch.uint8, flat.device)
+            if self.sparsifier is None:
+                self.values.encode_into(flat, payload, absmax=absmax)
+            else:
+                index_nbytes = self.sparsifier.index_nbytes(numel)
+                chosen = self.sparsifier.select(flat, payload[:index_nbytes], seed=seed)
+                self.values.encode_into(chosen, payload[index_nbytes:], absmax=absmax)
+        return Encoded(self.spec, tuple(tensor.shape), tensor.dtype, payload)
+
+    def decode(
+        self,
+        encoded: Encoded | bytes | bytearray | memoryview,
+        *,
+        device: torch.device | str | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not isinstance(encoded, Encoded):
+            encoded = Encoded.from_bytes(encoded)
+        if encoded.spec != self.spec and _canonical_or_none(encoded.spec) != self.spec:
+            raise CodecError(
+                f"data was encoded with {encoded.spec!r} but this codec is {self.spec!r}; "
+                "use geoloco.compression.decode(), which reads the codec from the data"
+            )
+        return self._decode(encoded, device=device, out=out)
+
+    def _decode(self, encoded: Encoded, *, device: torch.device | str | None, out: torch.Tensor | None) -> torch.Tensor:
+        if device is not None:
+            target = _resolve_device(device)
+        elif out is not None:
+            target = out.device
+        else:
+            target = encoded.payload.device
+        numel = encoded.numel
+        if out is not None:
+            _check_out(out, numel, target)
+        payload = encoded.payload.to(target).contiguous()
+        check_payload_nbytes(self.spec, payload, self.payload_nbytes(numel, encoded.dtype))
+        result = out.view(-1) if out is not None else _memory.empty(numel, encoded.dtype, target)
+        try:
+            with torch.no_grad():
+                if self.sparsifier is None:
+                    self.values.decode_into(payload, result, encoded.dtype)
+                else:
+                    index_nbytes = self.sparsifier.index_nbytes(numel)
+                    chosen = torch.empty(self.sparsifier.num_selected(numel), dtype=result.dtype, device=target)
+                    self.values.decode_into(payload[index_nbytes:], chosen, encoded.dtype)
+                    self.sparsifier.scatter_into(payload[:index_nbytes], chosen, result)
+        except CodecError:
+            raise
+        except (RuntimeError, IndexError, ValueError) as exc:
+            raise CodecError(f"{self.spec!r}: payload cannot be decoded ({exc})") from exc
+        return out if out is not None else result.view(encoded.shape)
+
+
+def _check_encodable(flat: torch.Tensor, spec: str, *, float32_range: bool) -> float:
+    """Reject NaN/Inf (and, for lossy codecs, float64 beyond float32's range); return max |x|."""
+    if flat.numel() == 0:
+        return 0.0
+    low, high = torch.aminmax(flat)
+    low_value, high_value = float(low), float(high)
+    if not (math.isfinite(low_value) and math.isfinite(high_value)):
+        raise ValueError(f"cannot encode a tensor with NaN or Inf values (codec {spec!r}); clean or clip it first")
+    absmax = max(-low_value, high_value)
+    if float32_range and absmax > torch.finfo(torch.float32).max:
+        raise ValueError(
+            f"codec {spec!r} computes in float32, but the tensor holds {absmax:.4g}, beyond float32's range; "
+            "scale it down or use 'none'"
+        )
+    return absmax
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    """``"cuda"`` -> ``cuda:<current>``, so it compares equal to the devices tensors report."""
+    return torch.empty(0, device=device).device
+
+
+def _check_out(out: torch.Tensor, numel: int, device: torch.device) -> None:
+    if out.numel() != numel or not out.is_contiguous() or out.dtype not in DTYPE_CODES or out.device != device:
+        raise ValueError(
+            f"decode out= must be a contiguous float tensor of {numel} elements on {device}; "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
+
+
+# ------------------------------------------------------------------ registry
+
+
+@dataclass(frozen=True, slots=True)
+class CodecType:
+    """A registry entry: how a stage name is spelled, what it accepts and how it is built."""
+
+    name: str
+    """Name as written in specs."""
+    kind: Literal["sparsifier", "values"]
+    """Sparsifiers come first in a pipeline, value codecs last."""
+    summary: str
+    """One line for CLI help."""
+    options: tuple[Option, ...]
+    """Accepted arguments."""
+    positional: str | None
+    """Option that may be given without ``key=`` (the fraction)."""
+    build: Callable[..., Stage]
+    """Factory taking the parsed options as keyword arguments."""
+
+    def describe(self) -> str:
+        """``name: summary`` plus one line per option."""
+        lines = [f"{self.name}: {self.summary}"]
+        lines.extend(f"    {option.describe()}" for option in self.options)
+        return "\n".join(lines)
+
+
+def _quantizer_type(bits: int, summary: str) -> CodecType:
+    return CodecType(
+        f"int{bits}",
+        "values",
+        summary,
+        (BLOCK_OPTION, STOCHASTIC_OPTION),
+        None,
+        functools.partial(BlockQuantizer, bits),
+    )
+
+
+CODECS: Final[dict[str, CodecType]] = {
+    entry.name: entry
+    for entry in (
+        CodecType("none", "values", Lossless.summary, (), None, Lossless),
+        CodecType("fp32", "values", "cast values to float32 (lossless for fp32/fp16/bf16)", (), None,
+                  functools.partial(Cast, torch.float32)),
+        CodecType("bf16", "values", "cast values to bfloat16 (8 significant bits, saturating)", (), None,
+                  functools.partial(Cast, torch.bfloat16)),
+        CodecType("fp16", "values", "cast values to float16 (11 significant bits, saturating at 65504)", (), None,
+                  functools.partial(Cast, torch.float16)),
+        _quantizer_type(8, "8-bit block absmax quantization, error <= absmax/254"),
+        _quantizer_type(4, "4-bit block absmax quantization, error <= absmax/14"),
+        _quantizer_type(2, "2-bit block absmax quantization (levels ±absmax/3, ±absmax), error <= absmax/3"),
+        _quantizer_type(1, "1-bit sign quantization scaled by the block's mean |x| (stochastic: by absmax)"),
+        CodecType("topk", "sparsifier", TopK.summary, TopK.options, TopK.positional, TopK),
+        CodecType("randk", "sparsifier", RandK.summary, RandK.options, RandK.positional, RandK),
+    )
+}
+"""Every stage name a spec may use, in the order help lists them."""
+
+CODEC_NAMES: Final[tuple[str, ...]] = tuple(CODECS)
+"""Accepted stage names, for CLI help and config validation."""
+
+SPARSIFIER_NAMES: Final = tuple(name for name, entry in CODECS.items() if entry.kind == "sparsifier")
+VALUE_CODEC_NAMES: Final = tuple(name for name, entry in CODECS.items() if entry.kind == "values")
+
+
+def describe_codecs() -> str:
+    """Human-readable list of every codec and its options, for ``--help`` texts."""
+    grammar = (
+        "codec spec: [SPARSIFIER|]VALUES, e.g. 'int8', 'topk:0.01|int4', 'randk:0.05|int8', "
+        "'int2:block=128,stochastic'"
+    )
+    return "\n".join([grammar, *(entry.describe() for entry in CODECS.values())])
+
+
+# ------------------------------------------------------------------ parsing
+
+_INTEGER = re.compile(r"\+?[0-9]+")
+
+
+def parse_codec(spec: str) -> Codec:
+    """Build the codec a spec names; :class:`ValueError` names any bad token and what is accepted."""
+    if not isinstance(spec, str):
+        raise TypeError(f"a codec spec is a string such as 'topk:0.01|int4', got {type(spec).__name__}")
+    return _parse(spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(spec: str) -> PipelineCodec:
+    stages: list[Stage] = []
+    for text in spec.split("|"):
+        if not text.strip():
+            raise ValueError(
+                f"empty stage in codec spec {spec!r}: stages are separated by '|', e.g. 'topk:0.01|int4'"
+            )
+        stages.append(_parse_stage(text.strip(), spec))
+    layout = (
+        f"a pipeline is at most one sparsifier ({', '.join(SPARSIFIER_NAMES)}) followed by one value codec "
+        f"({', '.join(VALUE_CODEC_NAMES)})"
+    )
+    for position, stage in enumerate(stages[:-1]):
+        if isinstance(stage, ValueCodec):
+            raise ValueError(f"{stage.name!r} encodes values, so it must be the last stage of {spec!r}; {layout}")
+        if position > 0:
+            raise ValueError(f"sparsifier {stage.name!r} must be the first stage of {spec!r}; {layout}")
+    if len(stages) > 2:
+        raise ValueError(f"codec spec {spec!r} has {len(stages)} stages; {layout}")
+    last = stages[-1]
+    if isinstance(last, Sparsifier):
+        if len(stages) > 1:
+            raise ValueError(f"sparsifier {last.name!r} must be the first stage of {spec!r}; {layout}")
+        return PipelineCodec(Lossless(), last)
+    assert isinstance(last, ValueCodec)
+    first = stages[0] if len(stages) == 2 else None
+    assert first is None or isinstance(first, Sparsifier)
+    return PipelineCodec(last, first)
+
+
+def _canonical_or_none(spec: str) -> str | None:
+    try:
+        return _parse(spec).spec
+    except ValueError:
+        return None
+
+
+def _accepted(entry: CodecType) -> str:
+    if not entry.options:
+        return f"codec {entry.name!r} takes no arguments"
+    return f"accepted for {entry.name!r}: " + "; ".join(option.describe() for option in entry.options)
+
+
+def _parse_stage(text: str, spec: str) -> Stage:
+    name, has_args, arg_text = text.partition(":")
+    name = name.strip()
+    entry = CODECS.get(name)
+    if entry is None:
+        raise ValueError(f"unknown codec {name!r} in spec {spec!r}; accepted codecs: {', '.join(CODEC_NAMES)}")
+    options = {option.name: option for option in entry.options}
+    kwargs: dict[str, object] = {}
+    if has_args:
+        for token in (part.strip() for part in arg_text.split(",")):
+            if not token:
+                raise ValueError(f"empty argument in {text!r} of spec {spec!r}; {_accepted(entry)}")
+            key, has_value, value = (part.strip() for part in token.partition("="))
+            option = options.get(key)
+            if has_value:
+                if option is None:
+                    raise ValueError(f"unknown option {key!r} for codec {name!r} in spec {spec!r}; {_accepted(entry)}")
+                if option.kind == "flag":
+                    raise ValueError(f"flag {key!r} of codec {name!r} takes no value: write just {key!r} (spec {spec!r})")
+            elif option is not None and option.kind == "flag":
+                value = ""
+            elif entry.positional is not None:
+                option, value = options[entry.positional], token
+            else:
+                raise ValueError(f"unexpected argument {token!r} for codec {name!r} in spec {spec!r}; {_accepted(entry)}")
+            if option.name in kwargs:
+                raise ValueError(f"option {option.name!r} given twice for codec {name!r} in spec {spec!r}")
+            kwargs[option.name] = _parse_value(option, value, name, spec)
+    for option in entry.options:
+        if option.kind == "fraction" and option.name not in kwargs:
+            raise ValueError(f"codec {name!r} needs a fraction, e.g. '{name}:0.01' (spec {spec!r})")
+    return entry.build(**kwargs)
+
+
+def _parse_value(option: Option, value: str, name: str, spec: str) -> object:
+    if option.kind == "flag":
+        return True
+    if option.kind == "fraction":
+        try:
+            fraction = float(value)
+        except ValueError:
+            fraction = math.nan
+        if not (math.isfinite(fraction) and 0.0 < fraction <= 1.0):
+            raise ValueError(
+                f"fraction {value!r} for codec {name!r} in spec {spec!r} must be a number in (0, 1], "
+                f"e.g. '{name}:0.01'"
+            )
+        return fraction
+    if not _INTEGER.fullmatch(value):
+        raise ValueError(f"{option.name}={value!r} for codec {name!r} in spec {spec!r} is not an integer; {option.describe()}")
+    number = int(value)
+    if not option.minimum <= number <= option.maximum or number % option.multiple_of:
+        raise ValueError(f"{option.name}={value} for codec {name!r} in spec {spec!r} is out of range; {option.describe()}")
+    return number
+
+
+def decode(
+    encoded: Encoded | bytes | bytearray | memoryview,
+    *,
+    device: torch.device | str | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode with the codec the data names; :class:`CodecError` if it cannot be decoded."""
+    if not isinstance(encoded, Encoded):
+        encoded = Encoded.from_bytes(encoded)
+    try:
+        codec = _parse(encoded.spec)
+    except ValueError as exc:
+        raise CodecError(f"encoded data names a codec this build cannot decode: {exc}") from exc
+    return codec._decode(encoded, device=device, out=out)

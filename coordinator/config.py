@@ -1,0 +1,207 @@
+"""The coordinator's configuration: one dataclass, validated in one place, written into every
+checkpoint and metrics file.
+
+A TOML file maps onto it one to one (``[algorithm]``, ``[outer_optimizer]``, ``[inner_optimizer]``
+tables plus top-level keys); ``CoordinatorConfig.from_dict`` reports unknown keys and wrong types
+with their dotted path, so the ``geoloco coordinator --config FILE`` command can point at the line
+to change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
+from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
+from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.protos.identity import validate_site_name
+from geoloco.protos.transport import TLSFiles
+from geoloco.protos.wire import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
+
+__all__ = ["CoordinatorConfig", "SUPPORTED_ALGORITHMS"]
+
+SUPPORTED_ALGORITHMS = ("diloco", "fedavg", "fedopt")
+"""Algorithms the real coordinator runs. The ``ddp`` baseline synchronises every step and lives in
+the simulator, where its traffic is accounted exactly without a round trip per step."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CoordinatorConfig:
+    """Everything one coordinator process needs besides the model's initial weights."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Algorithm, H (``inner_steps``), uplink/downlink codecs, error feedback, weighting. Sites
+    receive it in ``RunConfig`` and never override it."""
+    outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
+    """The coordinator's optimizer on the averaged pseudo-gradient (unset fields take the
+    algorithm's defaults: DiLoCo -> Nesterov lr 0.7 momentum 0.9)."""
+    inner_optimizer: InnerOptimizerConfig = field(default_factory=InnerOptimizerConfig)
+    """Inner optimizer that sites built by the CLI construct (sent in ``RunConfig.config_json``);
+    Python-API sites bring their own optimizer and may ignore it."""
+    workload: dict[str, Any] = field(default_factory=dict)
+    """Opaque table passed to sites in ``RunConfig.config_json`` (e.g. ``{"name": "gpt"}`` for
+    CLI sites that build a built-in workload); the coordinator itself does not read it."""
+    seed: int = 0
+    """Run seed: per-round codec seeds derive from it (must equal the simulator's seed to
+    reproduce a simulated run)."""
+    total_rounds: int = 100
+    """Rounds in the run; 0 runs until the coordinator is stopped."""
+    min_sites: int = 1
+    """Quorum: a round opens its deadline clock once this many sites have joined, and is never
+    aggregated with fewer uploads than this (it waits past its deadline instead)."""
+    round_deadline_s: float | None = None
+    """Uploads must complete this many seconds after the round opened; later ones are refused
+    and those sites (stragglers) catch up by applying the broadcast delta. Unset: the round waits
+    for every site that was a member when it opened."""
+    heartbeat_interval_s: float = 2.0
+    """Sites send a heartbeat at least this often."""
+    heartbeat_timeout_s: float = 15.0
+    """A site silent this long (no heartbeat, no other call) is dropped from the run."""
+    host: str = "127.0.0.1"
+    """Address to listen on (``0.0.0.0`` for every interface)."""
+    port: int = 0
+    """Port to listen on; 0 picks a free one (``CoordinatorServer.start()`` returns it)."""
+    certs_dir: str | None = None
+    """Folder made by ``geoloco certs`` holding ``ca.crt`` and this coordinator's cert/key."""
+    cert_name: str = "coordinator"
+    """Name of the coordinator's certificate in ``certs_dir`` (``NAME.crt`` / ``NAME.key``)."""
+    insecure: bool = False
+    """Plain-text gRPC without authentication, for local experiments only; the request's
+    ``site`` field is then trusted as the site's identity."""
+    allowed_sites: list[str] | None = None
+    """Site names allowed to join (others get PERMISSION_DENIED); unset admits every site with
+    a certificate from the CA (or any name in insecure mode)."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; a restart with the same config resumes from the newest one. Unset:
+    no checkpoints."""
+    checkpoint_every: int = 1
+    """Write a checkpoint after every this many rounds (and after the last round)."""
+    checkpoint_keep: int = 2
+    """Tensor files kept in ``checkpoint_dir`` (older ones are deleted)."""
+    metrics_path: str | None = None
+    """JSON-lines file receiving one record per round (appended across restarts)."""
+    eval_every: int = 1
+    """Evaluate the global weights every this many rounds (and after the last) when the server
+    was given an ``eval_fn``."""
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Bytes per chunk of the streams the coordinator sends (weights, deltas)."""
+    max_upload_bytes: int | None = None
+    """Largest encoded upload accepted; unset = twice the dense fp32 size of the model plus
+    1 MiB (no codec produces more)."""
+    progress_interval_s: float = 5.0
+    """AwaitBroadcast sends a progress message this often while a round is open."""
+    drain_timeout_s: float = 30.0
+    """After the last round, ``wait_until_finished`` waits this long for sites to collect the
+    final broadcast and leave."""
+    max_sites: int = 64
+    """Sizes the server's thread pool (each waiting site holds a thread)."""
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    """Where the global weights, the outer optimizer and the aggregation buffer live."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        require(
+            self.algorithm.name in SUPPORTED_ALGORITHMS,
+            "algorithm.name",
+            f"the coordinator runs {', '.join(SUPPORTED_ALGORITHMS)}; "
+            f"{self.algorithm.name!r} (the per-step data-parallel baseline) runs in the simulator "
+            "(`geoloco simulate`)",
+        )
+        require(
+            self.algorithm.warmup_steps == 0,
+            "algorithm.warmup_steps",
+            "a data-parallel warm-up is only available in the simulator; set warmup_steps = 0",
+        )
+        require(self.total_rounds >= 0, "total_rounds", f"must be >= 0, got {self.total_rounds}")
+        require(self.min_sites >= 1, "min_sites", f"must be >= 1, got {self.min_sites}")
+        require(
+            self.round_deadline_s is None
+            or (math.isfinite(self.round_deadline_s) and self.round_deadline_s > 0),
+            "round_deadline_s",
+            f"must be > 0 seconds or unset, got {self.round_deadline_s}",
+        )
+        require(
+            self.heartbeat_interval_s > 0,
+            "heartbeat_interval_s",
+            f"must be > 0, got {self.heartbeat_interval_s}",
+        )
+        require(
+            self.heartbeat_timeout_s >= 2 * self.heartbeat_interval_s,
+            "heartbeat_timeout_s",
+            f"must be at least twice heartbeat_interval_s ({self.heartbeat_interval_s} s) so one "
+            f"lost heartbeat does not drop a site, got {self.heartbeat_timeout_s}",
+        )
+        require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+        require(bool(self.host), "host", "must not be empty; use 127.0.0.1 or 0.0.0.0")
+        require(
+            not (self.insecure and self.certs_dir is not None),
+            "insecure",
+            "insecure = true and certs_dir are mutually exclusive; drop one",
+        )
+        require(
+            self.insecure or self.certs_dir is not None,
+            "certs_dir",
+            "set certs_dir (made by `geoloco certs init/issue`) for mutual TLS, or insecure = true "
+            "for an unauthenticated local run",
+        )
+        if self.allowed_sites is not None:
+            require(len(self.allowed_sites) > 0, "allowed_sites", "must list at least one site or be unset")
+            for i, name in enumerate(self.allowed_sites):
+                try:
+                    validate_site_name(name)
+                except ValueError as err:
+                    raise ConfigError(f"allowed_sites[{i}]", str(err)) from None
+            require(
+                self.min_sites <= len(self.allowed_sites),
+                "min_sites",
+                f"must be <= the number of allowed_sites ({len(self.allowed_sites)}), got {self.min_sites}",
+            )
+        require(
+            self.checkpoint_every >= 1, "checkpoint_every", f"must be >= 1, got {self.checkpoint_every}"
+        )
+        require(self.checkpoint_keep >= 1, "checkpoint_keep", f"must be >= 1, got {self.checkpoint_keep}")
+        require(self.eval_every >= 1, "eval_every", f"must be >= 1, got {self.eval_every}")
+        require(
+            0 < self.chunk_size <= MAX_CHUNK_SIZE,
+            "chunk_size",
+            f"must be in 1..{MAX_CHUNK_SIZE} bytes, got {self.chunk_size}",
+        )
+        require(
+            self.max_upload_bytes is None or self.max_upload_bytes > 0,
+            "max_upload_bytes",
+            f"must be > 0 or unset, got {self.max_upload_bytes}",
+        )
+        require(
+            self.progress_interval_s > 0,
+            "progress_interval_s",
+            f"must be > 0, got {self.progress_interval_s}",
+        )
+        require(self.drain_timeout_s >= 0, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
+        require(self.max_sites >= 1, "max_sites", f"must be >= 1, got {self.max_sites}")
+        require(
+            self.device in ("cpu", "cuda", "auto"),
+            "device",
+            f"got {self.device!r}; allowed values: 'cpu', 'cuda', 'auto'",
+        )
+
+    @property
+    def tls_files(self) -> TLSFiles | None:
+        """The coordinator's CA, certificate and key, or None in insecure mode."""
+        if self.certs_dir is None:
+            return None
+        return TLSFiles.from_dir(Path(self.certs_dir), self.cert_name)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CoordinatorConfig:
+        """Build from a parsed TOML/JSON table; errors name the dotted key and what is allowed."""
+        return config_from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict (written into checkpoints, metrics and ``RunConfig.config_json``)."""
+        return config_to_dict(self)

@@ -1,0 +1,78 @@
+"""Domain errors of the coordinator, each carrying the gRPC status and ``ErrorReason`` a site sees.
+
+The round state machine raises them; ``geoloco.protos.transport.ErrorStatusInterceptor`` turns
+them into ``context.abort(code, message)`` plus the ``geoloco-error-reason`` trailing metadata, so
+the servicer never translates errors by hand. The wire-level errors (bad manifests, chunk bounds,
+checksums) live in ``geoloco.protos.wire`` and the session/membership/round ones in
+``geoloco.protos.errors``; this module adds what only the coordinator knows about.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.errors import (
+    IdentityError,
+    NotAMemberError,
+    StaleSessionError,
+    StatusError,
+    WrongRoundError,
+)
+
+__all__ = [
+    "IdentityError",
+    "InvalidUpdateError",
+    "NotAMemberError",
+    "ProtocolVersionError",
+    "RunFinishedError",
+    "ShuttingDownError",
+    "SiteNotAllowedError",
+    "StaleSessionError",
+    "StatusError",
+    "UpdateRejectedError",
+    "WrongRoundError",
+]
+
+
+class InvalidUpdateError(StatusError):
+    """An upload whose content does not fit the run: codec, shape, dtype, weight, or values."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = pb.ERROR_REASON_BAD_MANIFEST
+
+
+class UpdateRejectedError(StatusError):
+    """The site's update for this round was already rejected (non-finite values); it is out of
+    the aggregate until the next round."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = pb.ERROR_REASON_WRONG_ROUND
+
+
+class SiteNotAllowedError(StatusError):
+    """The site is authenticated but not in the coordinator's ``allowed_sites``."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = pb.ERROR_REASON_IDENTITY_MISMATCH
+
+
+class ProtocolVersionError(StatusError):
+    """The site speaks another protocol version."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = pb.ERROR_REASON_UNSPECIFIED
+
+
+class RunFinishedError(StatusError):
+    """The run has completed all its rounds; nothing more can be uploaded."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = pb.ERROR_REASON_RUN_FINISHED
+
+
+class ShuttingDownError(StatusError):
+    """The coordinator is stopping; the site should retry (it will find a restarted one)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = pb.ERROR_REASON_UNSPECIFIED

@@ -1,0 +1,158 @@
+"""The gRPC servicer: proto in -> one round-state-machine call -> proto out.
+
+No decision is taken here. Identity comes from ``geoloco.protos.transport.resolve_site`` (the
+client certificate with TLS), errors are ``StatusError`` exceptions that
+``ErrorStatusInterceptor`` turns into a status code plus the ``geoloco-error-reason`` trailing
+metadata, and big buffers go through the chunking helpers of ``geoloco.protos.wire``. Every
+message sent to or received from a site is counted (serialized protobuf bytes, without HTTP/2 and
+TLS framing) for the per-round metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+
+from geoloco.coordinator.errors import InvalidUpdateError
+from geoloco.coordinator.rounds import RoundStateMachine, wire_nbytes
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import geoloco_pb2_grpc as pb_grpc
+from geoloco.protos.transport import resolve_site
+from geoloco.protos.wire import (
+    RAW_CODEC,
+    ChunkRef,
+    broadcast_responses,
+    model_responses,
+    num_chunks_for,
+    read_upload_manifest,
+)
+
+__all__ = ["CoordinatorServicer"]
+
+logger = logging.getLogger(__name__)
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """Serves one ``RoundStateMachine`` over gRPC."""
+
+    def __init__(
+        self,
+        rounds: RoundStateMachine,
+        *,
+        insecure: bool,
+        chunk_size: int,
+        progress_interval_s: float,
+    ) -> None:
+        self.rounds = rounds
+        self.insecure = insecure
+        self.chunk_size = chunk_size
+        self.progress_interval_s = progress_interval_s
+
+    def _site(self, context: grpc.ServicerContext, claimed: str) -> str:
+        return resolve_site(context, claimed, insecure=self.insecure)
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
+        site = self._site(context, request.site)
+        return self.rounds.join(
+            site,
+            protocol_version=request.protocol_version,
+            has_weights=request.has_weights,
+            weights_digest=request.weights_digest if request.HasField("weights_digest") else None,
+            software_version=request.software_version,
+        )
+
+    def FetchModel(
+        self, request: pb.FetchModelRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.FetchModelResponse | ChunkRef]:
+        site = self._site(context, request.site)
+        snapshot = self.rounds.model_snapshot(site, request.session_id)
+        total = snapshot.weights.numel() * snapshot.weights.element_size()
+        blob = pb.BlobManifest(
+            total_bytes=total,
+            chunk_size=self.chunk_size,
+            num_chunks=num_chunks_for(total, self.chunk_size),
+            checksum=snapshot.digest,
+            codec=RAW_CODEC,
+            shape=[snapshot.weights.numel()],
+            dtype="float32",
+        )
+        same_weights = request.HasField("expect_digest") and request.expect_digest == snapshot.digest
+        start = request.start_chunk if same_weights else 0
+        if start > blob.num_chunks:
+            raise InvalidUpdateError(
+                f"start_chunk {start} is past the model's {blob.num_chunks} chunks"
+            )
+        manifest = pb.ModelManifest(
+            round=snapshot.round, layout=self.rounds.model_layout(), blob=blob, start_chunk=start
+        )
+        for response in model_responses(manifest, snapshot.weights):
+            self.rounds.count_bytes_down(site, wire_nbytes(response))
+            yield response
+
+    def Upload(
+        self, request_iterator: Iterator[pb.UploadRequest | ChunkRef], context: grpc.ServicerContext
+    ) -> pb.UploadResponse:
+        manifest = read_upload_manifest(request_iterator)
+        site = self._site(context, manifest.site)
+        assembler = self.rounds.open_upload(site, manifest)
+        try:
+            assembler.consume(self.rounds.live_chunks(site, assembler, request_iterator))
+        except grpc.RpcError:
+            # The site's stream broke (cancelled, connection lost): what arrived is kept for
+            # UploadStatus; nobody is left to read a response.
+            logger.info("upload stream of %s broke after %d chunks", site, assembler.received_count)
+            return assembler.upload_response()
+        return self.rounds.finish_upload(site, assembler)
+
+    def UploadStatus(
+        self, request: pb.UploadStatusRequest, context: grpc.ServicerContext
+    ) -> pb.UploadStatusResponse:
+        site = self._site(context, request.site)
+        return self.rounds.upload_status(site, request.session_id, request.round, request.fragment)
+
+    def AwaitBroadcast(
+        self, request: pb.AwaitBroadcastRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.AwaitBroadcastResponse | ChunkRef]:
+        site = self._site(context, request.site)
+        first = True
+        while True:
+            result = self.rounds.wait_broadcast(
+                site,
+                request.session_id,
+                request.round,
+                timeout_s=self.progress_interval_s,
+                start_chunk=request.start_chunk,
+                check_member=first,
+            )
+            first = False
+            if result.progress is not None:
+                if not context.is_active():
+                    return
+                response = pb.AwaitBroadcastResponse(progress=result.progress)
+                self.rounds.count_bytes_down(site, wire_nbytes(response))
+                yield response
+                continue
+            assert result.header is not None
+            for response in broadcast_responses(result.header, result.data):
+                self.rounds.count_bytes_down(site, wire_nbytes(response))
+                yield response
+            return
+
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        site = self._site(context, request.site)
+        return self.rounds.heartbeat(
+            site,
+            request.session_id,
+            round_number=request.round,
+            phase=request.phase,
+            inner_steps_done=request.inner_steps_done,
+        )
+
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
+        site = self._site(context, request.site)
+        self.rounds.leave(site, request.session_id, request.reason)
+        return pb.LeaveResponse()

@@ -1,0 +1,504 @@
+"""The site's side of the wire: one channel to the coordinator, retries, resumable transfers.
+
+Every call goes through ``_call``, which retries transient failures (UNAVAILABLE while the
+coordinator restarts, a stream cut by the network, a deadline) with exponential backoff and
+jitter, and gives up with ``CoordinatorUnreachableError`` after ``give_up_after_s`` without a
+successful call. Statuses that mean "re-join" (stale session, not a member), "too late"
+(wrong round) or "run over" become exceptions the agent's loop acts on; anything else is a
+``SiteAgentError`` carrying the coordinator's message, which says what to change.
+
+Transfers resume instead of restarting: an Upload whose stream broke asks ``UploadStatus`` which
+chunks arrived and sends only the rest; FetchModel and AwaitBroadcast keep a ``wire.Download``
+across attempts and ask the coordinator to continue from the first missing chunk.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.transport import (
+    HEARTBEAT_TIMEOUT_S,
+    JOIN_TIMEOUT_S,
+    LEAVE_TIMEOUT_S,
+    UPLOAD_STATUS_TIMEOUT_S,
+    TLSFiles,
+    client_channel,
+    coordinator_stub,
+    error_reason,
+    transfer_timeout,
+)
+from geoloco.protos.wire import (
+    PROTOCOL_VERSION,
+    ChunkRef,
+    Download,
+    WireError,
+    blob_manifest,
+    read_broadcast_stream,
+    read_model_stream,
+    upload_requests,
+)
+from geoloco.site_agent.config import SiteAgentConfig
+
+__all__ = [
+    "AgentStopped",
+    "CoordinatorClient",
+    "CoordinatorUnreachableError",
+    "RejoinRequired",
+    "RoundClosed",
+    "RunFinished",
+    "SiteAgentError",
+    "UpdateRejected",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.INTERNAL,  # e.g. RST_STREAM when a connection dies mid-stream
+        grpc.StatusCode.CANCELLED,  # the server cancelled our call while shutting down
+        grpc.StatusCode.UNKNOWN,  # a request iterator that failed locally mid-stream
+        grpc.StatusCode.DATA_LOSS,  # checksum mismatch: send (or fetch) again
+    }
+)
+"""Statuses worth retrying: the same call may succeed once the network or coordinator is back."""
+
+def _software_version() -> str:
+    try:
+        return "geoloco " + importlib.metadata.version("geoloco")
+    except importlib.metadata.PackageNotFoundError:
+        return "geoloco (not installed)"
+
+
+SOFTWARE_VERSION = _software_version()
+"""Sent in Join, for the coordinator's log."""
+
+
+class SiteAgentError(RuntimeError):
+    """The coordinator refused a request for a reason retrying cannot fix."""
+
+
+class CoordinatorUnreachableError(SiteAgentError):
+    """No successful call for ``give_up_after_s`` seconds."""
+
+
+class AgentStopped(Exception):
+    """``SiteAgent.stop()`` was called while the agent waited."""
+
+
+class RejoinRequired(Exception):
+    """The coordinator restarted (stale session) or dropped this site: call Join again."""
+
+
+class RoundClosed(Exception):
+    """The round the site uploads for is closed (too late) or not open."""
+
+
+class RunFinished(Exception):
+    """The run is over."""
+
+
+class UpdateRejected(SiteAgentError):
+    """The coordinator rejected the update's content (e.g. non-finite values) for this round."""
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Serialized message bytes sent and received, for the round's metrics."""
+
+    sent: int = 0
+    received: int = 0
+
+
+def _varint_size(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def wire_nbytes(message: Any) -> int:
+    """Serialized size of a stream message: ``ByteSize()`` for protobuf messages, and for the
+    zero-copy ``wire.ChunkRef`` what ``wire.encode_chunk_message`` writes (same bytes as
+    protobuf: proto3 omits a zero index and empty data)."""
+    if isinstance(message, ChunkRef):
+        size = len(message.data)
+        inner = (1 + _varint_size(message.index) if message.index else 0) + (
+            1 + _varint_size(size) + size if size else 0
+        )
+        return 1 + _varint_size(inner) + inner
+    return int(message.ByteSize())
+
+
+def _describe(error: grpc.RpcError) -> str:
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else str(error)
+    return f"{code.name if code else 'UNKNOWN'}: {details}"
+
+
+class CoordinatorClient:
+    """A site's connection to the coordinator (used from the agent's thread and its heartbeat
+    thread; the channel is thread-safe, the session id is read atomically)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        site: str,
+        tls: TLSFiles | None,
+        insecure: bool,
+        config: SiteAgentConfig,
+        stop_event: threading.Event,
+        server_name: str | None = None,
+        interceptors: Iterable[Any] = (),
+    ) -> None:
+        self.target = target
+        self.site = site
+        self.config = config
+        self._stop = stop_event
+        channel = client_channel(target, tls=tls, insecure=insecure, server_name=server_name)
+        interceptors = list(interceptors)
+        self._channel = grpc.intercept_channel(channel, *interceptors) if interceptors else channel
+        self._raw_channel = channel
+        self._stub = coordinator_stub(self._channel)
+        self.session_id: str = ""
+        self.stats = TransferStats()
+        self._active_calls: set[Any] = set()
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------------------------------
+    # Error handling and retries
+
+    def _classify(self, error: grpc.RpcError) -> Exception | None:
+        """The agent-level exception for a non-transient error, or None to retry."""
+        code = error.code()
+        if code == grpc.StatusCode.CANCELLED and self._stop.is_set():
+            return AgentStopped()
+        reason = error_reason(error)
+        if reason in (pb.ERROR_REASON_STALE_SESSION, pb.ERROR_REASON_NOT_A_MEMBER):
+            return RejoinRequired(_describe(error))
+        if reason == pb.ERROR_REASON_RUN_FINISHED:
+            return RunFinished(_describe(error))
+        if reason in (pb.ERROR_REASON_WRONG_ROUND, pb.ERROR_REASON_MANIFEST_CONFLICT):
+            # Too late, or the round already holds another update from this site (sent before
+            # a restart of this process): either way the round's broadcast settles it.
+            return RoundClosed(_describe(error))
+        if code in TRANSIENT_CODES:
+            return None
+        if code == grpc.StatusCode.INVALID_ARGUMENT and reason == pb.ERROR_REASON_BAD_MANIFEST:
+            return UpdateRejected(_describe(error))
+        return SiteAgentError(f"the coordinator at {self.target} refused the request: {_describe(error)}")
+
+    def _sleep(self, seconds: float) -> None:
+        if self._stop.wait(seconds):
+            raise AgentStopped()
+
+    def _call(self, what: str, attempt: Callable[[], T], backoff: _Backoff | None = None) -> T:
+        """Run ``attempt`` until it succeeds, retrying transient failures with backoff."""
+        backoff = backoff or _Backoff(self, what)
+        while True:
+            if self._stop.is_set():
+                raise AgentStopped()
+            try:
+                return attempt()
+            except grpc.RpcError as error:
+                backoff.failed(error)
+
+    def _track(self, call: Any) -> Any:
+        with self._lock:
+            self._active_calls.add(call)
+        return call
+
+    def _untrack(self, call: Any) -> None:
+        with self._lock:
+            self._active_calls.discard(call)
+
+    def cancel_active_calls(self) -> None:
+        """Cancel blocking streams (used by ``SiteAgent.stop``)."""
+        with self._lock:
+            calls = list(self._active_calls)
+        for call in calls:
+            call.cancel()
+
+    def _counted(self, responses: Iterator[Any]) -> Iterator[Any]:
+        for response in responses:
+            self.stats.received += wire_nbytes(response)
+            yield response
+
+    # ---------------------------------------------------------------------------------------
+    # Unary calls
+
+    def join(self, *, has_weights: bool, weights_round: int, digest_hex: str | None) -> pb.JoinResponse:
+        request = pb.JoinRequest(
+            site=self.site,
+            protocol_version=PROTOCOL_VERSION,
+            software_version=SOFTWARE_VERSION,
+            has_weights=has_weights,
+            weights_round=weights_round,
+        )
+        if digest_hex is not None:
+            request.weights_digest.CopyFrom(
+                pb.Checksum(algorithm=pb.CHECKSUM_ALGORITHM_SHA256, digest=bytes.fromhex(digest_hex))
+            )
+        response: pb.JoinResponse = self._call(
+            "Join", lambda: self._stub.Join(request, timeout=JOIN_TIMEOUT_S)
+        )
+        self.session_id = response.session_id
+        return response
+
+    def heartbeat(self, *, round_number: int, phase: int, inner_steps_done: int) -> pb.HeartbeatResponse:
+        """One attempt (the heartbeat thread simply tries again at its next tick)."""
+        return self._stub.Heartbeat(
+            pb.HeartbeatRequest(
+                site=self.site,
+                session_id=self.session_id,
+                round=round_number,
+                phase=phase,
+                inner_steps_done=inner_steps_done,
+            ),
+            timeout=HEARTBEAT_TIMEOUT_S,
+        )
+
+    def leave(self, reason: str) -> None:
+        """Best effort: a coordinator that is gone drops the site by heartbeat timeout anyway."""
+        try:
+            self._stub.Leave(
+                pb.LeaveRequest(site=self.site, session_id=self.session_id, reason=reason),
+                timeout=LEAVE_TIMEOUT_S,
+            )
+        except grpc.RpcError as error:
+            logger.info("Leave failed (%s); the coordinator will time this site out", _describe(error))
+
+    # ---------------------------------------------------------------------------------------
+    # FetchModel
+
+    def fetch_model(self, numel: int) -> tuple[pb.ModelManifest, torch.Tensor]:
+        """The current global weights (a new CPU fp32 tensor), resuming broken downloads."""
+        weights = torch.empty(numel, dtype=torch.float32)
+
+        def out_factory(blob: pb.BlobManifest) -> torch.Tensor:
+            if blob.total_bytes != numel * 4 or blob.dtype != "float32":
+                raise SiteAgentError(
+                    f"the coordinator serves {blob.total_bytes} bytes of {blob.dtype} weights but "
+                    f"this site's model has {numel} float32 parameters; use the same model class"
+                )
+            return weights.view(torch.uint8)
+
+        download = Download(max_total_bytes=numel * 4, out_factory=out_factory)
+
+        def attempt() -> pb.ModelManifest:
+            start, digest = download.resume_point()
+            request = pb.FetchModelRequest(site=self.site, session_id=self.session_id, start_chunk=start)
+            if digest is not None:
+                request.expect_digest.CopyFrom(digest)
+            call = self._track(
+                self._stub.FetchModel(request, timeout=transfer_timeout(numel * 4, min_bytes_per_s=self.config.min_transfer_rate))
+            )
+            try:
+                manifest = read_model_stream(self._counted(call), download)
+                try:
+                    download.result()
+                except WireError as error:  # checksum mismatch: start over
+                    download.assembler = None
+                    raise _TransientWireError(error) from None
+                return manifest
+            finally:
+                self._untrack(call)
+
+        manifest = self._call("FetchModel", _wire_retrying(attempt))
+        return manifest, weights
+
+    # ---------------------------------------------------------------------------------------
+    # Upload
+
+    def upload(
+        self,
+        *,
+        round_number: int,
+        data: bytes,
+        codec: str,
+        shape: list[int],
+        sample_weight: float,
+        metrics: dict[str, float],
+    ) -> pb.UploadResponse:
+        """Upload one encoded update for ``round_number``; resumes a broken stream.
+
+        Raises ``RoundClosed`` when the round closed before the upload completed, and
+        ``UpdateRejected`` when the coordinator refused its content.
+        """
+        manifest = pb.UploadManifest(
+            site=self.site,
+            session_id=self.session_id,
+            round=round_number,
+            fragment=0,
+            sample_weight=sample_weight,
+            blob=blob_manifest(
+                data, codec=codec, shape=shape, dtype="float32", chunk_size=self.config.chunk_size
+            ),
+            metrics=metrics,
+        )
+        timeout = transfer_timeout(len(data), min_bytes_per_s=self.config.min_transfer_rate)
+        missing: list[tuple[int, int]] | None = None
+        backoff = _Backoff(self, f"Upload for round {round_number}")
+        for attempt_index in range(self.config.max_upload_attempts):
+            if self._stop.is_set():
+                raise AgentStopped()
+
+            def requests(missing: list[tuple[int, int]] | None = missing) -> Iterator[pb.UploadRequest]:
+                for request in upload_requests(manifest, data, missing=missing):
+                    self.stats.sent += wire_nbytes(request)
+                    yield request
+
+            try:
+                response = self._stub.Upload(requests(), timeout=timeout)
+                if response.complete:
+                    return response
+            except grpc.RpcError as error:
+                backoff.failed(error)  # raises what retrying cannot fix; sleeps otherwise
+            # Broken or incomplete stream: ask what arrived and send only the rest.
+            status = self._call("UploadStatus", lambda: self._upload_status(round_number))
+            backoff.alive()  # the coordinator answers: the give-up clock starts again
+            if status.complete:
+                return pb.UploadResponse(complete=True, received_bytes=len(data))
+            missing = [(r.start, r.end) for r in status.missing] if status.known else None
+            logger.info(
+                "upload for round %d incomplete after stream %d; resending %s",
+                round_number, attempt_index + 1,
+                "everything" if missing is None else f"{sum(e - s for s, e in missing)} chunks",
+            )
+        raise SiteAgentError(
+            f"upload for round {round_number} still incomplete after {self.config.max_upload_attempts} "
+            "streams; the link is too unreliable, or raise max_upload_attempts"
+        )
+
+    def _upload_status(self, round_number: int) -> pb.UploadStatusResponse:
+        return self._stub.UploadStatus(
+            pb.UploadStatusRequest(
+                site=self.site, session_id=self.session_id, round=round_number, fragment=0
+            ),
+            timeout=UPLOAD_STATUS_TIMEOUT_S,
+        )
+
+    # ---------------------------------------------------------------------------------------
+    # AwaitBroadcast
+
+    def await_broadcast(
+        self,
+        round_number: int,
+        *,
+        on_progress: Callable[[pb.RoundProgress], None] | None = None,
+    ) -> tuple[pb.BroadcastHeader, bytes | None]:
+        """Wait for round ``round_number``'s broadcast: (header, encoded delta bytes or None)."""
+        download = Download()
+        backoff = _Backoff(self, f"AwaitBroadcast for round {round_number}")
+
+        def progress(message: pb.RoundProgress) -> None:
+            backoff.alive()  # a round may take longer than give_up_after_s; progress is contact
+            if on_progress is not None:
+                on_progress(message)
+
+        def attempt() -> tuple[pb.BroadcastHeader, bytes | None]:
+            start, _ = download.resume_point()
+            request = pb.AwaitBroadcastRequest(
+                site=self.site, session_id=self.session_id, round=round_number, start_chunk=start
+            )
+            call = self._track(self._stub.AwaitBroadcast(request, timeout=self.config.await_timeout_s))
+            try:
+                header = read_broadcast_stream(self._counted(call), download, on_progress=progress)
+            finally:
+                self._untrack(call)
+            if header.action != pb.BROADCAST_ACTION_APPLY_DELTA:
+                return header, None
+            try:
+                data = bytes(download.result())
+            except WireError as error:
+                download.assembler = None
+                raise _TransientWireError(error) from None
+            return header, data
+
+        return self._call("AwaitBroadcast", _wire_retrying(attempt), backoff)
+
+    def close(self) -> None:
+        self.cancel_active_calls()
+        self._raw_channel.close()
+
+
+class _Backoff:
+    """Exponential backoff with jitter for one logical operation, and its give-up clock."""
+
+    def __init__(self, client: CoordinatorClient, what: str) -> None:
+        self.client = client
+        self.what = what
+        self.started = time.monotonic()
+        self.delay = client.config.backoff_initial_s
+        self.failures = 0
+
+    def alive(self) -> None:
+        """The coordinator answered: restart the give-up clock and the backoff delay."""
+        self.started = time.monotonic()
+        self.delay = self.client.config.backoff_initial_s
+
+    def failed(self, error: grpc.RpcError) -> None:
+        """Raise what retrying cannot fix (or when it is time to give up); else sleep."""
+        client = self.client
+        classified = client._classify(error)
+        if classified is not None:
+            raise classified from None
+        self.failures += 1
+        elapsed = time.monotonic() - self.started
+        give_up = client.config.give_up_after_s
+        if elapsed >= give_up:
+            raise CoordinatorUnreachableError(
+                f"{self.what}: no successful answer from the coordinator at {client.target} for "
+                f"{elapsed:.0f} s ({self.failures} attempts, last error {_describe(error)}); check "
+                "that it is running and reachable, or raise give_up_after_s"
+            ) from None
+        pause = min(self.delay, client.config.backoff_max_s) * random.uniform(0.5, 1.0)
+        logger.log(
+            logging.INFO if self.failures in (1, 5, 20) else logging.DEBUG,
+            "%s failed (%s); retry %d in %.2f s", self.what, _describe(error), self.failures, pause,
+        )
+        client._sleep(min(pause, give_up - elapsed + 0.01))
+        self.delay *= 2
+
+
+class _TransientWireError(grpc.RpcError):
+    """A transfer that arrived broken (checksum mismatch): retried like a network failure."""
+
+    def __init__(self, error: WireError) -> None:
+        super().__init__(str(error))
+        self._error = error
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DATA_LOSS
+
+    def details(self) -> str:
+        return str(self._error)
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+
+def _wire_retrying(attempt: Callable[[], T]) -> Callable[[], T]:
+    """Broken streams that surface as wire errors (a stream cut between chunks looks like a
+    short read) are retried like transport failures."""
+
+    def wrapped() -> T:
+        try:
+            return attempt()
+        except WireError as error:
+            raise _TransientWireError(error) from None
+
+    return wrapped

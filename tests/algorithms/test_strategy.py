@@ -1,0 +1,208 @@
+"""Strategies: one interface, DiLoCo/FedAvg/FedOpt/DDP as configurations; the DDP equivalence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from geoloco.algorithms.config import ConfigError
+from geoloco.algorithms.diloco import apply_downlink, pseudo_gradient, run_inner_steps
+from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
+from geoloco.algorithms.params import ParamLayout, weights_digest
+from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.strategy import (
+    ALGORITHMS,
+    AlgorithmConfig,
+    DataParallel,
+    DiLoCo,
+    FedAvg,
+    FedOpt,
+    build_strategy,
+)
+
+
+def test_registry_and_default_outer_optimizers() -> None:
+    assert set(ALGORITHMS) == {"diloco", "fedavg", "fedopt", "ddp"}
+    cases = {"diloco": ("nesterov", 0.7, 0.9), "fedavg": ("sgd", 1.0, 0.0), "fedopt": ("adam", 0.01, 0.0)}
+    for name, (opt, lr, momentum) in cases.items():
+        s = build_strategy(AlgorithmConfig(name=name), numel=4)
+        assert (s.outer_optimizer_config.name, s.outer_optimizer_config.lr,
+                s.outer_optimizer_config.momentum) == (opt, lr, momentum)
+    assert issubclass(FedOpt, FedAvg)
+    assert isinstance(build_strategy(AlgorithmConfig(), numel=1), DiLoCo)
+    with pytest.raises(ConfigError, match="valid names: diloco, fedavg, fedopt, ddp"):
+        AlgorithmConfig(name="scaffold")
+
+
+def test_configure_round_seeds_differ_per_site_and_round() -> None:
+    s = build_strategy(AlgorithmConfig(inner_steps=7), numel=4, seed=5)
+    p1, p2 = s.configure_round(1, [0, 1]), s.configure_round(2, [0, 1])
+    assert p1.inner_steps == 7 and p1.sites == (0, 1) and p1.update_kind == "pseudo_gradient"
+    seeds = {p.uplink_seed(k) for p in (p1, p2) for k in (0, 1)} | {p1.downlink_seed, p2.downlink_seed}
+    assert len(seeds) == 6
+    assert build_strategy(AlgorithmConfig(inner_steps=7), numel=4, seed=5).configure_round(1, [0]).seed == p1.seed
+    ddp = build_strategy(AlgorithmConfig(name="ddp", inner_steps=7), numel=4)
+    assert isinstance(ddp, DataParallel) and ddp.configure_round(1, [0]).inner_steps == 1
+    assert ddp.configure_round(1, [0]).update_kind == "gradient"
+
+
+def test_site_weight_by_samples() -> None:
+    assert build_strategy(AlgorithmConfig(weighting="samples"), numel=1).site_weight(96) == 96.0
+    assert build_strategy(AlgorithmConfig(), numel=1).site_weight(96) == 1.0
+
+
+def _sgd_simulator(make_workload, algorithm: str, steps: int) -> Simulator:
+    config = SimulatorConfig.from_dict({
+        "algorithm": {"name": algorithm, "inner_steps": 1},
+        "inner_optimizer": {"name": "sgd", "lr": 0.05},
+        "outer_optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.0},
+        "sites": {"count": 3},
+        "simulation": {"rounds": steps, "device": "cpu", "eval_every": 1000},
+    })
+    sim = Simulator(config, make_workload(hidden=8))
+    for _ in sim.run():
+        pass
+    return sim
+
+
+def test_diloco_h1_sgd_equals_synchronous_data_parallel_sgd(make_workload) -> None:
+    """Inner SGD, H=1, no compression, outer SGD lr 1 momentum 0 == data-parallel SGD.
+
+    DiLoCo computes θ − 1·mean_k(θ − (θ − η g_k)); DDP computes θ − η·mean_k(g_k). They agree up
+    to fp32 rounding of the subtraction θ − θ_k (relative error ~1e-7 of |θ| per step), and the
+    downlink addition θ_t + (θ' − θ_t); hence a tolerance of 1e-6 over ten steps, not equality.
+    """
+    steps = 10
+    diloco = _sgd_simulator(make_workload, "diloco", steps)
+    ddp = _sgd_simulator(make_workload, "ddp", steps)
+
+    # Hand-rolled reference: average the three sites' gradients, one SGD step, in float64.
+    workload = make_workload(hidden=8)
+    model = workload.build_model(0)
+    layout = ParamLayout.from_model(model)
+    theta = layout.flatten(model).double()
+    streams = [workload.site_batches(k, 3, 0) for k in range(3)]
+    for _ in range(steps):
+        grads = []
+        for stream in streams:
+            layout.load_(model, theta.float())
+            model.zero_grad()
+            workload.loss(model, next(stream)).backward()
+            grads.append(layout.flatten_grads(model).double())
+        theta = theta - 0.05 * torch.stack(grads).mean(0)
+
+    assert not torch.allclose(diloco.global_flat, layout.flatten(workload.build_model(0)), atol=1e-3)
+    torch.testing.assert_close(diloco.global_flat.double(), theta, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ddp.global_flat.double(), theta, rtol=0, atol=1e-6)
+    torch.testing.assert_close(diloco.global_flat, ddp.global_flat, rtol=0, atol=1e-6)
+
+
+def test_ddp_is_one_shared_adamw_step_not_averaged_site_steps(make_workload) -> None:
+    """The baseline averages gradients then takes ONE AdamW step; averaging per-site AdamW steps differs."""
+    config = SimulatorConfig.from_dict({
+        "algorithm": {"name": "ddp", "inner_steps": 1},
+        "inner_optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0},
+        "sites": {"count": 2},
+        "simulation": {"rounds": 1, "device": "cpu"},
+    })
+    workload = make_workload()
+    sim = Simulator(config, workload)
+    records = list(sim.run())
+    model = workload.build_model(0)
+    layout = ParamLayout.from_model(model)
+    theta = layout.flatten(model)
+    grads = []
+    for k in range(2):
+        layout.load_(model, theta)
+        model.zero_grad()
+        workload.loss(model, next(workload.site_batches(k, 2, 0))).backward()
+        grads.append(layout.flatten_grads(model))
+    mean = torch.stack(grads).mean(0)
+    # First AdamW step (bias-corrected): θ − lr · m̂/(√v̂ + eps) = θ − lr · g/(|g| + eps).
+    expected = theta - 0.01 * mean / (mean.abs() + 1e-8)
+    torch.testing.assert_close(sim.global_flat, expected, rtol=0, atol=1e-6)
+    numel = layout.numel
+    assert records[0].bytes_up == [records[0].bytes_up[0]] * 2
+    assert 4 * numel < records[0].bytes_up[0] < 4 * numel + 64  # fp32 gradient + small header
+    assert records[0].bytes_down[0] == records[0].bytes_up[0]
+
+
+def test_strategy_state_roundtrip_continues_identically(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    cfg = AlgorithmConfig(downlink_codec="int8")
+    a = build_strategy(cfg, numel=256)
+    theta = torch.randn(256)
+
+    def one_round(strategy, theta, round_index, g):
+        agg = strategy.new_aggregator()
+        agg.add(g, site=0)
+        return strategy.aggregate_round(theta, agg, strategy.configure_round(round_index, [0]))
+
+    grads = [torch.randn(256) * 0.1 for _ in range(4)]
+    for t in range(2):
+        theta = one_round(a, theta, t + 1, grads[t]).global_flat
+    save_file(a.state_tensors(), tmp_path / "s.safetensors")
+    meta = json.loads(json.dumps(a.state_meta()))
+    b = build_strategy(cfg, numel=256)
+    b.load_state(load_file(tmp_path / "s.safetensors"), meta)
+    ta = tb = theta
+    for t in range(2, 4):
+        ua, ub = one_round(a, ta, t + 1, grads[t]), one_round(b, tb, t + 1, grads[t])
+        assert ua.digest == ub.digest
+        ta, tb = ua.global_flat, ub.global_flat
+    assert "outer.state.0.momentum_buffer" in a.state_tensors()
+    assert any(k.startswith("downlink.") for k in a.state_tensors())
+    with pytest.raises(ValueError, match="saved by algorithm 'diloco'"):
+        build_strategy(AlgorithmConfig(name="fedavg"), numel=256).load_state({}, meta)
+
+
+def test_site_side_round_against_coordinator(make_workload) -> None:
+    """The functions a site agent and a coordinator would call give the coordinator's digest."""
+    workload = make_workload(hidden=4)
+    model = workload.build_model(0)
+    layout = ParamLayout.from_model(model)
+    theta = layout.flatten(model)
+    strategy = build_strategy(
+        AlgorithmConfig(inner_steps=5, uplink_codec="int8", downlink_codec="int8"), numel=layout.numel
+    )
+    plan = strategy.configure_round(1, [0, 1])
+    agg = strategy.new_aggregator()
+    for k in plan.sites:
+        layout.load_(model, theta)
+        opt = InnerOptimizerConfig(lr=0.01).build(model.parameters())
+        result = run_inner_steps(model, opt, workload.site_batches(k, 2, 0), plan.inner_steps, workload.loss)
+        upload = strategy.build_uplink().encode(
+            pseudo_gradient(theta, layout.flatten(model)), seed=plan.uplink_seed(k)
+        )
+        agg.add(upload, strategy.site_weight(result.samples), site=k)
+    update = strategy.aggregate_round(theta, agg, plan)
+    assert update.sites == (0, 1)
+    assert weights_digest(apply_downlink(theta, update.downlink)) == update.digest
+    assert update.digest != weights_digest(theta)
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "fragment"),
+    [
+        ({"uplink_codec": "zip"}, "algorithm.uplink_codec", ""),
+        ({"weighting": "tokens"}, "algorithm.weighting", "'uniform' | 'samples'"),
+        ({"inner_steps": 0}, "algorithm.inner_steps", "must be >= 1"),
+        ({"error_feedback_decay": 1.5}, "algorithm.error_feedback_decay", "(0, 1]"),
+        ({"name": "ddp", "warmup_steps": 3}, "algorithm.warmup_steps", "data-parallel throughout"),
+        ({"error_feedback": "yes"}, "algorithm.error_feedback", "true or false"),
+    ],
+)
+def test_algorithm_config_errors(data, key, fragment) -> None:
+    with pytest.raises(ConfigError) as info:
+        SimulatorConfig.from_dict({"algorithm": data})
+    assert info.value.key == key
+    assert fragment in info.value.message
+
+
+def test_outer_config_defaults_resolve_per_algorithm() -> None:
+    cfg = OuterOptimizerConfig(lr=0.5)
+    assert cfg.resolved("nesterov").momentum == 0.9 and cfg.resolved("nesterov").lr == 0.5

@@ -1,0 +1,84 @@
+"""The simulator's virtual clock on hand-checked numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from geoloco.algorithms.clock import SiteConfig, round_timing, select_participants, transfer_time
+from geoloco.algorithms.config import ConfigError, config_from_dict
+
+
+def test_transfer_time_is_latency_plus_bits_over_bandwidth() -> None:
+    # 1 MB over 8 Mbit/s = 1 s, plus 50 ms latency.
+    assert transfer_time(1_000_000, 8e6, 0.05) == pytest.approx(1.05)
+
+
+def test_round_hand_checked() -> None:
+    """Two sites, 10 inner steps of 0.1 s; site 1 is twice as slow and has a thinner uplink.
+
+    site 0: compute 10·0.1·1 = 1.0 s; upload 0.01 + 8·1e6/8e7 = 0.11 s -> arrives 1.11
+    site 1: compute 10·0.1·2 = 2.0 s; upload 0.02 + 8·1e6/4e7 = 0.22 s -> arrives 2.22
+    A = 2.22; download 0.5 MB: site 0 0.01 + 8·5e5/1.6e8 = 0.035 -> 2.255;
+                               site 1 0.02 + 8·5e5/8e6  = 0.52  -> 2.74
+    utilization: site 0 1.0/2.255, site 1 2.0/2.74; round ends at 2.74.
+    """
+    sites = [
+        SiteConfig(uplink_bps=8e7, downlink_bps=1.6e8, latency_s=0.01),
+        SiteConfig(uplink_bps=4e7, downlink_bps=8e6, latency_s=0.02, step_time_factor=2.0),
+    ]
+    timing = round_timing(
+        open_s=0.0,
+        starts=[0.0, 0.0],
+        compute_s=[10 * 0.1 * s.step_time_factor for s in sites],
+        upload_bytes=[1_000_000, 1_000_000],
+        download_bytes=500_000,
+        sites=sites,
+    )
+    assert timing.included == (0, 1)
+    assert [s.upload_end_s for s in timing.sites] == pytest.approx([1.11, 2.22])
+    assert timing.aggregate_s == pytest.approx(2.22)
+    assert [s.download_end_s for s in timing.sites] == pytest.approx([2.255, 2.74])
+    assert timing.end_s == pytest.approx(2.74)
+    assert [s.utilization for s in timing.sites] == pytest.approx([1.0 / 2.255, 2.0 / 2.74])
+
+
+def test_next_round_starts_from_each_sites_download() -> None:
+    sites = [SiteConfig(latency_s=0.0, uplink_bps=8.0, downlink_bps=8.0)] * 2
+    # 1 byte at 8 bit/s = 1 s per transfer.
+    t = round_timing(open_s=5.0, starts=[5.5, 6.0], compute_s=[1.0, 1.0],
+                     upload_bytes=[1, 1], download_bytes=1, sites=sites)
+    assert [s.upload_end_s for s in t.sites] == [7.5, 8.0]
+    assert t.aggregate_s == 8.0
+    assert [s.download_end_s for s in t.sites] == [9.0, 9.0]
+    assert t.sites[0].utilization == pytest.approx(1.0 / 3.5)
+
+
+def test_deadline_excludes_straggler_and_waits_until_deadline() -> None:
+    included, at = select_participants([1.0, 1.5, 9.0], open_s=0.0, deadline_s=3.0)
+    assert included == (0, 1) and at == 3.0
+    # Everyone on time: no waiting for the deadline.
+    included, at = select_participants([1.0, 1.5], open_s=0.0, deadline_s=3.0)
+    assert included == (0, 1) and at == 1.5
+    # Quorum of 2 not met by the deadline: wait for the 2nd arrival, take all arrived by then.
+    included, at = select_participants([1.0, 5.0, 5.0, 9.0], open_s=0.0, deadline_s=3.0, min_sites=2)
+    assert included == (0, 1, 2) and at == 5.0
+
+
+def test_straggler_downloads_after_its_late_upload() -> None:
+    sites = [SiteConfig(latency_s=0.0, uplink_bps=8.0, downlink_bps=8.0)] * 2
+    t = round_timing(open_s=0.0, starts=[0.0, 0.0], compute_s=[1.0, 10.0],
+                     upload_bytes=[1, 1], download_bytes=1, sites=sites, deadline_s=4.0)
+    assert t.included == (0,)
+    assert t.aggregate_s == 4.0
+    assert [s.download_end_s for s in t.sites] == [5.0, 12.0]
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [({"uplink_bps": 0}, "sites[1].uplink_bps"), ({"latency_s": -1.0}, "sites[1].latency_s"),
+     ({"speed": 2}, "sites[1].speed"), ({"step_time_factor": "slow"}, "sites[1].step_time_factor")],
+)
+def test_site_config_errors(data, key) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(SiteConfig, data, prefix="sites[1]")
+    assert info.value.key == key

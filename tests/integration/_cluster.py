@@ -1,0 +1,144 @@
+"""A coordinator and its sites on loopback with mutual TLS, and the simulator run to compare with.
+
+Sites are named "0", "1", ... so that each site's uplink codec seed,
+``derive_seed(round_seed, "uplink", name)``, equals the simulator's ``RoundPlan.uplink_seed(k)``
+for site index ``k`` (``derive_seed`` hashes ``str(part)``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from geoloco.algorithms.clock import SiteConfig
+from geoloco.algorithms.optimizers import InnerOptimizerConfig
+from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.coordinator.server import CoordinatorServer
+from geoloco.protos.transport import TLSFiles
+from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
+from geoloco.site_agent.agent import SiteAgent, SiteRunSummary
+from geoloco.site_agent.config import RoundResult, SiteAgentConfig, SiteHooks
+
+
+def make_certs(directory: Path, sites: list[str]) -> Path:
+    init_ca(directory)
+    issue_coordinator(directory)
+    for name in sites:
+        issue_site(directory, name)
+    return directory
+
+
+@dataclass
+class Run:
+    """One experiment's settings, shared by the real system and the simulator."""
+
+    workload: Any
+    num_sites: int
+    rounds: int
+    seed: int = 0
+    algorithm: AlgorithmConfig = field(default_factory=lambda: AlgorithmConfig(inner_steps=4))
+    inner: InnerOptimizerConfig = field(default_factory=lambda: InnerOptimizerConfig(lr=3e-3))
+
+    def coordinator_config(self, certs: Path, **overrides: Any) -> CoordinatorConfig:
+        settings: dict[str, Any] = {
+            "algorithm": self.algorithm,
+            "inner_optimizer": self.inner,
+            "seed": self.seed,
+            "total_rounds": self.rounds,
+            "min_sites": self.num_sites,
+            "certs_dir": str(certs),
+        }
+        settings.update(overrides)
+        return CoordinatorConfig(**settings)
+
+    def start_coordinator(self, certs: Path, **overrides: Any) -> CoordinatorServer:
+        model = self.workload.build_model(self.seed)
+        layout = ParamLayout.from_model(model)
+        on_round_end = overrides.pop("on_round_end", None)
+        server = CoordinatorServer(
+            self.coordinator_config(certs, **overrides), layout.flatten(model), layout,
+            on_round_end=on_round_end,
+        )
+        server.start()
+        return server
+
+    def agent(self, certs: Path, port: int, index: int, results: list[RoundResult] | None = None) -> SiteAgent:
+        model = self.workload.build_model(self.seed)
+        name = str(index)
+        return SiteAgent(
+            model,
+            self.inner.build(model.parameters()),
+            self.workload.site_batches(index, self.num_sites, self.seed),
+            self.workload.loss,
+            coordinator=f"localhost:{port}",
+            site=name,
+            tls=TLSFiles.from_dir(certs, name),
+            config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05, backoff_max_s=0.5),
+            hooks=SiteHooks(on_round_end=results.append if results is not None else None),
+        )
+
+    def simulate(self) -> torch.Tensor:
+        config = SimulatorConfig(
+            algorithm=self.algorithm,
+            inner_optimizer=self.inner,
+            sites=[SiteConfig() for _ in range(self.num_sites)],
+            simulation=SimulationConfig(rounds=self.rounds, seed=self.seed, device="cpu", eval_every=10**6),
+        )
+        simulator = Simulator(config, self.workload)
+        for _ in simulator.run():
+            pass
+        return simulator.global_flat
+
+
+class AgentThread(threading.Thread):
+    """Runs ``agent.run()`` and keeps its summary or exception for the test."""
+
+    def __init__(self, agent: SiteAgent) -> None:
+        super().__init__(name=f"site-{agent.site}", daemon=True)
+        self.agent = agent
+        self.summary: SiteRunSummary | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.summary = self.agent.run()
+        except BaseException as error:  # reported by finish()
+            self.error = error
+
+    def finish(self, timeout_s: float = 90.0) -> SiteRunSummary:
+        self.join(timeout_s)
+        if self.is_alive():
+            self.agent.stop()
+            self.join(10)
+            raise AssertionError(f"site {self.agent.site} did not finish within {timeout_s} s")
+        if self.error is not None:
+            raise AssertionError(f"site {self.agent.site} failed") from self.error
+        assert self.summary is not None
+        return self.summary
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
+
+
+def wait_for(event: threading.Event, timeout_s: float = 60.0) -> None:
+    if not event.wait(timeout_s):
+        raise AssertionError(f"event not set within {timeout_s} s")
+
+
+def on_round(round_number: int, event: threading.Event) -> Callable[[dict[str, Any]], None]:
+    """An ``on_round_end`` callback that sets ``event`` once round ``round_number`` is aggregated."""
+
+    def callback(record: dict[str, Any]) -> None:
+        if record["round"] == round_number:
+            event.set()
+
+    return callback

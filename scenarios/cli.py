@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "certs": "geoloco.scenarios.certs_cmd",
     "coordinator": "geoloco.scenarios.coordinator_cmd",
     "site": "geoloco.scenarios.site_cmd",
+    "emulate": "geoloco.scenarios.emulate_cmd",
 }
 
 

@@ -1,0 +1,619 @@
+"""One emulated run: certificates, shaped links, the coordinator and site processes, faults.
+
+``Emulation(scenario, out).run()`` does, in order:
+
+1. issue a CA and certificates into ``out/certs`` (mutual TLS, as in a real deployment);
+2. start one ``LinkRelay`` per site (``geoloco.scenarios.shaping``);
+3. write ``out/coordinator.toml`` and start ``geoloco coordinator --config`` (port 0; the port is
+   read back from its log line ``listening on HOST:PORT``), point every relay at it;
+4. start ``geoloco site`` per site, dialling its relay;
+5. poll: new lines of ``metrics.jsonl``, process exits, faults due, the time budget; report
+   progress;
+6. stop every child (also on Ctrl-C / SIGTERM / an error) and return an ``EmulationResult`` for
+   ``geoloco.scenarios.report``.
+
+Site states for the progress display come from the processes and the link traffic alone: a site
+whose last transfer was an upload is *waiting* for the round's aggregate; after a download it is
+*training*; a transfer in flight is *uploading* / *downloading*.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from geoloco.scenarios.launcher import ChildProcess, wait_for
+from geoloco.scenarios.progress import (
+    STATE_CUT,
+    STATE_DONE,
+    STATE_DOWN,
+    STATE_DOWNLOADING,
+    STATE_STARTING,
+    STATE_TRAINING,
+    STATE_UPLOADING,
+    STATE_WAITING,
+    Progress,
+    SiteStatus,
+    Snapshot,
+)
+from geoloco.scenarios.scenario import CUT_LINK, KILL_COORDINATOR, KILL_SITE, Fault, Scenario
+from geoloco.scenarios.shaping import LinkRelay, LinkShape, RelayHub
+
+__all__ = ["EmulationError", "EmulationResult", "FaultEvent", "Emulation", "to_toml"]
+
+logger = logging.getLogger(__name__)
+
+LISTENING_RE = re.compile(r"listening on (?P<host>[\w.\-\[\]:]+?):(?P<port>\d+)\b")
+"""The coordinator CLI's start-up line (``... listening on 127.0.0.1:PORT``)."""
+
+FINISHED_MARK = "geoloco-coordinator finished:"
+"""The coordinator CLI's last line after a completed run."""
+
+COORDINATOR_START_TIMEOUT_S = 120.0
+POLL_INTERVAL_S = 0.1
+PROGRESS_INTERVAL_S = 0.5
+COORDINATOR_DRAIN_S = 10.0
+"""The coordinator waits this long for sites to fetch the final broadcast before it exits."""
+
+SITE_BACKOFF_MAX_S = 2.0
+"""Longest pause between a site's reconnection attempts: short, so recoveries after a fault are
+measured in the emulated faults' seconds rather than in backoff."""
+
+SITE_NICENESS = 5
+"""Sites train at a lower CPU priority than the emulator, whose relays emulate the network: on a
+machine with fewer cores than sites, a starved relay would stretch transfers the links do not."""
+
+STATUS_COMPLETED = "completed"
+STATUS_TIME_BUDGET = "time budget reached"
+STATUS_INTERRUPTED = "interrupted"
+STATUS_FAILED = "failed"
+
+
+class EmulationError(RuntimeError):
+    """The run could not start or a process failed; the message says which and where its log is."""
+
+
+@dataclass(slots=True)
+class FaultEvent:
+    """A fault as it happened (times in seconds since the run started)."""
+
+    fault: Fault
+    fired_s: float
+    fired_round: int
+    """Rounds completed when it fired."""
+    restored_s: float | None = None
+    """When the process was restarted / the link restored."""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EmulationResult:
+    scenario: Scenario
+    out: Path
+    status: str
+    """completed, time budget reached, interrupted or failed."""
+    reason: str
+    wall_s: float
+    records: list[dict[str, Any]]
+    """Coordinator metrics records, each with ``observed_s`` (seconds since start) added."""
+    bursts: dict[str, list[dict[str, Any]]]
+    """Per site, its link bursts (``direction``, ``start_s``, ``end_s``, ``bytes``), run time."""
+    wire_bytes: dict[str, tuple[int, int]]
+    """Per site, (bytes up, bytes down) through its link, TLS and gRPC framing included."""
+    site_starts: dict[str, list[float]]
+    """Per site, when its process was (re)started."""
+    site_stops: dict[str, list[float]]
+    """Per site, when its process was killed by a fault or exited."""
+    faults: list[FaultEvent]
+    coordinator_starts: list[float]
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (STATUS_COMPLETED, STATUS_TIME_BUDGET)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as a TOML value")
+
+
+def to_toml(data: dict[str, Any]) -> str:
+    """A TOML document for a dict of scalars, lists and (one level of nested) tables; None is
+    left out (TOML has no null; a missing key means the default)."""
+    lines: list[str] = []
+    tables: list[tuple[str, dict[str, Any]]] = []
+    for key, value in data.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            tables.append((key, value))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for name, table in tables:
+        lines.append(f"\n[{name}]")
+        for key, value in table.items():
+            if value is None:
+                continue
+            if isinstance(value, dict):
+                raise TypeError(f"nested table {name}.{key} is not supported")
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def geoloco_command(*args: str) -> list[str]:
+    """``python -m geoloco.scenarios.cli ARGS`` with this interpreter (no PATH lookup)."""
+    return [sys.executable, "-m", "geoloco.scenarios.cli", *args]
+
+
+class Emulation:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        out: Path,
+        *,
+        progress: Progress | None = None,
+        log_level: str = "INFO",
+    ) -> None:
+        self.scenario = scenario
+        self.out = out
+        self.progress = progress
+        self.log_level = log_level
+        self.hub: RelayHub | None = None
+        self.relays: dict[str, LinkRelay] = {}
+        self.coordinator: ChildProcess | None = None
+        self.sites: dict[str, ChildProcess] = {}
+        self.records: list[dict[str, Any]] = []
+        self.faults: list[FaultEvent] = []
+        self._pending_faults = sorted(scenario.faults, key=lambda f: (f.at_round, f.after_s))
+        self._round_started_s: dict[int, float] = {}
+        self._restarts: list[tuple[float, str, Any]] = []
+        """(when, what, payload) scheduled restarts: ("site", name) / ("coordinator", None) /
+        ("link", name) for the end of a cut."""
+        self._metrics_offset = 0
+        self._metrics_buffer = b""
+        self._t0 = time.monotonic()
+        self._site_starts: dict[str, list[float]] = {s.name: [] for s in scenario.sites}
+        self._site_stops: dict[str, list[float]] = {s.name: [] for s in scenario.sites}
+        self._coordinator_starts: list[float] = []
+        self._events: list[str] = []
+        self._last_progress = 0.0
+        self._coordinator_log_seen = 0
+
+    # -- paths ------------------------------------------------------------------------------------
+
+    @property
+    def certs_dir(self) -> Path:
+        return self.out / "certs"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out / "metrics.jsonl"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.out / "logs"
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def _issue_certificates(self) -> None:
+        from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
+
+        init_ca(self.certs_dir, force=True)
+        issue_coordinator(self.certs_dir, force=True)
+        for site in self.scenario.sites:
+            issue_site(self.certs_dir, site.name, force=True)
+
+    def coordinator_config(self) -> dict[str, Any]:
+        """The ``geoloco coordinator --config`` table for this scenario."""
+        s = self.scenario
+        run = s.run
+        return {
+            "seed": run.seed,
+            "total_rounds": run.rounds,
+            "min_sites": s.quorum,
+            "round_deadline_s": run.round_deadline_s,
+            "heartbeat_interval_s": run.heartbeat_interval_s,
+            "heartbeat_timeout_s": run.heartbeat_timeout_s,
+            "host": "127.0.0.1",
+            "port": 0,
+            "certs_dir": str(self.certs_dir.resolve()),
+            "allowed_sites": [site.name for site in s.sites],
+            "checkpoint_dir": str((self.out / "checkpoints").resolve()),
+            "checkpoint_every": 1,
+            "metrics_path": str(self.metrics_path.resolve()),
+            "eval_every": run.eval_every,
+            "drain_timeout_s": COORDINATOR_DRAIN_S,
+            "device": "cpu",
+            "algorithm": s.algorithm.to_dict(),
+            "inner_optimizer": s.inner_optimizer.to_dict(),
+            "outer_optimizer": s.outer_optimizer.to_dict(),
+            "workload": dict(s.workload),
+        }
+
+    def site_command(self, index: int) -> list[str]:
+        site = self.scenario.sites[index]
+        relay = self.relays[site.name]
+        return geoloco_command(
+            "--log-level", self.log_level,
+            "site",
+            "--coordinator", f"127.0.0.1:{relay.port}",
+            "--name", site.name,
+            "--certs", str(self.certs_dir.resolve()),
+            "--device", "cpu",
+            "--site-index", str(self.scenario.shard_of(index)),
+            "--num-sites", str(len(self.scenario.sites)),
+            "--backoff-max", repr(SITE_BACKOFF_MAX_S),
+            *(["--speed-factor", repr(site.speed_factor)] if site.speed_factor != 1.0 else []),
+        )
+
+    def _child_env(self) -> dict[str, str]:
+        from geoloco.protos.transport import recommended_env
+
+        env = recommended_env()
+        # Every site gets one compute thread: N sites share this machine's cores, and
+        # oversubscribed torch thread pools make step times erratic.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("MKL_NUM_THREADS", "1")
+        return env
+
+    def _start_coordinator(self) -> None:
+        assert self.coordinator is not None and self.hub is not None
+        log = self.coordinator.log_path
+        self._coordinator_log_seen = len(log.read_bytes()) if log.exists() else 0
+        self.coordinator.start()
+        self._coordinator_starts.append(self.now())
+        match = wait_for(
+            lambda: self._listening_line(),
+            COORDINATOR_START_TIMEOUT_S,
+            what="the coordinator's 'listening on' line",
+        )
+        assert isinstance(match, re.Match)
+        port = int(match["port"])
+        self.hub.set_target("127.0.0.1", port)
+        logger.debug("coordinator listening on port %d", port)
+
+    def _listening_line(self) -> re.Match[str] | None:
+        assert self.coordinator is not None
+        if not self.coordinator.running:
+            raise EmulationError(
+                f"the coordinator exited with status {self.coordinator.returncode} before it "
+                f"listened; its log ({self.coordinator.log_path}) ends with:\n"
+                f"{self.coordinator.log_tail()}"
+            )
+        data = self.coordinator.log_path.read_bytes()[self._coordinator_log_seen :]
+        return LISTENING_RE.search(data.decode(errors="replace"))
+
+    def _start_site(self, name: str) -> None:
+        self.sites[name].start()
+        self._site_starts[name].append(self.now())
+
+    def setup(self) -> None:
+        s = self.scenario
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.logs_dir.mkdir(exist_ok=True)
+        for stale in (self.metrics_path, self.out / "links.jsonl"):
+            stale.unlink(missing_ok=True)
+        (self.out / "scenario.json").write_text(json.dumps(s.to_dict(), indent=2) + "\n")
+        self._issue_certificates()
+        self.hub = RelayHub()
+        for site in s.sites:
+            self.relays[site.name] = self.hub.add(
+                site.name,
+                LinkShape(site.uplink_bps, site.latency_s, site.jitter_s, site.loss),
+                LinkShape(site.downlink_bps, site.latency_s, site.jitter_s, site.loss),
+                seed=s.run.seed,
+            )
+        config_path = self.out / "coordinator.toml"
+        config_path.write_text(to_toml(self.coordinator_config()))
+        env = self._child_env()
+        self.coordinator = ChildProcess(
+            "coordinator",
+            geoloco_command("--log-level", self.log_level, "coordinator", "--config", str(config_path.resolve())),
+            log_path=self.logs_dir / "coordinator.log",
+            env=env,
+        )
+        for index, site in enumerate(s.sites):
+            self.sites[site.name] = ChildProcess(
+                site.name,
+                self.site_command(index),
+                log_path=self.logs_dir / f"{site.name}.log",
+                env=env,
+                nice=SITE_NICENESS,
+            )
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    def run(self) -> EmulationResult:
+        status, reason = STATUS_FAILED, "not started"
+        try:
+            self.setup()
+            self._t0 = time.monotonic()
+            self._start_coordinator()
+            for name in self.sites:
+                self._start_site(name)
+            self._round_started_s[0] = self.now()
+            status, reason = self._loop()
+        except KeyboardInterrupt:
+            status, reason = STATUS_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); every child stopped"
+        except (EmulationError, TimeoutError) as err:
+            status, reason = STATUS_FAILED, str(err)
+        finally:
+            wall = self.now()
+            self.shutdown()
+        self._read_metrics()
+        return self._result(status, reason, wall)
+
+    def _loop(self) -> tuple[str, str]:
+        run = self.scenario.run
+        assert self.coordinator is not None
+        while True:
+            now = self.now()
+            self._read_metrics()
+            self._fire_faults(now)
+            self._do_restarts(now)
+            self._check_sites()
+            if not self.coordinator.running and not self._coordinator_down():
+                code = self.coordinator.returncode
+                if code == 0:
+                    return STATUS_COMPLETED, f"{len(self.records)} rounds aggregated"
+                self._read_metrics()
+                if self._coordinator_finished() and FINISHED_MARK in self.coordinator.log_text():
+                    # Finished and said so, then crashed on the way out (seen: gRPC's C++ core
+                    # aborting at interpreter exit): the run itself is complete.
+                    logger.warning(
+                        "the coordinator finished the run but exited with status %d; see %s",
+                        code, self.coordinator.log_path,
+                    )
+                    return STATUS_COMPLETED, (
+                        f"{len(self.records)} rounds aggregated (the coordinator then exited with "
+                        f"status {code}; see {self.coordinator.log_path})"
+                    )
+                raise EmulationError(
+                    f"the coordinator exited with status {code}; its log "
+                    f"({self.coordinator.log_path}) ends with:\n{self.coordinator.log_tail()}"
+                )
+            if run.time_budget_s is not None and now >= run.time_budget_s:
+                return STATUS_TIME_BUDGET, f"stopped after the time budget of {run.time_budget_s:g} s"
+            if now >= run.timeout_s:
+                raise EmulationError(
+                    f"the run did not finish within run.timeout_s = {run.timeout_s:g} s "
+                    f"({self._rounds_done()} rounds aggregated); see the logs in {self.logs_dir}"
+                )
+            self._show_progress(now)
+            time.sleep(POLL_INTERVAL_S)
+
+    def _coordinator_down(self) -> bool:
+        """The coordinator is dead on purpose (a fault) and waits for its restart."""
+        return any(kind == "coordinator" for _, kind, _ in self._restarts)
+
+    def _check_sites(self) -> None:
+        for name, child in self.sites.items():
+            code = child.returncode
+            if code is None or child.expected_exit:
+                continue
+            if code == 0:
+                child.expected_exit = True
+                self._site_stops[name].append(self.now())
+                continue
+            raise EmulationError(
+                f"site {name} exited with status {code}; its log ({child.log_path}) ends with:\n"
+                f"{child.log_tail()}"
+            )
+
+    def _rounds_done(self) -> int:
+        return 1 + max((int(r["round"]) for r in self.records), default=-1)
+
+    def _read_metrics(self) -> None:
+        path = self.metrics_path
+        if not path.exists():
+            return
+        with path.open("rb") as f:
+            f.seek(self._metrics_offset)
+            data = f.read()
+        self._metrics_offset += len(data)
+        data = self._metrics_buffer + data
+        *lines, self._metrics_buffer = data.split(b"\n")
+        for line in lines:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            record["observed_s"] = round(self.now(), 3)
+            done_before = self._rounds_done()
+            self.records.append(record)
+            done = self._rounds_done()
+            if done > done_before:
+                self._round_started_s.setdefault(done, self.now())
+
+    # -- faults -----------------------------------------------------------------------------------
+
+    def _fire_faults(self, now: float) -> None:
+        while self._pending_faults:
+            fault = self._pending_faults[0]
+            began = self._round_started_s.get(fault.at_round)
+            if began is None or now < began + fault.after_s:
+                return
+            self._pending_faults.pop(0)
+            self._fire(fault, now)
+
+    def _event(self, text: str) -> None:
+        line = f"[{self.now():7.1f}s] {text}"
+        logger.debug("%s", text)
+        self._events.append(line)
+
+    def _fire(self, fault: Fault, now: float) -> None:
+        event = FaultEvent(fault=fault, fired_s=now, fired_round=self._rounds_done())
+        self.faults.append(event)
+        self._event(f"fault: {fault.describe()}")
+        if fault.kind == KILL_SITE:
+            assert fault.site is not None
+            child = self.sites[fault.site]
+            if child.running:
+                child.kill()
+                self._site_stops[fault.site].append(self.now())
+            else:
+                event.notes.append("the site had already exited; nothing to kill")
+            self._restarts.append((now + fault.down_s, "site", (fault.site, event)))
+        elif fault.kind == KILL_COORDINATOR:
+            assert self.coordinator is not None
+            self.coordinator.kill()
+            self._restarts.append((now + fault.down_s, "coordinator", event))
+        elif fault.kind == CUT_LINK:
+            assert fault.site is not None and self.hub is not None
+            self.hub.cut(fault.site, fault.down_s)
+            self._restarts.append((now + fault.down_s, "link", (fault.site, event)))
+
+    def _do_restarts(self, now: float) -> None:
+        due = [r for r in self._restarts if r[0] <= now]
+        if not due:
+            return
+        self._restarts = [r for r in self._restarts if r[0] > now]
+        for _, kind, payload in due:
+            if kind == "site":
+                name, event = payload
+                if self._coordinator_finished():
+                    event.notes.append("not restarted: the run had already finished")
+                    continue
+                self._start_site(name)
+                event.restored_s = self.now()
+                self._event(f"restarted site {name}")
+            elif kind == "coordinator":
+                event = payload
+                self._start_coordinator()
+                event.restored_s = self.now()
+                self._event("restarted the coordinator (it resumes from its newest checkpoint)")
+            else:
+                name, event = payload
+                event.restored_s = self.now()
+                self._event(f"link of site {name} restored")
+
+    def _coordinator_finished(self) -> bool:
+        return any(r.get("run_finished") for r in self.records)
+
+    # -- progress ---------------------------------------------------------------------------------
+
+    def site_state(self, name: str) -> str:
+        child = self.sites[name]
+        relay = self.relays[name]
+        if not child.running:
+            return STATE_DONE if child.returncode == 0 else (STATE_DOWN if child.starts else STATE_STARTING)
+        if relay.is_cut():
+            return STATE_CUT
+        active = relay.active_direction()
+        if active == "up":
+            return STATE_UPLOADING
+        if active == "down":
+            return STATE_DOWNLOADING
+        bursts = relay.bursts()
+        since = self._site_starts[name][-1] + self._t0 if self._site_starts[name] else 0.0
+        bursts = [b for b in bursts if b.start_s >= since]
+        if not bursts:
+            return STATE_STARTING
+        return STATE_WAITING if bursts[-1].direction == "up" else STATE_TRAINING
+
+    def snapshot(self) -> Snapshot:
+        latest_loss: dict[str, float] = {}
+        eval_loss = None
+        train_loss = None
+        for record in self.records:
+            for site, metrics in (record.get("site_metrics") or {}).items():
+                if metrics.get("train_loss") is not None:
+                    latest_loss[site] = float(metrics["train_loss"])
+            if record.get("eval_loss") is not None:
+                eval_loss = float(record["eval_loss"])
+        if self.records:
+            losses = [
+                float(m["train_loss"])
+                for m in (self.records[-1].get("site_metrics") or {}).values()
+                if m.get("train_loss") is not None
+            ]
+            train_loss = sum(losses) / len(losses) if losses else None
+        now = self.now()
+        done = self._rounds_done()
+        run = self.scenario.run
+        eta = None
+        if run.rounds and done:
+            eta = (now / done) * (run.rounds - done)
+        if run.time_budget_s is not None:
+            remaining = run.time_budget_s - now
+            eta = remaining if eta is None else min(eta, remaining)
+        sites = [
+            SiteStatus(
+                name=name,
+                state=self.site_state(name),
+                bytes_up=self.relays[name].bytes_up,
+                bytes_down=self.relays[name].bytes_down,
+                train_loss=latest_loss.get(name),
+            )
+            for name in self.sites
+        ]
+        events, self._events = self._events, []
+        return Snapshot(
+            elapsed_s=now, round=done, total_rounds=run.rounds, sites=sites,
+            eval_loss=eval_loss, train_loss=train_loss, eta_s=eta, events=events,
+        )
+
+    def _show_progress(self, now: float) -> None:
+        if self.progress is None:
+            self._events.clear()
+            return
+        if now - self._last_progress < PROGRESS_INTERVAL_S and not self._events:
+            return
+        self._last_progress = now
+        self.progress.update(self.snapshot())
+
+    # -- tear-down --------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop every child (sites first, then the coordinator) and the relays. Idempotent."""
+        for name, child in self.sites.items():
+            if child.running:
+                self._site_stops[name].append(self.now())
+            child.stop()
+        if self.coordinator is not None:
+            self.coordinator.stop()
+        if self.hub is not None:
+            self._bursts_snapshot = {
+                name: [b.to_dict(self._t0) for b in relay.bursts(time.monotonic() + 3600)]
+                for name, relay in self.relays.items()
+            }
+            self.hub.close()
+            self.hub = None
+
+    def _result(self, status: str, reason: str, wall: float) -> EmulationResult:
+        bursts = getattr(self, "_bursts_snapshot", {})
+        with (self.out / "links.jsonl").open("w") as f:
+            for name, items in bursts.items():
+                for item in items:
+                    f.write(json.dumps({"site": name, **item}) + "\n")
+        return EmulationResult(
+            scenario=self.scenario,
+            out=self.out,
+            status=status,
+            reason=reason,
+            wall_s=wall,
+            records=self.records,
+            bursts=bursts,
+            wire_bytes={n: (r.bytes_up, r.bytes_down) for n, r in self.relays.items()},
+            site_starts=self._site_starts,
+            site_stops=self._site_stops,
+            faults=self.faults,
+            coordinator_starts=self._coordinator_starts,
+        )

@@ -1,0 +1,475 @@
+"""The report of an emulated run: ``summary.md``, PNG plots, and the fidelity check.
+
+Everything is derived from three sources the emulator collected: the coordinator's metrics
+records (rounds, losses, payload bytes, participants), the relays' bursts (when each site was
+moving bytes, in which direction) and the process start/stop times. A site's time splits into
+
+- **communication**: a burst of its link is in flight;
+- **compute**: from the end of a download (it holds new weights) to the start of its next upload;
+- **idle**: from the end of an upload to the start of the next download (waiting for the other
+  sites and the aggregation), and joining;
+- **down**: its process was killed.
+
+**Fidelity.** For each site, the measured communication time per round (mean upload burst + mean
+download burst, the initial full-weights fetch excluded) is compared with the simulator's clock,
+``geoloco.algorithms.clock.transfer_time(bytes, bandwidth, latency)`` for the round's upload and
+broadcast payload bytes from the coordinator's metrics — what ``geoloco simulate`` would charge.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from geoloco.algorithms.clock import transfer_time
+from geoloco.scenarios.emulation import EmulationResult
+from geoloco.scenarios.progress import human_bytes
+
+__all__ = ["Fidelity", "SiteFidelity", "SiteReport", "fidelity", "site_reports", "write_report"]
+
+logger = logging.getLogger(__name__)
+
+FIDELITY_TOLERANCE = 0.15
+"""The emulator and the simulator's clock should agree on communication time within this."""
+FIDELITY_FLOOR_S = 0.02
+"""...or within this many seconds: on a busy machine the relay's timers and the processes'
+scheduling add a few milliseconds per transfer, which matters only on the fastest links."""
+
+COMPUTE, COMMUNICATION, IDLE, DOWN = "compute", "communication", "idle", "down"
+COLORS = {COMPUTE: "#4c72b0", COMMUNICATION: "#dd8452", IDLE: "#cccccc", DOWN: "#c44e52"}
+
+
+@dataclass(slots=True)
+class SiteReport:
+    name: str
+    payload_up: int
+    """Bytes of the updates the coordinator received from this site (its metrics)."""
+    payload_down: int
+    """Bytes the coordinator counted as sent to this site."""
+    wire_up: int
+    """Bytes through the site's link towards the coordinator (TLS, gRPC, heartbeats included)."""
+    wire_down: int
+    rounds_included: int
+    compute_s: float
+    communication_s: float
+    idle_s: float
+    down_s: float
+    final_train_loss: float | None
+
+    @property
+    def alive_s(self) -> float:
+        return self.compute_s + self.communication_s + self.idle_s
+
+    @property
+    def utilization(self) -> float:
+        return self.compute_s / self.alive_s if self.alive_s > 0 else 0.0
+
+    @property
+    def network_wait_s(self) -> float:
+        return self.communication_s + self.idle_s
+
+
+@dataclass(slots=True)
+class SiteFidelity:
+    name: str
+    rounds: int
+    measured_s: float
+    """Mean communication seconds per round (upload + download) through the shaped link."""
+    predicted_s: float
+    """The simulator clock's ``latency + 8·bytes/bandwidth`` for the same bytes, both ways."""
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_s / self.predicted_s if self.predicted_s > 0 else math.nan
+
+    @property
+    def within_tolerance(self) -> bool:
+        return abs(self.measured_s - self.predicted_s) <= max(
+            FIDELITY_TOLERANCE * self.predicted_s, FIDELITY_FLOOR_S
+        )
+
+
+@dataclass(slots=True)
+class Fidelity:
+    sites: list[SiteFidelity]
+    skipped: str | None = None
+    links: list[Any] = field(default_factory=list)
+    """The scenario's sites (their link settings), for the notes."""
+    """Why no comparison was made (faults, no complete round)."""
+
+    @property
+    def measured_s(self) -> float:
+        return sum(s.measured_s for s in self.sites) / max(1, len(self.sites))
+
+    @property
+    def predicted_s(self) -> float:
+        return sum(s.predicted_s for s in self.sites) / max(1, len(self.sites))
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_s / self.predicted_s if self.predicted_s > 0 else math.nan
+
+    @property
+    def within_tolerance(self) -> bool:
+        return bool(self.sites) and all(s.within_tolerance for s in self.sites)
+
+    def lines(self) -> list[str]:
+        if self.skipped:
+            return [f"fidelity check skipped: {self.skipped}"]
+        lines = ["communication time per round, emulator vs simulator clock (same bytes, links):"]
+        width = max(len(s.name) for s in self.sites)
+        for s in self.sites:
+            lines.append(
+                f"  {s.name.ljust(width)}  measured {s.measured_s:7.3f} s  simulated "
+                f"{s.predicted_s:7.3f} s  ratio {s.ratio:5.2f}  ({s.rounds} rounds)"
+            )
+        verdict = "within" if self.within_tolerance else "OUTSIDE"
+        lines.append(
+            f"  {'mean'.ljust(width)}  measured {self.measured_s:7.3f} s  simulated "
+            f"{self.predicted_s:7.3f} s  ratio {self.ratio:5.2f}  ({verdict} "
+            f"±{FIDELITY_TOLERANCE:.0%} or ±{FIDELITY_FLOOR_S * 1000:.0f} ms per site)"
+        )
+        if any(s.loss or s.jitter_s for s in self.links):
+            lines.append(
+                "  note: the simulator's clock has no loss or jitter; links with them take longer"
+            )
+        return lines
+
+
+# -- per-site timelines ----------------------------------------------------------------------------
+
+
+def _lifetimes(result: EmulationResult, name: str) -> list[tuple[float, float]]:
+    starts = result.site_starts.get(name, [])
+    stops = sorted(result.site_stops.get(name, []))
+    spans = []
+    for start in starts:
+        stop = next((t for t in stops if t >= start), result.wall_s)
+        spans.append((start, min(stop, result.wall_s)))
+    return spans
+
+
+def site_timeline(result: EmulationResult, name: str) -> list[tuple[str, float, float]]:
+    """``(kind, start_s, end_s)`` segments covering the site's run (see the module docstring)."""
+    segments: list[tuple[str, float, float]] = []
+    bursts = sorted(result.bursts.get(name, []), key=lambda b: b["start_s"])
+    spans = _lifetimes(result, name)
+    for i, (start, stop) in enumerate(spans):
+        if i + 1 < len(spans) and spans[i + 1][0] > stop:
+            segments.append((DOWN, stop, spans[i + 1][0]))
+        cursor = start
+        state = IDLE  # joining until the first download
+        for burst in bursts:
+            b0, b1 = max(burst["start_s"], start), min(burst["end_s"], stop)
+            if b1 <= b0 or b0 < cursor - 1e-9 and b1 <= cursor:
+                continue
+            b0 = max(b0, cursor)
+            if b0 > cursor:
+                segments.append((state, cursor, b0))
+            segments.append((COMMUNICATION, b0, b1))
+            cursor = b1
+            state = COMPUTE if burst["direction"] == "down" else IDLE
+        if stop > cursor:
+            segments.append((state if state == IDLE else COMPUTE, cursor, stop))
+    return segments
+
+
+def site_reports(result: EmulationResult) -> list[SiteReport]:
+    payload_up: dict[str, int] = {}
+    payload_down: dict[str, int] = {}
+    included: dict[str, int] = {}
+    last_loss: dict[str, float] = {}
+    for record in result.records:
+        for site, n in (record.get("bytes_up") or {}).items():
+            payload_up[site] = payload_up.get(site, 0) + int(n)
+        for site, n in (record.get("bytes_down") or {}).items():
+            payload_down[site] = payload_down.get(site, 0) + int(n)
+        for site in record.get("participants") or []:
+            included[site] = included.get(site, 0) + 1
+        for site, metrics in (record.get("site_metrics") or {}).items():
+            if metrics.get("train_loss") is not None:
+                last_loss[site] = float(metrics["train_loss"])
+    reports = []
+    for site in result.scenario.sites:
+        totals = {COMPUTE: 0.0, COMMUNICATION: 0.0, IDLE: 0.0, DOWN: 0.0}
+        for kind, t0, t1 in site_timeline(result, site.name):
+            totals[kind] += t1 - t0
+        wire_up, wire_down = result.wire_bytes.get(site.name, (0, 0))
+        reports.append(
+            SiteReport(
+                name=site.name,
+                payload_up=payload_up.get(site.name, 0),
+                payload_down=payload_down.get(site.name, 0),
+                wire_up=wire_up,
+                wire_down=wire_down,
+                rounds_included=included.get(site.name, 0),
+                compute_s=totals[COMPUTE],
+                communication_s=totals[COMMUNICATION],
+                idle_s=totals[IDLE],
+                down_s=totals[DOWN],
+                final_train_loss=last_loss.get(site.name),
+            )
+        )
+    return reports
+
+
+# -- fidelity --------------------------------------------------------------------------------------
+
+
+def fidelity(result: EmulationResult) -> Fidelity:
+    """Measured vs simulated communication time per round, per site (see the module docstring)."""
+    if result.scenario.faults:
+        return Fidelity([], skipped="the scenario injects faults (compare fault-free runs only)")
+    records = [r for r in result.records if r.get("participants")]
+    if not records:
+        return Fidelity([], skipped="no round was aggregated")
+    sites = []
+    for site in result.scenario.sites:
+        link = site.clock_site()
+        rounds = [r for r in records if site.name in r["participants"]]
+        if not rounds:
+            continue
+        ups = [int(r["bytes_up"].get(site.name, 0)) for r in rounds]
+        downs = [int(r["downlink_bytes"]) for r in records]
+        predicted_up = sum(transfer_time(n, link.uplink_bps, link.latency_s) for n in ups) / len(ups)
+        predicted_down = sum(transfer_time(n, link.downlink_bps, link.latency_s) for n in downs) / len(downs)
+        # Without faults a site's traffic is: TLS handshakes, joins and the full-weights fetch,
+        # then one upload and one broadcast per round. The last transfers of each direction are
+        # the rounds' (heartbeats are below the burst threshold).
+        bursts = result.bursts.get(site.name, [])
+        up = [b for b in bursts if b["direction"] == "up"][-len(ups):]
+        down = [b for b in bursts if b["direction"] == "down"][-len(downs):]
+        if len(up) < len(ups) or len(down) < len(downs):
+            continue
+        measured_up = sum(b["end_s"] - b["start_s"] for b in up) / len(up)
+        measured_down = sum(b["end_s"] - b["start_s"] for b in down) / len(down)
+        sites.append(
+            SiteFidelity(
+                name=site.name,
+                rounds=len(rounds),
+                measured_s=measured_up + measured_down,
+                predicted_s=predicted_up + predicted_down,
+            )
+        )
+    if not sites:
+        return Fidelity([], skipped="no site completed an upload and a download")
+    return Fidelity(sites, links=list(result.scenario.sites))
+
+
+# -- plots -----------------------------------------------------------------------------------------
+
+
+def _loss_series(result: EmulationResult) -> list[dict[str, Any]]:
+    """Per aggregated round: round, eval loss, mean train loss, cumulative bytes, time."""
+    series = []
+    for record in result.records:
+        metrics = record.get("site_metrics") or {}
+        losses = [float(m["train_loss"]) for m in metrics.values() if m.get("train_loss") is not None]
+        series.append(
+            {
+                "round": int(record["round"]) + 1,
+                "eval_loss": record.get("eval_loss"),
+                "train_loss": sum(losses) / len(losses) if losses else None,
+                "bytes": int(record.get("bytes_up_total", 0)) + int(record.get("bytes_down_total", 0)),
+                "bytes_up": int(record.get("bytes_up_total", 0)),
+                "time_s": float(record.get("observed_s", 0.0)),
+            }
+        )
+    return series
+
+
+def write_plots(result: EmulationResult, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = _loss_series(result)
+    written = []
+    for x_key, x_label, file_name in (
+        ("round", "round", "loss_vs_round.png"),
+        ("bytes_up", "bytes sent by the sites (cumulative, payload)", "loss_vs_bytes.png"),
+        ("time_s", "wall-clock seconds", "loss_vs_time.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for y_key, label, style in (("eval_loss", "eval loss (global weights)", "o-"),
+                                    ("train_loss", "train loss (mean over sites)", ".--")):
+            points = [(p[x_key], p[y_key]) for p in series if p[y_key] is not None]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, style, label=label)
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("loss")
+        ax.set_title(f"{Path(result.scenario.source).stem}: loss vs {x_label.split(' (')[0]}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out / file_name
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    names = [s.name for s in result.scenario.sites]
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.6))
+    for row, name in enumerate(names):
+        by_kind: dict[str, list[tuple[float, float]]] = {}
+        for kind, t0, t1 in site_timeline(result, name):
+            by_kind.setdefault(kind, []).append((t0, t1 - t0))
+        for kind, bars in by_kind.items():
+            ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=COLORS[kind])
+    for event in result.faults:
+        ax.axvline(event.fired_s, color="black", linestyle=":", linewidth=1)
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlabel("wall-clock seconds")
+    ax.set_title("per-site timeline (dotted: faults)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    ax.legend(handles, list(COLORS), loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4)
+    fig.tight_layout()
+    path = out / "timeline.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+# -- summary.md ------------------------------------------------------------------------------------
+
+
+def _fault_recovery(result: EmulationResult) -> list[str]:
+    lines = []
+    for event in result.faults:
+        fault = event.fault
+        parts = [f"- **{fault.describe()}** — fired at {event.fired_s:.1f} s "
+                 f"({event.fired_round} rounds aggregated)"]
+        if event.restored_s is not None:
+            parts.append(f"restored at {event.restored_s:.1f} s")
+        after = [r for r in result.records if r.get("observed_s", 0) >= event.fired_s]
+        if fault.site is not None:
+            missed = [int(r["round"]) for r in after if fault.site not in (r.get("participants") or [])]
+            back = next(
+                (r for r in after
+                 if fault.site in (r.get("participants") or [])
+                 and event.restored_s is not None and r.get("observed_s", 0) >= event.restored_s),
+                None,
+            )
+            missed = [m for m in missed if back is None or m < int(back["round"])]
+            if missed:
+                parts.append(f"round(s) {', '.join(map(str, missed))} aggregated without {fault.site}")
+            if back is not None:
+                parts.append(
+                    f"{fault.site} contributed again in round {back['round']} "
+                    f"({back['observed_s'] - event.fired_s:.1f} s after the fault)"
+                )
+            else:
+                parts.append(f"{fault.site} did not contribute again before the run ended")
+        else:
+            before = {r.get("session_id") for r in result.records if r.get("observed_s", 0) < event.fired_s}
+            resumed = next((r for r in after if r.get("session_id") not in before), None)
+            if resumed is not None:
+                parts.append(
+                    f"the restarted coordinator (new session) aggregated round {resumed['round']} "
+                    f"{resumed['observed_s'] - event.fired_s:.1f} s after the kill, resuming from "
+                    "its checkpoint"
+                )
+            else:
+                parts.append("no round was aggregated by the restarted coordinator")
+        parts.extend(event.notes)
+        lines.append("; ".join(p for p in parts if p) + ".")
+    return lines
+
+
+def _lost_rounds(result: EmulationResult) -> str:
+    rounds = sorted({int(r["round"]) for r in result.records})
+    expected = result.scenario.run.rounds
+    if not rounds:
+        return "no round was aggregated"
+    missing = [r for r in range(max(rounds) + 1) if r not in rounds]
+    text = f"rounds 0..{max(rounds)} aggregated"
+    if missing:
+        text += f"; MISSING: {missing}"
+    if expected and result.status == "completed" and max(rounds) + 1 != expected:
+        text += f"; expected {expected} rounds"
+    repeated = len(result.records) - len(rounds)
+    if repeated:
+        text += f"; {repeated} round(s) aggregated twice (re-done after a coordinator restart)"
+    return text
+
+
+def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fidelity, plots: list[Path]) -> str:
+    s = result.scenario
+    algo = s.algorithm
+    final_eval = next((r["eval_loss"] for r in reversed(result.records) if r.get("eval_loss") is not None), None)
+    lines = [
+        f"# Emulation report: {Path(s.source).name}",
+        "",
+        f"- status: **{result.status}** ({result.reason})",
+        f"- wall-clock: {result.wall_s:.1f} s",
+        f"- workload: {s.workload_name} {s.workload_options}",
+        f"- algorithm: {algo.name}, H={algo.inner_steps}, uplink {algo.uplink_codec}, "
+        f"downlink {algo.downlink_codec}, {len(s.sites)} sites (quorum {s.quorum})",
+        f"- rounds: {_lost_rounds(result)}",
+        f"- final eval loss: {'n/a' if final_eval is None else f'{final_eval:.4f}'}",
+        "",
+        "## Sites",
+        "",
+        "| site | link up/down, latency | speed | bytes up (payload / wire) | bytes down (payload / wire) "
+        "| rounds included | compute utilization | waiting on network (comm + idle) | down | final train loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for site, r in zip(s.sites, reports):
+        lines.append(
+            f"| {r.name} | {site.uplink_bps / 1e6:g}/{site.downlink_bps / 1e6:g} Mbit/s, "
+            f"{site.latency_s * 1000:g} ms | {site.speed_factor:g}x | {human_bytes(r.payload_up)} / "
+            f"{human_bytes(r.wire_up)} | {human_bytes(r.payload_down)} / {human_bytes(r.wire_down)} | "
+            f"{r.rounds_included} | {100 * r.utilization:.1f} % | {r.network_wait_s:.1f} s "
+            f"({r.communication_s:.1f} + {r.idle_s:.1f}) | {r.down_s:.1f} s | "
+            f"{'n/a' if r.final_train_loss is None else f'{r.final_train_loss:.4f}'} |"
+        )
+    total = lambda attr: sum(getattr(r, attr) for r in reports)  # noqa: E731
+    mean_util = sum(r.utilization for r in reports) / max(1, len(reports))
+    lines.append(
+        f"| **total** | | | {human_bytes(total('payload_up'))} / {human_bytes(total('wire_up'))} | "
+        f"{human_bytes(total('payload_down'))} / {human_bytes(total('wire_down'))} | | "
+        f"{100 * mean_util:.1f} % (mean) | {total('network_wait_s'):.1f} s | {total('down_s'):.1f} s | |"
+    )
+    lines += ["", "## Faults", ""]
+    lines += _fault_recovery(result) or ["None injected."]
+    lines += ["", "## Fidelity (emulator vs simulator clock)", "", "```", *fid.lines(), "```", ""]
+    lines += ["## Plots", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    lines += [
+        "",
+        "## Files",
+        "",
+        "- `metrics.jsonl`: the coordinator's record of every round (every site's bytes, loss, "
+        "participation); `observed_s` is not in it (the emulator's clock is in `rounds.jsonl`)",
+        "- `links.jsonl`: every transfer burst per site and direction (start, end, bytes)",
+        "- `logs/`: each process's output; `coordinator.toml`: the coordinator's config; "
+        "`scenario.json`: the scenario as run",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_report(result: EmulationResult) -> tuple[Path, Fidelity]:
+    """Write ``summary.md``, ``rounds.jsonl`` and the PNG plots into ``result.out``."""
+    import json
+
+    out = result.out
+    with (out / "rounds.jsonl").open("w") as f:
+        for record in result.records:
+            f.write(json.dumps({"round": record["round"], "observed_s": record.get("observed_s"),
+                                "session_id": record.get("session_id")}) + "\n")
+    reports = site_reports(result)
+    fid = fidelity(result)
+    try:
+        plots = write_plots(result, out)
+    except Exception:  # a broken plot must not lose the summary
+        logger.exception("could not draw the plots")
+        plots = []
+    path = out / "summary.md"
+    path.write_text(summary_markdown(result, reports, fid, plots))
+    return path, fid

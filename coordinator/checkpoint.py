@@ -9,7 +9,12 @@ A checkpoint is two files in the checkpoint folder:
 
 Each file is written to a temporary name, fsync'ed, renamed over its final name and the folder is
 fsync'ed, so ``kill -9`` at any instant leaves either the previous checkpoint or the new one, never
-a torn file. The tensor file is written before the pointer; a crash between the two leaves an
+a torn file. The tensor file is streamed to disk tensor by tensor (and hashed on the way) rather
+than built as one blob in memory first: for a 50M-parameter model the blob and the per-tensor
+byte copies of ``safetensors.torch.save`` made the checkpoint the coordinator's memory peak
+(about 1 GB on top of the weights; see ``benchmarks/bench_coordinator_memory.py``).
+
+The tensor file is written before the pointer; a crash between the two leaves an
 orphan tensor file that the next save removes. The last ``keep`` tensor files are kept so an
 operator can roll back by hand.
 """
@@ -21,18 +26,36 @@ import json
 import logging
 import os
 import re
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 
 logger = logging.getLogger(__name__)
 
 POINTER_NAME = "checkpoint.json"
 FORMAT_VERSION = 1
 _TENSOR_FILE = re.compile(r"^round-(\d{6,})\.safetensors$")
+_HASH_BLOCK = 16 << 20
+"""Bytes read at a time when verifying a tensor file's checksum."""
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+"""torch dtype -> safetensors dtype name, for the dtypes a checkpoint holds."""
 
 
 class CheckpointError(RuntimeError):
@@ -57,14 +80,72 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write_with(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` through a temporary file, fsync, rename, fsync the folder."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
-        f.write(data)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    _atomic_write_with(path, lambda f: f.write(data))
+
+
+def _safetensors_layout(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+    """The safetensors header (length prefix and JSON, padded to 8 bytes as safetensors does)
+    and the tensors in file order, as contiguous CPU tensors (no copy when already so)."""
+    header: dict[str, Any] = {}
+    ordered = []
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has dtype {tensor.dtype}; supported: "
+                f"{', '.join(str(d) for d in SAFETENSORS_DTYPES)}"
+            )
+        cpu = tensor.detach().to("cpu").contiguous()
+        nbytes = cpu.numel() * cpu.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[cpu.dtype],
+            "shape": list(cpu.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        ordered.append(cpu)
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, ordered
+
+
+def _write_safetensors(f: IO[bytes], tensors: dict[str, torch.Tensor], digest: Any) -> None:
+    """Stream ``tensors`` into ``f`` in the safetensors format, feeding every byte to ``digest``.
+
+    Each tensor's memory is written as is (a byte view, no copy), so writing a checkpoint costs
+    no memory beyond the tensors themselves.
+    """
+    if sys.byteorder != "little":  # pragma: no cover - geoloco runs on little-endian machines
+        raise RuntimeError("safetensors files are little-endian; this machine is not")
+    header, ordered = _safetensors_layout(tensors)
+    f.write(header)
+    digest.update(header)
+    for tensor in ordered:
+        if tensor.numel() == 0:
+            continue
+        view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        f.write(view)
+        digest.update(view)
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def save_checkpoint(
@@ -82,15 +163,14 @@ def save_checkpoint(
         raise ValueError(f"keep must be >= 1, got {keep}")
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
-    cpu_tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    blob = save(cpu_tensors)
     tensor_path = folder / f"round-{round_number:06d}.safetensors"
-    _atomic_write(tensor_path, blob)
+    digest = hashlib.sha256()
+    _atomic_write_with(tensor_path, lambda f: _write_safetensors(f, tensors, digest))
     pointer = {
         "format_version": FORMAT_VERSION,
         "round": round_number,
         "tensor_file": tensor_path.name,
-        "sha256": hashlib.sha256(blob).hexdigest(),
+        "sha256": digest.hexdigest(),
         "metadata": metadata or {},
     }
     _atomic_write(folder / POINTER_NAME, json.dumps(pointer, indent=2, sort_keys=True).encode())
@@ -142,8 +222,7 @@ def load_latest_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint | No
         )
     if not tensor_path.exists():
         raise CheckpointError(f"{pointer_path} names {tensor_path.name}, which does not exist")
-    blob = tensor_path.read_bytes()
-    actual = hashlib.sha256(blob).hexdigest()
+    actual = _file_sha256(tensor_path)
     if actual != expected:
         raise CheckpointError(
             f"{tensor_path} fails its checksum (sha256 {actual[:16]}..., expected {expected[:16]}...); "

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import grpc
 
 from geoloco.coordinator.errors import InvalidUpdateError
-from geoloco.coordinator.rounds import RoundStateMachine, wire_nbytes
+from geoloco.coordinator.rounds import RoundStateMachine
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos.transport import resolve_site
@@ -24,6 +24,7 @@ from geoloco.protos.wire import (
     RAW_CODEC,
     ChunkRef,
     broadcast_responses,
+    message_nbytes,
     model_responses,
     num_chunks_for,
     read_upload_manifest,
@@ -88,7 +89,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             round=snapshot.round, layout=self.rounds.model_layout(), blob=blob, start_chunk=start
         )
         for response in model_responses(manifest, snapshot.weights):
-            self.rounds.count_bytes_down(site, wire_nbytes(response))
+            self.rounds.count_bytes_down(site, message_nbytes(response))
             yield response
 
     def Upload(
@@ -131,12 +132,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if not context.is_active():
                     return
                 response = pb.AwaitBroadcastResponse(progress=result.progress)
-                self.rounds.count_bytes_down(site, wire_nbytes(response))
+                self.rounds.count_bytes_down(site, message_nbytes(response))
                 yield response
                 continue
             assert result.header is not None
             for response in broadcast_responses(result.header, result.data):
-                self.rounds.count_bytes_down(site, wire_nbytes(response))
+                self.rounds.count_bytes_down(site, message_nbytes(response))
                 yield response
             return
 

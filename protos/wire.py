@@ -491,6 +491,28 @@ def encode_chunk_message(field_number: int, index: int, data: bytes | memoryview
     return b"".join((head, data))
 
 
+def _varint_size(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def message_nbytes(message: Any) -> int:
+    """Serialized size of a stream message, for byte accounting without serializing it.
+
+    ``ByteSize()`` for protobuf messages; for a zero-copy ``ChunkRef`` exactly what
+    ``encode_chunk_message`` writes for the message that wraps it (the same bytes protobuf
+    would: proto3 omits a zero index and empty data). Every chunk-carrying message
+    (``UploadRequest``, ``FetchModelResponse``, ``AwaitBroadcastResponse``) holds its chunk in a
+    field numbered below 16, whose tag is one byte.
+    """
+    if isinstance(message, ChunkRef):
+        size = len(message.data)
+        inner = (1 + _varint_size(message.index) if message.index else 0) + (
+            1 + _varint_size(size) + size if size else 0
+        )
+        return 1 + _varint_size(inner) + inner
+    return int(message.ByteSize())
+
+
 def decode_chunk_message(buf: bytes, field_number: int) -> ChunkRef | None:
     """The ``ChunkRef`` in a serialized ``Outer{<field_number>: Chunk{...}}`` (a view into
     ``buf``, no copy), or None when ``buf`` is anything else -- another oneof member, unknown

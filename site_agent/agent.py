@@ -506,7 +506,13 @@ class SiteAgent:
         return loss, int(stats[2]), elapsed
 
     def _batches(self) -> Iterator[Any]:
+        # A single-process site stops between two inner steps, so SIGTERM does not wait for a
+        # whole round of training. The ranks of a multi-GPU site finish the round together: one
+        # rank leaving mid-round would leave the others waiting in a collective.
+        interruptible = self.group is None or not self.group.is_distributed
         while True:
+            if interruptible and self._stop.is_set():
+                raise AgentStopped()
             try:
                 batch = next(self._data)
             except StopIteration:

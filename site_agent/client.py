@@ -40,10 +40,10 @@ from geoloco.protos.transport import (
 )
 from geoloco.protos.wire import (
     PROTOCOL_VERSION,
-    ChunkRef,
     Download,
     WireError,
     blob_manifest,
+    message_nbytes,
     read_broadcast_stream,
     read_model_stream,
     upload_requests,
@@ -123,23 +123,6 @@ class TransferStats:
 
     sent: int = 0
     received: int = 0
-
-
-def _varint_size(value: int) -> int:
-    return max(1, (value.bit_length() + 6) // 7)
-
-
-def wire_nbytes(message: Any) -> int:
-    """Serialized size of a stream message: ``ByteSize()`` for protobuf messages, and for the
-    zero-copy ``wire.ChunkRef`` what ``wire.encode_chunk_message`` writes (same bytes as
-    protobuf: proto3 omits a zero index and empty data)."""
-    if isinstance(message, ChunkRef):
-        size = len(message.data)
-        inner = (1 + _varint_size(message.index) if message.index else 0) + (
-            1 + _varint_size(size) + size if size else 0
-        )
-        return 1 + _varint_size(inner) + inner
-    return int(message.ByteSize())
 
 
 def _describe(error: grpc.RpcError) -> str:
@@ -234,7 +217,7 @@ class CoordinatorClient:
 
     def _counted(self, responses: Iterator[Any]) -> Iterator[Any]:
         for response in responses:
-            self.stats.received += wire_nbytes(response)
+            self.stats.received += message_nbytes(response)
             yield response
 
     # ---------------------------------------------------------------------------------------
@@ -358,7 +341,7 @@ class CoordinatorClient:
 
             def requests(missing: list[tuple[int, int]] | None = missing) -> Iterator[pb.UploadRequest]:
                 for request in upload_requests(manifest, data, missing=missing):
-                    self.stats.sent += wire_nbytes(request)
+                    self.stats.sent += message_nbytes(request)
                     yield request
 
             try:

@@ -1,0 +1,279 @@
+"""Peak memory (RSS) of a real coordinator process while many sites upload compressed updates.
+
+A ``CoordinatorServer`` (the object ``geoloco coordinator`` runs) serves a 50M-parameter model laid
+out as 50 tensors of 1M fp32 values. Each of 16 site processes draws a random pseudo-gradient,
+encodes it with the run's uplink codec (default ``topk:0.01|int4``) and uploads it through the
+real client path (``CoordinatorClient``: Join, chunked resumable Upload, AwaitBroadcast), for
+``--rounds`` rounds. The sites never fetch the 200 MB model (they only need the protocol), so all
+traffic is uploads plus each round's broadcast. The coordinator writes a checkpoint after every
+round (into a temporary folder), as a deployment would.
+
+The coordinator process records its RSS every 20 ms (``/proc/self/statm``) together with the
+round phase, and its high-water mark (``ru_maxrss``). Reported against the issue's target::
+
+    target = 3 x fp32 model (weights, outer optimizer state, aggregation buffer)
+             + every site's compressed upload + 300 MB (interpreter, torch, gRPC)
+
+    python benchmarks/bench_coordinator_memory.py                   # both downlink codecs
+    python benchmarks/bench_coordinator_memory.py --downlink none   # one configuration
+
+Processes run with ``transport.recommended_env()`` (the malloc tunables the CLI applies). Needs
+about 0.5 GB per site process at its peak (the random 200 MB update and its top-k) and a few GB
+for the coordinator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+MB = 1_000_000
+PAGE = os.sysconf("SC_PAGE_SIZE")
+TENSORS = 50
+"""The model is TENSORS tensors of equal size (a simple layout, like a stack of layers)."""
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+# --- roles (each runs in its own process) ----------------------------------------------------
+
+
+def _role_coordinator(args: argparse.Namespace) -> None:
+    import torch
+
+    from geoloco.algorithms.params import ParamEntry, ParamLayout
+    from geoloco.algorithms.strategy import AlgorithmConfig
+    from geoloco.coordinator.config import CoordinatorConfig
+    from geoloco.coordinator.server import CoordinatorServer
+
+    per_tensor = args.params // TENSORS
+    layout = ParamLayout(
+        entries=tuple(
+            ParamEntry(name=f"layer{i}.weight", shape=(per_tensor,), offset=i * per_tensor)
+            for i in range(TENSORS)
+        ),
+        numel=per_tensor * TENSORS,
+    )
+    config = CoordinatorConfig(
+        algorithm=AlgorithmConfig(
+            inner_steps=1, uplink_codec=args.codec, downlink_codec=args.downlink
+        ),
+        insecure=True,
+        min_sites=args.sites,
+        total_rounds=args.rounds,
+        heartbeat_timeout_s=120.0,
+        max_sites=args.sites,
+        drain_timeout_s=60.0,
+        checkpoint_dir=args.checkpoint_dir,
+    )
+    baseline = _rss_bytes()  # interpreter, torch, gRPC: before any model-sized buffer
+    initial = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+    server = CoordinatorServer(config, initial, layout)
+    del initial  # the server keeps its own copy, as with the CLI
+    samples: list[tuple[float, int, str]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        t0 = time.perf_counter()
+        while not stop.wait(0.02):
+            samples.append((time.perf_counter() - t0, _rss_bytes(), server.rounds.phase.value))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    port = server.start()
+    after_start = _rss_bytes()
+    print(port, flush=True)
+    finished = server.wait_until_finished(timeout=1800)
+    stop.set()
+    sampler.join()
+    server.stop(grace=1)
+    by_phase: dict[str, int] = {}
+    for _, rss, phase in samples:
+        by_phase[phase] = max(by_phase.get(phase, 0), rss)
+    print(
+        json.dumps(
+            {
+                "finished": finished,
+                "baseline_rss": baseline,
+                "after_start_rss": after_start,
+                "peak_rss": _peak_rss_bytes(),
+                "peak_rss_by_phase": by_phase,
+                "numel": layout.numel,
+            }
+        ),
+        flush=True,
+    )
+
+
+def _role_site(args: argparse.Namespace) -> None:
+    import threading as th
+
+    import torch
+
+    from geoloco.compression import parse_codec
+    from geoloco.site_agent.client import CoordinatorClient
+    from geoloco.site_agent.config import SiteAgentConfig
+
+    name = f"site{args.index}"
+    codec = parse_codec(args.codec)
+    generator = torch.Generator().manual_seed(1000 + args.index)
+    uploads = []
+    for _ in range(args.rounds):
+        pseudo_gradient = torch.randn(args.params, generator=generator).mul_(1e-3)
+        encoded = codec.encode(pseudo_gradient, seed=args.index)
+        del pseudo_gradient
+        uploads.append((encoded.to_bytes(), encoded.spec, list(encoded.shape)))
+    client = CoordinatorClient(
+        f"localhost:{args.port}",
+        site=name,
+        tls=None,
+        insecure=True,
+        config=SiteAgentConfig(device="cpu", backoff_max_s=1.0),
+        stop_event=th.Event(),
+    )
+    joined = client.join(has_weights=False, weights_round=0, digest_hex=None)
+    first_round = joined.round.round
+    for offset, (data, spec, shape) in enumerate(uploads):
+        round_number = first_round + offset
+        client.upload(
+            round_number=round_number, data=data, codec=spec, shape=shape,
+            sample_weight=1.0, metrics={},
+        )
+        client.await_broadcast(round_number)
+    client.leave("benchmark done")
+    client.close()
+    print(json.dumps({"upload_bytes": len(uploads[0][0]), "spec": uploads[0][1]}), flush=True)
+
+
+# --- driver ------------------------------------------------------------------------------------
+
+
+def _spawn(role: str, env: dict[str, str], *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, __file__, "--role", role, *extra],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _run_config(args: argparse.Namespace, downlink: str, env: dict[str, str]) -> dict:
+    common = ["--params", str(args.params), "--codec", args.codec, "--rounds", str(args.rounds)]
+    checkpoints = tempfile.mkdtemp(prefix="geoloco-bench-checkpoints-")
+    coordinator = _spawn(
+        "coordinator", env, *common, "--sites", str(args.sites), "--downlink", downlink,
+        "--checkpoint-dir", checkpoints,
+    )
+    sites: list[subprocess.Popen[str]] = []
+    try:
+        assert coordinator.stdout is not None
+        port = coordinator.stdout.readline().strip()
+        if not port:
+            raise RuntimeError("the coordinator did not start")
+        t0 = time.perf_counter()
+        sites = [
+            _spawn("site", env, *common, "--port", port, "--index", str(k)) for k in range(args.sites)
+        ]
+        site_results = []
+        for site in sites:
+            out, _ = site.communicate(timeout=1800)
+            if site.returncode != 0:
+                raise RuntimeError(f"a site failed (exit status {site.returncode})")
+            site_results.append(json.loads(out.strip().splitlines()[-1]))
+        out, _ = coordinator.communicate(timeout=600)
+        elapsed = time.perf_counter() - t0
+        if coordinator.returncode != 0:
+            raise RuntimeError(f"the coordinator failed (exit status {coordinator.returncode})")
+        result = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for process in [coordinator, *sites]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        shutil.rmtree(checkpoints, ignore_errors=True)
+    model = 4 * result["numel"]
+    upload = max(r["upload_bytes"] for r in site_results)
+    target = 3 * model + args.sites * upload + 300 * MB
+    return {
+        "downlink": downlink,
+        "uplink": site_results[0]["spec"],
+        "model_bytes": model,
+        "upload_bytes_per_site": upload,
+        "target_bytes": target,
+        "seconds": elapsed,
+        **result,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--role", choices=["driver", "coordinator", "site"], default="driver")
+    parser.add_argument("--params", type=int, default=50_000_000)
+    parser.add_argument("--sites", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--codec", default="topk:0.01|int4", help="uplink codec")
+    parser.add_argument(
+        "--downlink", default="both", help="downlink codec, or 'both' for 'none' and the uplink codec"
+    )
+    parser.add_argument("--checkpoint-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--index", type=int)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    if args.role == "coordinator":
+        return _role_coordinator(args)
+    if args.role == "site":
+        return _role_site(args)
+
+    from geoloco.protos.transport import recommended_env
+
+    env = recommended_env()
+    env["OMP_NUM_THREADS"] = "1"
+    downlinks = ["none", args.codec] if args.downlink == "both" else [args.downlink]
+    rows = [_run_config(args, downlink, env) for downlink in downlinks]
+    print(
+        f"\nCoordinator peak RSS: {args.sites} sites, {args.rounds} rounds, "
+        f"{args.params / 1e6:.0f}M parameters ({TENSORS} tensors), uplink {rows[0]['uplink']}\n"
+    )
+    print(
+        "| downlink | model MB | upload MB/site | baseline RSS MB | peak RSS MB | target MB "
+        "| peak / target | peak while aggregating MB |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        aggregating = row["peak_rss_by_phase"].get("aggregating")
+        print(
+            f"| {row['downlink']} | {row['model_bytes'] / MB:.0f} | {row['upload_bytes_per_site'] / MB:.2f} "
+            f"| {row['baseline_rss'] / MB:.0f} | {row['peak_rss'] / MB:.0f} | {row['target_bytes'] / MB:.0f} "
+            f"| {row['peak_rss'] / row['target_bytes']:.2f} "
+            f"| {'-' if aggregating is None else f'{aggregating / MB:.0f}'} |"
+        )
+    print(
+        "\ntarget = 3 x model + sites x upload + 300 MB; baseline = RSS after importing torch and "
+        "gRPC, before the model exists. Peak RSS is the process's high-water mark (ru_maxrss); "
+        "a checkpoint is written after every round."
+    )
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

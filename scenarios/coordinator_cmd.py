@@ -1,0 +1,365 @@
+"""``geoloco coordinator --config FILE``: run the coordinator of a multi-site run as a process.
+
+The TOML file maps one to one onto ``geoloco.coordinator.CoordinatorConfig`` (top-level keys plus
+``[algorithm]``, ``[outer_optimizer]`` and ``[inner_optimizer]`` tables); its ``[workload]`` table
+names the built-in workload (``name``) and its options. The coordinator builds that workload's
+model with the run's ``seed`` for the initial weights and evaluates the global weights with the
+workload's ``eval_loss``; the table is also sent to the sites (``RunConfig.config_json``), so
+``geoloco site`` builds the same model without being told. See the shipped ``coordinator.toml``
+for every key with a comment.
+
+Contract with launchers and tests (stdout, one line each, flushed):
+
+* ``geoloco-coordinator starting at round R (...)`` once the checkpoint (if any) is loaded;
+* ``geoloco-coordinator listening on HOST:PORT`` once the server accepts calls (``--port 0``
+  binds a free port and this line says which);
+* ``geoloco-coordinator round R done: participants=a,b excluded=c eval_loss=X digest=D`` per round;
+* ``geoloco-coordinator finished: round=R digest=D`` or ``geoloco-coordinator stopped (SIGTERM):
+  round=R digest=D`` at the end.
+
+Exit status: 0 when the run finished or a signal stopped it gracefully, 2 for a bad config or
+flag (the message names the file, the key and what is allowed; never a traceback), 1 for a
+failure at run time (corrupt checkpoint, port in use). Logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_RUNTIME_ERROR = 1
+EXIT_CONFIG_ERROR = 2
+"""Exit status for a bad config or flag (argparse's own usage-error status)."""
+
+PROGRAM = "geoloco-coordinator"
+"""Prefix of every machine-readable stdout line."""
+LISTENING_LINE = PROGRAM + " listening on {host}:{port}"
+STARTING_LINE = PROGRAM + " starting at round {round} ({how})"
+FINISHED_LINE = PROGRAM + " finished: round={round} digest={digest}"
+STOPPED_LINE = PROGRAM + " stopped ({signal}): round={round} digest={digest}"
+
+STOP_GRACE_S = 5.0
+"""On SIGTERM/SIGINT running calls get this long to finish before they are cancelled (the
+same value as ``geoloco.protos.transport.SHUTDOWN_GRACE_S``; an upload cut off here resumes
+after a restart). A round being aggregated is completed and checkpointed first."""
+
+EXAMPLE_CONFIG = Path(__file__).with_name("coordinator.toml")
+WORKLOAD_TABLE = "workload"
+
+
+class CommandConfigError(Exception):
+    """A problem in the config file or flags, already phrased for the user."""
+
+    def __init__(self, source: str, key: str, message: str) -> None:
+        self.source = source
+        self.key = key
+        self.message = message
+        where = f"{source}: {key}" if key else source
+        super().__init__(f"{where}: {message}")
+
+
+class GracefulStop:
+    """SIGTERM/SIGINT -> ``requested`` is set (and ``on_stop`` runs in a helper thread); a second
+    signal exits at once (checkpoints are written atomically, so even that loses nothing)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, on_stop: Any = None) -> None:
+        self.requested = threading.Event()
+        self.signal_name: str | None = None
+        self.on_stop = on_stop
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> GracefulStop:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested.is_set():
+            os.write(2, f"{name} again: exiting at once\n".encode())
+            os._exit(128 + signum)
+        self.signal_name = name
+        self.requested.set()
+        if self.on_stop is not None:
+            # Not in the handler itself: it interrupts the main thread at an arbitrary point,
+            # possibly while that thread holds a lock the callback needs.
+            threading.Thread(target=self.on_stop, name="geoloco-stop", daemon=True).start()
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..65535, got {text!r}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "coordinator",
+        help="run the coordinator of a multi-site run (one per run)",
+        description=(
+            "Run the coordinator: sites join over gRPC (mutual TLS), upload compressed "
+            "pseudo-gradients, and receive the new global weights each round. The TOML config "
+            "maps one to one onto CoordinatorConfig plus a [workload] table naming the built-in "
+            "workload whose model gives the initial weights and whose eval_loss scores them. "
+            f"Example with every key documented: {EXAMPLE_CONFIG}. "
+            "Restarting with the same command (and the same port) resumes from checkpoint_dir; "
+            "connected sites reconnect by themselves. "
+            "The process first re-executes itself once with GLIBC_TUNABLES malloc settings that "
+            "keep chunk buffers warm (set GEOLOCO_NO_MALLOC_REEXEC=1 to skip). "
+            f"SIGTERM or SIGINT stops it gracefully: running calls get {STOP_GRACE_S:g} s; a second "
+            "signal exits at once. Prints 'geoloco-coordinator listening on HOST:PORT' on stdout "
+            "once it serves (useful with --port 0)."
+        ),
+    )
+    parser.add_argument("--config", type=Path, required=True, metavar="FILE", help="TOML config file")
+    parser.add_argument("--host", help="address to listen on, overrides `host` (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=_port, help="port to listen on, overrides `port` (0: a free one)")
+    parser.add_argument(
+        "--certs",
+        type=Path,
+        metavar="DIR",
+        help="folder made by `geoloco certs` (ca.crt, coordinator.crt/.key), overrides `certs_dir`",
+    )
+    parser.add_argument(
+        "--cert-name", help="file name of the coordinator's certificate in DIR, overrides `cert_name`"
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plain-text gRPC without authentication (local experiments only; prints a warning); "
+        "required for plain text even when the file says insecure = true",
+    )
+    parser.add_argument(
+        "--metrics", type=Path, metavar="FILE", help="JSON-lines metrics file, overrides `metrics_path`"
+    )
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, metavar="DIR", help="checkpoint folder, overrides `checkpoint_dir`"
+    )
+    parser.set_defaults(handler=run)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise CommandConfigError(str(path), "", "file not found") from None
+    except IsADirectoryError:
+        raise CommandConfigError(str(path), "", "is a folder; pass the TOML file") from None
+    except tomllib.TOMLDecodeError as err:
+        raise CommandConfigError(str(path), "", f"not valid TOML: {err}") from None
+
+
+def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> None:
+    """Fold the command-line overrides into the raw config (flags win over the file)."""
+    if raw.get("insecure") is True and not args.insecure:
+        raise CommandConfigError(
+            source,
+            "insecure",
+            "plain-text mode must also be asked for on the command line: add --insecure, or "
+            "set certs_dir (made by `geoloco certs`) for mutual TLS",
+        )
+    if args.insecure and args.certs is not None:
+        raise CommandConfigError("command line", "--insecure", "cannot be combined with --certs; drop one")
+    if args.insecure:
+        raw["insecure"] = True
+        raw.pop("certs_dir", None)  # the command line asked for plain text explicitly
+    if args.certs is not None:
+        raw["certs_dir"] = str(args.certs)
+        raw["insecure"] = False
+    for flag, key in (
+        ("host", "host"),
+        ("port", "port"),
+        ("cert_name", "cert_name"),
+        ("metrics", "metrics_path"),
+        ("checkpoint_dir", "checkpoint_dir"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            raw[key] = str(value) if isinstance(value, Path) else value
+
+
+def _check_workload(table: Any, source: str) -> tuple[str, dict[str, Any]]:
+    """``(name, options)`` of the ``[workload]`` table, each option checked against the
+    workload's config dataclass."""
+    from geoloco.scenarios.workloads import WORKLOADS, workload_config
+
+    if table is None:
+        raise CommandConfigError(
+            source,
+            WORKLOAD_TABLE,
+            f"missing [workload] table; it names the model to train: name = one of "
+            f"{', '.join(map(repr, WORKLOADS))}",
+        )
+    if not isinstance(table, Mapping):
+        raise CommandConfigError(source, WORKLOAD_TABLE, "expected a [workload] table with `name`")
+    options = dict(table)
+    name = options.pop("name", None)
+    if not isinstance(name, str) or name not in WORKLOADS:
+        raise CommandConfigError(
+            source,
+            f"{WORKLOAD_TABLE}.name",
+            f"got {name!r}; allowed workloads: {', '.join(map(repr, WORKLOADS))}",
+        )
+    for key, value in options.items():
+        try:
+            workload_config(name, **{key: value})
+        except ValueError as err:
+            raise CommandConfigError(source, f"{WORKLOAD_TABLE}.{key}", str(err)) from None
+    try:
+        workload_config(name, **options)
+    except ValueError as err:  # a constraint between options
+        raise CommandConfigError(source, WORKLOAD_TABLE, str(err)) from None
+    return name, options
+
+
+def load_config(args: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
+    """``(CoordinatorConfig, workload name, workload options)`` from ``--config`` and the flags."""
+    from geoloco.algorithms.config import ConfigError
+    from geoloco.coordinator.config import CoordinatorConfig
+
+    source = str(args.config)
+    raw = read_toml(args.config)
+    _apply_flags(raw, args, source)
+    name, options = _check_workload(raw.get(WORKLOAD_TABLE), source)
+    raw[WORKLOAD_TABLE] = {"name": name, **options}
+    try:
+        config = CoordinatorConfig.from_dict(raw)
+    except ConfigError as err:
+        raise CommandConfigError(source, err.key, err.message) from None
+    return config, name, options
+
+
+def run(args: argparse.Namespace) -> int:
+    # First, before any thread or gRPC starts: glibc reads GLIBC_TUNABLES only at process start.
+    from geoloco.protos.transport import reexec_with_malloc_tunables
+
+    reexec_with_malloc_tunables()
+    try:
+        return _run(args)
+    except CommandConfigError as err:
+        print(f"geoloco coordinator: error: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+def _round_line(record: Mapping[str, Any]) -> str:
+    loss = record.get("eval_loss")
+    return (
+        f"{PROGRAM} round {record['round']} done: "
+        f"participants={','.join(record['participants']) or '-'} "
+        f"excluded={','.join(record['excluded']) or '-'} "
+        f"eval_loss={'-' if loss is None else f'{loss:.6g}'} "
+        f"digest={record['weights_digest']}"
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    config, name, options = load_config(args)
+    stop = GracefulStop().install()
+    try:
+        return _serve(config, name, options, str(args.config), stop)
+    finally:
+        stop.restore()
+
+
+def _serve(config: Any, name: str, options: dict[str, Any], source: str, stop: GracefulStop) -> int:
+    from geoloco.algorithms.params import ParamLayout
+    from geoloco.coordinator.checkpoint import CheckpointError
+    from geoloco.coordinator.server import CoordinatorServer
+    from geoloco.scenarios.workloads import build_workload
+
+    if config.insecure:
+        print(
+            "geoloco coordinator: WARNING: --insecure: plain-text gRPC without authentication; "
+            "anyone who reaches the port can join as any site. Use only on a trusted local "
+            "network; use `geoloco certs` and --certs otherwise.",
+            file=sys.stderr,
+            flush=True,
+        )
+    workload = build_workload(name, **options)
+    model = workload.build_model(config.seed)
+    layout = ParamLayout.from_model(model)
+
+    def eval_fn(flat: Any) -> float:
+        # The model gave the initial weights; from then on it only holds what is evaluated (one
+        # copy of the weights, not two).
+        layout.load_(model, flat)
+        return float(workload.eval_loss(model))
+
+    def on_round_end(record: dict[str, Any]) -> None:
+        print(_round_line(record), flush=True)
+
+    try:
+        server = CoordinatorServer(
+            config, layout.flatten(model), layout, eval_fn, on_round_end=on_round_end
+        )
+    except CheckpointError as err:
+        print(f"geoloco coordinator: error: {err}", file=sys.stderr)
+        return EXIT_RUNTIME_ERROR
+    except ValueError as err:  # checkpoint of another model, CUDA unavailable, ...
+        raise CommandConfigError(source, "", str(err)) from None
+    rounds = server.rounds
+    how = (
+        f"resumed from checkpoint in {config.checkpoint_dir}"
+        if rounds.round > 0 and config.checkpoint_dir is not None
+        else "new run"
+    )
+    print(STARTING_LINE.format(round=rounds.round, how=how), flush=True)
+    try:
+        port = server.start()
+    except FileNotFoundError as err:  # TLS files
+        raise CommandConfigError(source, "certs_dir", str(err)) from None
+    except (OSError, RuntimeError) as err:
+        print(
+            f"geoloco coordinator: error: cannot listen on {config.host}:{config.port}: {err}; "
+            "is another coordinator using that port?",
+            file=sys.stderr,
+        )
+        return EXIT_RUNTIME_ERROR
+    print(LISTENING_LINE.format(host=config.host, port=port), flush=True)
+    try:
+        while not stop.requested.is_set():
+            if server.wait_until_finished(timeout=0.5):
+                break
+    except RuntimeError as err:  # the round driver failed; its traceback is in the log
+        print(f"geoloco coordinator: error: {err}: {err.__cause__}", file=sys.stderr)
+        return EXIT_RUNTIME_ERROR
+    finally:
+        if stop.requested.is_set():
+            logger.info("%s received: stopping (grace %.0f s)", stop.signal_name, STOP_GRACE_S)
+        server.stop(grace=STOP_GRACE_S)
+    if stop.requested.is_set() and not rounds.finished:
+        print(
+            STOPPED_LINE.format(signal=stop.signal_name, round=rounds.round, digest=rounds.digest_hex),
+            flush=True,
+        )
+    else:
+        print(FINISHED_LINE.format(round=rounds.round, digest=rounds.digest_hex), flush=True)
+    return EXIT_OK

@@ -1,0 +1,499 @@
+"""``geoloco site``: one site of a multi-site run, training a built-in workload.
+
+The site trains through the same ``SiteAgent`` API a user's own training uses: the model comes
+from the workload's ``build_model(seed)`` (its weights are then replaced by the coordinator's),
+the inner optimizer from the coordinator's ``[inner_optimizer]`` table, and the data from
+``site_batches(site_index, num_sites, seed)``.
+
+What the site needs to know about the run it learns from the coordinator before building
+anything: rank 0 joins once (the "probe"), reads ``RunConfig.config_json`` (the coordinator's
+whole ``CoordinatorConfig``: workload, inner optimizer, seed, quorum, allowed sites), and hands it
+to the other ranks; the agent's own Join that follows is a re-join of the same member. Flags
+override what the coordinator advertises (``--workload``, ``--workload-option``, ``--seed``,
+``--inner-lr``).
+
+Data shard. ``site_batches`` wants an index in ``0..num_sites-1``. Default: the site's position
+in the coordinator's ``allowed_sites`` (and ``num_sites`` = its length); without that list, a site
+named with a number ("3") takes that number and ``num_sites`` = the coordinator's ``min_sites``.
+``--site-index`` / ``--num-sites`` set them explicitly. Sites named "0".."N-1" with
+``min_sites = N`` read exactly the streams ``geoloco simulate`` gives its sites.
+
+Multi-GPU sites run under ``torchrun`` (``torchrun --nproc_per_node=G -m geoloco.scenarios.cli
+site ...``): every rank trains with DDP, only rank 0 talks to the coordinator.
+
+Contract with launchers and tests (stdout of rank 0, one line each, flushed):
+
+* ``geoloco-site NAME joined session S at round R`` after every (re-)join;
+* ``geoloco-site NAME round R training`` when it starts the inner steps of a round;
+* ``geoloco-site NAME round R: loss=X included=yes|no contributors=N next_round=R' digest=D``
+  after every round it trained;
+* ``geoloco-site NAME finished: ...`` / ``geoloco-site NAME stopped (SIGTERM): ...`` at the end,
+  with ``final_round``, ``rounds_trained``, ``rounds_included``, ``digest``.
+
+Exit status: 0 when the run finished, ``--max-rounds`` were trained or a signal stopped the site;
+2 for bad flags or a run this site cannot take part in (unknown workload, no data shard); 1 when
+the coordinator refused the site or stayed unreachable for ``--give-up-after`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+from geoloco.scenarios.coordinator_cmd import EXIT_CONFIG_ERROR, EXIT_OK, EXIT_RUNTIME_ERROR, GracefulStop
+
+logger = logging.getLogger(__name__)
+
+PROGRAM = "geoloco-site"
+"""Prefix of every machine-readable stdout line."""
+
+DEFAULT_GIVE_UP_S = 300.0
+DEFAULT_BACKOFF_MAX_S = 10.0
+
+
+class SiteCommandError(Exception):
+    """A flag or run setting this site cannot work with, phrased for the user (exit status 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SitePlan:
+    """What this site trains, resolved from the coordinator's config and the flags."""
+
+    workload: str
+    options: dict[str, Any]
+    seed: int
+    site_index: int
+    num_sites: int
+    inner_optimizer: dict[str, Any]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def _option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE read as a TOML value (``64``, ``1e-3``, ``true``, ``"x"``) or,
+    failing that, as a bare string (``size=small``)."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value
+    return key, parsed
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "site",
+        help="run one site of a multi-site run (one per data center; torchrun for several GPUs)",
+        description=(
+            "Join a coordinator and train a built-in workload as one site: H local steps per "
+            "round, upload the compressed pseudo-gradient, apply the broadcast. The workload, "
+            "the inner optimizer and the seed come from the coordinator's config unless flags "
+            "override them. Survives coordinator restarts (reconnects with backoff and jitter). "
+            "Under torchrun every rank trains with DDP and only rank 0 talks to the coordinator. "
+            "The process first re-executes itself once with GLIBC_TUNABLES malloc settings that "
+            "keep chunk buffers warm (set GEOLOCO_NO_MALLOC_REEXEC=1 to skip). SIGTERM or SIGINT "
+            "leaves the run gracefully (a second signal exits at once)."
+        ),
+    )
+    parser.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's address")
+    parser.add_argument(
+        "--name", required=True, help="this site's name (with TLS: the name its certificate was issued for)"
+    )
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument(
+        "--certs",
+        type=Path,
+        metavar="DIR",
+        help="folder made by `geoloco certs` (ca.crt, NAME.crt, NAME.key)",
+    )
+    mode.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plain-text gRPC without authentication (local experiments only; prints a warning)",
+    )
+    parser.add_argument(
+        "--server-name",
+        help="name to check the coordinator's certificate against when HOST is not in it",
+    )
+    parser.add_argument(
+        "--workload", help="built-in workload (gpt, mlp); default: the one the coordinator names"
+    )
+    parser.add_argument(
+        "--workload-option",
+        type=_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="workload option (repeatable), on top of the coordinator's [workload] options",
+    )
+    parser.add_argument(
+        "--seed", type=int, help="model and data seed (default: the coordinator's run seed)"
+    )
+    parser.add_argument(
+        "--site-index",
+        type=_non_negative_int,
+        help="this site's data shard (default: its position in the coordinator's allowed_sites, "
+        "or its name when that is a number)",
+    )
+    parser.add_argument(
+        "--num-sites",
+        type=_positive_int,
+        help="number of data shards (default: len(allowed_sites), else the coordinator's min_sites)",
+    )
+    parser.add_argument(
+        "--inner-lr", type=_positive_float, help="inner learning rate (default: the coordinator's)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where to train (default: %(default)s = CUDA when available; under torchrun "
+        "cuda:LOCAL_RANK)",
+    )
+    parser.add_argument(
+        "--bf16", action="store_true", help="forward passes under bf16 autocast (weights stay fp32)"
+    )
+    parser.add_argument(
+        "--max-rounds", type=_positive_int, help="leave after training this many rounds"
+    )
+    parser.add_argument(
+        "--speed-factor",
+        type=_positive_float,
+        default=1.0,
+        metavar="F",
+        help="emulate slower hardware: each inner step is followed by a sleep so that steps run "
+        "at F times this machine's speed (0 < F <= 1; default: %(default)g)",
+    )
+    parser.add_argument(
+        "--give-up-after",
+        type=_positive_float,
+        default=DEFAULT_GIVE_UP_S,
+        metavar="SECONDS",
+        help="exit when the coordinator stays unreachable this long (default: %(default)g)",
+    )
+    parser.add_argument(
+        "--backoff-max",
+        type=_positive_float,
+        default=DEFAULT_BACKOFF_MAX_S,
+        metavar="SECONDS",
+        help="longest pause between reconnection attempts (default: %(default)g)",
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # First, before any thread or gRPC starts: glibc reads GLIBC_TUNABLES only at process start.
+    from geoloco.protos.transport import reexec_with_malloc_tunables
+
+    reexec_with_malloc_tunables()
+    try:
+        return _run(args)
+    except SiteCommandError as err:
+        print(f"geoloco site: error: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+def resolve_plan(args: argparse.Namespace, advertised: dict[str, Any]) -> SitePlan:
+    """The site's workload, seed, data shard and inner optimizer from the coordinator's config
+    (``RunConfig.config_json``) and the flags; flags win."""
+    table = dict(advertised.get("workload") or {})
+    advertised_name = table.pop("name", None)
+    flag_options = dict(args.workload_option)
+    if args.workload is not None and args.workload != advertised_name:
+        name, options = args.workload, flag_options  # another workload's options mean nothing here
+    elif advertised_name is not None:
+        name, options = advertised_name, {**table, **flag_options}
+    else:
+        raise SiteCommandError(
+            "the coordinator's config names no workload (no [workload] table); pass --workload "
+            "NAME (gpt or mlp) with the model the coordinator was started with"
+        )
+    seed = args.seed if args.seed is not None else int(advertised.get("seed", 0))
+
+    allowed = advertised.get("allowed_sites") or None
+    name_is_number = args.name.isdecimal()
+    if args.site_index is not None:
+        index = args.site_index
+    elif allowed is not None and args.name in allowed:
+        index = allowed.index(args.name)
+    elif name_is_number:
+        index = int(args.name)
+    else:
+        raise SiteCommandError(
+            f"cannot tell which data shard site {args.name!r} trains on: it is not a number and "
+            "the coordinator lists no allowed_sites containing it; pass --site-index I "
+            "(and --num-sites N)"
+        )
+    if args.num_sites is not None:
+        num_sites = args.num_sites
+    elif allowed is not None:
+        num_sites = len(allowed)
+    else:
+        num_sites = int(advertised.get("min_sites", 1))
+    if index >= num_sites:
+        raise SiteCommandError(
+            f"site index {index} is outside the {num_sites} data shards (0..{num_sites - 1}); pass "
+            "--num-sites N with the number of sites in the run (or --site-index)"
+        )
+
+    inner = dict(advertised.get("inner_optimizer") or {})
+    if args.inner_lr is not None:
+        if "lr" in inner and inner["lr"] != args.inner_lr:
+            logger.warning(
+                "--inner-lr %g overrides the coordinator's inner_optimizer.lr %g", args.inner_lr, inner["lr"]
+            )
+        inner["lr"] = args.inner_lr
+    return SitePlan(
+        workload=name, options=options, seed=seed, site_index=index, num_sites=num_sites,
+        inner_optimizer=inner,
+    )
+
+
+def _probe(
+    args: argparse.Namespace, tls: Any, agent_config: Any, stop: threading.Event
+) -> tuple[dict[str, Any], Any]:
+    """Join once (retrying while the coordinator is unreachable); the coordinator's config and
+    the still open client, for a Leave should the site fail to start."""
+    from geoloco.site_agent.client import CoordinatorClient
+
+    client = CoordinatorClient(
+        args.coordinator,
+        site=args.name,
+        tls=tls,
+        insecure=args.insecure,
+        config=agent_config,
+        stop_event=stop,
+        server_name=args.server_name,
+    )
+    try:
+        response = client.join(has_weights=False, weights_round=0, digest_hex=None)
+    except BaseException:
+        client.close()
+        raise
+    return json.loads(response.config.config_json or "{}"), client
+
+
+def _join_line(site: str, info: Any) -> str:
+    return f"{PROGRAM} {site} joined session {info.session_id} at round {info.round}"
+
+
+def _round_line(site: str, result: Any) -> str:
+    return (
+        f"{PROGRAM} {site} round {result.round}: loss={result.train_loss:.6g} "
+        f"included={'yes' if result.included else 'no'} contributors={result.num_contributors} "
+        f"next_round={result.next_round} digest={result.weights_digest}"
+    )
+
+
+def _announcing_rounds(batches: Iterator[Any], site: str, agent: list[Any]) -> Iterator[Any]:
+    """``batches``, printing ``geoloco-site NAME round R training`` when the agent (``agent[0]``,
+    set once it exists) draws the first batch of a round: rounds of a big model can take minutes,
+    and this says the site is busy rather than stuck."""
+    announced: int | None = None
+    for batch in batches:
+        if agent and agent[0].held_round != announced:
+            announced = agent[0].held_round
+            print(f"{PROGRAM} {site} round {announced} training", flush=True)
+        yield batch
+
+
+def _summary_line(site: str, summary: Any, stopped_by: str | None) -> str:
+    how = "finished" if summary.run_finished or stopped_by is None else f"stopped ({stopped_by})"
+    return (
+        f"{PROGRAM} {site} {how}: final_round={summary.final_round} "
+        f"rounds_trained={summary.rounds_trained} rounds_included={summary.rounds_included} "
+        f"run_finished={'yes' if summary.run_finished else 'no'} digest={summary.weights_digest}"
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from geoloco.algorithms.config import ConfigError, config_from_dict
+    from geoloco.algorithms.optimizers import InnerOptimizerConfig
+    from geoloco.protos.identity import validate_site_name
+    from geoloco.protos.transport import TLSFiles
+    from geoloco.scenarios.workloads import WORKLOADS, build_workload
+    from geoloco.site_agent.agent import SiteAgent
+    from geoloco.site_agent.client import AgentStopped, SiteAgentError
+    from geoloco.site_agent.config import SiteAgentConfig, SiteHooks
+    from geoloco.site_agent.distributed import init_from_env
+
+    try:
+        validate_site_name(args.name)
+    except ValueError as err:
+        raise SiteCommandError(f"--name: {err}") from None
+    if not 0 < args.speed_factor <= 1:
+        raise SiteCommandError(
+            f"--speed-factor: must be in (0, 1] (1 = this machine's speed, 0.5 = half), got {args.speed_factor:g}"
+        )
+    if args.workload is not None and args.workload not in WORKLOADS:
+        raise SiteCommandError(
+            f"--workload: unknown workload {args.workload!r}; allowed: {', '.join(WORKLOADS)}"
+        )
+    if args.insecure:
+        print(
+            "geoloco site: WARNING: --insecure: plain-text gRPC without authentication; use only "
+            "on a trusted local network (`geoloco certs` and --certs otherwise).",
+            file=sys.stderr,
+            flush=True,
+        )
+    tls = None if args.insecure else TLSFiles.from_dir(args.certs, args.name)
+    if tls is not None:
+        try:
+            tls.read()
+        except FileNotFoundError as err:
+            raise SiteCommandError(f"--certs: {err}") from None
+
+    stop = GracefulStop()
+    try:
+        group = init_from_env(device=None if args.device == "auto" else args.device)
+    except ValueError as err:
+        raise SiteCommandError(f"--device {args.device}: {err}") from None
+
+    with group:
+        agent_config = SiteAgentConfig(
+            device=args.device,
+            autocast_bf16=args.bf16,
+            give_up_after_s=args.give_up_after,
+            backoff_initial_s=min(0.2, args.backoff_max),
+            backoff_max_s=args.backoff_max,
+        )
+        probe_stop = threading.Event()
+        stop.on_stop = probe_stop.set
+        stop.install()
+        try:
+            # Rank 0 asks the coordinator; the other ranks get its answer (or its failure).
+            advertised: dict[str, Any] | str | None = None
+            probe_client: Any = None
+            if group.is_leader:
+                try:
+                    advertised, probe_client = _probe(args, tls, agent_config, probe_stop)
+                except AgentStopped:
+                    advertised = None
+                except SiteAgentError as err:
+                    advertised = str(err)
+            if group.is_distributed:
+                advertised = group.broadcast_object(advertised)
+            if advertised is None:
+                print(f"{PROGRAM} {args.name} stopped ({stop.signal_name}) before joining", flush=True)
+                return EXIT_OK
+            if isinstance(advertised, str):
+                print(f"geoloco site: error: {advertised}", file=sys.stderr)
+                return EXIT_RUNTIME_ERROR
+
+            # The probe made this site a member: if it cannot start, say so (Leave) rather than
+            # have the round wait for it until its heartbeat times out.
+            try:
+                plan = resolve_plan(args, advertised)
+                try:
+                    inner = config_from_dict(InnerOptimizerConfig, plan.inner_optimizer)
+                except ConfigError as err:
+                    raise SiteCommandError(
+                        f"the coordinator's inner_optimizer.{err.key}: {err.message}"
+                    ) from None
+                try:
+                    workload = build_workload(plan.workload, **plan.options)
+                except (ValueError, TypeError) as err:
+                    raise SiteCommandError(f"workload {plan.workload!r}: {err}") from None
+                logger.info(
+                    "site %s: workload %s %s, data shard %d of %d, seed %d, inner %s lr %g%s",
+                    args.name, plan.workload, plan.options, plan.site_index, plan.num_sites, plan.seed,
+                    inner.name, inner.lr,
+                    f", rank {group.rank} of {group.world_size}" if group.is_distributed else "",
+                )
+                model = workload.build_model(plan.seed)
+                optimizer = inner.build(model.parameters())
+                loss_fn = workload.loss
+                if args.speed_factor != 1.0:
+                    from geoloco.scenarios.throttle import ComputeThrottle
+
+                    throttle = ComputeThrottle(args.speed_factor)
+                    throttle.attach(optimizer)
+                    loss_fn = throttle.wrap_loss(loss_fn)
+                data = workload.site_batches(plan.site_index, plan.num_sites, group.data_seed(plan.seed))
+                agent_ref: list[Any] = []
+                if group.is_leader:
+                    data = _announcing_rounds(data, args.name, agent_ref)
+                site_config = dataclasses.replace(agent_config, grad_clip_norm=inner.grad_clip_norm)
+                hooks = SiteHooks(
+                    on_join=lambda info: print(_join_line(args.name, info), flush=True),
+                    on_round_end=lambda result: print(_round_line(args.name, result), flush=True),
+                )
+                agent = SiteAgent(
+                    model,
+                    optimizer,
+                    data,
+                    loss_fn,
+                    coordinator=args.coordinator,
+                    site=args.name,
+                    tls=tls,
+                    insecure=args.insecure,
+                    config=site_config,
+                    hooks=hooks,
+                    group=group,
+                    server_name=args.server_name,
+                )
+            except SiteCommandError as err:
+                if probe_client is not None:
+                    probe_client.leave(f"site could not start: {err}")
+                raise
+            finally:
+                if probe_client is not None:
+                    probe_client.close()
+            agent_ref.append(agent)
+            stop.on_stop = agent.stop
+            if stop.requested.is_set():
+                agent.stop()
+            try:
+                summary = agent.run(args.max_rounds)
+            except SiteAgentError as err:
+                print(f"geoloco site: error: {err}", file=sys.stderr)
+                return EXIT_RUNTIME_ERROR
+        finally:
+            stop.restore()
+        if group.is_leader:
+            print(_summary_line(args.name, summary, stop.signal_name), flush=True)
+    return EXIT_OK

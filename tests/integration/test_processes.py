@@ -1,0 +1,255 @@
+"""Real processes: ``geoloco coordinator`` and ``geoloco site`` on loopback with mutual TLS.
+
+Every coordinator and site is its own ``python -m geoloco.scenarios.cli`` process (port 0, read
+back from stdout; temporary certificates and folders; the tiny MLP workload). Faults are real:
+``kill -9`` of a site mid-round and of the coordinator mid-round, then the same command again.
+
+* ``test_killed_site_is_excluded_a_late_site_catches_up_and_the_restarted_site_rejoins``: site "1"
+  is killed right after finishing a round, so it dies in the middle of the next one. The quorum
+  (``min_sites = 2``) holds that round open until a brand-new site "2" joins (at round >= 3),
+  fetches the weights and uploads; the round then closes without "1", which the metrics list as
+  excluded. While "1" is dead but still a member, each round closes at its 2 s deadline; the
+  restarted "1" re-joins, fetches the current weights and contributes again. Every process ends
+  holding the coordinator's final weights (digests compared).
+* ``test_coordinator_killed_mid_round_restarts_from_its_checkpoint_and_matches_the_simulator``:
+  site "1" is frozen (SIGSTOP) after round 2, so the coordinator holds the next round open with
+  site "0"'s update in it; the coordinator is killed there, restarted with the same command (plus
+  the port it had printed), resumes from its checkpoint; site "1" is thawed (SIGCONT) and both
+  sites reconnect, re-join and re-send by themselves. With two sites the final weights equal the
+  uninterrupted simulator's bitwise (a sum of two updates does not depend on their order; see
+  test_real_system_matches_simulator.py).
+
+Waits are on stdout lines (conditions with timeouts). Where a fault is injected right after a line
+(site "1" killed after round 2), the run has many rounds left, so the test reacting late changes
+which round is hit, never whether the scenario happens.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from _cluster import make_certs
+from _processes import (
+    COORDINATOR_END,
+    COORDINATOR_ROUND,
+    LISTENING,
+    SITE_END,
+    SITE_JOINED,
+    SITE_ROUND,
+    STARTING,
+    Process,
+    Processes,
+    names,
+)
+from geoloco.algorithms.clock import SiteConfig
+from geoloco.algorithms.optimizers import InnerOptimizerConfig
+from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.coordinator.checkpoint import load_latest_checkpoint
+from geoloco.coordinator.metrics import read_metrics
+from geoloco.scenarios.workloads import build_workload
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs"), ["0", "1", "2"])
+
+
+def _coordinator(
+    processes: Processes, label: str, config: Path, certs: Path, *extra: str
+) -> tuple[Process, int]:
+    process = processes.start(label, "coordinator", "--config", str(config), "--certs", str(certs), *extra)
+    _, match = process.wait_line(LISTENING, what="the listening line")
+    return process, int(match["port"])
+
+
+def _site(processes: Processes, label: str, name: str, port: int, certs: Path, *extra: str) -> Process:
+    return processes.start(
+        label, "site", "--coordinator", f"localhost:{port}", "--name", name, "--certs", str(certs),
+        "--device", "cpu", "--backoff-max", "0.5", *extra,
+    )
+
+
+def _finished_digest(process: Process) -> str:
+    """The digest in a site's final line, after checking it exited 0 with the run finished."""
+    assert process.wait_exit() == 0, process.describe()
+    _, end = process.wait_line(SITE_END, what="the final line")
+    assert end["how"] == "finished" and end["run_finished"] == "yes", process.describe()
+    return end["digest"]
+
+
+KILLED_SITE_CONFIG = """
+total_rounds = {rounds}
+seed = 3
+min_sites = 2
+round_deadline_s = 2.0
+allowed_sites = ["0", "1", "2"]
+heartbeat_interval_s = 0.5
+heartbeat_timeout_s = 120.0
+drain_timeout_s = 20.0
+metrics_path = "{metrics}"
+
+[workload]
+name = "mlp"
+
+[algorithm]
+inner_steps = 3
+uplink_codec = "int8"
+downlink_codec = "int8"
+
+[inner_optimizer]
+lr = 3e-3
+"""
+
+
+def test_killed_site_is_excluded_a_late_site_catches_up_and_the_restarted_site_rejoins(
+    certs: Path, tmp_path: Path
+) -> None:
+    rounds = 30
+    metrics = tmp_path / "metrics.jsonl"
+    config = tmp_path / "coordinator.toml"
+    config.write_text(KILLED_SITE_CONFIG.format(rounds=rounds, metrics=metrics))
+    with Processes(tmp_path) as processes:
+        coordinator, port = _coordinator(processes, "coordinator", config, certs)
+        steady = _site(processes, "site-0", "0", port, certs)
+        victim = _site(processes, "site-1", "1", port, certs)
+
+        # Kill "1" the moment it has finished round 2: it dies in the middle of round 3.
+        victim.wait_line(SITE_ROUND, where=lambda m: int(m["round"]) >= 2, what="site 1 finishing round 2")
+        victim.kill(signal.SIGKILL)
+        assert victim.wait_exit() == -signal.SIGKILL
+
+        # A new site joins the running run, catches up and is included.
+        late = _site(processes, "site-2", "2", port, certs)
+        _, first = late.wait_line(SITE_ROUND, what="the late site's first round")
+        assert int(first["round"]) >= 3, "the late site should start at the round the run reached"
+        assert first["included"] == "yes", "its upload completes the quorum, so it counts"
+        _, same_round = coordinator.wait_line(
+            COORDINATOR_ROUND, where=lambda m: m["round"] == first["round"], what="the late site's round"
+        )
+        assert first["digest"] == same_round["digest"], "the late site is out of sync"
+
+        # The round that closed without the dead site lists it as excluded.
+        excluded_at, excluded = coordinator.wait_line(
+            COORDINATOR_ROUND, where=lambda m: "1" in names(m["excluded"]), what="site 1 excluded"
+        )
+        assert "1" not in names(excluded["participants"])
+
+        # The same command brings "1" back: it re-joins, fetches the weights and contributes.
+        restarted = _site(processes, "site-1-again", "1", port, certs)
+        _, back = coordinator.wait_line(
+            COORDINATOR_ROUND,
+            start=excluded_at + 1,
+            where=lambda m: "1" in names(m["participants"]),
+            what="site 1 contributing again",
+        )
+        assert int(back["round"]) > int(excluded["round"])
+
+        assert coordinator.wait_exit() == 0, coordinator.describe()
+        _, end = coordinator.wait_line(COORDINATOR_END, what="the coordinator's final line")
+        assert end["how"] == "finished" and end["round"] == str(rounds)
+        digests = {p.label: _finished_digest(p) for p in (steady, late, restarted)}
+        assert set(digests.values()) == {end["digest"]}, f"replicas differ: {digests}"
+
+    records = read_metrics(metrics)
+    assert [r["round"] for r in records] == list(range(rounds))
+    assert len({r["session_id"] for r in records}) == 1
+    rejoined = [r for r in records if r["round"] >= int(back["round"])]
+    assert all("1" in r["members"] for r in rejoined)
+    assert any(r["bytes_up"].get("2", 0) > 0 for r in records)
+
+
+KILLED_COORDINATOR_CONFIG = """
+total_rounds = {rounds}
+seed = {seed}
+min_sites = 2
+heartbeat_interval_s = 0.5
+heartbeat_timeout_s = 30.0
+drain_timeout_s = 20.0
+checkpoint_dir = "{checkpoints}"
+metrics_path = "{metrics}"
+
+[workload]
+name = "mlp"
+
+[algorithm]
+inner_steps = {inner_steps}
+uplink_codec = "int8"
+downlink_codec = "int8"
+
+[inner_optimizer]
+lr = {lr}
+"""
+
+
+def _simulate(rounds: int, seed: int, inner_steps: int, lr: float) -> torch.Tensor:
+    config = SimulatorConfig(
+        algorithm=AlgorithmConfig(inner_steps=inner_steps, uplink_codec="int8", downlink_codec="int8"),
+        inner_optimizer=InnerOptimizerConfig(lr=lr),
+        sites=[SiteConfig(), SiteConfig()],
+        simulation=SimulationConfig(rounds=rounds, seed=seed, device="cpu", eval_every=10**6),
+    )
+    simulator = Simulator(config, build_workload("mlp"))
+    for _ in simulator.run():
+        pass
+    return simulator.global_flat
+
+
+def test_coordinator_killed_mid_round_restarts_from_its_checkpoint_and_matches_the_simulator(
+    certs: Path, tmp_path: Path
+) -> None:
+    rounds, seed, inner_steps, lr = 12, 4, 3, 3e-3
+    checkpoints = tmp_path / "checkpoints"
+    metrics = tmp_path / "metrics.jsonl"
+    config = tmp_path / "coordinator.toml"
+    config.write_text(
+        KILLED_COORDINATOR_CONFIG.format(
+            rounds=rounds, seed=seed, inner_steps=inner_steps, lr=lr,
+            checkpoints=checkpoints, metrics=metrics,
+        )
+    )
+    with Processes(tmp_path) as processes:
+        first, port = _coordinator(processes, "coordinator", config, certs)
+        sites = [_site(processes, f"site-{k}", str(k), port, certs) for k in range(2)]
+
+        # Freeze site 1 after round 2: the coordinator holds the next round open (site 0's update
+        # in, site 1's missing) until site 1 comes back. kill -9 it right there.
+        sites[1].wait_line(SITE_ROUND, where=lambda m: m["round"] == "2", what="site 1 finishing round 2")
+        sites[1].kill(signal.SIGSTOP)
+        first.wait_line(COORDINATOR_ROUND, where=lambda m: m["round"] == "2", what="round 2")
+        first.kill(signal.SIGKILL)
+        assert first.wait_exit() == -signal.SIGKILL
+
+        # The same command (with the port it printed, so the sites find it) resumes.
+        second, second_port = _coordinator(
+            processes, "coordinator-again", config, certs, "--port", str(port)
+        )
+        assert second_port == port
+        _, starting = second.wait_line(STARTING, what="the starting line")
+        assert 3 <= int(starting["round"]) < rounds and "resumed from checkpoint" in starting["how"]
+        sites[1].kill(signal.SIGCONT)
+        for site in sites:  # the sites reconnect and re-join by themselves
+            site.wait_line(
+                SITE_ROUND, where=lambda m: int(m["round"]) >= int(starting["round"]),
+                what="a round after the restart",
+            )
+
+        assert second.wait_exit() == 0, second.describe()
+        _, end = second.wait_line(COORDINATOR_END, what="the coordinator's final line")
+        assert end["how"] == "finished" and end["round"] == str(rounds)
+        digests = [_finished_digest(site) for site in sites]
+        assert set(digests) == {end["digest"]}, f"replicas differ: {digests} vs {end['digest']}"
+        for site in sites:
+            sessions = {m["session"] for line in site.lines if (m := SITE_JOINED.match(line))}
+            assert len(sessions) == 2, f"{site.label} should have joined both coordinator sessions"
+
+    checkpoint = load_latest_checkpoint(checkpoints)
+    assert checkpoint is not None and checkpoint.round == rounds
+    assert torch.equal(checkpoint.tensors["weights"], _simulate(rounds, seed, inner_steps, lr))
+    records = read_metrics(metrics)
+    assert records[-1]["round"] == rounds - 1 and records[-1]["run_finished"]
+    assert len({r["session_id"] for r in records}) == 2

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.coordinator.http_status import HTTPStatusConfig
 from geoloco.protos.identity import validate_site_name
 from geoloco.protos.transport import TLSFiles
 from geoloco.protos.wire import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
@@ -101,6 +102,8 @@ class CoordinatorConfig:
     """Sizes the server's thread pool (each waiting site holds a thread)."""
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     """Where the global weights, the outer optimizer and the aggregation buffer live."""
+    http: HTTPStatusConfig = field(default_factory=HTTPStatusConfig)
+    """``[http]``: Prometheus ``/metrics`` and the live status page (off unless ``enabled``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -189,6 +192,7 @@ class CoordinatorConfig:
             "device",
             f"got {self.device!r}; allowed values: 'cpu', 'cuda', 'auto'",
         )
+        self.http.check_exposure(has_certificates=self.certs_dir is not None)
 
     @property
     def tls_files(self) -> TLSFiles | None:

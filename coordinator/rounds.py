@@ -54,6 +54,7 @@ import torch
 from geoloco.algorithms.params import ParamLayout, weights_digest
 from geoloco.algorithms.strategy import Strategy, build_strategy
 from geoloco.compression import CodecError, Encoded, decode, parse_codec
+from geoloco.coordinator import events as ev
 from geoloco.coordinator.checkpoint import load_latest_checkpoint, save_checkpoint
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.errors import (
@@ -237,6 +238,8 @@ class RoundStateMachine:
         self.session_id = session_id or uuid.uuid4().hex
         self.eval_fn = eval_fn
         self.clock = clock
+        self.events = ev.EventHub(clock)
+        """Observers (metrics, status page) listen here; see ``geoloco.coordinator.events``."""
         self.uplink_codec = canonical_codec(config.algorithm.uplink_codec)
         self.strategy: Strategy = build_strategy(
             config.algorithm,
@@ -482,6 +485,7 @@ class RoundStateMachine:
             else:
                 member.last_seen_s = now
                 logger.info("site %s re-joined at round %d", site, self._round.number)
+            self.events.emit(ev.SITE_JOINED, site=site, round=self._round.number, rejoin=member is not None)
             self._maybe_start(now)
             same = (
                 has_weights
@@ -505,6 +509,7 @@ class RoundStateMachine:
     def leave(self, site: str, session_id: str, reason: str = "") -> None:
         with self._cond:
             self._member(site, session_id)
+            self.events.emit(ev.SITE_LEFT, site=site, round=self._round.number, reason=reason)
             self._remove_member(site, f"left ({reason})" if reason else "left")
             self._cond.notify_all()
 
@@ -528,6 +533,9 @@ class RoundStateMachine:
                 member.reported_round = round_number
                 member.reported_phase = phase
                 member.inner_steps_done = inner_steps_done
+                self.events.emit(
+                    ev.HEARTBEAT, site=site, round=round_number, phase=phase, inner_steps_done=inner_steps_done
+                )
             return pb.HeartbeatResponse(
                 rejoin_required=rejoin,
                 round=self._round_info(now),
@@ -549,6 +557,7 @@ class RoundStateMachine:
             if self.config.round_deadline_s is not None:
                 r.deadline_s = now + self.config.round_deadline_s
             self._phase = RoundPhase.RUNNING
+            self.events.emit(ev.ROUND_STARTED, round=r.number, members=len(self._members))
             logger.info(
                 "round %d started with %d sites%s", r.number, len(self._members),
                 "" if r.deadline_s is None else f", deadline in {self.config.round_deadline_s:g} s",
@@ -571,6 +580,7 @@ class RoundStateMachine:
             d = self._round.bytes_down
             d[site] = d.get(site, 0) + nbytes
             self._bytes_down_total += nbytes
+            self.events.emit(ev.BYTES_SENT, site=site, nbytes=nbytes)
 
     # ---------------------------------------------------------------------------------------
     # Upload
@@ -659,6 +669,7 @@ class RoundStateMachine:
                 normalized, max_total_bytes=self.max_upload_bytes, max_chunk_size=MAX_CHUNK_SIZE
             )
             r.uploads[site] = assembler
+            self.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)
             r.site_metrics[site] = dict(manifest.metrics)
             self._count_up(site, message_nbytes(manifest))
             return assembler
@@ -667,6 +678,7 @@ class RoundStateMachine:
         d = self._round.bytes_up
         d[site] = d.get(site, 0) + nbytes
         self._bytes_up_total += nbytes
+        self.events.emit(ev.BYTES_RECEIVED, site=site, nbytes=nbytes)
 
     def live_chunks(
         self, site: str, assembler: UploadAssembler, requests: Iterable[pb.UploadRequest | ChunkRef]
@@ -724,6 +736,7 @@ class RoundStateMachine:
                         self._round.rejected.add(site)
                         self._round.uploads.pop(site, None)
                         self._cond.notify_all()
+                self.events.emit(ev.UPDATE_REJECTED, site=site, round=round_number, why="NaN or Inf values")
                 raise InvalidUpdateError(
                     f"site {site!r}'s update for round {round_number} contains NaN or Inf values; "
                     "it is dropped for this round (check the site's loss and learning rate)"
@@ -740,6 +753,7 @@ class RoundStateMachine:
                     raise _discarded(site, round_number)
                 self._aggregator.add(decoded, weight, site=site)  # type: ignore[arg-type]
                 r.contributed[site] = weight
+                self.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
                 logger.debug(
                     "round %d: update of %s aggregated (%d of %d members)",
                     round_number, site, len(r.contributed), len(self._members),
@@ -879,6 +893,9 @@ class RoundStateMachine:
         limit = self.config.heartbeat_timeout_s
         for name, member in list(self._members.items()):
             if now - member.last_seen_s > limit:
+                self.events.emit(
+                    ev.SITE_DROPPED, site=name, round=self._round.number, silent_s=now - member.last_seen_s
+                )
                 self._remove_member(name, f"dropped after {now - member.last_seen_s:.1f} s of silence")
 
     def _should_close(self, now: float) -> tuple[bool, bool]:
@@ -976,6 +993,7 @@ class RoundStateMachine:
             finished or next_round % self.config.checkpoint_every == 0
         ):
             self._save_checkpoint(next_round, new_weights)
+            self.events.emit(ev.CHECKPOINT_SAVED, round=next_round)
         record = BroadcastRecord(
             round=r.number,
             data=delta_bytes,
@@ -1038,6 +1056,7 @@ class RoundStateMachine:
             "weights_digest": new_digest,
             "run_finished": finished,
         }
+        self.events.emit(ev.ROUND_AGGREGATED, round=r.number, data=metrics)
         return metrics
 
     def _save_checkpoint(self, round_number: int, weights: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from geoloco.algorithms.params import ParamLayout
 from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.coordinator.http_status import CoordinatorStatus
 from geoloco.coordinator.metrics import MetricsWriter
 from geoloco.coordinator.rounds import EvalFn, RoundStateMachine
 from geoloco.coordinator.servicer import CoordinatorServicer
@@ -31,6 +32,7 @@ from geoloco.protos.transport import (
     SHUTDOWN_GRACE_S,
     add_coordinator_servicer,
     build_server,
+    default_interceptors,
     server_workers,
     stop_server,
 )
@@ -67,6 +69,8 @@ class CoordinatorServer:
         self._driver: threading.Thread | None = None
         self._stop = threading.Event()
         self._driver_error: BaseException | None = None
+        self.http_status = CoordinatorStatus(config, self.rounds) if config.http.enabled else None
+        """``/metrics`` and the status page (``config.http``), or None when disabled."""
 
     @classmethod
     def from_model(
@@ -98,6 +102,11 @@ class CoordinatorServer:
             host = "127.0.0.1"
         return f"{host}:{self.port}"
 
+    @property
+    def status_url(self) -> str | None:
+        """URL of the status page (``/metrics`` next to it), or None when disabled."""
+        return None if self.http_status is None else self.http_status.http.url
+
     def start(self) -> int:
         """Bind, start serving and return the port."""
         if self._server is not None:
@@ -109,6 +118,9 @@ class CoordinatorServer:
             host=config.host,
             port=config.port,
             max_workers=server_workers(config.max_sites),
+            interceptors=None if self.http_status is None else [
+                *default_interceptors(insecure=config.insecure), self.http_status.interceptor
+            ],
         )
         add_coordinator_servicer(
             CoordinatorServicer(
@@ -119,6 +131,8 @@ class CoordinatorServer:
             ),
             server,
         )
+        if self.http_status is not None:
+            self.http_status.start()  # before gRPC: a busy HTTP port fails the start cleanly
         server.start()
         self._server, self._port = server, port
         self._driver = threading.Thread(target=self._drive, name="geoloco-round-driver", daemon=True)
@@ -175,6 +189,8 @@ class CoordinatorServer:
             stop_server(self._server, grace)
         if self._metrics is not None:
             self._metrics.close()
+        if self.http_status is not None:
+            self.http_status.stop()
         logger.info("coordinator session %s stopped", self.session_id)
 
     def __enter__(self) -> CoordinatorServer:

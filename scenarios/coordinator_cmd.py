@@ -11,6 +11,8 @@ for every key with a comment.
 Contract with launchers and tests (stdout, one line each, flushed):
 
 * ``geoloco-coordinator starting at round R (...)`` once the checkpoint (if any) is loaded;
+* ``geoloco-coordinator status page on URL`` (unless ``[http] enabled = false``), just before
+  the listening line: ``/metrics`` for Prometheus and the live status page;
 * ``geoloco-coordinator listening on HOST:PORT`` once the server accepts calls (``--port 0``
   binds a free port and this line says which);
 * ``geoloco-coordinator round R done: participants=a,b excluded=c eval_loss=X digest=D`` per round;
@@ -50,6 +52,7 @@ EXIT_CONFIG_ERROR = 2
 PROGRAM = "geoloco-coordinator"
 """Prefix of every machine-readable stdout line."""
 LISTENING_LINE = PROGRAM + " listening on {host}:{port}"
+STATUS_PAGE_LINE = PROGRAM + " status page on {url}"
 STARTING_LINE = PROGRAM + " starting at round {round} ({how})"
 FINISHED_LINE = PROGRAM + " finished: round={round} digest={digest}"
 STOPPED_LINE = PROGRAM + " stopped ({signal}): round={round} digest={digest}"
@@ -142,6 +145,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--host", help="address to listen on, overrides `host` (0.0.0.0: every interface)")
     parser.add_argument("--port", type=_port, help="port to listen on, overrides `port` (0: a free one)")
     parser.add_argument(
+        "--http-port",
+        type=_port,
+        help="port of /metrics and the status page, overrides `http.port` (0: a free one; on by "
+        "default at 9470, loopback only unless `http.host` says otherwise)",
+    )
+    parser.add_argument(
         "--certs",
         type=Path,
         metavar="DIR",
@@ -194,6 +203,11 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
     if args.certs is not None:
         raw["certs_dir"] = str(args.certs)
         raw["insecure"] = False
+    http = raw.setdefault("http", {})
+    if isinstance(http, dict):  # anything else is reported by CoordinatorConfig.from_dict
+        http.setdefault("enabled", True)  # the library's default is off; the command's is on
+        if getattr(args, "http_port", None) is not None:
+            http["port"] = args.http_port
     for flag, key in (
         ("host", "host"),
         ("port", "port"),
@@ -343,6 +357,8 @@ def _serve(config: Any, name: str, options: dict[str, Any], source: str, stop: G
             file=sys.stderr,
         )
         return EXIT_RUNTIME_ERROR
+    if server.status_url is not None:
+        print(STATUS_PAGE_LINE.format(url=server.status_url), flush=True)
     print(LISTENING_LINE.format(host=config.host, port=port), flush=True)
     try:
         while not stop.requested.is_set():

@@ -45,12 +45,15 @@ from geoloco.scenarios.progress import (
 from geoloco.scenarios.scenario import CUT_LINK, KILL_COORDINATOR, KILL_SITE, Fault, Scenario
 from geoloco.scenarios.shaping import LinkRelay, LinkShape, RelayHub
 
-__all__ = ["EmulationError", "EmulationResult", "FaultEvent", "Emulation", "to_toml"]
+__all__ = ["EmulationError", "EmulationResult", "FaultEvent", "Emulation", "STATUS_PAGE_RE", "to_toml"]
 
 logger = logging.getLogger(__name__)
 
 LISTENING_RE = re.compile(r"listening on (?P<host>[\w.\-\[\]:]+?):(?P<port>\d+)\b")
 """The coordinator CLI's start-up line (``... listening on 127.0.0.1:PORT``)."""
+
+STATUS_PAGE_RE = re.compile(r"status page on (?P<url>https?://\S+)")
+"""The coordinator CLI's status page line (printed just before ``listening on``)."""
 
 FINISHED_MARK = "geoloco-coordinator finished:"
 """The coordinator CLI's last line after a completed run."""
@@ -193,6 +196,8 @@ class Emulation:
         self._events: list[str] = []
         self._last_progress = 0.0
         self._coordinator_log_seen = 0
+        self.status_url: str | None = None
+        """The coordinator's status page (``/metrics`` next to it), once it started."""
 
     # -- paths ------------------------------------------------------------------------------------
 
@@ -246,6 +251,7 @@ class Emulation:
             "inner_optimizer": s.inner_optimizer.to_dict(),
             "outer_optimizer": s.outer_optimizer.to_dict(),
             "workload": dict(s.workload),
+            "http": {"enabled": True, "host": "127.0.0.1", "port": 0},
         }
 
     def site_command(self, index: int) -> list[str]:
@@ -288,6 +294,11 @@ class Emulation:
         assert isinstance(match, re.Match)
         port = int(match["port"])
         self.hub.set_target("127.0.0.1", port)
+        page = STATUS_PAGE_RE.search(match.string)
+        if page is not None and page["url"] != self.status_url:
+            self.status_url = page["url"]
+            self._event(f"status page: {self.status_url}")
+            logger.info("status page and /metrics on %s", self.status_url)
         logger.debug("coordinator listening on port %d", port)
 
     def _listening_line(self) -> re.Match[str] | None:

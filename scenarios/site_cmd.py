@@ -222,7 +222,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar="SECONDS",
         help="longest pause between reconnection attempts (default: %(default)g)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=_metrics_port,
+        metavar="PORT",
+        help="serve this site's Prometheus /metrics on 127.0.0.1:PORT (0: a free one, printed); "
+        "off unless given",
+    )
     parser.set_defaults(handler=run)
+
+
+def _metrics_port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {port}")
+    return port
 
 
 def run(args: argparse.Namespace) -> int:
@@ -404,6 +418,7 @@ def _run(args: argparse.Namespace) -> int:
         probe_stop = threading.Event()
         stop.on_stop = probe_stop.set
         stop.install()
+        site_metrics = None
         try:
             # Rank 0 asks the coordinator; the other ranks get its answer (or its failure).
             advertised: dict[str, Any] | str | None = None
@@ -462,6 +477,16 @@ def _run(args: argparse.Namespace) -> int:
                     on_join=lambda info: print(_join_line(args.name, info), flush=True),
                     on_round_end=lambda result: print(_round_line(args.name, result), flush=True),
                 )
+                if args.metrics_port is not None and group.is_leader:
+                    from geoloco.site_agent.prometheus import SiteMetrics
+
+                    site_metrics = SiteMetrics(args.name)
+                    hooks = site_metrics.hooks(hooks)
+                    try:
+                        metrics_port = site_metrics.serve("127.0.0.1", args.metrics_port)
+                    except OSError as err:
+                        raise SiteCommandError(f"cannot serve /metrics on port {args.metrics_port}: {err}") from err
+                    print(f"{PROGRAM} {args.name} metrics on http://127.0.0.1:{metrics_port}/metrics", flush=True)
                 agent = SiteAgent(
                     model,
                     optimizer,
@@ -494,6 +519,8 @@ def _run(args: argparse.Namespace) -> int:
                 return EXIT_RUNTIME_ERROR
         finally:
             stop.restore()
+            if site_metrics is not None:
+                site_metrics.stop()
         if group.is_leader:
             print(_summary_line(args.name, summary, stop.signal_name), flush=True)
     return EXIT_OK

@@ -1,0 +1,184 @@
+// geoloco status page: polls /api/status and redraws. No dependencies, nothing fetched from
+// elsewhere; every value from the server goes into the page as text (never as HTML).
+"use strict";
+
+const POLL_MS = 1000;
+const MAX_BARS = 60;
+const token = new URLSearchParams(location.hash.slice(1)).get("token");
+
+function el(tag, text, attrs) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+  return node;
+}
+
+function fmtBytes(n) {
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (Math.abs(n) >= 1000 && i < units.length - 1) { n /= 1000; i++; }
+  return (i === 0 ? n.toFixed(0) : n.toFixed(n < 10 ? 2 : 1)) + " " + units[i];
+}
+
+function fmtRate(bps) {
+  const units = ["bit/s", "kbit/s", "Mbit/s", "Gbit/s"];
+  let i = 0;
+  while (bps >= 1000 && i < units.length - 1) { bps /= 1000; i++; }
+  return bps.toFixed(bps < 10 && i > 0 ? 2 : 0) + " " + units[i];
+}
+
+function fmtAgo(s) {
+  if (s < 1) return "just now";
+  if (s < 120) return s.toFixed(0) + " s ago";
+  if (s < 7200) return (s / 60).toFixed(0) + " min ago";
+  return (s / 3600).toFixed(1) + " h ago";
+}
+
+function fmtClock(t) {
+  return new Date(t * 1000).toLocaleTimeString([], { hour12: false });
+}
+
+function renderConfig(cfg) {
+  const dl = document.getElementById("config");
+  const rows = [
+    ["algorithm", cfg.algorithm + " (H = " + cfg.inner_steps + ")"],
+    ["codecs", "up " + cfg.uplink_codec + " · down " + cfg.downlink_codec],
+    ["outer optimizer", (cfg.outer_optimizer && cfg.outer_optimizer.name) || "the algorithm's default"],
+    ["rounds", cfg.total_rounds === 0 ? "until stopped" : cfg.total_rounds],
+    ["quorum / deadline", cfg.min_sites + " sites / " + (cfg.round_deadline_s === null ? "none" : cfg.round_deadline_s + " s")],
+    ["heartbeat", cfg.heartbeat_interval_s + " s (timeout " + cfg.heartbeat_timeout_s + " s)"],
+    ["parameters", Number(cfg.parameters).toLocaleString()],
+    ["transport", cfg.transport],
+    ["workload", cfg.workload && cfg.workload.name ? cfg.workload.name : "(python API)"],
+  ];
+  dl.replaceChildren(...rows.flatMap(([k, v]) => [el("dt", k), el("dd", v)]));
+  document.getElementById("config-full").textContent = JSON.stringify(cfg.full, null, 2);
+}
+
+function renderSites(sites) {
+  const body = document.querySelector("#sites tbody");
+  body.replaceChildren(...sites.map((s) => {
+    const tr = el("tr", null, { "data-site": s.name, "data-state": s.state });
+    tr.append(
+      el("td", s.name),
+      (() => { const td = el("td"); td.append(el("span", s.state, { class: "state", "data-state": s.state })); return td; })(),
+      el("td", fmtAgo(s.last_seen_s)),
+      el("td", s.rounds_joined, { class: "num" }),
+      el("td", fmtBytes(s.bytes_up), { class: "num" }),
+      el("td", fmtBytes(s.bytes_down), { class: "num" }),
+      el("td", fmtRate(s.rate_up_bps) + " / " + fmtRate(s.rate_down_bps), { class: "num" }),
+    );
+    return tr;
+  }));
+}
+
+function renderEvents(events) {
+  const list = document.getElementById("events");
+  list.replaceChildren(...events.slice(0, 100).map((e) => {
+    const li = el("li", null, { "data-kind": e.kind });
+    li.append(el("time", fmtClock(e.time)), el("span", e.kind, { class: "kind" }), el("span", e.text));
+    return li;
+  }));
+}
+
+// -- charts -----------------------------------------------------------------------------------
+
+function setupCanvas(canvas) {
+  const ratio = window.devicePixelRatio || 1;
+  const w = canvas.clientWidth || canvas.width, h = Math.round(w * 260 / 560);
+  if (canvas.width !== Math.round(w * ratio)) { canvas.width = Math.round(w * ratio); canvas.height = Math.round(h * ratio); }
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, w, h);
+  return { ctx, w, h, pad: { l: 62, r: 12, t: 10, b: 28 } };
+}
+
+function niceTicks(lo, hi, n) {
+  if (!(hi > lo)) { hi = lo + 1; }
+  const step0 = (hi - lo) / n, mag = Math.pow(10, Math.floor(Math.log10(step0)));
+  const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= step0);
+  const ticks = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi + 1e-12; v += step) ticks.push(v);
+  return ticks;
+}
+
+function axes(c, xlo, xhi, ylo, yhi, yfmt) {
+  const { ctx, w, h, pad } = c;
+  ctx.strokeStyle = "#e3e6eb"; ctx.fillStyle = "#6b7280"; ctx.font = "11px system-ui, sans-serif"; ctx.lineWidth = 1;
+  const X = (x) => pad.l + (x - xlo) / ((xhi - xlo) || 1) * (w - pad.l - pad.r);
+  const Y = (y) => h - pad.b - (y - ylo) / ((yhi - ylo) || 1) * (h - pad.t - pad.b);
+  ctx.textAlign = "right"; ctx.textBaseline = "middle";
+  for (const t of niceTicks(ylo, yhi, 4)) {
+    ctx.beginPath(); ctx.moveTo(pad.l, Y(t)); ctx.lineTo(w - pad.r, Y(t)); ctx.stroke();
+    ctx.fillText(yfmt(t), pad.l - 6, Y(t));
+  }
+  ctx.textAlign = "center"; ctx.textBaseline = "top";
+  for (const t of niceTicks(xlo, xhi, 6).filter((t) => Number.isInteger(t))) ctx.fillText(String(t), X(t), h - pad.b + 6);
+  ctx.fillText("round", w - pad.r - 16, h - 12);
+  return { X, Y };
+}
+
+function drawLoss(canvas, rounds) {
+  const c = setupCanvas(canvas);
+  const series = [["eval_loss", "#2563eb"], ["train_loss", "#f59e0b"]]
+    .map(([key, color]) => ({ color, pts: rounds.filter((r) => r[key] !== null).map((r) => [r.round, r[key]]) }));
+  const all = series.flatMap((s) => s.pts);
+  canvas.setAttribute("data-points", String(all.length));
+  if (all.length === 0) { c.ctx.fillStyle = "#6b7280"; c.ctx.fillText("waiting for the first round…", c.w / 2 - 70, c.h / 2); return; }
+  const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
+  let ylo = Math.min(...ys), yhi = Math.max(...ys);
+  const margin = (yhi - ylo) * 0.08 || Math.abs(yhi) * 0.1 || 1;
+  ylo -= margin; yhi += margin;
+  const { X, Y } = axes(c, Math.min(...xs), Math.max(...xs, Math.min(...xs) + 1), ylo, yhi, (v) => v.toPrecision(3));
+  for (const s of series) {
+    const ctx = c.ctx;
+    ctx.strokeStyle = s.color; ctx.fillStyle = s.color; ctx.lineWidth = 2;
+    ctx.beginPath();
+    s.pts.forEach(([x, y], i) => (i ? ctx.lineTo(X(x), Y(y)) : ctx.moveTo(X(x), Y(y))));
+    ctx.stroke();
+    for (const [x, y] of s.pts) { ctx.beginPath(); ctx.arc(X(x), Y(y), 2.5, 0, 2 * Math.PI); ctx.fill(); }
+  }
+}
+
+function drawBytes(canvas, rounds) {
+  const c = setupCanvas(canvas);
+  const shown = rounds.slice(-MAX_BARS);
+  canvas.setAttribute("data-points", String(shown.length));
+  if (shown.length === 0) { c.ctx.fillStyle = "#6b7280"; c.ctx.fillText("waiting for the first round…", c.w / 2 - 70, c.h / 2); return; }
+  const yhi = Math.max(...shown.map((r) => Math.max(r.bytes_up, r.bytes_down)), 1) * 1.1;
+  const xlo = shown[0].round - 0.5, xhi = shown[shown.length - 1].round + 0.5;
+  const { X, Y } = axes(c, xlo, xhi, 0, yhi, fmtBytes);
+  const slot = (X(xhi) - X(xlo)) / shown.length, bar = Math.max(1, slot * 0.38);
+  for (const r of shown) {
+    c.ctx.fillStyle = "#0d9488"; c.ctx.fillRect(X(r.round) - bar, Y(r.bytes_up), bar, Y(0) - Y(r.bytes_up));
+    c.ctx.fillStyle = "#7c3aed"; c.ctx.fillRect(X(r.round), Y(r.bytes_down), bar, Y(0) - Y(r.bytes_down));
+  }
+}
+
+// -- polling ----------------------------------------------------------------------------------
+
+let configShown = null;
+
+async function refresh() {
+  const conn = document.getElementById("connection");
+  try {
+    const headers = token ? { Authorization: "Bearer " + token } : {};
+    const response = await fetch("/api/status", { headers, cache: "no-store" });
+    if (!response.ok) throw new Error("HTTP " + response.status);
+    const s = await response.json();
+    document.getElementById("round").textContent = s.run_finished ? "finished" : "round " + s.round;
+    document.getElementById("phase").textContent = s.phase.replaceAll("_", " ");
+    conn.textContent = "live"; conn.setAttribute("data-ok", "true");
+    if (configShown !== s.session_id) { renderConfig(s.config); configShown = s.session_id; }
+    renderSites(s.sites);
+    renderEvents(s.events);
+    drawLoss(document.getElementById("loss-chart"), s.rounds);
+    drawBytes(document.getElementById("bytes-chart"), s.rounds);
+  } catch (err) {
+    conn.textContent = "no connection (" + err.message + ")"; conn.setAttribute("data-ok", "false");
+  } finally {
+    setTimeout(refresh, POLL_MS);
+  }
+}
+
+refresh();

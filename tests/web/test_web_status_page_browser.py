@@ -1,0 +1,179 @@
+"""End to end in a real headless Chromium: a small emulation (real coordinator and site
+processes, mutual TLS, shaped links, a site killed and restarted on schedule), its status page
+opened in the browser, the site table, the live charts and the killed site going down and back.
+
+Needs Debian's ``chromium`` (``apt-get install -y chromium``) and the ``playwright`` Python
+package, which drives the system browser (``playwright install`` is never needed). The page's
+screenshot is saved under the test's tmp folder; ``GEOLOCO_UPDATE_SCREENSHOT=1`` also copies it to
+``docs/status-page.png`` (regenerated on purpose only, like a golden file).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from geoloco.scenarios.emulation import STATUS_PAGE_RE, to_toml
+from geoloco.scenarios.launcher import wait_for
+
+CHROMIUM = os.environ.get("GEOLOCO_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_FLAGS = [
+    "--no-sandbox",  # CI runs the browser as root
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "status-page.png"
+KILLED = "lisbon"
+
+SCENARIO = {
+    "workload": {"name": "mlp"},
+    "algorithm": {"name": "diloco", "inner_steps": 10, "uplink_codec": "int8", "downlink_codec": "int8"},
+    "run": {
+        "rounds": 0,
+        "time_budget_s": 120.0,
+        "timeout_s": 150.0,
+        "min_sites": 1,
+        "eval_every": 1,
+        "heartbeat_interval_s": 0.5,
+        "heartbeat_timeout_s": 4.0,
+    },
+    "sites": [
+        {"name": "boston", "uplink_bps": 2e7, "downlink_bps": 4e7, "latency_s": 0.01},
+        {"name": KILLED, "uplink_bps": 1e7, "downlink_bps": 2e7, "latency_s": 0.04},
+        {"name": "osaka", "uplink_bps": 5e6, "downlink_bps": 1e7, "latency_s": 0.08},
+    ],
+    "faults": [{"kind": "kill_site", "site": KILLED, "at_round": 4, "after_s": 0.2, "down_s": 6.0}],
+}
+
+
+def scenario_toml(scenario: dict) -> str:
+    """The scenario as a TOML file: its tables, then one ``[[sites]]`` / ``[[faults]]`` each."""
+    tables = {k: v for k, v in scenario.items() if isinstance(v, dict)}
+    text = to_toml(tables)
+    for key, items in scenario.items():
+        if isinstance(items, list):
+            for item in items:
+                text += f"\n[[{key}]]\n" + to_toml(item)
+    return text
+
+
+def require_browser():
+    """The Playwright module, or a failure that says how to install what is missing."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(
+            f"Chromium not found at {CHROMIUM}: install Debian's browser with `apt-get install -y "
+            "chromium` (or point GEOLOCO_CHROMIUM at a Chromium binary)"
+        )
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("the `playwright` package is missing: `pip install playwright` (no `playwright install` needed)")
+    return sync_playwright
+
+
+@pytest.fixture
+def emulation(tmp_path: Path):
+    """A running ``geoloco emulate`` and its status page URL; stopped with SIGTERM afterwards."""
+    scenario = tmp_path / "page.toml"
+    scenario.write_text(scenario_toml(SCENARIO))
+    out = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "geoloco.scenarios.cli", "emulate", str(scenario), "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "emulate.log", "wb"),  # noqa: SIM115 - closed with the process
+    )
+    log = out / "logs" / "coordinator.log"
+
+    def status_url() -> str | None:
+        if process.poll() is not None:
+            raise AssertionError(f"geoloco emulate exited early: {(tmp_path / 'emulate.log').read_text()[-3000:]}")
+        match = STATUS_PAGE_RE.search(log.read_text(errors="replace")) if log.exists() else None
+        return match["url"] if match else None
+
+    try:
+        url = wait_for(status_url, 60, what="the coordinator's status page line")
+        yield url, out
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_status_page_shows_sites_charts_and_a_killed_site_coming_back(emulation, tmp_path: Path) -> None:
+    sync_playwright = require_browser()
+    url, out = emulation
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/", url), url
+    # /metrics of the same server, scraped while the run goes on.
+    assert b"geoloco_coordinator_rounds_completed_total" in urllib.request.urlopen(url + "metrics", timeout=10).read()
+
+    sites = [s["name"] for s in SCENARIO["sites"]]
+    shot = tmp_path / "status-page.png"
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),  # a fresh profile
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_FLAGS,
+            viewport={"width": 1280, "height": 1100},
+        )
+        try:
+            page = context.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            page.goto(url)
+            # Every site in the table, and points on both charts.
+            page.wait_for_function(
+                """names => names.every(n => document.querySelector(`#sites tr[data-site="${n}"]`))
+                   && +document.getElementById('loss-chart').dataset.points > 0
+                   && +document.getElementById('bytes-chart').dataset.points > 0""",
+                arg=sites,
+                timeout=40_000,
+            )
+            assert page.inner_text("#connection") == "live"
+            assert "diloco (H = 10)" in page.inner_text("#config")
+            # The emulator kills the site in round 4: the page shows it down...
+            row = f'#sites tr[data-site="{KILLED}"]'
+            page.wait_for_selector(f'{row}[data-state="down"]', timeout=30_000)
+            # ...and back once its restarted process re-joined.
+            page.wait_for_function(
+                """sel => { const r = document.querySelector(sel);
+                            return r && !['down', 'left'].includes(r.dataset.state); }""",
+                arg=row,
+                timeout=30_000,
+            )
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('#events li')].some(li => li.dataset.kind === 'recovery')",
+                timeout=10_000,
+            )
+            # Let the charts show a few rounds after the recovery, then keep the picture.
+            rounds_seen = int(page.get_attribute("#bytes-chart", "data-points") or 0)
+            page.wait_for_function(
+                "n => +document.getElementById('bytes-chart').dataset.points >= n",
+                arg=rounds_seen + 3,
+                timeout=20_000,
+            )
+            for name in sites:
+                assert page.get_attribute(f'#sites tr[data-site="{name}"]', "data-state") not in ("down", "left")
+            page.screenshot(path=str(shot), full_page=True)
+            assert errors == [], errors
+        finally:
+            context.close()
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("GEOLOCO_UPDATE_SCREENSHOT") == "1":
+        DOCS_SCREENSHOT.parent.mkdir(exist_ok=True)
+        shutil.copyfile(shot, DOCS_SCREENSHOT)

@@ -21,9 +21,14 @@ for ``n`` values of original dtype size ``d`` bytes is
 
 - ``none``: ``n * d``; ``fp32``: ``4n``; ``bf16``/``fp16``: ``2n``
 - ``intB:block=b``: ``2 * ceil(n / b) + ceil(n * B / 8)`` (bfloat16 scales, then packed codes)
-- ``topk:F,chunk=c|V``: ``roundup8(ceil(k * ceil(log2 c) / 8)) + V(k)`` with
+- ``topk:F,chunk=c|V``: ``roundup8(ceil(k * max(1, ceil(log2 c)) / 8)) + V(k)`` with
   ``k = (n // c) * ceil(F * c) + ceil(F * (n % c))``
 - ``randk:F|V``: ``8 + V(ceil(F * n))`` (the seed)
+
+``Codec.encoded_nbytes(shape, dtype)`` gives that size without encoding (for simulated links);
+``decode(..., out=buffer)`` decodes into a preallocated tensor. Decoding data that is truncated,
+corrupted (CRC32 over header and payload), or does not fit its codec raises :class:`CodecError`;
+encoding NaN/Inf raises :class:`ValueError`.
 
 Typical use::
 

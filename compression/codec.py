@@ -73,7 +73,11 @@ class Codec(ABC):
 
 
 class PipelineCodec(Codec):
-    """An optional sparsifier followed by a value codec; what :func:`parse_codec` returns."""
+    """An optional sparsifier followed by a value codec; what :func:`parse_codec` returns.
+
+    ``values`` (a :class:`ValueCodec`) and ``sparsifier`` (a :class:`Sparsifier` or ``None``) are
+    public so callers can inspect a pipeline, e.g. secure aggregation requires ``randk``.
+    """
 
     def __init__(self, values: ValueCodec, sparsifier: Sparsifier | None = None) -> None:
         self.values = values
@@ -346,13 +350,17 @@ def _parse_stage(text: str, spec: str) -> Stage:
                 if option is None:
                     raise ValueError(f"unknown option {key!r} for codec {name!r} in spec {spec!r}; {_accepted(entry)}")
                 if option.kind == "flag":
-                    raise ValueError(f"flag {key!r} of codec {name!r} takes no value: write just {key!r} (spec {spec!r})")
+                    raise ValueError(
+                        f"flag {key!r} of codec {name!r} takes no value: write just {key!r} (spec {spec!r})"
+                    )
             elif option is not None and option.kind == "flag":
                 value = ""
             elif entry.positional is not None:
                 option, value = options[entry.positional], token
             else:
-                raise ValueError(f"unexpected argument {token!r} for codec {name!r} in spec {spec!r}; {_accepted(entry)}")
+                raise ValueError(
+                    f"unexpected argument {token!r} for codec {name!r} in spec {spec!r}; {_accepted(entry)}"
+                )
             if option.name in kwargs:
                 raise ValueError(f"option {option.name!r} given twice for codec {name!r} in spec {spec!r}")
             kwargs[option.name] = _parse_value(option, value, name, spec)
@@ -377,10 +385,14 @@ def _parse_value(option: Option, value: str, name: str, spec: str) -> object:
             )
         return fraction
     if not _INTEGER.fullmatch(value):
-        raise ValueError(f"{option.name}={value!r} for codec {name!r} in spec {spec!r} is not an integer; {option.describe()}")
+        raise ValueError(
+            f"{option.name}={value!r} for codec {name!r} in spec {spec!r} is not an integer; {option.describe()}"
+        )
     number = int(value)
     if not option.minimum <= number <= option.maximum or number % option.multiple_of:
-        raise ValueError(f"{option.name}={value} for codec {name!r} in spec {spec!r} is out of range; {option.describe()}")
+        raise ValueError(
+            f"{option.name}={value} for codec {name!r} in spec {spec!r} is out of range; {option.describe()}"
+        )
     return number
 
 

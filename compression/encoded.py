@@ -144,7 +144,9 @@ class Encoded:
         offset = _PREFIX.size
         header_end = offset + spec_len + _U64.size * (ndim + 1)
         if total < header_end + _CRC.size:
-            raise CodecError(f"encoded data is truncated: {total} bytes, its header alone needs {header_end + _CRC.size}")
+            raise CodecError(
+                f"encoded data is truncated: {total} bytes, its header alone needs {header_end + _CRC.size}"
+            )
         spec_raw = bytes(view[offset : offset + spec_len])
         offset += spec_len
         shape = tuple(_U64.unpack_from(view, offset + _U64.size * i)[0] for i in range(ndim))

@@ -21,7 +21,11 @@ from geoloco.compression.encoded import Encoded
 
 
 class ErrorFeedback:
-    """Wraps a codec with a residual; one instance per tensor stream (e.g. per parameter, per site)."""
+    """Wraps a codec with a residual; one instance per tensor stream (e.g. per parameter, per site).
+
+    Holds two buffers the size of the tensor in the working dtype: the residual and a reused
+    scratch for ``u``, so an encode allocates nothing large besides the payload.
+    """
 
     def __init__(self, codec: Codec, *, decay: float = 1.0) -> None:
         if not 0.0 <= decay <= 1.0:
@@ -47,7 +51,7 @@ class ErrorFeedback:
                 f"{tensor.device}); use one ErrorFeedback per tensor, or reset() it"
             )
         corrected = self._corrected
-        if corrected is None or corrected.shape != residual.shape or corrected.dtype != work_dtype or corrected.device != residual.device:
+        if corrected is None or _layout(corrected) != _layout(residual):
             corrected = torch.empty_like(residual)
         with torch.no_grad():
             if self.decay == 1.0:
@@ -80,7 +84,13 @@ class ErrorFeedback:
         if unknown:
             raise ValueError(f"error-feedback state has unknown keys {sorted(unknown)}; expected only 'residual'")
         residual = state.get("residual")
-        if residual is not None and (not isinstance(residual, torch.Tensor) or residual.dtype not in (torch.float32, torch.float64)):
+        if residual is not None and (
+            not isinstance(residual, torch.Tensor) or residual.dtype not in (torch.float32, torch.float64)
+        ):
             raise ValueError("error-feedback state 'residual' must be a float32 or float64 tensor")
         self.residual = None if residual is None else residual.detach().clone()
         self._corrected = None
+
+
+def _layout(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
+    return tensor.shape, tensor.dtype, tensor.device

@@ -180,7 +180,9 @@ class BlockQuantizer(ValueCodec):
         # Checked once at the end rather than per chunk: a failed encoding is discarded whole.
         self._check_scales(scales)
 
-    def _encode_rows(self, rows: torch.Tensor, scales_out: torch.Tensor, codes_out: torch.Tensor, *, count: int) -> None:
+    def _encode_rows(
+        self, rows: torch.Tensor, scales_out: torch.Tensor, codes_out: torch.Tensor, *, count: int
+    ) -> None:
         """Encode ``rows`` (R blocks of ``block`` values; the last ``block - count`` are padding)."""
         num_rows, block = rows.shape
         device = rows.device

@@ -42,7 +42,8 @@ FRACTION_OPTION: Final = Option("fraction", "fraction", "share of the coordinate
 CHUNK_OPTION: Final = Option(
     "chunk",
     "int",
-    "values per top-k chunk; smaller is faster and needs fewer index bits",
+    "values per top-k chunk, by default the power of two at or above 32/F within 1024..1048576; "
+    "smaller is faster and needs fewer index bits",
     default=None,
     minimum=1,
     maximum=1 << 30,
@@ -163,7 +164,9 @@ class TopK(Sparsifier):
         local = unpack_uint(index_payload[: packed_nbytes(selected, self.index_bits)], selected, self.index_bits)
         head = local[: full * per_chunk]
         if head.numel() and int(head.max()) >= chunk:
-            raise CodecError(f"{self.canonical()}: payload holds an index beyond its chunk of {chunk}; data is corrupted")
+            raise CodecError(
+                f"{self.canonical()}: payload holds an index beyond its chunk of {chunk}; data is corrupted"
+            )
         if tail_keep and int(local[full * per_chunk :].max()) >= tail:
             raise CodecError(f"{self.canonical()}: payload holds an index beyond the last chunk; data is corrupted")
         out.zero_()

@@ -48,8 +48,8 @@ class Option:
         bounds = f"{self.minimum}..{self.maximum}"
         if self.multiple_of > 1:
             bounds += f", multiple of {self.multiple_of}"
-        default = "derived" if self.default is None else str(self.default)
-        return f"{self.name}=N (integer {bounds}, default {default}: {self.help})"
+        default = "" if self.default is None else f", default {self.default}"
+        return f"{self.name}=N (integer {bounds}{default}: {self.help})"
 
 
 class Stage(ABC):

@@ -47,7 +47,8 @@ def make_tensor(shape: tuple[int, ...], dtype: torch.dtype, kind: str, seed: int
     elif kind == "constant":
         values = torch.full((numel,), -3.25, dtype=torch.float64)
     elif kind == "mixed":
-        exponents = torch.rand(numel, generator=generator, dtype=torch.float64) * (8 if half else 40) - (4 if half else 20)
+        span = 4 if half else 20  # decades either side of 1
+        exponents = torch.rand(numel, generator=generator, dtype=torch.float64) * (2 * span) - span
         values = base * 10.0**exponents
     else:
         values = base * (torch.rand(numel, generator=generator, dtype=torch.float64) < 0.1)
@@ -100,7 +101,9 @@ def test_casts_round_to_nearest_and_saturate(spec: str, target: torch.dtype, exa
 
 
 def quantizer_bound(x: torch.Tensor, bits: int, block: int, stochastic: bool) -> torch.Tensor:
-    factor = ({8: 1 / 127, 4: 1 / 7, 2: 2 / 3, 1: 2.0} if stochastic else {8: 1 / 254, 4: 1 / 14, 2: 1 / 3, 1: 1.0})[bits]
+    stochastic_factor = {8: 1 / 127, 4: 1 / 7, 2: 2 / 3, 1: 2.0}
+    nearest_factor = {8: 1 / 254, 4: 1 / 14, 2: 1 / 3, 1: 1.0}
+    factor = (stochastic_factor if stochastic else nearest_factor)[bits]
     absmax = block_absmax(x, block)
     finfo = torch.finfo(x.dtype)
     return absmax * (factor * (1 + 2**-7) + 2 * unit_roundoff(x.dtype)) + 2.0**-126 + finfo.smallest_normal * finfo.eps

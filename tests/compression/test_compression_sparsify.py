@@ -27,7 +27,9 @@ def kept_per_chunk(fraction: float, length: int) -> int:
     ties=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_topk_keeps_exactly_the_largest_per_chunk(numel: int, chunk: int, fraction: float, ties: bool, seed: int) -> None:
+def test_topk_keeps_exactly_the_largest_per_chunk(
+    numel: int, chunk: int, fraction: float, ties: bool, seed: int
+) -> None:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=generator)
     if ties:  # few distinct magnitudes, both signs
@@ -97,7 +99,9 @@ def test_randk_indices_are_a_fixed_function_of_the_seed() -> None:
     # Golden values: these must never change, or sites running different builds would disagree
     # on the coordinates of a round. They do not depend on torch's RNG.
     assert random_indices(2024, 100, 10).tolist() == [4, 16, 19, 31, 33, 39, 42, 48, 68, 78]
-    assert random_indices(2**64 - 1, 10**6, 8).tolist() == [161764, 242940, 583466, 591164, 651429, 767325, 865812, 879445]
+    assert random_indices(2**64 - 1, 10**6, 8).tolist() == [
+        161764, 242940, 583466, 591164, 651429, 767325, 865812, 879445,
+    ]
     assert random_indices(7, 20, 15).tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 17, 18]
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from geoloco.algorithms.clock import (
     SiteConfig,
@@ -38,6 +39,7 @@ from geoloco.algorithms.diloco import (
     pseudo_gradient,
     run_inner_steps,
 )
+from geoloco.algorithms.fixed_point import clip_l2
 from geoloco.algorithms.optimizers import (
     InnerOptimizerConfig,
     OuterOptimizerConfig,
@@ -45,7 +47,17 @@ from geoloco.algorithms.optimizers import (
     optimizer_state_tensors,
     split_flat_optimizer_state,
 )
-from geoloco.algorithms.params import ParamLayout, weights_digest
+from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
+from geoloco.algorithms.privacy import (
+    PrivacyAccountant,
+    PrivacyConfig,
+    PrivateUpdateEncoder,
+    add_central_noise,
+    check_composition,
+    effective_noise_multiplier,
+    plan_secure_round,
+    private_round_in_memory,
+)
 from geoloco.algorithms.strategy import (
     UPDATE_GRADIENT,
     AlgorithmConfig,
@@ -54,7 +66,7 @@ from geoloco.algorithms.strategy import (
     build_strategy,
 )
 from geoloco.algorithms.workload import Workload
-from geoloco.compression import Encoded
+from geoloco.compression import Encoded, decode
 
 __all__ = [
     "RoundRecord",
@@ -146,6 +158,8 @@ class SimulatorConfig:
     ``count`` plus the fields every site shares)."""
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     """Run length, evaluation, clock and round policy."""
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    """Secure aggregation and differential privacy (``geoloco.algorithms.privacy``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -162,6 +176,22 @@ class SimulatorConfig:
             "simulation.round_deadline_s",
             "the ddp baseline waits for every site each step; unset round_deadline_s",
         )
+        if self.privacy.enabled:
+            require(
+                self.algorithm.name != "ddp" and self.algorithm.warmup_steps == 0,
+                "privacy",
+                "privacy applies to pseudo-gradient rounds; use diloco, fedavg or fedopt with "
+                "warmup_steps = 0",
+            )
+            require(
+                self.simulation.round_deadline_s is None,
+                "simulation.round_deadline_s",
+                "with privacy on, every site's update enters the round; unset round_deadline_s",
+            )
+            try:
+                check_composition(self.privacy, self.algorithm.uplink_codec, len(self.sites))
+            except ConfigError as err:
+                raise err.under("algorithm" if err.key == "uplink_codec" else "") from None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SimulatorConfig:
@@ -225,6 +255,8 @@ class RoundRecord:
     """Per site, the share of its round spent computing (``compute_s`` / its round span)."""
     digest: str
     """``weights_digest`` of the global weights after the round."""
+    epsilon: float | None = None
+    """Accounted epsilon (at ``privacy.delta``) after this round; ``None`` without DP."""
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
@@ -285,6 +317,16 @@ class Simulator:
             )
             for k, site in enumerate(config.sites)
         ]
+        privacy = config.privacy
+        self.private = {k: PrivateUpdateEncoder(privacy, config.algorithm.uplink_codec,
+                                                error_feedback=config.algorithm.error_feedback)
+                        for k in range(num_sites)} if privacy.secure_aggregation else {}
+        # Simulated sites still run the real protocol, so each needs an identity key.
+        self.identity_keys: dict[int, Ed25519PrivateKey] = (
+            {k: Ed25519PrivateKey.generate() for k in range(num_sites)}
+            if privacy.secure_aggregation else {}
+        )
+        self.accountant = PrivacyAccountant(privacy.delta) if privacy.dp != "off" else None
         self.clock_s = 0.0
         self.open_s = 0.0
         self.bytes_up_total = 0
@@ -369,6 +411,45 @@ class Simulator:
 
     # -- one DiLoCo-family round -------------------------------------------------------------
 
+    def _round_noise_multiplier(self) -> float:
+        """What the accountant composes for one round (see ``effective_noise_multiplier``)."""
+        privacy = self.config.privacy
+        if privacy.dp != "distributed":
+            return privacy.noise_multiplier
+        context, fixed = plan_secure_round(
+            privacy, self.config.algorithm.uplink_codec, numel=self.layout.numel,
+            num_sites=len(self.sites), session="simulation", round_index=0,
+        )
+        return effective_noise_multiplier(privacy, fixed, context.numel)
+
+    def _private_aggregate(
+        self, round_index: int, updates: dict[int, torch.Tensor], plan: Any
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Mean update under the privacy config, and each site's upload bytes."""
+        privacy = self.config.privacy
+        codec = self.config.algorithm.uplink_codec
+        if privacy.secure_aggregation:
+            traffic: dict[int, int] = {}
+            mean, survivors = private_round_in_memory(
+                privacy, codec, updates, self.private, self.identity_keys,
+                session=f"simulation-{self.config.simulation.seed}", round_index=round_index,
+                index_seed=derive_seed(plan.seed, "secure-randk"), traffic=traffic,
+            )
+            if privacy.dp == "central":
+                mean = add_central_noise(mean * len(survivors), privacy) / len(survivors)
+            return mean.to(self.global_flat.device), [traffic[k] for k in sorted(updates)]
+        # Central DP without secure aggregation: the trusted coordinator clips each decoded
+        # upload, sums, and adds Gaussian noise to the sum.
+        assert privacy.clip_norm is not None
+        total = torch.zeros(self.layout.numel, dtype=torch.float32)
+        sizes = []
+        for k in sorted(updates):
+            encoded = self.sites[k].uplink.encode(updates[k], seed=plan.uplink_seed(k))
+            sizes.append(encoded.nbytes)
+            total += clip_l2(decode(encoded, device="cpu").reshape(-1), privacy.clip_norm)[0]
+        mean = add_central_noise(total, privacy) / len(updates)
+        return mean.to(self.global_flat.device), sizes
+
     def _diloco_round(self, round_index: int) -> dict[str, Any]:
         sim = self.config.simulation
         strategy = self.strategy
@@ -381,6 +462,7 @@ class Simulator:
         upload_sizes: list[int] = []
         losses: list[float] = []
         weights: dict[int, float] = {}
+        private_updates: dict[int, torch.Tensor] = {}
         for site in self.sites:
             assert site.optimizer is not None
             self.layout.load_(self.model, self.global_flat)
@@ -397,6 +479,11 @@ class Simulator:
             self._sync_device()
             seconds = self._step_seconds(site, plan.inner_steps, time.perf_counter() - t0)
             update = pseudo_gradient(self.global_flat, self.layout.flatten(self.model))
+            if self.config.privacy.enabled:
+                private_updates[site.index] = update.to("cpu")
+                compute.append(seconds)
+                losses.extend(result.losses)
+                continue
             encoded = site.uplink.encode(update, seed=plan.uplink_seed(site.index))
             del update
             (arrival,) = upload_arrivals([site.ready_s], [seconds], [encoded.nbytes], [site.config])
@@ -409,6 +496,8 @@ class Simulator:
             compute.append(seconds)
             upload_sizes.append(encoded.nbytes)
             losses.extend(result.losses)
+        if private_updates:
+            return self._private_round_finish(round_index, plan, private_updates, compute, losses)
         included, aggregate_s = select_participants(
             arrivals, open_s=self.open_s, deadline_s=sim.round_deadline_s, min_sites=sim.min_sites
         )
@@ -440,6 +529,38 @@ class Simulator:
             "sites_aggregated": len(included),
         }
 
+    def _private_round_finish(
+        self, round_index: int, plan: Any, updates: dict[int, torch.Tensor],
+        compute: list[float], losses: list[float],
+    ) -> dict[str, Any]:
+        """Aggregate a privacy round (every site enters), outer step, clock and downlink."""
+        mean, upload_sizes = self._private_aggregate(round_index, updates, plan)
+        update = self.strategy.apply_mean_update(self.global_flat, mean, tuple(sorted(updates)), plan)
+        self.global_flat = update.global_flat
+        arrivals = [
+            upload_arrivals([site.ready_s], [compute[k]], [upload_sizes[k]], [site.config])[0]
+            for k, site in enumerate(self.sites)
+        ]
+        included, aggregate_s = select_participants(
+            arrivals, open_s=self.open_s, deadline_s=None, min_sites=len(self.sites)
+        )
+        ends = download_ends(aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in self.sites])
+        utilization = []
+        for k, site in enumerate(self.sites):
+            span = ends[k] - site.ready_s
+            utilization.append(compute[k] / span if span > 0 else 1.0)
+            site.ready_s = ends[k]
+        self.open_s = aggregate_s
+        return {
+            "train_loss": sum(losses) / len(losses),
+            "bytes_up": upload_sizes,
+            "bytes_down": [update.downlink.nbytes] * len(self.sites),
+            "compute_s": compute,
+            "utilization": utilization,
+            "stragglers": [],
+            "sites_aggregated": len(included),
+        }
+
     # -- the run ------------------------------------------------------------------------------
 
     def _record(self, round_index: int, phase: str, steps: int, stats: dict[str, Any],
@@ -464,6 +585,7 @@ class Simulator:
             compute_s=stats["compute_s"],
             utilization=stats["utilization"],
             digest=weights_digest(self.global_flat),
+            epsilon=None if self.accountant is None else self.accountant.epsilon(),
         )
         self.clock_s = end
         return record
@@ -495,7 +617,19 @@ class Simulator:
                     self.strategy, [s.uplink for s in self.sites], algo.inner_steps, first
                 )
             else:
+                z = self._round_noise_multiplier()
+                if self.accountant is not None and not self.accountant.allows(
+                    z, self.config.privacy.epsilon_budget
+                ):
+                    logger.info(
+                        "stopping before round %d: epsilon would reach %.3f, budget %.3f",
+                        round_index, self.accountant.epsilon_after(z),
+                        self.config.privacy.epsilon_budget,
+                    )
+                    return
                 stats = self._diloco_round(round_index)
+                if self.accountant is not None:
+                    self.accountant.step(z)
             last = round_index == sim.rounds
             eval_loss = (
                 self._evaluate() if last or round_index % sim.eval_every == 0 else None

@@ -221,7 +221,16 @@ class Strategy:
         plan: RoundPlan,
     ) -> RoundUpdate:
         """Outer step on the aggregated update, then the downlink encoding of the change."""
-        mean_update = aggregator.result()
+        return self.apply_mean_update(global_flat, aggregator.result(), tuple(aggregator.sites), plan)
+
+    def apply_mean_update(
+        self,
+        global_flat: torch.Tensor,
+        mean_update: torch.Tensor,
+        sites: tuple[int, ...],
+        plan: RoundPlan,
+    ) -> RoundUpdate:
+        """Outer step on an already averaged update (e.g. a secure aggregate), then the downlink."""
         new_flat = self.outer.step(global_flat, mean_update)
         downlink, next_flat = encode_downlink(
             self.downlink, global_flat, new_flat, seed=plan.downlink_seed
@@ -230,7 +239,7 @@ class Strategy:
             global_flat=next_flat,
             downlink=downlink,
             digest=weights_digest(next_flat),
-            sites=tuple(aggregator.sites),
+            sites=sites,
         )
 
     def state_tensors(self) -> dict[str, torch.Tensor]:

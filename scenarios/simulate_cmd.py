@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 EXIT_CONFIG_ERROR = 2
 """Exit status for a bad config or flag (argparse's own usage-error status)."""
 
-SECTIONS = ("workload", "algorithm", "inner_optimizer", "outer_optimizer", "sites", "simulation")
+SECTIONS = ("workload", "algorithm", "inner_optimizer", "outer_optimizer", "sites", "simulation", "privacy")
 """Top-level keys of a simulate config file."""
 
 DEFAULT_WORKLOAD = "gpt"

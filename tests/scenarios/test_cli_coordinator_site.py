@@ -239,7 +239,7 @@ def test_sigterm_stops_a_training_site_and_the_insecure_coordinator_gracefully(
     config = tmp_path / "c.toml"
     config.write_text(LONG_ROUND_CONFIG)
     coordinator = _popen(
-        ["coordinator", "--config", str(config), "--insecure", "--port", "0"], tmp_path / "c.log"
+        ["coordinator", "--config", str(config), "--insecure", "--port", "0", "--http-port", "0"], tmp_path / "c.log"
     )
     site: subprocess.Popen[str] | None = None
     try:

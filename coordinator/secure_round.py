@@ -1,0 +1,305 @@
+"""The coordinator's side of one secure-aggregation round, as stage calls from named sites.
+
+``geoloco.algorithms.secagg.SecAggServer`` is the protocol; this class adapts it to the real
+system: sites are names (``site_index`` maps them to protocol ids), stages close when every live
+site has answered or a stage deadline passes (a site that vanished is waited for no longer than
+that, or than the heartbeat timeout that drops it), and replies are payload bytes the servicer
+puts into ``SecureStageResponse``. It is not thread-safe: ``RoundStateMachine`` calls it under its
+lock and runs ``result()`` (the unmasking, the heavy part) outside the lock.
+
+Stage calls of a site, in order (``stage`` names from ``geoloco.algorithms.secagg``):
+
+1. ``advertise_keys`` with its ``KeyAdvertisement`` (+ identity binding) -> every advertisement.
+2. ``share_keys`` with its ``EncryptedShare`` list -> the shares addressed to it.
+3. the masked upload, through the ordinary ``Upload`` RPC (codec ``"secagg"``) -> ``receive_upload``.
+4. ``consistency`` -> the survivor list (sites whose upload is complete), once uploads close.
+5. ``unmask`` with its signature over that list -> the ``UnmaskRequest``.
+6. ``unmask_response`` with its ``UnmaskResponse`` -> acknowledged.
+
+No method stores a site's update: masked chunks go straight into the protocol's sum.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Final
+
+import torch
+
+from geoloco.algorithms.fixed_point import FixedPoint, lift
+from geoloco.algorithms.privacy import (
+    PrivacyConfig,
+    decode_secure_sum,
+    effective_noise_multiplier,
+    secure_context,
+    secure_fixed_point,
+)
+from geoloco.algorithms.secagg import (
+    STAGE_ADVERTISE_KEYS,
+    STAGE_CONSISTENCY,
+    STAGE_SHARE_KEYS,
+    STAGE_UNMASK,
+    STAGE_UNMASK_RESPONSE,
+    STAGES,
+    KeyAdvertisement,
+    RoundContext,
+    SecAggAbort,
+    SecAggServer,
+    SecAggViolation,
+    UnmaskResponse,
+    message_from_bytes,
+    message_to_bytes,
+    pack_messages,
+    site_index,
+    unpack_messages,
+)
+
+__all__ = ["SecureRound", "StageReply"]
+
+logger = logging.getLogger(__name__)
+
+_UPLOAD: Final = "upload"
+
+
+@dataclass(frozen=True, slots=True)
+class StageReply:
+    """What a stage call gets back now."""
+
+    ready: bool
+    """False: the stage is still open; call again (the call is idempotent)."""
+    payload: bytes = b""
+    aborted: str = ""
+    """Non-empty when the secure round was aborted (too few sites): skip to the broadcast."""
+
+
+@dataclass(slots=True)
+class _Stage:
+    opened_s: float
+    answered: dict[str, bytes] = field(default_factory=dict)
+    closed: bool = False
+
+
+class SecureRound:
+    """One round of secure aggregation over the sites that advertise keys in time."""
+
+    def __init__(
+        self,
+        privacy: PrivacyConfig,
+        uplink_codec: str,
+        *,
+        numel: int,
+        session: str,
+        round_number: int,
+        index_seed: int,
+        stage_timeout_s: float,
+        now: float,
+    ) -> None:
+        self.privacy = privacy
+        self.uplink_codec = uplink_codec
+        self.numel = numel
+        self.round_number = round_number
+        self.index_seed = index_seed
+        self.stage_timeout_s = stage_timeout_s
+        self.context: RoundContext = secure_context(
+            privacy, uplink_codec, numel=numel, session=session, round_index=round_number
+        )
+        self.fixed: FixedPoint | None = None
+        """The shared encoding, fixed when advertisement closes (it depends on how many sites)."""
+        self.server = SecAggServer(self.context)
+        self.aborted = ""
+        self._names: dict[int, str] = {}
+        self._bindings: dict[str, bytes] = {}
+        self._stages: dict[str, _Stage] = {STAGE_ADVERTISE_KEYS: _Stage(opened_s=now)}
+        self._replies: dict[str, dict[str, bytes]] = {}
+        self._survivors: list[str] = []
+        self._uploaded: list[str] = []
+
+    # ------------------------------------------------------------------------------------------
+    # Stage calls
+
+    def submit(self, site: str, stage: str, payload: bytes) -> None:
+        """Record a site's stage message (a repeated identical call is a no-op)."""
+        if stage not in STAGES or stage == _UPLOAD:
+            raise ValueError(f"unknown secure-aggregation stage {stage!r}; stages: {', '.join(STAGES)}")
+        if self.aborted:
+            return
+        if stage == STAGE_CONSISTENCY:
+            # A pure wait for the survivor list; sites may call it before uploads close.
+            if self._survivors and site not in self._survivors:
+                raise SecAggViolation(f"site {site} did not upload in round {self.round_number}")
+            return
+        current = self._stages.get(stage)
+        if current is None:
+            raise SecAggViolation(f"site {site}: stage {stage} is not open yet in round {self.round_number}")
+        if site in current.answered:
+            if current.answered[site] != payload:
+                raise SecAggViolation(f"site {site} sent a different {stage} message twice")
+            return
+        if current.closed:
+            raise SecAggViolation(f"site {site}: stage {stage} of round {self.round_number} is closed")
+        index = site_index(site)
+        if stage == STAGE_ADVERTISE_KEYS:
+            items = unpack_messages(payload, raw=True)
+            ad = message_from_bytes(items[0]) if items else None
+            if not isinstance(ad, KeyAdvertisement) or ad.site != index:
+                raise SecAggViolation(f"site {site} must advertise keys as protocol site {index}")
+            other = self._names.get(index)
+            if other is not None and other != site:
+                raise SecAggViolation(
+                    f"sites {other!r} and {site!r} map to the same protocol id; rename one of them"
+                )
+            self.server.receive_advertisement(ad)
+            self._names[index] = site
+            if len(items) > 1:
+                self._bindings[site] = items[1]
+        elif stage == STAGE_SHARE_KEYS:
+            self.server.receive_shares(index, unpack_messages(payload))
+        elif stage == STAGE_UNMASK:
+            self.server.receive_signature(index, payload)
+        elif stage == STAGE_UNMASK_RESPONSE:
+            (response,) = unpack_messages(payload)
+            if not isinstance(response, UnmaskResponse) or response.site != index:
+                raise SecAggViolation(f"site {site} sent an unmask response for another site")
+            self.server.receive_unmask(response)
+        current.answered[site] = payload
+
+    def reply(self, site: str, stage: str) -> StageReply:
+        """The reply to ``site``'s ``stage`` call if the stage has closed."""
+        if self.aborted:
+            return StageReply(ready=True, aborted=self.aborted)
+        current = self._stages.get(stage)
+        if stage == STAGE_CONSISTENCY and self._survivors:
+            return StageReply(ready=True, payload=json.dumps(self._survivors).encode())
+        if current is None or not current.closed:
+            return StageReply(ready=False)
+        return StageReply(ready=True, payload=self._replies.get(stage, {}).get(site, b""))
+
+    def receive_upload(self, site: str, data: memoryview | bytes) -> None:
+        """Add a complete masked upload chunk by chunk into the protocol sum."""
+        if self.aborted:
+            raise SecAggAbort(f"secure aggregation of round {self.round_number} was aborted: {self.aborted}")
+        index = site_index(site)
+        width = self.context.modulus_bits // 8
+        expected = self.context.numel * width
+        if len(data) != expected:
+            raise ValueError(f"site {site}: masked upload of {len(data)} bytes, expected {expected}")
+        step = self.context.chunk_size * width
+        view = memoryview(data)
+        for chunk, start in enumerate(range(0, expected, step)):
+            self.server.receive_masked_chunk(index, chunk, bytes(view[start : start + step]))
+        self._uploaded.append(site)
+
+    # ------------------------------------------------------------------------------------------
+    # Driving the stages
+
+    def advance(self, live: set[str], now: float) -> None:
+        """Close whatever stage is complete (every live site answered) or past its deadline."""
+        if self.aborted:
+            return
+        try:
+            self._advance(live, now)
+        except SecAggAbort as why:
+            self.abort(str(why))
+
+    def abort(self, reason: str) -> None:
+        if not self.aborted:
+            logger.warning("round %d: secure aggregation aborted: %s", self.round_number, reason)
+            self.aborted = reason
+
+    def _due(self, stage: _Stage, expected: set[str], now: float) -> bool:
+        return bool(expected) and expected <= set(stage.answered) or now - stage.opened_s >= self.stage_timeout_s
+
+    def _advance(self, live: set[str], now: float) -> None:
+        ads = self._stages[STAGE_ADVERTISE_KEYS]
+        if not ads.closed and self._due(ads, live, now):
+            ads.closed = True
+            adverts = self.server.advertisements()
+            try:
+                self.fixed = secure_fixed_point(self.privacy, len(adverts))
+            except ValueError as err:
+                raise SecAggAbort(str(err)) from None
+            payload = json.dumps({
+                "names": {str(i): n for i, n in self._names.items()},
+                "advertisements": pack_messages(adverts).decode(),
+                "bindings": pack_messages([self._bindings[n] for n in sorted(self._bindings)]).decode(),
+            }).encode()
+            self._replies[STAGE_ADVERTISE_KEYS] = {n: payload for n in self._names.values()}
+            self._stages[STAGE_SHARE_KEYS] = _Stage(opened_s=now)
+        shares = self._stages.get(STAGE_SHARE_KEYS)
+        if shares is not None and not shares.closed and self._due(
+            shares, live & set(self._names.values()), now
+        ):
+            shares.closed = True
+            self.server.close_share_keys()
+            self._replies[STAGE_SHARE_KEYS] = {
+                n: pack_messages(self.server.shares_for(i)) for i, n in self._names.items()
+            }
+        signatures = self._stages.get(STAGE_UNMASK)
+        if signatures is not None and not signatures.closed and self._due(
+            signatures, live & set(self._survivors), now
+        ):
+            signatures.closed = True
+            request = message_to_bytes(self.server.unmask_request())
+            self._replies[STAGE_UNMASK] = {n: request for n in signatures.answered}
+            self._stages[STAGE_UNMASK_RESPONSE] = _Stage(opened_s=now)
+        responses = self._stages.get(STAGE_UNMASK_RESPONSE)
+        if responses is not None and not responses.closed and self._due(
+            responses, live & set(self._stages[STAGE_UNMASK].answered), now
+        ):
+            responses.closed = True
+
+    @property
+    def keys_shared(self) -> bool:
+        """Whether uploads may start (the share-keys stage closed)."""
+        stage = self._stages.get(STAGE_SHARE_KEYS)
+        return stage is not None and stage.closed
+
+    def may_upload(self, site: str) -> bool:
+        """Only sites that shared keys in time can be unmasked, so only they may upload."""
+        return self.keys_shared and site in self._stages[STAGE_SHARE_KEYS].answered
+
+    def close_upload(self, now: float) -> list[str]:
+        """Freeze the survivors (complete uploads); opens the consistency and unmask stages."""
+        if self.aborted:
+            return []
+        try:
+            if not self.keys_shared:
+                raise SecAggAbort("the round closed before the sites finished sharing keys")
+            survivors = self.server.close_upload()
+        except SecAggAbort as why:
+            self.abort(str(why))
+            return []
+        self._survivors = sorted(self._names[i] for i in survivors)
+        self._stages[STAGE_UNMASK] = _Stage(opened_s=now)
+        return list(self._survivors)
+
+    @property
+    def survivors(self) -> list[str]:
+        return list(self._survivors)
+
+    @property
+    def done(self) -> bool:
+        """Unmasking can run (or the round was aborted)."""
+        if self.aborted:
+            return True
+        stage = self._stages.get(STAGE_UNMASK_RESPONSE)
+        return stage is not None and stage.closed
+
+    def result(self) -> torch.Tensor:
+        """The mean update of the survivors (fp32, full length); raises ``SecAggAbort``."""
+        if self.aborted:
+            raise SecAggAbort(self.aborted)
+        total = self.server.result()
+        assert self.fixed is not None
+        return decode_secure_sum(
+            lift(total, self.context.modulus_bits), self.fixed, count=len(self._survivors),
+            numel=self.numel, uplink_codec=self.uplink_codec, index_seed=self.index_seed,
+        )
+
+    def noise_multiplier(self) -> float:
+        """What the accountant composes for this round."""
+        if self.fixed is None:
+            raise SecAggAbort("no encoding was fixed: the round ended before keys were advertised")
+        return effective_noise_multiplier(self.privacy, self.fixed, self.context.numel)

@@ -1,0 +1,205 @@
+"""A site's side of secure aggregation over stage calls, with its identity bound to its TLS certificate.
+
+``geoloco.algorithms.secagg.SecAggClient`` is the protocol; this adapts it to the real system:
+
+* **Identity binding.** Each site process makes an Ed25519 identity key and signs
+  ``(site name, identity public key)`` with its TLS private key; the binding carries its TLS
+  certificate. Other sites check that the certificate was issued by the run's CA, names the
+  site (URI SAN ``geoloco:site:NAME``) and signed the binding, so a coordinator cannot substitute
+  an identity key (and hence advertised keys) without the CA's key. Without TLS (``--insecure``)
+  bindings are unsigned and identities are taken on the coordinator's word: the protocol still
+  hides updates from a coordinator that follows it, but substitution can no longer be detected.
+* **Stage calls.** ``StageCall(stage, payload) -> (payload, aborted)`` is the transport (the gRPC
+  client, retrying until the stage is ready); ``SecureSite`` runs the key stages before
+  training, masks the encoded update chunk by chunk, and runs the unmask stages after upload.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from geoloco.algorithms.fixed_point import FixedPoint
+from geoloco.algorithms.privacy import (
+    PrivacyConfig,
+    PrivateUpdateEncoder,
+    secure_context,
+    secure_fixed_point,
+)
+from geoloco.algorithms.secagg import (
+    STAGE_ADVERTISE_KEYS,
+    STAGE_CONSISTENCY,
+    STAGE_SHARE_KEYS,
+    STAGE_UNMASK,
+    STAGE_UNMASK_RESPONSE,
+    SecAggAbort,
+    SecAggClient,
+    SecAggViolation,
+    UnmaskRequest,
+    message_from_bytes,
+    pack_messages,
+    public_bytes,
+    site_index,
+    unpack_messages,
+)
+from geoloco.protos.identity import site_from_uri
+
+__all__ = ["IDENTITY_DOMAIN", "SecureSite", "SiteIdentity", "StageCall", "verify_bindings"]
+
+logger = logging.getLogger(__name__)
+
+IDENTITY_DOMAIN = b"geoloco-secagg/identity/v1"
+
+StageCall = Callable[[str, bytes], tuple[bytes, str]]
+"""``(stage, payload) -> (reply payload, abort reason or "")``, blocking until the stage closes."""
+
+
+@dataclass(frozen=True, slots=True)
+class SiteIdentity:
+    """A site's Ed25519 identity key and its binding to the site's TLS certificate."""
+
+    name: str
+    key: Ed25519PrivateKey
+    binding: bytes
+
+    @classmethod
+    def create(cls, name: str, tls_cert_pem: bytes | None = None, tls_key_pem: bytes | None = None) -> SiteIdentity:
+        """A fresh identity; signed with the TLS key when one is given (unsigned for --insecure)."""
+        key = Ed25519PrivateKey.generate()
+        public = public_bytes(key.public_key())
+        body: dict[str, str] = {"name": name, "identity_key": base64.b64encode(public).decode()}
+        if tls_cert_pem is not None and tls_key_pem is not None:
+            tls_key = serialization.load_pem_private_key(tls_key_pem, password=None)
+            if not isinstance(tls_key, ec.EllipticCurvePrivateKey):
+                raise ValueError("the site's TLS key must be an EC key (as `geoloco certs` issues)")
+            signature = tls_key.sign(_binding_bytes(name, public), ec.ECDSA(hashes.SHA256()))
+            body["certificate"] = tls_cert_pem.decode()
+            body["signature"] = base64.b64encode(signature).decode()
+        return cls(name=name, key=key, binding=json.dumps(body, sort_keys=True).encode())
+
+
+def _binding_bytes(name: str, identity_key: bytes) -> bytes:
+    return IDENTITY_DOMAIN + b"|" + name.encode() + b"|" + identity_key
+
+
+def verify_bindings(bindings: list[bytes], ca_pem: bytes | None) -> dict[str, Ed25519PublicKey]:
+    """Site name -> identity key, each checked against the CA (``ca_pem``; None: --insecure)."""
+    ca = x509.load_pem_x509_certificate(ca_pem) if ca_pem is not None else None
+    out: dict[str, Ed25519PublicKey] = {}
+    for raw in bindings:
+        try:
+            body = json.loads(raw)
+            name = body["name"]
+            public = base64.b64decode(body["identity_key"], validate=True)
+        except (KeyError, TypeError, ValueError) as err:
+            raise SecAggViolation(f"malformed identity binding: {err!r}") from None
+        if ca is not None:
+            if "certificate" not in body or "signature" not in body:
+                raise SecAggViolation(f"the identity of site {name!r} is not signed with its TLS key")
+            try:
+                cert = x509.load_pem_x509_certificate(body["certificate"].encode())
+                cert.verify_directly_issued_by(ca)
+                uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+                names = {site_from_uri(u) for u in uris.get_values_for_type(x509.UniformResourceIdentifier)}
+                if name not in names:
+                    raise SecAggViolation(f"the certificate in site {name!r}'s binding names {sorted(n for n in names if n)}")
+                cert_key = cert.public_key()
+                if not isinstance(cert_key, ec.EllipticCurvePublicKey):
+                    raise SecAggViolation(f"site {name!r}'s certificate has no EC key")
+                cert_key.verify(
+                    base64.b64decode(body["signature"], validate=True),
+                    _binding_bytes(name, public),
+                    ec.ECDSA(hashes.SHA256()),
+                )
+            except (InvalidSignature, ValueError, TypeError, x509.ExtensionNotFound) as err:
+                raise SecAggViolation(
+                    f"the identity key offered for site {name!r} is not bound to a certificate of "
+                    f"this run's CA ({type(err).__name__}); the coordinator substituted it or the "
+                    "sites use different CAs"
+                ) from None
+        if name in out:
+            raise SecAggViolation(f"two identity bindings for site {name!r}")
+        out[name] = Ed25519PublicKey.from_public_bytes(public)
+    return out
+
+
+class SecureSite:
+    """One site's secure round: key stages, the masked upload bytes, unmask stages."""
+
+    def __init__(
+        self,
+        identity: SiteIdentity,
+        privacy: PrivacyConfig,
+        uplink_codec: str,
+        *,
+        numel: int,
+        session: str,
+        round_number: int,
+        index_seed: int,
+        call: StageCall,
+        ca_pem: bytes | None,
+    ) -> None:
+        self.identity = identity
+        self.privacy = privacy
+        self.uplink_codec = uplink_codec
+        self.index_seed = index_seed
+        self.numel = numel
+        self._call = call
+        self._ca_pem = ca_pem
+        self.index = site_index(identity.name)
+        self.context = secure_context(privacy, uplink_codec, numel=numel, session=session, round_index=round_number)
+        self.client = SecAggClient(
+            self.index, self.context, identity.key, {self.index: identity.key.public_key()}
+        )
+        self.fixed: FixedPoint | None = None
+        self.num_sites = 0
+
+    def _stage(self, stage: str, payload: bytes) -> bytes:
+        reply, aborted = self._call(stage, payload)
+        if aborted:
+            raise SecAggAbort(aborted)
+        return reply
+
+    def share_keys(self) -> None:
+        """Stages 1-2 (before training): advertise, verify identities, share keys, get shares."""
+        ad = self.client.advertise()
+        reply = json.loads(self._stage(STAGE_ADVERTISE_KEYS, pack_messages([ad, self.identity.binding])))
+        names = {int(i): n for i, n in reply["names"].items()}
+        identities = verify_bindings(unpack_messages(reply["bindings"].encode(), raw=True), self._ca_pem)
+        by_index: dict[int, Ed25519PublicKey] = {}
+        for index, name in names.items():
+            if site_index(name) != index or name not in identities:
+                raise SecAggViolation(f"site {self.identity.name}: no valid identity for site {name!r}")
+            by_index[index] = identities[name]
+        self.client.add_identities(by_index)
+        adverts = unpack_messages(reply["advertisements"].encode())
+        self.num_sites = len(adverts)
+        shares = self.client.share_keys(adverts)
+        self.fixed = secure_fixed_point(self.privacy, self.num_sites)
+        self.client.receive_shares(unpack_messages(self._stage(STAGE_SHARE_KEYS, pack_messages(shares))))
+
+    def masked_upload(self, update: torch.Tensor, encoder: PrivateUpdateEncoder) -> bytes:
+        """The masked, encoded update as upload bytes (masks made chunk by chunk)."""
+        if self.fixed is None:
+            raise SecAggViolation("masked_upload before share_keys")
+        ints = encoder.encode(update, self.fixed, self.context, index_seed=self.index_seed, num_sites=self.num_sites)
+        return b"".join(data for _, data in self.client.masked_chunks(ints))
+
+    def unmask(self) -> None:
+        """Stages 4-5 (after upload): sign the survivor list, answer the unmask request."""
+        survivors = json.loads(self._stage(STAGE_CONSISTENCY, b""))
+        signature = self.client.sign_survivors(self.context.round_index, sorted(site_index(n) for n in survivors))
+        request = message_from_bytes(self._stage(STAGE_UNMASK, signature))
+        if not isinstance(request, UnmaskRequest):
+            raise SecAggViolation("the coordinator's unmask stage reply is not an unmask request")
+        self._stage(STAGE_UNMASK_RESPONSE, pack_messages([self.client.unmask(request)]))

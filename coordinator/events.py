@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from geoloco.protos.errors import StatusError
+from geoloco.protos.transport import rebuild_handler
 
 __all__ = [
     "BYTES_RECEIVED",
@@ -209,14 +210,4 @@ class RejectedRequestInterceptor(grpc.ServerInterceptor):
 
             return call
 
-        kw = dict(
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **kw)
-        return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kw)
+        return rebuild_handler(handler, unary, stream)

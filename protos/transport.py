@@ -539,17 +539,28 @@ def _wrap_handler(
 
         return call
 
+    return rebuild_handler(handler, guard_unary, guard_stream)
+
+
+def rebuild_handler(
+    handler: grpc.RpcMethodHandler,
+    wrap_unary_response: Callable[[Callable[..., Any]], Callable[..., Any]],
+    wrap_stream_response: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> grpc.RpcMethodHandler:
+    """The same handler with its behaviour wrapped: ``wrap_unary_response`` for RPCs that answer
+    with one message, ``wrap_stream_response`` for those that answer with a stream (a generator).
+    The one place that knows grpc's four handler kinds, for every server interceptor of ours."""
     kw = dict(
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(guard_unary(handler.unary_unary), **kw)
+        return grpc.unary_unary_rpc_method_handler(wrap_unary_response(handler.unary_unary), **kw)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(guard_unary(handler.stream_unary), **kw)
+        return grpc.stream_unary_rpc_method_handler(wrap_unary_response(handler.stream_unary), **kw)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(guard_stream(handler.unary_stream), **kw)
-    return grpc.stream_stream_rpc_method_handler(guard_stream(handler.stream_stream), **kw)
+        return grpc.unary_stream_rpc_method_handler(wrap_stream_response(handler.unary_stream), **kw)
+    return grpc.stream_stream_rpc_method_handler(wrap_stream_response(handler.stream_stream), **kw)
 
 
 class ErrorStatusInterceptor(grpc.ServerInterceptor):

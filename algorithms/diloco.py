@@ -230,6 +230,8 @@ class StreamingAggregator:
     Coordinator memory is one vector however many sites report; uploads can be added the moment
     they arrive and decoded uploads are dropped right after. Adding the same site twice is an
     error (uploads are idempotent at the transport layer, so a duplicate is a bug).
+    ``take_result()`` turns the sum into the mean in place and hands the buffer over, so the
+    coordinator's outer step needs no second vector for the mean.
     """
 
     numel: int
@@ -241,9 +243,15 @@ class StreamingAggregator:
     sites: list[int] = field(default_factory=list, init=False)
     """Sites added so far, in arrival order."""
     _buffer: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _taken: bool = field(default=False, init=False, repr=False)
 
     def add(self, update: Encoded | torch.Tensor, weight: float = 1.0, *, site: int) -> None:
         """Decode (if encoded) and add ``weight * update`` to the running sum."""
+        if self._taken:
+            raise ValueError(
+                f"site {site}: this round's mean was already taken (take_result); "
+                "start a new aggregator for the next round"
+            )
         if site in self.sites:
             raise ValueError(f"site {site} was already aggregated this round")
         if not weight > 0:
@@ -269,10 +277,28 @@ class StreamingAggregator:
         return len(self.sites)
 
     def result(self) -> torch.Tensor:
-        """The weighted mean of everything added (a new tensor)."""
+        """The weighted mean of everything added (a new tensor; more uploads may follow)."""
+        return self._sum() / self.total_weight
+
+    def take_result(self) -> torch.Tensor:
+        """The weighted mean, computed in the aggregator's own buffer and handed over.
+
+        No second model-sized vector: the sum is divided in place (the same values as
+        ``result()``) and the aggregator keeps no reference, so the mean is freed as soon as the
+        caller drops it (``aggregate_round`` frees it right after the outer step). The
+        aggregator is spent afterwards: ``add``, ``result`` and ``take_result`` raise.
+        """
+        mean = self._sum().div_(self.total_weight)
+        self._buffer = None
+        self._taken = True
+        return mean
+
+    def _sum(self) -> torch.Tensor:
+        if self._taken:
+            raise ValueError("this aggregator's mean was already taken (take_result); start a new one")
         if self._buffer is None:
             raise ValueError("no uploads were aggregated this round; cannot take a mean of nothing")
-        return self._buffer / self.total_weight
+        return self._buffer
 
 
 def apply_delta(global_flat: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -281,8 +307,21 @@ def apply_delta(global_flat: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 def apply_downlink(global_flat: torch.Tensor, encoded: Encoded) -> torch.Tensor:
-    """What a site does with a broadcast: ``θ_{t+1} = θ_t + D(d_t)``."""
-    return apply_delta(global_flat, decode(encoded, device=global_flat.device))
+    """What a site does with a broadcast: ``θ_{t+1} = θ_t + D(d_t)``.
+
+    The sum is written into the freshly decoded delta when it is an fp32 vector of the right
+    size (the usual case), so applying a broadcast costs one model-sized vector, not two; the
+    values are those of ``apply_delta``.
+    """
+    delta = decode(encoded, device=global_flat.device)
+    if (
+        delta.dtype != torch.float32
+        or global_flat.dtype != torch.float32
+        or delta.numel() != global_flat.numel()
+    ):
+        return apply_delta(global_flat, delta)
+    delta = delta.view(global_flat.shape)
+    return torch.add(global_flat, delta, out=delta)
 
 
 def encode_downlink(
@@ -291,11 +330,20 @@ def encode_downlink(
     new_flat: torch.Tensor,
     *,
     seed: int,
+    consume_new_flat: bool = False,
 ) -> tuple[Encoded, torch.Tensor]:
     """``d_t = C_down(θ' − θ_t + e_down)`` and the coordinator's own ``θ_{t+1} = θ_t + D(d_t)``.
 
     The coordinator does not keep ``θ'``: it applies the same decoded bytes the sites receive
     (through ``apply_downlink``, the sites' own code path), so every replica is bit-identical.
+    ``consume_new_flat=True`` computes ``θ' − θ_t`` in ``new_flat``'s own memory (same values,
+    one model-sized vector fewer) for a caller that drops ``θ'`` afterwards.
     """
-    encoded = encoder.encode(new_flat - global_flat, seed=seed)
+    if consume_new_flat and new_flat.dtype == global_flat.dtype and new_flat.shape == global_flat.shape:
+        delta = new_flat.sub_(global_flat)
+    else:
+        delta = new_flat - global_flat
+    del new_flat
+    encoded = encoder.encode(delta, seed=seed)
+    del delta
     return encoded, apply_downlink(global_flat, encoded)

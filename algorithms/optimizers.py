@@ -31,6 +31,11 @@ __all__ = [
 Params = Iterable[torch.Tensor]
 
 
+def _empty_parameter(device: torch.device | str | None) -> torch.nn.Parameter:
+    """The outer optimizer's parameter between steps: no storage, fp32, on ``device``."""
+    return torch.nn.Parameter(torch.empty(0, dtype=torch.float32, device=device))
+
+
 # --------------------------------------------------------------------------------------------
 # Inner optimizer (what each site runs for H steps)
 
@@ -225,13 +230,17 @@ class OuterOptimizerConfig:
 
 
 class OuterOptimizer:
-    """A torch optimizer over a private copy of the flat global weights.
+    """A torch optimizer whose one parameter is the flat global weight vector.
 
-    ``step(global_flat, pseudo_gradient)`` loads ``θ_t``, puts the pseudo-gradient in ``.grad``,
-    runs ``optimizer.step()`` and returns ``θ'`` as a new tensor. The caller keeps ``θ_t``: with a
-    lossy downlink the next global weights are ``θ_t + D(C(θ' − θ_t + e))``, not ``θ'``, so the
-    optimizer's parameter is reloaded from the caller's weights at every step while its state
-    (momentum, Adam moments) persists.
+    ``step(global_flat, pseudo_gradient)`` loads a copy of ``θ_t`` into the parameter, puts the
+    pseudo-gradient in ``.grad``, runs ``optimizer.step()`` and hands the stepped tensor ``θ'`` to
+    the caller. The caller keeps ``θ_t``: with a lossy downlink the next global weights are
+    ``θ_t + D(C(θ' − θ_t + e))``, not ``θ'``, so the parameter is reloaded from the caller's
+    weights at every step while the optimizer's state (momentum, Adam moments) persists.
+
+    Memory: the parameter holds weights only during ``step``; between steps it is empty, so the
+    coordinator keeps one copy of the weights (its own) besides the optimizer state, and the copy
+    made for a step becomes the returned ``θ'`` instead of being cloned again.
 
     ``from_inner`` builds one from an inner-optimizer config: the data-parallel baseline's single
     shared AdamW state, applied by the coordinator to the averaged gradient (with the inner
@@ -249,7 +258,8 @@ class OuterOptimizer:
             config = config.resolved()
         self.config: OuterOptimizerConfig | InnerOptimizerConfig = config
         self.grad_clip_norm: float | None = None
-        self.param = torch.nn.Parameter(torch.zeros(numel, dtype=torch.float32, device=device))
+        self.numel = numel
+        self.param = _empty_parameter(device)
         self.optimizer = OUTER_OPTIMIZERS[config.name].factory(config, [self.param])  # type: ignore[index]
 
     @classmethod
@@ -263,25 +273,48 @@ class OuterOptimizer:
         self = cls.__new__(cls)
         self.config = config
         self.grad_clip_norm = config.grad_clip_norm
-        self.param = torch.nn.Parameter(torch.zeros(numel, dtype=torch.float32, device=device))
+        self.numel = numel
+        self.param = _empty_parameter(device)
         self.optimizer = config.build([self.param])
         return self
 
-    def step(self, global_flat: torch.Tensor, pseudo_gradient: torch.Tensor) -> torch.Tensor:
-        """``θ' = OuterOpt(θ_t, ĝ)``; returns a new tensor, leaves ``global_flat`` untouched."""
-        if global_flat.shape != self.param.shape or pseudo_gradient.shape != self.param.shape:
+    def step(
+        self,
+        global_flat: torch.Tensor,
+        pseudo_gradient: torch.Tensor,
+        *,
+        consume_gradient: bool = False,
+    ) -> torch.Tensor:
+        """``θ' = OuterOpt(θ_t, ĝ)``; returns a new tensor, leaves ``global_flat`` untouched.
+
+        ``consume_gradient=True`` lets the optimizer use ``pseudo_gradient`` itself as ``.grad``
+        (no copy) when it is already an fp32 tensor on the optimizer's device; torch may then
+        overwrite it (gradient clipping, foreach Nesterov), so pass it only for a tensor the
+        caller drops afterwards, such as the aggregator's buffer.
+        """
+        if global_flat.shape != (self.numel,) or pseudo_gradient.shape != (self.numel,):
             raise ValueError(
-                f"outer optimizer holds {self.param.numel()} weights; got weights "
+                f"outer optimizer holds {self.numel} weights; got weights "
                 f"{tuple(global_flat.shape)} and pseudo-gradient {tuple(pseudo_gradient.shape)}"
             )
+        param = self.param
         with torch.no_grad():
-            self.param.copy_(global_flat)
-        self.param.grad = pseudo_gradient.detach().to(self.param).clone()
-        if self.grad_clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_([self.param], self.grad_clip_norm)
-        self.optimizer.step()
-        self.param.grad = None
-        return self.param.detach().clone()
+            # The copy of θ_t this step works on; it becomes the returned θ'.
+            param.set_(global_flat.detach().to(param.device, torch.float32, copy=True))
+        grad = pseudo_gradient.detach()
+        same_layout = grad.dtype == param.dtype and grad.device == param.device
+        param.grad = grad if consume_gradient and same_layout else grad.to(param, copy=True)
+        del grad, pseudo_gradient
+        try:
+            if self.grad_clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_([param], self.grad_clip_norm)
+            self.optimizer.step()
+            new_flat = param.detach()
+        finally:
+            param.grad = None
+            with torch.no_grad():
+                param.set_(torch.empty(0, dtype=torch.float32, device=param.device))
+        return new_flat
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Optimizer state as named tensors (momentum buffer, Adam moments and step)."""

@@ -220,8 +220,16 @@ class Strategy:
         aggregator: StreamingAggregator,
         plan: RoundPlan,
     ) -> RoundUpdate:
-        """Outer step on the aggregated update, then the downlink encoding of the change."""
-        return self.apply_mean_update(global_flat, aggregator.result(), tuple(aggregator.sites), plan)
+        """Outer step on the aggregated update, then the downlink encoding of the change.
+
+        The aggregator hands its buffer over (``take_result``) and the outer optimizer uses it as
+        ``.grad`` without a copy, so the mean costs no vector of its own and is freed right after
+        the outer step, before the downlink is built (coordinator peak memory).
+        """
+        sites = tuple(aggregator.sites)
+        return self.apply_mean_update(
+            global_flat, aggregator.take_result(), sites, plan, consume_mean=True
+        )
 
     def apply_mean_update(
         self,
@@ -229,12 +237,21 @@ class Strategy:
         mean_update: torch.Tensor,
         sites: tuple[int, ...],
         plan: RoundPlan,
+        *,
+        consume_mean: bool = False,
     ) -> RoundUpdate:
-        """Outer step on an already averaged update (e.g. a secure aggregate), then the downlink."""
-        new_flat = self.outer.step(global_flat, mean_update)
+        """Outer step on an already averaged update (e.g. a secure aggregate), then the downlink.
+
+        ``consume_mean=True``: the caller passes its last reference to ``mean_update``, which the
+        outer optimizer may overwrite and which is freed right after the step.
+        """
+        new_flat = self.outer.step(global_flat, mean_update, consume_gradient=consume_mean)
+        del mean_update
+        # θ' is this call's own tensor: θ' − θ_t is computed in its memory.
         downlink, next_flat = encode_downlink(
-            self.downlink, global_flat, new_flat, seed=plan.downlink_seed
+            self.downlink, global_flat, new_flat, seed=plan.downlink_seed, consume_new_flat=True
         )
+        del new_flat
         return RoundUpdate(
             global_flat=next_flat,
             downlink=downlink,

@@ -115,7 +115,8 @@ class Encoded:
     def to_bytes(self) -> bytes:
         """Serialize to the wire format described in the module docstring (moves the payload to host)."""
         header = self._header()
-        payload = self.payload.detach().to("cpu").contiguous().numpy().tobytes()
+        # A view of the host payload, not a copy: ``join`` copies it once, into the result.
+        payload = memoryview(self.payload.detach().to("cpu").contiguous().numpy())
         crc = zlib.crc32(payload, zlib.crc32(header))
         return b"".join((header, payload, _CRC.pack(crc)))
 

@@ -1,0 +1,41 @@
+"""The memory-saving paths of the coordinator's round give exactly the plain paths' numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from geoloco.algorithms.diloco import StreamingAggregator
+from geoloco.algorithms.optimizers import OuterOptimizer, OuterOptimizerConfig
+
+
+def _vectors(n: int, count: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(n, generator=g) for _ in range(count)]
+
+
+def test_take_result_equals_result_and_spends_the_aggregator() -> None:
+    updates = _vectors(1000, 3)
+    plain, taken = StreamingAggregator(1000), StreamingAggregator(1000)
+    for site, (u, w) in enumerate(zip(updates, [1.0, 2.0, 0.5])):
+        plain.add(u, w, site=site)
+        taken.add(u, w, site=site)
+    expected = plain.result()
+    assert torch.equal(taken.take_result(), expected)
+    with pytest.raises(ValueError, match="already taken"):
+        taken.add(updates[0], site=9)
+    with pytest.raises(ValueError, match="already taken"):
+        taken.result()
+
+
+@pytest.mark.parametrize("name", ["nesterov", "sgd", "adam"])
+def test_consumed_gradient_gives_the_same_steps(name: str) -> None:
+    theta, *grads = _vectors(500, 4)
+    config = OuterOptimizerConfig(name=name).resolved()
+    copying, consuming = OuterOptimizer(config, 500), OuterOptimizer(config, 500)
+    a = b = theta
+    for g in grads:
+        a = copying.step(a, g)
+        b = consuming.step(b, g.clone(), consume_gradient=True)
+        assert torch.equal(a, b)
+    assert theta.equal(_vectors(500, 1)[0]), "step must leave the caller's weights untouched"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from geoloco.scenarios.cli import main
 from geoloco.scenarios.simulate_cmd import EXAMPLE_CONFIG, load_config
 
-GEOLOCO = "/work/venv/bin/geoloco"
+GEOLOCO = [sys.executable, "-m", "geoloco.scenarios.cli"]
 
 MLP_CONFIG = """
 [workload]
@@ -41,7 +42,7 @@ device = "cpu"
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     # Generous timeout: importing torch in a fresh process is slow on a loaded 2-core machine.
-    return subprocess.run([GEOLOCO, "simulate", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*GEOLOCO, "simulate", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_simulate_writes_metrics_config_and_summary(tmp_path: Path) -> None:

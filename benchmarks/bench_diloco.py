@@ -342,8 +342,10 @@ def markdown_table(rows: Sequence[dict[str, Any]], target: float) -> str:
         else:
             reach = f"{row['time_to_target_s']:.1f} s ({row['steps_to_target']} steps)"
             ratio = f"{row['time_ratio']:.2f}x"
+        # A '|' inside a code span still splits a GitHub table cell unless escaped.
+        cell = f"{row['label']}: {row['config']}".replace("|", "\\|")
         lines.append(
-            f"| ({row['key']}) | {row['label']}: {row['config']} | {row['eval_loss']:.4f} | "
+            f"| ({row['key']}) | {cell} | {row['eval_loss']:.4f} | "
             f"{100 * (row['loss_ratio'] - 1):+.1f}% | {human_bytes(row['bytes_up'])} | "
             f"{row['bytes_fewer_x']:.1f}x | {reach} | {ratio} |"
         )
@@ -499,7 +501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     table = markdown_table(rows, target)
     checks = target_checks(rows)
-    text = "\n".join([header, "", table, "", *checks]) + "\n"
+    command = " ".join(["python", "benchmarks/bench_diloco.py", *(argv if argv is not None else sys.argv[1:])])
+    text = "\n".join([f"`{command}`", "", header, "", table, "", *checks]) + "\n"
     print()
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -508,7 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / f"{stem}.json").write_text(
         json.dumps(
             {
-                "command": " ".join(["python", "benchmarks/bench_diloco.py", *(argv or sys.argv[1:])]),
+                "command": command,
                 "machine": {"platform": platform.platform(), "torch": torch.__version__,
                             "threads": torch.get_num_threads()},
                 "workload": {"name": "gpt", "size": args.size, "parameters": numel,

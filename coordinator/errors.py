@@ -15,6 +15,8 @@ from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import (
     IdentityError,
     NotAMemberError,
+    ProtocolVersionError,
+    RunFinishedError,
     StaleSessionError,
     StatusError,
     WrongRoundError,
@@ -55,20 +57,6 @@ class SiteNotAllowedError(StatusError):
 
     code = grpc.StatusCode.PERMISSION_DENIED
     reason = pb.ERROR_REASON_IDENTITY_MISMATCH
-
-
-class ProtocolVersionError(StatusError):
-    """The site speaks another protocol version."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = pb.ERROR_REASON_UNSPECIFIED
-
-
-class RunFinishedError(StatusError):
-    """The run has completed all its rounds; nothing more can be uploaded."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = pb.ERROR_REASON_RUN_FINISHED
 
 
 class ShuttingDownError(StatusError):

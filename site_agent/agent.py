@@ -58,6 +58,7 @@ from geoloco.protos.transport import TLSFiles
 from geoloco.site_agent.client import (
     AgentStopped,
     CoordinatorClient,
+    OpenBroadcast,
     RejoinRequired,
     RoundClosed,
     RunFinished,
@@ -427,9 +428,15 @@ class SiteAgent:
                 self._finished = True
                 return
             pending = self._pending = self._train_round()
+        opened = None
         if pending.state == _PENDING_NEW:
-            self._upload(pending)
-        self._await_and_apply(pending.round, pending)
+            opened = self.client.open_broadcast(pending.round)
+            try:
+                self._upload(pending)
+            except BaseException:
+                opened.cancel()
+                raise
+        self._await_and_apply(pending.round, pending, opened)
 
     def _train_round(self) -> _Pending:
         assert self._global is not None and self._uplink is not None
@@ -555,12 +562,16 @@ class SiteAgent:
                          self.site, pending.round, why)
             pending.state = _PENDING_DROPPED
 
-    def _await_and_apply(self, round_number: int, pending: _Pending | None) -> None:
+    def _await_and_apply(
+        self, round_number: int, pending: _Pending | None, opened: OpenBroadcast | None = None
+    ) -> None:
         assert self._global is not None
         self._phase = pb.SITE_PHASE_WAITING
         bytes_down_before = self.client.stats.received
         try:
-            header, data = self.client.await_broadcast(round_number, on_progress=self._on_progress)
+            header, data = self.client.await_broadcast(
+                round_number, on_progress=self._on_progress, opened=opened
+            )
         except RunFinished:
             self._finished = True
             self._pending = None

@@ -377,15 +377,41 @@ class CoordinatorClient:
     # ---------------------------------------------------------------------------------------
     # AwaitBroadcast
 
+    def _await_call(self, round_number: int, start_chunk: int) -> Any:
+        request = pb.AwaitBroadcastRequest(
+            site=self.site, session_id=self.session_id, round=round_number, start_chunk=start_chunk
+        )
+        return self._track(self._stub.AwaitBroadcast(request, timeout=self.config.await_timeout_s))
+
+    def open_broadcast(self, round_number: int) -> OpenBroadcast:
+        """Start waiting for round ``round_number``'s broadcast now, before uploading to it.
+
+        The request then travels ahead of the upload, so the broadcast leaves the coordinator the
+        moment the round closes instead of one round trip later, when a site that asked only after
+        its upload's response would have reached it. Pass the result to ``await_broadcast``, or
+        ``cancel`` it when the upload fails.
+        """
+        return OpenBroadcast(self, round_number, self._await_call(round_number, 0))
+
     def await_broadcast(
         self,
         round_number: int,
         *,
         on_progress: Callable[[pb.RoundProgress], None] | None = None,
+        opened: OpenBroadcast | None = None,
     ) -> tuple[pb.BroadcastHeader, bytes | None]:
-        """Wait for round ``round_number``'s broadcast: (header, encoded delta bytes or None)."""
+        """Wait for round ``round_number``'s broadcast: (header, encoded delta bytes or None).
+
+        ``opened`` is a wait started earlier by ``open_broadcast``; it serves the first attempt,
+        and retries open fresh calls that resume the download where it broke.
+        """
+        if opened is not None and opened.round != round_number:
+            raise ValueError(
+                f"the open broadcast wait is for round {opened.round}, not round {round_number}"
+            )
         download = Download()
         backoff = _Backoff(self, f"AwaitBroadcast for round {round_number}")
+        first = opened.take() if opened is not None else None
 
         def progress(message: pb.RoundProgress) -> None:
             backoff.alive()  # a round may take longer than give_up_after_s; progress is contact
@@ -393,11 +419,12 @@ class CoordinatorClient:
                 on_progress(message)
 
         def attempt() -> tuple[pb.BroadcastHeader, bytes | None]:
-            start, _ = download.resume_point()
-            request = pb.AwaitBroadcastRequest(
-                site=self.site, session_id=self.session_id, round=round_number, start_chunk=start
-            )
-            call = self._track(self._stub.AwaitBroadcast(request, timeout=self.config.await_timeout_s))
+            nonlocal first
+            if first is not None:
+                call, first = first, None
+            else:
+                start, _ = download.resume_point()
+                call = self._await_call(round_number, start)
             try:
                 header = read_broadcast_stream(self._counted(call), download, on_progress=progress)
             finally:
@@ -416,6 +443,29 @@ class CoordinatorClient:
     def close(self) -> None:
         self.cancel_active_calls()
         self._raw_channel.close()
+
+
+class OpenBroadcast:
+    """An AwaitBroadcast call started ahead of the upload it waits on (see ``open_broadcast``)."""
+
+    def __init__(self, client: CoordinatorClient, round_number: int, call: Any) -> None:
+        self.round = round_number
+        self._client = client
+        self._call: Any = call
+
+    def take(self) -> Any:
+        """The call, handed over once to ``await_broadcast``."""
+        call, self._call = self._call, None
+        if call is None:
+            raise RuntimeError(f"the open broadcast wait for round {self.round} was already used")
+        return call
+
+    def cancel(self) -> None:
+        """Abandon the wait (the upload failed); a no-op once the call was handed over."""
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+            self._client._untrack(call)
 
 
 class _Backoff:

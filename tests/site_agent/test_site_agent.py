@@ -328,3 +328,56 @@ def test_stop_interrupts_a_site_waiting_for_its_round_and_it_leaves(certs: Path,
     finally:
         server.stop(grace=0)
     assert not summary.run_finished and summary.rounds_trained == 0 and summary.final_round == 0
+
+
+class RecordCallOrder(grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor):
+    """Records, in order, when each AwaitBroadcast starts and each Upload starts and ends."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+
+    def _record(self, what: str, round_number: int) -> None:
+        with self._lock:
+            self.events.append((what, round_number))
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        if details.method.endswith("/AwaitBroadcast"):
+            self._record("await", request.round)
+        return continuation(details, request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Iterator[Any]) -> Any:
+        if not details.method.endswith("/Upload"):
+            return continuation(details, requests)
+        requests = iter(requests)
+        first = next(requests)
+        round_number = first.manifest.round
+        self._record("upload", round_number)
+
+        def replay() -> Iterator[Any]:
+            yield first
+            yield from requests
+
+        response = continuation(details, replay())
+        self._record("uploaded", round_number)
+        return response
+
+
+def test_the_broadcast_wait_is_open_before_the_upload_starts(certs: Path, mlp: Any) -> None:
+    """The last site's broadcast must leave the coordinator when the round closes, not one round
+    trip later: the site asks for it before uploading, with a single call per round."""
+    server = start_coordinator(
+        certs, mlp.build_model(0), algorithm=AlgorithmConfig(inner_steps=2), total_rounds=3, min_sites=1
+    )
+    recorder = RecordCallOrder()
+    try:
+        agent = make_agent(mlp, server, certs, "solo", index=0, num_sites=1, seed=0, interceptors=[recorder])
+        thread = AgentThread(agent)
+        thread.start()
+        summary = thread.finish()
+    finally:
+        server.stop(grace=0)
+    assert summary.rounds_included == 3 and summary.weights_digest == server.rounds.digest_hex
+    assert recorder.events == [
+        event for r in range(3) for event in (("await", r), ("upload", r), ("uploaded", r))
+    ]

@@ -377,7 +377,7 @@ class Simulator:
                 grad, loss = compute_gradient(self.model, self.layout, batch, self.workload.loss)
                 self._sync_device()
                 seconds = self._step_seconds(site, 1, time.perf_counter() - t0)
-                encoded = uplink.encode(grad, seed=plan.uplink_seed(site.index))
+                encoded = uplink.encode(grad, seed=plan.uplink_seed)
                 aggregator.add(encoded, strategy.site_weight(batch_size(batch)), site=site.index)
                 losses.append(loss)
                 step_compute.append(seconds)
@@ -444,7 +444,7 @@ class Simulator:
         total = torch.zeros(self.layout.numel, dtype=torch.float32)
         sizes = []
         for k in sorted(updates):
-            encoded = self.sites[k].uplink.encode(updates[k], seed=plan.uplink_seed(k))
+            encoded = self.sites[k].uplink.encode(updates[k], seed=plan.uplink_seed)
             sizes.append(encoded.nbytes)
             total += clip_l2(decode(encoded, device="cpu").reshape(-1), privacy.clip_norm)[0]
         mean = add_central_noise(total, privacy) / len(updates)
@@ -484,7 +484,7 @@ class Simulator:
                 compute.append(seconds)
                 losses.extend(result.losses)
                 continue
-            encoded = site.uplink.encode(update, seed=plan.uplink_seed(site.index))
+            encoded = site.uplink.encode(update, seed=plan.uplink_seed)
             del update
             (arrival,) = upload_arrivals([site.ready_s], [seconds], [encoded.nbytes], [site.config])
             weights[site.index] = strategy.site_weight(result.samples)

@@ -86,7 +86,7 @@ ACTION_STOP = "stop"
 """Control messages the leader rank sends to the other ranks of a multi-GPU site."""
 
 UPLINK_SEED_PURPOSE = "uplink"
-"""Domain tag of a site's per-round uplink codec seed (as ``RoundPlan.uplink_seed``)."""
+"""Domain tag of the round's uplink codec seed, shared by all sites (as ``RoundPlan.uplink_seed``)."""
 
 _PENDING_NEW = "new"
 _PENDING_UPLOADED = "uploaded"
@@ -468,7 +468,7 @@ class SiteAgent:
                 f"internal error: training round {round_number} without its round seed "
                 f"(latest round info is for round {self._round_info.round})"
             )
-        seed = derive_seed(self._round_info.round_seed, UPLINK_SEED_PURPOSE, self.site)
+        seed = derive_seed(self._round_info.round_seed, UPLINK_SEED_PURPOSE)
         encoded = self._uplink.encode(update, seed=seed)
         del update
         return _Pending(

@@ -242,18 +242,29 @@ class StreamingAggregator:
     """Σ w_k of the uploads added so far."""
     sites: list[int] = field(default_factory=list, init=False)
     """Sites added so far, in arrival order."""
+    stale_sites: list[int] = field(default_factory=list, init=False)
+    """Sites whose previous round's update was folded in late (``add(..., stale=True)``)."""
     _buffer: torch.Tensor | None = field(default=None, init=False, repr=False)
     _taken: bool = field(default=False, init=False, repr=False)
 
-    def add(self, update: Encoded | torch.Tensor, weight: float = 1.0, *, site: int) -> None:
-        """Decode (if encoded) and add ``weight * update`` to the running sum."""
+    def add(
+        self, update: Encoded | torch.Tensor, weight: float = 1.0, *, site: int, stale: bool = False
+    ) -> None:
+        """Decode (if encoded) and add ``weight * update`` to the running sum.
+
+        ``stale=True``: the site's update of an earlier round, folded in late (a site may have
+        one fresh and one stale update in the same round; each only once).
+        """
         if self._taken:
             raise ValueError(
                 f"site {site}: this round's mean was already taken (take_result); "
                 "start a new aggregator for the next round"
             )
-        if site in self.sites:
-            raise ValueError(f"site {site} was already aggregated this round")
+        added = self.stale_sites if stale else self.sites
+        if site in added:
+            raise ValueError(
+                f"site {site} was already aggregated this round{' (late update)' if stale else ''}"
+            )
         if not weight > 0:
             raise ValueError(f"site {site}: aggregation weight must be > 0, got {weight}")
         if self._buffer is None:
@@ -270,7 +281,7 @@ class StreamingAggregator:
             )
         self._buffer.add_(value.to(self._buffer), alpha=float(weight))
         self.total_weight += float(weight)
-        self.sites.append(site)
+        added.append(site)
 
     @property
     def count(self) -> int:

@@ -32,6 +32,7 @@ from geoloco.algorithms.clock import (
     upload_arrivals,
 )
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
+from geoloco.algorithms.deadline import AdaptiveDeadlineConfig, RoundDeadline
 from geoloco.algorithms.diloco import (
     UpdateEncoder,
     batch_size,
@@ -65,6 +66,8 @@ from geoloco.algorithms.strategy import (
     Strategy,
     build_strategy,
 )
+from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within, steps_in_budget
+from geoloco.algorithms.weighting import stale_weight
 from geoloco.algorithms.workload import Workload
 from geoloco.compression import Encoded, decode
 
@@ -104,6 +107,9 @@ class SimulationConfig:
     their update in their error-feedback residual); unset = wait for every site."""
     min_sites: int = 1
     """Quorum: with a deadline, wait past it until at least this many uploads arrived."""
+    adaptive_deadline: AdaptiveDeadlineConfig = field(default_factory=AdaptiveDeadlineConfig)
+    """``[simulation.adaptive_deadline]``: learn each round's deadline from recent arrivals
+    (``geoloco.algorithms.deadline``); ``round_deadline_s`` is then the first rounds' deadline."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -176,6 +182,11 @@ class SimulatorConfig:
             "simulation.round_deadline_s",
             "the ddp baseline waits for every site each step; unset round_deadline_s",
         )
+        require(
+            not (self.algorithm.name == "ddp" and self.simulation.adaptive_deadline.enabled),
+            "simulation.adaptive_deadline.enabled",
+            "the ddp baseline waits for every site each step; set enabled = false",
+        )
         if self.privacy.enabled:
             require(
                 self.algorithm.name != "ddp" and self.algorithm.warmup_steps == 0,
@@ -187,6 +198,11 @@ class SimulatorConfig:
                 self.simulation.round_deadline_s is None,
                 "simulation.round_deadline_s",
                 "with privacy on, every site's update enters the round; unset round_deadline_s",
+            )
+            require(
+                not self.simulation.adaptive_deadline.enabled,
+                "simulation.adaptive_deadline.enabled",
+                "with privacy on, every site's update enters the round; set enabled = false",
             )
             try:
                 check_composition(self.privacy, self.algorithm.uplink_codec, len(self.sites))
@@ -257,6 +273,13 @@ class RoundRecord:
     """``weights_digest`` of the global weights after the round."""
     epsilon: float | None = None
     """Accounted epsilon (at ``privacy.delta``) after this round; ``None`` without DP."""
+    site_inner_steps: list[int] = field(default_factory=list)
+    """Per site, inner steps run in this record (they differ with ``round_time_budget_s``;
+    ``inner_steps`` is then the most any site ran)."""
+    deadline_s: float | None = None
+    """The round deadline in force (seconds after the round opened); ``None``: none."""
+    folded: list[int] = field(default_factory=list)
+    """Sites whose previous round's late update was folded into this round (discounted)."""
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
@@ -282,6 +305,9 @@ class _Site:
     uplink: UpdateEncoder
     ready_s: float = 0.0
     """Virtual time at which this site holds the current global weights."""
+    late: tuple[Encoded, float, float] | None = None
+    """Its last round's update that missed the deadline, its weight and its arrival time, kept
+    to be folded into the next round (``late_updates = "fold"``)."""
 
 
 class Simulator:
@@ -327,6 +353,7 @@ class Simulator:
             if privacy.secure_aggregation else {}
         )
         self.accountant = PrivacyAccountant(privacy.delta) if privacy.dp != "off" else None
+        self.deadline = RoundDeadline(sim.round_deadline_s, sim.adaptive_deadline)
         self.clock_s = 0.0
         self.open_s = 0.0
         self.bytes_up_total = 0
@@ -455,8 +482,10 @@ class Simulator:
         strategy = self.strategy
         plan = strategy.configure_round(round_index, [s.index for s in self.sites])
         aggregator = strategy.new_aggregator()
-        deadline = None if sim.round_deadline_s is None else self.open_s + sim.round_deadline_s
+        deadline_s = self.deadline.current_s()
+        deadline = None if deadline_s is None else self.open_s + deadline_s
         pending: dict[int, Encoded] = {}
+        site_steps: list[int] = []
         arrivals: list[float] = []
         compute: list[float] = []
         upload_sizes: list[int] = []
@@ -466,18 +495,9 @@ class Simulator:
         for site in self.sites:
             assert site.optimizer is not None
             self.layout.load_(self.model, self.global_flat)
-            self._sync_device()
-            t0 = time.perf_counter()
-            result = run_inner_steps(
-                self.model,
-                site.optimizer,
-                site.batches,
-                plan.inner_steps,
-                self.workload.loss,
-                grad_clip_norm=self.config.inner_optimizer.grad_clip_norm,
-            )
-            self._sync_device()
-            seconds = self._step_seconds(site, plan.inner_steps, time.perf_counter() - t0)
+            result, seconds = self._inner_steps(site, plan.inner_steps)
+            steps = len(result.losses)
+            site_steps.append(steps)
             update = pseudo_gradient(self.global_flat, self.layout.flatten(self.model))
             if self.config.privacy.enabled:
                 private_updates[site.index] = update.to("cpu")
@@ -487,7 +507,7 @@ class Simulator:
             encoded = site.uplink.encode(update, seed=plan.uplink_seed)
             del update
             (arrival,) = upload_arrivals([site.ready_s], [seconds], [encoded.nbytes], [site.config])
-            weights[site.index] = strategy.site_weight(result.samples)
+            weights[site.index] = strategy.site_weight(result.samples, steps)
             if deadline is None or arrival <= deadline:
                 aggregator.add(encoded, weights[site.index], site=site.index)
             else:
@@ -497,17 +517,27 @@ class Simulator:
             upload_sizes.append(encoded.nbytes)
             losses.extend(result.losses)
         if private_updates:
-            return self._private_round_finish(round_index, plan, private_updates, compute, losses)
+            stats = self._private_round_finish(round_index, plan, private_updates, compute, losses)
+            return {**stats, "site_inner_steps": site_steps, "deadline_s": None, "folded": []}
         included, aggregate_s = select_participants(
-            arrivals, open_s=self.open_s, deadline_s=sim.round_deadline_s, min_sites=sim.min_sites
+            arrivals, open_s=self.open_s, deadline_s=deadline_s, min_sites=sim.min_sites
         )
-        # Late uploads the quorum rule pulled in are aggregated; the others go back to the sites'
-        # residuals (with error feedback) so their work arrives next round.
+        self.deadline.observe(
+            [arrivals[k] - self.open_s for k in included],
+            [aggregate_s - self.open_s for k in range(len(arrivals)) if k not in included],
+        )
+        # Late uploads the quorum rule pulled in are aggregated.
         for k in included:
             if k in pending:
                 aggregator.add(pending.pop(k), weights[k], site=k)
+        folded = self._fold_late_updates(aggregator, aggregate_s)
+        # The others go back to the sites' residuals (with error feedback) so their work arrives
+        # next round, or wait to be folded into the next round's average.
         for k, encoded in pending.items():
-            self.sites[k].uplink.restore(encoded)
+            if self.config.algorithm.late_updates == "fold":
+                self.sites[k].late = (encoded, weights[k], arrivals[k])
+            else:
+                self.sites[k].uplink.restore(encoded)
         update = strategy.aggregate_round(self.global_flat, aggregator, plan)
         self.global_flat = update.global_flat
         ends = download_ends(
@@ -527,7 +557,56 @@ class Simulator:
             "utilization": utilization,
             "stragglers": sorted(pending),
             "sites_aggregated": len(included),
+            "site_inner_steps": site_steps,
+            "deadline_s": deadline_s,
+            "folded": folded,
         }
+
+    def _inner_steps(self, site: _Site, inner_steps: int) -> tuple[Any, float]:
+        """One site's inner steps of a round: ``inner_steps``, or as many as fit in the time
+        budget on the virtual clock (``steps_in_budget``, or measured step by step in
+        ``"measure"`` mode). Returns the ``InnerResult`` and the virtual compute seconds."""
+        sim = self.config.simulation
+        budget_s = self.config.algorithm.round_time_budget_s
+        assert site.optimizer is not None
+        clip = self.config.inner_optimizer.grad_clip_norm
+        if budget_s is not None and sim.step_time_s == MEASURE:
+            result, seconds = run_inner_steps_within(
+                self.model, site.optimizer, site.batches, TimeBudget(budget_s),
+                self.workload.loss, grad_clip_norm=clip,
+                time_scale=site.config.step_time_factor, sync=self._sync_device,
+            )
+            return result, seconds
+        if budget_s is not None:
+            step_s = float(sim.step_time_s) * site.config.step_time_factor
+            inner_steps = steps_in_budget(budget_s, step_s, max_steps=None if step_s > 0 else 1)
+        self._sync_device()
+        t0 = time.perf_counter()
+        result = run_inner_steps(
+            self.model, site.optimizer, site.batches, inner_steps, self.workload.loss,
+            grad_clip_norm=clip,
+        )
+        self._sync_device()
+        return result, self._step_seconds(site, inner_steps, time.perf_counter() - t0)
+
+    def _fold_late_updates(self, aggregator: Any, aggregate_s: float) -> list[int]:
+        """Add last round's late updates that arrived before this round aggregated, with the
+        staleness discount; those that did not go back into their site's residual (the real
+        coordinator accepts an update exactly one round late, no later)."""
+        algo = self.config.algorithm
+        folded = []
+        for site in self.sites:
+            if site.late is None:
+                continue
+            encoded, weight, arrival = site.late
+            site.late = None
+            if arrival <= aggregate_s:
+                discounted = stale_weight(weight, discount=algo.staleness_discount, staleness=1)
+                aggregator.add(encoded, discounted, site=site.index, stale=True)
+                folded.append(site.index)
+            else:
+                site.uplink.restore(encoded)
+        return folded
 
     def _private_round_finish(
         self, round_index: int, plan: Any, updates: dict[int, torch.Tensor],
@@ -586,6 +665,9 @@ class Simulator:
             utilization=stats["utilization"],
             digest=weights_digest(self.global_flat),
             epsilon=None if self.accountant is None else self.accountant.epsilon(),
+            site_inner_steps=stats.get("site_inner_steps", [steps] * len(self.sites)),
+            deadline_s=stats.get("deadline_s"),
+            folded=stats.get("folded", []),
         )
         self.clock_s = end
         return record
@@ -634,7 +716,8 @@ class Simulator:
             eval_loss = (
                 self._evaluate() if last or round_index % sim.eval_every == 0 else None
             )
-            yield self._record(round_index, "train", algo.inner_steps, stats, eval_loss)
+            steps = max(stats["site_inner_steps"]) if stats.get("site_inner_steps") else algo.inner_steps
+            yield self._record(round_index, "train", steps, stats, eval_loss)
             if (
                 sim.target_eval_loss is not None
                 and eval_loss is not None

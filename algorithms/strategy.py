@@ -18,6 +18,7 @@ AdamW state) to the averaged gradient: exactly one DDP step, whose delta every r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -28,6 +29,8 @@ from geoloco.algorithms.config import ConfigError, config_to_dict, require
 from geoloco.algorithms.diloco import StreamingAggregator, UpdateEncoder, encode_downlink
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, OuterOptimizerConfig
 from geoloco.algorithms.params import derive_seed, weights_digest
+from geoloco.algorithms.weighting import LATE_UPDATE_POLICIES, WEIGHTINGS
+from geoloco.algorithms.weighting import site_weight as weighting_site_weight
 from geoloco.compression import CodecError, Encoded, parse_codec
 
 __all__ = [
@@ -69,10 +72,21 @@ class AlgorithmConfig:
     """Keep what a lossy codec dropped and add it to the next update (uplink and downlink)."""
     error_feedback_decay: float = 1.0
     """Factor on the kept residual (1 = keep all; < 1 forgets old errors)."""
-    weighting: Literal["uniform", "samples"] = "uniform"
-    """Average site updates uniformly, or weighted by the samples each site trained on."""
+    weighting: Literal["uniform", "steps", "samples"] = "uniform"
+    """Average site updates uniformly, or weighted by the inner steps each site ran (for
+    time-budget rounds), or by the samples it trained on (``geoloco.algorithms.weighting``)."""
     warmup_steps: int = 0
     """Synchronous data-parallel steps before the first round (their bytes are counted)."""
+    # -- heterogeneous sites (geoloco.algorithms.time_budget / weighting) --
+    round_time_budget_s: float | None = None
+    """Time-budget rounds: each site runs as many inner steps as fit in this many seconds of
+    training (at least one) instead of ``inner_steps``; unset = ``inner_steps`` per round."""
+    late_updates: Literal["drop", "fold"] = "drop"
+    """An update that misses its round's deadline: ``"drop"`` (the site keeps it in its
+    error-feedback residual) or ``"fold"`` (arriving one round late, it enters the next round's
+    average with weight ``w_k · staleness_discount``)."""
+    staleness_discount: float = 0.5
+    """Factor on the weight of an update folded in one round late (``late_updates = "fold"``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,6 +109,32 @@ class AlgorithmConfig:
             f"must be in (0, 1], got {self.error_feedback_decay}",
         )
         require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        require(
+            self.weighting in WEIGHTINGS,
+            "weighting",
+            f"got {self.weighting!r}; allowed values: {', '.join(WEIGHTINGS)}",
+        )
+        require(
+            self.round_time_budget_s is None
+            or (math.isfinite(self.round_time_budget_s) and self.round_time_budget_s > 0),
+            "round_time_budget_s",
+            f"must be > 0 seconds or unset, got {self.round_time_budget_s}",
+        )
+        require(
+            self.late_updates in LATE_UPDATE_POLICIES,
+            "late_updates",
+            f"got {self.late_updates!r}; allowed values: {', '.join(LATE_UPDATE_POLICIES)}",
+        )
+        require(
+            0 < self.staleness_discount <= 1,
+            "staleness_discount",
+            f"must be in (0, 1], got {self.staleness_discount}",
+        )
+        require(
+            not (self.name == "ddp" and self.round_time_budget_s is not None),
+            "round_time_budget_s",
+            "the ddp baseline synchronises every step; unset round_time_budget_s",
+        )
         require(
             not (self.name == "ddp" and self.warmup_steps > 0),
             "warmup_steps",
@@ -211,9 +251,9 @@ class Strategy:
             decay=self.config.error_feedback_decay,
         )
 
-    def site_weight(self, samples: int) -> float:
-        """``w_k`` for a site that trained on ``samples`` samples this round."""
-        return 1.0 if self.config.weighting == "uniform" else float(samples)
+    def site_weight(self, samples: int, inner_steps: int = 1) -> float:
+        """``w_k`` for a site that ran ``inner_steps`` steps on ``samples`` samples this round."""
+        return weighting_site_weight(self.config.weighting, samples=samples, inner_steps=inner_steps)
 
     def new_aggregator(self) -> StreamingAggregator:
         return StreamingAggregator(numel=self.numel, device=self.device)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
+from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.http_status import HTTPStatusConfig
@@ -57,7 +58,11 @@ class CoordinatorConfig:
     round_deadline_s: float | None = None
     """Uploads must complete this many seconds after the round opened; later ones are refused
     and those sites (stragglers) catch up by applying the broadcast delta. Unset: the round waits
-    for every site that was a member when it opened."""
+    for every site that was a member when it opened. With ``adaptive_deadline`` enabled: the
+    deadline of the rounds before any arrival was observed."""
+    adaptive_deadline: AdaptiveDeadlineConfig = field(default_factory=AdaptiveDeadlineConfig)
+    """``[adaptive_deadline]``: set each round's deadline from the arrival times of recent rounds
+    (``geoloco.algorithms.deadline``); the deadline in force is logged and in metrics."""
     heartbeat_interval_s: float = 2.0
     """Sites send a heartbeat at least this often."""
     heartbeat_timeout_s: float = 15.0

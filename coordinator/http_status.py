@@ -304,6 +304,7 @@ class StatusBoard:
                 "participants": len(record["participants"]),
                 "excluded": list(record["excluded"]),
                 "round_time_s": _finite(record.get("round_time_s")),
+                "deadline_s": _finite(record.get("deadline_s")),
                 "update_norm": _finite(record.get("update_norm")),
                 "time": self.wall_clock(),
             }

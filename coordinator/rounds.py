@@ -51,8 +51,10 @@ from typing import Any
 
 import torch
 
+from geoloco.algorithms.deadline import RoundDeadline
 from geoloco.algorithms.params import ParamLayout, weights_digest
 from geoloco.algorithms.strategy import Strategy, build_strategy
+from geoloco.algorithms.weighting import site_weight, stale_weight
 from geoloco.compression import CodecError, Encoded, decode, parse_codec
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.checkpoint import load_latest_checkpoint, save_checkpoint
@@ -142,6 +144,11 @@ def sha256_checksum(hex_digest: str) -> pb.Checksum:
     return pb.Checksum(algorithm=pb.CHECKSUM_ALGORITHM_SHA256, digest=bytes.fromhex(hex_digest))
 
 
+def _folded(response: pb.UploadResponse) -> pb.UploadResponse:
+    response.folded_late = True
+    return response
+
+
 @dataclass(slots=True)
 class _Member:
     name: str
@@ -203,6 +210,15 @@ class _Round:
     bytes_up: dict[str, int] = field(default_factory=dict)
     bytes_down: dict[str, int] = field(default_factory=dict)
     site_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    # -- heterogeneous sites --
+    deadline_in_force_s: float | None = None
+    """The deadline (seconds after the start) this round runs under, fixed or adaptive."""
+    arrivals: dict[str, float] = field(default_factory=dict)
+    """site -> seconds from the round's start until its update was aggregated."""
+    stale_uploads: dict[str, UploadAssembler] = field(default_factory=dict)
+    """Uploads for the previous round, to be folded into this one (``late_updates = "fold"``)."""
+    stale_contributed: dict[str, float] = field(default_factory=dict)
+    """site -> discounted weight of its previous round's update folded into this round."""
 
 
 class RoundStateMachine:
@@ -262,6 +278,9 @@ class RoundStateMachine:
         self._broadcast: BroadcastRecord | None = None
         self._contributor_history: dict[int, frozenset[str]] = {}
         self._finished_s: float | None = None
+        self._deadline = RoundDeadline(config.round_deadline_s, config.adaptive_deadline)
+        self._folded_history: dict[int, frozenset[str]] = {}
+        """round t -> sites whose round-t update was folded into round t + 1."""
 
         weights = initial_weights.detach().to(self.device, torch.float32).clone()
         start_round = 0
@@ -336,9 +355,9 @@ class RoundStateMachine:
             uplink_codec=self.uplink_codec,
             downlink_codec=canonical_codec(c.algorithm.downlink_codec),
             seed=c.seed,
-            weighting=(
-                pb.WEIGHTING_SAMPLES if c.algorithm.weighting == "samples" else pb.WEIGHTING_UNIFORM
-            ),
+            weighting={
+                "samples": pb.WEIGHTING_SAMPLES, "steps": pb.WEIGHTING_STEPS
+            }.get(c.algorithm.weighting, pb.WEIGHTING_UNIFORM),
             total_rounds=c.total_rounds,
             quorum=c.min_sites,
             round_deadline_ms=0 if c.round_deadline_s is None else int(c.round_deadline_s * 1000),
@@ -388,8 +407,8 @@ class RoundStateMachine:
         r = self._round
         if r.deadline_s is not None:
             remaining = max(0.0, r.deadline_s - now)
-        elif self.config.round_deadline_s is not None:
-            remaining = self.config.round_deadline_s
+        elif (upcoming := self._deadline.current_s()) is not None:
+            remaining = upcoming
         else:
             remaining = 0.0
         return pb.RoundInfo(
@@ -554,13 +573,16 @@ class RoundStateMachine:
         r = self._round
         if self._phase is RoundPhase.WAITING_FOR_QUORUM and len(self._members) >= self.config.min_sites:
             r.started_s = now
-            if self.config.round_deadline_s is not None:
-                r.deadline_s = now + self.config.round_deadline_s
+            r.deadline_in_force_s = self._deadline.current_s()
+            if r.deadline_in_force_s is not None:
+                r.deadline_s = now + r.deadline_in_force_s
             self._phase = RoundPhase.RUNNING
             self.events.emit(ev.ROUND_STARTED, round=r.number, members=len(self._members))
             logger.info(
                 "round %d started with %d sites%s", r.number, len(self._members),
-                "" if r.deadline_s is None else f", deadline in {self.config.round_deadline_s:g} s",
+                "" if r.deadline_s is None else
+                f", {'adaptive ' if self._deadline.is_adaptive else ''}deadline in "
+                f"{r.deadline_in_force_s:.3g} s",
             )
 
     # ---------------------------------------------------------------------------------------
@@ -630,6 +652,11 @@ class RoundStateMachine:
                 f"upload shape {list(blob.shape)} does not match the model: expected "
                 f"[{self.numel}] (the flat parameter vector)"
             )
+        if self.config.algorithm.weighting == "steps" and manifest.inner_steps < 1:
+            raise InvalidUpdateError(
+                "this run weights updates by inner steps (weighting = 'steps'); the manifest must "
+                f"carry inner_steps >= 1, got {manifest.inner_steps}"
+            )
         weight = manifest.sample_weight
         if not (math.isfinite(weight) and weight > 0):
             raise InvalidUpdateError(
@@ -646,6 +673,8 @@ class RoundStateMachine:
         """Check an Upload stream's manifest and return the (new or resumed) assembler."""
         with self._cond:
             self._member(site, manifest.session_id)
+            if self._folds_late(site, manifest.round):
+                return self._open_late_upload(site, manifest)
             self._check_upload_round(manifest.round)
             r = self._round
             if site in r.rejected:
@@ -694,6 +723,9 @@ class RoundStateMachine:
                 )
             with self._cond:
                 self._count_up(site, message_nbytes(request))
+                if self._round.stale_uploads.get(site) is assembler and self._phase in _OPEN_PHASES:
+                    yield request.chunk
+                    continue
                 if self._round.number != round_number or self._phase not in _OPEN_PHASES:
                     self._check_upload_round(round_number)
                 if self._round.uploads.get(site) is not assembler:
@@ -713,8 +745,12 @@ class RoundStateMachine:
         """
         if not assembler.complete:
             return assembler.upload_response()
+        with self._cond:
+            late = self._round.stale_uploads.get(site) is assembler
         try:
-            future = self._verifier.submit(self._verify_and_add, site, assembler)
+            future = self._verifier.submit(
+                self._verify_and_fold if late else self._verify_and_add, site, assembler
+            )
         except RuntimeError:  # the executor is shut down: close() was called
             raise ShuttingDownError(
                 "the coordinator is shutting down; retry to reach its successor"
@@ -741,11 +777,7 @@ class RoundStateMachine:
                     f"site {site!r}'s update for round {round_number} contains NaN or Inf values; "
                     "it is dropped for this round (check the site's loss and learning rate)"
                 )
-            weight = (
-                float(assembler.upload.sample_weight)
-                if self.config.algorithm.weighting == "samples"
-                else 1.0
-            )
+            weight = self._upload_weight(assembler.upload)
             with self._cond:
                 self._check_upload_round(round_number)
                 r = self._round
@@ -753,6 +785,7 @@ class RoundStateMachine:
                     raise _discarded(site, round_number)
                 self._aggregator.add(decoded, weight, site=site)  # type: ignore[arg-type]
                 r.contributed[site] = weight
+                r.arrivals[site] = self.clock() - (r.started_s if r.started_s is not None else r.opened_s)
                 self.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
                 logger.debug(
                     "round %d: update of %s aggregated (%d of %d members)",
@@ -788,6 +821,91 @@ class RoundStateMachine:
             )
         return decoded
 
+    # ---------------------------------------------------------------------------------------
+    # Heterogeneous sites: work-based weights and late updates (``late_updates = "fold"``)
+
+    def _upload_weight(self, manifest: pb.UploadManifest) -> float:
+        """``w_k`` of an upload under the run's weighting (``geoloco.algorithms.weighting``)."""
+        return site_weight(
+            self.config.algorithm.weighting,
+            samples=float(manifest.sample_weight),
+            inner_steps=int(manifest.inner_steps),
+        )
+
+    def _folds_late(self, site: str, round_number: int) -> bool:
+        """Whether an upload for ``round_number`` is a late update to fold into the open round:
+        exactly one round late, folding on, and the site's update did not count in its round."""
+        r = self._round
+        return (
+            self.config.algorithm.late_updates == "fold"
+            and round_number + 1 == r.number
+            and self._phase in _OPEN_PHASES
+            and site not in self._contributor_history.get(round_number, frozenset())
+        )
+
+    def _open_late_upload(self, site: str, manifest: pb.UploadManifest) -> UploadAssembler:
+        """The (new or resumed) assembler of a late update; called with the lock held."""
+        r = self._round
+        self._validate_upload_manifest(site, manifest)
+        normalized = pb.UploadManifest()
+        normalized.CopyFrom(manifest)
+        normalized.site = site
+        existing = r.stale_uploads.get(site)
+        if existing is not None and (site in r.stale_contributed or existing.upload == normalized):
+            existing.check_same_manifest(normalized)
+            return existing
+        assembler = UploadAssembler(
+            normalized, max_total_bytes=self.max_upload_bytes, max_chunk_size=MAX_CHUNK_SIZE
+        )
+        r.stale_uploads[site] = assembler
+        self._count_up(site, message_nbytes(manifest))
+        logger.info("round %d: %s is sending its late update of round %d", r.number, site, manifest.round)
+        return assembler
+
+    def _verify_and_fold(self, site: str, assembler: UploadAssembler) -> pb.UploadResponse:
+        """Verify a complete late update and add it to the open round with the staleness
+        discount; it does not count towards the quorum (``r.contributed``)."""
+        round_number = assembler.upload.round
+        with self._verify_lock:
+            with self._cond:
+                if site in self._round.stale_contributed:
+                    return _folded(assembler.upload_response())
+            data = assembler.finish()
+            decoded = self._decode_update(site, round_number, data)
+            if not bool(torch.isfinite(decoded).all()):
+                raise InvalidUpdateError(
+                    f"site {site!r}'s late update for round {round_number} contains NaN or Inf "
+                    "values; it is dropped"
+                )
+            algo = self.config.algorithm
+            weight = stale_weight(
+                self._upload_weight(assembler.upload), discount=algo.staleness_discount, staleness=1
+            )
+            with self._cond:
+                r = self._round
+                if r.number != round_number + 1 or self._phase not in _OPEN_PHASES:
+                    self._check_upload_round(round_number)  # raises WRONG_ROUND: it is too late
+                if r.stale_uploads.get(site) is not assembler:
+                    raise _discarded(site, round_number)
+                self._aggregator.add(decoded, weight, site=site, stale=True)  # type: ignore[arg-type]
+                r.stale_contributed[site] = weight
+                self.events.emit(
+                    ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight, late=True
+                )
+                logger.info(
+                    "round %d: late update of %s (round %d) folded in with weight %.4g",
+                    r.number, site, round_number, weight,
+                )
+                self._cond.notify_all()
+            del decoded
+        return _folded(assembler.upload_response())
+
+    def _was_folded(self, site: str, round_number: int) -> bool:
+        """Whether ``site``'s update of ``round_number`` entered the next round (late)."""
+        if site in self._folded_history.get(round_number, frozenset()):
+            return True
+        return round_number + 1 == self._round.number and site in self._round.stale_contributed
+
     def upload_status(
         self, site: str, session_id: str, round_number: int, fragment: int
     ) -> pb.UploadStatusResponse:
@@ -795,6 +913,12 @@ class RoundStateMachine:
             self._member(site, session_id)
             r = self._round
             assembler = r.uploads.get(site) if round_number == r.number and fragment == 0 else None
+            if round_number + 1 == r.number and fragment == 0 and site in r.stale_uploads:
+                assembler = r.stale_uploads[site]
+                response = assembler.status_response()
+                response.complete = site in r.stale_contributed
+                response.folded_late = response.complete
+                return response
             if assembler is None:
                 if round_number < r.number or self._phase is RoundPhase.FINISHED:
                     self._check_upload_round(round_number)
@@ -818,7 +942,7 @@ class RoundStateMachine:
             header = pb.BroadcastHeader(
                 action=pb.BROADCAST_ACTION_APPLY_DELTA,
                 round=round_number,
-                included=site in record.contributors,
+                included=site in record.contributors or self._was_folded(site, round_number),
                 num_contributors=len(record.contributors),
                 delta=record.blob,
                 weights_digest=record.weights_digest,
@@ -831,7 +955,7 @@ class RoundStateMachine:
         header = pb.BroadcastHeader(
             action=pb.BROADCAST_ACTION_RESYNC,
             round=round_number,
-            included=site in contributors,
+            included=site in contributors or self._was_folded(site, round_number),
             num_contributors=len(contributors),
             weights_digest=self._digest,
             next_round=next_round,
@@ -971,6 +1095,8 @@ class RoundStateMachine:
         # AGGREGATING (uploads are refused) and ``_poll_lock`` is held.
         t0 = time.perf_counter()
         contributors = list(r.contributed)
+        started = r.started_s if r.started_s is not None else r.opened_s
+        self._deadline.observe(list(r.arrivals.values()), [closed_s - started for _ in excluded])
         plan = self.strategy.configure_round(r.number + 1, contributors)  # type: ignore[arg-type]
         update_norm = float(torch.linalg.vector_norm(self._aggregator.result()))
         update = self.strategy.aggregate_round(self._weights, self._aggregator, plan)
@@ -1007,6 +1133,8 @@ class RoundStateMachine:
             self._broadcast = record
             self._contributor_history[r.number] = record.contributors
             self._contributor_history.pop(r.number - CONTRIBUTOR_HISTORY, None)
+            self._folded_history[r.number - 1] = frozenset(r.stale_contributed)
+            self._folded_history.pop(r.number - 1 - CONTRIBUTOR_HISTORY, None)
             now = self.clock()
             self._round = _Round(number=next_round, opened_s=now)
             if finished:
@@ -1019,9 +1147,12 @@ class RoundStateMachine:
             bytes_up_total, bytes_down_total = self._bytes_up_total, self._bytes_down_total
             self._cond.notify_all()
         logger.info(
-            "round %d aggregated: %d sites (%s)%s, |update| %.4g, delta %d bytes",
+            "round %d aggregated: %d sites (%s)%s%s, |update| %.4g, delta %d bytes, deadline %s",
             r.number, len(contributors), ", ".join(contributors),
-            f", excluded {', '.join(excluded)}" if excluded else "", update_norm, len(delta_bytes),
+            f", excluded {', '.join(excluded)}" if excluded else "",
+            f", folded late {', '.join(r.stale_contributed)}" if r.stale_contributed else "",
+            update_norm, len(delta_bytes),
+            "none" if r.deadline_in_force_s is None else f"{r.deadline_in_force_s:.3g} s",
         )
         eval_loss = None
         if self.eval_fn is not None and (finished or next_round % self.config.eval_every == 0):
@@ -1048,8 +1179,14 @@ class RoundStateMachine:
             "round_time_s": closed_s - r.opened_s,
             "wait_for_quorum_s": None if r.started_s is None else r.started_s - r.opened_s,
             "aggregate_time_s": aggregate_s,
-            "deadline_s": self.config.round_deadline_s,
+            "deadline_s": r.deadline_in_force_s,
             "deadline_hit": deadline_hit,
+            "next_deadline_s": self._deadline.current_s(),
+            "arrival_s": dict(r.arrivals),
+            "inner_steps": {
+                site: int(r.uploads[site].upload.inner_steps) for site in contributors if site in r.uploads
+            },
+            "folded_late": dict(r.stale_contributed),
             "update_norm": update_norm,
             "eval_loss": eval_loss,
             "site_metrics": r.site_metrics,

@@ -32,6 +32,7 @@ class Weighting(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHTING_UNSPECIFIED: _ClassVar[Weighting]
     WEIGHTING_SAMPLES: _ClassVar[Weighting]
     WEIGHTING_UNIFORM: _ClassVar[Weighting]
+    WEIGHTING_STEPS: _ClassVar[Weighting]
 
 class SitePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -64,6 +65,7 @@ CHECKSUM_ALGORITHM_SHA256: ChecksumAlgorithm
 WEIGHTING_UNSPECIFIED: Weighting
 WEIGHTING_SAMPLES: Weighting
 WEIGHTING_UNIFORM: Weighting
+WEIGHTING_STEPS: Weighting
 SITE_PHASE_UNSPECIFIED: SitePhase
 SITE_PHASE_FETCHING: SitePhase
 SITE_PHASE_TRAINING: SitePhase
@@ -280,7 +282,7 @@ class FetchModelResponse(_message.Message):
     def __init__(self, manifest: _Optional[_Union[ModelManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class UploadManifest(_message.Message):
-    __slots__ = ("site", "session_id", "round", "fragment", "sample_weight", "blob", "metrics")
+    __slots__ = ("site", "session_id", "round", "fragment", "sample_weight", "blob", "metrics", "inner_steps")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +297,7 @@ class UploadManifest(_message.Message):
     SAMPLE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     BLOB_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     round: int
@@ -302,7 +305,8 @@ class UploadManifest(_message.Message):
     sample_weight: float
     blob: BlobManifest
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., sample_weight: _Optional[float] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    inner_steps: int
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., sample_weight: _Optional[float] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., inner_steps: _Optional[int] = ...) -> None: ...
 
 class UploadRequest(_message.Message):
     __slots__ = ("manifest", "chunk")
@@ -313,14 +317,16 @@ class UploadRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[UploadManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class UploadResponse(_message.Message):
-    __slots__ = ("complete", "missing", "received_bytes")
+    __slots__ = ("complete", "missing", "received_bytes", "folded_late")
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FOLDED_LATE_FIELD_NUMBER: _ClassVar[int]
     complete: bool
     missing: _containers.RepeatedCompositeFieldContainer[IndexRange]
     received_bytes: int
-    def __init__(self, complete: bool = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., received_bytes: _Optional[int] = ...) -> None: ...
+    folded_late: bool
+    def __init__(self, complete: bool = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., folded_late: bool = ...) -> None: ...
 
 class UploadStatusRequest(_message.Message):
     __slots__ = ("site", "session_id", "round", "fragment")
@@ -335,18 +341,20 @@ class UploadStatusRequest(_message.Message):
     def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class UploadStatusResponse(_message.Message):
-    __slots__ = ("known", "manifest", "received", "missing", "complete")
+    __slots__ = ("known", "manifest", "received", "missing", "complete", "folded_late")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    FOLDED_LATE_FIELD_NUMBER: _ClassVar[int]
     known: bool
     manifest: UploadManifest
     received: _containers.RepeatedCompositeFieldContainer[IndexRange]
     missing: _containers.RepeatedCompositeFieldContainer[IndexRange]
     complete: bool
-    def __init__(self, known: bool = ..., manifest: _Optional[_Union[UploadManifest, _Mapping]] = ..., received: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., complete: bool = ...) -> None: ...
+    folded_late: bool
+    def __init__(self, known: bool = ..., manifest: _Optional[_Union[UploadManifest, _Mapping]] = ..., received: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., complete: bool = ..., folded_late: bool = ...) -> None: ...
 
 class AwaitBroadcastRequest(_message.Message):
     __slots__ = ("site", "session_id", "round", "fragment", "start_chunk")

@@ -235,6 +235,7 @@ class Emulation:
             "total_rounds": run.rounds,
             "min_sites": s.quorum,
             "round_deadline_s": run.round_deadline_s,
+            "adaptive_deadline": run.adaptive_deadline.to_dict(),
             "heartbeat_interval_s": run.heartbeat_interval_s,
             "heartbeat_timeout_s": run.heartbeat_timeout_s,
             "host": "127.0.0.1",

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
+from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.protos.identity import validate_site_name
@@ -153,7 +154,10 @@ class RunSettings:
     """Quorum: rounds start with and aggregate at least this many sites; unset = every site."""
     round_deadline_s: float | None = None
     """Uploads later than this after the round opened are left out (stragglers catch up);
-    unset = every round waits for every member."""
+    unset = every round waits for every member. With ``adaptive_deadline``: the first rounds'."""
+    adaptive_deadline: AdaptiveDeadlineConfig = field(default_factory=AdaptiveDeadlineConfig)
+    """``[run.adaptive_deadline]``: each round's deadline from recent arrival times (quantile x
+    margin, bounded by min_s/max_s), passed to the coordinator."""
     heartbeat_interval_s: float = 1.0
     """Sites send a heartbeat this often."""
     heartbeat_timeout_s: float = 6.0

@@ -51,6 +51,7 @@ from geoloco.algorithms.config import config_from_dict
 from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, pseudo_gradient, run_inner_steps
 from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within
 from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.identity import validate_site_name
@@ -87,6 +88,10 @@ ACTION_STOP = "stop"
 
 UPLINK_SEED_PURPOSE = "uplink"
 """Domain tag of the round's uplink codec seed, shared by all sites (as ``RoundPlan.uplink_seed``)."""
+
+LATE_UPLOAD_ATTEMPTS = 3
+LATE_UPLOAD_RETRY_S = 0.2
+"""A late update (``late_updates = "fold"``) is offered this many times, this far apart."""
 
 _PENDING_NEW = "new"
 _PENDING_UPLOADED = "uploaded"
@@ -432,19 +437,26 @@ class SiteAgent:
         if pending.state == _PENDING_NEW:
             opened = self.client.open_broadcast(pending.round)
             try:
-                self._upload(pending)
+                on_time = self._upload(pending)
             except BaseException:
                 opened.cancel()
                 raise
+            if not on_time:
+                # The round had closed: the early wait may already hold a header written before
+                # a late update was folded in, so ask again.
+                opened.cancel()
+                opened = None
         self._await_and_apply(pending.round, pending, opened)
 
     def _train_round(self) -> _Pending:
         assert self._global is not None and self._uplink is not None
         round_number = self._held_round
         inner_steps = int(self._run_config.inner_steps)
+        budget_s = self._algorithm.round_time_budget_s if self._algorithm is not None else None
         started = time.monotonic()
-        self._tell_followers({"action": ACTION_TRAIN, "round": round_number, "inner_steps": inner_steps})
-        loss, samples, inner_time = self._train(inner_steps)
+        self._tell_followers({"action": ACTION_TRAIN, "round": round_number, "inner_steps": inner_steps,
+                              "time_budget_s": budget_s})
+        loss, samples, inner_time, inner_steps = self._train(inner_steps, budget_s)
         local = self.layout.flatten(self.module)
         update = pseudo_gradient(self._global, local)
         del local
@@ -483,8 +495,12 @@ class SiteAgent:
             started_s=started,
         )
 
-    def _train(self, inner_steps: int) -> tuple[float, int, float]:
-        """H inner steps on every rank from the global weights; (mean loss, samples, seconds)."""
+    def _train(
+        self, inner_steps: int, budget_s: float | None = None
+    ) -> tuple[float, int, float, int]:
+        """H inner steps on every rank from the global weights, or as many as fit in
+        ``budget_s`` seconds (time-budget rounds; every rank runs the same number); returns
+        (mean loss, samples, seconds, steps)."""
         group = self.group
         if self._global is None:
             self._global = torch.empty(self.layout.numel, dtype=torch.float32, device=self.device)
@@ -493,14 +509,21 @@ class SiteAgent:
         self.layout.load_(self.module, self._global)
         self._phase = pb.SITE_PHASE_TRAINING
         t0 = time.perf_counter()
-        result = run_inner_steps(
-            self.train_model,
-            self.optimizer,
-            self._batches(),
-            inner_steps,
-            self._loss,
-            grad_clip_norm=self.config.grad_clip_norm,
-        )
+        if budget_s is not None:
+            result, _ = run_inner_steps_within(
+                self.train_model, self.optimizer, self._batches(), TimeBudget(budget_s), self._loss,
+                grad_clip_norm=self.config.grad_clip_norm, agree=self._agree_elapsed,
+                sync=self._sync_device,
+            )
+        else:
+            result = run_inner_steps(
+                self.train_model,
+                self.optimizer,
+                self._batches(),
+                inner_steps,
+                self._loss,
+                grad_clip_norm=self.config.grad_clip_norm,
+            )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
@@ -510,7 +533,17 @@ class SiteAgent:
         if group is not None:
             group.all_reduce_(stats, "sum")
         loss = float(stats[0] / stats[1]) if stats[1] > 0 else float("nan")
-        return loss, int(stats[2]), elapsed
+        return loss, int(stats[2]), elapsed, len(result.losses)
+
+    def _agree_elapsed(self, elapsed_s: float) -> float:
+        """The slowest rank's elapsed time, so every rank of a site stops after the same step."""
+        if self.group is None or not self.group.is_distributed:
+            return elapsed_s
+        return float(self.group.all_reduce_(torch.tensor([elapsed_s], dtype=torch.float64), "max")[0])
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _batches(self) -> Iterator[Any]:
         # A single-process site stops between two inner steps, so SIGTERM does not wait for a
@@ -536,16 +569,18 @@ class SiteAgent:
                 return self.loss_fn(model, batch)
         return self.loss_fn(model, batch)
 
-    def _upload(self, pending: _Pending) -> None:
+    def _upload(self, pending: _Pending) -> bool:
+        """Upload ``pending``; True when it reached its own round before that round closed."""
         assert pending.encoded is not None
         self._phase = pb.SITE_PHASE_UPLOADING
         try:
-            self.client.upload(
+            response = self.client.upload(
                 round_number=pending.round,
                 data=pending.data,
                 codec=pending.encoded.spec,
                 shape=list(pending.encoded.shape),
                 sample_weight=pending.sample_weight,
+                inner_steps=pending.inner_steps,
                 metrics={
                     "train_loss": pending.loss,
                     "samples": float(pending.samples),
@@ -554,13 +589,52 @@ class SiteAgent:
                 },
             )
             pending.state = _PENDING_UPLOADED
-        except (RoundClosed, RunFinished) as why:
+            return not response.folded_late
+        except RoundClosed as why:
+            logger.info("site %s: update for round %d is late (%s)", self.site, pending.round, why)
+            pending.state = _PENDING_LATE
+            if self._algorithm is not None and self._algorithm.late_updates == "fold":
+                self._upload_late(pending)
+        except RunFinished as why:
             logger.info("site %s: update for round %d is late (%s)", self.site, pending.round, why)
             pending.state = _PENDING_LATE
         except UpdateRejected as why:
             logger.error("site %s: the coordinator rejected the update for round %d: %s",
                          self.site, pending.round, why)
             pending.state = _PENDING_DROPPED
+        return False
+
+    def _upload_late(self, pending: _Pending) -> None:
+        """``late_updates = "fold"``: offer the update again; while the next round is open the
+        coordinator folds it in (discounted) and the round's broadcast says ``included``. If it
+        refuses (two rounds late), the update goes back to the residual as usual."""
+        assert pending.encoded is not None
+        for attempt in range(LATE_UPLOAD_ATTEMPTS):
+            try:
+                self.client.upload(
+                    round_number=pending.round,
+                    data=pending.data,
+                    codec=pending.encoded.spec,
+                    shape=list(pending.encoded.shape),
+                    sample_weight=pending.sample_weight,
+                    inner_steps=pending.inner_steps,
+                    metrics={"train_loss": pending.loss, "late": 1.0},
+                )
+                break
+            except RoundClosed as why:
+                # The coordinator may still be aggregating the round the update missed; the
+                # next round opens a moment later.
+                if attempt + 1 == LATE_UPLOAD_ATTEMPTS or self._stop.wait(LATE_UPLOAD_RETRY_S):
+                    logger.info("site %s: late update for round %d not folded in (%s)",
+                                self.site, pending.round, why)
+                    return
+            except (RunFinished, UpdateRejected) as why:
+                logger.info("site %s: late update for round %d not folded in (%s)",
+                            self.site, pending.round, why)
+                return
+        pending.state = _PENDING_UPLOADED
+        logger.info("site %s: late update for round %d folded into the next round",
+                    self.site, pending.round)
 
     def _await_and_apply(
         self, round_number: int, pending: _Pending | None, opened: OpenBroadcast | None = None
@@ -704,6 +778,6 @@ class SiteAgent:
                 self._rounds_included = int(control["rounds_included"])
                 break
             self._held_round = int(control["round"])
-            self._train(int(control["inner_steps"]))
+            self._train(int(control["inner_steps"]), control.get("time_budget_s"))
             self._rounds_trained += 1
         return self._summary()

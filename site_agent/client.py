@@ -315,6 +315,7 @@ class CoordinatorClient:
         shape: list[int],
         sample_weight: float,
         metrics: dict[str, float],
+        inner_steps: int = 0,
     ) -> pb.UploadResponse:
         """Upload one encoded update for ``round_number``; resumes a broken stream.
 
@@ -331,6 +332,7 @@ class CoordinatorClient:
                 data, codec=codec, shape=shape, dtype="float32", chunk_size=self.config.chunk_size
             ),
             metrics=metrics,
+            inner_steps=inner_steps,
         )
         timeout = transfer_timeout(len(data), min_bytes_per_s=self.config.min_transfer_rate)
         missing: list[tuple[int, int]] | None = None
@@ -354,7 +356,9 @@ class CoordinatorClient:
             status = self._call("UploadStatus", lambda: self._upload_status(round_number))
             backoff.alive()  # the coordinator answers: the give-up clock starts again
             if status.complete:
-                return pb.UploadResponse(complete=True, received_bytes=len(data))
+                return pb.UploadResponse(
+                    complete=True, received_bytes=len(data), folded_late=status.folded_late
+                )
             missing = [(r.start, r.end) for r in status.missing] if status.known else None
             logger.info(
                 "upload for round %d incomplete after stream %d; resending %s",

@@ -189,7 +189,7 @@ def test_site_side_round_against_coordinator(make_workload) -> None:
     ("data", "key", "fragment"),
     [
         ({"uplink_codec": "zip"}, "algorithm.uplink_codec", ""),
-        ({"weighting": "tokens"}, "algorithm.weighting", "'uniform' | 'samples'"),
+        ({"weighting": "tokens"}, "algorithm.weighting", "'uniform' | 'steps' | 'samples'"),
         ({"inner_steps": 0}, "algorithm.inner_steps", "must be >= 1"),
         ({"error_feedback_decay": 1.5}, "algorithm.error_feedback_decay", "(0, 1]"),
         ({"name": "ddp", "warmup_steps": 3}, "algorithm.warmup_steps", "data-parallel throughout"),

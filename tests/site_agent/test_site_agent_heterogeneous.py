@@ -1,0 +1,154 @@
+"""Heterogeneous sites over real gRPC + mutual TLS on loopback (coordinator on port 0, agents in
+threads): time-budget rounds weighted by steps, late updates folded into the next round, and the
+adaptive deadline in the metrics."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from _agent_helpers import AgentThread, make_agent, make_certs, start_coordinator, wait_until
+from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
+from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.coordinator.metrics import read_metrics
+from geoloco.scenarios.throttle import ComputeThrottle
+from geoloco.scenarios.workloads import build_workload
+from geoloco.site_agent.config import RoundResult, SiteHooks
+
+SITES = ["fast", "slow"]
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs"), SITES)
+
+
+@pytest.fixture(scope="module")
+def mlp() -> Any:
+    return build_workload("mlp")
+
+
+class FakeClock:
+    """The coordinator's clock, moved by the test (deadlines without waiting for them)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_time_budget_rounds_weight_sites_by_steps(certs: Path, mlp: Any, tmp_path: Path) -> None:
+    """A 1x and a 0.25x site (``ComputeThrottle``, as ``geoloco site --speed-factor``) train for
+    a 0.3 s budget per round; each reports its steps and the coordinator weights by them. The
+    adaptive deadline starts at max_s and is re-planned from the arrivals."""
+    metrics_path = tmp_path / "metrics.jsonl"
+    server = start_coordinator(
+        certs,
+        mlp.build_model(0),
+        algorithm=AlgorithmConfig(
+            inner_steps=1000, uplink_codec="int8", weighting="steps", round_time_budget_s=0.3
+        ),
+        adaptive_deadline=AdaptiveDeadlineConfig(enabled=True, min_s=5.0, max_s=120.0),
+        total_rounds=3,
+        min_sites=2,
+        heartbeat_timeout_s=600.0,
+        metrics_path=str(metrics_path),
+    )
+    results: dict[str, list[RoundResult]] = {site: [] for site in SITES}
+    threads = []
+    try:
+        for index, site in enumerate(SITES):
+            throttle = ComputeThrottle(1.0 if site == "fast" else 0.25)
+            agent = make_agent(
+                mlp, server, certs, site, index=index, num_sites=2, seed=0,
+                hooks=SiteHooks(on_round_end=results[site].append),
+                loss_fn=throttle.wrap_loss(mlp.loss),
+            )
+            throttle.attach(agent.optimizer)
+            threads.append(AgentThread(agent))
+        for t in threads:
+            t.start()
+        summaries = {t.agent.site: t.finish(120) for t in threads}
+        assert server.wait_until_finished(30)
+    finally:
+        server.stop(grace=0)
+    assert {s.weights_digest for s in summaries.values()} == {server.rounds.digest_hex}
+    records = read_metrics(metrics_path)
+    assert [r["round"] for r in records] == [0, 1, 2]
+    for record in records:
+        steps = record["inner_steps"]
+        assert sorted(record["participants"]) == SITES
+        # The weight of each update is the number of inner steps its site reported.
+        assert record["sample_weights"] == {site: float(n) for site, n in steps.items()}
+        assert steps["fast"] > steps["slow"] >= 1, steps
+    for site in SITES:
+        assert [r.inner_steps for r in results[site]] == [rec["inner_steps"][site] for rec in records]
+        assert all(r.inner_time_s < 0.3 + 0.3 for r in results[site])  # stopped near the budget
+    # Round 0 runs under max_s (nothing observed yet); later rounds under the learnt deadline,
+    # bounded below by min_s since every arrival here takes well under a few seconds.
+    assert records[0]["deadline_s"] == 120.0
+    assert records[1]["deadline_s"] == 5.0 and records[0]["next_deadline_s"] == 5.0
+    assert all(set(r["arrival_s"]) == set(SITES) for r in records)
+
+
+def test_late_update_is_folded_into_the_next_round(certs: Path, mlp: Any, tmp_path: Path) -> None:
+    """Round 0 closes at its deadline without "slow"; its update, one round late, enters round 1
+    with weight 1 x staleness_discount, and its round-0 result says it was included."""
+    clock = FakeClock()
+    metrics_path = tmp_path / "metrics.jsonl"
+    server = start_coordinator(
+        certs,
+        mlp.build_model(0),
+        algorithm=AlgorithmConfig(
+            inner_steps=3, uplink_codec="int8", late_updates="fold", staleness_discount=0.5
+        ),
+        total_rounds=2,
+        min_sites=1,
+        round_deadline_s=10.0,
+        heartbeat_timeout_s=600.0,
+        metrics_path=str(metrics_path),
+        clock=clock,
+    )
+    release = threading.Event()
+
+    def slow_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        release.wait(60)  # held in round 0 until the coordinator closed it without us
+        return mlp.loss(model, batch)
+
+    results: dict[str, list[RoundResult]] = {site: [] for site in SITES}
+    threads = []
+    try:
+        for index, site in enumerate(SITES):
+            agent = make_agent(
+                mlp, server, certs, site, index=index, num_sites=2, seed=0,
+                hooks=SiteHooks(on_round_end=results[site].append),
+                loss_fn=slow_loss if site == "slow" else None,
+            )
+            threads.append(AgentThread(agent))
+        for t in threads:
+            t.start()
+        wait_until(lambda: server.rounds.status()["contributed"] == ["fast"], server)
+        clock.now += 11.0  # past round 0's deadline
+        server.rounds.wake()
+        wait_until(lambda: server.rounds.round >= 1, server)
+        release.set()
+        summaries = {t.agent.site: t.finish() for t in threads}
+        assert server.wait_until_finished(30)
+    finally:
+        release.set()
+        server.stop(grace=0)
+    records = read_metrics(metrics_path)
+    assert records[0]["excluded"] == ["slow"] and records[0]["deadline_hit"]
+    assert records[0]["folded_late"] == {}
+    assert records[1]["folded_late"] == {"slow": 0.5}
+    assert sorted(records[1]["participants"]) == SITES
+    # Folded, the update is not also put back into the residual: the site counts it included.
+    assert [r.included for r in results["slow"]] == [True, True]
+    assert summaries["slow"].rounds_included == 2
+    assert {s.weights_digest for s in summaries.values()} == {server.rounds.digest_hex}

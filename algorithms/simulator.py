@@ -404,7 +404,7 @@ class Simulator:
                 grad, loss = compute_gradient(self.model, self.layout, batch, self.workload.loss)
                 self._sync_device()
                 seconds = self._step_seconds(site, 1, time.perf_counter() - t0)
-                encoded = uplink.encode(grad, seed=plan.uplink_seed)
+                encoded = uplink.encode(grad, seed=plan.uplink_seed(site.index))
                 aggregator.add(encoded, strategy.site_weight(batch_size(batch)), site=site.index)
                 losses.append(loss)
                 step_compute.append(seconds)
@@ -471,7 +471,7 @@ class Simulator:
         total = torch.zeros(self.layout.numel, dtype=torch.float32)
         sizes = []
         for k in sorted(updates):
-            encoded = self.sites[k].uplink.encode(updates[k], seed=plan.uplink_seed)
+            encoded = self.sites[k].uplink.encode(updates[k], seed=plan.uplink_seed(k))
             sizes.append(encoded.nbytes)
             total += clip_l2(decode(encoded, device="cpu").reshape(-1), privacy.clip_norm)[0]
         mean = add_central_noise(total, privacy) / len(updates)
@@ -504,7 +504,7 @@ class Simulator:
                 compute.append(seconds)
                 losses.extend(result.losses)
                 continue
-            encoded = site.uplink.encode(update, seed=plan.uplink_seed)
+            encoded = site.uplink.encode(update, seed=plan.uplink_seed(site.index))
             del update
             (arrival,) = upload_arrivals([site.ready_s], [seconds], [encoded.nbytes], [site.config])
             weights[site.index] = strategy.site_weight(result.samples, steps)

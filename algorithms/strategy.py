@@ -5,7 +5,7 @@ The coordinator (real or simulated) drives a round through a ``Strategy``:
 1. ``plan = strategy.configure_round(round_index, site_ids)`` — who trains, how many inner steps,
    which codec and seeds (sent to the sites).
 2. Each site builds its ``strategy.build_uplink()`` encoder once and, per round, uploads
-   ``encode(update, seed=plan.uplink_seed)`` with ``strategy.site_weight(samples)``.
+   ``encode(update, seed=plan.uplink_seed(site))`` with ``strategy.site_weight(samples)``.
 3. ``agg = strategy.new_aggregator()``; ``agg.add(encoded, weight, site=k)`` per arrival.
 4. ``update = strategy.aggregate_round(θ_t, agg, plan)`` — outer step and downlink encoding;
    ``update.global_flat`` is ``θ_{t+1}``, ``update.downlink`` the bytes to broadcast.
@@ -160,15 +160,11 @@ class RoundPlan:
     uplink_codec: str
     """Codec spec for the uploads."""
     seed: int
-    """Round seed; the codec seeds derive from it (``uplink_seed``, ``downlink_seed``)."""
+    """Round seed; per-site codec seeds derive from it (``uplink_seed``)."""
 
-    @property
-    def uplink_seed(self) -> int:
-        """Seed of every site's uplink codec this round: the same for all sites, so random-k
-        keeps the same coordinates everywhere. Each coordinate is then averaged over all sites
-        (not over the few that happened to pick it), and secure aggregation can add the masked
-        values coordinate by coordinate. Stochastic rounding does not use it."""
-        return derive_seed(self.seed, "uplink")
+    def uplink_seed(self, site: int) -> int:
+        """Seed for site ``site``'s uplink codec this round (random-k, stochastic rounding)."""
+        return derive_seed(self.seed, "uplink", site)
 
     @property
     def downlink_seed(self) -> int:

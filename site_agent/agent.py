@@ -87,7 +87,7 @@ ACTION_STOP = "stop"
 """Control messages the leader rank sends to the other ranks of a multi-GPU site."""
 
 UPLINK_SEED_PURPOSE = "uplink"
-"""Domain tag of the round's uplink codec seed, shared by all sites (as ``RoundPlan.uplink_seed``)."""
+"""Domain tag of a site's per-round uplink codec seed (as ``RoundPlan.uplink_seed``)."""
 
 LATE_UPLOAD_ATTEMPTS = 3
 LATE_UPLOAD_RETRY_S = 0.2
@@ -480,7 +480,7 @@ class SiteAgent:
                 f"internal error: training round {round_number} without its round seed "
                 f"(latest round info is for round {self._round_info.round})"
             )
-        seed = derive_seed(self._round_info.round_seed, UPLINK_SEED_PURPOSE)
+        seed = derive_seed(self._round_info.round_seed, UPLINK_SEED_PURPOSE, self.site)
         encoded = self._uplink.encode(update, seed=seed)
         del update
         return _Pending(

@@ -1,8 +1,8 @@
 """A coordinator and its sites on loopback with mutual TLS, and the simulator run to compare with.
 
-Sites are named "0", "1", ... after the simulator's site indices. The uplink codec seed,
-``derive_seed(round_seed, "uplink")``, is the simulator's ``RoundPlan.uplink_seed``, shared by all
-sites.
+Sites are named "0", "1", ... so that each site's uplink codec seed,
+``derive_seed(round_seed, "uplink", name)``, equals the simulator's ``RoundPlan.uplink_seed(k)``
+for site index ``k`` (``derive_seed`` hashes ``str(part)``).
 """
 
 from __future__ import annotations

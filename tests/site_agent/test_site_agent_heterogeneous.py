@@ -86,7 +86,11 @@ def test_time_budget_rounds_weight_sites_by_steps(certs: Path, mlp: Any, tmp_pat
         assert sorted(record["participants"]) == SITES
         # The weight of each update is the number of inner steps its site reported.
         assert record["sample_weights"] == {site: float(n) for site, n in steps.items()}
-        assert steps["fast"] > steps["slow"] >= 1, steps
+        assert steps["slow"] >= 1, steps
+    # Per round, two sites in one process on a loaded machine can swap places (a descheduled
+    # "fast" thread); over the run the 1x site must have done more steps than the 0.25x one.
+    total = {site: sum(r["inner_steps"][site] for r in records) for site in SITES}
+    assert total["fast"] > total["slow"], total
     for site in SITES:
         assert [r.inner_steps for r in results[site]] == [rec["inner_steps"][site] for rec in records]
         assert all(r.inner_time_s < 0.3 + 0.3 for r in results[site])  # stopped near the budget

@@ -361,9 +361,12 @@ class RelayHub:
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout_s: float = 10.0) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
 
-    def add(self, name: str, up: LinkShape, down: LinkShape, *, seed: int = 0) -> LinkRelay:
-        """A new relay listening on a free loopback port (``relay.port``)."""
-        relay = LinkRelay(name, up, down, seed=seed)
+    def add(
+        self, name: str, up: LinkShape, down: LinkShape, *, seed: int = 0, host: str = "127.0.0.1"
+    ) -> LinkRelay:
+        """A new relay listening on a free port of ``host`` (``relay.port``): loopback, or the
+        emulator's end of the site's veth pair under kernel shaping."""
+        relay = LinkRelay(name, up, down, seed=seed, host=host)
         self._call(relay.start())
         self.relays[name] = relay
         return relay

@@ -137,7 +137,9 @@ def shaping_plan(requested: str) -> ShapingPlan:
     return plan
 
 
-def emulate(scenario: object, out: Path, *, log_level: str = "INFO", shaping: ShapingPlan | None = None) -> int:
+def emulate(
+    scenario: object, out: Path, *, log_level: str = "INFO", shaping: ShapingPlan | None = None
+) -> int:
     from geoloco.scenarios.emulation import Emulation
     from geoloco.scenarios.progress import Progress
     from geoloco.scenarios.report import write_report
@@ -146,7 +148,9 @@ def emulate(scenario: object, out: Path, *, log_level: str = "INFO", shaping: Sh
         # A previous run's checkpoints would make the coordinator resume instead of start.
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     progress = Progress()
-    emulation = Emulation(scenario, out, progress=progress, log_level=log_level, shaping=shaping)  # type: ignore[arg-type]
+    emulation = Emulation(
+        scenario, out, progress=progress, log_level=log_level, shaping=shaping  # type: ignore[arg-type]
+    )
     # Both signals are handled explicitly, SIGINT included: Python installs its Ctrl-C handler only
     # when SIGINT is not ignored at start-up, and a shell without job control starts background
     # commands with SIGINT ignored; the emulator would then ignore Ctrl-C / ``kill -INT`` and

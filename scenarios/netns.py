@@ -277,7 +277,9 @@ def teardown_commands(link: SiteLink) -> list[list[str]]:
     return [["ip", "netns", "del", link.namespace], ["ip", "link", "del", link.host_if]]
 
 
-def free_blocks(used: Iterable[ipaddress.IPv4Network], count: int, *, start: int = 0) -> list[ipaddress.IPv4Network]:
+def free_blocks(
+    used: Iterable[ipaddress.IPv4Network], count: int, *, start: int = 0
+) -> list[ipaddress.IPv4Network]:
     """``count`` ``/30`` blocks of ``ADDRESS_POOL`` overlapping none of ``used``, searched from
     block ``start`` (the caller's pid spreads concurrent emulators over the pool)."""
     blocks = list(ADDRESS_POOL.subnets(new_prefix=LINK_PREFIX_LEN))
@@ -364,7 +366,11 @@ def choose_shaping(requested: str, support: KernelSupport | None) -> ShapingPlan
         raise ValueError(f"unknown shaping {requested!r}; choose one of: {MODE_RELAY}, {MODE_KERNEL}")
     assert support is not None
     if not (support.netns and support.veth and support.tbf):
-        missing = "network namespaces" if not support.netns else "veth pairs" if not support.veth else "the tbf qdisc"
+        missing = (
+            "network namespaces" if not support.netns
+            else "veth pairs" if not support.veth
+            else "the tbf qdisc"
+        )
         return ShapingPlan(
             MODE_RELAY,
             RELAY_DESCRIPTION + f" (kernel shaping unavailable: no {missing})",
@@ -399,13 +405,15 @@ def detect_support(runner: Runner = run_command) -> KernelSupport:
     """Try, on a throw-away namespace and veth pair, what ``KernelLinks`` will need."""
     for program in ("ip", "tc"):
         if runner is run_command and shutil.which(program) is None:
-            return KernelSupport(False, False, False, False, f"the '{program}' command (iproute2) is not installed")
+            detail = f"the '{program}' command (iproute2) is not installed"
+            return KernelSupport(False, False, False, False, detail)
     namespace, host_if, site_if = names_for(os.getpid(), _next_token())
+    probe_shape = LinkShape(1e6, 0.001)
     steps: list[tuple[str, list[str]]] = [
         ("netns", ["ip", "netns", "add", namespace]),
         ("veth", ["ip", "link", "add", host_if, "type", "veth", "peer", "name", site_if, "netns", namespace]),
         ("tbf", ["tc", "qdisc", "add", "dev", host_if, "root", *tbf_args(1e6)]),
-        ("netem", ["tc", "-n", namespace, "qdisc", "add", "dev", site_if, "root", *netem_args(LinkShape(1e6, 0.001))]),
+        ("netem", ["tc", "-n", namespace, "qdisc", "add", "dev", site_if, "root", *netem_args(probe_shape)]),
     ]
     found: dict[str, bool] = {}
     detail = ""
@@ -424,7 +432,7 @@ def detect_support(runner: Runner = run_command) -> KernelSupport:
             runner(["ip", "link", "del", host_if])  # normally gone with the namespace
         _active.difference_update((namespace, host_if))
     return KernelSupport(
-        found.get("netns", False), found.get("veth", False), found.get("tbf", False), found.get("netem", False), detail
+        *(found.get(what, False) for what in ("netns", "veth", "tbf", "netem")), detail
     )
 
 
@@ -527,7 +535,10 @@ class KernelLinks:
                 _active.update((link.namespace, link.host_if))
                 for argv in setup_commands(link, netem=self.netem):
                     _check(self.runner, argv)
-                logger.debug("link %s: %s <-> %s in %s", link.host_if, link.host_address, link.site_address, link.namespace)
+                logger.debug(
+                    "link %s: %s <-> %s in %s",
+                    link.host_if, link.host_address, link.site_address, link.namespace,
+                )
         except BaseException:
             self.close()
             raise

@@ -63,7 +63,9 @@ def test_names_carry_the_owner_pid_and_fit_the_kernel_limit() -> None:
 
 
 def test_stale_names_are_only_ours_and_only_of_dead_owners() -> None:
-    names = ["geoloco-10-1", "gl10-1h", "geoloco-20-2", "gl20-2h", "geoloco-30-3", "geoloco-30-4", "eth0", "gl-x"]
+    names = [
+        "geoloco-10-1", "gl10-1h", "geoloco-20-2", "gl20-2h", "geoloco-30-3", "geoloco-30-4", "eth0", "gl-x",
+    ]
     stale = stale_names(names, alive=lambda pid: pid == 20, own_pid=30, active={"geoloco-30-3"})
     # 10 is dead; 20 is alive; 30 is us: our active namespace stays, an unknown one with our pid
     # (a previous process that had it) goes; foreign names are never touched.
@@ -89,16 +91,20 @@ def test_setup_commands_tbf_only_shape_each_direction_on_its_egress() -> None:
     commands = setup_commands(link, netem=False)
     assert commands[0] == ["ip", "netns", "add", "geoloco-1234-7"]
     assert commands[1] == [
-        "ip", "link", "add", "gl1234-7h", "type", "veth", "peer", "name", "gl1234-7s", "netns", "geoloco-1234-7",
+        "ip", "link", "add", "gl1234-7h", "type", "veth", "peer", "name", "gl1234-7s",
+        "netns", "geoloco-1234-7",
     ]
     qdiscs = [c for c in commands if c[0] == "tc"]
     assert qdiscs == [
-        ["tc", "-n", "geoloco-1234-7", "qdisc", "add", "dev", "gl1234-7s", "root", "handle", "1:", *tbf_args(4e6)],
+        ["tc", "-n", "geoloco-1234-7", "qdisc", "add", "dev", "gl1234-7s", "root", "handle", "1:",
+         *tbf_args(4e6)],
         ["tc", "qdisc", "add", "dev", "gl1234-7h", "root", "handle", "1:", *tbf_args(8e6)],
     ]
     assert not any("netem" in c for c in commands)
     assert ["ip", "-n", "geoloco-1234-7", "link", "set", "lo", "up"] in commands
-    assert teardown_commands(link) == [["ip", "netns", "del", "geoloco-1234-7"], ["ip", "link", "del", "gl1234-7h"]]
+    assert teardown_commands(link) == [
+        ["ip", "netns", "del", "geoloco-1234-7"], ["ip", "link", "del", "gl1234-7h"],
+    ]
     assert link.exec_prefix() == ["ip", "netns", "exec", "geoloco-1234-7"]
 
 
@@ -107,7 +113,8 @@ def test_setup_commands_with_netem_put_tbf_under_it() -> None:
     qdiscs = [c for c in setup_commands(link, netem=True) if c[0] == "tc"]
     assert [c[c.index("dev") + 1] for c in qdiscs] == ["gl1234-7s", "gl1234-7s", "gl1234-7h", "gl1234-7h"]
     assert qdiscs[0][-len(netem_args(UP)) :] == netem_args(UP) and "root" in qdiscs[0]
-    assert qdiscs[1][qdiscs[1].index("parent") + 1] == "1:1" and qdiscs[1][-len(tbf_args(4e6)) :] == tbf_args(4e6)
+    assert qdiscs[1][qdiscs[1].index("parent") + 1] == "1:1"
+    assert qdiscs[1][-len(tbf_args(4e6)) :] == tbf_args(4e6)
     assert qdiscs[3][-len(tbf_args(8e6)) :] == tbf_args(8e6)
 
 

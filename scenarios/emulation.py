@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from geoloco.scenarios.launcher import ChildProcess, wait_for
-from geoloco.scenarios.netns import MODE_KERNEL, KernelLinks, ShapingPlan, choose_shaping, relay_shape
+from geoloco.scenarios.netns import (
+    MODE_KERNEL,
+    KernelLinks,
+    ShapingPlan,
+    choose_shaping,
+    relay_send_buffer,
+    relay_shape,
+)
 from geoloco.scenarios.progress import (
     STATE_CUT,
     STATE_DONE,
@@ -354,6 +361,7 @@ class Emulation:
                 relay_shape(down, self.shaping.mode),
                 seed=s.run.seed,
                 host=link.host_address if link else "127.0.0.1",
+                send_buffer=relay_send_buffer(down, self.shaping.mode),
             )
         config_path = self.out / "coordinator.toml"
         config_path.write_text(to_toml(self.coordinator_config()))

@@ -58,6 +58,7 @@ __all__ = [
     "netem_args",
     "owner_pid",
     "plan_links",
+    "relay_send_buffer",
     "relay_shape",
     "run_command",
     "setup_commands",
@@ -102,6 +103,8 @@ TBF_MIN_QUEUE_BYTES = 128 * 1024
 """Queue floor: more than one 64 KiB GSO packet."""
 NETEM_LIMIT_PACKETS = 100_000
 """netem's queue in packets: large enough for the bandwidth-delay product of any scenario."""
+RELAY_MIN_SEND_BUFFER_BYTES = 16 * 1024
+"""Floor of ``relay_send_buffer`` (the kernel doubles it for its own bookkeeping)."""
 COMMAND_TIMEOUT_S = 30.0
 
 
@@ -319,6 +322,17 @@ def relay_shape(site_shape: LinkShape, mode: ShapingMode) -> LinkShape:
     if mode == MODE_KERNEL_RATE:
         return LinkShape(UNSHAPED_BPS, site_shape.latency_s, site_shape.jitter_s, site_shape.loss)
     return LinkShape(UNSHAPED_BPS)
+
+
+def relay_send_buffer(down: LinkShape, mode: ShapingMode) -> int | None:
+    """Send buffer of the relay's socket towards the site when the kernel shapes the wire after
+    it (``LinkRelay(send_buffer=...)``): small, so that the relay's writes, and the downlink
+    bursts it measures, follow the shaped wire; but at least the bandwidth-delay product that
+    netem's delay puts in flight, so that the buffer does not cap the throughput."""
+    if mode == MODE_RELAY:
+        return None
+    in_flight = down.bandwidth_bps / 8 * (2 * down.latency_s + down.jitter_s) if mode == MODE_KERNEL else 0.0
+    return max(RELAY_MIN_SEND_BUFFER_BYTES, int(1.25 * in_flight))
 
 
 # -- what the machine allows ---------------------------------------------------------------------

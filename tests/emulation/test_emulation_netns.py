@@ -318,12 +318,13 @@ def test_emulate_with_kernel_shaping_completes_and_names_the_shaping_used(tmp_pa
     scenario.write_text(TINY_TOML)
     out = tmp_path / "run"
     expected = choose_shaping("kernel", detect_support())
-    process = subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, "-m", "geoloco.scenarios.cli", "emulate", str(scenario), "--out", str(out),
          "--shaping", "kernel"],
-        capture_output=True, timeout=180,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
-    output = process.stdout.decode() + process.stderr.decode()
+    stdout, stderr = process.communicate(timeout=180)
+    output = stdout.decode() + stderr.decode()
     assert process.returncode == 0, output
     assert f"link shaping: {expected.description}" in output
     if expected.fallback:
@@ -334,4 +335,49 @@ def test_emulate_with_kernel_shaping_completes_and_names_the_shaping_used(tmp_pa
     site_log = (out / "logs" / "a.log").read_text()
     # Each site ran inside its own namespace exactly when the plan uses namespaces.
     assert ("ip netns exec geoloco-" in site_log) == expected.uses_namespaces
+    assert _leftovers(process.pid) == []
+
+
+def _start_kernel_emulation(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
+    """Start ``geoloco emulate --shaping kernel`` and return once its namespaces exist."""
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(TINY_TOML.replace("rounds = 2", "rounds = 100000"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "geoloco.scenarios.cli", "emulate", str(scenario), "--out",
+         str(tmp_path / "run"), "--shaping", "kernel"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while len(ours := [n for n in list_namespaces() if owner_pid(n) == process.pid]) < 2:
+        assert process.poll() is None, process.communicate()[0].decode()
+        assert time.monotonic() < deadline, "the emulator created no namespaces within 60 s"
+        time.sleep(0.05)
+    return process, ours
+
+
+def test_sigterm_during_start_up_removes_every_namespace(tmp_path: Path) -> None:
+    plan = choose_shaping("kernel", detect_support())
+    if not plan.uses_namespaces:
+        assert plan.fallback is not None and "falling back to portable relay shaping" in plan.fallback
+        return
+    process, namespaces = _start_kernel_emulation(tmp_path)
+    process.terminate()
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, output.decode()
+    assert not set(namespaces) & set(list_namespaces())
+    assert _leftovers(process.pid) == []
+
+
+def test_a_sigkilled_emulator_leaves_namespaces_that_the_next_run_sweeps(tmp_path: Path) -> None:
+    plan = choose_shaping("kernel", detect_support())
+    if not plan.uses_namespaces:
+        assert plan.fallback is not None and "falling back to portable relay shaping" in plan.fallback
+        return
+    process, namespaces = _start_kernel_emulation(tmp_path)
+    process.kill()
+    process.wait(timeout=30)
+    # Nothing could clean up after SIGKILL; the names carry the dead pid, so a later run can.
+    assert set(namespaces) <= set(list_namespaces())
+    removed = sweep_stale()
+    assert set(namespaces) <= set(removed)
     assert _leftovers(process.pid) == []

@@ -192,6 +192,21 @@ def test_choose_shaping_says_what_it_falls_back_to() -> None:
         choose_shaping("tc", None)
 
 
+def test_a_failing_setup_command_is_reported_and_what_was_made_is_removed() -> None:
+    links = plan_links([(UP, DOWN), (UP, DOWN)], pid=1234, tokens=[1, 2])
+    runner = FakeRunner("tbf", "Error: Specified qdisc kind is unknown.")
+    kernel = KernelLinks(links, netem=False, runner=runner)
+    with pytest.raises(KernelLinkError, match=r"`tc -n geoloco-1234-1 qdisc add .*tbf.*` failed .*qdisc kind"):
+        kernel.create()
+    # The first link was half made: its namespace and link are deleted; the second never started.
+    assert ["ip", "netns", "del", "geoloco-1234-1"] in runner.calls
+    assert ["ip", "link", "del", "gl1234-1h"] in runner.calls
+    assert not any("geoloco-1234-2" in c for c in runner.calls)
+    calls = len(runner.calls)
+    kernel.close()  # idempotent
+    assert len(runner.calls) == calls
+
+
 # -- real namespaces -----------------------------------------------------------------------------
 
 CLIENT = """

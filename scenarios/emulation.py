@@ -3,7 +3,9 @@
 ``Emulation(scenario, out).run()`` does, in order:
 
 1. issue a CA and certificates into ``out/certs`` (mutual TLS, as in a real deployment);
-2. start one ``LinkRelay`` per site (``geoloco.scenarios.shaping``);
+2. start one ``LinkRelay`` per site (``geoloco.scenarios.shaping``); under ``--shaping kernel``
+   first a network namespace and a tc-shaped veth pair per site (``geoloco.scenarios.netns``),
+   with the relay listening at the emulator's end of the pair and the site started inside;
 3. write ``out/coordinator.toml`` and start ``geoloco coordinator --config`` (port 0; the port is
    read back from its log line ``listening on HOST:PORT``), point every relay at it;
 4. start ``geoloco site`` per site, dialling its relay;
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -31,11 +34,15 @@ from typing import Any
 from geoloco.scenarios.launcher import ChildProcess, wait_for
 from geoloco.scenarios.netns import (
     MODE_KERNEL,
+    KernelLinkError,
     KernelLinks,
     ShapingPlan,
     choose_shaping,
+    plan_links,
     relay_send_buffer,
     relay_shape,
+    sweep_stale,
+    used_networks,
 )
 from geoloco.scenarios.progress import (
     STATE_CUT,
@@ -384,10 +391,6 @@ class Emulation:
     def _create_kernel_links(self, shapes: list[tuple[LinkShape, LinkShape]]) -> None:
         """A namespace and shaped veth pair per site (``geoloco.scenarios.netns``), after
         removing any a killed emulator left behind."""
-        import os
-
-        from geoloco.scenarios.netns import KernelLinkError, plan_links, sweep_stale, used_networks
-
         sweep_stale()
         links = plan_links(shapes, pid=os.getpid(), used=used_networks())
         self.kernel_links = KernelLinks(links, netem=self.shaping.mode == MODE_KERNEL)

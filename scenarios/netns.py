@@ -55,6 +55,10 @@ __all__ = [
     "SiteLink",
     "choose_shaping",
     "detect_support",
+    "free_blocks",
+    "list_links",
+    "list_namespaces",
+    "names_for",
     "netem_args",
     "owner_pid",
     "plan_links",
@@ -66,6 +70,7 @@ __all__ = [
     "sweep_stale",
     "tbf_args",
     "teardown_commands",
+    "used_networks",
 ]
 
 logger = logging.getLogger(__name__)

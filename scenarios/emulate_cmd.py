@@ -1,7 +1,8 @@
 """``geoloco emulate SCENARIO.toml [--out DIR]``: a whole WAN experiment on this machine.
 
 Starts one coordinator and one process per site, real gRPC with mutual TLS over loopback, each
-site's link shaped by a userspace relay (bandwidth, latency, jitter, loss; ``shaping.py``), fires
+site's link shaped by a userspace relay (bandwidth, latency, jitter, loss; ``shaping.py``) or, with
+``--shaping kernel``, by tc in a network namespace per site (``netns.py``), fires
 the scenario's faults on schedule, shows live progress and writes a report (``report.py``) into
 the output folder. The scenario format is described in ``geoloco.scenarios.scenario`` and the
 shipped ``scenarios/*.toml``.
@@ -22,6 +23,10 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from geoloco.scenarios.netns import ShapingPlan
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +34,10 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG_ERROR = 2
 EXIT_INTERRUPTED = 130
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""Stop the run cleanly (every child stopped, report written, exit 130), whatever the
+dispositions this process inherited."""
 
 SHAPING_RELAY = "relay"
 SHAPING_KERNEL = "kernel"
@@ -55,7 +64,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         choices=[SHAPING_RELAY, SHAPING_KERNEL],
         default=SHAPING_RELAY,
         help="relay (default, portable): a userspace TCP relay per site shapes the link; kernel: "
-        "network namespaces + tc (not available in this version; the flag says so and exits)",
+        "each site in its own network namespace behind a veth pair shaped by tc (tbf for the "
+        "rate, netem for latency, jitter and loss); needs root. What the machine lacks falls "
+        "back to the relay, and the run says so (log line and summary.md)",
     )
     parser.add_argument(
         "--check",
@@ -104,24 +115,31 @@ def run(args: argparse.Namespace) -> int:
     except ScenarioError as err:
         print(f"geoloco emulate: error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    if args.shaping == SHAPING_KERNEL:
-        print(
-            "geoloco emulate: error: --shaping kernel (network namespaces + tc) is not available in "
-            "this version; nothing was started. Use the default --shaping relay, which shapes "
-            "bandwidth, latency, jitter and loss in a userspace relay and needs no privileges.",
-            file=sys.stderr,
-        )
-        return EXIT_CONFIG_ERROR
     print(f"geoloco emulate: {args.scenario}")
     for line in describe(scenario):
         print(f"  {line}")
+    plan = shaping_plan(args.shaping)
     if args.check:
         print("scenario is valid (--check: nothing started)")
         return EXIT_OK
-    return emulate(scenario, args.out or _default_out(args.scenario), log_level=args.log_level)
+    return emulate(scenario, args.out or _default_out(args.scenario), log_level=args.log_level, shaping=plan)
 
 
-def emulate(scenario: object, out: Path, *, log_level: str = "INFO") -> int:
+def shaping_plan(requested: str) -> ShapingPlan:
+    """``--shaping``'s plan; for ``kernel`` what this machine allows is tried first, and a
+    fallback is said in one line (and named in summary.md)."""
+    from geoloco.scenarios.netns import choose_shaping, detect_support
+
+    plan = choose_shaping(requested, detect_support() if requested == SHAPING_KERNEL else None)
+    if plan.fallback:
+        print(f"geoloco emulate: {plan.fallback}", file=sys.stderr)
+    print(f"  link shaping: {plan.description}")
+    return plan
+
+
+def emulate(
+    scenario: object, out: Path, *, log_level: str = "INFO", shaping: ShapingPlan | None = None
+) -> int:
     from geoloco.scenarios.emulation import Emulation
     from geoloco.scenarios.progress import Progress
     from geoloco.scenarios.report import write_report
@@ -130,12 +148,19 @@ def emulate(scenario: object, out: Path, *, log_level: str = "INFO") -> int:
         # A previous run's checkpoints would make the coordinator resume instead of start.
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     progress = Progress()
-    emulation = Emulation(scenario, out, progress=progress, log_level=log_level)  # type: ignore[arg-type]
-    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    emulation = Emulation(
+        scenario, out, progress=progress, log_level=log_level, shaping=shaping  # type: ignore[arg-type]
+    )
+    # Both signals are handled explicitly, SIGINT included: Python installs its Ctrl-C handler only
+    # when SIGINT is not ignored at start-up, and a shell without job control starts background
+    # commands with SIGINT ignored; the emulator would then ignore Ctrl-C / ``kill -INT`` and
+    # keep training until killed.
+    previous = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in STOP_SIGNALS}
     try:
         result = emulation.run()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         emulation.shutdown()
     progress.close()
     print(f"geoloco emulate: {result.status}: {result.reason}")

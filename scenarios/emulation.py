@@ -3,7 +3,9 @@
 ``Emulation(scenario, out).run()`` does, in order:
 
 1. issue a CA and certificates into ``out/certs`` (mutual TLS, as in a real deployment);
-2. start one ``LinkRelay`` per site (``geoloco.scenarios.shaping``);
+2. start one ``LinkRelay`` per site (``geoloco.scenarios.shaping``); under ``--shaping kernel``
+   first a network namespace and a tc-shaped veth pair per site (``geoloco.scenarios.netns``),
+   with the relay listening at the emulator's end of the pair and the site started inside;
 3. write ``out/coordinator.toml`` and start ``geoloco coordinator --config`` (port 0; the port is
    read back from its log line ``listening on HOST:PORT``), point every relay at it;
 4. start ``geoloco site`` per site, dialling its relay;
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -29,6 +32,18 @@ from pathlib import Path
 from typing import Any
 
 from geoloco.scenarios.launcher import ChildProcess, wait_for
+from geoloco.scenarios.netns import (
+    MODE_KERNEL,
+    KernelLinkError,
+    KernelLinks,
+    ShapingPlan,
+    choose_shaping,
+    plan_links,
+    relay_send_buffer,
+    relay_shape,
+    sweep_stale,
+    used_networks,
+)
 from geoloco.scenarios.progress import (
     STATE_CUT,
     STATE_DONE,
@@ -115,6 +130,8 @@ class EmulationResult:
     """Per site, when its process was killed by a fault or exited."""
     faults: list[FaultEvent]
     coordinator_starts: list[float]
+    shaping: str = ""
+    """How the links were shaped (``ShapingPlan.description``), for the summary."""
 
     @property
     def ok(self) -> bool:
@@ -171,8 +188,13 @@ class Emulation:
         *,
         progress: Progress | None = None,
         log_level: str = "INFO",
+        shaping: ShapingPlan | None = None,
     ) -> None:
+        """``shaping``: from ``geoloco.scenarios.netns.choose_shaping`` (default: the relay)."""
         self.scenario = scenario
+        self.shaping = shaping or choose_shaping("relay", None)
+        self.kernel_links: KernelLinks | None = None
+        """The namespaces and veth pairs of kernel shaping, once planned."""
         self.out = out
         self.progress = progress
         self.log_level = log_level
@@ -222,7 +244,9 @@ class Emulation:
         from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 
         init_ca(self.certs_dir, force=True)
-        issue_coordinator(self.certs_dir, force=True)
+        # Sites in a namespace dial their relay at the emulator's end of their veth pair.
+        hosts = [link.host_address for link in self.kernel_links.links] if self.kernel_links else []
+        issue_coordinator(self.certs_dir, hosts=hosts, force=True)
         for site in self.scenario.sites:
             issue_site(self.certs_dir, site.name, force=True)
 
@@ -258,10 +282,11 @@ class Emulation:
     def site_command(self, index: int) -> list[str]:
         site = self.scenario.sites[index]
         relay = self.relays[site.name]
-        return geoloco_command(
+        link = self.kernel_links.links[index] if self.kernel_links else None
+        return [*(link.exec_prefix() if link else []), *geoloco_command(
             "--log-level", self.log_level,
             "site",
-            "--coordinator", f"127.0.0.1:{relay.port}",
+            "--coordinator", f"{relay.host}:{relay.port}",
             "--name", site.name,
             "--certs", str(self.certs_dir.resolve()),
             "--device", "cpu",
@@ -269,7 +294,7 @@ class Emulation:
             "--num-sites", str(len(self.scenario.sites)),
             "--backoff-max", repr(SITE_BACKOFF_MAX_S),
             *(["--speed-factor", repr(site.speed_factor)] if site.speed_factor != 1.0 else []),
-        )
+        )]
 
     def _child_env(self) -> dict[str, str]:
         from geoloco.protos.transport import recommended_env
@@ -324,14 +349,27 @@ class Emulation:
         for stale in (self.metrics_path, self.out / "links.jsonl"):
             stale.unlink(missing_ok=True)
         (self.out / "scenario.json").write_text(json.dumps(s.to_dict(), indent=2) + "\n")
-        self._issue_certificates()
-        self.hub = RelayHub()
-        for site in s.sites:
-            self.relays[site.name] = self.hub.add(
-                site.name,
+        shapes = [
+            (
                 LinkShape(site.uplink_bps, site.latency_s, site.jitter_s, site.loss),
                 LinkShape(site.downlink_bps, site.latency_s, site.jitter_s, site.loss),
+            )
+            for site in s.sites
+        ]
+        logger.info("link shaping: %s", self.shaping.description)
+        if self.shaping.uses_namespaces:
+            self._create_kernel_links(shapes)
+        self._issue_certificates()
+        self.hub = RelayHub()
+        for index, (site, (up, down)) in enumerate(zip(s.sites, shapes)):
+            link = self.kernel_links.links[index] if self.kernel_links else None
+            self.relays[site.name] = self.hub.add(
+                site.name,
+                relay_shape(up, self.shaping.mode),
+                relay_shape(down, self.shaping.mode),
                 seed=s.run.seed,
+                host=link.host_address if link else "127.0.0.1",
+                send_buffer=relay_send_buffer(down, self.shaping.mode),
             )
         config_path = self.out / "coordinator.toml"
         config_path.write_text(to_toml(self.coordinator_config()))
@@ -350,6 +388,17 @@ class Emulation:
                 env=env,
                 nice=SITE_NICENESS,
             )
+
+    def _create_kernel_links(self, shapes: list[tuple[LinkShape, LinkShape]]) -> None:
+        """A namespace and shaped veth pair per site (``geoloco.scenarios.netns``), after
+        removing any a killed emulator left behind."""
+        sweep_stale()
+        links = plan_links(shapes, pid=os.getpid(), used=used_networks())
+        self.kernel_links = KernelLinks(links, netem=self.shaping.mode == MODE_KERNEL)
+        try:
+            self.kernel_links.create()
+        except KernelLinkError as err:
+            raise EmulationError(f"could not set up kernel link shaping: {err}") from err
 
     # -- the run ----------------------------------------------------------------------------------
 
@@ -608,6 +657,8 @@ class Emulation:
             }
             self.hub.close()
             self.hub = None
+        if self.kernel_links is not None:
+            self.kernel_links.close()
 
     def _result(self, status: str, reason: str, wall: float) -> EmulationResult:
         bursts = getattr(self, "_bursts_snapshot", {})
@@ -628,4 +679,5 @@ class Emulation:
             site_stops=self._site_stops,
             faults=self.faults,
             coordinator_starts=self._coordinator_starts,
+            shaping=self.shaping.description,
         )

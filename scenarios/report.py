@@ -411,6 +411,7 @@ def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fi
         f"- algorithm: {algo.name}, H={algo.inner_steps}, uplink {algo.uplink_codec}, "
         f"downlink {algo.downlink_codec}, {len(s.sites)} sites (quorum {s.quorum})",
         f"- rounds: {_lost_rounds(result)}",
+        f"- link shaping: {result.shaping or 'relay'}",
         f"- final eval loss: {'n/a' if final_eval is None else f'{final_eval:.4f}'}",
         "",
         "## Sites",

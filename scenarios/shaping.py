@@ -28,6 +28,7 @@ import asyncio
 import logging
 import math
 import random
+import socket
 import threading
 import time
 from collections.abc import Coroutine
@@ -218,10 +219,22 @@ class LinkRelay:
     """One site's shaped link: listens on loopback, forwards to the coordinator's address."""
 
     def __init__(
-        self, name: str, up: LinkShape, down: LinkShape, *, seed: int = 0, host: str = "127.0.0.1"
+        self,
+        name: str,
+        up: LinkShape,
+        down: LinkShape,
+        *,
+        seed: int = 0,
+        host: str = "127.0.0.1",
+        send_buffer: int | None = None,
     ) -> None:
+        """``send_buffer``: set when the kernel shapes the wire after the relay (``--shaping
+        kernel``): the site-facing socket's send buffer is clamped to this many bytes and a
+        downlink burst ends when its last byte was handed to that socket, so the measured
+        transfer follows the shaped wire instead of ending once the socket buffer took it."""
         self.name = name
         self.host = host
+        self.send_buffer = send_buffer
         self.target: tuple[str, int] | None = None
         rng = random.Random(f"{seed}:{name}")
         self.up = _DirectionState(up, TokenBucket(up.bandwidth_bps / 8), random.Random(rng.random()), "up")
@@ -299,9 +312,15 @@ class LinkRelay:
             writer.transport.abort()
             return
         self._writers.update((writer, up_writer))
+        if self.send_buffer is not None:
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
+            writer.transport.set_write_buffer_limits(high=self.send_buffer)
         try:
             await asyncio.gather(
-                self._pump(reader, up_writer, self.up), self._pump(up_reader, writer, self.down)
+                self._pump(reader, up_writer, self.up),
+                self._pump(up_reader, writer, self.down, track_writes=self.send_buffer is not None),
             )
         except (OSError, asyncio.IncompleteReadError):
             pass
@@ -311,11 +330,18 @@ class LinkRelay:
                 w.transport.abort()
 
     async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: _DirectionState
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        state: _DirectionState,
+        *,
+        track_writes: bool = False,
     ) -> None:
         shape = state.shape
         limit = max(MIN_QUEUE_BYTES, int(2 * shape.bandwidth_bps / 8 * (shape.latency_s + shape.jitter_s)))
-        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue(maxsize=max(4, limit // READ_SIZE))
+        queue: asyncio.Queue[tuple[float, bytes, Burst | None] | None] = asyncio.Queue(
+            maxsize=max(4, limit // READ_SIZE)
+        )
         loop = asyncio.get_running_loop()
 
         async def deliver() -> None:
@@ -325,14 +351,19 @@ class LinkRelay:
                     if writer.can_write_eof():
                         writer.write_eof()
                     return
-                deliver_at, data = item
+                deliver_at, data, burst = item
                 delay = deliver_at - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                # Counted as they are handed to the socket: the peer may read them (and whoever
+                # watches the count look at it) before write() or drain() returns.
+                state.bytes += len(data)
                 writer.write(data)
                 await writer.drain()
-                state.bytes += len(data)
                 state.last_delivery_s = time.monotonic()
+                if burst is not None:
+                    with state.lock:
+                        burst.end_s = max(burst.end_s, state.last_delivery_s)
 
         sender = loop.create_task(deliver())
         previous = 0.0
@@ -343,7 +374,7 @@ class LinkRelay:
                     await queue.put(None)
                     break
                 previous = state.schedule(len(data), time.monotonic(), previous)
-                await queue.put((previous, data))
+                await queue.put((previous, data, state.current if track_writes else None))
             await sender
         finally:
             sender.cancel()
@@ -361,9 +392,19 @@ class RelayHub:
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout_s: float = 10.0) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
 
-    def add(self, name: str, up: LinkShape, down: LinkShape, *, seed: int = 0) -> LinkRelay:
-        """A new relay listening on a free loopback port (``relay.port``)."""
-        relay = LinkRelay(name, up, down, seed=seed)
+    def add(
+        self,
+        name: str,
+        up: LinkShape,
+        down: LinkShape,
+        *,
+        seed: int = 0,
+        host: str = "127.0.0.1",
+        send_buffer: int | None = None,
+    ) -> LinkRelay:
+        """A new relay listening on a free port of ``host`` (``relay.port``): loopback, or the
+        emulator's end of the site's veth pair under kernel shaping (see ``LinkRelay``)."""
+        relay = LinkRelay(name, up, down, seed=seed, host=host, send_buffer=send_buffer)
         self._call(relay.start())
         self.relays[name] = relay
         return relay

@@ -106,15 +106,25 @@ def test_a_failing_site_stops_everything_and_says_why(tmp_path: Path) -> None:
     assert_no_children_left(out)
 
 
-def _start_cli(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
+IGNORING_SIGINT = (
+    "import os, signal, sys\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
+)
+"""Runs ``python ARGS`` with SIGINT ignored, as a shell without job control starts a background
+command (and as this test's own process may have inherited it)."""
+
+
+def _start_cli(tmp_path: Path, *, sigint_ignored: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
     scenario = tmp_path / "tiny.toml"
     scenario.write_text(
         "[workload]\nname = \"mlp\"\n[algorithm]\ninner_steps = 5\n[run]\nrounds = 100000\n"
         "[[sites]]\nname = \"a\"\n[[sites]]\nname = \"b\"\n"
     )
     out = tmp_path / "run"
+    prefix = ["-c", IGNORING_SIGINT] if sigint_ignored else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "geoloco.scenarios.cli", "emulate", str(scenario), "--out", str(out)],
+        [sys.executable, *prefix, "-m", "geoloco.scenarios.cli", "emulate", str(scenario), "--out", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -131,7 +141,10 @@ def _start_cli(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
 
 
 def test_ctrl_c_stops_every_child(tmp_path: Path) -> None:
-    process, out = _start_cli(tmp_path)
+    # Started with SIGINT ignored: whatever disposition the emulator inherits (a suite run from a
+    # shell without job control passes SIG_IGN down), SIGINT must stop the run. Relying on
+    # Python's default handler made this test fail whenever the suite ran that way.
+    process, out = _start_cli(tmp_path, sigint_ignored=True)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 130, output.decode()

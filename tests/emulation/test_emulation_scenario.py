@@ -117,10 +117,22 @@ def test_cli_rejects_a_bad_scenario_before_starting_anything(
     assert not out.exists()
 
 
-def test_cli_kernel_shaping_says_it_is_unavailable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_kernel_shaping_says_what_it_falls_back_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from geoloco.scenarios import netns
+
+    denied = netns.KernelSupport(False, False, False, False, "`ip netns add`: Operation not permitted")
+    monkeypatch.setattr(netns, "detect_support", lambda: denied)
     out = tmp_path / "run"
-    assert main(["emulate", str(write(tmp_path, BASE)), "--shaping", "kernel", "--out", str(out)]) == 2
-    assert "--shaping kernel" in capsys.readouterr().err
+    args = ["emulate", str(write(tmp_path, BASE)), "--shaping", "kernel", "--check", "--out", str(out)]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert (
+        "--shaping kernel: network namespaces not available here (`ip netns add`: Operation not "
+        "permitted); falling back to portable relay shaping" in captured.err
+    )
+    assert "link shaping: relay (portable)" in captured.out
     assert not out.exists()
 
 

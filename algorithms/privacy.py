@@ -64,6 +64,8 @@ __all__ = [
     "effective_noise_multiplier",
     "noise_generator",
     "skellam_noise",
+    "SECURE_INDEX_SEED_PURPOSE",
+    "secure_index_seed",
 ]
 
 DP_MODES = ("off", "central", "distributed")
@@ -74,6 +76,16 @@ MAX_NOISE_STD_UNITS = float(1 << 20)
 samplers lose accuracy for rates far above 1e12 (measured: +17% variance at 1.5e15), and at 2^20
 units the rounding noise (std < 1 unit) is still negligible beside the DP noise."""
 SECURE_CODECS = ("none", "randk")
+SECURE_INDEX_SEED_PURPOSE = "secure-randk"
+"""Random-k under secure aggregation: ONE seed per round shared by every site (masked sums only
+add up on shared coordinates), unlike the per-site uplink seeds of plain random-k."""
+
+
+def secure_index_seed(round_seed: int) -> int:
+    """The random-k seed of a secure round, from the round seed every site and the coordinator share."""
+    from geoloco.algorithms.params import derive_seed
+
+    return derive_seed(round_seed, SECURE_INDEX_SEED_PURPOSE)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -57,6 +57,7 @@ from geoloco.algorithms.privacy import (
     effective_noise_multiplier,
     plan_secure_round,
     private_round_in_memory,
+    secure_index_seed,
 )
 from geoloco.algorithms.strategy import (
     UPDATE_GRADIENT,
@@ -433,7 +434,7 @@ class Simulator:
             mean, survivors = private_round_in_memory(
                 privacy, codec, updates, self.private, self.identity_keys,
                 session=f"simulation-{self.config.simulation.seed}", round_index=round_index,
-                index_seed=derive_seed(plan.seed, "secure-randk"), traffic=traffic,
+                index_seed=secure_index_seed(plan.seed), traffic=traffic,
             )
             if privacy.dp == "central":
                 mean = add_central_noise(mean * len(survivors), privacy) / len(survivors)

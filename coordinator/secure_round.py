@@ -280,6 +280,12 @@ class SecureRound:
         return list(self._survivors)
 
     @property
+    def unmask_answered(self) -> list[str]:
+        """Sites that answered the unmask request (survivors missing here dropped after uploading)."""
+        stage = self._stages.get(STAGE_UNMASK_RESPONSE)
+        return sorted(stage.answered) if stage is not None else []
+
+    @property
     def done(self) -> bool:
         """Unmasking can run (or the round was aborted)."""
         if self.aborted:

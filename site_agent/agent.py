@@ -50,6 +50,7 @@ from torch import nn
 from geoloco.algorithms.config import config_from_dict
 from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, pseudo_gradient, run_inner_steps
 from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
+from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
@@ -72,6 +73,7 @@ from geoloco.site_agent.config import (
     resolve_device,
 )
 from geoloco.site_agent.distributed import IntraSiteGroup, unwrap_model
+from geoloco.site_agent.secure_site import SecureUplink
 
 __all__ = ["LossFn", "SiteAgent", "SiteRunSummary"]
 
@@ -206,6 +208,8 @@ class SiteAgent:
         self._run_config = pb.RunConfig()
         self._algorithm: AlgorithmConfig | None = None
         self._uplink: UpdateEncoder | None = None
+        self._secure: SecureUplink | None = None
+        """Secure aggregation (the run's ``[privacy]``): keys, masking, unmasking per round."""
         self._pending: _Pending | None = None
         self._finished = False
         self._rounds_trained = 0
@@ -401,6 +405,11 @@ class SiteAgent:
             )
         self._algorithm = algorithm
         self._run_config = config
+        privacy = config_from_dict(PrivacyConfig, data.get("privacy", {}))
+        if not privacy.secure_aggregation:
+            self._secure = None
+        elif self._secure is None or self._secure.privacy != privacy or self._secure.uplink_codec != config.uplink_codec:
+            self._secure = SecureUplink(self.site, privacy, config.uplink_codec, tls=self._tls)
 
     def _fetch(self) -> None:
         self._phase = pb.SITE_PHASE_FETCHING
@@ -437,6 +446,11 @@ class SiteAgent:
         inner_steps = int(self._run_config.inner_steps)
         started = time.monotonic()
         self._tell_followers({"action": ACTION_TRAIN, "round": round_number, "inner_steps": inner_steps})
+        if self._secure is not None:  # key stages run beside the inner steps
+            self._secure.begin_round(
+                self.client, session=self.client.session_id, round_number=round_number,
+                round_seed=self._round_info.round_seed, numel=self.layout.numel,
+            )
         loss, samples, inner_time = self._train(inner_steps)
         local = self.layout.flatten(self.module)
         update = pseudo_gradient(self._global, local)
@@ -460,6 +474,13 @@ class SiteAgent:
             raise SiteAgentError(
                 f"internal error: training round {round_number} without its round seed "
                 f"(latest round info is for round {self._round_info.round})"
+            )
+        if self._secure is not None:
+            masked = self._secure.masked_update(update)
+            return _Pending(
+                round=round_number, encoded=None, data=masked or b"", sample_weight=1.0,
+                loss=loss, samples=samples, inner_steps=inner_steps, inner_time_s=inner_time,
+                started_s=started, state=_PENDING_NEW if masked is not None else _PENDING_DROPPED,
             )
         seed = derive_seed(self._round_info.round_seed, UPLINK_SEED_PURPOSE, self.site)
         encoded = self._uplink.encode(update, seed=seed)
@@ -530,14 +551,17 @@ class SiteAgent:
         return self.loss_fn(model, batch)
 
     def _upload(self, pending: _Pending) -> None:
-        assert pending.encoded is not None
         self._phase = pb.SITE_PHASE_UPLOADING
+        if self._secure is not None:
+            kind = self._secure.upload_kwargs()
+        else:
+            assert pending.encoded is not None
+            kind = {"codec": pending.encoded.spec, "shape": list(pending.encoded.shape)}
         try:
             self.client.upload(
                 round_number=pending.round,
                 data=pending.data,
-                codec=pending.encoded.spec,
-                shape=list(pending.encoded.shape),
+                **kind,
                 sample_weight=pending.sample_weight,
                 metrics={
                     "train_loss": pending.loss,
@@ -547,6 +571,9 @@ class SiteAgent:
                 },
             )
             pending.state = _PENDING_UPLOADED
+            if self._secure is not None:
+                self._phase = pb.SITE_PHASE_WAITING
+                self._secure.unmask()  # survivor list and unmask answer, before the broadcast
         except (RoundClosed, RunFinished) as why:
             logger.info("site %s: update for round %d is late (%s)", self.site, pending.round, why)
             pending.state = _PENDING_LATE

@@ -305,6 +305,7 @@ class StatusBoard:
                 "excluded": list(record["excluded"]),
                 "round_time_s": _finite(record.get("round_time_s")),
                 "update_norm": _finite(record.get("update_norm")),
+                "epsilon": _finite(record.get("epsilon")),
                 "time": self.wall_clock(),
             }
         )

@@ -30,10 +30,11 @@ import torch
 from _cluster import AgentThread, Run, make_certs
 from _processes import SITE_JOINED, Processes
 from geoloco.algorithms.config import ConfigError
-from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder
+from geoloco.algorithms.privacy import PrivacyAccountant, PrivacyConfig, PrivateUpdateEncoder
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.coordinator.http_status import HTTPStatusConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.scenarios.workloads import build_workload
 
@@ -71,6 +72,7 @@ def test_four_sites_secure_dp_one_site_killed_after_uploading(certs: Path, tmp_p
         server = run.start_coordinator(
             certs, privacy=privacy, min_sites=3, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0,
             metrics_path=str(metrics_path), workload={"name": "mlp"}, allowed_sites=SITES,
+            http=HTTPStatusConfig(enabled=True, port=0),
         )
         server.rounds.events.add_listener(kill_after_upload)
         try:
@@ -84,6 +86,9 @@ def test_four_sites_secure_dp_one_site_killed_after_uploading(certs: Path, tmp_p
                 thread.start()
             summaries = [thread.finish(timeout_s=150) for thread in threads]
             assert killed.is_set()
+            assert server.http_status is not None
+            status = server.http_status.status()
+            prometheus = server.http_status.metrics.render().decode()
         finally:
             server.stop()
     records = read_metrics(metrics_path)
@@ -95,6 +100,8 @@ def test_four_sites_secure_dp_one_site_killed_after_uploading(certs: Path, tmp_p
     epsilons = [r["epsilon"] for r in records]
     assert 0 < epsilons[0] < epsilons[1] < epsilons[2]
     assert all(r["privacy_delta"] == privacy.delta for r in records)
+    assert status["rounds"][-1]["epsilon"] == pytest.approx(epsilons[-1])
+    assert f'privacy_epsilon_spent{{delta="1e-05"}} {epsilons[-1]}' in prometheus
     assert all(s.run_finished and s.weights_digest == records[-1]["weights_digest"] for s in summaries)
 
 
@@ -215,6 +222,30 @@ def test_secure_diloco_matches_plain_diloco_over_grpc(certs: Path) -> None:
     difference = float((secure_weights - plain_weights).abs().max())
     assert 0 < difference < 1e-5, difference
     assert abs(secure - plain) <= 1e-5 * abs(plain), (secure, plain)
+
+
+def test_central_dp_without_secure_aggregation_stops_at_the_epsilon_budget(certs: Path, tmp_path: Path) -> None:
+    run = _run(rounds=6, num_sites=3)
+    accountant = PrivacyAccountant(1e-5)
+    accountant.step(1.0)
+    two_rounds = accountant.step(1.0)
+    privacy = PrivacyConfig(dp="central", clip_norm=1.0, noise_multiplier=1.0, epsilon_budget=two_rounds * 1.001)
+    metrics_path = tmp_path / "metrics.jsonl"
+    server = run.start_coordinator(certs, privacy=privacy, metrics_path=str(metrics_path))
+    try:
+        threads = [AgentThread(run.agent(certs, server.port, i)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        summaries = [thread.finish(timeout_s=120) for thread in threads]
+    finally:
+        server.stop()
+    records = read_metrics(metrics_path)
+    # A third round would exceed the budget: the run ends after two, and every site knows it.
+    assert [r["round"] for r in records] == [0, 1]
+    assert records[-1]["run_finished"] and records[-1]["privacy"]["budget_exhausted"]
+    assert records[-1]["epsilon"] == pytest.approx(two_rounds)
+    assert records[0]["privacy"]["secure_aggregation"] is False
+    assert all(s.run_finished and s.rounds_trained == 2 for s in summaries)
 
 
 @pytest.mark.parametrize(

@@ -69,13 +69,14 @@ def test_scenario_privacy_errors_name_the_key(kwargs: dict, key: str, match: str
 
 
 def test_coordinator_cli_refuses_secure_aggregation_with_a_quorum_below_three(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("GEOLOCO_NO_MALLOC_REEXEC", "1")  # re-executing would replace pytest
     config = tmp_path / "coordinator.toml"
     config.write_text(
         'insecure = true\nmin_sites = 2\n[workload]\nname = "mlp"\n'
         "[privacy]\nsecure_aggregation = true\nclip_norm = 1.0\n"
     )
-    assert main(["coordinator", "--config", str(config)]) == 2
+    assert main(["coordinator", "--config", str(config), "--insecure"]) == 2
     err = capsys.readouterr().err
     assert "min_sites" in err and "reveals each site's update" in err

@@ -59,6 +59,7 @@ from geoloco.algorithms.secagg import (
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES
 from geoloco.protos.identity import site_from_uri
 from geoloco.protos.transport import TLSFiles
+from geoloco.site_agent.client import RoundClosed, UpdateRejected
 
 __all__ = ["IDENTITY_DOMAIN", "SecureSite", "SecureUplink", "SiteIdentity", "StageCall", "verify_bindings"]
 
@@ -319,4 +320,8 @@ class SecureUplink:
             self._refuse(why)
         except SecAggAbort as why:
             logger.warning("site %s: secure round %d aborted: %s", self.site, self._round.context.round_index, why)
+        except (RoundClosed, UpdateRejected) as why:
+            # E.g. the coordinator says this site is not among the survivors: it waits for the
+            # broadcast, which says whether its update counted.
+            logger.warning("site %s: unmasking of round %d refused: %s", self.site, self._round.context.round_index, why)
         return False

@@ -64,6 +64,8 @@ __all__ = [
     "effective_noise_multiplier",
     "noise_generator",
     "skellam_noise",
+    "SECURE_INDEX_SEED_PURPOSE",
+    "secure_index_seed",
 ]
 
 DP_MODES = ("off", "central", "distributed")
@@ -74,6 +76,16 @@ MAX_NOISE_STD_UNITS = float(1 << 20)
 samplers lose accuracy for rates far above 1e12 (measured: +17% variance at 1.5e15), and at 2^20
 units the rounding noise (std < 1 unit) is still negligible beside the DP noise."""
 SECURE_CODECS = ("none", "randk")
+SECURE_INDEX_SEED_PURPOSE = "secure-randk"
+"""Random-k under secure aggregation: ONE seed per round shared by every site (masked sums only
+add up on shared coordinates), unlike the per-site uplink seeds of plain random-k."""
+
+
+def secure_index_seed(round_seed: int) -> int:
+    """The random-k seed of a secure round, from the round seed every site and the coordinator share."""
+    from geoloco.algorithms.params import derive_seed
+
+    return derive_seed(round_seed, SECURE_INDEX_SEED_PURPOSE)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,6 +148,26 @@ class PrivacyConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
+
+
+def check_aggregation(privacy: PrivacyConfig, *, weighting: str, late_updates: str) -> None:
+    """Reject aggregation options privacy cannot honour (keys as in ``[algorithm]``)."""
+    if not privacy.enabled:
+        return
+    require(
+        weighting == "uniform",
+        "algorithm.weighting",
+        "with [privacy] on every site counts the same in the mean (per-site weights would change "
+        "the DP sensitivity and, under secure aggregation, cannot be applied to masked values); "
+        "set weighting = \"uniform\"",
+    )
+    require(
+        late_updates == "drop",
+        "algorithm.late_updates",
+        "with [privacy] on an update counts only in its own round (a masked update belongs to that "
+        "round's secure sum, and a folded one would change the DP sensitivity); set "
+        "late_updates = \"drop\"",
+    )
 
 
 def check_composition(privacy: PrivacyConfig, uplink_codec: str, num_sites: int | None = None) -> None:

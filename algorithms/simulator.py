@@ -54,10 +54,12 @@ from geoloco.algorithms.privacy import (
     PrivacyConfig,
     PrivateUpdateEncoder,
     add_central_noise,
+    check_aggregation,
     check_composition,
     effective_noise_multiplier,
     plan_secure_round,
     private_round_in_memory,
+    secure_index_seed,
 )
 from geoloco.algorithms.strategy import (
     UPDATE_GRADIENT,
@@ -203,6 +205,11 @@ class SimulatorConfig:
                 not self.simulation.adaptive_deadline.enabled,
                 "simulation.adaptive_deadline.enabled",
                 "with privacy on, every site's update enters the round; set enabled = false",
+            )
+            check_aggregation(
+                self.privacy,
+                weighting=self.algorithm.weighting,
+                late_updates=self.algorithm.late_updates,
             )
             try:
                 check_composition(self.privacy, self.algorithm.uplink_codec, len(self.sites))
@@ -460,7 +467,7 @@ class Simulator:
             mean, survivors = private_round_in_memory(
                 privacy, codec, updates, self.private, self.identity_keys,
                 session=f"simulation-{self.config.simulation.seed}", round_index=round_index,
-                index_seed=derive_seed(plan.seed, "secure-randk"), traffic=traffic,
+                index_seed=secure_index_seed(plan.seed), traffic=traffic,
             )
             if privacy.dp == "central":
                 mean = add_central_noise(mean * len(survivors), privacy) / len(survivors)

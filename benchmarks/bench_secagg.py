@@ -12,8 +12,15 @@ Table 2 — one aggregation round of ``--sites`` sites x ``--params`` fp32 value
 "Per-site critical path" is what a round takes when the sites run in parallel, as in a
 deployment: the slowest site's work plus the coordinator's.
 
+Table 3 — the real system: one coordinator (this process) and ``--sites`` site processes
+(``SiteAgent``, spawned) over loopback gRPC with mutual TLS, a ``--params`` linear model, one
+SGD inner step per round, uplink codec ``none`` and downlink ``int8``. The same run with and
+without ``[privacy] secure_aggregation`` (no DP), steady-state seconds per round (time between
+consecutive round broadcasts, after ``--warmup-rounds``), ratio printed.
+
     python benchmarks/bench_secagg.py               # 8 sites, 10M parameters
     python benchmarks/bench_secagg.py --params 1000000 --sites 4   # quick
+    python benchmarks/bench_secagg.py --only grpc   # only table 3
 """
 
 from __future__ import annotations
@@ -161,17 +168,111 @@ def round_table(n: int, numel: int, chunk: int) -> list[str]:
     ]
 
 
+# -- Table 3: round time over loopback gRPC ----------------------------------------------------
+
+
+def _linear_model(params: int) -> torch.nn.Module:
+    """A single linear layer with about ``params`` weights (the round's payload, not the compute)."""
+    torch.manual_seed(0)
+    width = 1000
+    return torch.nn.Linear(width, max(1, params // width), bias=False)
+
+
+def _site_main(port: int, name: str, certs: str, params: int) -> None:
+    """One site process: a SiteAgent that trains one SGD step per round until the run ends."""
+    import itertools
+
+    from geoloco.protos.transport import TLSFiles
+    from geoloco.site_agent.agent import SiteAgent
+    from geoloco.site_agent.config import SiteAgentConfig
+
+    torch.set_num_threads(1)
+    model = _linear_model(params)
+    batch = torch.randn(4, 1000)
+    agent = SiteAgent(
+        model, torch.optim.SGD(model.parameters(), lr=1e-3), itertools.repeat(batch),
+        lambda m, b: m(b).square().mean(), coordinator=f"localhost:{port}", site=name,
+        tls=TLSFiles.from_dir(certs, name), config=SiteAgentConfig(device="cpu"),
+    )
+    agent.run()
+
+
+def grpc_round_table(n: int, params: int, chunk: int, rounds: int, warmup: int) -> list[str]:
+    import multiprocessing
+    import tempfile
+
+    from geoloco.algorithms.params import ParamLayout
+    from geoloco.algorithms.strategy import AlgorithmConfig
+    from geoloco.coordinator.config import CoordinatorConfig
+    from geoloco.coordinator.server import CoordinatorServer
+    from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
+
+    names = [f"site{i}" for i in range(n)]
+    results: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as certs:
+        init_ca(certs)
+        issue_coordinator(certs)
+        for name in names:
+            issue_site(certs, name)
+        for label, privacy in (
+            ("plain", {}),
+            ("secure aggregation", {"secure_aggregation": True, "clip_norm": 1e3, "chunk_size": chunk}),
+        ):
+            model = _linear_model(params)
+            layout = ParamLayout.from_model(model)
+            config = CoordinatorConfig.from_dict({
+                "algorithm": AlgorithmConfig(inner_steps=1, uplink_codec="none", downlink_codec="int8").to_dict(),
+                "total_rounds": rounds, "min_sites": n, "certs_dir": certs, "allowed_sites": names,
+                "privacy": privacy, "max_sites": 2 * n + 4,
+            })
+            stamps: list[float] = []
+            server = CoordinatorServer(config, layout.flatten(model), layout, on_round_end=lambda r: stamps.append(time.perf_counter()))
+            port = server.start()
+            context = multiprocessing.get_context("spawn")
+            sites = [context.Process(target=_site_main, args=(port, name, certs, params)) for name in names]
+            for site in sites:
+                site.start()
+            try:
+                if not server.wait_until_finished(timeout=1800):
+                    raise RuntimeError(f"{label}: the run did not finish within 30 minutes")
+            finally:
+                for site in sites:
+                    site.join(timeout=120)
+                    if site.is_alive():
+                        site.kill()
+                server.stop()
+            steady = stamps[warmup:]
+            results[label] = (steady[-1] - steady[0]) / (len(steady) - 1)
+    plain, secure = results["plain"], results["secure aggregation"]
+    return [
+        f"| {n} sites x {params:,} params, loopback gRPC + mutual TLS | seconds per round | ratio |",
+        "|---|---:|---:|",
+        f"| plain (`none` uplink, `int8` downlink) | {plain:.2f} | 1.00 |",
+        f"| secure aggregation | {secure:.2f} | {secure / plain:.2f}x (target <= 1.5x) |",
+        "",
+        f"(steady state: rounds {warmup + 1}..{rounds} of {rounds}; one SGD inner step per round)",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sites", type=int, default=8)
     parser.add_argument("--params", type=int, default=10_000_000)
     parser.add_argument("--chunk", type=int, default=1 << 18)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per run of table 3")
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds of table 3 left out")
+    parser.add_argument("--only", choices=("mask", "round", "grpc"), default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("\n".join(mask_table(args.sites, args.params, args.chunk, args.repeats)))
-    print()
-    print("\n".join(round_table(args.sites, args.params, args.chunk)))
+    if args.only in (None, "mask"):
+        print("\n".join(mask_table(args.sites, args.params, args.chunk, args.repeats)))
+        print()
+    if args.only in (None, "round"):
+        print("\n".join(round_table(args.sites, args.params, args.chunk)))
+        print()
+    if args.only in (None, "grpc"):
+        print("\n".join(grpc_round_table(args.sites, args.params, args.chunk, args.rounds, args.warmup_rounds)))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from typing import Any, Literal
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
+from geoloco.algorithms.privacy import PrivacyConfig, check_aggregation, check_composition
+from geoloco.algorithms.secagg import MIN_SITES
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.http_status import HTTPStatusConfig
 from geoloco.protos.identity import validate_site_name
@@ -109,6 +111,13 @@ class CoordinatorConfig:
     """Where the global weights, the outer optimizer and the aggregation buffer live."""
     http: HTTPStatusConfig = field(default_factory=HTTPStatusConfig)
     """``[http]``: Prometheus ``/metrics`` and the live status page (off unless ``enabled``)."""
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    """``[privacy]``: secure aggregation and differential privacy of the uplink (the same table
+    as the simulator's); sites receive it in ``RunConfig.config_json`` and follow it."""
+    secure_stage_timeout_s: float = 60.0
+    """With secure aggregation: a protocol stage (key advertisement, key shares, unmasking)
+    closes when every live member answered or after this long; a site that vanished is waited
+    for no longer than this, or than ``heartbeat_timeout_s`` (which drops it)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -198,6 +207,39 @@ class CoordinatorConfig:
             f"got {self.device!r}; allowed values: 'cpu', 'cuda', 'auto'",
         )
         self.http.check_exposure(has_certificates=self.certs_dir is not None)
+        self._validate_privacy()
+
+    def _validate_privacy(self) -> None:
+        privacy = self.privacy
+        if not privacy.enabled:
+            return
+        check_aggregation(
+            privacy, weighting=self.algorithm.weighting, late_updates=self.algorithm.late_updates
+        )
+        num_sites = len(self.allowed_sites) if self.allowed_sites is not None else None
+        check_composition(privacy, self.algorithm.uplink_codec, num_sites)
+        if not privacy.secure_aggregation:
+            return
+        require(
+            self.min_sites >= MIN_SITES,
+            "min_sites",
+            f"must be >= {MIN_SITES} with privacy.secure_aggregation (got {self.min_sites}): with 2 "
+            "sites the sum reveals each site's update to the other, so a secure round never "
+            "starts with fewer",
+        )
+        width = privacy.modulus_bits // 8
+        require(
+            privacy.chunk_size * width <= MAX_CHUNK_SIZE,
+            "privacy.chunk_size",
+            f"{privacy.chunk_size} values of {width} bytes exceed the {MAX_CHUNK_SIZE}-byte wire "
+            f"chunk limit (each masked chunk travels as one message); use at most "
+            f"{MAX_CHUNK_SIZE // width}",
+        )
+        require(
+            self.secure_stage_timeout_s > 0,
+            "secure_stage_timeout_s",
+            f"must be > 0 seconds, got {self.secure_stage_timeout_s}",
+        )
 
     @property
     def tls_files(self) -> TLSFiles | None:

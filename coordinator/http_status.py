@@ -306,6 +306,7 @@ class StatusBoard:
                 "round_time_s": _finite(record.get("round_time_s")),
                 "deadline_s": _finite(record.get("deadline_s")),
                 "update_norm": _finite(record.get("update_norm")),
+                "epsilon": _finite(record.get("epsilon")),
                 "time": self.wall_clock(),
             }
         )

@@ -198,6 +198,9 @@ class CoordinatorMetrics:
         loss = record.get("eval_loss")
         if loss is not None:
             self.eval_loss.set(float(loss))
+        epsilon = record.get("epsilon")
+        if epsilon is not None:
+            self.set_privacy_epsilon(float(epsilon), float(record["privacy_delta"]))
 
     # ---------------------------------------------------------------------------------------
     # Output

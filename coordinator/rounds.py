@@ -59,6 +59,7 @@ from geoloco.compression import CodecError, Encoded, decode, parse_codec
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.checkpoint import load_latest_checkpoint, save_checkpoint
 from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.errors import (
     InvalidUpdateError,
     NotAMemberError,
@@ -102,6 +103,10 @@ WEIGHTS_KEY = "weights"
 """Name of the global weights in a checkpoint's tensor file."""
 STRATEGY_PREFIX = "strategy."
 """Prefix of the outer optimizer / downlink residual tensors in a checkpoint."""
+PRIVACY_KEY = "privacy"
+"""Checkpoint metadata key of the privacy accountant's state."""
+SECURE_STAGE_WAIT_S = 1.0
+"""Longest a SecureStage call is held waiting for its stage to close (the site calls again)."""
 
 
 class RoundPhase(str, Enum):
@@ -266,6 +271,16 @@ class RoundStateMachine:
             device=self.device,
         )
         self.max_upload_bytes = config.max_upload_bytes or (2 * 4 * self.numel + (1 << 20))
+        self.privacy: PrivateRounds | None = (
+            PrivateRounds(
+                config.privacy, self.uplink_codec, numel=self.numel, session=self.session_id,
+                stage_timeout_s=config.secure_stage_timeout_s,
+            )
+            if config.privacy.enabled
+            else None
+        )
+        """Secure aggregation / DP of this session (``geoloco.coordinator.privacy_rounds``)."""
+        self._secure_closed: tuple[_Round, float, bool, list[str], list[str]] | None = None
 
         self._cond = threading.Condition(threading.RLock())
         self._poll_lock = threading.Lock()
@@ -329,6 +344,8 @@ class RoundStateMachine:
             if k.startswith(STRATEGY_PREFIX)
         }
         self.strategy.load_state(strategy_tensors, metadata["strategy"])
+        if self.privacy is not None:
+            self.privacy.load_state(metadata.get(PRIVACY_KEY, {}))
         logger.info(
             "resumed from checkpoint in %s at round %d", self.config.checkpoint_dir, round_number
         )
@@ -577,6 +594,8 @@ class RoundStateMachine:
             if r.deadline_in_force_s is not None:
                 r.deadline_s = now + r.deadline_in_force_s
             self._phase = RoundPhase.RUNNING
+            if self.privacy is not None:
+                self.privacy.start_round(r.number, self.round_seed(r.number), now)
             self.events.emit(ev.ROUND_STARTED, round=r.number, members=len(self._members))
             logger.info(
                 "round %d started with %d sites%s", r.number, len(self._members),
@@ -778,6 +797,8 @@ class RoundStateMachine:
                     "it is dropped for this round (check the site's loss and learning rate)"
                 )
             weight = self._upload_weight(assembler.upload)
+            if self.privacy is not None:  # central DP: the trusted coordinator clips each update
+                decoded = self.privacy.clip(decoded)
             with self._cond:
                 self._check_upload_round(round_number)
                 r = self._round
@@ -794,6 +815,73 @@ class RoundStateMachine:
                 self._cond.notify_all()
             del decoded
         return assembler.upload_response()
+
+    # ---------------------------------------------------------------------------------------
+    # Secure aggregation (the protocol itself is in geoloco.coordinator.privacy_rounds)
+
+    @property
+    def secure(self) -> bool:
+        """Uploads are masked and go through ``secure_upload`` / ``secure_stage``."""
+        return self.privacy is not None and self.privacy.secure
+
+    def secure_stage(
+        self, site: str, session_id: str, round_number: int, stage: str, payload: bytes, *, wait_s: float
+    ) -> pb.SecureStageResponse:
+        """One SecureStage call: record the message, wait up to ``wait_s`` for the stage to close."""
+        if self.privacy is None or not self.privacy.secure:
+            raise InvalidUpdateError(
+                "secure aggregation is off in this run ([privacy] secure_aggregation = false); "
+                "upload plain updates"
+            )
+        privacy = self.privacy
+        with self._cond:
+            self._member(site, session_id)
+            if self._phase is RoundPhase.FINISHED or round_number > self._round.number:
+                self._check_upload_round(round_number)
+            deadline = self.clock() + wait_s
+            reply = privacy.stage(site, round_number, stage, payload, set(self._members), self.clock())
+            self._cond.notify_all()
+            while not reply.ready and not self._closing:
+                left = deadline - self.clock()
+                if left <= 0:
+                    break
+                self._cond.wait(timeout=min(left, 0.25))
+                reply = privacy.stage(site, round_number, stage, payload, set(self._members), self.clock())
+            return pb.SecureStageResponse(
+                ready=reply.ready, payload=reply.payload, aborted=bool(reply.aborted), abort_reason=reply.aborted
+            )
+
+    def secure_upload(
+        self, site: str, manifest: pb.UploadManifest, requests: Iterable[pb.UploadRequest | ChunkRef]
+    ) -> pb.UploadResponse:
+        """A masked Upload stream: each chunk goes straight into the protocol's sum."""
+        assert self.privacy is not None
+        privacy = self.privacy
+        with self._cond:
+            self._member(site, manifest.session_id)
+            self._check_upload_round(manifest.round)
+            if manifest.site and manifest.site != site:
+                raise InvalidUpdateError(f"upload manifest names site {manifest.site!r} but the caller is {site!r}")
+            upload = privacy.open_upload(site, manifest)
+            r = self._round
+            self.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)
+            r.site_metrics[site] = dict(manifest.metrics)
+            self._count_up(site, message_nbytes(manifest))
+        for request in requests:
+            kind = request.WhichOneof("kind")
+            if kind != "chunk":
+                raise ManifestError(f"Upload stream has a {kind!r} message after its manifest; only chunks may follow")
+            with self._cond:
+                self._count_up(site, message_nbytes(request))
+                if self._round.number != manifest.round or self._phase not in _OPEN_PHASES:
+                    self._check_upload_round(manifest.round)
+                privacy.add_chunk(site, upload, request.chunk.index, request.chunk.data)
+                if upload.complete and site not in self._round.contributed:
+                    self._round.contributed[site] = 1.0
+                    self.events.emit(ev.UPDATE_AGGREGATED, site=site, round=manifest.round, weight=1.0)
+                    self._cond.notify_all()
+        with self._cond:
+            return privacy.upload_response(upload)
 
     def _decode_update(self, site: str, round_number: int, data: memoryview) -> torch.Tensor:
         what = f"site {site!r}'s update for round {round_number}"
@@ -912,6 +1000,8 @@ class RoundStateMachine:
         with self._cond:
             self._member(site, session_id)
             r = self._round
+            if self.privacy is not None and self.privacy.secure and round_number == r.number:
+                return self.privacy.upload_status(site, round_number)
             assembler = r.uploads.get(site) if round_number == r.number and fragment == 0 else None
             if round_number + 1 == r.number and fragment == 0 and site in r.stale_uploads:
                 assembler = r.stale_uploads[site]
@@ -1027,6 +1117,14 @@ class RoundStateMachine:
         if self._phase is not RoundPhase.RUNNING and self._phase is not RoundPhase.WAITING_FOR_QUORUM:
             return False, False
         r = self._round
+        if self.privacy is not None and self.privacy.secure:
+            if self._phase is RoundPhase.WAITING_FOR_QUORUM:
+                return False, False
+            passed = r.deadline_s is not None and now >= r.deadline_s
+            close = self.privacy.close_decision(
+                set(self._members), set(r.contributed), self.config.min_sites, passed
+            )
+            return close, close and passed
         if len(r.contributed) < self.config.min_sites:
             return False, False
         if self._phase is RoundPhase.WAITING_FOR_QUORUM:
@@ -1071,15 +1169,28 @@ class RoundStateMachine:
                 now = self.clock()
                 self._drop_silent(now)
                 self._maybe_start(now)
-                close, deadline_hit = self._should_close(now)
-                if not close:
-                    return None
-                self._phase = RoundPhase.AGGREGATING
-                r = self._round
-                excluded = sorted(set(self._members) - set(r.contributed) - r.rejected)
-                partial = sorted(set(r.uploads) - set(r.contributed))
-                self._cond.notify_all()
-            return self._aggregate(r, now, deadline_hit, excluded, partial)
+                if self._secure_closed is None:
+                    close, deadline_hit = self._should_close(now)
+                    if not close:
+                        return None
+                    self._phase = RoundPhase.AGGREGATING
+                    r = self._round
+                    excluded = sorted(set(self._members) - set(r.contributed) - r.rejected)
+                    partial = sorted(set(r.uploads) - set(r.contributed))
+                    self._cond.notify_all()
+                    args = (r, now, deadline_hit, excluded, partial)
+                    if self.privacy is not None and self.privacy.secure:
+                        # Secure aggregation: the survivors unmask the sum before it exists.
+                        self.privacy.close_upload(now)
+                        self._secure_closed = args
+                if self._secure_closed is not None:
+                    assert self.privacy is not None
+                    self.privacy.advance(set(self._members), now)
+                    self._cond.notify_all()
+                    if not self.privacy.unmasked:
+                        return None
+                    args, self._secure_closed = self._secure_closed, None
+            return self._aggregate(*args)
 
     def _aggregate(
         self,
@@ -1098,8 +1209,14 @@ class RoundStateMachine:
         started = r.started_s if r.started_s is not None else r.opened_s
         self._deadline.observe(list(r.arrivals.values()), [closed_s - started for _ in excluded])
         plan = self.strategy.configure_round(r.number + 1, contributors)  # type: ignore[arg-type]
-        update_norm = float(torch.linalg.vector_norm(self._aggregator.result()))
-        update = self.strategy.aggregate_round(self._weights, self._aggregator, plan)
+        privacy_record: dict[str, Any] = {}
+        if self.privacy is not None:
+            update, contributors, update_norm, privacy_record = self.privacy.finish_round(
+                self.strategy, self._weights, self._aggregator, plan, contributors
+            )
+        else:
+            update_norm = float(torch.linalg.vector_norm(self._aggregator.result()))
+            update = self.strategy.aggregate_round(self._weights, self._aggregator, plan)
         with self._cond:
             self._aggregator = self.strategy.new_aggregator()  # allocates on the first add
         delta_bytes = update.downlink.to_bytes()
@@ -1114,6 +1231,12 @@ class RoundStateMachine:
         del update
         next_round = r.number + 1
         finished = bool(self.config.total_rounds) and next_round >= self.config.total_rounds
+        if privacy_record.get("budget_exhausted") and not finished:
+            logger.info(
+                "stopping after round %d: one more round would push epsilon above the budget %g",
+                r.number, self.config.privacy.epsilon_budget,
+            )
+            finished = True
         aggregate_s = time.perf_counter() - t0
         if self.config.checkpoint_dir is not None and (
             finished or next_round % self.config.checkpoint_every == 0
@@ -1193,6 +1316,11 @@ class RoundStateMachine:
             "weights_digest": new_digest,
             "run_finished": finished,
         }
+        if privacy_record:
+            metrics["privacy"] = privacy_record
+            if "epsilon" in privacy_record:
+                metrics["epsilon"] = privacy_record["epsilon"]
+                metrics["privacy_delta"] = privacy_record["delta"]
         self.events.emit(ev.ROUND_AGGREGATED, round=r.number, data=metrics)
         return metrics
 
@@ -1207,6 +1335,8 @@ class RoundStateMachine:
             "weights_digest": weights_digest(weights.detach().to("cpu")),
             "session_id": self.session_id,
         }
+        if self.privacy is not None:
+            metadata[PRIVACY_KEY] = self.privacy.state()
         save_checkpoint(
             self.config.checkpoint_dir, round_number, tensors, metadata, keep=self.config.checkpoint_keep
         )

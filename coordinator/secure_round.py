@@ -37,6 +37,7 @@ from geoloco.algorithms.privacy import (
     secure_fixed_point,
 )
 from geoloco.algorithms.secagg import (
+    MIN_SITES,
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
     STAGE_SHARE_KEYS,
@@ -213,7 +214,11 @@ class SecureRound:
 
     def _advance(self, live: set[str], now: float) -> None:
         ads = self._stages[STAGE_ADVERTISE_KEYS]
-        if not ads.closed and self._due(ads, live, now):
+        # Fewer than MIN_SITES live members (a site missed a heartbeat and was dropped for a
+        # moment): closing now would abort a round that can still gather its sites, so only the
+        # stage deadline closes it.
+        enough = len(live) >= MIN_SITES or now - ads.opened_s >= self.stage_timeout_s
+        if not ads.closed and enough and self._due(ads, live, now):
             ads.closed = True
             adverts = self.server.advertisements()
             try:
@@ -278,6 +283,12 @@ class SecureRound:
     @property
     def survivors(self) -> list[str]:
         return list(self._survivors)
+
+    @property
+    def unmask_answered(self) -> list[str]:
+        """Sites that answered the unmask request (survivors missing here dropped after uploading)."""
+        stage = self._stages.get(STAGE_UNMASK_RESPONSE)
+        return sorted(stage.answered) if stage is not None else []
 
     @property
     def done(self) -> bool:

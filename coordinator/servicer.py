@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import grpc
 
 from geoloco.coordinator.errors import InvalidUpdateError
-from geoloco.coordinator.rounds import RoundStateMachine
+from geoloco.coordinator.rounds import SECURE_STAGE_WAIT_S, RoundStateMachine
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos.transport import resolve_site
@@ -97,6 +97,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ) -> pb.UploadResponse:
         manifest = read_upload_manifest(request_iterator)
         site = self._site(context, manifest.site)
+        if self.rounds.secure:
+            try:
+                return self.rounds.secure_upload(site, manifest, request_iterator)
+            except grpc.RpcError:
+                logger.info("masked upload stream of %s broke", site)
+                return pb.UploadResponse()
         assembler = self.rounds.open_upload(site, manifest)
         try:
             assembler.consume(self.rounds.live_chunks(site, assembler, request_iterator))
@@ -151,6 +157,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             round_number=request.round,
             phase=request.phase,
             inner_steps_done=request.inner_steps_done,
+        )
+
+    def SecureStage(
+        self, request: pb.SecureStageRequest, context: grpc.ServicerContext
+    ) -> pb.SecureStageResponse:
+        site = self._site(context, request.site)
+        return self.rounds.secure_stage(
+            site, request.session_id, request.round, request.stage, request.payload,
+            wait_s=min(request.wait_ms / 1000, SECURE_STAGE_WAIT_S),
         )
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:

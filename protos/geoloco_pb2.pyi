@@ -413,3 +413,31 @@ class AwaitBroadcastResponse(_message.Message):
     header: BroadcastHeader
     chunk: Chunk
     def __init__(self, progress: _Optional[_Union[RoundProgress, _Mapping]] = ..., header: _Optional[_Union[BroadcastHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class SecureStageRequest(_message.Message):
+    __slots__ = ("site", "session_id", "round", "stage", "payload", "wait_ms")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    session_id: str
+    round: int
+    stage: str
+    payload: bytes
+    wait_ms: int
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[str] = ..., payload: _Optional[bytes] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class SecureStageResponse(_message.Message):
+    __slots__ = ("ready", "payload", "aborted", "abort_reason")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    payload: bytes
+    aborted: bool
+    abort_reason: str
+    def __init__(self, ready: bool = ..., payload: _Optional[bytes] = ..., aborted: bool = ..., abort_reason: _Optional[str] = ...) -> None: ...

@@ -50,6 +50,11 @@ class CoordinatorStub(object):
                 request_serializer=geoloco_dot_protos_dot_geoloco__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=geoloco_dot_protos_dot_geoloco__pb2.LeaveResponse.FromString,
                 )
+        self.SecureStage = channel.unary_unary(
+                '/geoloco.v1.Coordinator/SecureStage',
+                request_serializer=geoloco_dot_protos_dot_geoloco__pb2.SecureStageRequest.SerializeToString,
+                response_deserializer=geoloco_dot_protos_dot_geoloco__pb2.SecureStageResponse.FromString,
+                )
 
 
 class CoordinatorServicer(object):
@@ -105,6 +110,15 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecureStage(self, request, context):
+        """One stage call of secure aggregation (privacy.secure_aggregation): key advertisement, key
+        shares, the survivor list, unmasking. Long-polls until the stage closes or `wait_ms` passes;
+        idempotent (a repeated identical payload is a no-op), so a site simply calls again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +156,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=geoloco_dot_protos_dot_geoloco__pb2.LeaveRequest.FromString,
                     response_serializer=geoloco_dot_protos_dot_geoloco__pb2.LeaveResponse.SerializeToString,
+            ),
+            'SecureStage': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecureStage,
+                    request_deserializer=geoloco_dot_protos_dot_geoloco__pb2.SecureStageRequest.FromString,
+                    response_serializer=geoloco_dot_protos_dot_geoloco__pb2.SecureStageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,5 +289,22 @@ class Coordinator(object):
         return grpc.experimental.unary_unary(request, target, '/geoloco.v1.Coordinator/Leave',
             geoloco_dot_protos_dot_geoloco__pb2.LeaveRequest.SerializeToString,
             geoloco_dot_protos_dot_geoloco__pb2.LeaveResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def SecureStage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/geoloco.v1.Coordinator/SecureStage',
+            geoloco_dot_protos_dot_geoloco__pb2.SecureStageRequest.SerializeToString,
+            geoloco_dot_protos_dot_geoloco__pb2.SecureStageResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -141,6 +141,8 @@ JOIN_TIMEOUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 10.0
 UPLOAD_STATUS_TIMEOUT_S = 10.0
 LEAVE_TIMEOUT_S = 10.0
+SECURE_STAGE_TIMEOUT_S = 15.0
+"""Deadline of one SecureStage call (the coordinator holds it at most about a second)."""
 CONNECT_TIMEOUT_S = 30.0
 """How long ``wait_for_channel`` waits for the first connection."""
 
@@ -247,6 +249,7 @@ _METHODS: dict[str, tuple[str, type, type]] = {
     "AwaitBroadcast": ("unary_stream", pb.AwaitBroadcastRequest, pb.AwaitBroadcastResponse),
     "Heartbeat": ("unary_unary", pb.HeartbeatRequest, pb.HeartbeatResponse),
     "Leave": ("unary_unary", pb.LeaveRequest, pb.LeaveResponse),
+    "SecureStage": ("unary_unary", pb.SecureStageRequest, pb.SecureStageResponse),
 }
 _CODECS: dict[type, wire.MessageCodec] = {
     pb.UploadRequest: wire.UPLOAD_REQUEST_CODEC,

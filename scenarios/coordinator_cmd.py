@@ -16,6 +16,12 @@ Contract with launchers and tests (stdout, one line each, flushed):
 * ``geoloco-coordinator listening on HOST:PORT`` once the server accepts calls (``--port 0``
   binds a free port and this line says which);
 * ``geoloco-coordinator round R done: participants=a,b excluded=c eval_loss=X digest=D`` per round;
+* with ``[privacy]`` on, right after it: ``geoloco-coordinator round R privacy: secure=yes|no
+  survivors=a,b dropped_after_upload=c epsilon=E delta=D`` (``epsilon=-`` without DP; a round whose
+  secure aggregation aborted says ``aborted=REASON`` instead of the survivors);
+* ``geoloco-coordinator round R upload complete: SITE`` when a site's upload for round R is
+  complete (the emulator's ``after_upload`` faults wait for it);
+* at the end, with DP: ``geoloco-coordinator privacy summary: epsilon=E delta=D rounds=N``;
 * ``geoloco-coordinator finished: round=R digest=D`` or ``geoloco-coordinator stopped (SIGTERM):
   round=R digest=D`` at the end.
 
@@ -294,6 +300,26 @@ def _round_line(record: Mapping[str, Any]) -> str:
     )
 
 
+def _privacy_line(record: Mapping[str, Any]) -> str:
+    privacy = record["privacy"]
+    eps = record.get("epsilon")
+    if privacy.get("aborted"):
+        outcome = f"aborted={privacy['aborted'].replace(' ', '_')}"
+    elif privacy.get("secure_aggregation"):
+        outcome = (
+            f"survivors={','.join(privacy['survivors']) or '-'} "
+            f"dropped_after_upload={','.join(privacy['dropped_after_upload']) or '-'}"
+        )
+    else:
+        outcome = f"participants={','.join(record['participants']) or '-'}"
+    return (
+        f"{PROGRAM} round {record['round']} privacy: "
+        f"secure={'yes' if privacy.get('secure_aggregation') else 'no'} {outcome} "
+        f"epsilon={'-' if eps is None else f'{eps:.6g}'} "
+        f"delta={record.get('privacy_delta', '-')}"
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     config, name, options = load_config(args)
     stop = GracefulStop().install()
@@ -305,6 +331,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _serve(config: Any, name: str, options: dict[str, Any], source: str, stop: GracefulStop) -> int:
     from geoloco.algorithms.params import ParamLayout
+    from geoloco.coordinator import events as ev
     from geoloco.coordinator.checkpoint import CheckpointError
     from geoloco.coordinator.server import CoordinatorServer
     from geoloco.scenarios.workloads import build_workload
@@ -327,8 +354,17 @@ def _serve(config: Any, name: str, options: dict[str, Any], source: str, stop: G
         layout.load_(model, flat)
         return float(workload.eval_loss(model))
 
+    last_privacy: dict[str, Any] = {}
+
     def on_round_end(record: dict[str, Any]) -> None:
         print(_round_line(record), flush=True)
+        if "privacy" in record:
+            last_privacy.update(record)
+            print(_privacy_line(record), flush=True)
+
+    def on_event(event: Any) -> None:
+        if event.kind == ev.UPDATE_AGGREGATED:
+            print(f"{PROGRAM} round {event.round} upload complete: {event.site}", flush=True)
 
     try:
         server = CoordinatorServer(
@@ -340,6 +376,7 @@ def _serve(config: Any, name: str, options: dict[str, Any], source: str, stop: G
     except ValueError as err:  # checkpoint of another model, CUDA unavailable, ...
         raise CommandConfigError(source, "", str(err)) from None
     rounds = server.rounds
+    rounds.events.add_listener(on_event)
     how = (
         f"resumed from checkpoint in {config.checkpoint_dir}"
         if rounds.round > 0 and config.checkpoint_dir is not None
@@ -378,4 +415,10 @@ def _serve(config: Any, name: str, options: dict[str, Any], source: str, stop: G
         )
     else:
         print(FINISHED_LINE.format(round=rounds.round, digest=rounds.digest_hex), flush=True)
+    if last_privacy.get("epsilon") is not None:
+        print(
+            f"{PROGRAM} privacy summary: epsilon={last_privacy['epsilon']:.6g} "
+            f"delta={last_privacy['privacy_delta']:g} rounds={last_privacy['round'] + 1}",
+            flush=True,
+        )
     return EXIT_OK

@@ -67,6 +67,8 @@ logger = logging.getLogger(__name__)
 LISTENING_RE = re.compile(r"listening on (?P<host>[\w.\-\[\]:]+?):(?P<port>\d+)\b")
 """The coordinator CLI's start-up line (``... listening on 127.0.0.1:PORT``)."""
 
+UPLOAD_COMPLETE_RE = re.compile(r"geoloco-coordinator round (?P<round>\d+) upload complete: (?P<site>\S+)")
+"""The coordinator's stdout line for a complete upload (``after_upload`` faults wait for it)."""
 STATUS_PAGE_RE = re.compile(r"status page on (?P<url>https?://\S+)")
 """The coordinator CLI's status page line (printed just before ``listening on``)."""
 
@@ -219,6 +221,7 @@ class Emulation:
         self._last_progress = 0.0
         self._coordinator_log_seen = 0
         self.status_url: str | None = None
+        self._uploads_seen: dict[tuple[int, str], float] = {}
         """The coordinator's status page (``/metrics`` next to it), once it started."""
 
     # -- paths ------------------------------------------------------------------------------------
@@ -277,6 +280,7 @@ class Emulation:
             "outer_optimizer": s.outer_optimizer.to_dict(),
             "workload": dict(s.workload),
             "http": {"enabled": True, "host": "127.0.0.1", "port": 0},
+            **({"privacy": s.privacy.to_dict()} if s.privacy.enabled else {}),
         }
 
     def site_command(self, index: int) -> list[str]:
@@ -509,10 +513,20 @@ class Emulation:
         while self._pending_faults:
             fault = self._pending_faults[0]
             began = self._round_started_s.get(fault.at_round)
+            if fault.after_upload:
+                began = self._upload_seen_s(fault.at_round, fault.site or "")
             if began is None or now < began + fault.after_s:
                 return
             self._pending_faults.pop(0)
             self._fire(fault, now)
+
+    def _upload_seen_s(self, round_number: int, site: str) -> float | None:
+        """When the coordinator's log first said ``site``'s upload for the round completed."""
+        key = (round_number, site)
+        if key not in self._uploads_seen and self.coordinator is not None and self.coordinator.log_path.exists():
+            for match in UPLOAD_COMPLETE_RE.finditer(self.coordinator.log_path.read_bytes().decode(errors="replace")):
+                self._uploads_seen.setdefault((int(match["round"]), match["site"]), self.now())
+        return self._uploads_seen.get(key)
 
     def _event(self, text: str) -> None:
         line = f"[{self.now():7.1f}s] {text}"

@@ -398,6 +398,28 @@ def _lost_rounds(result: EmulationResult) -> str:
     return text
 
 
+def _privacy_lines(result: EmulationResult) -> list[str]:
+    """The privacy line of the summary: what was on, epsilon spent, dropouts and aborts."""
+    privacy = result.scenario.privacy
+    if not privacy.enabled:
+        return []
+    private = [r for r in result.records if "privacy" in r]
+    eps = next((r["epsilon"] for r in reversed(private) if r.get("epsilon") is not None), None)
+    dropped = sorted({s for r in private for s in r["privacy"].get("dropped_after_upload", [])})
+    aborted = [r["round"] for r in private if r["privacy"].get("aborted")]
+    parts = [
+        f"secure aggregation {'on' if privacy.secure_aggregation else 'off'}",
+        f"DP {privacy.dp}" + ("" if privacy.dp == "off" else f" (noise multiplier {privacy.noise_multiplier:g}, clip {privacy.clip_norm:g})"),
+    ]
+    if eps is not None:
+        parts.append(f"**epsilon = {eps:.4g}** at delta = {privacy.delta:g} after {len(private)} rounds")
+    if dropped:
+        parts.append(f"dropped after uploading (their updates still unmasked in the sum): {', '.join(dropped)}")
+    if aborted:
+        parts.append(f"secure rounds aborted (too few sites): {', '.join(map(str, aborted))}")
+    return [f"- privacy: {'; '.join(parts)}"]
+
+
 def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fidelity, plots: list[Path]) -> str:
     s = result.scenario
     algo = s.algorithm
@@ -413,6 +435,7 @@ def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fi
         f"- rounds: {_lost_rounds(result)}",
         f"- link shaping: {result.shaping or 'relay'}",
         f"- final eval loss: {'n/a' if final_eval is None else f'{final_eval:.4f}'}",
+        *_privacy_lines(result),
         "",
         "## Sites",
         "",

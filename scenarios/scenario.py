@@ -10,6 +10,8 @@ comment):
 - ``[[sites]]``: one table per site: link (bandwidth, latency, jitter, loss), compute speed factor,
   data shard (``EmulatedSite``).
 - ``[[faults]]``: faults fired on schedule (``Fault``).
+- ``[privacy]``: secure aggregation and differential privacy (``PrivacyConfig``, the same table as
+  ``geoloco simulate`` and ``geoloco coordinator`` take).
 
 Every error names the file, the dotted key and what is allowed (``ScenarioError``), and is raised
 by ``load_scenario`` before any process starts. The parsing reuses the simulator's machinery:
@@ -29,6 +31,8 @@ from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
+from geoloco.algorithms.privacy import PrivacyConfig, check_aggregation, check_composition
+from geoloco.algorithms.secagg import MIN_SITES
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.protos.identity import validate_site_name
 from geoloco.scenarios.simulate_cmd import SimulateConfigError, _read_toml
@@ -50,7 +54,7 @@ ScenarioError = SimulateConfigError
 ``FILE: key: message``. The same class as ``geoloco simulate``'s, so both commands word errors
 alike."""
 
-SECTIONS = ("workload", "algorithm", "inner_optimizer", "outer_optimizer", "run", "sites", "faults")
+SECTIONS = ("workload", "algorithm", "inner_optimizer", "outer_optimizer", "run", "sites", "faults", "privacy")
 """Top-level keys of a scenario file."""
 
 KILL_SITE = "kill_site"
@@ -224,6 +228,10 @@ class Fault:
     """How long the process stays dead or the link stays cut."""
     site: str | None = None
     """The site to kill or cut (required for ``kill_site`` and ``cut_link``)."""
+    after_upload: bool = False
+    """``kill_site`` only: fire once the coordinator reports the site's upload for ``at_round``
+    complete (plus ``after_s``), e.g. to drop a site between its masked upload and the unmasking
+    of a secure-aggregation round."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -247,6 +255,11 @@ class Fault:
             )
         else:
             require(self.site is not None, "site", f"{self.kind} needs the name of a site")
+        require(
+            not self.after_upload or self.kind == KILL_SITE,
+            "after_upload",
+            f"only kill_site can wait for the site's upload; remove it from this {self.kind} fault",
+        )
 
     def describe(self) -> str:
         what = {
@@ -255,7 +268,8 @@ class Fault:
             CUT_LINK: f"cut the link of site {self.site} for {self.down_s:g} s",
         }[self.kind]
         delay = f" + {self.after_s:g} s" if self.after_s else ""
-        return f"round {self.at_round}{delay}: {what}"
+        when = f"round {self.at_round}, once {self.site} uploaded" if self.after_upload else f"round {self.at_round}"
+        return f"{when}{delay}: {what}"
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
@@ -278,6 +292,9 @@ class Scenario:
     sites: list[EmulatedSite] = field(default_factory=list)
     """One entry per site process."""
     faults: list[Fault] = field(default_factory=list)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    """``[privacy]``: secure aggregation / differential privacy, passed to the coordinator (which
+    sends it to the sites)."""
     """Faults fired on schedule."""
     source: str = "scenario"
     """Where the scenario came from (the file name in messages)."""
@@ -324,6 +341,7 @@ class Scenario:
             "run.min_sites",
             f"must be <= the number of sites ({len(self.sites)}), got {quorum}",
         )
+        self._validate_privacy()
         for i, fault in enumerate(self.faults):
             key = f"faults[{i}]"
             if fault.site is not None:
@@ -344,6 +362,26 @@ class Scenario:
                     f"{key}.kind",
                     "kill_coordinator needs a fixed number of rounds (run.rounds >= 1)",
                 )
+
+    def _validate_privacy(self) -> None:
+        privacy = self.privacy
+        if not privacy.enabled:
+            return
+        check_aggregation(
+            privacy, weighting=self.algorithm.weighting, late_updates=self.algorithm.late_updates
+        )
+        try:
+            check_composition(privacy, self.algorithm.uplink_codec, len(self.sites))
+        except ConfigError as err:
+            key = err.key if err.key.startswith("privacy") else f"algorithm.{err.key}"
+            raise ConfigError(key, err.message) from None
+        if privacy.secure_aggregation:
+            require(
+                self.quorum >= MIN_SITES,
+                "run.min_sites",
+                f"secure aggregation needs rounds of at least {MIN_SITES} sites (with 2 the sum "
+                f"reveals each site's update to the other); got a quorum of {self.quorum}",
+            )
 
     @property
     def workload_name(self) -> str:

@@ -50,6 +50,7 @@ from torch import nn
 from geoloco.algorithms.config import config_from_dict
 from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, pseudo_gradient, run_inner_steps
 from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
+from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within
 from geoloco.compression import Encoded
@@ -74,6 +75,7 @@ from geoloco.site_agent.config import (
     resolve_device,
 )
 from geoloco.site_agent.distributed import IntraSiteGroup, unwrap_model
+from geoloco.site_agent.secure_site import SecureUplink
 
 __all__ = ["LossFn", "SiteAgent", "SiteRunSummary"]
 
@@ -212,6 +214,8 @@ class SiteAgent:
         self._run_config = pb.RunConfig()
         self._algorithm: AlgorithmConfig | None = None
         self._uplink: UpdateEncoder | None = None
+        self._secure: SecureUplink | None = None
+        """Secure aggregation (the run's ``[privacy]``): keys, masking, unmasking per round."""
         self._pending: _Pending | None = None
         self._finished = False
         self._rounds_trained = 0
@@ -407,6 +411,11 @@ class SiteAgent:
             )
         self._algorithm = algorithm
         self._run_config = config
+        privacy = config_from_dict(PrivacyConfig, data.get("privacy", {}))
+        if not privacy.secure_aggregation:
+            self._secure = None
+        elif self._secure is None or self._secure.privacy != privacy or self._secure.uplink_codec != config.uplink_codec:
+            self._secure = SecureUplink(self.site, privacy, config.uplink_codec, tls=self._tls)
 
     def _fetch(self) -> None:
         self._phase = pb.SITE_PHASE_FETCHING
@@ -456,6 +465,11 @@ class SiteAgent:
         started = time.monotonic()
         self._tell_followers({"action": ACTION_TRAIN, "round": round_number, "inner_steps": inner_steps,
                               "time_budget_s": budget_s})
+        if self._secure is not None:  # key stages run beside the inner steps
+            self._secure.begin_round(
+                self.client, session=self.client.session_id, round_number=round_number,
+                round_seed=self._round_info.round_seed, numel=self.layout.numel,
+            )
         loss, samples, inner_time, inner_steps = self._train(inner_steps, budget_s)
         local = self.layout.flatten(self.module)
         update = pseudo_gradient(self._global, local)
@@ -479,6 +493,13 @@ class SiteAgent:
             raise SiteAgentError(
                 f"internal error: training round {round_number} without its round seed "
                 f"(latest round info is for round {self._round_info.round})"
+            )
+        if self._secure is not None:
+            masked = self._secure.masked_update(update)
+            return _Pending(
+                round=round_number, encoded=None, data=masked or b"", sample_weight=1.0,
+                loss=loss, samples=samples, inner_steps=inner_steps, inner_time_s=inner_time,
+                started_s=started, state=_PENDING_NEW if masked is not None else _PENDING_DROPPED,
             )
         seed = derive_seed(self._round_info.round_seed, UPLINK_SEED_PURPOSE, self.site)
         encoded = self._uplink.encode(update, seed=seed)
@@ -571,14 +592,17 @@ class SiteAgent:
 
     def _upload(self, pending: _Pending) -> bool:
         """Upload ``pending``; True when it reached its own round before that round closed."""
-        assert pending.encoded is not None
         self._phase = pb.SITE_PHASE_UPLOADING
+        if self._secure is not None:
+            kind = self._secure.upload_kwargs()
+        else:
+            assert pending.encoded is not None
+            kind = {"codec": pending.encoded.spec, "shape": list(pending.encoded.shape)}
         try:
             response = self.client.upload(
                 round_number=pending.round,
                 data=pending.data,
-                codec=pending.encoded.spec,
-                shape=list(pending.encoded.shape),
+                **kind,
                 sample_weight=pending.sample_weight,
                 inner_steps=pending.inner_steps,
                 metrics={
@@ -589,11 +613,15 @@ class SiteAgent:
                 },
             )
             pending.state = _PENDING_UPLOADED
+            if self._secure is not None:
+                self._phase = pb.SITE_PHASE_WAITING
+                self._secure.unmask()  # survivor list and unmask answer, before the broadcast
             return not response.folded_late
         except RoundClosed as why:
             logger.info("site %s: update for round %d is late (%s)", self.site, pending.round, why)
             pending.state = _PENDING_LATE
-            if self._algorithm is not None and self._algorithm.late_updates == "fold":
+            folds = self._algorithm is not None and self._algorithm.late_updates == "fold"
+            if folds and self._secure is None:  # a masked update belongs to its own round's sum
                 self._upload_late(pending)
         except RunFinished as why:
             logger.info("site %s: update for round %d is late (%s)", self.site, pending.round, why)

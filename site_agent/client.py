@@ -31,6 +31,7 @@ from geoloco.protos.transport import (
     HEARTBEAT_TIMEOUT_S,
     JOIN_TIMEOUT_S,
     LEAVE_TIMEOUT_S,
+    SECURE_STAGE_TIMEOUT_S,
     UPLOAD_STATUS_TIMEOUT_S,
     TLSFiles,
     client_channel,
@@ -316,11 +317,15 @@ class CoordinatorClient:
         sample_weight: float,
         metrics: dict[str, float],
         inner_steps: int = 0,
+        dtype: str = "float32",
+        chunk_size: int | None = None,
     ) -> pb.UploadResponse:
         """Upload one encoded update for ``round_number``; resumes a broken stream.
 
         Raises ``RoundClosed`` when the round closed before the upload completed, and
-        ``UpdateRejected`` when the coordinator refused its content.
+        ``UpdateRejected`` when the coordinator refused its content. ``dtype`` and ``chunk_size``
+        differ from the defaults only for masked (secure-aggregation) uploads, whose wire chunks
+        must be exactly the protocol's chunks.
         """
         manifest = pb.UploadManifest(
             site=self.site,
@@ -329,7 +334,7 @@ class CoordinatorClient:
             fragment=0,
             sample_weight=sample_weight,
             blob=blob_manifest(
-                data, codec=codec, shape=shape, dtype="float32", chunk_size=self.config.chunk_size
+                data, codec=codec, shape=shape, dtype=dtype, chunk_size=chunk_size or self.config.chunk_size
             ),
             metrics=metrics,
             inner_steps=inner_steps,
@@ -377,6 +382,32 @@ class CoordinatorClient:
             ),
             timeout=UPLOAD_STATUS_TIMEOUT_S,
         )
+
+    # ---------------------------------------------------------------------------------------
+    # SecureStage
+
+    def secure_stage(self, round_number: int, stage: str, payload: bytes, *, wait_ms: int = 1000) -> tuple[bytes, str]:
+        """One secure-aggregation stage: ``(reply payload, abort reason or "")`` once it closes.
+
+        The coordinator holds each call up to ``wait_ms``; an open stage is simply asked again
+        (stage calls are idempotent), and a transient failure is retried like any call.
+        """
+        request = pb.SecureStageRequest(
+            site=self.site, session_id=self.session_id, round=round_number, stage=stage,
+            payload=payload, wait_ms=wait_ms,
+        )
+        backoff = _Backoff(self, f"SecureStage {stage} of round {round_number}")
+        while True:
+            response: pb.SecureStageResponse = self._call(
+                "SecureStage", lambda: self._stub.SecureStage(request, timeout=SECURE_STAGE_TIMEOUT_S), backoff
+            )
+            self.stats.sent += message_nbytes(request)
+            self.stats.received += message_nbytes(response)
+            backoff.alive()
+            if response.aborted:
+                return b"", response.abort_reason or "aborted"
+            if response.ready:
+                return response.payload, ""
 
     # ---------------------------------------------------------------------------------------
     # AwaitBroadcast

@@ -19,8 +19,10 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from cryptography import x509
@@ -31,10 +33,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from geoloco.algorithms.fixed_point import FixedPoint
 from geoloco.algorithms.privacy import (
+    SECURE_UPLOAD_CODEC,
     PrivacyConfig,
     PrivateUpdateEncoder,
     secure_context,
     secure_fixed_point,
+    secure_index_seed,
 )
 from geoloco.algorithms.secagg import (
     STAGE_ADVERTISE_KEYS,
@@ -52,9 +56,12 @@ from geoloco.algorithms.secagg import (
     site_index,
     unpack_messages,
 )
+from geoloco.algorithms.fixed_point import MODULUS_DTYPES
 from geoloco.protos.identity import site_from_uri
+from geoloco.protos.transport import TLSFiles
+from geoloco.site_agent.client import RoundClosed, UpdateRejected
 
-__all__ = ["IDENTITY_DOMAIN", "SecureSite", "SiteIdentity", "StageCall", "verify_bindings"]
+__all__ = ["IDENTITY_DOMAIN", "SecureSite", "SecureUplink", "SiteIdentity", "StageCall", "verify_bindings"]
 
 logger = logging.getLogger(__name__)
 
@@ -203,3 +210,118 @@ class SecureSite:
         if not isinstance(request, UnmaskRequest):
             raise SecAggViolation("the coordinator's unmask stage reply is not an unmask request")
         self._stage(STAGE_UNMASK_RESPONSE, pack_messages([self.client.unmask(request)]))
+
+
+class _Client(Protocol):
+    """The part of ``CoordinatorClient`` a secure round uses."""
+
+    def secure_stage(self, round_number: int, stage: str, payload: bytes) -> tuple[bytes, str]: ...
+
+    def upload(self, **kwargs: Any) -> Any: ...
+
+
+class SecureUplink:
+    """A site agent's secure-aggregation state across rounds (what ``SiteAgent`` calls).
+
+    Per round: ``begin_round`` starts the key stages on a background thread (they overlap the
+    inner steps: advertisement closes once every live site advertised); ``upload`` waits for
+    them, encodes (error feedback with this site's own residual, the round's shared random-k
+    coordinates, clip, fixed point, distributed noise), masks chunk by chunk and uploads with
+    wire chunks equal to the protocol's chunks; ``unmask`` answers the survivor list and the
+    unmask request. Misbehaviour detected by the protocol (a substituted key, a replayed
+    message, a request for both shares of one site) is refused and logged with the reason: the
+    site then sits the round out (its update is not unmasked) and waits for the broadcast.
+    """
+
+    def __init__(self, site: str, privacy: PrivacyConfig, uplink_codec: str, *, tls: TLSFiles | None) -> None:
+        self.site = site
+        self.privacy = privacy
+        self.uplink_codec = uplink_codec
+        if tls is not None:
+            ca, cert, key = tls.read()
+            self.identity = SiteIdentity.create(site, cert, key)
+            self.ca_pem: bytes | None = ca
+        else:
+            logger.warning(
+                "site %s: secure aggregation without TLS (--insecure): updates stay hidden from a "
+                "coordinator that follows the protocol, but identity keys are not bound to "
+                "certificates, so a coordinator that substitutes keys is no longer detected", site,
+            )
+            self.identity = SiteIdentity.create(site)
+            self.ca_pem = None
+        self.encoder = PrivateUpdateEncoder(privacy, uplink_codec)
+        self._round: SecureSite | None = None
+        self._keys: threading.Thread | None = None
+        self._keys_error: BaseException | None = None
+        self.refusals: list[str] = []
+        """Reasons this site refused a round (substitution, replay, double-share request)."""
+
+    def begin_round(self, client: _Client, *, session: str, round_number: int, round_seed: int, numel: int) -> None:
+        """Start this round's key stages beside the training."""
+        self._round = SecureSite(
+            self.identity, self.privacy, self.uplink_codec, numel=numel, session=session,
+            round_number=round_number, index_seed=secure_index_seed(round_seed),
+            call=lambda stage, payload: client.secure_stage(round_number, stage, payload), ca_pem=self.ca_pem,
+        )
+        self._keys_error = None
+        secure = self._round
+
+        def share_keys() -> None:
+            try:
+                secure.share_keys()
+            except BaseException as err:  # reported by upload(), on the agent's thread
+                self._keys_error = err
+
+        self._keys = threading.Thread(target=share_keys, name=f"geoloco-secagg-keys-{self.site}", daemon=True)
+        self._keys.start()
+
+    def _refuse(self, why: BaseException) -> None:
+        text = f"site {self.site}: refusing secure round: {why}"
+        logger.error("%s", text)
+        self.refusals.append(str(why))
+
+    def masked_update(self, update: torch.Tensor) -> bytes | None:
+        """Wait for the key stages, then the masked upload bytes (None: not in this round)."""
+        assert self._keys is not None and self._round is not None
+        self._keys.join()
+        error = self._keys_error
+        if isinstance(error, SecAggViolation):
+            self._refuse(error)
+            return None
+        if isinstance(error, SecAggAbort):
+            logger.warning("site %s: secure round %d aborted: %s", self.site, self._round.context.round_index, error)
+            return None
+        if error is not None:
+            # E.g. the site joined after key advertisement closed: it sits this round out.
+            logger.warning("site %s: not part of secure round %d (%s)", self.site, self._round.context.round_index, error)
+            if not isinstance(error, Exception):
+                raise error
+            return None
+        return self._round.masked_upload(update, self.encoder)
+
+    def upload_kwargs(self) -> dict[str, Any]:
+        """What ``CoordinatorClient.upload`` needs besides the bytes for a masked upload."""
+        assert self._round is not None
+        width = self.privacy.modulus_bits // 8
+        return {
+            "codec": SECURE_UPLOAD_CODEC,
+            "shape": [self._round.context.numel],
+            "dtype": MODULUS_DTYPES[self.privacy.modulus_bits].name,
+            "chunk_size": self.privacy.chunk_size * width,
+        }
+
+    def unmask(self) -> bool:
+        """The survivor list and the unmask answer; False when the round aborted or was refused."""
+        assert self._round is not None
+        try:
+            self._round.unmask()
+            return True
+        except SecAggViolation as why:
+            self._refuse(why)
+        except SecAggAbort as why:
+            logger.warning("site %s: secure round %d aborted: %s", self.site, self._round.context.round_index, why)
+        except (RoundClosed, UpdateRejected) as why:
+            # E.g. the coordinator says this site is not among the survivors: it waits for the
+            # broadcast, which says whether its update counted.
+            logger.warning("site %s: unmasking of round %d refused: %s", self.site, self._round.context.round_index, why)
+        return False

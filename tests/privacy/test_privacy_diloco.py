@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import identity_keys
+from _privacy_helpers import identity_keys
 
 from geoloco.algorithms.diloco import pseudo_gradient, run_inner_steps
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, OuterOptimizerConfig

@@ -8,7 +8,7 @@ import dp_accounting
 import numpy as np
 import pytest
 import torch
-from conftest import identity_keys
+from _privacy_helpers import identity_keys
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from geoloco.algorithms.config import ConfigError, config_from_dict

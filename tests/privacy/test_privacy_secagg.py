@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import identity_keys, seeded_bytes
+from _privacy_helpers import identity_keys, seeded_bytes
 from scipy import stats
 
 from geoloco.algorithms.fixed_point import lift

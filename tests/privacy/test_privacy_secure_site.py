@@ -177,3 +177,50 @@ def test_site_refuses_a_round_with_a_substituted_identity(certs: Path, tmp_path:
         t.join(timeout=60)
     assert set(errors) == set(NAMES)
     assert all(isinstance(e, SecAggViolation) and "this run's CA" in str(e) for e in errors.values())
+
+
+def test_site_agent_uplink_refuses_substitution_logs_why_and_sits_the_round_out(
+    certs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``SecureUplink`` (what ``SiteAgent`` calls) turns a detected substitution into a logged
+    refusal: no masked update leaves the site, and the reason is kept."""
+    from geoloco.protos.transport import TLSFiles
+    from geoloco.site_agent.secure_site import SecureUplink
+
+    init_ca(tmp_path)
+    issue_site(tmp_path, "s2")
+    forged = _identity(tmp_path, "s2").binding
+    privacy = PrivacyConfig(secure_aggregation=True, clip_norm=1.0)
+    secure = SecureRound(privacy, "none", numel=NUMEL, session="sess", round_number=0,
+                         index_seed=5, stage_timeout_s=60, now=0.0)
+    coordinator = _Coordinator(secure)
+
+    def swap(data: bytes) -> bytes:
+        reply = json.loads(data)
+        bindings = unpack_messages(reply["bindings"].encode(), raw=True)
+        kept = [b for b in bindings if json.loads(b)["name"] != "s2"]
+        reply["bindings"] = pack_messages([*kept, forged]).decode()
+        return json.dumps(reply).encode()
+
+    coordinator.tamper = swap
+
+    class _Client:
+        def __init__(self, name: str) -> None:
+            self.call = coordinator.call(name)
+
+        def secure_stage(self, round_number: int, stage: str, payload: bytes) -> tuple[bytes, str]:
+            assert round_number == 0
+            return self.call(stage, payload)
+
+        def upload(self, **kwargs: object) -> None:
+            raise AssertionError("a refused round must not upload")
+
+    uplinks = {n: SecureUplink(n, privacy, "none", tls=TLSFiles.from_dir(certs, n)) for n in NAMES}
+    for name, uplink in uplinks.items():
+        uplink.begin_round(_Client(name), session="sess", round_number=0, round_seed=1, numel=NUMEL)
+    update = torch.full((NUMEL,), 1e-3)
+    with caplog.at_level("ERROR", logger="geoloco.site_agent.secure_site"):
+        masked = {n: u.masked_update(update) for n, u in uplinks.items()}
+    assert masked == dict.fromkeys(NAMES)
+    assert all("this run's CA" in u.refusals[0] for u in uplinks.values())
+    assert sum("refusing secure round" in r.getMessage() for r in caplog.records) == len(NAMES)

@@ -26,6 +26,7 @@ EXPECTED_RPCS = {
     "AwaitBroadcast": (False, True),
     "Heartbeat": (False, False),
     "Leave": (False, False),
+    "SecureStage": (False, False),
 }
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 
@@ -17,8 +16,3 @@ def identity_keys(n: int, seed: int = 0) -> dict[int, Ed25519PrivateKey]:
 def seeded_bytes(seed: int) -> Callable[[int], bytes]:
     """A reproducible stand-in for ``os.urandom`` (tests only)."""
     return random.Random(seed).randbytes
-
-
-@pytest.fixture
-def keys() -> Callable[..., dict[int, Ed25519PrivateKey]]:
-    return identity_keys

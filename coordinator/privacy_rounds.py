@@ -1,0 +1,332 @@
+"""The coordinator's privacy layer: secure aggregation per round, DP noise, the privacy accountant.
+
+``RoundStateMachine`` owns one ``PrivateRounds`` when the coordinator's ``[privacy]`` table
+enables anything, and calls it (always under its own lock, except ``finish_round``) at a few
+well-defined points; all privacy decisions live here:
+
+* **Secure aggregation** (``privacy.secure_aggregation``). One ``SecureRound`` per wire round,
+  created once the round has started (its quorum of members joined), so the key-advertisement
+  stage never closes over the first site to arrive alone. Masked uploads (codec
+  ``SECURE_UPLOAD_CODEC``, ``uint32`` values in ``Z_{2^b}``) are added into the protocol's sum
+  chunk by chunk as they arrive (``add_chunk``): the wire chunks of a masked upload are exactly the
+  protocol's chunks (``privacy.chunk_size`` values each), and no site's vector, masked or not,
+  is ever assembled. Resent identical chunks are ignored (the protocol keeps a CRC-32 per chunk,
+  never the values). When uploads close, the survivors sign the survivor list and answer the
+  unmask request; a site killed after uploading stays in the sum as long as at least the
+  threshold of sites answer. Fewer: the round is aborted, nothing is revealed and the round
+  broadcasts "no change" (``num_contributors = 0``); the next round proceeds with whoever is left.
+* **Differential privacy.** ``central``: with secure aggregation the coordinator adds Gaussian
+  noise to the unmasked sum; without it the (trusted) coordinator clips each decoded update to
+  ``clip_norm`` before summing and adds the noise to the sum. ``distributed``: sites add Skellam
+  noise before masking (``geoloco.algorithms.privacy``). Either way every site counts the same
+  in the mean (uniform weighting: per-site sample weights would change the sensitivity).
+* **Accounting.** After every released round the accountant (Google's ``dp-accounting``)
+  composes the round's noise multiplier; ε at ``privacy.delta`` goes into the round's metrics
+  record (``epsilon``), hence ``metrics.jsonl``, ``/api/status``, Prometheus and the run summary.
+  With ``epsilon_budget`` set, the run finishes after the last round whose successor would push
+  ε above the budget. The accountant's state travels in checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from geoloco.algorithms.diloco import encode_downlink
+from geoloco.algorithms.fixed_point import MODULUS_DTYPES, clip_l2
+from geoloco.algorithms.params import weights_digest
+from geoloco.algorithms.privacy import (
+    SECURE_UPLOAD_CODEC,
+    PrivacyAccountant,
+    PrivacyConfig,
+    add_central_noise,
+    secure_context,
+    secure_index_seed,
+)
+from geoloco.algorithms.secagg import MIN_SITES, SecAggAbort, SecAggViolation, num_chunks, site_index
+from geoloco.algorithms.diloco import StreamingAggregator
+from geoloco.algorithms.strategy import RoundPlan, RoundUpdate, Strategy
+from geoloco.coordinator.errors import InvalidUpdateError, WrongRoundError
+from geoloco.coordinator.secure_round import SecureRound, StageReply
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.wire import to_index_ranges
+
+__all__ = ["PrivateRounds", "SecureUpload", "epsilon_text"]
+
+logger = logging.getLogger(__name__)
+
+@dataclass(slots=True)
+class SecureUpload:
+    """What the coordinator keeps of one site's masked upload: its manifest, never its values."""
+
+    manifest: pb.UploadManifest
+    num_chunks: int
+    received: set[int]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.received) == self.num_chunks
+
+    def missing(self) -> list[tuple[int, int]]:
+        return [(i, i + 1) for i in range(self.num_chunks) if i not in self.received]
+
+
+class PrivateRounds:
+    """Secure aggregation, DP noise and accounting for a coordinator session (see module doc)."""
+
+    def __init__(
+        self,
+        privacy: PrivacyConfig,
+        uplink_codec: str,
+        *,
+        numel: int,
+        session: str,
+        stage_timeout_s: float,
+    ) -> None:
+        self.privacy = privacy
+        self.uplink_codec = uplink_codec
+        self.numel = numel
+        self.session = session
+        self.stage_timeout_s = stage_timeout_s
+        self.accountant = PrivacyAccountant(privacy.delta) if privacy.dp != "off" else None
+        self.current: SecureRound | None = None
+        self._uploads: dict[str, SecureUpload] = {}
+        self._unmasking = False
+        width = privacy.modulus_bits // 8
+        self.sent_values = secure_context(privacy, uplink_codec, numel=numel, session=session, round_index=0).numel
+        self.upload_bytes = self.sent_values * width
+        self.wire_chunk_bytes = privacy.chunk_size * width
+
+    @property
+    def secure(self) -> bool:
+        return self.privacy.secure_aggregation
+
+    # ------------------------------------------------------------------------------------------
+    # Secure rounds (called under the state machine's lock)
+
+    def start_round(self, round_number: int, round_seed: int, now: float) -> None:
+        """The round's quorum is there: open its key-advertisement stage."""
+        if not self.secure or (self.current is not None and self.current.round_number == round_number):
+            return
+        self.current = SecureRound(
+            self.privacy, self.uplink_codec, numel=self.numel, session=self.session,
+            round_number=round_number, index_seed=secure_index_seed(round_seed),
+            stage_timeout_s=self.stage_timeout_s, now=now,
+        )
+        self._uploads = {}
+        self._unmasking = False
+
+    def _round(self, round_number: int) -> SecureRound | None:
+        current = self.current
+        return current if current is not None and current.round_number == round_number else None
+
+    def stage(self, site: str, round_number: int, stage: str, payload: bytes, live: set[str], now: float) -> StageReply:
+        """Record a stage call and answer it if its stage has closed (``ready=False``: call again)."""
+        current = self._round(round_number)
+        if current is None:
+            if self.current is not None and round_number < self.current.round_number:
+                raise WrongRoundError(
+                    f"secure-aggregation stage {stage!r} for round {round_number}, but the coordinator "
+                    f"is at round {self.current.round_number}; a replay or a late call is refused"
+                )
+            return StageReply(ready=False)  # the round has not started yet
+        try:
+            current.submit(site, stage, payload)
+        except (SecAggViolation, ValueError) as err:
+            raise InvalidUpdateError(f"secure aggregation, round {round_number}: {err}") from None
+        current.advance(live, now)
+        return current.reply(site, stage)
+
+    def advance(self, live: set[str], now: float) -> None:
+        if self.current is not None:
+            self.current.advance(live, now)
+
+    def open_upload(self, site: str, manifest: pb.UploadManifest) -> SecureUpload:
+        """Check a masked upload's manifest; only sites that shared keys in time may upload."""
+        blob = manifest.blob
+        if blob.codec != SECURE_UPLOAD_CODEC:
+            raise InvalidUpdateError(
+                f"secure aggregation is on: uploads must be masked (codec {SECURE_UPLOAD_CODEC!r}), got "
+                f"{blob.codec!r}; the site must run with the coordinator's [privacy] settings"
+            )
+        dtype = MODULUS_DTYPES[self.privacy.modulus_bits]
+        if blob.dtype != dtype.name or list(blob.shape) != [self.sent_values]:
+            raise InvalidUpdateError(
+                f"masked upload of {blob.dtype} {list(blob.shape)}; expected {dtype.name} [{self.sent_values}]"
+            )
+        if blob.total_bytes != self.upload_bytes or blob.chunk_size != self.wire_chunk_bytes:
+            raise InvalidUpdateError(
+                f"masked upload of {blob.total_bytes} bytes in chunks of {blob.chunk_size}; expected "
+                f"{self.upload_bytes} bytes in chunks of {self.wire_chunk_bytes} (one protocol chunk each)"
+            )
+        current = self._round(manifest.round)
+        if current is None or current.aborted or not current.may_upload(site):
+            why = (
+                current.aborted if current is not None and current.aborted
+                else "the site did not share keys before the key stage closed"
+            )
+            raise WrongRoundError(
+                f"site {site!r} cannot upload to secure round {manifest.round} ({why}); its update "
+                "stays out of this round: wait for the broadcast"
+            )
+        existing = self._uploads.get(site)
+        if existing is not None:
+            if existing.manifest.blob.total_bytes != blob.total_bytes:
+                raise InvalidUpdateError(f"site {site!r} re-opened its masked upload with another size")
+            return existing
+        upload = SecureUpload(manifest=manifest, num_chunks=num_chunks(self.sent_values, self.privacy.chunk_size), received=set())
+        self._uploads[site] = upload
+        return upload
+
+    def add_chunk(self, site: str, upload: SecureUpload, index: int, data: bytes) -> None:
+        """Add one masked chunk into the protocol's sum (a resent identical chunk is a no-op)."""
+        current = self._round(upload.manifest.round)
+        if current is None or current.aborted:
+            raise WrongRoundError(f"secure round {upload.manifest.round} is over or aborted; upload refused")
+        if not 0 <= index < upload.num_chunks:
+            raise InvalidUpdateError(f"masked chunk {index} is outside the upload's {upload.num_chunks} chunks")
+        try:
+            current.server.receive_masked_chunk(site_index(site), index, data)
+        except ValueError as err:
+            raise InvalidUpdateError(f"site {site!r}: {err}") from None
+        upload.received.add(index)
+
+    def upload_status(self, site: str, round_number: int) -> pb.UploadStatusResponse:
+        upload = self._uploads.get(site)
+        if upload is None or upload.manifest.round != round_number:
+            return pb.UploadStatusResponse(known=False)
+        done = sorted(upload.received)
+        return pb.UploadStatusResponse(
+            known=True, manifest=upload.manifest, received=to_index_ranges((i, i + 1) for i in done),
+            missing=to_index_ranges(upload.missing()), complete=upload.complete,
+        )
+
+    def upload_response(self, upload: SecureUpload) -> pb.UploadResponse:
+        return pb.UploadResponse(
+            complete=upload.complete, missing=to_index_ranges(upload.missing()),
+            received_bytes=len(upload.received) * self.wire_chunk_bytes,
+        )
+
+    def close_decision(self, members: set[str], contributed: set[str], min_sites: int, deadline_passed: bool) -> bool:
+        """Whether uploads of the current secure round close now."""
+        current = self.current
+        if current is None:
+            return False
+        if current.aborted:
+            return True
+        if not current.keys_shared:
+            return deadline_passed
+        expected = {m for m in members if current.may_upload(m)}
+        enough = len(contributed) >= max(min_sites, MIN_SITES)
+        return (enough and expected <= contributed) or deadline_passed
+
+    def close_upload(self, now: float) -> None:
+        """Uploads closed: freeze the survivors; the consistency and unmask stages begin."""
+        if self.current is not None:
+            self.current.close_upload(now)
+            self._unmasking = True
+
+    @property
+    def unmasked(self) -> bool:
+        """Unmasking finished (or the round was aborted): the round can be aggregated."""
+        return self.current is None or self.current.done
+
+    # ------------------------------------------------------------------------------------------
+    # Central DP without secure aggregation
+
+    def clip(self, decoded: torch.Tensor) -> torch.Tensor:
+        """Central DP without secure aggregation: the trusted coordinator clips each update."""
+        assert self.privacy.clip_norm is not None
+        return clip_l2(decoded, self.privacy.clip_norm)[0]
+
+    # ------------------------------------------------------------------------------------------
+    # Aggregation (outside the lock; the round is frozen)
+
+    def finish_round(
+        self,
+        strategy: Strategy,
+        global_flat: torch.Tensor,
+        aggregator: StreamingAggregator,
+        plan: RoundPlan,
+        contributors: list[str],
+    ) -> tuple[RoundUpdate, list[str], float, dict[str, Any]]:
+        """Outer step for a privacy round: (update, contributors, |mean update|, metrics)."""
+        p = self.privacy
+        info: dict[str, Any] = {"secure_aggregation": p.secure_aggregation, "dp": p.dp}
+        mean: torch.Tensor | None
+        noise_multiplier = p.noise_multiplier
+        if self.secure:
+            current = self.current
+            try:
+                if current is None:
+                    raise SecAggAbort("no secure round was started")
+                mean = current.result()
+                survivors = current.survivors
+                if p.dp != "off":
+                    noise_multiplier = current.noise_multiplier()
+                info["survivors"] = survivors
+                info["dropped_after_upload"] = sorted(set(survivors) - set(current.unmask_answered))
+            except SecAggAbort as why:
+                mean, survivors = None, []
+                info["aborted"] = str(why) or (current.aborted if current is not None else "")
+            self.current = None
+            self._uploads = {}
+            contributors = survivors
+            if mean is not None and p.dp == "central":
+                mean = add_central_noise(mean * len(survivors), p) / len(survivors)
+        elif contributors:
+            # Uniform weights (enforced by the config): the sum of the clipped updates is
+            # mean * count; central DP adds its noise to that sum.
+            mean = aggregator.take_result()
+            if p.dp == "central":
+                mean = add_central_noise(mean * len(contributors), p) / len(contributors)
+        else:
+            mean = None
+        if mean is None:
+            update = _no_change(strategy, global_flat, plan)
+            norm = 0.0
+        else:
+            mean = mean.to(global_flat.device, torch.float32)
+            norm = float(torch.linalg.vector_norm(mean))
+            update = strategy.apply_mean_update(
+                global_flat, mean, tuple(range(len(contributors))), plan, consume_mean=True
+            )
+            del mean
+            if self.accountant is not None:
+                self.accountant.step(noise_multiplier)
+        if self.accountant is not None:
+            info["epsilon"] = self.accountant.epsilon()
+            info["delta"] = p.delta
+            info["noise_multiplier"] = noise_multiplier
+            info["budget_exhausted"] = not self.accountant.allows(noise_multiplier, p.epsilon_budget)
+        return update, contributors, norm, info
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints
+
+    def state(self) -> dict[str, Any]:
+        return {} if self.accountant is None else {"accountant": self.accountant.state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if self.accountant is not None and "accountant" in state:
+            self.accountant.load_state(state["accountant"])
+
+
+def _no_change(strategy: Strategy, global_flat: torch.Tensor, plan: RoundPlan) -> RoundUpdate:
+    """An aborted round: no outer step; the downlink carries θ' = θ_t (plus its residual)."""
+    downlink, next_flat = encode_downlink(
+        strategy.downlink, global_flat, global_flat.clone(), seed=plan.downlink_seed, consume_new_flat=True
+    )
+    return RoundUpdate(global_flat=next_flat, downlink=downlink, digest=weights_digest(next_flat), sites=())
+
+
+def epsilon_text(record: dict[str, Any]) -> str:
+    """``eps=1.23 (delta=1e-05)`` for log lines and summaries; empty without DP."""
+    eps = record.get("epsilon")
+    if eps is None or not math.isfinite(float(eps)):
+        return ""
+    return f"eps={float(eps):.4g} (delta={record.get('privacy_delta', record.get('delta', 0)):g})"

@@ -58,6 +58,7 @@ from geoloco.algorithms.privacy import (
     plan_secure_round,
     private_round_in_memory,
 )
+from geoloco.algorithms.streaming_sim import StreamingRounds
 from geoloco.algorithms.strategy import (
     UPDATE_GRADIENT,
     AlgorithmConfig,
@@ -176,6 +177,13 @@ class SimulatorConfig:
             "simulation.round_deadline_s",
             "the ddp baseline waits for every site each step; unset round_deadline_s",
         )
+        if self.algorithm.streaming.enabled:
+            require(
+                not self.privacy.enabled,
+                "privacy",
+                "the simulator runs privacy rounds on the whole model; disable "
+                "algorithm.streaming or privacy",
+            )
         if self.privacy.enabled:
             require(
                 self.algorithm.name != "ddp" and self.algorithm.warmup_steps == 0,
@@ -257,6 +265,12 @@ class RoundRecord:
     """``weights_digest`` of the global weights after the round."""
     epsilon: float | None = None
     """Accounted epsilon (at ``privacy.delta``) after this round; ``None`` without DP."""
+    peak_bytes_in_flight: list[int] | None = None
+    """Per site, the largest single transfer of this record (one upload or one broadcast): the
+    whole model's update in plain DiLoCo, one fragment's with streaming; ``None`` where not
+    tracked (ddp, privacy rounds)."""
+    fragment: int | None = None
+    """Streaming DiLoCo: the fragment this round synchronised; ``None`` otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
@@ -302,6 +316,7 @@ class Simulator:
             inner_optimizer=config.inner_optimizer,
             seed=sim.seed,
             device=self.device,
+            layout=self.layout,
         )
         self.data_parallel = self.strategy.update_kind == UPDATE_GRADIENT
         num_sites = len(config.sites)
@@ -331,6 +346,10 @@ class Simulator:
         self.open_s = 0.0
         self.bytes_up_total = 0
         self.bytes_down_total = 0
+        # Streaming DiLoCo (geoloco.algorithms.streaming_sim): per-site weights and overlap.
+        self.streaming: StreamingRounds | None = (
+            StreamingRounds(self) if config.algorithm.streaming.enabled else None
+        )
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -527,6 +546,7 @@ class Simulator:
             "utilization": utilization,
             "stragglers": sorted(pending),
             "sites_aggregated": len(included),
+            "peak_bytes_in_flight": [max(up, update.downlink.nbytes) for up in upload_sizes],
         }
 
     def _private_round_finish(
@@ -567,7 +587,7 @@ class Simulator:
                 eval_loss: float | None) -> RoundRecord:
         self.bytes_up_total += sum(stats["bytes_up"])
         self.bytes_down_total += sum(stats["bytes_down"])
-        end = max(s.ready_s for s in self.sites)
+        end = stats.get("end_s", max(s.ready_s for s in self.sites))
         record = RoundRecord(
             round=round_index,
             phase=phase,  # type: ignore[arg-type]
@@ -586,6 +606,8 @@ class Simulator:
             utilization=stats["utilization"],
             digest=weights_digest(self.global_flat),
             epsilon=None if self.accountant is None else self.accountant.epsilon(),
+            peak_bytes_in_flight=stats.get("peak_bytes_in_flight"),
+            fragment=stats.get("fragment"),
         )
         self.clock_s = end
         return record
@@ -627,14 +649,19 @@ class Simulator:
                         self.config.privacy.epsilon_budget,
                     )
                     return
-                stats = self._diloco_round(round_index)
+                stats = (
+                    self.streaming.round(round_index)
+                    if self.streaming is not None
+                    else self._diloco_round(round_index)
+                )
                 if self.accountant is not None:
                     self.accountant.step(z)
             last = round_index == sim.rounds
             eval_loss = (
                 self._evaluate() if last or round_index % sim.eval_every == 0 else None
             )
-            yield self._record(round_index, "train", algo.inner_steps, stats, eval_loss)
+            steps = self.strategy.inner_steps if self.streaming is not None else algo.inner_steps
+            yield self._record(round_index, "train", steps, stats, eval_loss)
             if (
                 sim.target_eval_loss is not None
                 and eval_loss is not None

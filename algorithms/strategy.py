@@ -19,8 +19,8 @@ AdamW state) to the averaged gradient: exactly one DDP step, whose delta every r
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -28,7 +28,12 @@ from geoloco.algorithms.config import ConfigError, config_to_dict, require
 from geoloco.algorithms.diloco import StreamingAggregator, UpdateEncoder, encode_downlink
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, OuterOptimizerConfig
 from geoloco.algorithms.params import derive_seed, weights_digest
+from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.compression import CodecError, Encoded, parse_codec
+
+if TYPE_CHECKING:
+    from geoloco.algorithms.params import ParamLayout
+    from geoloco.algorithms.streaming import StreamingStrategy
 
 __all__ = [
     "ALGORITHMS",
@@ -73,6 +78,9 @@ class AlgorithmConfig:
     """Average site updates uniformly, or weighted by the samples each site trained on."""
     warmup_steps: int = 0
     """Synchronous data-parallel steps before the first round (their bytes are counted)."""
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    """Streaming DiLoCo (``[algorithm.streaming]``): fragments on a staggered schedule, transfers
+    overlapped with training; see ``geoloco.algorithms.streaming``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,6 +108,17 @@ class AlgorithmConfig:
             "warmup_steps",
             "the ddp baseline is data-parallel throughout; set warmup_steps = 0",
         )
+        # Streaming DiLoCo: checks that need H and the algorithm.
+        if self.streaming.enabled:
+            require(
+                self.name != "ddp",
+                "streaming.enabled",
+                "the ddp baseline synchronises every step; streaming needs diloco, fedavg or fedopt",
+            )
+            try:
+                self.streaming.check_inner_steps(self.inner_steps)
+            except ConfigError as err:
+                raise err.under("streaming") from None
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
@@ -211,8 +230,17 @@ class Strategy:
         """``w_k`` for a site that trained on ``samples`` samples this round."""
         return 1.0 if self.config.weighting == "uniform" else float(samples)
 
-    def new_aggregator(self) -> StreamingAggregator:
+    def new_aggregator(self, round_index: int | None = None) -> StreamingAggregator:
+        """The aggregation buffer of a round (``round_index`` matters only when streaming)."""
         return StreamingAggregator(numel=self.numel, device=self.device)
+
+    def fragment_for_round(self, round_index: int) -> int:
+        """Streaming DiLoCo fragment a round synchronises: always 0 (the whole model) here."""
+        return 0
+
+    def update_numel(self, round_index: int) -> int:
+        """Elements of a round's uploads and broadcast: the whole model here."""
+        return self.numel
 
     def aggregate_round(
         self,
@@ -349,8 +377,25 @@ def build_strategy(
     inner_optimizer: InnerOptimizerConfig | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,
-) -> Strategy:
-    """The strategy named by ``config.name``."""
+    layout: ParamLayout | None = None,
+) -> Strategy | StreamingStrategy:
+    """The strategy named by ``config.name``; with ``config.streaming.enabled`` its Streaming
+    DiLoCo form (``StreamingStrategy``), which needs the model's ``layout`` for its fragments."""
+    if config.streaming.enabled:
+        from geoloco.algorithms.streaming import StreamingStrategy
+
+        if layout is None:
+            raise ValueError("streaming needs the model's ParamLayout: pass layout= to build_strategy")
+        if layout.numel != numel:
+            raise ValueError(f"layout has {layout.numel} elements but numel = {numel}")
+        return StreamingStrategy(
+            config,
+            layout=layout,
+            outer_optimizer=outer_optimizer,
+            inner_optimizer=inner_optimizer,
+            seed=seed,
+            device=device,
+        )
     try:
         cls = ALGORITHMS[config.name]
     except KeyError:

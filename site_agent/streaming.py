@@ -95,6 +95,8 @@ class StreamingSite:
         self.overlap_done = 0
         """Inner steps already run for the held round while the previous fragment travelled."""
         self.overlap_time_s = 0.0
+        self.overlap_losses: list[float] = []
+        self.overlap_samples = 0
         self.pending: _InFlight | None = None
         """A round whose upload or broadcast wait failed (coordinator restart, dropped site):
         finished after the re-join with the same encoded bytes (uploads are idempotent)."""
@@ -119,7 +121,7 @@ class StreamingSite:
             self._finish(pending)
             return
         if a._held_round < a._coordinator_round:
-            self.overlap_done = 0
+            self.overlap_done, self.overlap_losses, self.overlap_samples = 0, [], 0
             self._chase()
             return
         total = a._run_config.total_rounds
@@ -135,10 +137,12 @@ class StreamingSite:
         flight.thread.start()
         tau = self.schedule.overlap_steps
         self.overlap_done, self.overlap_time_s = 0, 0.0
+        self.overlap_losses, self.overlap_samples = [], 0
         try:
             if tau > 0 and not last:
-                _, _, seconds = self._train(tau)
+                losses, samples, seconds = self._train(tau)
                 self.overlap_done, self.overlap_time_s = tau, seconds
+                self.overlap_losses, self.overlap_samples = losses, samples
         finally:
             a._phase = pb.SITE_PHASE_WAITING
             flight.thread.join()
@@ -147,8 +151,9 @@ class StreamingSite:
             raise flight.error
         self._finish(flight)
 
-    def _train(self, steps: int) -> tuple[float, int, float]:
-        """``steps`` inner steps on the model as it is (the site's own weights)."""
+    def _train(self, steps: int) -> tuple[list[float], int, float]:
+        """``steps`` inner steps on the model as it is (the site's own weights):
+        (losses, samples, seconds)."""
         a = self.agent
         a._phase = pb.SITE_PHASE_TRAINING
         t0 = time.perf_counter()
@@ -158,14 +163,18 @@ class StreamingSite:
         )
         if a.device.type == "cuda":
             torch.cuda.synchronize(a.device)
-        return result.mean_loss, result.samples, time.perf_counter() - t0
+        return result.losses, result.samples, time.perf_counter() - t0
 
     def _train_and_encode(self, round_number: int) -> _InFlight:
         a = self.agent
         assert a._global is not None
         started = time.monotonic()
         steps = self.schedule.interval - self.overlap_done
-        loss, samples, seconds = self._train(steps)
+        losses, samples, seconds = self._train(steps)
+        # The round's steps: the overlap steps run while the previous fragment travelled, then these.
+        losses = self.overlap_losses + losses
+        samples += self.overlap_samples
+        loss = sum(losses) / len(losses) if losses else float("nan")
         fragment_index = self.strategy.fragment_for_round(round_number + 1)
         fragment = self.strategy.partition[fragment_index]
         local = a.layout.flatten(a.module)
@@ -173,7 +182,7 @@ class StreamingSite:
         del local
         flight = _InFlight(
             round=round_number, fragment=fragment_index, encoded=None, loss=loss,
-            samples=samples + 0, inner_steps=self.schedule.interval,
+            samples=samples, inner_steps=self.schedule.interval,
             inner_time_s=seconds + self.overlap_time_s, started_s=started,
             bytes_down_before=a.client.stats.received,
         )
@@ -307,7 +316,7 @@ class StreamingSite:
                 )
         else:
             local = weights.clone()
-            self.overlap_done = 0
+            self.overlap_done, self.overlap_losses, self.overlap_samples = 0, [], 0
         a.layout.load_(a.module, local)
         a._global, a._global_digest, a._held_round = weights, weights_digest(weights), round_number
 

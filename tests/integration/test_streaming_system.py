@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 from pathlib import Path
@@ -165,7 +166,12 @@ def test_streaming_site_killed_and_restarted_over_processes(certs: Path, tmp_pat
 
         steady = site("site-0", "0")
         victim = site("site-1", "1")
-        victim.wait_line(SITE_ROUND, where=lambda m: int(m["round"]) >= 2, what="site 1 after round 2")
+        _, trained = victim.wait_line(
+            SITE_ROUND, where=lambda m: int(m["round"]) >= 2, what="site 1 after round 2"
+        )
+        # overlap_steps = H/P: all of a round's steps ran while the previous fragment travelled,
+        # and the round's loss is theirs.
+        assert math.isfinite(float(trained["loss"])), trained.string
         victim.kill(signal.SIGKILL)
         assert victim.wait_exit() == -signal.SIGKILL
         excluded_at, excluded = coordinator.wait_line(

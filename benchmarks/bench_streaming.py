@@ -8,7 +8,7 @@ shipped scenarios it compares against:
 * ``transatlantic``: us-east (1 Gbit/s, 2 ms) and eu-west (10 Mbit/s, 80 ms each way), H = 20,
   int8 up and down (``scenarios/transatlantic.toml`` / ``scenarios/streaming.toml``);
 * ``heterogeneous``: three sites at 1x, 0.5x and 0.25x compute speed (step time factors 1, 2, 4)
-  on 100 Mbit/s, 20 ms links, H = 10 (``scenarios/heterogeneous.toml``).
+  on 100 Mbit/s, 30 ms links, H = 10 (``scenarios/heterogeneous.toml``).
 
 Workload: the byte-level GPT ("small" preset, 484K parameters, 16 x 64-byte windows per batch),
 each site on its own stdlib modules. Every configuration runs the same ``T`` inner steps per site
@@ -23,6 +23,15 @@ mean and min over sites); the largest single transfer per site (peak bytes in fl
 
 Outputs ``results/streaming.md`` and ``results/streaming.json``. ``--quick`` is a smoke run of a
 few steps of the "tiny" preset; its numbers mean nothing.
+
+    python benchmarks/bench_streaming.py --emulated runs/transatlantic runs/streaming
+
+compares two ``geoloco emulate`` runs (plain first) instead: per site, the steady-state compute
+utilization (inner-step seconds the site reported with its uploads of rounds 1..R-1, over the
+wall-clock between the aggregation of round 0 and of the last round: process start-up, torch
+import and the first fetch are left out, they are the same for both), the final eval loss (equal
+inner steps when both ran the same steps) and the eval loss at equal wall-clock (seconds since the
+emulation started, from ``rounds.jsonl``).
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ TRANSATLANTIC = [
     SiteConfig(name="eu-west", uplink_bps=1e7, downlink_bps=1e7, latency_s=0.08),
 ]
 HETEROGENEOUS = [
-    SiteConfig(name=f"{speed}x", uplink_bps=1e8, downlink_bps=1e8, latency_s=0.02,
+    SiteConfig(name=f"{speed}x", uplink_bps=1e8, downlink_bps=1e8, latency_s=0.03,
                step_time_factor=factor)
     for speed, factor in (("1", 1.0), ("0.5", 2.0), ("0.25", 4.0))
 ]
@@ -164,13 +173,56 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def emulated(run_dir: Path) -> dict[str, Any]:
+    """Steady-state utilization per site and eval points of one ``geoloco emulate`` run."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    observed = {
+        int(o["round"]): float(o["observed_s"])
+        for o in map(json.loads, (run_dir / "rounds.jsonl").read_text().splitlines())
+    }
+    span = observed[records[-1]["round"]] - observed[records[0]["round"]]
+    sites = sorted({site for r in records for site in r.get("site_metrics", {})})
+    utilization = {
+        site: sum(r["site_metrics"].get(site, {}).get("inner_time_s", 0.0) for r in records[1:]) / span
+        for site in sites
+    }
+    evals = [(observed[r["round"]], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+    return {"dir": str(run_dir), "rounds": len(records), "utilization": utilization,
+            "evals": evals, "span_s": span}
+
+
+def emulated_table(plain: dict[str, Any], streaming: dict[str, Any]) -> str:
+    end = min(plain["evals"][-1][0], streaming["evals"][-1][0])
+
+    def at(run: dict[str, Any]) -> float:
+        return [loss for t, loss in run["evals"] if t <= end + 1e-9][-1]
+
+    lines = [
+        "| run | rounds | steady-state compute utilization per site | final eval loss | "
+        f"eval loss at {end:.1f} s |",
+        "|---|---|---|---|---|",
+    ]
+    for run in (plain, streaming):
+        util = ", ".join(f"{site} {100 * u:.1f} %" for site, u in run["utilization"].items())
+        lines.append(
+            f"| {run['dir']} | {run['rounds']} | {util} | {run['evals'][-1][1]:.4f} "
+            f"({run['evals'][-1][1] / plain['evals'][-1][1]:.4f}x) | {at(run):.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="inner steps per site (T)")
     parser.add_argument("--step-time", type=float, default=0.15, help="virtual seconds per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 40 steps")
+    parser.add_argument("--emulated", nargs=2, type=Path, metavar=("PLAIN_RUN", "STREAMING_RUN"),
+                        help="compare two `geoloco emulate` output folders instead")
     args = parser.parse_args(argv)
+    if args.emulated:
+        print(emulated_table(*(emulated(d) for d in args.emulated)))
+        return 0
     torch.set_num_threads(1)
     size = "tiny" if args.quick else "small"
     steps = 40 if args.quick else args.steps

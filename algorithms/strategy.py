@@ -309,6 +309,11 @@ class Strategy:
             raise ValueError(
                 f"state was saved by algorithm {meta.get('algorithm')!r}; this is {self.name!r}"
             )
+        if "fragments" in meta:
+            raise ValueError(
+                f"state was saved by Streaming DiLoCo with {len(meta['fragments'])} fragments; "
+                "resume with the same [algorithm.streaming] settings or start a fresh checkpoint_dir"
+            )
         outer = {k.removeprefix("outer."): v for k, v in tensors.items() if k.startswith("outer.")}
         down = {
             k.removeprefix("downlink."): v for k, v in tensors.items() if k.startswith("downlink.")

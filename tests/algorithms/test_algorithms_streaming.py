@@ -381,3 +381,14 @@ def test_simulator_config_refuses_streaming_with_privacy() -> None:
     with pytest.raises(ConfigError) as info:
         _sim_config({"enabled": True}, privacy={"secure_aggregation": True, "clip_norm": 1.0})
     assert info.value.key == "privacy" and "streaming" in info.value.message
+
+
+def test_plain_strategy_refuses_streaming_state() -> None:
+    layout = _layout()
+    streaming = build_strategy(
+        AlgorithmConfig(inner_steps=4, streaming=StreamingConfig(enabled=True, fragments=2)),
+        numel=layout.numel, layout=layout,
+    )
+    plain = build_strategy(AlgorithmConfig(inner_steps=4), numel=layout.numel)
+    with pytest.raises(ValueError, match="Streaming DiLoCo with 2 fragments"):
+        plain.load_state(streaming.state_tensors(), streaming.state_meta())

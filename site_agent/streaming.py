@@ -40,7 +40,13 @@ from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy
 from geoloco.algorithms.streaming import FragmentUplink, StreamingStrategy, merge_fragment_
 from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.site_agent.client import RoundClosed, RunFinished, SiteAgentError, UpdateRejected
+from geoloco.site_agent.client import (
+    RejoinRequired,
+    RoundClosed,
+    RunFinished,
+    SiteAgentError,
+    UpdateRejected,
+)
 from geoloco.site_agent.config import RoundResult
 
 if TYPE_CHECKING:
@@ -331,8 +337,7 @@ class StreamingSite:
             a._finished = True
             return
         except RoundClosed as why:
-            from geoloco.site_agent.client import RejoinRequired
-
+            # The coordinator went back to an earlier round (restart): join again.
             raise RejoinRequired(str(why)) from None
         self._apply(round_number, header, data)
         a._coordinator_round = max(header.next_round.round, a._held_round)

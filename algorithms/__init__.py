@@ -11,6 +11,9 @@ real coordinator and site agents, so both produce the same weights:
   error feedback, ``StreamingAggregator``, ``encode_downlink`` / ``apply_downlink``).
 - ``strategy``: the ``Strategy`` interface and ``DiLoCo`` / ``FedAvg`` / ``FedOpt`` /
   ``DataParallel``, found by name in ``ALGORITHMS``.
+- ``streaming``: Streaming DiLoCo (``StreamingConfig``, ``FragmentPartition``,
+  ``StreamingSchedule``, ``StreamingStrategy``, ``merge_fragment_``); ``streaming_sim`` runs it
+  in the simulator.
 - ``clock``: the virtual network clock; ``simulator``: ``simulate(config, workload)``.
 - ``workload``: the ``Workload`` protocol models and data plug into.
 """
@@ -47,6 +50,11 @@ _EXPORTS: dict[str, str] = {
     "SiteConfig": "geoloco.algorithms.clock",
     "Strategy": "geoloco.algorithms.strategy",
     "StreamingAggregator": "geoloco.algorithms.diloco",
+    "FragmentPartition": "geoloco.algorithms.streaming",
+    "StreamingConfig": "geoloco.algorithms.streaming",
+    "StreamingSchedule": "geoloco.algorithms.streaming",
+    "StreamingStrategy": "geoloco.algorithms.streaming",
+    "merge_fragment_": "geoloco.algorithms.streaming",
     "UpdateEncoder": "geoloco.algorithms.diloco",
     "Workload": "geoloco.algorithms.workload",
     "apply_delta": "geoloco.algorithms.diloco",

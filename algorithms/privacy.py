@@ -150,10 +150,18 @@ class PrivacyConfig:
         return config_to_dict(self)
 
 
-def check_aggregation(privacy: PrivacyConfig, *, weighting: str, late_updates: str) -> None:
+def check_aggregation(
+    privacy: PrivacyConfig, *, weighting: str, late_updates: str, streaming: bool = False
+) -> None:
     """Reject aggregation options privacy cannot honour (keys as in ``[algorithm]``)."""
     if not privacy.enabled:
         return
+    require(
+        not streaming,
+        "algorithm.streaming.enabled",
+        "privacy rounds (secure sums, DP clipping and accounting) run on the whole model's update, "
+        "not yet on one Streaming DiLoCo fragment at a time; disable algorithm.streaming or privacy",
+    )
     require(
         weighting == "uniform",
         "algorithm.weighting",

@@ -61,6 +61,7 @@ from geoloco.algorithms.privacy import (
     private_round_in_memory,
     secure_index_seed,
 )
+from geoloco.algorithms.streaming_sim import StreamingRounds
 from geoloco.algorithms.strategy import (
     UPDATE_GRADIENT,
     AlgorithmConfig,
@@ -210,6 +211,7 @@ class SimulatorConfig:
                 self.privacy,
                 weighting=self.algorithm.weighting,
                 late_updates=self.algorithm.late_updates,
+                streaming=self.algorithm.streaming.enabled,
             )
             try:
                 check_composition(self.privacy, self.algorithm.uplink_codec, len(self.sites))
@@ -287,6 +289,12 @@ class RoundRecord:
     """The round deadline in force (seconds after the round opened); ``None``: none."""
     folded: list[int] = field(default_factory=list)
     """Sites whose previous round's late update was folded into this round (discounted)."""
+    peak_bytes_in_flight: list[int] | None = None
+    """Per site, the largest single transfer of this record (one upload or one broadcast): the
+    whole model's update in plain DiLoCo, one fragment's with streaming; ``None`` where not
+    tracked (ddp, privacy rounds)."""
+    fragment: int | None = None
+    """Streaming DiLoCo: the fragment this round synchronised; ``None`` otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
@@ -335,6 +343,7 @@ class Simulator:
             inner_optimizer=config.inner_optimizer,
             seed=sim.seed,
             device=self.device,
+            layout=self.layout,
         )
         self.data_parallel = self.strategy.update_kind == UPDATE_GRADIENT
         num_sites = len(config.sites)
@@ -365,6 +374,10 @@ class Simulator:
         self.open_s = 0.0
         self.bytes_up_total = 0
         self.bytes_down_total = 0
+        # Streaming DiLoCo (geoloco.algorithms.streaming_sim): per-site weights and overlap.
+        self.streaming: StreamingRounds | None = (
+            StreamingRounds(self) if config.algorithm.streaming.enabled else None
+        )
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -567,6 +580,7 @@ class Simulator:
             "site_inner_steps": site_steps,
             "deadline_s": deadline_s,
             "folded": folded,
+            "peak_bytes_in_flight": [max(up, update.downlink.nbytes) for up in upload_sizes],
         }
 
     def _inner_steps(self, site: _Site, inner_steps: int) -> tuple[Any, float]:
@@ -653,7 +667,7 @@ class Simulator:
                 eval_loss: float | None) -> RoundRecord:
         self.bytes_up_total += sum(stats["bytes_up"])
         self.bytes_down_total += sum(stats["bytes_down"])
-        end = max(s.ready_s for s in self.sites)
+        end = stats.get("end_s", max(s.ready_s for s in self.sites))
         record = RoundRecord(
             round=round_index,
             phase=phase,  # type: ignore[arg-type]
@@ -675,6 +689,8 @@ class Simulator:
             site_inner_steps=stats.get("site_inner_steps", [steps] * len(self.sites)),
             deadline_s=stats.get("deadline_s"),
             folded=stats.get("folded", []),
+            peak_bytes_in_flight=stats.get("peak_bytes_in_flight"),
+            fragment=stats.get("fragment"),
         )
         self.clock_s = end
         return record
@@ -716,14 +732,21 @@ class Simulator:
                         self.config.privacy.epsilon_budget,
                     )
                     return
-                stats = self._diloco_round(round_index)
+                stats = (
+                    self.streaming.round(round_index)
+                    if self.streaming is not None
+                    else self._diloco_round(round_index)
+                )
                 if self.accountant is not None:
                     self.accountant.step(z)
             last = round_index == sim.rounds
             eval_loss = (
                 self._evaluate() if last or round_index % sim.eval_every == 0 else None
             )
-            steps = max(stats["site_inner_steps"]) if stats.get("site_inner_steps") else algo.inner_steps
+            if self.streaming is not None:
+                steps = self.strategy.inner_steps
+            else:
+                steps = max(stats["site_inner_steps"]) if stats.get("site_inner_steps") else algo.inner_steps
             yield self._record(round_index, "train", steps, stats, eval_loss)
             if (
                 sim.target_eval_loss is not None

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -31,7 +31,12 @@ from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, 
 from geoloco.algorithms.params import derive_seed, weights_digest
 from geoloco.algorithms.weighting import LATE_UPDATE_POLICIES, WEIGHTINGS
 from geoloco.algorithms.weighting import site_weight as weighting_site_weight
+from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.compression import CodecError, Encoded, parse_codec
+
+if TYPE_CHECKING:
+    from geoloco.algorithms.params import ParamLayout
+    from geoloco.algorithms.streaming import StreamingStrategy
 
 __all__ = [
     "ALGORITHMS",
@@ -87,6 +92,9 @@ class AlgorithmConfig:
     average with weight ``w_k · staleness_discount``)."""
     staleness_discount: float = 0.5
     """Factor on the weight of an update folded in one round late (``late_updates = "fold"``)."""
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    """Streaming DiLoCo (``[algorithm.streaming]``): fragments on a staggered schedule, transfers
+    overlapped with training; see ``geoloco.algorithms.streaming``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -140,6 +148,30 @@ class AlgorithmConfig:
             "warmup_steps",
             "the ddp baseline is data-parallel throughout; set warmup_steps = 0",
         )
+        # Streaming DiLoCo: checks that need H and the algorithm.
+        if self.streaming.enabled:
+            require(
+                self.name != "ddp",
+                "streaming.enabled",
+                "the ddp baseline synchronises every step; streaming needs diloco, fedavg or fedopt",
+            )
+            require(
+                self.round_time_budget_s is None,
+                "round_time_budget_s",
+                "streaming rounds are H/P inner steps on a schedule every site derives from the "
+                "step counter, so they cannot be time budgets; unset round_time_budget_s or "
+                "disable algorithm.streaming",
+            )
+            require(
+                self.late_updates == "drop",
+                "late_updates",
+                "with streaming the next round syncs a different fragment, so a late update cannot "
+                "be folded into it; set late_updates = \"drop\" (the site keeps it in its residual)",
+            )
+            try:
+                self.streaming.check_inner_steps(self.inner_steps)
+            except ConfigError as err:
+                raise err.under("streaming") from None
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
@@ -251,8 +283,17 @@ class Strategy:
         """``w_k`` for a site that ran ``inner_steps`` steps on ``samples`` samples this round."""
         return weighting_site_weight(self.config.weighting, samples=samples, inner_steps=inner_steps)
 
-    def new_aggregator(self) -> StreamingAggregator:
+    def new_aggregator(self, round_index: int | None = None) -> StreamingAggregator:
+        """The aggregation buffer of a round (``round_index`` matters only when streaming)."""
         return StreamingAggregator(numel=self.numel, device=self.device)
+
+    def fragment_for_round(self, round_index: int) -> int:
+        """Streaming DiLoCo fragment a round synchronises: always 0 (the whole model) here."""
+        return 0
+
+    def update_numel(self, round_index: int) -> int:
+        """Elements of a round's uploads and broadcast: the whole model here."""
+        return self.numel
 
     def aggregate_round(
         self,
@@ -320,6 +361,11 @@ class Strategy:
         if meta.get("algorithm") != self.name:
             raise ValueError(
                 f"state was saved by algorithm {meta.get('algorithm')!r}; this is {self.name!r}"
+            )
+        if "fragments" in meta:
+            raise ValueError(
+                f"state was saved by Streaming DiLoCo with {len(meta['fragments'])} fragments; "
+                "resume with the same [algorithm.streaming] settings or start a fresh checkpoint_dir"
             )
         outer = {k.removeprefix("outer."): v for k, v in tensors.items() if k.startswith("outer.")}
         down = {
@@ -389,8 +435,25 @@ def build_strategy(
     inner_optimizer: InnerOptimizerConfig | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,
-) -> Strategy:
-    """The strategy named by ``config.name``."""
+    layout: ParamLayout | None = None,
+) -> Strategy | StreamingStrategy:
+    """The strategy named by ``config.name``; with ``config.streaming.enabled`` its Streaming
+    DiLoCo form (``StreamingStrategy``), which needs the model's ``layout`` for its fragments."""
+    if config.streaming.enabled:
+        from geoloco.algorithms.streaming import StreamingStrategy
+
+        if layout is None:
+            raise ValueError("streaming needs the model's ParamLayout: pass layout= to build_strategy")
+        if layout.numel != numel:
+            raise ValueError(f"layout has {layout.numel} elements but numel = {numel}")
+        return StreamingStrategy(
+            config,
+            layout=layout,
+            outer_optimizer=outer_optimizer,
+            inner_optimizer=inner_optimizer,
+            seed=seed,
+            device=device,
+        )
     try:
         cls = ALGORITHMS[config.name]
     except KeyError:

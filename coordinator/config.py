@@ -214,7 +214,10 @@ class CoordinatorConfig:
         if not privacy.enabled:
             return
         check_aggregation(
-            privacy, weighting=self.algorithm.weighting, late_updates=self.algorithm.late_updates
+            privacy,
+            weighting=self.algorithm.weighting,
+            late_updates=self.algorithm.late_updates,
+            streaming=self.algorithm.streaming.enabled,
         )
         num_sites = len(self.allowed_sites) if self.allowed_sites is not None else None
         check_composition(privacy, self.algorithm.uplink_codec, num_sites)

@@ -269,6 +269,7 @@ class RoundStateMachine:
             inner_optimizer=config.inner_optimizer,
             seed=config.seed,
             device=self.device,
+            layout=layout,
         )
         self.max_upload_bytes = config.max_upload_bytes or (2 * 4 * self.numel + (1 << 20))
         self.privacy: PrivateRounds | None = (
@@ -306,7 +307,7 @@ class RoundStateMachine:
         self._set_weights(weights)
         now = self.clock()
         self._round = _Round(number=start_round, opened_s=now)
-        self._aggregator = self.strategy.new_aggregator()
+        self._aggregator = self.strategy.new_aggregator(start_round + 1)
         self._phase = RoundPhase.WAITING_FOR_QUORUM
         if config.total_rounds and start_round >= config.total_rounds:
             self._phase = RoundPhase.FINISHED
@@ -415,6 +416,16 @@ class RoundStateMachine:
 
     def run_config(self) -> pb.RunConfig:
         return self._run_config
+
+    # -- Streaming DiLoCo: which fragment a wire round syncs (strategy round = wire round + 1) --
+
+    def fragment_of(self, round_number: int) -> int:
+        """Fragment wire round ``round_number`` synchronises (0 without streaming)."""
+        return self.strategy.fragment_for_round(round_number + 1)
+
+    def update_numel(self, round_number: int) -> int:
+        """Elements of wire round ``round_number``'s uploads (its fragment's, or the model's)."""
+        return self.strategy.update_numel(round_number + 1)
 
     def round_seed(self, round_number: int) -> int:
         """Seed shared by every site for wire round ``round_number`` (strategy round + 1)."""
@@ -651,11 +662,13 @@ class RoundStateMachine:
             raise InvalidUpdateError(
                 f"upload manifest names site {manifest.site!r} but the caller is {site!r}"
             )
-        if manifest.fragment != 0:
+        fragment = self.fragment_of(manifest.round)
+        if manifest.fragment != fragment:
             raise InvalidUpdateError(
-                f"fragment {manifest.fragment} requested; this coordinator synchronises the whole "
-                "model as fragment 0"
+                f"upload for round {manifest.round} names fragment {manifest.fragment}; that round "
+                f"synchronises fragment {fragment} (fragment = round mod fragments)"
             )
+        numel = self.update_numel(manifest.round)
         blob = manifest.blob
         if blob.codec != self.uplink_codec:
             raise InvalidUpdateError(
@@ -666,10 +679,11 @@ class RoundStateMachine:
             raise InvalidUpdateError(
                 f"upload dtype {blob.dtype!r} is not allowed; pseudo-gradients are 'float32'"
             )
-        if list(blob.shape) != [self.numel]:
+        if list(blob.shape) != [numel]:
+            what = "" if numel == self.numel else f" of fragment {fragment}"
             raise InvalidUpdateError(
                 f"upload shape {list(blob.shape)} does not match the model: expected "
-                f"[{self.numel}] (the flat parameter vector)"
+                f"[{numel}] (the flat parameter vector{what})"
             )
         if self.config.algorithm.weighting == "steps" and manifest.inner_steps < 1:
             raise InvalidUpdateError(
@@ -885,6 +899,7 @@ class RoundStateMachine:
 
     def _decode_update(self, site: str, round_number: int, data: memoryview) -> torch.Tensor:
         what = f"site {site!r}'s update for round {round_number}"
+        numel = self.update_numel(round_number)
         try:
             encoded = Encoded.from_bytes(data)
         except CodecError as err:
@@ -894,18 +909,18 @@ class RoundStateMachine:
                 f"{what} was encoded with {encoded.spec!r}; the run's uplink codec is "
                 f"{self.uplink_codec!r}"
             )
-        if encoded.shape != (self.numel,) or encoded.dtype != torch.float32:
+        if encoded.shape != (numel,) or encoded.dtype != torch.float32:
             raise InvalidUpdateError(
                 f"{what} decodes to {encoded.dtype} {list(encoded.shape)}; expected float32 "
-                f"[{self.numel}]"
+                f"[{numel}]"
             )
         try:
             decoded = decode(encoded, device=self.device)
         except CodecError as err:
             raise InvalidUpdateError(f"{what} cannot be decoded: {err}") from None
-        if decoded.shape != (self.numel,) or decoded.dtype != torch.float32:
+        if decoded.shape != (numel,) or decoded.dtype != torch.float32:
             raise InvalidUpdateError(
-                f"{what} decoded to {decoded.dtype} {list(decoded.shape)}; expected float32 [{self.numel}]"
+                f"{what} decoded to {decoded.dtype} {list(decoded.shape)}; expected float32 [{numel}]"
             )
         return decoded
 
@@ -1002,8 +1017,13 @@ class RoundStateMachine:
             r = self._round
             if self.privacy is not None and self.privacy.secure and round_number == r.number:
                 return self.privacy.upload_status(site, round_number)
-            assembler = r.uploads.get(site) if round_number == r.number and fragment == 0 else None
-            if round_number + 1 == r.number and fragment == 0 and site in r.stale_uploads:
+            assembler = (
+                r.uploads.get(site)
+                if round_number == r.number and fragment == self.fragment_of(round_number)
+                else None
+            )
+            late = round_number + 1 == r.number and fragment == self.fragment_of(round_number)
+            if late and site in r.stale_uploads:
                 assembler = r.stale_uploads[site]
                 response = assembler.status_response()
                 response.complete = site in r.stale_contributed
@@ -1218,7 +1238,8 @@ class RoundStateMachine:
             update_norm = float(torch.linalg.vector_norm(self._aggregator.result()))
             update = self.strategy.aggregate_round(self._weights, self._aggregator, plan)
         with self._cond:
-            self._aggregator = self.strategy.new_aggregator()  # allocates on the first add
+            # allocates on the first add; with streaming sized for the next round's fragment
+            self._aggregator = self.strategy.new_aggregator(r.number + 2)
         delta_bytes = update.downlink.to_bytes()
         blob = blob_manifest(
             delta_bytes,
@@ -1287,6 +1308,7 @@ class RoundStateMachine:
         metrics = {
             "session_id": self.session_id,
             "round": r.number,
+            "fragment": self.fragment_of(r.number),
             "participants": contributors,
             "sample_weights": dict(r.contributed),
             "excluded": excluded,

@@ -153,26 +153,26 @@ def _toml_value(value: Any) -> str:
 
 
 def to_toml(data: dict[str, Any]) -> str:
-    """A TOML document for a dict of scalars, lists and (one level of nested) tables; None is
-    left out (TOML has no null; a missing key means the default)."""
+    """A TOML document for a dict of scalars, lists and nested tables (``[algorithm.streaming]``);
+    None is left out (TOML has no null; a missing key means the default)."""
     lines: list[str] = []
-    tables: list[tuple[str, dict[str, Any]]] = []
-    for key, value in data.items():
+    _toml_table(data, "", lines)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_table(table: dict[str, Any], name: str, lines: list[str]) -> None:
+    if name:
+        lines.append(f"\n[{name}]")
+    nested: list[tuple[str, dict[str, Any]]] = []
+    for key, value in table.items():
         if value is None:
             continue
         if isinstance(value, dict):
-            tables.append((key, value))
+            nested.append((f"{name}.{key}" if name else key, value))
         else:
             lines.append(f"{key} = {_toml_value(value)}")
-    for name, table in tables:
-        lines.append(f"\n[{name}]")
-        for key, value in table.items():
-            if value is None:
-                continue
-            if isinstance(value, dict):
-                raise TypeError(f"nested table {name}.{key} is not supported")
-            lines.append(f"{key} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
+    for child, value in nested:
+        _toml_table(value, child, lines)
 
 
 def geoloco_command(*args: str) -> list[str]:

@@ -182,6 +182,7 @@ def site_reports(result: EmulationResult) -> list[SiteReport]:
     payload_down: dict[str, int] = {}
     included: dict[str, int] = {}
     last_loss: dict[str, float] = {}
+    inner_time: dict[str, float] = {}
     for record in result.records:
         for site, n in (record.get("bytes_up") or {}).items():
             payload_up[site] = payload_up.get(site, 0) + int(n)
@@ -192,11 +193,19 @@ def site_reports(result: EmulationResult) -> list[SiteReport]:
         for site, metrics in (record.get("site_metrics") or {}).items():
             if metrics.get("train_loss") is not None:
                 last_loss[site] = float(metrics["train_loss"])
+            inner_time[site] = inner_time.get(site, 0.0) + float(metrics.get("inner_time_s") or 0.0)
     reports = []
     for site in result.scenario.sites:
         totals = {COMPUTE: 0.0, COMMUNICATION: 0.0, IDLE: 0.0, DOWN: 0.0}
         for kind, t0, t1 in site_timeline(result, site.name):
             totals[kind] += t1 - t0
+        if result.scenario.algorithm.streaming.enabled:
+            # Streaming DiLoCo trains while its transfers travel, so the link bursts cannot tell
+            # compute from waiting: compute is the inner-step time the site reported with each
+            # upload, the rest of its lifetime is counted as waiting (idle).
+            alive = totals[COMPUTE] + totals[COMMUNICATION] + totals[IDLE]
+            totals[COMPUTE] = min(alive, inner_time.get(site.name, 0.0))
+            totals[COMMUNICATION], totals[IDLE] = 0.0, alive - totals[COMPUTE]
         wire_up, wire_down = result.wire_bytes.get(site.name, (0, 0))
         reports.append(
             SiteReport(
@@ -432,6 +441,11 @@ def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fi
         f"- workload: {s.workload_name} {s.workload_options}",
         f"- algorithm: {algo.name}, H={algo.inner_steps}, uplink {algo.uplink_codec}, "
         f"downlink {algo.downlink_codec}, {len(s.sites)} sites (quorum {s.quorum})",
+        *([f"- streaming: {algo.streaming.fragments} fragments (one synced every "
+            f"{algo.inner_steps // algo.streaming.fragments} steps), overlap "
+            f"{algo.streaming.overlap_steps} steps, mix {algo.streaming.mix:g}; compute utilization "
+            "from the sites' reported inner-step time (transfers overlap compute)"]
+          if algo.streaming.enabled else []),
         f"- rounds: {_lost_rounds(result)}",
         f"- link shaping: {result.shaping or 'relay'}",
         f"- final eval loss: {'n/a' if final_eval is None else f'{final_eval:.4f}'}",

@@ -368,7 +368,10 @@ class Scenario:
         if not privacy.enabled:
             return
         check_aggregation(
-            privacy, weighting=self.algorithm.weighting, late_updates=self.algorithm.late_updates
+            privacy,
+            weighting=self.algorithm.weighting,
+            late_updates=self.algorithm.late_updates,
+            streaming=self.algorithm.streaming.enabled,
         )
         try:
             check_composition(privacy, self.algorithm.uplink_codec, len(self.sites))

@@ -235,6 +235,7 @@ def _run(args: argparse.Namespace) -> int:
     last = None
     last_eval: float | None = None
     compute_total = [0.0] * len(config.sites)
+    peak_in_flight = 0
     with (out / "metrics.jsonl").open("w") as metrics, tqdm(
         total=sim.rounds, file=sys.stderr, unit="round", desc="simulate"
     ) as progress:
@@ -243,6 +244,7 @@ def _run(args: argparse.Namespace) -> int:
             metrics.flush()
             last = record
             compute_total = [c + r for c, r in zip(compute_total, record.compute_s)]
+            peak_in_flight = max([peak_in_flight, *(record.peak_bytes_in_flight or [])])
             if record.eval_loss is not None:
                 last_eval = record.eval_loss
             if record.phase == "train":
@@ -260,6 +262,10 @@ def _run(args: argparse.Namespace) -> int:
         ("workload", f"{name} ({simulator.layout.numel:,} parameters)"),
         ("algorithm", f"{algo.name}, H={algo.inner_steps}, {n} sites, "
                       f"uplink {algo.uplink_codec}, downlink {algo.downlink_codec}"),
+        *([("streaming", f"{algo.streaming.fragments} fragments, one synced every "
+                          f"{simulator.strategy.inner_steps} steps, overlap "
+                          f"{algo.streaming.overlap_steps} steps, mix {algo.streaming.mix:g}")]
+          if algo.streaming.enabled else []),
         ("rounds", f"{last.round}" + (
             f" (target eval loss {sim.target_eval_loss} reached)"
             if sim.target_eval_loss is not None and last_eval is not None
@@ -271,6 +277,7 @@ def _run(args: argparse.Namespace) -> int:
         ("virtual wall-clock", f"{last.wall_clock_s:.2f} s"),
         ("compute utilization", f"{100 * sum(utilization) / n:.1f} % mean, "
                                 f"{100 * min(utilization):.1f} % min over sites"),
+        ("peak bytes in flight", _human_bytes(peak_in_flight) + " per site (largest transfer)"),
         ("real runtime", f"{runtime:.1f} s on {simulator.device}"),
         ("output", f"{out}/metrics.jsonl, {out}/config.json"),
     ]

@@ -76,6 +76,7 @@ from geoloco.site_agent.config import (
 )
 from geoloco.site_agent.distributed import IntraSiteGroup, unwrap_model
 from geoloco.site_agent.secure_site import SecureUplink
+from geoloco.site_agent.streaming import StreamingSite
 
 __all__ = ["LossFn", "SiteAgent", "SiteRunSummary"]
 
@@ -222,6 +223,8 @@ class SiteAgent:
         self._rounds_included = 0
         self._phase = pb.SITE_PHASE_UNSPECIFIED
         self._steps_done = 0
+        self._streaming: StreamingSite | None = None
+        """Set when the coordinator's run uses Streaming DiLoCo (``geoloco.site_agent.streaming``)."""
 
     # ---------------------------------------------------------------------------------------
     # Public surface
@@ -416,11 +419,22 @@ class SiteAgent:
             self._secure = None
         elif self._secure is None or self._secure.privacy != privacy or self._secure.uplink_codec != config.uplink_codec:
             self._secure = SecureUplink(self.site, privacy, config.uplink_codec, tls=self._tls)
+        # Streaming DiLoCo: the round loop moves to StreamingSite (per-fragment uplinks).
+        if algorithm.streaming.enabled and (
+            self._streaming is None or self._streaming.algorithm != algorithm
+        ):
+            self._streaming = StreamingSite(self, algorithm)
+        elif not algorithm.streaming.enabled:
+            self._streaming = None
 
     def _fetch(self) -> None:
         self._phase = pb.SITE_PHASE_FETCHING
         manifest, weights = self.client.fetch_model(self.layout.numel)
-        self._set_global(weights.to(self.device), manifest.round)
+        if self._streaming is not None and self._global is not None:
+            # Streaming: the site's own weights are kept; only the fragments it missed merge.
+            self._streaming.fetched(weights.to(self.device), manifest.round)
+        else:
+            self._set_global(weights.to(self.device), manifest.round)
         logger.info("site %s fetched the weights of round %d", self.site, manifest.round)
 
     def _set_global(self, flat: torch.Tensor, round_number: int) -> None:
@@ -433,6 +447,9 @@ class SiteAgent:
     # One step of the loop
 
     def _step(self) -> None:
+        if self._streaming is not None:
+            self._streaming.step()
+            return
         pending = self._pending
         if pending is None:
             if self._held_round < self._coordinator_round:

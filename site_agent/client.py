@@ -319,8 +319,11 @@ class CoordinatorClient:
         inner_steps: int = 0,
         dtype: str = "float32",
         chunk_size: int | None = None,
+        fragment: int = 0,
     ) -> pb.UploadResponse:
         """Upload one encoded update for ``round_number``; resumes a broken stream.
+
+        ``fragment``: the Streaming DiLoCo fragment the update covers (0 = the whole model).
 
         Raises ``RoundClosed`` when the round closed before the upload completed, and
         ``UpdateRejected`` when the coordinator refused its content. ``dtype`` and ``chunk_size``
@@ -331,7 +334,7 @@ class CoordinatorClient:
             site=self.site,
             session_id=self.session_id,
             round=round_number,
-            fragment=0,
+            fragment=fragment,
             sample_weight=sample_weight,
             blob=blob_manifest(
                 data, codec=codec, shape=shape, dtype=dtype, chunk_size=chunk_size or self.config.chunk_size
@@ -358,7 +361,7 @@ class CoordinatorClient:
             except grpc.RpcError as error:
                 backoff.failed(error)  # raises what retrying cannot fix; sleeps otherwise
             # Broken or incomplete stream: ask what arrived and send only the rest.
-            status = self._call("UploadStatus", lambda: self._upload_status(round_number))
+            status = self._call("UploadStatus", lambda: self._upload_status(round_number, fragment))
             backoff.alive()  # the coordinator answers: the give-up clock starts again
             if status.complete:
                 return pb.UploadResponse(
@@ -375,10 +378,10 @@ class CoordinatorClient:
             "streams; the link is too unreliable, or raise max_upload_attempts"
         )
 
-    def _upload_status(self, round_number: int) -> pb.UploadStatusResponse:
+    def _upload_status(self, round_number: int, fragment: int = 0) -> pb.UploadStatusResponse:
         return self._stub.UploadStatus(
             pb.UploadStatusRequest(
-                site=self.site, session_id=self.session_id, round=round_number, fragment=0
+                site=self.site, session_id=self.session_id, round=round_number, fragment=fragment
             ),
             timeout=UPLOAD_STATUS_TIMEOUT_S,
         )

@@ -1,0 +1,553 @@
+"""Streaming DiLoCo: fragments synchronised on a staggered schedule, transfers overlapped with training.
+
+Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed Free
+Lunch", 2025.
+
+Plain DiLoCo stops every site while its whole pseudo-gradient travels up and the new weights come
+back. Streaming DiLoCo splits the global weights into ``P`` fragments (groups of layers) and
+synchronises one fragment at a time:
+
+* **Schedule.** One *round* is one fragment sync, every ``s = H / P`` inner steps; round ``r``
+  (numbered from 1, as the strategy numbers rounds) syncs fragment ``(r − 1) mod P``, so fragment
+  ``p`` syncs every ``H`` steps, at cumulative steps ``(p + 1)·s, (p + 1)·s + H, ...``. The
+  schedule is a function of the round counter only: every site and the coordinator agree on it
+  without a message, and the wire protocol's existing round number carries it.
+* **Sync.** At the end of round ``r`` site ``k`` uploads ``Δ_k = θ_g[p] − θ_k[p]`` for fragment
+  ``p`` only (error feedback kept per fragment). The coordinator aggregates that fragment on its
+  own (one aggregation, so one secure sum per fragment sync), steps that fragment's own outer
+  optimizer and broadcasts the encoded change of fragment ``p`` (downlink error feedback per
+  fragment). Only about ``1/P`` of the model is in flight at any time.
+* **Overlap and merge.** The site does not wait: it runs ``τ`` more inner steps (``overlap_steps``)
+  while the upload and the broadcast travel, then merges the fragment,
+  ``θ_k[p] ← α·θ_k[p] + (1 − α)·θ_g[p]`` (``mix`` = α), and runs the remaining ``s − τ`` steps
+  of the next round. ``τ ≤ s`` keeps at most one fragment per site in flight.
+
+With ``P = 1``, ``τ = 0`` and ``α = 0`` every round is a plain DiLoCo round: the site replaces its
+weights by the new global ones before its next step. The simulator and the real site agent call
+the functions below, so both follow the same schedule and the same merge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from geoloco.algorithms.config import config_to_dict, require
+from geoloco.algorithms.diloco import StreamingAggregator, UpdateEncoder, apply_downlink
+from geoloco.algorithms.params import ParamEntry, ParamLayout, weights_digest
+from geoloco.compression import Encoded
+
+if TYPE_CHECKING:
+    from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
+    from geoloco.algorithms.strategy import AlgorithmConfig, RoundPlan, RoundUpdate, Strategy
+
+__all__ = [
+    "SPLITS",
+    "Fragment",
+    "FragmentPartition",
+    "FragmentUplink",
+    "StreamingConfig",
+    "StreamingSchedule",
+    "StreamingStrategy",
+    "layer_key",
+    "merge_fragment_",
+]
+
+SPLITS: tuple[str, ...] = ("strided", "contiguous")
+"""How layers are dealt to fragments (``StreamingConfig.split``)."""
+
+FRAGMENT_PREFIX = "fragment"
+"""Prefix of per-fragment state tensors (``fragment0.outer.state.0.momentum_buffer``)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StreamingConfig:
+    """Streaming DiLoCo settings (``[algorithm.streaming]`` in TOML files)."""
+
+    enabled: bool = False
+    """Synchronise fragments on a staggered schedule instead of the whole model every H steps."""
+    fragments: int = 1
+    """P: number of fragments; must divide ``inner_steps`` (a fragment syncs every H/P steps)
+    and be at most the model's number of layer groups."""
+    overlap_steps: int = 0
+    """τ: inner steps a site keeps training while its fragment travels, before merging the
+    broadcast (0 = wait for it, as plain DiLoCo); at most H/P."""
+    mix: float = 0.0
+    """α: share of the site's own fragment kept at the merge, ``α·local + (1 − α)·global``
+    (0 = take the global fragment, as plain DiLoCo); in [0, 1)."""
+    split: Literal["strided", "contiguous"] = "strided"
+    """How layer groups become fragments: ``"strided"`` (layer i -> fragment i mod P, as in the
+    paper) or ``"contiguous"`` (consecutive layers, balanced by parameter count)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        require(self.fragments >= 1, "fragments", f"must be an integer >= 1, got {self.fragments}")
+        require(
+            self.overlap_steps >= 0,
+            "overlap_steps",
+            f"must be an integer >= 0 (0 = no overlap), got {self.overlap_steps}",
+        )
+        require(
+            0 <= self.mix < 1,
+            "mix",
+            f"must be in [0, 1) (0 = take the global fragment; 1 would ignore it), got {self.mix}",
+        )
+        require(
+            self.split in SPLITS,
+            "split",
+            f"unknown split {self.split!r}; valid splits: {', '.join(SPLITS)}",
+        )
+
+    def check_inner_steps(self, inner_steps: int) -> None:
+        """The checks that need H; keys are relative to this config (``fragments``, ...)."""
+        if not self.enabled:
+            return
+        divisors = [d for d in range(1, inner_steps + 1) if inner_steps % d == 0]
+        require(
+            inner_steps % self.fragments == 0,
+            "fragments",
+            f"must divide inner_steps = {inner_steps} so each fragment syncs every H/P steps; "
+            f"got {self.fragments}, allowed: {', '.join(map(str, divisors))}",
+        )
+        interval = inner_steps // self.fragments
+        require(
+            self.overlap_steps <= interval,
+            "overlap_steps",
+            f"must be <= inner_steps / fragments = {interval} (one fragment in flight per site), "
+            f"got {self.overlap_steps}",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Fragments
+
+
+_INDEX = re.compile(r"^\d+$")
+
+
+def layer_key(name: str) -> str:
+    """The layer a parameter belongs to: its name up to the first numeric component.
+
+    ``blocks.3.attn.qkv.weight`` -> ``blocks.3``, ``0.weight`` (``nn.Sequential``) -> ``0``;
+    a name without an index belongs to its top-level module (``tok_emb.weight`` -> ``tok_emb``,
+    ``pos_emb`` -> ``pos_emb``). Weights and biases of one layer thus travel together.
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if _INDEX.match(part):
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Fragment:
+    """One fragment: some layers' parameters, as slices ``(offset, numel)`` of the flat vector."""
+
+    index: int
+    """p, the fragment's number."""
+    layers: tuple[str, ...]
+    """Layer keys (``layer_key``) it holds, in layout order."""
+    slices: tuple[tuple[int, int], ...]
+    """``(offset, numel)`` of each contiguous run of its elements in the flat vector."""
+    numel: int
+    """Elements in the fragment."""
+
+    def gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """A new 1-D tensor of the fragment's elements of ``flat``, in layout order."""
+        return torch.cat([flat[offset : offset + n] for offset, n in self.slices])
+
+    def scatter_(self, flat: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Write ``values`` (a gathered fragment) into ``flat`` in place; returns ``flat``."""
+        if values.numel() != self.numel:
+            raise ValueError(
+                f"fragment {self.index} holds {self.numel} elements; got {values.numel()}"
+            )
+        values = values.reshape(-1).to(flat.device, flat.dtype)
+        start = 0
+        with torch.no_grad():
+            for offset, n in self.slices:
+                flat[offset : offset + n].copy_(values[start : start + n])
+                start += n
+        return flat
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentPartition:
+    """The model's layers dealt into P fragments; every element is in exactly one fragment.
+
+    Built from the ``ParamLayout`` alone (deterministic), so every site and the coordinator derive
+    the same partition from the config without exchanging it.
+    """
+
+    fragments: tuple[Fragment, ...]
+    numel: int
+
+    @classmethod
+    def from_layout(
+        cls, layout: ParamLayout, fragments: int, split: str = "strided"
+    ) -> FragmentPartition:
+        groups: dict[str, list[ParamEntry]] = {}
+        for entry in layout.entries:
+            groups.setdefault(layer_key(entry.name), []).append(entry)
+        layers = list(groups)
+        if fragments < 1 or fragments > len(layers):
+            raise ValueError(
+                f"streaming.fragments = {fragments} but the model has {len(layers)} layer groups "
+                f"({', '.join(layers[:8])}{', ...' if len(layers) > 8 else ''}); allowed: 1 to "
+                f"{len(layers)}"
+            )
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
+        sizes = [sum(e.numel for e in groups[layer]) for layer in layers]
+        if split == "strided":
+            owner = [i % fragments for i in range(len(layers))]
+        else:
+            owner = _contiguous_owner(sizes, fragments)
+        parts = []
+        for p in range(fragments):
+            mine = [layer for layer, o in zip(layers, owner) if o == p]
+            entries = sorted((e for layer in mine for e in groups[layer]), key=lambda e: e.offset)
+            slices: list[tuple[int, int]] = []
+            for e in entries:
+                if slices and slices[-1][0] + slices[-1][1] == e.offset:
+                    slices[-1] = (slices[-1][0], slices[-1][1] + e.numel)
+                elif e.numel:
+                    slices.append((e.offset, e.numel))
+            parts.append(
+                Fragment(
+                    index=p,
+                    layers=tuple(mine),
+                    slices=tuple(slices),
+                    numel=sum(n for _, n in slices),
+                )
+            )
+        return cls(fragments=tuple(parts), numel=layout.numel)
+
+    def __len__(self) -> int:
+        return len(self.fragments)
+
+    def __getitem__(self, index: int) -> Fragment:
+        return self.fragments[index]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "numel": self.numel,
+            "fragments": [
+                {"index": f.index, "layers": list(f.layers), "numel": f.numel}
+                for f in self.fragments
+            ],
+        }
+
+
+def _contiguous_owner(sizes: Sequence[int], fragments: int) -> list[int]:
+    """Fragment of each layer for consecutive runs balanced by size, none empty."""
+    total = sum(sizes)
+    owner: list[int] = []
+    p = 0
+    cumulative = 0
+    for i, size in enumerate(sizes):
+        remaining_layers = len(sizes) - i
+        remaining_fragments = fragments - p
+        # Move on once this fragment has its share, or when every later layer is needed to give
+        # each later fragment one.
+        if owner and owner[-1] == p and p < fragments - 1 and (
+            cumulative >= total * (p + 1) / fragments or remaining_layers < remaining_fragments
+        ):
+            p += 1
+        owner.append(p)
+        cumulative += size
+    return owner
+
+
+def merge_fragment_(
+    local_flat: torch.Tensor, global_flat: torch.Tensor, fragment: Fragment, mix: float
+) -> torch.Tensor:
+    """``θ_k[p] ← α·θ_k[p] + (1 − α)·θ_g[p]`` in ``local_flat`` (in place); returns it.
+
+    ``α = 0`` copies the global fragment exactly (no arithmetic), which is what makes
+    ``P = 1, τ = 0`` bit-identical to plain DiLoCo.
+    """
+    global_part = fragment.gather(global_flat).to(local_flat.device, local_flat.dtype)
+    if mix == 0:
+        return fragment.scatter_(local_flat, global_part)
+    local_part = fragment.gather(local_flat)
+    return fragment.scatter_(local_flat, torch.lerp(global_part, local_part, mix))
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingSchedule:
+    """Which fragment syncs in which round, and where in the step count the syncs and merges fall.
+
+    Rounds are numbered from 1 (the strategy's numbering; wire round ``w`` is round ``w + 1``).
+    """
+
+    inner_steps: int
+    """H: steps between two syncs of the same fragment."""
+    fragments: int
+    """P."""
+    overlap_steps: int = 0
+    """τ: steps between a sync and the merge of its broadcast."""
+
+    def __post_init__(self) -> None:
+        if self.fragments < 1 or self.inner_steps % self.fragments:
+            raise ValueError(
+                f"{self.fragments} fragments do not divide inner_steps = {self.inner_steps}"
+            )
+        if not 0 <= self.overlap_steps <= self.interval:
+            raise ValueError(
+                f"overlap_steps = {self.overlap_steps} must be in [0, {self.interval}] "
+                "(inner_steps / fragments)"
+            )
+
+    @classmethod
+    def from_config(cls, inner_steps: int, config: StreamingConfig) -> StreamingSchedule:
+        return cls(inner_steps=inner_steps, fragments=config.fragments, overlap_steps=config.overlap_steps)
+
+    @property
+    def interval(self) -> int:
+        """s = H / P: inner steps per round (between two consecutive fragment syncs)."""
+        return self.inner_steps // self.fragments
+
+    def fragment_for_round(self, round_index: int) -> int:
+        """The fragment round ``round_index`` (>= 1) synchronises."""
+        if round_index < 1:
+            raise ValueError(f"rounds are numbered from 1, got {round_index}")
+        return (round_index - 1) % self.fragments
+
+    def sync_step(self, round_index: int) -> int:
+        """Cumulative inner steps done when round ``round_index`` uploads its fragment."""
+        return round_index * self.interval
+
+    def merge_step(self, round_index: int) -> int:
+        """Cumulative inner steps done when round ``round_index``'s broadcast is merged."""
+        return self.sync_step(round_index) + self.overlap_steps
+
+    def rounds_of_fragment(self, fragment: int, up_to_round: int) -> list[int]:
+        """The rounds <= ``up_to_round`` that synchronise ``fragment``."""
+        return [r for r in range(fragment + 1, up_to_round + 1, self.fragments)]
+
+    def events(self, total_rounds: int) -> list[tuple[int, str, int, int]]:
+        """``(step, "sync" | "merge", round, fragment)`` for rounds 1..total_rounds, in step order
+        (at one step merges come first: a site merges before it computes the next sync)."""
+        out = []
+        for r in range(1, total_rounds + 1):
+            p = self.fragment_for_round(r)
+            out.append((self.sync_step(r), "sync", r, p))
+            out.append((self.merge_step(r), "merge", r, p))
+        return sorted(out, key=lambda e: (e[0], 0 if e[1] == "merge" else 1, e[2]))
+
+
+# --------------------------------------------------------------------------------------------
+# Per-fragment encoders and the strategy
+
+
+class FragmentUplink:
+    """A site's uplink: one ``UpdateEncoder`` (own error-feedback residual) per fragment."""
+
+    def __init__(self, encoders: Sequence[UpdateEncoder]) -> None:
+        self.encoders = list(encoders)
+
+    def encode(self, update: torch.Tensor, *, seed: int, fragment: int) -> Encoded:
+        return self.encoders[fragment].encode(update, seed=seed)
+
+    def restore(self, encoded: Encoded, *, fragment: int) -> None:
+        """A late upload of ``fragment``: keep it in that fragment's residual."""
+        self.encoders[fragment].restore(encoded)
+
+
+class StreamingStrategy:
+    """Streaming DiLoCo over any DiLoCo-family strategy: one sub-strategy per fragment.
+
+    Each fragment has its own instance of the configured algorithm (``diloco``, ``fedavg``,
+    ``fedopt``) over the fragment's elements: its own outer optimizer state (momentum, Adam
+    moments and step count advance only when that fragment syncs) and its own downlink
+    error-feedback residual. ``aggregate_round`` takes and returns *full* weight vectors, so the
+    coordinator and the simulator drive it exactly like a ``Strategy``; only the aggregator's
+    size and the broadcast's content are per fragment. Round seeds are the sub-strategy's
+    ``configure_round`` seeds, i.e. plain DiLoCo's.
+    """
+
+    def __init__(
+        self,
+        config: AlgorithmConfig,
+        *,
+        layout: ParamLayout,
+        outer_optimizer: OuterOptimizerConfig | None = None,
+        inner_optimizer: InnerOptimizerConfig | None = None,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        from geoloco.algorithms.strategy import ALGORITHMS
+
+        cls = ALGORITHMS[config.name]
+        if cls.update_kind != "pseudo_gradient":
+            raise ValueError(
+                f"streaming needs a pseudo-gradient algorithm (diloco, fedavg, fedopt), not "
+                f"{config.name!r}"
+            )
+        self.config = config
+        self.streaming = config.streaming
+        self.layout = layout
+        self.numel = layout.numel
+        self.seed = seed
+        self.device = device
+        self.name = cls.name
+        self.update_kind = cls.update_kind
+        self.partition = FragmentPartition.from_layout(
+            layout, config.streaming.fragments, config.streaming.split
+        )
+        self.schedule = StreamingSchedule.from_config(config.inner_steps, config.streaming)
+        sub_config = dataclasses.replace(config, streaming=StreamingConfig())
+        self.fragment_strategies: list[Strategy] = [
+            cls(
+                sub_config,
+                numel=fragment.numel,
+                outer_optimizer=outer_optimizer,
+                inner_optimizer=inner_optimizer,
+                seed=seed,
+                device=device,
+            )
+            for fragment in self.partition.fragments
+        ]
+        first = self.fragment_strategies[0]
+        self.inner_optimizer_config = first.inner_optimizer_config
+        self.outer_optimizer_config = first.outer_optimizer_config
+
+    # -- the Strategy surface ----------------------------------------------------------------
+
+    @property
+    def inner_steps(self) -> int:
+        """Inner steps per round: s = H / P (one fragment syncs per round)."""
+        return self.schedule.interval
+
+    def fragment_for_round(self, round_index: int) -> int:
+        return self.schedule.fragment_for_round(round_index)
+
+    def fragment(self, round_index: int) -> Fragment:
+        return self.partition[self.fragment_for_round(round_index)]
+
+    def update_numel(self, round_index: int) -> int:
+        """Elements of round ``round_index``'s uploads and broadcast (its fragment's size)."""
+        return self.fragment(round_index).numel
+
+    def configure_round(self, round_index: int, sites: Sequence[int]) -> RoundPlan:
+        return self.fragment_strategies[self.fragment_for_round(round_index)].configure_round(
+            round_index, sites
+        )
+
+    def build_uplink(self) -> FragmentUplink:
+        return FragmentUplink([s.build_uplink() for s in self.fragment_strategies])
+
+    def site_weight(self, samples: int) -> float:
+        return self.fragment_strategies[0].site_weight(samples)
+
+    def new_aggregator(self, round_index: int | None = None) -> StreamingAggregator:
+        if round_index is None:
+            raise ValueError("a streaming aggregator is per fragment: pass round_index")
+        return self.fragment_strategies[self.fragment_for_round(round_index)].new_aggregator()
+
+    def aggregate_round(
+        self, global_flat: torch.Tensor, aggregator: StreamingAggregator, plan: RoundPlan
+    ) -> RoundUpdate:
+        """Outer step and downlink of the round's fragment; ``global_flat`` is the full vector."""
+        p = self.fragment_for_round(plan.round)
+        fragment = self.partition[p]
+        sub = self.fragment_strategies[p].aggregate_round(
+            fragment.gather(global_flat), aggregator, plan
+        )
+        return self._full_update(global_flat, fragment, sub)
+
+    def apply_mean_update(
+        self,
+        global_flat: torch.Tensor,
+        mean_update: torch.Tensor,
+        sites: tuple[int, ...],
+        plan: RoundPlan,
+        *,
+        consume_mean: bool = False,
+    ) -> RoundUpdate:
+        """Outer step on an already averaged fragment update (e.g. one fragment's secure sum)."""
+        p = self.fragment_for_round(plan.round)
+        fragment = self.partition[p]
+        sub = self.fragment_strategies[p].apply_mean_update(
+            fragment.gather(global_flat), mean_update, sites, plan, consume_mean=consume_mean
+        )
+        return self._full_update(global_flat, fragment, sub)
+
+    def _full_update(
+        self, global_flat: torch.Tensor, fragment: Fragment, sub: RoundUpdate
+    ) -> RoundUpdate:
+        from geoloco.algorithms.strategy import RoundUpdate
+
+        new_flat = global_flat.clone()
+        fragment.scatter_(new_flat, sub.global_flat)
+        return RoundUpdate(
+            global_flat=new_flat,
+            downlink=sub.downlink,
+            digest=weights_digest(new_flat),
+            sites=sub.sites,
+        )
+
+    def apply_downlink(
+        self, global_flat: torch.Tensor, encoded: Encoded, round_index: int
+    ) -> torch.Tensor:
+        """What a site does with round ``round_index``'s broadcast: the new full ``θ_g``.
+
+        The same addition as the coordinator's (``apply_downlink`` on the fragment), so the
+        replicas stay bit-identical.
+        """
+        fragment = self.fragment(round_index)
+        new_part = apply_downlink(fragment.gather(global_flat), encoded)
+        return fragment.scatter_(global_flat.clone(), new_part)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for p, sub in enumerate(self.fragment_strategies):
+            out.update({f"{FRAGMENT_PREFIX}{p}.{k}": v for k, v in sub.state_tensors().items()})
+        return out
+
+    def state_meta(self) -> dict[str, Any]:
+        return {
+            "algorithm": self.name,
+            "config": self.config.to_dict(),
+            "streaming": self.streaming.to_dict(),
+            "partition": self.partition.to_dict(),
+            "fragments": [sub.state_meta() for sub in self.fragment_strategies],
+        }
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        saved = meta.get("fragments")
+        if not isinstance(saved, list) or len(saved) != len(self.fragment_strategies):
+            got = "plain (unfragmented) state" if saved is None else f"{len(saved)} fragments"
+            raise ValueError(
+                f"state holds {got}; this run streams {len(self.fragment_strategies)} fragments: "
+                "resume with the streaming settings the checkpoint was written with, or start a "
+                "fresh checkpoint_dir"
+            )
+        if meta.get("partition") != self.partition.to_dict():
+            raise ValueError(
+                "checkpoint's fragment partition differs from this run's (different model or "
+                "streaming.split); resume with the same settings or start a fresh checkpoint_dir"
+            )
+        for p, sub in enumerate(self.fragment_strategies):
+            prefix = f"{FRAGMENT_PREFIX}{p}."
+            sub.load_state(
+                {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)},
+                saved[p],
+            )

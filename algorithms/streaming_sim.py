@@ -1,0 +1,207 @@
+"""Streaming DiLoCo in the simulator: per-site local weights, staggered fragment syncs, overlap.
+
+The plain simulator loads the global weights into its one shared model before each site's steps,
+because in plain DiLoCo every site starts a round from ``θ_t``. In Streaming DiLoCo a site's
+weights never reset as a whole (only one fragment is merged per round), so each site keeps its own
+flat fp32 copy (``N × model`` memory) that is loaded into the shared model for its steps.
+
+Round ``r`` of site ``k`` (``s = H/P`` steps, ``τ`` = overlap, fragment ``p = (r − 1) mod P``):
+
+1. ``τ`` steps while the broadcast of round ``r − 1`` travels (none in round 1),
+2. merge round ``r − 1``'s fragment (``merge_fragment_``),
+3. ``s − τ`` steps,
+4. upload ``Δ = θ_g[p] − θ_k[p]`` through fragment ``p``'s uplink encoder.
+
+The virtual clock (``streaming_site_time``) follows the same order: the site computes without
+pause unless the broadcast it must merge after ``τ`` steps has not arrived yet, in which case it
+stalls until it has. Compute utilization is the share of each round's span spent in inner steps.
+Peak bytes in flight per site is the largest single transfer of the round (an upload, or the
+broadcast): one fragment, not the whole model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from geoloco.algorithms.clock import SiteConfig, download_ends, select_participants, transfer_time
+from geoloco.algorithms.diloco import pseudo_gradient, run_inner_steps
+from geoloco.algorithms.streaming import FragmentUplink, StreamingStrategy, merge_fragment_
+from geoloco.compression import Encoded
+
+if TYPE_CHECKING:
+    from geoloco.algorithms.simulator import Simulator
+
+__all__ = ["SiteStreamTime", "StreamingRounds", "streaming_site_time"]
+
+
+@dataclass(frozen=True, slots=True)
+class SiteStreamTime:
+    """One site's timeline in one streaming round (virtual seconds)."""
+
+    start_s: float
+    """When it started the round's first step (its previous upload time)."""
+    stall_s: float
+    """Seconds it waited for the previous round's broadcast before merging it."""
+    compute_s: float
+    """Seconds spent in the round's inner steps."""
+    upload_s: float
+    """When it started uploading its fragment (all steps done)."""
+    arrival_s: float
+    """When the upload had fully arrived at the coordinator."""
+
+    @property
+    def utilization(self) -> float:
+        span = self.upload_s - self.start_s
+        return self.compute_s / span if span > 0 else 1.0
+
+
+def streaming_site_time(
+    *,
+    start_s: float,
+    overlap_compute_s: float,
+    rest_compute_s: float,
+    previous_broadcast_s: float | None,
+    upload_bytes: int,
+    site: SiteConfig,
+) -> SiteStreamTime:
+    """A site's round: ``overlap_compute_s`` of steps, stall until ``previous_broadcast_s`` (the
+    broadcast it merges now), ``rest_compute_s`` of steps, then its upload travels."""
+    merge_ready = start_s + overlap_compute_s
+    stall = 0.0 if previous_broadcast_s is None else max(0.0, previous_broadcast_s - merge_ready)
+    upload = merge_ready + stall + rest_compute_s
+    arrival = upload + transfer_time(upload_bytes, site.uplink_bps, site.latency_s)
+    return SiteStreamTime(
+        start_s=start_s,
+        stall_s=stall,
+        compute_s=overlap_compute_s + rest_compute_s,
+        upload_s=upload,
+        arrival_s=arrival,
+    )
+
+
+@dataclass(slots=True)
+class _SiteStream:
+    local: torch.Tensor | None = None
+    """The site's own weights θ_k (flat fp32), kept between rounds."""
+    merge_round: int | None = None
+    """Round whose broadcast the site still has to merge (after τ steps of the next round)."""
+    broadcast_s: float | None = None
+    """When that broadcast reached the site."""
+    upload_s: float = 0.0
+    """When the site finished its last step (its last upload started)."""
+
+
+class StreamingRounds:
+    """Runs Streaming DiLoCo rounds for a ``Simulator`` (same workload, sites, clock, records)."""
+
+    def __init__(self, simulator: Simulator) -> None:
+        if not isinstance(simulator.strategy, StreamingStrategy):
+            raise TypeError("StreamingRounds needs a simulator whose strategy is a StreamingStrategy")
+        self.sim = simulator
+        self.strategy: StreamingStrategy = simulator.strategy
+        self.streams = [_SiteStream() for _ in simulator.sites]
+
+    def _steps(self, site: Any, steps: int) -> tuple[list[float], int, float]:
+        """``steps`` inner steps of ``site`` on the shared model: (losses, samples, virtual s)."""
+        if steps == 0:
+            return [], 0, 0.0
+        sim = self.sim
+        sim._sync_device()
+        t0 = time.perf_counter()
+        result = run_inner_steps(
+            sim.model, site.optimizer, site.batches, steps, sim.workload.loss,
+            grad_clip_norm=sim.config.inner_optimizer.grad_clip_norm,
+        )
+        sim._sync_device()
+        return result.losses, result.samples, sim._step_seconds(site, steps, time.perf_counter() - t0)
+
+    def round(self, round_index: int) -> dict[str, Any]:
+        sim = self.sim
+        strategy = self.strategy
+        tau = strategy.schedule.overlap_steps
+        interval = strategy.schedule.interval
+        mix = strategy.streaming.mix
+        plan = strategy.configure_round(round_index, [s.index for s in sim.sites])
+        p = strategy.fragment_for_round(round_index)
+        fragment = strategy.partition[p]
+        aggregator = strategy.new_aggregator(round_index)
+        deadline_s = sim.config.simulation.round_deadline_s
+        cutoff = None if deadline_s is None else sim.open_s + deadline_s
+        global_fragment = fragment.gather(sim.global_flat)
+        pending: dict[int, Encoded] = {}
+        times: list[SiteStreamTime] = []
+        upload_sizes: list[int] = []
+        losses: list[float] = []
+        weights: dict[int, float] = {}
+        for site, stream in zip(sim.sites, self.streams):
+            assert site.optimizer is not None and isinstance(site.uplink, FragmentUplink)
+            if stream.local is None:
+                stream.local = sim.global_flat.clone()
+                stream.upload_s = site.ready_s
+            sim.layout.load_(sim.model, stream.local)
+            overlap = tau if stream.merge_round is not None else 0
+            first_losses, first_samples, first_s = self._steps(site, overlap)
+            if stream.merge_round is not None:
+                local = sim.layout.flatten(sim.model)
+                merge_fragment_(local, sim.global_flat, strategy.fragment(stream.merge_round), mix)
+                sim.layout.load_(sim.model, local)
+                del local
+            rest_losses, rest_samples, rest_s = self._steps(site, interval - overlap)
+            stream.local = sim.layout.flatten(sim.model)
+            update = pseudo_gradient(global_fragment, fragment.gather(stream.local))
+            encoded = site.uplink.encode(update, seed=plan.uplink_seed(site.index), fragment=p)
+            del update
+            timing = streaming_site_time(
+                start_s=stream.upload_s,
+                overlap_compute_s=first_s,
+                rest_compute_s=rest_s,
+                previous_broadcast_s=stream.broadcast_s if stream.merge_round is not None else None,
+                upload_bytes=encoded.nbytes,
+                site=site.config,
+            )
+            weights[site.index] = strategy.site_weight(first_samples + rest_samples)
+            if cutoff is None or timing.arrival_s <= cutoff:
+                aggregator.add(encoded, weights[site.index], site=site.index)
+            else:
+                pending[site.index] = encoded
+            times.append(timing)
+            upload_sizes.append(encoded.nbytes)
+            losses.extend(first_losses + rest_losses)
+        arrivals = [t.arrival_s for t in times]
+        included, aggregate_s = select_participants(
+            arrivals, open_s=sim.open_s, deadline_s=deadline_s,
+            min_sites=sim.config.simulation.min_sites,
+        )
+        for k in included:
+            if k in pending:
+                aggregator.add(pending.pop(k), weights[k], site=k)
+        for k, encoded in pending.items():
+            sim.sites[k].uplink.restore(encoded, fragment=p)  # type: ignore[call-arg]
+        update = strategy.aggregate_round(sim.global_flat, aggregator, plan)
+        sim.global_flat = update.global_flat
+        ends = download_ends(
+            aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in sim.sites]
+        )
+        for site, stream, timing, end in zip(sim.sites, self.streams, times, ends):
+            stream.merge_round = round_index
+            stream.broadcast_s = end
+            stream.upload_s = timing.upload_s
+            site.ready_s = timing.upload_s
+        sim.open_s = aggregate_s
+        down = update.downlink.nbytes
+        return {
+            "train_loss": sum(losses) / len(losses),
+            "bytes_up": upload_sizes,
+            "bytes_down": [down] * len(sim.sites),
+            "compute_s": [t.compute_s for t in times],
+            "utilization": [t.utilization for t in times],
+            "stragglers": sorted(pending),
+            "sites_aggregated": len(included),
+            "end_s": max(ends),
+            "peak_bytes_in_flight": [max(up, down) for up in upload_sizes],
+            "fragment": p,
+        }

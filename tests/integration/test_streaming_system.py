@@ -1,0 +1,197 @@
+"""Streaming DiLoCo through the real system: gRPC, mutual TLS, the round state machine, processes.
+
+* Threads (``_cluster``): two site agents against a coordinator with ``[algorithm.streaming]``
+  (3 fragments, H = 6, overlap 1 step, mix 0.25) end with the simulator's weights bit for bit;
+  every round uploads and broadcasts one fragment, named in the manifest and in the metrics.
+  A coordinator stopped mid-run resumes from its checkpoint (per-fragment outer state and
+  downlink residuals) and still matches the uninterrupted simulator bitwise.
+* Processes (``_processes``): ``geoloco coordinator`` and two ``geoloco site`` processes; site "1"
+  is SIGKILLed mid-round, the round closes at its deadline without it, the same command brings it
+  back, it re-joins, fetches the global weights and contributes again; every replica ends on the
+  coordinator's digest.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from _cluster import AgentThread, Run, make_certs, on_round, wait_for
+from _processes import COORDINATOR_END, COORDINATOR_ROUND, LISTENING, SITE_END, SITE_ROUND, Processes, names
+from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.streaming import FragmentPartition, StreamingConfig
+from geoloco.coordinator.metrics import read_metrics
+from geoloco.coordinator.server import CoordinatorServer
+from geoloco.scenarios.workloads import build_workload
+from geoloco.site_agent.config import RoundResult
+
+STREAMING = StreamingConfig(enabled=True, fragments=3, overlap_steps=1, mix=0.25)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs"), ["0", "1", "2"])
+
+
+@pytest.fixture(scope="module")
+def mlp() -> object:
+    return build_workload("mlp")
+
+
+def _run(mlp: object, rounds: int) -> Run:
+    return Run(
+        workload=mlp,
+        num_sites=2,
+        rounds=rounds,
+        seed=4,
+        algorithm=AlgorithmConfig(
+            inner_steps=6, uplink_codec="int8", downlink_codec="int8", streaming=STREAMING
+        ),
+    )
+
+
+def test_streaming_sites_end_with_the_simulators_weights(
+    certs: Path, mlp: object, tmp_path: Path
+) -> None:
+    run = _run(mlp, rounds=7)
+    metrics = tmp_path / "metrics.jsonl"
+    server = run.start_coordinator(certs, metrics_path=str(metrics))
+    results: list[RoundResult] = []
+    threads = [AgentThread(run.agent(certs, server.port, k, results)) for k in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        summaries = [t.finish() for t in threads]
+        assert server.wait_until_finished(30)
+    finally:
+        server.stop(grace=0)
+    assert all(s.run_finished and s.rounds_included == run.rounds for s in summaries)
+    assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
+    assert torch.equal(server.rounds.weights, run.simulate())
+
+    model = mlp.build_model(0)  # type: ignore[attr-defined]
+    partition = FragmentPartition.from_layout(ParamLayout.from_model(model), 3)
+    records = read_metrics(metrics)
+    assert [r["fragment"] for r in records] == [r % 3 for r in range(run.rounds)]
+    for record in records:
+        fragment = partition[record["fragment"]]
+        # An int8 fragment is about a byte per element: a fragment's worth, not the model's.
+        assert record["downlink_bytes"] < fragment.numel + 2048
+        assert record["downlink_bytes"] < partition.numel
+    assert all(r.inner_steps == 2 for r in results)
+
+
+def test_streaming_coordinator_resumes_from_its_checkpoint(
+    certs: Path, mlp: object, tmp_path: Path
+) -> None:
+    run = _run(mlp, rounds=6)
+    checkpoints = tmp_path / "checkpoints"
+    overrides = {"checkpoint_dir": str(checkpoints)}
+    round_two = threading.Event()
+    first = run.start_coordinator(certs, on_round_end=on_round(2, round_two), **overrides)
+    threads = [AgentThread(run.agent(certs, first.port, k)) for k in range(2)]
+    second: CoordinatorServer | None = None
+    try:
+        for t in threads:
+            t.start()
+        wait_for(round_two)
+        first.stop(grace=0)
+        stopped_at = first.rounds.round
+        second = run.start_coordinator(certs, port=first.port, **overrides)
+        assert second.rounds.round == stopped_at
+        summaries = [t.finish() for t in threads]
+        assert second.wait_until_finished(30)
+    finally:
+        first.stop(grace=0)
+        if second is not None:
+            second.stop(grace=0)
+    assert {s.weights_digest for s in summaries} == {second.rounds.digest_hex}
+    assert torch.equal(second.rounds.weights, run.simulate())
+
+
+STREAMING_KILL_CONFIG = """
+total_rounds = {rounds}
+seed = 3
+min_sites = 1
+round_deadline_s = 2.0
+allowed_sites = ["0", "1"]
+heartbeat_interval_s = 0.5
+heartbeat_timeout_s = 120.0
+drain_timeout_s = 20.0
+metrics_path = "{metrics}"
+
+[workload]
+name = "mlp"
+
+[algorithm]
+inner_steps = 6
+uplink_codec = "int8"
+downlink_codec = "int8"
+
+[algorithm.streaming]
+enabled = true
+fragments = 3
+overlap_steps = 2
+mix = 0.0
+
+[inner_optimizer]
+lr = 3e-3
+"""
+
+
+def test_streaming_site_killed_and_restarted_over_processes(certs: Path, tmp_path: Path) -> None:
+    rounds = 30
+    metrics = tmp_path / "metrics.jsonl"
+    config = tmp_path / "coordinator.toml"
+    config.write_text(STREAMING_KILL_CONFIG.format(rounds=rounds, metrics=metrics))
+    with Processes(tmp_path) as processes:
+        coordinator = processes.start(
+            "coordinator", "coordinator", "--config", str(config), "--certs", str(certs),
+            "--http-port", "0",
+        )
+        _, listening = coordinator.wait_line(LISTENING, what="the listening line")
+        port = int(listening["port"])
+
+        def site(label: str, name: str):
+            return processes.start(
+                label, "site", "--coordinator", f"localhost:{port}", "--name", name,
+                "--certs", str(certs), "--device", "cpu", "--backoff-max", "0.5",
+            )
+
+        steady = site("site-0", "0")
+        victim = site("site-1", "1")
+        _, trained = victim.wait_line(
+            SITE_ROUND, where=lambda m: int(m["round"]) >= 2, what="site 1 after round 2"
+        )
+        # overlap_steps = H/P: all of a round's steps ran while the previous fragment travelled,
+        # and the round's loss is theirs.
+        assert math.isfinite(float(trained["loss"])), trained.string
+        victim.kill(signal.SIGKILL)
+        assert victim.wait_exit() == -signal.SIGKILL
+        excluded_at, excluded = coordinator.wait_line(
+            COORDINATOR_ROUND, where=lambda m: "1" in names(m["excluded"]), what="site 1 excluded"
+        )
+        restarted = site("site-1-again", "1")
+        _, back = coordinator.wait_line(
+            COORDINATOR_ROUND, start=excluded_at + 1,
+            where=lambda m: "1" in names(m["participants"]), what="site 1 contributing again",
+        )
+        assert int(back["round"]) > int(excluded["round"])
+        assert coordinator.wait_exit() == 0, coordinator.describe()
+        _, end = coordinator.wait_line(COORDINATOR_END, what="the coordinator's final line")
+        assert end["how"] == "finished" and end["round"] == str(rounds)
+        digests = set()
+        for process in (steady, restarted):
+            assert process.wait_exit() == 0, process.describe()
+            _, site_end = process.wait_line(SITE_END, what="the final line")
+            assert site_end["run_finished"] == "yes"
+            digests.add(site_end["digest"])
+        assert digests == {end["digest"]}
+    records = read_metrics(metrics)
+    assert [r["fragment"] for r in records] == [r % 3 for r in range(rounds)]

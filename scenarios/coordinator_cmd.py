@@ -43,10 +43,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on Python 3.10
-    import tomli as tomllib
+from geoloco.scenarios.config_file import ConfigFileError, read_toml
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +67,6 @@ after a restart). A round being aggregated is completed and checkpointed first."
 
 EXAMPLE_CONFIG = Path(__file__).with_name("coordinator.toml")
 WORKLOAD_TABLE = "workload"
-
-
-class CommandConfigError(Exception):
-    """A problem in the config file or flags, already phrased for the user."""
-
-    def __init__(self, source: str, key: str, message: str) -> None:
-        self.source = source
-        self.key = key
-        self.message = message
-        where = f"{source}: {key}" if key else source
-        super().__init__(f"{where}: {message}")
 
 
 class GracefulStop:
@@ -180,29 +166,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.set_defaults(handler=run)
 
 
-def read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise CommandConfigError(str(path), "", "file not found") from None
-    except IsADirectoryError:
-        raise CommandConfigError(str(path), "", "is a folder; pass the TOML file") from None
-    except tomllib.TOMLDecodeError as err:
-        raise CommandConfigError(str(path), "", f"not valid TOML: {err}") from None
-
-
 def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> None:
     """Fold the command-line overrides into the raw config (flags win over the file)."""
     if raw.get("insecure") is True and not args.insecure:
-        raise CommandConfigError(
+        raise ConfigFileError(
             source,
             "insecure",
             "plain-text mode must also be asked for on the command line: add --insecure, or "
             "set certs_dir (made by `geoloco certs`) for mutual TLS",
         )
     if args.insecure and args.certs is not None:
-        raise CommandConfigError("command line", "--insecure", "cannot be combined with --certs; drop one")
+        raise ConfigFileError("command line", "--insecure", "cannot be combined with --certs; drop one")
     if args.insecure:
         raw["insecure"] = True
         raw.pop("certs_dir", None)  # the command line asked for plain text explicitly
@@ -232,18 +206,18 @@ def _check_workload(table: Any, source: str) -> tuple[str, dict[str, Any]]:
     from geoloco.scenarios.workloads import WORKLOADS, workload_config
 
     if table is None:
-        raise CommandConfigError(
+        raise ConfigFileError(
             source,
             WORKLOAD_TABLE,
             f"missing [workload] table; it names the model to train: name = one of "
             f"{', '.join(map(repr, WORKLOADS))}",
         )
     if not isinstance(table, Mapping):
-        raise CommandConfigError(source, WORKLOAD_TABLE, "expected a [workload] table with `name`")
+        raise ConfigFileError(source, WORKLOAD_TABLE, "expected a [workload] table with `name`")
     options = dict(table)
     name = options.pop("name", None)
     if not isinstance(name, str) or name not in WORKLOADS:
-        raise CommandConfigError(
+        raise ConfigFileError(
             source,
             f"{WORKLOAD_TABLE}.name",
             f"got {name!r}; allowed workloads: {', '.join(map(repr, WORKLOADS))}",
@@ -252,11 +226,11 @@ def _check_workload(table: Any, source: str) -> tuple[str, dict[str, Any]]:
         try:
             workload_config(name, **{key: value})
         except ValueError as err:
-            raise CommandConfigError(source, f"{WORKLOAD_TABLE}.{key}", str(err)) from None
+            raise ConfigFileError(source, f"{WORKLOAD_TABLE}.{key}", str(err)) from None
     try:
         workload_config(name, **options)
     except ValueError as err:  # a constraint between options
-        raise CommandConfigError(source, WORKLOAD_TABLE, str(err)) from None
+        raise ConfigFileError(source, WORKLOAD_TABLE, str(err)) from None
     return name, options
 
 
@@ -273,7 +247,7 @@ def load_config(args: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
     try:
         config = CoordinatorConfig.from_dict(raw)
     except ConfigError as err:
-        raise CommandConfigError(source, err.key, err.message) from None
+        raise ConfigFileError(source, err.key, err.message) from None
     return config, name, options
 
 
@@ -284,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     reexec_with_malloc_tunables()
     try:
         return _run(args)
-    except CommandConfigError as err:
+    except ConfigFileError as err:
         print(f"geoloco coordinator: error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 
@@ -374,7 +348,7 @@ def _serve(config: Any, name: str, options: dict[str, Any], source: str, stop: G
         print(f"geoloco coordinator: error: {err}", file=sys.stderr)
         return EXIT_RUNTIME_ERROR
     except ValueError as err:  # checkpoint of another model, CUDA unavailable, ...
-        raise CommandConfigError(source, "", str(err)) from None
+        raise ConfigFileError(source, "", str(err)) from None
     rounds = server.rounds
     rounds.events.add_listener(on_event)
     how = (
@@ -386,7 +360,7 @@ def _serve(config: Any, name: str, options: dict[str, Any], source: str, stop: G
     try:
         port = server.start()
     except FileNotFoundError as err:  # TLS files
-        raise CommandConfigError(source, "certs_dir", str(err)) from None
+        raise ConfigFileError(source, "certs_dir", str(err)) from None
     except (OSError, RuntimeError) as err:
         print(
             f"geoloco coordinator: error: cannot listen on {config.host}:{config.port}: {err}; "

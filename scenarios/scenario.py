@@ -15,7 +15,7 @@ comment):
 
 Every error names the file, the dotted key and what is allowed (``ScenarioError``), and is raised
 by ``load_scenario`` before any process starts. The parsing reuses the simulator's machinery:
-``geoloco.algorithms.config.config_from_dict`` for keys and types, and ``SimulateConfigError``
+``geoloco.algorithms.config.config_from_dict`` for keys and types, and ``ConfigFileError``
 and the TOML reader of ``geoloco simulate`` for the file-level wording.
 """
 
@@ -35,7 +35,7 @@ from geoloco.algorithms.privacy import PrivacyConfig, check_aggregation, check_c
 from geoloco.algorithms.secagg import MIN_SITES
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.protos.identity import validate_site_name
-from geoloco.scenarios.simulate_cmd import SimulateConfigError, _read_toml
+from geoloco.scenarios.config_file import ConfigFileError, read_toml
 
 __all__ = [
     "FAULT_KINDS",
@@ -49,7 +49,7 @@ __all__ = [
     "parse_scenario",
 ]
 
-ScenarioError = SimulateConfigError
+ScenarioError = ConfigFileError
 """A problem in a scenario file: ``ScenarioError(source, key, message)``, printed as
 ``FILE: key: message``. The same class as ``geoloco simulate``'s, so both commands word errors
 alike."""
@@ -453,4 +453,4 @@ def parse_scenario(raw: Mapping[str, Any], source: str = "scenario") -> Scenario
 def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario file; every problem is a ``ScenarioError`` naming the file."""
     path = Path(path)
-    return parse_scenario(_read_toml(path), str(path))
+    return parse_scenario(read_toml(path), str(path))

@@ -24,10 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on Python 3.10
-    import tomli as tomllib
+from geoloco.scenarios.config_file import ConfigFileError, read_toml
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +36,6 @@ SECTIONS = ("workload", "algorithm", "inner_optimizer", "outer_optimizer", "site
 
 DEFAULT_WORKLOAD = "gpt"
 EXAMPLE_CONFIG = Path(__file__).with_name("simulate.toml")
-
-
-class SimulateConfigError(Exception):
-    """A problem in the config file or flags, already phrased for the user."""
-
-    def __init__(self, source: str, key: str, message: str) -> None:
-        self.source = source
-        self.key = key
-        self.message = message
-        where = f"{source}: {key}" if key else source
-        super().__init__(f"{where}: {message}")
 
 
 def _positive_int(text: str) -> int:
@@ -85,21 +71,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.set_defaults(handler=run)
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise SimulateConfigError(str(path), "", "file not found") from None
-    except tomllib.TOMLDecodeError as err:
-        raise SimulateConfigError(str(path), "", f"not valid TOML: {err}") from None
-
-
 def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> None:
     """Fold the command-line overrides into the raw config dict (flags win over the file)."""
     simulation = raw.setdefault("simulation", {})
     if not isinstance(simulation, dict):
-        raise SimulateConfigError(source, "simulation", "expected a [simulation] table")
+        raise ConfigFileError(source, "simulation", "expected a [simulation] table")
     for flag in ("rounds", "seed", "device"):
         value = getattr(args, flag)
         if value is not None:
@@ -107,7 +83,7 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
     if args.workload is not None:
         workload = raw.setdefault("workload", {})
         if not isinstance(workload, dict):
-            raise SimulateConfigError(source, "workload", "expected a [workload] table")
+            raise ConfigFileError(source, "workload", "expected a [workload] table")
         if workload.get("name", args.workload) != args.workload:
             # Options of one workload mean nothing to another.
             raw["workload"] = {"name": args.workload}
@@ -116,7 +92,7 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
     if args.sites is not None:
         sites = raw.get("sites")
         if isinstance(sites, list):
-            raise SimulateConfigError(
+            raise ConfigFileError(
                 source,
                 "sites",
                 "--sites cannot resize an explicit [[sites]] list; edit the list, or use a "
@@ -133,24 +109,24 @@ def load_config(args: argparse.Namespace) -> tuple[str, dict[str, Any], Any]:
     from geoloco.algorithms.simulator import SimulatorConfig
 
     source = str(args.config) if args.config is not None else "command line"
-    raw = _read_toml(args.config) if args.config is not None else {}
+    raw = read_toml(args.config) if args.config is not None else {}
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
-        raise SimulateConfigError(
+        raise ConfigFileError(
             source, unknown[0], f"unknown section; allowed: {', '.join(SECTIONS)}"
         )
     _apply_flags(raw, args, source)
     workload = raw.pop("workload", {})
     if not isinstance(workload, Mapping):
-        raise SimulateConfigError(source, "workload", "expected a [workload] table with name")
+        raise ConfigFileError(source, "workload", "expected a [workload] table with name")
     options = dict(workload)
     name = options.pop("name", DEFAULT_WORKLOAD)
     if not isinstance(name, str):
-        raise SimulateConfigError(source, "workload.name", f"expected a string, got {name!r}")
+        raise ConfigFileError(source, "workload.name", f"expected a string, got {name!r}")
     try:
         config = SimulatorConfig.from_dict(raw)
     except ConfigError as err:
-        raise SimulateConfigError(source, err.key, err.message) from None
+        raise ConfigFileError(source, err.key, err.message) from None
     return name, options, config
 
 
@@ -158,13 +134,13 @@ def _build_workload(name: str, options: dict[str, Any], source: str) -> Any:
     from geoloco.scenarios.workloads import WORKLOADS, build_workload
 
     if name not in WORKLOADS:
-        raise SimulateConfigError(
+        raise ConfigFileError(
             source, "workload.name", f"unknown workload {name!r}; valid names: {', '.join(WORKLOADS)}"
         )
     try:
         return build_workload(name, **options)
     except (ValueError, TypeError) as err:
-        raise SimulateConfigError(source, "workload", str(err)) from None
+        raise ConfigFileError(source, "workload", str(err)) from None
 
 
 def resolved_config(name: str, workload: Any, config: Any, device: str) -> dict[str, Any]:
@@ -201,7 +177,7 @@ def summary_table(rows: list[tuple[str, str]]) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except SimulateConfigError as err:
+    except ConfigFileError as err:
         print(f"geoloco simulate: error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 
@@ -218,7 +194,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         simulator = Simulator(config, workload)
     except ConfigError as err:
-        raise SimulateConfigError(source, err.key, err.message) from None
+        raise ConfigFileError(source, err.key, err.message) from None
 
     out = args.out or Path("runs") / datetime.now(timezone.utc).strftime("simulate-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)

@@ -48,11 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on Python 3.10
-    import tomli as tomllib
-
+from geoloco.scenarios.config_file import tomllib
 from geoloco.scenarios.coordinator_cmd import EXIT_CONFIG_ERROR, EXIT_OK, EXIT_RUNTIME_ERROR, GracefulStop
 
 logger = logging.getLogger(__name__)

@@ -128,10 +128,10 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
 def test_sites_flag_cannot_resize_an_explicit_list(tmp_path: Path) -> None:
     config = tmp_path / "sim.toml"
     config.write_text('[[sites]]\nlatency_s = 0.1\n[[sites]]\nlatency_s = 0.2\n')
-    from geoloco.scenarios.simulate_cmd import SimulateConfigError
+    from geoloco.scenarios.config_file import ConfigFileError
 
-    with pytest.raises(SimulateConfigError, match="cannot resize an explicit"):
+    with pytest.raises(ConfigFileError, match="cannot resize an explicit"):
         load_config(_args(config=config, sites=3))
-    with pytest.raises(SimulateConfigError, match="unknown section; allowed: workload"):
+    with pytest.raises(ConfigFileError, match="unknown section; allowed: workload"):
         config.write_text("[simulaton]\nrounds = 1\n")
         load_config(_args(config=config))

@@ -58,6 +58,9 @@ class SiteReport:
     idle_s: float
     down_s: float
     final_train_loss: float | None
+    startup_s: float = 0.0
+    """Seconds from the site's first process start until it first held the weights (imports,
+    TLS, join, the full-weights fetch): part of ``idle_s``, left out of the steady-state figure."""
 
     @property
     def alive_s(self) -> float:
@@ -66,6 +69,13 @@ class SiteReport:
     @property
     def utilization(self) -> float:
         return self.compute_s / self.alive_s if self.alive_s > 0 else 0.0
+
+    @property
+    def steady_utilization(self) -> float:
+        """Compute share once training began: what a long run converges to, since start-up is
+        paid once (a short emulation's start-up would otherwise dominate the figure)."""
+        steady = self.alive_s - self.startup_s
+        return self.compute_s / steady if steady > 0 else 0.0
 
     @property
     def network_wait_s(self) -> float:
@@ -177,6 +187,16 @@ def site_timeline(result: EmulationResult, name: str) -> list[tuple[str, float, 
     return segments
 
 
+def _startup_s(result: EmulationResult, name: str) -> float:
+    """Seconds from the site's first start to the end of its first download (the weights)."""
+    spans = _lifetimes(result, name)
+    if not spans:
+        return 0.0
+    start, stop = spans[0]
+    ends = [b["end_s"] for b in result.bursts.get(name, []) if b["direction"] == "down" and b["end_s"] > start]
+    return min(min(ends, default=stop), stop) - start
+
+
 def site_reports(result: EmulationResult) -> list[SiteReport]:
     payload_up: dict[str, int] = {}
     payload_down: dict[str, int] = {}
@@ -220,6 +240,7 @@ def site_reports(result: EmulationResult) -> list[SiteReport]:
                 idle_s=totals[IDLE],
                 down_s=totals[DOWN],
                 final_train_loss=last_loss.get(site.name),
+                startup_s=_startup_s(result, site.name),
             )
         )
     return reports
@@ -454,7 +475,8 @@ def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fi
         "## Sites",
         "",
         "| site | link up/down, latency | speed | bytes up (payload / wire) | bytes down (payload / wire) "
-        "| rounds included | compute utilization | waiting on network (comm + idle) | down | final train loss |",
+        "| rounds included | compute utilization (after start-up) | waiting on network (comm + idle) "
+        "| down | final train loss |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for site, r in zip(s.sites, reports):
@@ -462,16 +484,19 @@ def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fi
             f"| {r.name} | {site.uplink_bps / 1e6:g}/{site.downlink_bps / 1e6:g} Mbit/s, "
             f"{site.latency_s * 1000:g} ms | {site.speed_factor:g}x | {human_bytes(r.payload_up)} / "
             f"{human_bytes(r.wire_up)} | {human_bytes(r.payload_down)} / {human_bytes(r.wire_down)} | "
-            f"{r.rounds_included} | {100 * r.utilization:.1f} % | {r.network_wait_s:.1f} s "
+            f"{r.rounds_included} | {100 * r.utilization:.1f} % ({100 * r.steady_utilization:.1f} %) | "
+            f"{r.network_wait_s:.1f} s "
             f"({r.communication_s:.1f} + {r.idle_s:.1f}) | {r.down_s:.1f} s | "
             f"{'n/a' if r.final_train_loss is None else f'{r.final_train_loss:.4f}'} |"
         )
     total = lambda attr: sum(getattr(r, attr) for r in reports)  # noqa: E731
     mean_util = sum(r.utilization for r in reports) / max(1, len(reports))
+    mean_steady = sum(r.steady_utilization for r in reports) / max(1, len(reports))
     lines.append(
         f"| **total** | | | {human_bytes(total('payload_up'))} / {human_bytes(total('wire_up'))} | "
         f"{human_bytes(total('payload_down'))} / {human_bytes(total('wire_down'))} | | "
-        f"{100 * mean_util:.1f} % (mean) | {total('network_wait_s'):.1f} s | {total('down_s'):.1f} s | |"
+        f"{100 * mean_util:.1f} % ({100 * mean_steady:.1f} %) (mean) | {total('network_wait_s'):.1f} s | "
+        f"{total('down_s'):.1f} s | |"
     )
     lines += ["", "## Faults", ""]
     lines += _fault_recovery(result) or ["None injected."]

@@ -26,6 +26,17 @@ levels per ``clip``, so ``μ ≥ (256 · noise_multiplier)²`` and the excess is
 ``1e-5 / noise_multiplier²``. ``dp-accounting`` has no Skellam event, so the Gaussian event is
 what is composed; this is a documented approximation of that size, not a hidden one.
 
+**Streaming DiLoCo.** With ``[algorithm.streaming]`` each round synchronises one fragment ``p``
+of the weights, and every privacy step works on that fragment's update only: the secure sum has
+``numel = |fragment p|`` (or random-k's ``k`` of it, from the round's shared seed), the clip
+bounds the L2 norm of the *fragment's* update to ``clip_norm``, the fixed-point scale, masks and
+Skellam noise are those of that sum, and each site keeps one error-feedback residual per
+fragment (``PrivateUpdateEncoder`` per fragment). A round releases one fragment of each site's
+update, so the accountant composes **one release per fragment sync**, with the clipped fragment
+update as the sensitivity: P fragment rounds cost P releases, as P plain rounds would (each
+release reveals less of the model, but the accounting does not take credit for that; a site's
+whole-model change over P rounds is bounded by ``sqrt(P) · clip_norm``).
+
 The guarantee is **site-level** (adding or removing one site's whole update), with every site
 participating each round (no subsampling amplification), for ``dp = "central"`` or
 ``"distributed"``.
@@ -153,15 +164,15 @@ class PrivacyConfig:
 def check_aggregation(
     privacy: PrivacyConfig, *, weighting: str, late_updates: str, streaming: bool = False
 ) -> None:
-    """Reject aggregation options privacy cannot honour (keys as in ``[algorithm]``)."""
+    """Reject aggregation options privacy cannot honour (keys as in ``[algorithm]``).
+
+    ``streaming`` is accepted (and kept in the signature so callers state it): with Streaming
+    DiLoCo every fragment sync is its own private round.
+    """
     if not privacy.enabled:
         return
-    require(
-        not streaming,
-        "algorithm.streaming.enabled",
-        "privacy rounds (secure sums, DP clipping and accounting) run on the whole model's update, "
-        "not yet on one Streaming DiLoCo fragment at a time; disable algorithm.streaming or privacy",
-    )
+    # Streaming DiLoCo (``streaming=True``) is allowed: each round's secure sum, clip and DP
+    # release cover that round's fragment only (see the module docstring, "Streaming DiLoCo").
     require(
         weighting == "uniform",
         "algorithm.weighting",

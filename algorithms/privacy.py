@@ -322,6 +322,8 @@ class PrivateUpdateEncoder:
     residual: torch.Tensor | None = field(default=None, init=False)
     last_norm: float = field(default=0.0, init=False)
     """L2 norm of the last update before clipping (for metrics)."""
+    _sent: tuple[torch.Tensor, torch.Tensor | None] | None = field(default=None, init=False)
+    """What the last ``encode`` sent (float values, random-k index or None), for ``restore``."""
 
     def encode(
         self,
@@ -358,6 +360,8 @@ class PrivateUpdateEncoder:
         self.last_norm = norm
         factor = fixed.scale * min(1.0, fixed.clip_norm / norm) if norm > 0 else fixed.scale
         residual = u.clone() if self.error_feedback else None
+        sent_values = torch.empty(context.numel, dtype=torch.float32) if self.error_feedback else None
+        self._sent = None
         variance = 0.0
         if self.privacy.dp == "distributed":
             assert self.privacy.clip_norm is not None
@@ -369,6 +373,8 @@ class PrivateUpdateEncoder:
             ints = stochastic_round(values[start:stop].to(torch.float64) * factor, generator)
             if residual is not None:
                 sent = (ints.to(torch.float64) / fixed.scale).to(torch.float32)
+                assert sent_values is not None
+                sent_values[start:stop] = sent
                 if index is None:
                     residual[start:stop] -= sent
                 else:
@@ -377,6 +383,35 @@ class PrivateUpdateEncoder:
                 ints += skellam_noise(ints.numel(), variance, noise_rng)
             yield ints.numpy()
         self.residual = residual
+        if sent_values is not None:
+            self._sent = (sent_values, index)
+
+    def restore(self) -> None:
+        """The last encoded update was not summed (the secure round aborted, or the coordinator
+        refused the masked upload): put what it sent back into the residual, so the residual is
+        the whole ``u`` again and the work is sent next time, like ``UpdateEncoder.restore`` for
+        a plain upload that missed its round. Without error feedback the update is dropped.
+
+        Under DP this is safe: nothing of the update was released, and whatever is sent later
+        is clipped and noised again.
+        """
+        if self._sent is None or self.residual is None:
+            return
+        values, index = self._sent
+        self._sent = None
+        if index is None:
+            self.residual += values
+        else:
+            self.residual.index_add_(0, index, values)
+
+    def keep(self, update: torch.Tensor) -> None:
+        """An update that never reached ``encode`` (the site sat the secure round out, e.g. its
+        key stages failed): add it to the residual whole (with error feedback; else dropped)."""
+        if not self.error_feedback:
+            return
+        u = update.detach().to("cpu", torch.float32).reshape(-1)
+        self.residual = u.clone() if self.residual is None else self.residual + u
+        self._sent = None
 
 
 def decode_secure_sum(

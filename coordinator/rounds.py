@@ -606,7 +606,9 @@ class RoundStateMachine:
                 r.deadline_s = now + r.deadline_in_force_s
             self._phase = RoundPhase.RUNNING
             if self.privacy is not None:
-                self.privacy.start_round(r.number, self.round_seed(r.number), now)
+                self.privacy.start_round(
+                    r.number, self.round_seed(r.number), now, numel=self.update_numel(r.number)
+                )
             self.events.emit(ev.ROUND_STARTED, round=r.number, members=len(self._members))
             logger.info(
                 "round %d started with %d sites%s", r.number, len(self._members),
@@ -876,6 +878,12 @@ class RoundStateMachine:
             self._check_upload_round(manifest.round)
             if manifest.site and manifest.site != site:
                 raise InvalidUpdateError(f"upload manifest names site {manifest.site!r} but the caller is {site!r}")
+            fragment = self.fragment_of(manifest.round)
+            if manifest.fragment != fragment:
+                raise InvalidUpdateError(
+                    f"masked upload for round {manifest.round} names fragment {manifest.fragment}; "
+                    f"that round's secure sum is over fragment {fragment}"
+                )
             upload = privacy.open_upload(site, manifest)
             r = self._round
             self.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)

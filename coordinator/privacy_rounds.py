@@ -153,6 +153,14 @@ class PrivateRounds:
         current.advance(live, now)
         return current.reply(site, stage)
 
+    def withdraw(self, site: str, round_number: int, live: set[str], now: float) -> None:
+        """``site`` waits for round ``round_number``'s broadcast: if it never advertised keys in
+        that secure round, it will not (``SecureRound.withdraw``)."""
+        current = self._round(round_number)
+        if current is not None and not current.aborted:
+            current.withdraw(site)
+            current.advance(live, now)
+
     def advance(self, live: set[str], now: float) -> None:
         if self.current is not None:
             self.current.advance(live, now)
@@ -178,6 +186,8 @@ class PrivateRounds:
                 f"masked upload of {blob.total_bytes} bytes in chunks of {blob.chunk_size}; expected "
                 f"{upload_bytes} bytes in chunks of {self.wire_chunk_bytes} (one protocol chunk each)"
             )
+        if current is not None and not current.aborted and not current.may_upload(site):
+            current.withdraw(site)  # masked for another protocol instance: don't wait for it
         if current is None or current.aborted or not current.may_upload(site):
             why = (
                 current.aborted if current is not None and current.aborted

@@ -884,7 +884,10 @@ class RoundStateMachine:
                     f"masked upload for round {manifest.round} names fragment {manifest.fragment}; "
                     f"that round's secure sum is over fragment {fragment}"
                 )
-            upload = privacy.open_upload(site, manifest)
+            try:
+                upload = privacy.open_upload(site, manifest)
+            finally:
+                self._cond.notify_all()  # a refused upload may let the key stage close now
             r = self._round
             self.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)
             r.site_metrics[site] = dict(manifest.metrics)
@@ -1108,6 +1111,12 @@ class RoundStateMachine:
                     f"the run finished after round {round_number - 1}; there is no round "
                     f"{round_number} to wait for"
                 )
+            if self.secure and round_number == self._round.number and check_member:
+                # A site waiting for the broadcast without having advertised keys will not
+                # (e.g. its key stages ran with this coordinator's predecessor).
+                assert self.privacy is not None
+                self.privacy.withdraw(site, round_number, set(self._members), self.clock())
+                self._cond.notify_all()
             self._cond.wait_for(
                 lambda: self._closing or self._round.number != round_number,
                 timeout=timeout_s,

@@ -26,6 +26,17 @@ levels per ``clip``, so ``μ ≥ (256 · noise_multiplier)²`` and the excess is
 ``1e-5 / noise_multiplier²``. ``dp-accounting`` has no Skellam event, so the Gaussian event is
 what is composed; this is a documented approximation of that size, not a hidden one.
 
+**Streaming DiLoCo.** With ``[algorithm.streaming]`` each round synchronises one fragment ``p``
+of the weights, and every privacy step works on that fragment's update only: the secure sum has
+``numel = |fragment p|`` (or random-k's ``k`` of it, from the round's shared seed), the clip
+bounds the L2 norm of the *fragment's* update to ``clip_norm``, the fixed-point scale, masks and
+Skellam noise are those of that sum, and each site keeps one error-feedback residual per
+fragment (``PrivateUpdateEncoder`` per fragment). A round releases one fragment of each site's
+update, so the accountant composes **one release per fragment sync**, with the clipped fragment
+update as the sensitivity: P fragment rounds cost P releases, as P plain rounds would (each
+release reveals less of the model, but the accounting does not take credit for that; a site's
+whole-model change over P rounds is bounded by ``sqrt(P) · clip_norm``).
+
 The guarantee is **site-level** (adding or removing one site's whole update), with every site
 participating each round (no subsampling amplification), for ``dp = "central"`` or
 ``"distributed"``.
@@ -153,15 +164,15 @@ class PrivacyConfig:
 def check_aggregation(
     privacy: PrivacyConfig, *, weighting: str, late_updates: str, streaming: bool = False
 ) -> None:
-    """Reject aggregation options privacy cannot honour (keys as in ``[algorithm]``)."""
+    """Reject aggregation options privacy cannot honour (keys as in ``[algorithm]``).
+
+    ``streaming`` is accepted (and kept in the signature so callers state it): with Streaming
+    DiLoCo every fragment sync is its own private round.
+    """
     if not privacy.enabled:
         return
-    require(
-        not streaming,
-        "algorithm.streaming.enabled",
-        "privacy rounds (secure sums, DP clipping and accounting) run on the whole model's update, "
-        "not yet on one Streaming DiLoCo fragment at a time; disable algorithm.streaming or privacy",
-    )
+    # Streaming DiLoCo (``streaming=True``) is allowed: each round's secure sum, clip and DP
+    # release cover that round's fragment only (see the module docstring, "Streaming DiLoCo").
     require(
         weighting == "uniform",
         "algorithm.weighting",
@@ -311,6 +322,8 @@ class PrivateUpdateEncoder:
     residual: torch.Tensor | None = field(default=None, init=False)
     last_norm: float = field(default=0.0, init=False)
     """L2 norm of the last update before clipping (for metrics)."""
+    _sent: tuple[torch.Tensor, torch.Tensor | None] | None = field(default=None, init=False)
+    """What the last ``encode`` sent (float values, random-k index or None), for ``restore``."""
 
     def encode(
         self,
@@ -347,6 +360,8 @@ class PrivateUpdateEncoder:
         self.last_norm = norm
         factor = fixed.scale * min(1.0, fixed.clip_norm / norm) if norm > 0 else fixed.scale
         residual = u.clone() if self.error_feedback else None
+        sent_values = torch.empty(context.numel, dtype=torch.float32) if self.error_feedback else None
+        self._sent = None
         variance = 0.0
         if self.privacy.dp == "distributed":
             assert self.privacy.clip_norm is not None
@@ -358,6 +373,8 @@ class PrivateUpdateEncoder:
             ints = stochastic_round(values[start:stop].to(torch.float64) * factor, generator)
             if residual is not None:
                 sent = (ints.to(torch.float64) / fixed.scale).to(torch.float32)
+                assert sent_values is not None
+                sent_values[start:stop] = sent
                 if index is None:
                     residual[start:stop] -= sent
                 else:
@@ -366,6 +383,35 @@ class PrivateUpdateEncoder:
                 ints += skellam_noise(ints.numel(), variance, noise_rng)
             yield ints.numpy()
         self.residual = residual
+        if sent_values is not None:
+            self._sent = (sent_values, index)
+
+    def restore(self) -> None:
+        """The last encoded update was not summed (the secure round aborted, or the coordinator
+        refused the masked upload): put what it sent back into the residual, so the residual is
+        the whole ``u`` again and the work is sent next time, like ``UpdateEncoder.restore`` for
+        a plain upload that missed its round. Without error feedback the update is dropped.
+
+        Under DP this is safe: nothing of the update was released, and whatever is sent later
+        is clipped and noised again.
+        """
+        if self._sent is None or self.residual is None:
+            return
+        values, index = self._sent
+        self._sent = None
+        if index is None:
+            self.residual += values
+        else:
+            self.residual.index_add_(0, index, values)
+
+    def keep(self, update: torch.Tensor) -> None:
+        """An update that never reached ``encode`` (the site sat the secure round out, e.g. its
+        key stages failed): add it to the residual whole (with error feedback; else dropped)."""
+        if not self.error_feedback:
+            return
+        u = update.detach().to("cpu", torch.float32).reshape(-1)
+        self.residual = u.clone() if self.residual is None else self.residual + u
+        self._sent = None
 
 
 def decode_secure_sum(

@@ -360,9 +360,17 @@ class Simulator:
             for k, site in enumerate(config.sites)
         ]
         privacy = config.privacy
-        self.private = {k: PrivateUpdateEncoder(privacy, config.algorithm.uplink_codec,
-                                                error_feedback=config.algorithm.error_feedback)
-                        for k in range(num_sites)} if privacy.secure_aggregation else {}
+        # One private encoder (own error-feedback residual) per site, and with Streaming DiLoCo
+        # per site and fragment: each fragment sync is its own secure sum.
+        fragments = (
+            config.algorithm.streaming.fragments if config.algorithm.streaming.enabled else 1
+        )
+        self.private_fragments: list[dict[int, PrivateUpdateEncoder]] = [
+            {k: PrivateUpdateEncoder(privacy, config.algorithm.uplink_codec,
+                                     error_feedback=config.algorithm.error_feedback)
+             for k in range(num_sites)} if privacy.secure_aggregation else {}
+            for _ in range(fragments)
+        ]
         # Simulated sites still run the real protocol, so each needs an identity key.
         self.identity_keys: dict[int, Ed25519PrivateKey] = (
             {k: Ed25519PrivateKey.generate() for k in range(num_sites)}
@@ -458,27 +466,38 @@ class Simulator:
 
     # -- one DiLoCo-family round -------------------------------------------------------------
 
-    def _round_noise_multiplier(self) -> float:
-        """What the accountant composes for one round (see ``effective_noise_multiplier``)."""
+    def _round_noise_multiplier(self, round_index: int) -> float:
+        """What the accountant composes for one round (see ``effective_noise_multiplier``);
+        with streaming one release of the round's fragment update."""
         privacy = self.config.privacy
         if privacy.dp != "distributed":
             return privacy.noise_multiplier
+        numel = (
+            self.strategy.update_numel(round_index)  # type: ignore[attr-defined]
+            if self.streaming is not None else self.layout.numel
+        )
         context, fixed = plan_secure_round(
-            privacy, self.config.algorithm.uplink_codec, numel=self.layout.numel,
+            privacy, self.config.algorithm.uplink_codec, numel=numel,
             num_sites=len(self.sites), session="simulation", round_index=0,
         )
         return effective_noise_multiplier(privacy, fixed, context.numel)
 
     def _private_aggregate(
-        self, round_index: int, updates: dict[int, torch.Tensor], plan: Any
+        self, round_index: int, updates: dict[int, torch.Tensor], plan: Any,
+        fragment: int | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
-        """Mean update under the privacy config, and each site's upload bytes."""
+        """Mean update under the privacy config, and each site's upload bytes.
+
+        ``fragment``: Streaming DiLoCo's fragment of this round (``updates`` are that
+        fragment's); its secure sum, clip and noise cover the fragment only.
+        """
         privacy = self.config.privacy
         codec = self.config.algorithm.uplink_codec
+        numel = next(iter(updates.values())).numel()
         if privacy.secure_aggregation:
             traffic: dict[int, int] = {}
             mean, survivors = private_round_in_memory(
-                privacy, codec, updates, self.private, self.identity_keys,
+                privacy, codec, updates, self.private_fragments[fragment or 0], self.identity_keys,
                 session=f"simulation-{self.config.simulation.seed}", round_index=round_index,
                 index_seed=secure_index_seed(plan.seed), traffic=traffic,
             )
@@ -488,10 +507,15 @@ class Simulator:
         # Central DP without secure aggregation: the trusted coordinator clips each decoded
         # upload, sums, and adds Gaussian noise to the sum.
         assert privacy.clip_norm is not None
-        total = torch.zeros(self.layout.numel, dtype=torch.float32)
+        total = torch.zeros(numel, dtype=torch.float32)
         sizes = []
         for k in sorted(updates):
-            encoded = self.sites[k].uplink.encode(updates[k], seed=plan.uplink_seed(k))
+            uplink = self.sites[k].uplink
+            encoded = (
+                uplink.encode(updates[k], seed=plan.uplink_seed(k))
+                if fragment is None
+                else uplink.encode(updates[k], seed=plan.uplink_seed(k), fragment=fragment)  # type: ignore[call-arg]
+            )
             sizes.append(encoded.nbytes)
             total += clip_l2(decode(encoded, device="cpu").reshape(-1), privacy.clip_norm)[0]
         mean = add_central_noise(total, privacy) / len(updates)
@@ -722,7 +746,7 @@ class Simulator:
                     self.strategy, [s.uplink for s in self.sites], algo.inner_steps, first
                 )
             else:
-                z = self._round_noise_multiplier()
+                z = self._round_noise_multiplier(round_index)
                 if self.accountant is not None and not self.accountant.allows(
                     z, self.config.privacy.epsilon_budget
                 ):

@@ -21,6 +21,7 @@ broadcast): one fragment, not the whole model.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -137,6 +138,8 @@ class StreamingRounds:
         upload_sizes: list[int] = []
         losses: list[float] = []
         weights: dict[int, float] = {}
+        private = sim.config.privacy.enabled
+        private_updates: dict[int, torch.Tensor] = {}
         for site, stream in zip(sim.sites, self.streams):
             assert site.optimizer is not None and isinstance(site.uplink, FragmentUplink)
             if stream.local is None:
@@ -153,6 +156,17 @@ class StreamingRounds:
             rest_losses, rest_samples, rest_s = self._steps(site, interval - overlap)
             stream.local = sim.layout.flatten(sim.model)
             update = pseudo_gradient(global_fragment, fragment.gather(stream.local))
+            losses.extend(first_losses + rest_losses)
+            if private:
+                # Privacy: the fragment's update enters this round's own private round below
+                # (secure sum / clip / noise over the fragment only); timed once its size is known.
+                private_updates[site.index] = update.to("cpu")
+                times.append(streaming_site_time(
+                    start_s=stream.upload_s, overlap_compute_s=first_s, rest_compute_s=rest_s,
+                    previous_broadcast_s=stream.broadcast_s if stream.merge_round is not None else None,
+                    upload_bytes=0, site=site.config,
+                ))
+                continue
             encoded = site.uplink.encode(update, seed=plan.uplink_seed(site.index), fragment=p)
             del update
             timing = streaming_site_time(
@@ -170,7 +184,8 @@ class StreamingRounds:
                 pending[site.index] = encoded
             times.append(timing)
             upload_sizes.append(encoded.nbytes)
-            losses.extend(first_losses + rest_losses)
+        if private:
+            return self._private_finish(round_index, plan, p, private_updates, times, losses)
         arrivals = [t.arrival_s for t in times]
         included, aggregate_s = select_participants(
             arrivals, open_s=sim.open_s, deadline_s=deadline_s,
@@ -182,6 +197,54 @@ class StreamingRounds:
         for k, encoded in pending.items():
             sim.sites[k].uplink.restore(encoded, fragment=p)  # type: ignore[call-arg]
         update = strategy.aggregate_round(sim.global_flat, aggregator, plan)
+        return self._finish(round_index, p, update, times, upload_sizes, arrivals, included,
+                            aggregate_s, losses, sorted(pending))
+
+    def _private_finish(
+        self,
+        round_index: int,
+        plan: Any,
+        p: int,
+        updates: dict[int, torch.Tensor],
+        compute_times: list[SiteStreamTime],
+        losses: list[float],
+    ) -> dict[str, Any]:
+        """A privacy round of fragment ``p``: one secure sum / DP release of the fragment's
+        updates (every site enters; privacy runs have no round deadline), then the outer step."""
+        sim = self.sim
+        mean, upload_sizes = sim._private_aggregate(round_index, updates, plan, fragment=p)
+        update = self.strategy.apply_mean_update(
+            sim.global_flat, mean, tuple(sorted(updates)), plan, consume_mean=True
+        )
+        # The timelines were made before the upload size was known: its transfer now.
+        times = [
+            dataclasses.replace(t, arrival_s=t.upload_s + transfer_time(
+                size, site.config.uplink_bps, site.config.latency_s
+            ))
+            for t, size, site in zip(compute_times, upload_sizes, sim.sites)
+        ]
+        arrivals = [t.arrival_s for t in times]
+        included, aggregate_s = select_participants(
+            arrivals, open_s=sim.open_s, deadline_s=None, min_sites=len(sim.sites)
+        )
+        return self._finish(round_index, p, update, times, upload_sizes, arrivals, included,
+                            aggregate_s, losses, [])
+
+    def _finish(
+        self,
+        round_index: int,
+        p: int,
+        update: Any,
+        times: list[SiteStreamTime],
+        upload_sizes: list[int],
+        arrivals: list[float],
+        included: list[int],
+        aggregate_s: float,
+        losses: list[float],
+        stragglers: list[int],
+    ) -> dict[str, Any]:
+        """Apply the round's update, advance the clock and each site's stream; the stats."""
+        sim = self.sim
         sim.global_flat = update.global_flat
         ends = download_ends(
             aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in sim.sites]
@@ -199,7 +262,7 @@ class StreamingRounds:
             "bytes_down": [down] * len(sim.sites),
             "compute_s": [t.compute_s for t in times],
             "utilization": [t.utilization for t in times],
-            "stragglers": sorted(pending),
+            "stragglers": stragglers,
             "sites_aggregated": len(included),
             "end_s": max(ends),
             "peak_bytes_in_flight": [max(up, down) for up in upload_sizes],

@@ -50,6 +50,7 @@ from geoloco.algorithms.privacy import (
 from geoloco.algorithms.secagg import MIN_SITES, SecAggAbort, SecAggViolation, num_chunks, site_index
 from geoloco.algorithms.diloco import StreamingAggregator
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate, Strategy
+from geoloco.algorithms.streaming import StreamingStrategy
 from geoloco.coordinator.errors import InvalidUpdateError, WrongRoundError
 from geoloco.coordinator.secure_round import SecureRound, StageReply
 from geoloco.protos import geoloco_pb2 as pb
@@ -96,10 +97,16 @@ class PrivateRounds:
         self.current: SecureRound | None = None
         self._uploads: dict[str, SecureUpload] = {}
         self._unmasking = False
-        width = privacy.modulus_bits // 8
-        self.sent_values = secure_context(privacy, uplink_codec, numel=numel, session=session, round_index=0).numel
-        self.upload_bytes = self.sent_values * width
-        self.wire_chunk_bytes = privacy.chunk_size * width
+        self.wire_chunk_bytes = privacy.chunk_size * (privacy.modulus_bits // 8)
+
+    def sent_values(self, numel: int | None = None) -> int:
+        """Values of a masked upload of an update of ``numel`` elements (``k`` with random-k);
+        default: the current secure round's (a Streaming DiLoCo fragment's), else the model's."""
+        if numel is None:
+            numel = self.current.numel if self.current is not None else self.numel
+        return secure_context(
+            self.privacy, self.uplink_codec, numel=numel, session=self.session, round_index=0
+        ).numel
 
     @property
     def secure(self) -> bool:
@@ -108,12 +115,17 @@ class PrivateRounds:
     # ------------------------------------------------------------------------------------------
     # Secure rounds (called under the state machine's lock)
 
-    def start_round(self, round_number: int, round_seed: int, now: float) -> None:
-        """The round's quorum is there: open its key-advertisement stage."""
+    def start_round(self, round_number: int, round_seed: int, now: float, *, numel: int | None = None) -> None:
+        """The round's quorum is there: open its key-advertisement stage.
+
+        ``numel``: elements of the round's update; with Streaming DiLoCo the size of the
+        fragment the round synchronises (each fragment sync is its own secure sum), else the
+        model's.
+        """
         if not self.secure or (self.current is not None and self.current.round_number == round_number):
             return
         self.current = SecureRound(
-            self.privacy, self.uplink_codec, numel=self.numel, session=self.session,
+            self.privacy, self.uplink_codec, numel=self.numel if numel is None else numel, session=self.session,
             round_number=round_number, index_seed=secure_index_seed(round_seed),
             stage_timeout_s=self.stage_timeout_s, now=now,
         )
@@ -141,6 +153,14 @@ class PrivateRounds:
         current.advance(live, now)
         return current.reply(site, stage)
 
+    def withdraw(self, site: str, round_number: int, live: set[str], now: float) -> None:
+        """``site`` waits for round ``round_number``'s broadcast: if it never advertised keys in
+        that secure round, it will not (``SecureRound.withdraw``)."""
+        current = self._round(round_number)
+        if current is not None and not current.aborted:
+            current.withdraw(site)
+            current.advance(live, now)
+
     def advance(self, live: set[str], now: float) -> None:
         if self.current is not None:
             self.current.advance(live, now)
@@ -154,16 +174,20 @@ class PrivateRounds:
                 f"{blob.codec!r}; the site must run with the coordinator's [privacy] settings"
             )
         dtype = MODULUS_DTYPES[self.privacy.modulus_bits]
-        if blob.dtype != dtype.name or list(blob.shape) != [self.sent_values]:
+        current = self._round(manifest.round)
+        sent_values = current.context.numel if current is not None else self.sent_values()
+        upload_bytes = sent_values * (self.privacy.modulus_bits // 8)
+        if blob.dtype != dtype.name or list(blob.shape) != [sent_values]:
             raise InvalidUpdateError(
-                f"masked upload of {blob.dtype} {list(blob.shape)}; expected {dtype.name} [{self.sent_values}]"
+                f"masked upload of {blob.dtype} {list(blob.shape)}; expected {dtype.name} [{sent_values}]"
             )
-        if blob.total_bytes != self.upload_bytes or blob.chunk_size != self.wire_chunk_bytes:
+        if blob.total_bytes != upload_bytes or blob.chunk_size != self.wire_chunk_bytes:
             raise InvalidUpdateError(
                 f"masked upload of {blob.total_bytes} bytes in chunks of {blob.chunk_size}; expected "
-                f"{self.upload_bytes} bytes in chunks of {self.wire_chunk_bytes} (one protocol chunk each)"
+                f"{upload_bytes} bytes in chunks of {self.wire_chunk_bytes} (one protocol chunk each)"
             )
-        current = self._round(manifest.round)
+        if current is not None and not current.aborted and not current.may_upload(site):
+            current.withdraw(site)  # masked for another protocol instance: don't wait for it
         if current is None or current.aborted or not current.may_upload(site):
             why = (
                 current.aborted if current is not None and current.aborted
@@ -178,7 +202,7 @@ class PrivateRounds:
             if existing.manifest.blob.total_bytes != blob.total_bytes:
                 raise InvalidUpdateError(f"site {site!r} re-opened its masked upload with another size")
             return existing
-        upload = SecureUpload(manifest=manifest, num_chunks=num_chunks(self.sent_values, self.privacy.chunk_size), received=set())
+        upload = SecureUpload(manifest=manifest, num_chunks=num_chunks(sent_values, self.privacy.chunk_size), received=set())
         self._uploads[site] = upload
         return upload
 
@@ -317,7 +341,21 @@ class PrivateRounds:
 
 
 def _no_change(strategy: Strategy, global_flat: torch.Tensor, plan: RoundPlan) -> RoundUpdate:
-    """An aborted round: no outer step; the downlink carries θ' = θ_t (plus its residual)."""
+    """An aborted round: no outer step; the downlink carries θ' = θ_t (plus its residual).
+
+    With Streaming DiLoCo the downlink is that of the round's fragment (its own residual), so
+    sites apply it to the fragment like any other broadcast of that round.
+    """
+    if isinstance(strategy, StreamingStrategy):
+        p = strategy.fragment_for_round(plan.round)
+        fragment = strategy.partition[p]
+        sub = strategy.fragment_strategies[p]
+        part = fragment.gather(global_flat)
+        downlink, next_part = encode_downlink(
+            sub.downlink, part, part.clone(), seed=plan.downlink_seed, consume_new_flat=True
+        )
+        next_flat = fragment.scatter_(global_flat.clone(), next_part)
+        return RoundUpdate(global_flat=next_flat, downlink=downlink, digest=weights_digest(next_flat), sites=())
     downlink, next_flat = encode_downlink(
         strategy.downlink, global_flat, global_flat.clone(), seed=plan.downlink_seed, consume_new_flat=True
     )

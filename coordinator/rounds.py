@@ -606,7 +606,9 @@ class RoundStateMachine:
                 r.deadline_s = now + r.deadline_in_force_s
             self._phase = RoundPhase.RUNNING
             if self.privacy is not None:
-                self.privacy.start_round(r.number, self.round_seed(r.number), now)
+                self.privacy.start_round(
+                    r.number, self.round_seed(r.number), now, numel=self.update_numel(r.number)
+                )
             self.events.emit(ev.ROUND_STARTED, round=r.number, members=len(self._members))
             logger.info(
                 "round %d started with %d sites%s", r.number, len(self._members),
@@ -876,7 +878,16 @@ class RoundStateMachine:
             self._check_upload_round(manifest.round)
             if manifest.site and manifest.site != site:
                 raise InvalidUpdateError(f"upload manifest names site {manifest.site!r} but the caller is {site!r}")
-            upload = privacy.open_upload(site, manifest)
+            fragment = self.fragment_of(manifest.round)
+            if manifest.fragment != fragment:
+                raise InvalidUpdateError(
+                    f"masked upload for round {manifest.round} names fragment {manifest.fragment}; "
+                    f"that round's secure sum is over fragment {fragment}"
+                )
+            try:
+                upload = privacy.open_upload(site, manifest)
+            finally:
+                self._cond.notify_all()  # a refused upload may let the key stage close now
             r = self._round
             self.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)
             r.site_metrics[site] = dict(manifest.metrics)
@@ -1100,6 +1111,12 @@ class RoundStateMachine:
                     f"the run finished after round {round_number - 1}; there is no round "
                     f"{round_number} to wait for"
                 )
+            if self.secure and round_number == self._round.number and check_member:
+                # A site waiting for the broadcast without having advertised keys will not
+                # (e.g. its key stages ran with this coordinator's predecessor).
+                assert self.privacy is not None
+                self.privacy.withdraw(site, round_number, set(self._members), self.clock())
+                self._cond.notify_all()
             self._cond.wait_for(
                 lambda: self._closing or self._round.number != round_number,
                 timeout=timeout_s,

@@ -116,6 +116,8 @@ class SecureRound:
         self._replies: dict[str, dict[str, bytes]] = {}
         self._survivors: list[str] = []
         self._uploaded: list[str] = []
+        self._withdrawn: set[str] = set()
+        """Live sites known not to advertise keys in this round (see ``withdraw``)."""
 
     # ------------------------------------------------------------------------------------------
     # Stage calls
@@ -209,6 +211,17 @@ class SecureRound:
             logger.warning("round %d: secure aggregation aborted: %s", self.round_number, reason)
             self.aborted = reason
 
+    def withdraw(self, site: str) -> None:
+        """``site`` will not advertise keys in this round while advertisement is still open: it
+        sent a masked upload or waits for the broadcast without having advertised, i.e. its
+        masks and key stages belong to another protocol instance (typically this coordinator's
+        predecessor, before a restart) or it sat the round out. Advertisement stops waiting for
+        it; if no live site is left to wait for, it closes now (and the round aborts at once
+        when too few advertised) instead of after ``stage_timeout_s``."""
+        ads = self._stages[STAGE_ADVERTISE_KEYS]
+        if not ads.closed and site not in self._names.values():
+            self._withdrawn.add(site)
+
     def _due(self, stage: _Stage, expected: set[str], now: float) -> bool:
         return bool(expected) and expected <= set(stage.answered) or now - stage.opened_s >= self.stage_timeout_s
 
@@ -218,7 +231,9 @@ class SecureRound:
         # moment): closing now would abort a round that can still gather its sites, so only the
         # stage deadline closes it.
         enough = len(live) >= MIN_SITES or now - ads.opened_s >= self.stage_timeout_s
-        if not ads.closed and enough and self._due(ads, live, now):
+        expected = live - self._withdrawn
+        nobody_left = bool(live) and expected <= set(ads.answered)
+        if not ads.closed and enough and (self._due(ads, expected, now) or nobody_left):
             ads.closed = True
             adverts = self.server.advertisements()
             try:

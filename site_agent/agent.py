@@ -702,6 +702,9 @@ class SiteAgent:
         if pending is not None and not header.included and pending.encoded is not None:
             assert self._uplink is not None
             self._uplink.restore(pending.encoded)
+        elif pending is not None and not header.included and self._secure is not None:
+            # A masked update the round did not sum (aborted, refused): back into the residual.
+            self._secure.restore()
         resynced = False
         if header.action == pb.BROADCAST_ACTION_APPLY_DELTA:
             assert data is not None

@@ -249,21 +249,37 @@ class SecureUplink:
             )
             self.identity = SiteIdentity.create(site)
             self.ca_pem = None
-        self.encoder = PrivateUpdateEncoder(privacy, uplink_codec)
+        self.encoders: dict[int, PrivateUpdateEncoder] = {0: PrivateUpdateEncoder(privacy, uplink_codec)}
+        """One encoder (own error-feedback residual) per Streaming DiLoCo fragment; 0 without."""
+        self._last: PrivateUpdateEncoder | None = None
+        """The encoder of this round's update (for ``restore``)."""
         self._round: SecureSite | None = None
         self._keys: threading.Thread | None = None
         self._keys_error: BaseException | None = None
         self.refusals: list[str] = []
         """Reasons this site refused a round (substitution, replay, double-share request)."""
 
+    @property
+    def encoder(self) -> PrivateUpdateEncoder:
+        """The encoder of plain (unfragmented) rounds."""
+        return self.encoders[0]
+
+    def encoder_for(self, fragment: int) -> PrivateUpdateEncoder:
+        """Fragment ``fragment``'s encoder (Streaming DiLoCo: error feedback per fragment)."""
+        if fragment not in self.encoders:
+            self.encoders[fragment] = PrivateUpdateEncoder(self.privacy, self.uplink_codec)
+        return self.encoders[fragment]
+
     def begin_round(self, client: _Client, *, session: str, round_number: int, round_seed: int, numel: int) -> None:
-        """Start this round's key stages beside the training."""
+        """Start this round's key stages beside the training (``numel``: the round's update
+        size, a fragment's with Streaming DiLoCo: each fragment sync is its own secure sum)."""
         self._round = SecureSite(
             self.identity, self.privacy, self.uplink_codec, numel=numel, session=session,
             round_number=round_number, index_seed=secure_index_seed(round_seed),
             call=lambda stage, payload: client.secure_stage(round_number, stage, payload), ca_pem=self.ca_pem,
         )
         self._keys_error = None
+        self._last = None
         secure = self._round
 
         def share_keys() -> None:
@@ -280,11 +296,19 @@ class SecureUplink:
         logger.error("%s", text)
         self.refusals.append(str(why))
 
-    def masked_update(self, update: torch.Tensor) -> bytes | None:
-        """Wait for the key stages, then the masked upload bytes (None: not in this round)."""
+    def masked_update(self, update: torch.Tensor, *, fragment: int = 0) -> bytes | None:
+        """Wait for the key stages, then the masked upload bytes (None: not in this round).
+
+        When the site is not in the round, ``update`` goes whole into ``fragment``'s residual
+        (error feedback), so the work is sent in the fragment's next round, not lost.
+        """
         assert self._keys is not None and self._round is not None
+        encoder = self.encoder_for(fragment)
+        self._last = None
         self._keys.join()
         error = self._keys_error
+        if error is not None:
+            encoder.keep(update)
         if isinstance(error, SecAggViolation):
             self._refuse(error)
             return None
@@ -297,7 +321,17 @@ class SecureUplink:
             if not isinstance(error, Exception):
                 raise error
             return None
-        return self._round.masked_upload(update, self.encoder)
+        self._last = encoder
+        return self._round.masked_upload(update, encoder)
+
+    def restore(self) -> None:
+        """This round's masked update was not in the sum (the round aborted, or the coordinator
+        refused the upload or left the site out of the survivors; the broadcast's ``included``
+        says so): its values go back into the residual, like a plain update that missed its
+        round (``UpdateEncoder.restore``)."""
+        if self._last is not None:
+            self._last.restore()
+            self._last = None
 
     def upload_kwargs(self) -> dict[str, Any]:
         """What ``CoordinatorClient.upload`` needs besides the bytes for a masked upload."""

@@ -20,8 +20,10 @@ Failures follow the plain agent's rules: a late or rejected upload goes back int
 residual; a digest mismatch or RESYNC fetches the full global weights, which then replace the
 site's weights (its local progress since the last merge is lost, as for a freshly joined site);
 a site that restarts (SIGKILL) joins, fetches ``θ_g`` and starts from it. Each round's upload is
-its own aggregation on the coordinator, so with secure aggregation each fragment sync would be its
-own secure sum. Multi-rank (``torchrun``) sites are not supported with streaming yet.
+its own aggregation on the coordinator: with secure aggregation each fragment sync is its own
+secure sum (key stages beside the round's steps after the merge, the fragment's update masked
+with the fragment's own private encoder and residual, then the unmask stages before the
+broadcast). Multi-rank (``torchrun``) sites are not supported with streaming yet.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class _InFlight:
     error: BaseException | None = None
     finished: bool = False
     skip_upload: bool = False
+    masked: bytes | None = None
+    """Secure aggregation: the masked fragment upload (``encoded`` is then None)."""
 
 
 class StreamingSite:
@@ -176,13 +180,21 @@ class StreamingSite:
         assert a._global is not None
         started = time.monotonic()
         steps = self.schedule.interval - self.overlap_done
+        fragment_index = self.strategy.fragment_for_round(round_number + 1)
+        fragment = self.strategy.partition[fragment_index]
+        secure = a._secure
+        if secure is not None:
+            # The round's secure sum is over its fragment; key stages overlap the steps below.
+            self._check_round_info(round_number)
+            secure.begin_round(
+                a.client, session=a.client.session_id, round_number=round_number,
+                round_seed=a._round_info.round_seed, numel=fragment.numel,
+            )
         losses, samples, seconds = self._train(steps)
         # The round's steps: the overlap steps run while the previous fragment travelled, then these.
         losses = self.overlap_losses + losses
         samples += self.overlap_samples
         loss = sum(losses) / len(losses) if losses else float("nan")
-        fragment_index = self.strategy.fragment_for_round(round_number + 1)
-        fragment = self.strategy.partition[fragment_index]
         local = a.layout.flatten(a.module)
         update = pseudo_gradient(fragment.gather(a._global), fragment.gather(local))
         del local
@@ -201,35 +213,61 @@ class StreamingSite:
             self.uplink.encoders[fragment_index] = self.strategy.fragment_strategies[
                 fragment_index
             ].build_uplink()
+            if secure is not None:
+                secure.encoders.pop(fragment_index, None)
             return flight
+        self._check_round_info(round_number)
+        if secure is not None:
+            flight.masked = secure.masked_update(update, fragment=fragment_index)
+            return flight
+        seed = derive_seed(a._round_info.round_seed, UPLINK_SEED_PURPOSE, a.site)
+        flight.encoded = self.uplink.encode(update, seed=seed, fragment=fragment_index)
+        return flight
+
+    def _check_round_info(self, round_number: int) -> None:
+        a = self.agent
         if a._round_info.round != round_number:
             raise SiteAgentError(
                 f"internal error: training round {round_number} without its round seed "
                 f"(latest round info is for round {a._round_info.round})"
             )
-        seed = derive_seed(a._round_info.round_seed, UPLINK_SEED_PURPOSE, a.site)
-        flight.encoded = self.uplink.encode(update, seed=seed, fragment=fragment_index)
-        return flight
+
+    def _upload(self, flight: _InFlight) -> None:
+        """Upload the round's fragment: plain encoded bytes, or the masked secure-sum input
+        followed by the unmask stages (before the broadcast exists)."""
+        client = self.agent.client
+        secure = self.agent._secure
+        metrics = {
+            "train_loss": flight.loss, "samples": float(flight.samples),
+            "inner_steps": float(flight.inner_steps),
+            "inner_time_s": flight.inner_time_s, "fragment": float(flight.fragment),
+        }
+        if flight.masked is not None:
+            assert secure is not None
+            client.upload(
+                round_number=flight.round, data=flight.masked, **secure.upload_kwargs(),
+                sample_weight=1.0, metrics=metrics, fragment=flight.fragment,
+            )
+            flight.uploaded = True
+            secure.unmask()
+            return
+        assert flight.encoded is not None
+        client.upload(
+            round_number=flight.round, data=flight.encoded.to_bytes(), codec=flight.encoded.spec,
+            shape=list(flight.encoded.shape), sample_weight=float(max(flight.samples, 1)),
+            metrics=metrics, fragment=flight.fragment,
+        )
+        flight.uploaded = True
 
     def _send_and_wait(self, flight: _InFlight) -> None:
         """Background thread: upload the fragment (if any), then wait for the round's broadcast."""
         client = self.agent.client
         flight.error = None
         try:
-            if flight.encoded is not None and not flight.skip_upload and not flight.uploaded:
-                data = flight.encoded.to_bytes()
+            has_update = flight.encoded is not None or flight.masked is not None
+            if has_update and not flight.skip_upload and not flight.uploaded:
                 try:
-                    client.upload(
-                        round_number=flight.round, data=data, codec=flight.encoded.spec,
-                        shape=list(flight.encoded.shape), sample_weight=float(max(flight.samples, 1)),
-                        metrics={
-                            "train_loss": flight.loss, "samples": float(flight.samples),
-                            "inner_steps": float(flight.inner_steps),
-                            "inner_time_s": flight.inner_time_s, "fragment": float(flight.fragment),
-                        },
-                        fragment=flight.fragment,
-                    )
-                    flight.uploaded = True
+                    self._upload(flight)
                 except (RoundClosed, RunFinished) as why:
                     logger.info("site %s: fragment upload for round %d is late (%s)",
                                 self.agent.site, flight.round, why)
@@ -252,6 +290,9 @@ class StreamingSite:
         assert header is not None and a._global is not None
         if not header.included and flight.encoded is not None:
             self.uplink.restore(flight.encoded, fragment=flight.fragment)
+        elif not header.included and flight.masked is not None and a._secure is not None:
+            # The fragment's secure sum did not include it (aborted, refused): keep it.
+            a._secure.restore()
         resynced = self._apply(flight.round, header, flight.data)
         a._coordinator_round = max(header.next_round.round, a._held_round)
         if header.next_round.round == a._held_round:
@@ -273,7 +314,11 @@ class StreamingSite:
                     round=flight.round, train_loss=flight.loss, samples=flight.samples,
                     inner_steps=flight.inner_steps, included=bool(header.included),
                     num_contributors=header.num_contributors, resynced=resynced,
-                    bytes_up=len(flight.encoded.to_bytes()) if flight.uploaded and flight.encoded else 0,
+                    bytes_up=(
+                        0 if not flight.uploaded
+                        else len(flight.masked) if flight.masked is not None
+                        else len(flight.encoded.to_bytes()) if flight.encoded is not None else 0
+                    ),
                     bytes_down=a.client.stats.received - flight.bytes_down_before,
                     inner_time_s=flight.inner_time_s,
                     round_time_s=time.monotonic() - flight.started_s,

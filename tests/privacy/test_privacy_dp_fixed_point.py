@@ -194,3 +194,27 @@ def test_below_threshold_private_round_aborts() -> None:
             privacy, "none", _updates(4, 100, 1), encoders, identity_keys(4),
             session="s", round_index=0, index_seed=0, drop_after_upload=(3,),
         )
+
+
+@pytest.mark.parametrize("codec", ["none", "randk:0.25"])
+def test_private_encoder_restore_and_keep_put_the_update_back(codec: str) -> None:
+    """An update the secure sum did not include returns whole into the residual (``restore``
+    after ``encode``; ``keep`` when it never reached ``encode``), as a plain straggler does."""
+    from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, plan_secure_round
+
+    privacy = PrivacyConfig(secure_aggregation=True, clip_norm=0.5)
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    context, fixed = plan_secure_round(privacy, codec, numel=64, num_sites=3, session="s", round_index=1)
+    encoder = PrivateUpdateEncoder(privacy, codec)
+    list(encoder.encode(first, fixed, context, index_seed=7, num_sites=3))
+    kept = encoder.residual.clone()  # type: ignore[union-attr]
+    # Clipping (norm ~8 to 0.5) kept most of ``first``; what was sent is not in the residual.
+    assert float((kept - first).norm()) > 0.4
+    list(encoder.encode(second, fixed, context, index_seed=8, num_sites=3))
+    encoder.restore()
+    assert torch.allclose(encoder.residual, second + kept, atol=1e-6)  # type: ignore[arg-type]
+    encoder.restore()  # a second restore has nothing left to put back
+    assert torch.allclose(encoder.residual, second + kept, atol=1e-6)  # type: ignore[arg-type]
+    encoder.keep(first)
+    assert torch.allclose(encoder.residual, second + kept + first, atol=1e-6)  # type: ignore[arg-type]

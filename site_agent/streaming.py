@@ -246,7 +246,8 @@ class StreamingSite:
             assert secure is not None
             client.upload(
                 round_number=flight.round, data=flight.masked, **secure.upload_kwargs(),
-                sample_weight=1.0, metrics=metrics, fragment=flight.fragment,
+                sample_weight=1.0, inner_steps=flight.inner_steps, metrics=metrics,
+                fragment=flight.fragment,
             )
             flight.uploaded = True
             secure.unmask()
@@ -255,7 +256,7 @@ class StreamingSite:
         client.upload(
             round_number=flight.round, data=flight.encoded.to_bytes(), codec=flight.encoded.spec,
             shape=list(flight.encoded.shape), sample_weight=float(max(flight.samples, 1)),
-            metrics=metrics, fragment=flight.fragment,
+            inner_steps=flight.inner_steps, metrics=metrics, fragment=flight.fragment,
         )
         flight.uploaded = True
 

@@ -87,6 +87,32 @@ def test_streaming_sites_end_with_the_simulators_weights(
     assert all(r.inner_steps == 2 for r in results)
 
 
+def test_streaming_rounds_weighted_by_steps_carry_each_fragments_steps(
+    certs: Path, mlp: object, tmp_path: Path
+) -> None:
+    """``weighting = "steps"`` needs every fragment upload to say how many steps it covers."""
+    run = Run(
+        workload=mlp, num_sites=2, rounds=3, seed=4,
+        algorithm=AlgorithmConfig(
+            inner_steps=6, uplink_codec="int8", weighting="steps", streaming=STREAMING
+        ),
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    server = run.start_coordinator(certs, metrics_path=str(metrics))
+    threads = [AgentThread(run.agent(certs, server.port, k, [])) for k in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        summaries = [t.finish() for t in threads]
+        assert server.wait_until_finished(30)
+    finally:
+        server.stop(grace=0)
+    assert all(s.run_finished and s.rounds_included == run.rounds for s in summaries)
+    records = read_metrics(metrics)
+    assert [sorted(r["participants"]) for r in records] == [["0", "1"]] * run.rounds
+    assert all(r["sample_weights"] == {"0": 2.0, "1": 2.0} for r in records)
+
+
 def test_streaming_coordinator_resumes_from_its_checkpoint(
     certs: Path, mlp: object, tmp_path: Path
 ) -> None:

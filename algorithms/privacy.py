@@ -162,17 +162,24 @@ class PrivacyConfig:
 
 
 def check_aggregation(
-    privacy: PrivacyConfig, *, weighting: str, late_updates: str, streaming: bool = False
+    privacy: PrivacyConfig, *, weighting: str, late_updates: str, deadline_key: str | None = None
 ) -> None:
     """Reject aggregation options privacy cannot honour (keys as in ``[algorithm]``).
 
-    ``streaming`` is accepted (and kept in the signature so callers state it): with Streaming
-    DiLoCo every fragment sync is its own private round.
+    ``deadline_key`` names the round-deadline setting in force (fixed or adaptive), if any.
+    Streaming DiLoCo needs no check: each round's secure sum, clip and DP release cover that
+    round's fragment only (see the module docstring, "Streaming DiLoCo").
     """
     if not privacy.enabled:
         return
-    # Streaming DiLoCo (``streaming=True``) is allowed: each round's secure sum, clip and DP
-    # release cover that round's fragment only (see the module docstring, "Streaming DiLoCo").
+    if privacy.secure_aggregation and deadline_key is not None:
+        raise ConfigError(
+            deadline_key,
+            "a secure round must not close at a deadline: masked chunks enter one running sum as "
+            "they arrive, so an upload cut off mid-way cannot be taken out again and would abort "
+            "the round for every site; unset it (a site that vanishes is dropped after "
+            "heartbeat_timeout_s, and the round then aborts or completes without it)",
+        )
     require(
         weighting == "uniform",
         "algorithm.weighting",

@@ -211,7 +211,6 @@ class SimulatorConfig:
                 self.privacy,
                 weighting=self.algorithm.weighting,
                 late_updates=self.algorithm.late_updates,
-                streaming=self.algorithm.streaming.enabled,
             )
             try:
                 check_composition(self.privacy, self.algorithm.uplink_codec, len(self.sites))

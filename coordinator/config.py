@@ -217,7 +217,11 @@ class CoordinatorConfig:
             privacy,
             weighting=self.algorithm.weighting,
             late_updates=self.algorithm.late_updates,
-            streaming=self.algorithm.streaming.enabled,
+            deadline_key=(
+                "adaptive_deadline.enabled" if self.adaptive_deadline.enabled
+                else "round_deadline_s" if self.round_deadline_s is not None
+                else None
+            ),
         )
         num_sites = len(self.allowed_sites) if self.allowed_sites is not None else None
         check_composition(privacy, self.algorithm.uplink_codec, num_sites)

@@ -371,7 +371,11 @@ class Scenario:
             privacy,
             weighting=self.algorithm.weighting,
             late_updates=self.algorithm.late_updates,
-            streaming=self.algorithm.streaming.enabled,
+            deadline_key=(
+                "run.adaptive_deadline.enabled" if self.run.adaptive_deadline.enabled
+                else "run.round_deadline_s" if self.run.round_deadline_s is not None
+                else None
+            ),
         )
         try:
             check_composition(privacy, self.algorithm.uplink_codec, len(self.sites))

@@ -1,7 +1,7 @@
 """The ``[privacy]`` table from the CLI: ``geoloco coordinator`` configs and emulation scenarios.
 
 The shipped ``secure.toml`` loads; configurations secure aggregation cannot serve (top-k, a quorum
-below 3, per-site sample weights) are refused before anything starts, naming the key and what
+below 3, per-site weights, folded late updates, round deadlines) are refused before anything starts, naming the key and what
 to use instead; ``after_upload`` is only for ``kill_site``.
 """
 
@@ -55,6 +55,12 @@ def test_shipped_secure_scenario_loads() -> None:
         ({"algorithm": 'uplink_codec = "topk:0.1"'}, "algorithm.uplink_codec", "use 'randk:F'"),
         ({"algorithm": 'weighting = "samples"'}, "algorithm.weighting", "uniform"),
         ({"algorithm": 'late_updates = "fold"'}, "algorithm.late_updates", "drop"),
+        ({"run": "round_deadline_s = 5.0"}, "run.round_deadline_s", "must not close at a deadline"),
+        (
+            {"run": "[run.adaptive_deadline]\nenabled = true\n"},
+            "run.adaptive_deadline.enabled",
+            "cannot be taken out again",
+        ),
         ({"privacy": 'dp = "laplace"'}, "privacy.dp", "allowed"),
         (
             {"faults": '[[faults]]\nkind = "cut_link"\nsite = "s1"\nat_round = 1\nafter_upload = true\n'},
@@ -81,3 +87,26 @@ def test_coordinator_cli_refuses_secure_aggregation_with_a_quorum_below_three(
     assert main(["coordinator", "--config", str(config), "--insecure"]) == 2
     err = capsys.readouterr().err
     assert "min_sites" in err and "reveals each site's update" in err
+
+
+def test_coordinator_config_refuses_a_deadline_under_secure_aggregation() -> None:
+    from geoloco.algorithms.config import ConfigError
+    from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
+    from geoloco.algorithms.privacy import PrivacyConfig
+    from geoloco.coordinator.config import CoordinatorConfig
+
+    privacy = PrivacyConfig(secure_aggregation=True, clip_norm=1.0)
+    with pytest.raises(ConfigError) as info:
+        CoordinatorConfig(insecure=True, min_sites=3, privacy=privacy, round_deadline_s=30.0)
+    assert info.value.key == "round_deadline_s"
+    with pytest.raises(ConfigError) as info:
+        CoordinatorConfig(
+            insecure=True, min_sites=3, privacy=privacy,
+            adaptive_deadline=AdaptiveDeadlineConfig(enabled=True),
+        )
+    assert info.value.key == "adaptive_deadline.enabled"
+    # Central DP without secure aggregation keeps deadlines: updates arrive whole.
+    CoordinatorConfig(
+        insecure=True, min_sites=3, privacy=PrivacyConfig(dp="central", clip_norm=1.0),
+        round_deadline_s=30.0,
+    )

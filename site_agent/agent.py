@@ -92,9 +92,6 @@ ACTION_STOP = "stop"
 UPLINK_SEED_PURPOSE = "uplink"
 """Domain tag of a site's per-round uplink codec seed (as ``RoundPlan.uplink_seed``)."""
 
-LATE_UPLOAD_ATTEMPTS = 3
-LATE_UPLOAD_RETRY_S = 0.2
-"""A late update (``late_updates = "fold"``) is offered this many times, this far apart."""
 
 _PENDING_NEW = "new"
 _PENDING_UPLOADED = "uploaded"
@@ -130,6 +127,9 @@ class _Pending:
     inner_time_s: float
     started_s: float
     state: str = _PENDING_NEW
+    fold_late: bool = False
+    """Missed its round with ``late_updates = "fold"``: offered to the next round once the
+    missed round's broadcast shows the next one is open."""
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -638,8 +638,10 @@ class SiteAgent:
             logger.info("site %s: update for round %d is late (%s)", self.site, pending.round, why)
             pending.state = _PENDING_LATE
             folds = self._algorithm is not None and self._algorithm.late_updates == "fold"
-            if folds and self._secure is None:  # a masked update belongs to its own round's sum
-                self._upload_late(pending)
+            # A masked update belongs to its own round's sum. The missed round may still be
+            # aggregating: the update is offered once its broadcast is here (the next round is
+            # open by then), not on a timer that a slow aggregation would outlast.
+            pending.fold_late = folds and self._secure is None
         except RunFinished as why:
             logger.info("site %s: update for round %d is late (%s)", self.site, pending.round, why)
             pending.state = _PENDING_LATE
@@ -649,37 +651,30 @@ class SiteAgent:
             pending.state = _PENDING_DROPPED
         return False
 
-    def _upload_late(self, pending: _Pending) -> None:
-        """``late_updates = "fold"``: offer the update again; while the next round is open the
-        coordinator folds it in (discounted) and the round's broadcast says ``included``. If it
-        refuses (two rounds late), the update goes back to the residual as usual."""
+    def _upload_late(self, pending: _Pending) -> bool:
+        """``late_updates = "fold"``: offer the update that missed its round to the next one,
+        which the coordinator opened before it broadcast the missed round. True when it was
+        folded in (discounted); otherwise (two rounds late by now, the run over) it goes back to
+        the residual like any update that missed its round."""
         assert pending.encoded is not None
-        for attempt in range(LATE_UPLOAD_ATTEMPTS):
-            try:
-                self.client.upload(
-                    round_number=pending.round,
-                    data=pending.data,
-                    codec=pending.encoded.spec,
-                    shape=list(pending.encoded.shape),
-                    sample_weight=pending.sample_weight,
-                    inner_steps=pending.inner_steps,
-                    metrics={"train_loss": pending.loss, "late": 1.0},
-                )
-                break
-            except RoundClosed as why:
-                # The coordinator may still be aggregating the round the update missed; the
-                # next round opens a moment later.
-                if attempt + 1 == LATE_UPLOAD_ATTEMPTS or self._stop.wait(LATE_UPLOAD_RETRY_S):
-                    logger.info("site %s: late update for round %d not folded in (%s)",
-                                self.site, pending.round, why)
-                    return
-            except (RunFinished, UpdateRejected) as why:
-                logger.info("site %s: late update for round %d not folded in (%s)",
-                            self.site, pending.round, why)
-                return
+        try:
+            self.client.upload(
+                round_number=pending.round,
+                data=pending.data,
+                codec=pending.encoded.spec,
+                shape=list(pending.encoded.shape),
+                sample_weight=pending.sample_weight,
+                inner_steps=pending.inner_steps,
+                metrics={"train_loss": pending.loss, "late": 1.0},
+            )
+        except (RoundClosed, RunFinished, UpdateRejected) as why:
+            logger.info("site %s: late update for round %d not folded in (%s)",
+                        self.site, pending.round, why)
+            return False
         pending.state = _PENDING_UPLOADED
         logger.info("site %s: late update for round %d folded into the next round",
                     self.site, pending.round)
+        return True
 
     def _await_and_apply(
         self, round_number: int, pending: _Pending | None, opened: OpenBroadcast | None = None
@@ -699,10 +694,13 @@ class SiteAgent:
             # The coordinator is at an earlier round than this site (it restarted from an older
             # checkpoint): join again and take the weights it names.
             raise RejoinRequired(str(why)) from None
-        if pending is not None and not header.included and pending.encoded is not None:
+        included = bool(header.included)
+        if pending is not None and pending.fold_late and not included:
+            included = self._upload_late(pending)
+        if pending is not None and not included and pending.encoded is not None:
             assert self._uplink is not None
             self._uplink.restore(pending.encoded)
-        elif pending is not None and not header.included and self._secure is not None:
+        elif pending is not None and not included and self._secure is not None:
             # A masked update the round did not sum (aborted, refused): back into the residual.
             self._secure.restore()
         resynced = False
@@ -732,13 +730,13 @@ class SiteAgent:
         if pending is None:
             return
         self._rounds_trained += 1
-        self._rounds_included += int(header.included)
+        self._rounds_included += int(included)
         result = RoundResult(
             round=pending.round,
             train_loss=pending.loss,
             samples=pending.samples,
             inner_steps=pending.inner_steps,
-            included=bool(header.included),
+            included=included,
             num_contributors=header.num_contributors,
             resynced=resynced,
             bytes_up=len(pending.data) if pending.state == _PENDING_UPLOADED else 0,
@@ -751,7 +749,7 @@ class SiteAgent:
         logger.info(
             "site %s round %d: loss %.4f, %s (%d sites), now at round %d",
             self.site, pending.round, pending.loss,
-            "included" if header.included else "NOT included", header.num_contributors,
+            "included" if included else "NOT included", header.num_contributors,
             self._held_round,
         )
         if self.hooks.on_round_end is not None:

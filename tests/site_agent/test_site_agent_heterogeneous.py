@@ -156,3 +156,76 @@ def test_late_update_is_folded_into_the_next_round(certs: Path, mlp: Any, tmp_pa
     assert [r.included for r in results["slow"]] == [True, True]
     assert summaries["slow"].rounds_included == 2
     assert {s.weights_digest for s in summaries.values()} == {server.rounds.digest_hex}
+
+
+def test_a_late_update_arriving_while_its_round_aggregates_is_folded_once_the_next_opens(
+    certs: Path, mlp: Any, tmp_path: Path
+) -> None:
+    """The usual straggler finishes while the coordinator is still aggregating the round it
+    missed (here held inside the checkpoint write): refused then, it is offered again once that
+    round's broadcast shows the next round open, and folded in."""
+    clock = FakeClock()
+    metrics_path = tmp_path / "metrics.jsonl"
+    server = start_coordinator(
+        certs,
+        mlp.build_model(0),
+        algorithm=AlgorithmConfig(
+            inner_steps=3, uplink_codec="int8", late_updates="fold", staleness_discount=0.5
+        ),
+        total_rounds=2,
+        min_sites=1,
+        round_deadline_s=10.0,
+        heartbeat_timeout_s=600.0,
+        metrics_path=str(metrics_path),
+        checkpoint_dir=str(tmp_path / "ck"),
+        clock=clock,
+    )
+    rounds = server.rounds
+    save = rounds._save_checkpoint
+    in_checkpoint, leave_checkpoint = threading.Event(), threading.Event()
+
+    def slow_save(round_number: int, weights: torch.Tensor) -> None:
+        if round_number == 1:  # the checkpoint taken while aggregating round 0
+            in_checkpoint.set()
+            leave_checkpoint.wait(60)
+        save(round_number, weights)
+
+    rounds._save_checkpoint = slow_save  # type: ignore[method-assign]
+    release = threading.Event()
+
+    def slow_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        release.wait(60)
+        return mlp.loss(model, batch)
+
+    results: dict[str, list[RoundResult]] = {site: [] for site in SITES}
+    agents = {
+        site: make_agent(
+            mlp, server, certs, site, index=index, num_sites=2, seed=0,
+            hooks=SiteHooks(on_round_end=results[site].append),
+            loss_fn=slow_loss if site == "slow" else None,
+        )
+        for index, site in enumerate(SITES)
+    }
+    threads = [AgentThread(agent) for agent in agents.values()]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: rounds.status()["contributed"] == ["fast"], server)
+        clock.now += 11.0  # past round 0's deadline: it closes without "slow"
+        rounds.wake()
+        assert in_checkpoint.wait(30), "round 0 never reached its checkpoint"
+        release.set()  # "slow" finishes and uploads while round 0 is still aggregating
+        slow = agents["slow"]
+        wait_until(lambda: slow._pending is not None and slow._pending.fold_late, server)
+        leave_checkpoint.set()
+        summaries = {t.agent.site: t.finish() for t in threads}
+        assert server.wait_until_finished(30)
+    finally:
+        release.set()
+        leave_checkpoint.set()
+        server.stop(grace=0)
+    records = read_metrics(metrics_path)
+    assert records[0]["excluded"] == ["slow"]
+    assert records[1]["folded_late"] == {"slow": 0.5}
+    assert [r.included for r in results["slow"]] == [True, True]
+    assert {s.weights_digest for s in summaries.values()} == {server.rounds.digest_hex}

@@ -120,6 +120,16 @@ class RoundDeadline:
         planned = policy.margin * quantile(durations, policy.quantile)
         return min(policy.max_s, max(policy.min_s, planned))
 
+    def state(self) -> list[list[float]]:
+        """The observed rounds, for a checkpoint (a restarted coordinator keeps its deadline)."""
+        return [list(durations) for durations in self._rounds]
+
+    def load_state(self, rounds: Sequence[Sequence[float]]) -> None:
+        self._rounds.clear()
+        if self.adaptive is not None:
+            for durations in rounds:
+                self._rounds.append([float(d) for d in durations])
+
     def observe(self, arrivals_s: Sequence[float], missed_s: Sequence[float] = ()) -> None:
         """Record one round: ``arrivals_s`` are uploads' ``arrival − start``; ``missed_s`` one
         entry per site that had not arrived when the round closed (its ``close − start``)."""

@@ -123,6 +123,9 @@ _OPEN_PHASES = (RoundPhase.WAITING_FOR_QUORUM, RoundPhase.RUNNING)
 
 CONTRIBUTOR_HISTORY = 64
 """Rounds whose contributor sets are kept, so a late site learns whether its update counted."""
+HISTORY_KEY = "history"
+"""Checkpoint metadata: recent rounds' contributors and folded late updates, and the adaptive
+deadline's observations."""
 
 
 def canonical_codec(spec: str) -> str:
@@ -347,6 +350,12 @@ class RoundStateMachine:
         self.strategy.load_state(strategy_tensors, metadata["strategy"])
         if self.privacy is not None:
             self.privacy.load_state(metadata.get(PRIVACY_KEY, {}))
+        history = metadata.get(HISTORY_KEY, {})
+        self._contributor_history = {
+            int(t): frozenset(sites) for t, sites in history.get("contributors", {}).items()
+        }
+        self._folded_history = {int(t): frozenset(sites) for t, sites in history.get("folded", {}).items()}
+        self._deadline.load_state(history.get("deadline", []))
         logger.info(
             "resumed from checkpoint in %s at round %d", self.config.checkpoint_dir, round_number
         )
@@ -1279,7 +1288,9 @@ class RoundStateMachine:
         if self.config.checkpoint_dir is not None and (
             finished or next_round % self.config.checkpoint_every == 0
         ):
-            self._save_checkpoint(next_round, new_weights)
+            self._save_checkpoint(
+                next_round, new_weights, frozenset(contributors), frozenset(r.stale_contributed)
+            )
             self.events.emit(ev.CHECKPOINT_SAVED, round=next_round)
         record = BroadcastRecord(
             round=r.number,
@@ -1363,8 +1374,29 @@ class RoundStateMachine:
         self.events.emit(ev.ROUND_AGGREGATED, round=r.number, data=metrics)
         return metrics
 
-    def _save_checkpoint(self, round_number: int, weights: torch.Tensor) -> None:
+    def _save_checkpoint(
+        self,
+        round_number: int,
+        weights: torch.Tensor,
+        contributors: frozenset[str],
+        folded: frozenset[str],
+    ) -> None:
+        """``contributors``/``folded``: of round ``round_number - 1``, just aggregated (the
+        history does not hold it yet). The history lets a restarted coordinator still tell a
+        site whether its update counted, so it neither loses nor resends it."""
         assert self.config.checkpoint_dir is not None
+        last = round_number - 1
+        history = {
+            "contributors": {
+                str(t): sorted(sites) for t, sites in {**self._contributor_history, last: contributors}.items()
+                if t > last - CONTRIBUTOR_HISTORY
+            },
+            "folded": {
+                str(t): sorted(sites) for t, sites in {**self._folded_history, last - 1: folded}.items()
+                if t > last - 1 - CONTRIBUTOR_HISTORY and sites
+            },
+            "deadline": self._deadline.state(),
+        }
         tensors = {WEIGHTS_KEY: weights}
         tensors.update({STRATEGY_PREFIX + k: v for k, v in self.strategy.state_tensors().items()})
         metadata = {
@@ -1373,6 +1405,7 @@ class RoundStateMachine:
             "layout": self.layout.to_dict(),
             "weights_digest": weights_digest(weights.detach().to("cpu")),
             "session_id": self.session_id,
+            HISTORY_KEY: history,
         }
         if self.privacy is not None:
             metadata[PRIVACY_KEY] = self.privacy.state()

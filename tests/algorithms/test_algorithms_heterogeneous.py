@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -277,3 +278,17 @@ def test_simulator_config_rejects_adaptive_deadline_with_ddp() -> None:
         _config(algorithm={"name": "ddp"},
                 simulation={"adaptive_deadline": {"enabled": True}})
     assert err.value.key == "simulation.adaptive_deadline.enabled"
+
+
+def test_adaptive_deadline_state_survives_a_checkpoint_round_trip() -> None:
+    policy = AdaptiveDeadlineConfig(enabled=True, quantile=0.5, margin=2.0, window=2, min_s=0.1, max_s=99.0)
+    before = RoundDeadline(None, policy)
+    for durations in ([1.0, 2.0], [3.0], [4.0, 5.0]):
+        before.observe(durations)
+    after = RoundDeadline(None, policy)
+    after.load_state(json.loads(json.dumps(before.state())))  # as checkpoint metadata travels
+    assert after.observed == before.observed == [3.0, 4.0, 5.0]  # the window keeps 2 rounds
+    assert after.current_s() == before.current_s() == 8.0
+    fixed = RoundDeadline(5.0)
+    fixed.load_state([[1.0]])  # a fixed deadline learns nothing, restored or not
+    assert fixed.current_s() == 5.0

@@ -42,6 +42,7 @@ __all__ = [
     "ALGORITHMS",
     "UPDATE_GRADIENT",
     "UPDATE_PSEUDO_GRADIENT",
+    "UPLINK_SEED_PURPOSE",
     "AlgorithmConfig",
     "DataParallel",
     "DiLoCo",
@@ -59,6 +60,10 @@ UPDATE_GRADIENT: str = "gradient"
 """Sites compute one batch's gradient and upload it (data-parallel)."""
 
 UpdateKind = Literal["pseudo_gradient", "gradient"]
+
+UPLINK_SEED_PURPOSE = "uplink"
+"""Domain tag of a site's per-round uplink codec seed, ``derive_seed(round_seed, tag, site)``:
+the simulator, the site agent and a streaming site derive the same seed from it."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,7 +201,7 @@ class RoundPlan:
 
     def uplink_seed(self, site: int) -> int:
         """Seed for site ``site``'s uplink codec this round (random-k, stochastic rounding)."""
-        return derive_seed(self.seed, "uplink", site)
+        return derive_seed(self.seed, UPLINK_SEED_PURPOSE, site)
 
     @property
     def downlink_seed(self) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.diloco import encode_downlink
+from geoloco.algorithms.diloco import StreamingAggregator, encode_downlink
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES, clip_l2
 from geoloco.algorithms.params import weights_digest
 from geoloco.algorithms.privacy import (
@@ -48,7 +48,6 @@ from geoloco.algorithms.privacy import (
     secure_index_seed,
 )
 from geoloco.algorithms.secagg import MIN_SITES, SecAggAbort, SecAggViolation, num_chunks, site_index
-from geoloco.algorithms.diloco import StreamingAggregator
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate, Strategy
 from geoloco.algorithms.streaming import StreamingStrategy
 from geoloco.coordinator.errors import InvalidUpdateError, WrongRoundError
@@ -175,7 +174,15 @@ class PrivateRounds:
             )
         dtype = MODULUS_DTYPES[self.privacy.modulus_bits]
         current = self._round(manifest.round)
-        sent_values = current.context.numel if current is not None else self.sent_values()
+        if current is None:
+            # No key stage ran for this round here (e.g. this coordinator restarted): there is no
+            # size to check against, and nothing it could unmask.
+            raise WrongRoundError(
+                f"site {site!r} cannot upload to secure round {manifest.round} (no secure round "
+                "with that number is open here); its update stays out of this round: wait for "
+                "the broadcast"
+            )
+        sent_values = current.context.numel
         upload_bytes = sent_values * (self.privacy.modulus_bits // 8)
         if blob.dtype != dtype.name or list(blob.shape) != [sent_values]:
             raise InvalidUpdateError(
@@ -186,13 +193,10 @@ class PrivateRounds:
                 f"masked upload of {blob.total_bytes} bytes in chunks of {blob.chunk_size}; expected "
                 f"{upload_bytes} bytes in chunks of {self.wire_chunk_bytes} (one protocol chunk each)"
             )
-        if current is not None and not current.aborted and not current.may_upload(site):
+        if not current.aborted and not current.may_upload(site):
             current.withdraw(site)  # masked for another protocol instance: don't wait for it
-        if current is None or current.aborted or not current.may_upload(site):
-            why = (
-                current.aborted if current is not None and current.aborted
-                else "the site did not share keys before the key stage closed"
-            )
+        if current.aborted or not current.may_upload(site):
+            why = current.aborted or "the site did not share keys before the key stage closed"
             raise WrongRoundError(
                 f"site {site!r} cannot upload to secure round {manifest.round} ({why}); its update "
                 "stays out of this round: wait for the broadcast"

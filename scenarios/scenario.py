@@ -292,10 +292,10 @@ class Scenario:
     sites: list[EmulatedSite] = field(default_factory=list)
     """One entry per site process."""
     faults: list[Fault] = field(default_factory=list)
+    """Faults fired on schedule."""
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     """``[privacy]``: secure aggregation / differential privacy, passed to the coordinator (which
     sends it to the sites)."""
-    """Faults fired on schedule."""
     source: str = "scenario"
     """Where the scenario came from (the file name in messages)."""
 

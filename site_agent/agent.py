@@ -51,7 +51,7 @@ from geoloco.algorithms.config import config_from_dict
 from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, pseudo_gradient, run_inner_steps
 from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
 from geoloco.algorithms.privacy import PrivacyConfig
-from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.strategy import UPLINK_SEED_PURPOSE, AlgorithmConfig
 from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within
 from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
@@ -88,10 +88,6 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 ACTION_TRAIN = "train"
 ACTION_STOP = "stop"
 """Control messages the leader rank sends to the other ranks of a multi-GPU site."""
-
-UPLINK_SEED_PURPOSE = "uplink"
-"""Domain tag of a site's per-round uplink codec seed (as ``RoundPlan.uplink_seed``)."""
-
 
 _PENDING_NEW = "new"
 _PENDING_UPLOADED = "uploaded"

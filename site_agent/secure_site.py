@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from geoloco.algorithms.fixed_point import FixedPoint
+from geoloco.algorithms.fixed_point import MODULUS_DTYPES, FixedPoint
 from geoloco.algorithms.privacy import (
     SECURE_UPLOAD_CODEC,
     PrivacyConfig,
@@ -56,7 +56,6 @@ from geoloco.algorithms.secagg import (
     site_index,
     unpack_messages,
 )
-from geoloco.algorithms.fixed_point import MODULUS_DTYPES
 from geoloco.protos.identity import site_from_uri
 from geoloco.protos.transport import TLSFiles
 from geoloco.site_agent.client import RoundClosed, UpdateRejected

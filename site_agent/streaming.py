@@ -38,8 +38,13 @@ import torch
 
 from geoloco.algorithms.diloco import pseudo_gradient, run_inner_steps
 from geoloco.algorithms.params import derive_seed, weights_digest
-from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy
-from geoloco.algorithms.streaming import FragmentUplink, StreamingStrategy, merge_fragment_
+from geoloco.algorithms.strategy import UPLINK_SEED_PURPOSE, AlgorithmConfig, build_strategy
+from geoloco.algorithms.streaming import (
+    FragmentUplink,
+    StreamingSchedule,
+    StreamingStrategy,
+    merge_fragment_,
+)
 from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import (
@@ -58,8 +63,6 @@ __all__ = ["StreamingSite"]
 
 logger = logging.getLogger(__name__)
 
-UPLINK_SEED_PURPOSE = "uplink"
-"""Same domain tag as the plain agent's (``RoundPlan.uplink_seed``)."""
 
 
 @dataclass(slots=True)
@@ -112,7 +115,7 @@ class StreamingSite:
         finished after the re-join with the same encoded bytes (uploads are idempotent)."""
 
     @property
-    def schedule(self) -> Any:
+    def schedule(self) -> StreamingSchedule:
         return self.strategy.schedule
 
     # ---------------------------------------------------------------------------------------

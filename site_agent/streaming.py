@@ -133,6 +133,11 @@ class StreamingSite:
                 raise pending.error
             self._finish(pending)
             return
+        if pending is not None and pending.encoded is not None and not pending.uploaded:
+            # The site moved to another round (it re-joined and fetched) before this fragment
+            # reached its round: what it carried goes back into the fragment's residual, as for
+            # any update that missed its round.
+            self.uplink.restore(pending.encoded, fragment=pending.fragment)
         if a._held_round < a._coordinator_round:
             self.overlap_done, self.overlap_losses, self.overlap_samples = 0, [], 0
             self._chase()

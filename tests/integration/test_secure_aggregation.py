@@ -136,16 +136,39 @@ def _reachable_arrays(root: object) -> list[np.ndarray]:
     return out
 
 
+def _holds(array: np.ndarray, needle: np.ndarray) -> bool:
+    """Whether ``needle`` sits contiguously in ``array`` at any offset: integers compared modulo
+    2**32 (the masking ring), floats as float32 values or as their bit patterns in raw bytes."""
+    n = needle.size
+    if array.size < n:
+        return False
+    if needle.dtype.kind == "f":
+        if array.dtype.kind == "f":
+            hay, pin = array.astype(np.float32), needle.astype(np.float32)
+        elif array.dtype == np.uint32:
+            hay, pin = array, needle.astype(np.float32).view(np.uint32)
+        else:
+            return False
+    elif array.dtype.kind in "iu":
+        hay, pin = array.astype(np.int64) % (1 << 32), needle.astype(np.int64) % (1 << 32)
+    else:
+        return False
+    starts = np.flatnonzero(hay[: hay.size - n + 1] == pin[0])
+    return any(np.array_equal(hay[i : i + n], pin) for i in starts[:10_000])
+
+
 def test_coordinator_never_holds_an_individual_update(
     certs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = _run(rounds=1, num_sites=3, codec="randk:0.5")
     privacy = PrivacyConfig(secure_aggregation=True, clip_norm=100.0, chunk_size=1024)
     plain: dict[int, np.ndarray] = {}
+    floats: dict[int, np.ndarray] = {}
     encode = PrivateUpdateEncoder.encode
 
-    def recording_encode(self: PrivateUpdateEncoder, *args: Any, **kwargs: Any) -> Any:
-        chunks = [c.copy() for c in encode(self, *args, **kwargs)]
+    def recording_encode(self: PrivateUpdateEncoder, update: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        floats[id(self)] = update.detach().cpu().numpy().astype(np.float32).copy()
+        chunks = [c.copy() for c in encode(self, update, *args, **kwargs)]
         plain[id(self)] = np.concatenate(chunks)
         return iter(chunks)
 
@@ -168,20 +191,20 @@ def test_coordinator_never_holds_an_individual_update(
         snapshots.append(_reachable_arrays(server.rounds))
     finally:
         server.stop()
-    assert len(plain) == 3 and len(snapshots) == 4
+    assert len(plain) == 3 and len(floats) == 3 and len(snapshots) == 4
     numel = next(iter(plain.values())).size
     # The walk reaches the protocol's running sum (so it would see a stored update too).
     assert any(a.dtype == np.uint32 and a.size == numel for a in snapshots[0])
+    # ...and the check finds an update where one is: a copy at an odd offset, as ints or floats.
+    ints0, floats0 = next(iter(plain.values())), next(iter(floats.values()))
+    assert _holds(np.concatenate([np.ones(3, np.int64), ints0.astype(np.int64)]), ints0)
+    assert _holds(np.concatenate([np.ones(5), floats0.astype(np.float64)]), floats0)
+    assert _holds(np.frombuffer(b"\0" * 12 + floats0.tobytes(), dtype="<u4"), floats0)
     for held in snapshots:
         for array in held:
-            if array.size < numel:
-                continue
-            for ints in plain.values():
-                signed = ints.astype(np.int64)
-                for start in range(0, array.size - numel + 1, numel):
-                    window = array[start : start + numel]
-                    if window.dtype.kind in "iu":
-                        assert not np.array_equal(window.astype(np.int64) % (1 << 32), signed % (1 << 32))
+            for site_ints, site_floats in zip(plain.values(), floats.values()):
+                assert not _holds(array, site_ints)
+                assert not _holds(array, site_floats)
     record = read_metrics(tmp_path / "m.jsonl")[0]
     assert sorted(record["participants"]) == ["0", "1", "2"]
     assert record["privacy"]["secure_aggregation"] is True

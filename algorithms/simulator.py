@@ -371,7 +371,10 @@ class Simulator:
         # Inner lr schedule (geoloco.algorithms.lr_schedule): one per site, over its cumulative
         # inner steps of the rounds (the data-parallel warm-up runs at the constant lr); for the
         # ddp baseline, one over the shared optimizer's steps. Horizon: rounds x inner_steps.
-        horizon = {"total_rounds": sim.rounds, "inner_steps": config.algorithm.inner_steps}
+        # A Streaming DiLoCo round is one fragment sync: H / fragments inner steps.
+        streaming = config.algorithm.streaming
+        per_round = config.algorithm.inner_steps // (streaming.fragments if streaming.enabled else 1)
+        horizon = {"total_rounds": sim.rounds, "inner_steps": per_round}
         for site in self.sites:
             if site.optimizer is not None:
                 site.lr_schedule = config.inner_optimizer.build_schedule(site.optimizer, **horizon)

@@ -71,3 +71,15 @@ def test_geoloco_site_derives_the_horizon_from_the_coordinators_run() -> None:
     assert _build_lr_schedule(InnerOptimizerConfig(), optimizer, advertised) is None
     with pytest.raises(SiteCommandError, match="inner_optimizer.decay_steps"):
         _build_lr_schedule(inner, optimizer, {"total_rounds": 0, "algorithm": {"inner_steps": 8}})
+
+
+def test_a_coordinator_running_until_stopped_needs_decay_steps_for_a_decay() -> None:
+    from geoloco.algorithms.config import ConfigError, config_from_dict
+    from geoloco.coordinator.config import CoordinatorConfig
+
+    unbounded = {"total_rounds": 0, "insecure": True, "inner_optimizer": {"schedule": "cosine"}}
+    with pytest.raises(ConfigError, match="set decay_steps") as err:
+        config_from_dict(CoordinatorConfig, unbounded)
+    assert err.value.key == "inner_optimizer.decay_steps"
+    unbounded["inner_optimizer"] = {"schedule": "cosine", "decay_steps": 100}
+    assert config_from_dict(CoordinatorConfig, unbounded).inner_optimizer.decay_steps == 100

@@ -83,3 +83,20 @@ def test_a_coordinator_running_until_stopped_needs_decay_steps_for_a_decay() -> 
     assert err.value.key == "inner_optimizer.decay_steps"
     unbounded["inner_optimizer"] = {"schedule": "cosine", "decay_steps": 100}
     assert config_from_dict(CoordinatorConfig, unbounded).inner_optimizer.decay_steps == 100
+
+
+def test_an_emulated_scenario_without_a_round_count_needs_decay_steps() -> None:
+    import tomllib
+
+    from geoloco.scenarios.scenario import ScenarioError, parse_scenario
+
+    raw = tomllib.loads(
+        (Path(__file__).parents[2] / "scenarios" / "quickstart.toml").read_text()
+    )
+    raw["run"] = {**raw.get("run", {}), "rounds": 0, "time_budget_s": 60.0}
+    raw["inner_optimizer"] = {**raw.get("inner_optimizer", {}), "schedule": "linear"}
+    with pytest.raises(ScenarioError, match="set decay_steps") as err:
+        parse_scenario(raw)
+    assert err.value.key == "inner_optimizer.decay_steps"
+    raw["inner_optimizer"]["decay_steps"] = 500
+    assert parse_scenario(raw).inner_optimizer.decay_steps == 500

@@ -70,7 +70,7 @@ class Variant:
     """One row of the table: an algorithm configuration of the simulator."""
 
     key: str
-    """Row letter, (a) to (g)."""
+    """Row letter, (a) to (h)."""
     label: str
     """What the row is, in a few words."""
     algorithm: str
@@ -137,7 +137,7 @@ SPARSE_EF_DECAY = 1.0
 
 
 def variants(steps: int, quick: bool) -> list[Variant]:
-    """The rows (g: (c) with a cosine inner lr schedule); in ``--quick`` mode H shrinks with ``T`` so a few rounds still happen."""
+    """The rows ((g), (h): (c) with a cosine inner lr schedule, peak lr 2e-3 and 4e-3); in ``--quick`` mode H shrinks with ``T`` so a few rounds still happen."""
     h50 = max(1, steps // 10) if quick else 50
     tuned_h = max(1, steps // 10) if quick else TUNED_H
     eval_every = max(1, steps // 20) if quick else 10
@@ -170,6 +170,11 @@ def variants(steps: int, quick: bool) -> list[Variant]:
             tuned, key="g", label="(c) + cosine inner lr", inner_lr_schedule="cosine",
             inner_lr_warmup_steps=max(1, steps // 20), inner_lr_decay_steps=steps,
             inner_lr_min_ratio=0.1,
+        ),
+        replace(
+            tuned, key="h", label="(g) with peak inner lr 4e-3", inner_lr=4e-3,
+            inner_lr_schedule="cosine", inner_lr_warmup_steps=max(1, steps // 20),
+            inner_lr_decay_steps=steps, inner_lr_min_ratio=0.1,
         ),
     ]
 

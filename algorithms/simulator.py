@@ -378,10 +378,10 @@ class Simulator:
         for site in self.sites:
             if site.optimizer is not None:
                 site.lr_schedule = config.inner_optimizer.build_schedule(site.optimizer, **horizon)
-        self.ddp_lr_schedule: InnerLRSchedule | None = (
-            config.inner_optimizer.build_schedule(self.strategy.outer.optimizer, **horizon)  # type: ignore[attr-defined]
-            if self.data_parallel else None
-        )
+        self.ddp_lr_schedule: InnerLRSchedule | None = None
+        if self.data_parallel:
+            shared = self.strategy.outer.optimizer  # type: ignore[attr-defined]
+            self.ddp_lr_schedule = config.inner_optimizer.build_schedule(shared, **horizon)
         privacy = config.privacy
         # One private encoder (own error-feedback residual) per site, and with Streaming DiLoCo
         # per site and fragment: each fragment sync is its own secure sum.

@@ -137,7 +137,8 @@ SPARSE_EF_DECAY = 1.0
 
 
 def variants(steps: int, quick: bool) -> list[Variant]:
-    """The rows ((g), (h): (c) with a cosine inner lr schedule, peak lr 2e-3 and 4e-3); in ``--quick`` mode H shrinks with ``T`` so a few rounds still happen."""
+    """The rows ((g), (h): (c) with a cosine inner lr schedule, peak lr 2e-3 and 4e-3); in
+    ``--quick`` mode H shrinks with ``T`` so a few rounds still happen."""
     h50 = max(1, steps // 10) if quick else 50
     tuned_h = max(1, steps // 10) if quick else TUNED_H
     eval_every = max(1, steps // 20) if quick else 10
@@ -490,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         keys = {"a", *(k.strip() for k in args.only.split(","))}
         unknown = keys - {v.key for v in chosen}
         if unknown:
-            raise SystemExit(f"--only: unknown rows {sorted(unknown)}; valid: {', '.join(v.key for v in chosen)}")
+            valid = ", ".join(v.key for v in chosen)
+            raise SystemExit(f"--only: unknown rows {sorted(unknown)}; valid: {valid}")
         chosen = [v for v in chosen if v.key in keys]
     max_steps = int(args.steps * args.max_extend)
     outcomes: list[Outcome] = []

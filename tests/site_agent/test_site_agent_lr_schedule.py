@@ -29,7 +29,8 @@ def test_a_site_joining_at_round_two_resumes_the_schedule_at_two_h(tmp_path: Pat
     )
     inner = InnerOptimizerConfig(lr=0.01, schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
     try:
-        early = AgentThread(make_agent(mlp, server, certs, "early", index=0, num_sites=2, seed=0), max_rounds=2)
+        early_agent = make_agent(mlp, server, certs, "early", index=0, num_sites=2, seed=0)
+        early = AgentThread(early_agent, max_rounds=2)
         early.start()
         early.finish()
         wait_until(lambda: server.rounds.round >= 2, server)
@@ -66,7 +67,8 @@ def test_geoloco_site_derives_the_horizon_from_the_coordinators_run() -> None:
     optimizer = inner.build([torch.nn.Parameter(torch.zeros(2))])
     advertised: dict[str, Any] = {"total_rounds": 5, "algorithm": {"inner_steps": 8}}
     assert _build_lr_schedule(inner, optimizer, advertised).decay_steps == 40
-    streaming = {"total_rounds": 5, "algorithm": {"inner_steps": 8, "streaming": {"enabled": True, "fragments": 4}}}
+    fragments = {"enabled": True, "fragments": 4}
+    streaming = {"total_rounds": 5, "algorithm": {"inner_steps": 8, "streaming": fragments}}
     assert _build_lr_schedule(inner, optimizer, streaming).decay_steps == 10
     assert _build_lr_schedule(InnerOptimizerConfig(), optimizer, advertised) is None
     with pytest.raises(SiteCommandError, match="inner_optimizer.decay_steps"):

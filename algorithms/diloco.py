@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.workload import Batch
 from geoloco.compression import Codec, Encoded, ErrorFeedback, decode, parse_codec
@@ -79,11 +80,13 @@ def run_inner_steps(
     loss_fn: LossFn,
     *,
     grad_clip_norm: float | None = None,
+    lr_schedule: InnerLRSchedule | None = None,
 ) -> InnerResult:
     """Run ``steps`` optimizer steps of ``model`` on the next ``steps`` batches.
 
     Losses are collected as tensors and read back once at the end, so a CUDA device is
-    synchronised once per call, not once per step.
+    synchronised once per call, not once per step. ``lr_schedule`` advances after every
+    ``optimizer.step()``, so the inner lr follows the site's cumulative step count.
     """
     model.train()
     losses: list[torch.Tensor] = []
@@ -97,6 +100,8 @@ def run_inner_steps(
         if grad_clip_norm is not None:
             nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm)
         optimizer.step()
+        if lr_schedule is not None:
+            lr_schedule.step()
         losses.append(loss.detach())
     values = torch.stack(losses).float().cpu().tolist() if losses else []
     return InnerResult(losses=values, samples=samples)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
+from geoloco.algorithms.lr_schedule import LR_SCHEDULES, InnerLRSchedule, resolve_decay_steps
 
 __all__ = [
     "INNER_OPTIMIZERS",
@@ -87,11 +88,41 @@ class InnerOptimizerConfig:
     """SGD: use Nesterov momentum (needs momentum > 0)."""
     grad_clip_norm: float | None = None
     """Clip each step's gradient to this global L2 norm; ``None`` disables clipping."""
+    schedule: str = "constant"
+    """Inner lr schedule over the site's cumulative inner steps (``geoloco.algorithms.lr_schedule``):
+    ``"constant"``, ``"cosine"`` or ``"linear"`` decay to ``min_lr_ratio × lr``."""
+    warmup_steps: int = 0
+    """Linear warm-up from ``lr / warmup_steps`` to ``lr`` over the first this many inner steps."""
+    decay_steps: int | None = None
+    """Horizon of the decay in inner steps per site, warm-up included; unset = rounds ×
+    inner_steps of the run (an error where the run length is unknown)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine/linear decay as a fraction of ``lr``."""
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
+        require(
+            self.schedule in LR_SCHEDULES,
+            "schedule",
+            f"unknown lr schedule {self.schedule!r}; valid names: {', '.join(LR_SCHEDULES)}",
+        )
+        require(
+            not isinstance(self.warmup_steps, bool) and self.warmup_steps >= 0,
+            "warmup_steps",
+            f"must be an integer >= 0, got {self.warmup_steps!r}",
+        )
+        require(
+            self.decay_steps is None or self.decay_steps > self.warmup_steps,
+            "decay_steps",
+            f"must be > warmup_steps ({self.warmup_steps}) or unset, got {self.decay_steps}",
+        )
+        require(
+            0 <= self.min_lr_ratio <= 1,
+            "min_lr_ratio",
+            f"must be in [0, 1], got {self.min_lr_ratio}",
+        )
         require(
             self.name in INNER_OPTIMIZERS,
             "name",
@@ -117,6 +148,42 @@ class InnerOptimizerConfig:
 
     def build(self, params: Params) -> torch.optim.Optimizer:
         return INNER_OPTIMIZERS[self.name](self, params)
+
+    @property
+    def scheduled(self) -> bool:
+        """True when the inner lr changes over the run (a decay or a warm-up)."""
+        return self.schedule != "constant" or self.warmup_steps > 0
+
+    def resolved_decay_steps(
+        self, *, total_rounds: int | None, inner_steps: int | None
+    ) -> int | None:
+        """``decay_steps``, derived from the run length when unset (``ConfigError`` if it cannot be)."""
+        return resolve_decay_steps(
+            self.schedule, self.decay_steps, total_rounds=total_rounds, inner_steps=inner_steps
+        )
+
+    def build_schedule(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        total_rounds: int | None = None,
+        inner_steps: int | None = None,
+        start_step: int = 0,
+    ) -> InnerLRSchedule | None:
+        """The lr schedule over ``optimizer`` (built by ``build``), or None when the lr is constant.
+
+        ``total_rounds × inner_steps`` is the decay horizon when ``decay_steps`` is unset.
+        """
+        if not self.scheduled:
+            return None
+        return InnerLRSchedule(
+            optimizer,
+            schedule=self.schedule,
+            warmup_steps=self.warmup_steps,
+            decay_steps=self.resolved_decay_steps(total_rounds=total_rounds, inner_steps=inner_steps),
+            min_lr_ratio=self.min_lr_ratio,
+            start_step=start_step,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)

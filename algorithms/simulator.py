@@ -41,6 +41,7 @@ from geoloco.algorithms.diloco import (
     run_inner_steps,
 )
 from geoloco.algorithms.fixed_point import clip_l2
+from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.optimizers import (
     InnerOptimizerConfig,
     OuterOptimizerConfig,
@@ -175,6 +176,12 @@ class SimulatorConfig:
 
     def validate(self) -> None:
         require(len(self.sites) >= 1, "sites", "at least one site is needed")
+        try:
+            self.inner_optimizer.resolved_decay_steps(
+                total_rounds=self.simulation.rounds, inner_steps=self.algorithm.inner_steps
+            )
+        except ConfigError as err:
+            raise err.under("inner_optimizer") from None
         require(
             self.simulation.min_sites <= len(self.sites),
             "simulation.min_sites",
@@ -317,6 +324,8 @@ class _Site:
     batches: Iterator[Any]
     optimizer: torch.optim.Optimizer | None
     uplink: UpdateEncoder
+    lr_schedule: InnerLRSchedule | None = None
+    """The inner lr schedule over ``optimizer``, positioned by this site's cumulative inner steps."""
     ready_s: float = 0.0
     """Virtual time at which this site holds the current global weights."""
     late: tuple[Encoded, float, float] | None = None
@@ -358,6 +367,20 @@ class Simulator:
             )
             for k, site in enumerate(config.sites)
         ]
+        # Inner lr schedule (geoloco.algorithms.lr_schedule): one per site, over its cumulative
+        # inner steps of the rounds (the data-parallel warm-up runs at the constant lr); for the
+        # ddp baseline, one over the shared optimizer's steps. Horizon: rounds x inner_steps.
+        # A Streaming DiLoCo round is one fragment sync: H / fragments inner steps.
+        streaming = config.algorithm.streaming
+        per_round = config.algorithm.inner_steps // (streaming.fragments if streaming.enabled else 1)
+        horizon = {"total_rounds": sim.rounds, "inner_steps": per_round}
+        for site in self.sites:
+            if site.optimizer is not None:
+                site.lr_schedule = config.inner_optimizer.build_schedule(site.optimizer, **horizon)
+        self.ddp_lr_schedule: InnerLRSchedule | None = None
+        if self.data_parallel:
+            shared = self.strategy.outer.optimizer  # type: ignore[attr-defined]
+            self.ddp_lr_schedule = config.inner_optimizer.build_schedule(shared, **horizon)
         privacy = config.privacy
         # One private encoder (own error-feedback residual) per site, and with Streaming DiLoCo
         # per site and fragment: each fragment sync is its own secure sum.
@@ -438,6 +461,8 @@ class Simulator:
                 upload_sizes.append(encoded.nbytes)
             update = strategy.aggregate_round(self.global_flat, aggregator, plan)
             self.global_flat = update.global_flat
+            if strategy is self.strategy and self.ddp_lr_schedule is not None:
+                self.ddp_lr_schedule.step()
             arrivals = upload_arrivals(
                 [s.ready_s for s in self.sites], step_compute, upload_sizes,
                 [s.config for s in self.sites],
@@ -617,7 +642,7 @@ class Simulator:
         if budget_s is not None and sim.step_time_s == MEASURE:
             result, seconds = run_inner_steps_within(
                 self.model, site.optimizer, site.batches, TimeBudget(budget_s),
-                self.workload.loss, grad_clip_norm=clip,
+                self.workload.loss, grad_clip_norm=clip, lr_schedule=site.lr_schedule,
                 time_scale=site.config.step_time_factor, sync=self._sync_device,
             )
             return result, seconds
@@ -628,7 +653,7 @@ class Simulator:
         t0 = time.perf_counter()
         result = run_inner_steps(
             self.model, site.optimizer, site.batches, inner_steps, self.workload.loss,
-            grad_clip_norm=clip,
+            grad_clip_norm=clip, lr_schedule=site.lr_schedule,
         )
         self._sync_device()
         return result, self._step_seconds(site, inner_steps, time.perf_counter() - t0)
@@ -790,6 +815,8 @@ class Simulator:
         for site in self.sites:
             assert site.optimizer is not None
             load_optimizer_state_(site.optimizer, per_param, per_meta)
+            if site.lr_schedule is not None:
+                site.lr_schedule.seek(0)  # the loaded param groups carry the warm-up's lr
 
 
 def simulate(config: SimulatorConfig, workload: Workload) -> Iterator[RoundRecord]:

@@ -115,7 +115,7 @@ class StreamingRounds:
         t0 = time.perf_counter()
         result = run_inner_steps(
             sim.model, site.optimizer, site.batches, steps, sim.workload.loss,
-            grad_clip_norm=sim.config.inner_optimizer.grad_clip_norm,
+            grad_clip_norm=sim.config.inner_optimizer.grad_clip_norm, lr_schedule=site.lr_schedule,
         )
         sim._sync_device()
         return result.losses, result.samples, sim._step_seconds(site, steps, time.perf_counter() - t0)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from geoloco.algorithms.diloco import InnerResult, LossFn, run_inner_steps
+from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.workload import Batch
 
 __all__ = ["TimeBudget", "run_inner_steps_within", "steps_in_budget"]
@@ -77,6 +78,7 @@ def run_inner_steps_within(
     time_scale: float = 1.0,
     agree: Callable[[float], float] | None = None,
     sync: Callable[[], None] | None = None,
+    lr_schedule: InnerLRSchedule | None = None,
 ) -> tuple[InnerResult, float]:
     """Inner steps until the budget is spent; returns the result and the seconds it counted.
 
@@ -92,7 +94,8 @@ def run_inner_steps_within(
     elapsed = 0.0
     while budget.another_step_fits(len(losses), elapsed):
         result = run_inner_steps(
-            model, optimizer, batches, 1, loss_fn, grad_clip_norm=grad_clip_norm
+            model, optimizer, batches, 1, loss_fn, grad_clip_norm=grad_clip_norm,
+            lr_schedule=lr_schedule,
         )
         if sync is not None:
             sync()

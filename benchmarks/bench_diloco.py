@@ -70,7 +70,7 @@ class Variant:
     """One row of the table: an algorithm configuration of the simulator."""
 
     key: str
-    """Row letter, (a) to (f)."""
+    """Row letter, (a) to (h)."""
     label: str
     """What the row is, in a few words."""
     algorithm: str
@@ -86,6 +86,12 @@ class Variant:
     outer_lr: float | None = None
     outer_momentum: float | None = None
     inner_lr: float = INNER_LR
+    inner_lr_schedule: str = "constant"
+    """``[inner_optimizer] schedule`` (``geoloco.algorithms.lr_schedule``)."""
+    inner_lr_warmup_steps: int = 0
+    inner_lr_decay_steps: int | None = None
+    """Horizon of the decay in inner steps per site (row (g): T, then the floor)."""
+    inner_lr_min_ratio: float = 0.0
 
     def describe(self) -> str:
         if self.algorithm == "ddp":
@@ -100,6 +106,11 @@ class Variant:
         )
         parts.append(f"outer {outer} lr {lr:g}" + (f" m {momentum:g}" if momentum else ""))
         parts.append(f"inner lr {self.inner_lr:g}")
+        if self.inner_lr_schedule != "constant":
+            parts.append(
+                f"{self.inner_lr_schedule} over {self.inner_lr_decay_steps} steps after "
+                f"{self.inner_lr_warmup_steps} warm-up, floor {self.inner_lr_min_ratio:g}"
+            )
         if self.uplink_codec != "none":
             ef = "EF" if self.error_feedback_decay == 1.0 else f"EF decay {self.error_feedback_decay:g}"
             parts.append(f"`{self.uplink_codec}` + {ef}")
@@ -126,7 +137,8 @@ SPARSE_EF_DECAY = 1.0
 
 
 def variants(steps: int, quick: bool) -> list[Variant]:
-    """The six rows; in ``--quick`` mode H shrinks with ``T`` so a few rounds still happen."""
+    """The rows ((g), (h): (c) with a cosine inner lr schedule, peak lr 2e-3 and 4e-3); in
+    ``--quick`` mode H shrinks with ``T`` so a few rounds still happen."""
     h50 = max(1, steps // 10) if quick else 50
     tuned_h = max(1, steps // 10) if quick else TUNED_H
     eval_every = max(1, steps // 20) if quick else 10
@@ -154,6 +166,17 @@ def variants(steps: int, quick: bool) -> list[Variant]:
             error_feedback_decay=SPARSE_EF_DECAY,
         ),
         Variant(key="f", label=f"FedAvg H={h50}", algorithm="fedavg", inner_steps=h50),
+        # DiLoCo's inner recipe: linear warm-up, cosine decay to 10% of lr at T.
+        replace(
+            tuned, key="g", label="(c) + cosine inner lr", inner_lr_schedule="cosine",
+            inner_lr_warmup_steps=max(1, steps // 20), inner_lr_decay_steps=steps,
+            inner_lr_min_ratio=0.1,
+        ),
+        replace(
+            tuned, key="h", label="(g) with peak inner lr 4e-3", inner_lr=4e-3,
+            inner_lr_schedule="cosine", inner_lr_warmup_steps=max(1, steps // 20),
+            inner_lr_decay_steps=steps, inner_lr_min_ratio=0.1,
+        ),
     ]
 
 
@@ -233,7 +256,9 @@ def simulator_config(variant: Variant, *, rounds: int, step_time_s: float, seed:
             warmup_steps=variant.warmup_steps,
         ),
         inner_optimizer=InnerOptimizerConfig(
-            name="adamw", lr=variant.inner_lr, betas=INNER_BETAS, grad_clip_norm=GRAD_CLIP_NORM
+            name="adamw", lr=variant.inner_lr, betas=INNER_BETAS, grad_clip_norm=GRAD_CLIP_NORM,
+            schedule=variant.inner_lr_schedule, warmup_steps=variant.inner_lr_warmup_steps,
+            decay_steps=variant.inner_lr_decay_steps, min_lr_ratio=variant.inner_lr_min_ratio,
         ),
         outer_optimizer=outer,
         sites=[replace(link) for _ in range(NUM_SITES)],
@@ -466,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         keys = {"a", *(k.strip() for k in args.only.split(","))}
         unknown = keys - {v.key for v in chosen}
         if unknown:
-            raise SystemExit(f"--only: unknown rows {sorted(unknown)}; valid: a, b, c, d, e, f")
+            valid = ", ".join(v.key for v in chosen)
+            raise SystemExit(f"--only: unknown rows {sorted(unknown)}; valid: {valid}")
         chosen = [v for v in chosen if v.key in keys]
     max_steps = int(args.steps * args.max_extend)
     outcomes: list[Outcome] = []

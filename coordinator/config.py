@@ -136,6 +136,12 @@ class CoordinatorConfig:
             "a data-parallel warm-up is only available in the simulator; set warmup_steps = 0",
         )
         require(self.total_rounds >= 0, "total_rounds", f"must be >= 0, got {self.total_rounds}")
+        try:  # a decaying inner lr schedule needs a horizon: decay_steps or a fixed run length
+            self.inner_optimizer.resolved_decay_steps(
+                total_rounds=self.total_rounds, inner_steps=self.algorithm.inner_steps
+            )
+        except ConfigError as err:
+            raise err.under("inner_optimizer") from None
         require(self.min_sites >= 1, "min_sites", f"must be >= 1, got {self.min_sites}")
         require(
             self.round_deadline_s is None

@@ -317,6 +317,12 @@ class Scenario:
             "algorithm.warmup_steps",
             "a data-parallel warm-up exists only in the simulator; set warmup_steps = 0",
         )
+        try:  # a decaying inner lr schedule needs a horizon (the coordinator checks it too)
+            self.inner_optimizer.resolved_decay_steps(
+                total_rounds=self.run.rounds, inner_steps=self.algorithm.inner_steps
+            )
+        except ConfigError as err:
+            raise err.under("inner_optimizer") from None
         names = [s.name for s in self.sites]
         for i, name in enumerate(names):
             require(

@@ -303,6 +303,26 @@ def resolve_plan(args: argparse.Namespace, advertised: dict[str, Any]) -> SitePl
     )
 
 
+def _build_lr_schedule(inner: Any, optimizer: Any, advertised: dict[str, Any]) -> Any:
+    """The inner lr schedule of ``inner`` over ``optimizer``, its horizon derived from the
+    coordinator's run length (``total_rounds × inner steps per round``) when ``decay_steps`` is
+    unset; None for a constant lr. Every rank gets the same ``advertised`` config, so every rank
+    builds the same schedule."""
+    from geoloco.algorithms.config import ConfigError
+
+    algorithm = dict(advertised.get("algorithm") or {})
+    inner_steps = int(algorithm.get("inner_steps", 0)) or None
+    streaming = dict(algorithm.get("streaming") or {})
+    if inner_steps and streaming.get("enabled"):
+        inner_steps //= int(streaming.get("fragments", 1))  # a round is one fragment sync
+    try:
+        return inner.build_schedule(
+            optimizer, total_rounds=int(advertised.get("total_rounds", 0)), inner_steps=inner_steps
+        )
+    except ConfigError as err:
+        raise SiteCommandError(f"the coordinator's inner_optimizer.{err.key}: {err.message}") from None
+
+
 def _probe(
     args: argparse.Namespace, tls: Any, agent_config: Any, stop: threading.Event
 ) -> tuple[dict[str, Any], Any]:
@@ -457,6 +477,7 @@ def _run(args: argparse.Namespace) -> int:
                 )
                 model = workload.build_model(plan.seed)
                 optimizer = inner.build(model.parameters())
+                lr_schedule = _build_lr_schedule(inner, optimizer, advertised)
                 loss_fn = workload.loss
                 if args.speed_factor != 1.0:
                     from geoloco.scenarios.throttle import ComputeThrottle
@@ -496,6 +517,7 @@ def _run(args: argparse.Namespace) -> int:
                     hooks=hooks,
                     group=group,
                     server_name=args.server_name,
+                    lr_schedule=lr_schedule,
                 )
             except SiteCommandError as err:
                 if probe_client is not None:

@@ -49,6 +49,7 @@ from torch import nn
 
 from geoloco.algorithms.config import config_from_dict
 from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, pseudo_gradient, run_inner_steps
+from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
 from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import UPLINK_SEED_PURPOSE, AlgorithmConfig
@@ -159,6 +160,7 @@ class SiteAgent:
         group: IntraSiteGroup | None = None,
         server_name: str | None = None,
         interceptors: Iterable[Any] = (),
+        lr_schedule: InnerLRSchedule | None = None,
     ) -> None:
         """
         Args:
@@ -176,6 +178,12 @@ class SiteAgent:
             server_name: name to check the coordinator's certificate against, when dialing an
                 address it does not list.
             interceptors: gRPC client interceptors (tracing, fault injection in tests).
+            lr_schedule: inner lr schedule over ``inner_optimizer``
+                (``InnerOptimizerConfig.build_schedule``; ``geoloco site`` passes the
+                coordinator's): stepped after every inner step, and moved to step
+                ``round × inner_steps`` whenever the site starts a round it did not reach by
+                training the previous one (first round, restart, late join, catching up).
+                Python-API users may instead attach their own torch scheduler to their optimizer.
         """
         self.site = validate_site_name(site)
         self.config = config or SiteAgentConfig()
@@ -190,6 +198,9 @@ class SiteAgent:
         self.train_model = group.wrap_model(model) if needs_wrap and group is not None else model
         self.layout = ParamLayout.from_model(self.module)
         self.optimizer = inner_optimizer
+        self.lr_schedule = lr_schedule
+        self._lr_round: int | None = None
+        """The round the lr schedule's position belongs to (``None``: not positioned yet)."""
         self.loss_fn = loss_fn
         self._data = iter(data)
         self.is_leader = group is None or group.is_leader
@@ -541,13 +552,14 @@ class SiteAgent:
         if group is not None:
             group.broadcast_flat_(self._global)
         self.layout.load_(self.module, self._global)
+        self._position_lr_schedule(inner_steps)
         self._phase = pb.SITE_PHASE_TRAINING
         t0 = time.perf_counter()
         if budget_s is not None:
             result, _ = run_inner_steps_within(
                 self.train_model, self.optimizer, self._batches(), TimeBudget(budget_s), self._loss,
                 grad_clip_norm=self.config.grad_clip_norm, agree=self._agree_elapsed,
-                sync=self._sync_device,
+                sync=self._sync_device, lr_schedule=self.lr_schedule,
             )
         else:
             result = run_inner_steps(
@@ -557,7 +569,9 @@ class SiteAgent:
                 inner_steps,
                 self._loss,
                 grad_clip_norm=self.config.grad_clip_norm,
+                lr_schedule=self.lr_schedule,
             )
+        self._lr_round = self._held_round + 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
@@ -568,6 +582,18 @@ class SiteAgent:
             group.all_reduce_(stats, "sum")
         loss = float(stats[0] / stats[1]) if stats[1] > 0 else float("nan")
         return loss, int(stats[2]), elapsed, len(result.losses)
+
+    def _position_lr_schedule(self, inner_steps: int) -> None:
+        """Resume the lr schedule at ``held_round × inner_steps`` unless the site trained the
+        round before this one (then its cumulative count is already right). Exact for fixed-H
+        rounds; with time-budget rounds (step counts vary) ``inner_steps`` is the nominal H, an
+        estimate. Every rank calls it with the leader's round and H, so all ranks agree."""
+        if self.lr_schedule is None or self._lr_round == self._held_round:
+            return
+        step = self._held_round * inner_steps
+        logger.info("site %s: inner lr schedule at step %d (round %d)", self.site, step, self._held_round)
+        self.lr_schedule.seek(step)
+        self._lr_round = self._held_round
 
     def _agree_elapsed(self, elapsed_s: float) -> float:
         """The slowest rank's elapsed time, so every rank of a site stops after the same step."""

@@ -177,7 +177,7 @@ class StreamingSite:
         t0 = time.perf_counter()
         result = run_inner_steps(
             a.train_model, a.optimizer, a._batches(), steps, a._loss,
-            grad_clip_norm=a.config.grad_clip_norm,
+            grad_clip_norm=a.config.grad_clip_norm, lr_schedule=a.lr_schedule,
         )
         if a.device.type == "cuda":
             torch.cuda.synchronize(a.device)
@@ -198,7 +198,9 @@ class StreamingSite:
                 a.client, session=a.client.session_id, round_number=round_number,
                 round_seed=a._round_info.round_seed, numel=fragment.numel,
             )
+        a._position_lr_schedule(self.schedule.interval)
         losses, samples, seconds = self._train(steps)
+        a._lr_round = round_number + 1  # the overlap steps count towards the next round
         # The round's steps: the overlap steps run while the previous fragment travelled, then these.
         losses = self.overlap_losses + losses
         samples += self.overlap_samples

@@ -2,7 +2,8 @@
 
 Started by ``test_multi_rank_site.py``. Every rank builds the model and optimizer and calls
 ``run()``; only rank 0 talks to the coordinator. Each rank saves its final weights and summary to
-``OUT_DIR/rank<r>.pt`` for the test to check.
+``OUT_DIR/rank<r>.pt`` for the test to check, with the inner lr of each of its steps (a cosine
+schedule over ``ROUNDS × INNER_STEPS`` steps, which every rank must step alike).
 
 Usage: ``torchrun --standalone --nproc_per_node=2 _multi_rank_site.py COORDINATOR CERTS OUT_DIR``
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.params import ParamLayout
 from geoloco.protos.transport import TLSFiles
 from geoloco.scenarios.workloads import MLPWorkload
@@ -25,6 +27,9 @@ from geoloco.site_agent.distributed import init_from_env
 
 SITE = "duo"
 SEED = 0
+ROUNDS = 2
+INNER_STEPS = 3
+LR_SCHEDULE = InnerOptimizerConfig(lr=3e-3, schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
 
 
 def main(coordinator: str, certs: Path, out_dir: Path) -> None:
@@ -33,6 +38,9 @@ def main(coordinator: str, certs: Path, out_dir: Path) -> None:
         workload = MLPWorkload()
         model = workload.build_model(SEED)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        lr_schedule = LR_SCHEDULE.build_schedule(optimizer, total_rounds=ROUNDS, inner_steps=INNER_STEPS)
+        lrs: list[float] = []
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: lrs.append(opt.param_groups[0]["lr"]))
         agent = SiteAgent(
             model,
             optimizer,
@@ -43,12 +51,14 @@ def main(coordinator: str, certs: Path, out_dir: Path) -> None:
             tls=TLSFiles.from_dir(certs, SITE),
             config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05),
             group=group,
+            lr_schedule=lr_schedule,
         )
         summary = agent.run()
         torch.save(
             {
                 "weights": ParamLayout.from_model(model).flatten(model),
                 "summary": dataclasses.asdict(summary),
+                "lrs": lrs,
             },
             out_dir / f"rank{group.rank}.pt",
         )

@@ -12,9 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from _agent_helpers import make_certs, start_coordinator
+from geoloco.algorithms.lr_schedule import lr_multiplier
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.scenarios.workloads import MLPWorkload
@@ -67,6 +69,13 @@ def test_two_rank_site_trains_as_one_site_and_every_rank_ends_in_sync(tmp_path: 
         assert torch.equal(saved["weights"], server.rounds.weights), f"rank {rank} is out of sync"
         assert saved["summary"]["final_round"] == ROUNDS
         assert saved["summary"]["rounds_included"] == ROUNDS
+    # Every rank stepped the same inner lr schedule, over the site's cumulative steps.
+    expected = [
+        3e-3 * lr_multiplier(s, schedule="cosine", warmup_steps=2, decay_steps=ROUNDS * INNER_STEPS,
+                             min_lr_ratio=0.1)
+        for s in range(ROUNDS * INNER_STEPS)
+    ]
+    assert ranks[0]["lrs"] == ranks[1]["lrs"] == pytest.approx(expected)
     records = read_metrics(metrics)
     assert [r["participants"] for r in records] == [["duo"]] * ROUNDS
     # One site, two ranks: the sample weight counts both ranks' batches.

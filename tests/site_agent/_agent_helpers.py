@@ -19,6 +19,16 @@ from geoloco.site_agent.agent import SiteAgent, SiteRunSummary
 from geoloco.site_agent.config import SiteAgentConfig
 
 
+class FakeClock:
+    """The coordinator's clock, moved by the test (deadlines without waiting for them)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def make_certs(directory: Path, sites: list[str]) -> Path:
     init_ca(directory)
     issue_coordinator(directory)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from _agent_helpers import AgentThread, make_agent, make_certs, start_coordinator, wait_until
+from _agent_helpers import AgentThread, FakeClock, make_agent, make_certs, start_coordinator, wait_until
 from geoloco.algorithms.params import load_flat_
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
@@ -38,16 +38,6 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def mlp() -> Any:
     return build_workload("mlp")
-
-
-class FakeClock:
-    """The coordinator's clock, moved by the test (deadlines without waiting for them)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_straggler_is_excluded_then_catches_up_in_sync(certs: Path, mlp: Any, tmp_path: Path) -> None:

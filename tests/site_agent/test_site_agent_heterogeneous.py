@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from _agent_helpers import AgentThread, make_agent, make_certs, start_coordinator, wait_until
+from _agent_helpers import AgentThread, FakeClock, make_agent, make_certs, start_coordinator, wait_until
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
@@ -31,16 +31,6 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def mlp() -> Any:
     return build_workload("mlp")
-
-
-class FakeClock:
-    """The coordinator's clock, moved by the test (deadlines without waiting for them)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_time_budget_rounds_weight_sites_by_steps(certs: Path, mlp: Any, tmp_path: Path) -> None:

@@ -307,6 +307,7 @@ class StatusBoard:
                 "deadline_s": _finite(record.get("deadline_s")),
                 "update_norm": _finite(record.get("update_norm")),
                 "epsilon": _finite(record.get("epsilon")),
+                "fragment": record.get("fragment"),
                 "time": self.wall_clock(),
             }
         )
@@ -557,6 +558,31 @@ def config_summary(config: CoordinatorConfig, rounds: RoundStateMachine) -> dict
         "total_rounds": config.total_rounds,
         "min_sites": config.min_sites,
         "round_deadline_s": config.round_deadline_s,
+        "adaptive_deadline": (
+            {"min_s": config.adaptive_deadline.min_s, "max_s": config.adaptive_deadline.max_s}
+            if config.adaptive_deadline.enabled else None
+        ),
+        "round_time_budget_s": algorithm.round_time_budget_s,
+        "weighting": algorithm.weighting,
+        "late_updates": algorithm.late_updates,
+        "streaming": (
+            {
+                "fragments": algorithm.streaming.fragments,
+                "overlap_steps": algorithm.streaming.overlap_steps,
+                "mix": algorithm.streaming.mix,
+            }
+            if algorithm.streaming.enabled else None
+        ),
+        "privacy": (
+            {
+                "secure_aggregation": config.privacy.secure_aggregation,
+                "dp": config.privacy.dp,
+                "noise_multiplier": config.privacy.noise_multiplier,
+                "delta": config.privacy.delta,
+                "epsilon_budget": config.privacy.epsilon_budget,
+            }
+            if config.privacy.enabled else None
+        ),
         "heartbeat_interval_s": config.heartbeat_interval_s,
         "heartbeat_timeout_s": config.heartbeat_timeout_s,
         "parameters": rounds.numel,

@@ -38,14 +38,35 @@ function fmtClock(t) {
   return new Date(t * 1000).toLocaleTimeString([], { hour12: false });
 }
 
+function describeDeadline(cfg) {
+  if (cfg.adaptive_deadline) {
+    return "adaptive, " + cfg.adaptive_deadline.min_s + "–" + cfg.adaptive_deadline.max_s + " s";
+  }
+  return cfg.round_deadline_s === null || cfg.round_deadline_s === undefined ? "none" : cfg.round_deadline_s + " s";
+}
+
+function describePrivacy(p) {
+  if (!p) return "off";
+  const parts = [p.secure_aggregation ? "secure aggregation" : "no secure aggregation", "DP " + p.dp];
+  if (p.dp !== "off") parts.push("noise ×" + p.noise_multiplier + ", δ = " + p.delta);
+  if (p.epsilon_budget !== null && p.epsilon_budget !== undefined) parts.push("ε budget " + p.epsilon_budget);
+  return parts.join(" · ");
+}
+
+let streamingOn = false;
+
 function renderConfig(cfg) {
+  streamingOn = Boolean(cfg.streaming);
   const dl = document.getElementById("config");
   const rows = [
-    ["algorithm", cfg.algorithm + " (H = " + cfg.inner_steps + ")"],
+    ["algorithm", cfg.algorithm + (cfg.round_time_budget_s ? " (" + cfg.round_time_budget_s + " s of training per round)" : " (H = " + cfg.inner_steps + ")")],
     ["codecs", "up " + cfg.uplink_codec + " · down " + cfg.downlink_codec],
     ["outer optimizer", (cfg.outer_optimizer && cfg.outer_optimizer.name) || "the algorithm's default"],
     ["rounds", cfg.total_rounds === 0 ? "until stopped" : cfg.total_rounds],
-    ["quorum / deadline", cfg.min_sites + " sites / " + (cfg.round_deadline_s === null ? "none" : cfg.round_deadline_s + " s")],
+    ["quorum / deadline", cfg.min_sites + (cfg.min_sites === 1 ? " site / " : " sites / ") + describeDeadline(cfg)],
+    ["weighting / late updates", (cfg.weighting || "uniform") + " / " + (cfg.late_updates || "drop")],
+    ["streaming", cfg.streaming ? cfg.streaming.fragments + " fragments, overlap " + cfg.streaming.overlap_steps + " steps, mix " + cfg.streaming.mix : "off"],
+    ["privacy", describePrivacy(cfg.privacy)],
     ["heartbeat", cfg.heartbeat_interval_s + " s (timeout " + cfg.heartbeat_timeout_s + " s)"],
     ["parameters", Number(cfg.parameters).toLocaleString()],
     ["transport", cfg.transport],
@@ -70,6 +91,19 @@ function renderSites(sites) {
     );
     return tr;
   }));
+}
+
+function renderLive(rounds) {
+  // What the latest aggregated round says about the run now: the deadline in force, the
+  // privacy spent, the fragment synced. Empty (and hidden) before the first round.
+  const pill = document.getElementById("live");
+  const last = rounds.length ? rounds[rounds.length - 1] : null;
+  const parts = [];
+  if (last && last.deadline_s !== null && last.deadline_s !== undefined) parts.push("deadline " + last.deadline_s.toPrecision(3) + " s");
+  if (last && last.epsilon !== null && last.epsilon !== undefined) parts.push("ε " + last.epsilon.toPrecision(3));
+  if (streamingOn && last && last.fragment !== null && last.fragment !== undefined) parts.push("fragment " + last.fragment);
+  pill.textContent = parts.join(" · ");
+  pill.hidden = parts.length === 0;
 }
 
 function renderEvents(events) {
@@ -172,6 +206,7 @@ async function refresh() {
     if (configShown !== s.session_id) { renderConfig(s.config); configShown = s.session_id; }
     renderSites(s.sites);
     renderEvents(s.events);
+    renderLive(s.rounds);
     drawLoss(document.getElementById("loss-chart"), s.rounds);
     drawBytes(document.getElementById("bytes-chart"), s.rounds);
   } catch (err) {

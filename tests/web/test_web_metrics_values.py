@@ -208,3 +208,37 @@ def test_silence_before_the_first_heartbeat_is_not_a_fault(scripted) -> None:
     snap = status.status()
     assert {s["name"]: s["state"] for s in snap["sites"]}["d"] == "joined"
     assert not any(e["site"] == "d" and e["kind"] == "fault" for e in snap["events"])
+
+
+def test_run_summary_names_streaming_privacy_and_the_deadline_policy() -> None:
+    from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
+    from geoloco.algorithms.privacy import PrivacyConfig
+    from geoloco.algorithms.streaming import StreamingConfig
+    from geoloco.coordinator.http_status import config_summary
+
+    weights, layout = tiny_weights()
+    plain = CoordinatorConfig(insecure=True, algorithm=AlgorithmConfig(inner_steps=4))
+    summary = config_summary(plain, RoundStateMachine(plain, weights, layout))
+    assert summary["streaming"] is None and summary["privacy"] is None
+    assert summary["adaptive_deadline"] is None and summary["weighting"] == "uniform"
+
+    config = CoordinatorConfig(
+        insecure=True,
+        min_sites=3,
+        algorithm=AlgorithmConfig(
+            inner_steps=4, streaming=StreamingConfig(enabled=True, fragments=2, overlap_steps=1)
+        ),
+        privacy=PrivacyConfig(secure_aggregation=True, clip_norm=1.0, dp="distributed", epsilon_budget=8.0),
+    )
+    summary = config_summary(config, RoundStateMachine(config, weights, layout))
+    assert summary["streaming"] == {"fragments": 2, "overlap_steps": 1, "mix": 0.0}
+    assert summary["privacy"]["secure_aggregation"] and summary["privacy"]["dp"] == "distributed"
+    assert summary["privacy"]["epsilon_budget"] == 8.0
+    timed = CoordinatorConfig(
+        insecure=True,
+        algorithm=AlgorithmConfig(round_time_budget_s=2.0, weighting="steps"),
+        adaptive_deadline=AdaptiveDeadlineConfig(enabled=True, min_s=2.0, max_s=90.0),
+    )
+    summary = config_summary(timed, RoundStateMachine(timed, weights, layout))
+    assert summary["adaptive_deadline"] == {"min_s": 2.0, "max_s": 90.0}
+    assert summary["round_time_budget_s"] == 2.0 and summary["weighting"] == "steps"

@@ -48,6 +48,7 @@ SCENARIO = {
         "eval_every": 1,
         "heartbeat_interval_s": 0.5,
         "heartbeat_timeout_s": 4.0,
+        "adaptive_deadline": {"enabled": True, "min_s": 5.0, "max_s": 60.0},
     },
     "sites": [
         {"name": "boston", "uplink_bps": 2e7, "downlink_bps": 4e7, "latency_s": 0.01},
@@ -146,6 +147,13 @@ def test_status_page_shows_sites_charts_and_a_killed_site_coming_back(emulation,
             )
             assert page.inner_text("#connection") == "live"
             assert "diloco (H = 10)" in page.inner_text("#config")
+            assert "adaptive, 5–60 s" in page.inner_text("#config")
+            # The deadline in force, from the latest round (the first runs under max_s).
+            page.wait_for_function(
+                "() => /deadline \\d/.test(document.getElementById('live').textContent)", timeout=10_000
+            )
+            assert page.is_visible("#live")
+            assert "fragment" not in page.inner_text("#live")  # streaming is off here
             # The emulator kills the site in round 4: the page shows it down...
             row = f'#sites tr[data-site="{KILLED}"]'
             page.wait_for_selector(f'{row}[data-state="down"]', timeout=30_000)

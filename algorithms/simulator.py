@@ -608,15 +608,7 @@ class Simulator:
                 self.sites[k].uplink.restore(encoded)
         update = strategy.aggregate_round(self.global_flat, aggregator, plan)
         self.global_flat = update.global_flat
-        ends = download_ends(
-            aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in self.sites]
-        )
-        utilization = []
-        for k, site in enumerate(self.sites):
-            span = ends[k] - site.ready_s
-            utilization.append(compute[k] / span if span > 0 else 1.0)
-            site.ready_s = ends[k]
-        self.open_s = aggregate_s
+        utilization = self._close_round_clock(aggregate_s, arrivals, update.downlink.nbytes, compute)
         return {
             "train_loss": sum(losses) / len(losses),
             "bytes_up": upload_sizes,
@@ -692,13 +684,7 @@ class Simulator:
         included, aggregate_s = select_participants(
             arrivals, open_s=self.open_s, deadline_s=None, min_sites=len(self.sites)
         )
-        ends = download_ends(aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in self.sites])
-        utilization = []
-        for k, site in enumerate(self.sites):
-            span = ends[k] - site.ready_s
-            utilization.append(compute[k] / span if span > 0 else 1.0)
-            site.ready_s = ends[k]
-        self.open_s = aggregate_s
+        utilization = self._close_round_clock(aggregate_s, arrivals, update.downlink.nbytes, compute)
         return {
             "train_loss": sum(losses) / len(losses),
             "bytes_up": upload_sizes,
@@ -708,6 +694,20 @@ class Simulator:
             "stragglers": [],
             "sites_aggregated": len(included),
         }
+
+    def _close_round_clock(
+        self, aggregate_s: float, arrivals: list[float], downlink_bytes: int, compute: list[float]
+    ) -> list[float]:
+        """Advance every site to the end of its broadcast download and the round clock to
+        ``aggregate_s``; returns each site's compute share of its round (utilization)."""
+        ends = download_ends(aggregate_s, arrivals, downlink_bytes, [s.config for s in self.sites])
+        utilization = []
+        for k, site in enumerate(self.sites):
+            span = ends[k] - site.ready_s
+            utilization.append(compute[k] / span if span > 0 else 1.0)
+            site.ready_s = ends[k]
+        self.open_s = aggregate_s
+        return utilization
 
     # -- the run ------------------------------------------------------------------------------
 

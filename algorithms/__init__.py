@@ -8,12 +8,11 @@ real coordinator and site agents, so both produce the same weights:
 - ``optimizers``: inner / outer optimizer configs and registries, ``OuterOptimizer`` (a real
   ``torch.optim`` optimizer fed the pseudo-gradient in ``.grad``), state as tensors + JSON.
 - ``diloco``: the round's math (``run_inner_steps``, ``pseudo_gradient``, ``UpdateEncoder`` with
-  error feedback, ``StreamingAggregator``, ``encode_downlink`` / ``apply_downlink``).
-- ``strategy``: the ``Strategy`` interface and ``DiLoCo`` / ``FedAvg`` / ``FedOpt`` /
-  ``DataParallel``, found by name in ``ALGORITHMS``.
-- ``streaming``: Streaming DiLoCo (``StreamingConfig``, ``FragmentPartition``,
-  ``StreamingSchedule``, ``StreamingStrategy``, ``merge_fragment_``); ``streaming_sim`` runs it
-  in the simulator.
+  error feedback, ``encode_downlink`` / ``apply_downlink``); ``aggregation``: ``RunningSum``.
+- ``strategy``: the ``Strategy`` interface (fragments built in: plain DiLoCo is one fragment)
+  and ``DiLoCo`` / ``FedAvg`` / ``FedOpt`` / ``DataParallel``, found by name in ``ALGORITHMS``.
+- ``streaming``: Streaming DiLoCo's pieces (``StreamingConfig``, ``FragmentPartition``,
+  ``StreamingSchedule``, ``merge_fragment_``); ``streaming_sim`` runs it in the simulator.
 - ``clock``: the virtual network clock; ``simulator``: ``simulate(config, workload)``.
 - ``workload``: the ``Workload`` protocol models and data plug into.
 """
@@ -49,11 +48,10 @@ _EXPORTS: dict[str, str] = {
     "SimulatorConfig": "geoloco.algorithms.simulator",
     "SiteConfig": "geoloco.algorithms.clock",
     "Strategy": "geoloco.algorithms.strategy",
-    "StreamingAggregator": "geoloco.algorithms.diloco",
+    "RunningSum": "geoloco.algorithms.aggregation",
     "FragmentPartition": "geoloco.algorithms.streaming",
     "StreamingConfig": "geoloco.algorithms.streaming",
     "StreamingSchedule": "geoloco.algorithms.streaming",
-    "StreamingStrategy": "geoloco.algorithms.streaming",
     "merge_fragment_": "geoloco.algorithms.streaming",
     "UpdateEncoder": "geoloco.algorithms.diloco",
     "Workload": "geoloco.algorithms.workload",

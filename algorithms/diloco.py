@@ -4,7 +4,7 @@ Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Mo
 
 Site side: ``run_inner_steps`` (H local steps) -> ``pseudo_gradient(θ_t, θ_k)`` ->
 ``UpdateEncoder.encode`` (error feedback + uplink codec). Coordinator side:
-``StreamingAggregator.add`` one decoded upload at a time -> ``OuterOptimizer.step`` ->
+``RunningSum.add`` (``geoloco.algorithms.aggregation``) one decoded upload at a time -> ``OuterOptimizer.step`` ->
 ``encode_downlink`` (error feedback + downlink codec, ``θ_{t+1} = θ_t + D(d_t)``). Site again:
 ``apply_downlink(θ_t, d_t)`` gives the same ``θ_{t+1}`` bit for bit, checked with
 ``weights_digest``. The simulator and the real coordinator / site agent call these same functions.
@@ -27,7 +27,6 @@ from geoloco.compression import Codec, Encoded, ErrorFeedback, decode, parse_cod
 
 __all__ = [
     "InnerResult",
-    "StreamingAggregator",
     "UpdateEncoder",
     "apply_delta",
     "apply_downlink",
@@ -226,95 +225,6 @@ class UpdateEncoder:
 
 # --------------------------------------------------------------------------------------------
 # Coordinator side
-
-
-@dataclass(slots=True)
-class StreamingAggregator:
-    """``ĝ = Σ w_k D(c_k) / Σ w_k`` accumulated one upload at a time into one fp32 buffer.
-
-    Coordinator memory is one vector however many sites report; uploads can be added the moment
-    they arrive and decoded uploads are dropped right after. Adding the same site twice is an
-    error (uploads are idempotent at the transport layer, so a duplicate is a bug).
-    ``take_result()`` turns the sum into the mean in place and hands the buffer over, so the
-    coordinator's outer step needs no second vector for the mean.
-    """
-
-    numel: int
-    """Length of the flat update vectors."""
-    device: torch.device | str | None = None
-    """Where the buffer lives."""
-    total_weight: float = field(default=0.0, init=False)
-    """Σ w_k of the uploads added so far."""
-    sites: list[int] = field(default_factory=list, init=False)
-    """Sites added so far, in arrival order."""
-    stale_sites: list[int] = field(default_factory=list, init=False)
-    """Sites whose previous round's update was folded in late (``add(..., stale=True)``)."""
-    _buffer: torch.Tensor | None = field(default=None, init=False, repr=False)
-    _taken: bool = field(default=False, init=False, repr=False)
-
-    def add(
-        self, update: Encoded | torch.Tensor, weight: float = 1.0, *, site: int, stale: bool = False
-    ) -> None:
-        """Decode (if encoded) and add ``weight * update`` to the running sum.
-
-        ``stale=True``: the site's update of an earlier round, folded in late (a site may have
-        one fresh and one stale update in the same round; each only once).
-        """
-        if self._taken:
-            raise ValueError(
-                f"site {site}: this round's mean was already taken (take_result); "
-                "start a new aggregator for the next round"
-            )
-        added = self.stale_sites if stale else self.sites
-        if site in added:
-            raise ValueError(
-                f"site {site} was already aggregated this round{' (late update)' if stale else ''}"
-            )
-        if not weight > 0:
-            raise ValueError(f"site {site}: aggregation weight must be > 0, got {weight}")
-        if self._buffer is None:
-            self._buffer = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        value = (
-            update
-            if isinstance(update, torch.Tensor)
-            else decode(update, device=self._buffer.device)
-        )
-        value = value.reshape(-1)
-        if value.numel() != self.numel:
-            raise ValueError(
-                f"site {site} sent {value.numel()} values; the model has {self.numel}"
-            )
-        self._buffer.add_(value.to(self._buffer), alpha=float(weight))
-        self.total_weight += float(weight)
-        added.append(site)
-
-    @property
-    def count(self) -> int:
-        return len(self.sites)
-
-    def result(self) -> torch.Tensor:
-        """The weighted mean of everything added (a new tensor; more uploads may follow)."""
-        return self._sum() / self.total_weight
-
-    def take_result(self) -> torch.Tensor:
-        """The weighted mean, computed in the aggregator's own buffer and handed over.
-
-        No second model-sized vector: the sum is divided in place (the same values as
-        ``result()``) and the aggregator keeps no reference, so the mean is freed as soon as the
-        caller drops it (``aggregate_round`` frees it right after the outer step). The
-        aggregator is spent afterwards: ``add``, ``result`` and ``take_result`` raise.
-        """
-        mean = self._sum().div_(self.total_weight)
-        self._buffer = None
-        self._taken = True
-        return mean
-
-    def _sum(self) -> torch.Tensor:
-        if self._taken:
-            raise ValueError("this aggregator's mean was already taken (take_result); start a new one")
-        if self._buffer is None:
-            raise ValueError("no uploads were aggregated this round; cannot take a mean of nothing")
-        return self._buffer
 
 
 def apply_delta(global_flat: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

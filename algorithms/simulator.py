@@ -28,11 +28,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from geoloco.algorithms.clock import (
     SiteConfig,
     download_ends,
-    select_participants,
     upload_arrivals,
 )
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
-from geoloco.algorithms.deadline import AdaptiveDeadlineConfig, RoundDeadline
+from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.diloco import (
     UpdateEncoder,
     batch_size,
@@ -62,7 +61,9 @@ from geoloco.algorithms.privacy import (
     private_round_in_memory,
     secure_index_seed,
 )
+from geoloco.algorithms.round import Round, RoundPolicy, close_time
 from geoloco.algorithms.streaming_sim import StreamingRounds
+from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.algorithms.strategy import (
     UPDATE_GRADIENT,
     AlgorithmConfig,
@@ -71,7 +72,6 @@ from geoloco.algorithms.strategy import (
     build_strategy,
 )
 from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within, steps_in_budget
-from geoloco.algorithms.weighting import stale_weight
 from geoloco.algorithms.workload import Workload
 from geoloco.compression import Encoded, decode
 
@@ -320,10 +320,12 @@ def resolve_device(device: str) -> torch.device:
 @dataclass(slots=True)
 class _Site:
     index: int
+    name: str
+    """The site's identity in plans, seeds and aggregation: ``str(index)``."""
     config: SiteConfig
     batches: Iterator[Any]
     optimizer: torch.optim.Optimizer | None
-    uplink: UpdateEncoder
+    uplink: FragmentUplink
     lr_schedule: InnerLRSchedule | None = None
     """The inner lr schedule over ``optimizer``, positioned by this site's cumulative inner steps."""
     ready_s: float = 0.0
@@ -344,7 +346,7 @@ class Simulator:
         self.model = workload.build_model(sim.seed).to(self.device)
         self.layout = ParamLayout.from_model(self.model)
         self.global_flat = self.layout.flatten(self.model)
-        self.strategy: Strategy = build_strategy(
+        self.strategy = build_strategy(
             config.algorithm,
             numel=self.layout.numel,
             outer_optimizer=config.outer_optimizer,
@@ -358,6 +360,7 @@ class Simulator:
         self.sites = [
             _Site(
                 index=k,
+                name=str(k),
                 config=site,
                 batches=workload.site_batches(k, num_sites, sim.seed),
                 optimizer=None if self.data_parallel else config.inner_optimizer.build(
@@ -379,7 +382,7 @@ class Simulator:
                 site.lr_schedule = config.inner_optimizer.build_schedule(site.optimizer, **horizon)
         self.ddp_lr_schedule: InnerLRSchedule | None = None
         if self.data_parallel:
-            shared = self.strategy.outer.optimizer  # type: ignore[attr-defined]
+            shared = self.strategy.outer.optimizer
             self.ddp_lr_schedule = config.inner_optimizer.build_schedule(shared, **horizon)
         privacy = config.privacy
         # One private encoder (own error-feedback residual) per site, and with Streaming DiLoCo
@@ -399,7 +402,13 @@ class Simulator:
             if privacy.secure_aggregation else {}
         )
         self.accountant = PrivacyAccountant(privacy.delta) if privacy.dp != "off" else None
-        self.deadline = RoundDeadline(sim.round_deadline_s, sim.adaptive_deadline)
+        self.policy = RoundPolicy(
+            min_sites=sim.min_sites,
+            round_deadline_s=sim.round_deadline_s,
+            adaptive_deadline=sim.adaptive_deadline,
+            late_updates=config.algorithm.late_updates,
+            staleness_discount=config.algorithm.staleness_discount,
+        )
         self.clock_s = 0.0
         self.open_s = 0.0
         self.bytes_up_total = 0
@@ -432,7 +441,7 @@ class Simulator:
     # -- data-parallel steps (the ddp baseline and the warm-up) ------------------------------
 
     def _data_parallel_steps(
-        self, strategy: Strategy, uplinks: list[UpdateEncoder], steps: int, first_index: int
+        self, strategy: Strategy, uplinks: list[FragmentUplink], steps: int, first_index: int
     ) -> dict[str, Any]:
         """``steps`` synchronous DDP steps through ``strategy`` (a ``DataParallel``)."""
         n = len(self.sites)
@@ -442,8 +451,8 @@ class Simulator:
         starts0 = [s.ready_s for s in self.sites]
         losses: list[float] = []
         for step in range(steps):
-            plan = strategy.configure_round(first_index + step, [s.index for s in self.sites])
-            aggregator = strategy.new_aggregator()
+            plan = strategy.configure_round(first_index + step, [s.name for s in self.sites])
+            aggregator = strategy.new_aggregator(plan.round)
             self.layout.load_(self.model, self.global_flat)
             step_compute = []
             upload_sizes = []
@@ -454,8 +463,8 @@ class Simulator:
                 grad, loss = compute_gradient(self.model, self.layout, batch, self.workload.loss)
                 self._sync_device()
                 seconds = self._step_seconds(site, 1, time.perf_counter() - t0)
-                encoded = uplink.encode(grad, seed=plan.uplink_seed(site.index))
-                aggregator.add(encoded, strategy.site_weight(batch_size(batch)), site=site.index)
+                encoded = uplink.encode(grad, seed=plan.uplink_seed(site.name))
+                aggregator.add(encoded, strategy.site_weight(batch_size(batch)), site=site.name)
                 losses.append(loss)
                 step_compute.append(seconds)
                 upload_sizes.append(encoded.nbytes)
@@ -467,7 +476,7 @@ class Simulator:
                 [s.ready_s for s in self.sites], step_compute, upload_sizes,
                 [s.config for s in self.sites],
             )
-            _, aggregate_s = select_participants(arrivals, open_s=self.open_s)
+            aggregate_s = max(arrivals)  # data-parallel: every site, every step
             ends = download_ends(
                 aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in self.sites]
             )
@@ -497,8 +506,7 @@ class Simulator:
         if privacy.dp != "distributed":
             return privacy.noise_multiplier
         numel = (
-            self.strategy.update_numel(round_index)  # type: ignore[attr-defined]
-            if self.streaming is not None else self.layout.numel
+            self.strategy.update_numel(round_index - 1)
         )
         context, fixed = plan_secure_round(
             privacy, self.config.algorithm.uplink_codec, numel=numel,
@@ -535,11 +543,7 @@ class Simulator:
         sizes = []
         for k in sorted(updates):
             uplink = self.sites[k].uplink
-            encoded = (
-                uplink.encode(updates[k], seed=plan.uplink_seed(k))
-                if fragment is None
-                else uplink.encode(updates[k], seed=plan.uplink_seed(k), fragment=fragment)  # type: ignore[call-arg]
-            )
+            encoded = uplink.encode(updates[k], seed=plan.uplink_seed(str(k)), fragment=plan.fragment)
             sizes.append(encoded.nbytes)
             total += clip_l2(decode(encoded, device="cpu").reshape(-1), privacy.clip_norm)[0]
         mean = add_central_noise(total, privacy) / len(updates)
@@ -548,10 +552,11 @@ class Simulator:
     def _diloco_round(self, round_index: int) -> dict[str, Any]:
         sim = self.config.simulation
         strategy = self.strategy
-        plan = strategy.configure_round(round_index, [s.index for s in self.sites])
-        aggregator = strategy.new_aggregator()
-        deadline_s = self.deadline.current_s()
-        deadline = None if deadline_s is None else self.open_s + deadline_s
+        plan = strategy.configure_round(round_index - 1, [s.name for s in self.sites])
+        round_ = Round(number=plan.round, aggregation=strategy.new_aggregator(plan.round), opened_s=self.open_s)
+        round_.start(self.open_s, self.policy)
+        deadline_s = round_.deadline_s
+        deadline = round_.deadline_at
         pending: dict[int, Encoded] = {}
         site_steps: list[int] = []
         arrivals: list[float] = []
@@ -572,12 +577,12 @@ class Simulator:
                 compute.append(seconds)
                 losses.extend(result.losses)
                 continue
-            encoded = site.uplink.encode(update, seed=plan.uplink_seed(site.index))
+            encoded = site.uplink.encode(update, seed=plan.uplink_seed(site.name))
             del update
             (arrival,) = upload_arrivals([site.ready_s], [seconds], [encoded.nbytes], [site.config])
             weights[site.index] = strategy.site_weight(result.samples, steps)
             if deadline is None or arrival <= deadline:
-                aggregator.add(encoded, weights[site.index], site=site.index)
+                round_.add(encoded, weights[site.index], site=site.name, now=arrival)
             else:
                 pending[site.index] = encoded
             arrivals.append(arrival)
@@ -587,26 +592,23 @@ class Simulator:
         if private_updates:
             stats = self._private_round_finish(round_index, plan, private_updates, compute, losses)
             return {**stats, "site_inner_steps": site_steps, "deadline_s": None, "folded": []}
-        included, aggregate_s = select_participants(
-            arrivals, open_s=self.open_s, deadline_s=deadline_s, min_sites=sim.min_sites
-        )
-        self.deadline.observe(
-            [arrivals[k] - self.open_s for k in included],
-            [aggregate_s - self.open_s for k in range(len(arrivals)) if k not in included],
-        )
+        aggregate_s = close_time(self.policy, arrivals, start_s=self.open_s, deadline_s=deadline_s)
+        included = [k for k, a in enumerate(arrivals) if a <= aggregate_s]
         # Late uploads the quorum rule pulled in are aggregated.
         for k in included:
             if k in pending:
-                aggregator.add(pending.pop(k), weights[k], site=k)
-        folded = self._fold_late_updates(aggregator, aggregate_s)
+                round_.add(pending.pop(k), weights[k], site=self.sites[k].name, now=arrivals[k])
+        outcome = round_.close(now=aggregate_s, expected=[s.name for s in self.sites])
+        self.policy.observe(outcome)
+        folded = self._fold_late_updates(round_, aggregate_s)
         # The others go back to the sites' residuals (with error feedback) so their work arrives
         # next round, or wait to be folded into the next round's average.
         for k, encoded in pending.items():
-            if self.config.algorithm.late_updates == "fold":
+            if self.policy.folds_late_updates:
                 self.sites[k].late = (encoded, weights[k], arrivals[k])
             else:
                 self.sites[k].uplink.restore(encoded)
-        update = strategy.aggregate_round(self.global_flat, aggregator, plan)
+        update = strategy.aggregate_round(self.global_flat, round_.aggregation, plan)
         self.global_flat = update.global_flat
         utilization = self._close_round_clock(aggregate_s, arrivals, update.downlink.nbytes, compute)
         return {
@@ -650,11 +652,10 @@ class Simulator:
         self._sync_device()
         return result, self._step_seconds(site, inner_steps, time.perf_counter() - t0)
 
-    def _fold_late_updates(self, aggregator: Any, aggregate_s: float) -> list[int]:
+    def _fold_late_updates(self, round_: Round, aggregate_s: float) -> list[int]:
         """Add last round's late updates that arrived before this round aggregated, with the
-        staleness discount; those that did not go back into their site's residual (the real
-        coordinator accepts an update exactly one round late, no later)."""
-        algo = self.config.algorithm
+        policy's staleness discount; those that did not go back into their site's residual (the
+        real coordinator accepts an update exactly one round late, no later)."""
         folded = []
         for site in self.sites:
             if site.late is None:
@@ -662,8 +663,7 @@ class Simulator:
             encoded, weight, arrival = site.late
             site.late = None
             if arrival <= aggregate_s:
-                discounted = stale_weight(weight, discount=algo.staleness_discount, staleness=1)
-                aggregator.add(encoded, discounted, site=site.index, stale=True)
+                round_.fold(encoded, weight, site=site.name, policy=self.policy)
                 folded.append(site.index)
             else:
                 site.uplink.restore(encoded)
@@ -675,15 +675,16 @@ class Simulator:
     ) -> dict[str, Any]:
         """Aggregate a privacy round (every site enters), outer step, clock and downlink."""
         mean, upload_sizes = self._private_aggregate(round_index, updates, plan)
-        update = self.strategy.apply_mean_update(self.global_flat, mean, tuple(sorted(updates)), plan)
+        update = self.strategy.apply_mean_update(
+            self.global_flat, mean, tuple(str(k) for k in sorted(updates)), plan
+        )
         self.global_flat = update.global_flat
         arrivals = [
             upload_arrivals([site.ready_s], [compute[k]], [upload_sizes[k]], [site.config])[0]
             for k, site in enumerate(self.sites)
         ]
-        included, aggregate_s = select_participants(
-            arrivals, open_s=self.open_s, deadline_s=None, min_sites=len(self.sites)
-        )
+        # Privacy rounds have no deadline: every site's update enters.
+        included, aggregate_s = list(range(len(arrivals))), max(arrivals)
         utilization = self._close_round_clock(aggregate_s, arrivals, update.downlink.nbytes, compute)
         return {
             "train_loss": sum(losses) / len(losses),
@@ -759,13 +760,13 @@ class Simulator:
                 device=self.device,
             )
             stats = self._data_parallel_steps(
-                warmup, [warmup.build_uplink() for _ in self.sites], algo.warmup_steps, 1
+                warmup, [warmup.build_uplink() for _ in self.sites], algo.warmup_steps, 0
             )
             self._seed_site_optimizers(warmup)
             yield self._record(0, "warmup", algo.warmup_steps, stats, self._evaluate())
         for round_index in range(1, sim.rounds + 1):
             if self.data_parallel:
-                first = (round_index - 1) * algo.inner_steps + 1
+                first = (round_index - 1) * algo.inner_steps
                 stats = self._data_parallel_steps(
                     self.strategy, [s.uplink for s in self.sites], algo.inner_steps, first
                 )

@@ -2,11 +2,12 @@
 
 The coordinator (real or simulated) drives a round through a ``Strategy``:
 
-1. ``plan = strategy.configure_round(round_index, site_ids)`` — who trains, how many inner steps,
-   which codec and seeds (sent to the sites).
-2. Each site builds its ``strategy.build_uplink()`` encoder once and, per round, uploads
-   ``encode(update, seed=plan.uplink_seed(site))`` with ``strategy.site_weight(samples)``.
-3. ``agg = strategy.new_aggregator()``; ``agg.add(encoded, weight, site=k)`` per arrival.
+1. ``plan = strategy.configure_round(round, sites)`` — rounds from 0, sites by name: the
+   fragment, inner steps, codec and seeds (sent to the sites).
+2. Each site builds its ``strategy.build_uplink()`` encoders once and, per round, uploads
+   ``encode(update, seed=plan.uplink_seed(site), fragment=plan.fragment)`` with
+   ``strategy.site_weight(samples)``.
+3. ``agg = strategy.new_aggregator(round)``; ``agg.add(encoded, weight, site=name)`` per arrival.
 4. ``update = strategy.aggregate_round(θ_t, agg, plan)`` — outer step and downlink encoding;
    ``update.global_flat`` is ``θ_{t+1}``, ``update.downlink`` the bytes to broadcast.
 
@@ -21,22 +22,26 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
-from geoloco.algorithms.diloco import StreamingAggregator, UpdateEncoder, encode_downlink
+from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, encode_downlink
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, OuterOptimizerConfig
-from geoloco.algorithms.params import derive_seed, weights_digest
+from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
+from geoloco.algorithms.streaming import (
+    FRAGMENT_PREFIX,
+    Fragment,
+    FragmentPartition,
+    FragmentUplink,
+    StreamingConfig,
+    StreamingSchedule,
+)
 from geoloco.algorithms.weighting import LATE_UPDATE_POLICIES, WEIGHTINGS
 from geoloco.algorithms.weighting import site_weight as weighting_site_weight
-from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.compression import CodecError, Encoded, parse_codec
-
-if TYPE_CHECKING:
-    from geoloco.algorithms.params import ParamLayout
-    from geoloco.algorithms.streaming import StreamingStrategy
 
 __all__ = [
     "ALGORITHMS",
@@ -47,6 +52,7 @@ __all__ = [
     "DataParallel",
     "DiLoCo",
     "FedAvg",
+    "FragmentOuter",
     "FedOpt",
     "RoundPlan",
     "RoundUpdate",
@@ -187,10 +193,12 @@ class RoundPlan:
     """What the coordinator tells the sites at the start of a round."""
 
     round: int
-    """Round index (1 for the first round)."""
+    """Round number, from 0 (the same number the wire carries)."""
+    fragment: int
+    """Streaming DiLoCo fragment the round synchronises (0: the whole model without streaming)."""
     inner_steps: int
     """Steps each site runs before uploading."""
-    sites: tuple[int, ...]
+    sites: tuple[str, ...]
     """Sites asked to train this round."""
     update_kind: UpdateKind
     """What the sites upload: pseudo-gradients or gradients."""
@@ -199,7 +207,7 @@ class RoundPlan:
     seed: int
     """Round seed; per-site codec seeds derive from it (``uplink_seed``)."""
 
-    def uplink_seed(self, site: int) -> int:
+    def uplink_seed(self, site: str) -> int:
         """Seed for site ``site``'s uplink codec this round (random-k, stochastic rounding)."""
         return derive_seed(self.seed, UPLINK_SEED_PURPOSE, site)
 
@@ -215,18 +223,56 @@ class RoundUpdate:
     global_flat: torch.Tensor
     """``θ_{t+1} = θ_t + D(d_t)`` (identical to what each site computes from ``downlink``)."""
     downlink: Encoded
-    """``d_t``, the bytes broadcast to every site."""
+    """``d_t``, the bytes broadcast to every site (the round's fragment only, when streaming)."""
     digest: str
-    """``weights_digest(global_flat)``, sent with the broadcast."""
-    sites: tuple[int, ...]
+    """``weights_digest(global_flat)``, sent with the broadcast: computed once, here."""
+    sites: tuple[str, ...]
     """Sites whose uploads were aggregated."""
+
+
+@dataclass(slots=True)
+class FragmentOuter:
+    """The coordinator's state for one fragment: its outer optimizer and downlink residual.
+
+    Momentum, Adam moments and step counts advance only when the fragment syncs; plain DiLoCo
+    has one of these over the whole model.
+    """
+
+    outer: OuterOptimizer
+    downlink: UpdateEncoder
+
+    def step(
+        self, global_part: torch.Tensor, mean_update: torch.Tensor, seed: int, *, consume_mean: bool
+    ) -> tuple[Encoded, torch.Tensor]:
+        """Outer step on the fragment, then ``d_t`` and the fragment's ``θ_{t+1}``."""
+        new_part = self.outer.step(global_part, mean_update, consume_gradient=consume_mean)
+        del mean_update
+        # θ' is this call's own tensor: θ' − θ_t is computed in its memory.
+        return encode_downlink(self.downlink, global_part, new_part, seed=seed, consume_new_flat=True)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {f"outer.{k}": v for k, v in self.outer.state_tensors().items()}
+        tensors.update({f"downlink.{k}": v for k, v in self.downlink.state_tensors().items()})
+        return tensors
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        self.outer.load_state(_under(tensors, "outer."), meta["outer"])
+        self.downlink.load_state(_under(tensors, "downlink."), meta["downlink"])
+
+
+def _under(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 class Strategy:
     """Plans rounds and turns aggregated updates into new global weights (one outer step).
 
-    Subclasses set class attributes; the math is shared. State (outer optimizer, downlink
-    residual) is exposed as tensors + JSON metadata for safetensors checkpoints.
+    Fragments are built in: the model is a ``FragmentPartition`` of ``P`` fragments, each with
+    its own ``FragmentOuter``, and round ``r`` synchronises fragment ``r mod P``. Plain DiLoCo is
+    the case ``P = 1`` without overlap (one fragment over the whole model, gathered and scattered
+    without a copy), Streaming DiLoCo (Douillard et al. 2025) is ``P > 1``; the coordinator, the
+    sites and the simulator call the same methods either way. Subclasses set class attributes;
+    the math is shared. State is exposed as tensors + JSON metadata for safetensors checkpoints.
     """
 
     name: ClassVar[str] = "diloco"
@@ -238,6 +284,7 @@ class Strategy:
         config: AlgorithmConfig,
         *,
         numel: int,
+        layout: ParamLayout | None = None,
         outer_optimizer: OuterOptimizerConfig | None = None,
         inner_optimizer: InnerOptimizerConfig | None = None,
         seed: int = 0,
@@ -247,63 +294,101 @@ class Strategy:
         self.numel = numel
         self.seed = seed
         self.device = device
+        self.streaming = config.streaming if config.streaming.enabled else StreamingConfig()
+        if self.streaming.enabled and self.update_kind != UPDATE_PSEUDO_GRADIENT:
+            raise ValueError(
+                f"streaming needs a pseudo-gradient algorithm (diloco, fedavg, fedopt), not {self.name!r}"
+            )
+        if self.streaming.fragments > 1:
+            if layout is None:
+                raise ValueError("streaming needs the model's ParamLayout: pass layout= to build_strategy")
+            if layout.numel != numel:
+                raise ValueError(f"layout has {layout.numel} elements but numel = {numel}")
+            self.partition = FragmentPartition.from_layout(
+                layout, self.streaming.fragments, self.streaming.split
+            )
+        else:
+            self.partition = FragmentPartition.whole(numel)
+        self.schedule = StreamingSchedule.from_config(self._round_steps(), self.streaming)
         self.inner_optimizer_config = inner_optimizer or InnerOptimizerConfig()
         self.outer_optimizer_config = (outer_optimizer or OuterOptimizerConfig()).resolved(
             self.default_outer_optimizer
         )
-        self.outer = self._build_outer()
-        self.downlink = UpdateEncoder(
-            config.downlink_codec,
-            error_feedback=config.error_feedback,
-            decay=config.error_feedback_decay,
+        self.fragments = [
+            FragmentOuter(outer=self._build_outer(fragment.numel), downlink=self._build_encoder("downlink"))
+            for fragment in self.partition.fragments
+        ]
+
+    def _round_steps(self) -> int:
+        """Inner steps between two syncs of the same fragment (H)."""
+        return self.config.inner_steps
+
+    def _build_outer(self, numel: int) -> OuterOptimizer:
+        return OuterOptimizer(self.outer_optimizer_config, numel, device=self.device)
+
+    def _build_encoder(self, direction: Literal["uplink", "downlink"]) -> UpdateEncoder:
+        return UpdateEncoder(
+            self.config.uplink_codec if direction == "uplink" else self.config.downlink_codec,
+            error_feedback=self.config.error_feedback,
+            decay=self.config.error_feedback_decay,
         )
 
-    def _build_outer(self) -> OuterOptimizer:
-        return OuterOptimizer(self.outer_optimizer_config, self.numel, device=self.device)
+    @property
+    def outer(self) -> OuterOptimizer:
+        """The outer optimizer of an unfragmented strategy (the ddp baseline's shared one)."""
+        if len(self.fragments) != 1:
+            raise ValueError("a streaming strategy has one outer optimizer per fragment: use .fragments")
+        return self.fragments[0].outer
 
     @property
     def inner_steps(self) -> int:
-        """Inner steps per round that the sites run."""
-        return self.config.inner_steps
+        """Inner steps per round that the sites run: H / P (one fragment syncs per round)."""
+        return self.schedule.interval
 
-    def configure_round(self, round_index: int, sites: Sequence[int]) -> RoundPlan:
+    def fragment_for_round(self, round_index: int) -> int:
+        """The fragment round ``round_index`` synchronises (0 without streaming)."""
+        return self.schedule.fragment_for_round(round_index)
+
+    def fragment(self, round_index: int) -> Fragment:
+        return self.partition[self.fragment_for_round(round_index)]
+
+    def update_numel(self, round_index: int) -> int:
+        """Elements of round ``round_index``'s uploads and broadcast (its fragment's)."""
+        return self.fragment(round_index).numel
+
+    def configure_round(self, round_index: int, sites: Sequence[str]) -> RoundPlan:
+        """The plan of round ``round_index`` (from 0). Seeds hash ``round_index + 1``, the
+        numbering the first releases used, so recorded runs keep their seeds."""
         return RoundPlan(
             round=round_index,
+            fragment=self.fragment_for_round(round_index),
             inner_steps=self.inner_steps,
             sites=tuple(sites),
             update_kind=self.update_kind,
             uplink_codec=self.config.uplink_codec,
-            seed=derive_seed(self.seed, self.name, round_index),
+            seed=derive_seed(self.seed, self.name, round_index + 1),
         )
 
-    def build_uplink(self) -> UpdateEncoder:
-        """A site's uplink encoder (one per site, kept across rounds for its residual)."""
-        return UpdateEncoder(
-            self.config.uplink_codec,
-            error_feedback=self.config.error_feedback,
-            decay=self.config.error_feedback_decay,
-        )
+    def build_uplink(self) -> FragmentUplink:
+        """A site's uplink encoders (one per fragment, kept across rounds for their residuals)."""
+        return FragmentUplink([self.uplink_encoder() for _ in self.partition.fragments])
+
+    def uplink_encoder(self) -> UpdateEncoder:
+        """One fresh uplink encoder (empty residual), e.g. to reset a fragment's after NaNs."""
+        return self._build_encoder("uplink")
 
     def site_weight(self, samples: int, inner_steps: int = 1) -> float:
         """``w_k`` for a site that ran ``inner_steps`` steps on ``samples`` samples this round."""
         return weighting_site_weight(self.config.weighting, samples=samples, inner_steps=inner_steps)
 
-    def new_aggregator(self, round_index: int | None = None) -> StreamingAggregator:
-        """The aggregation buffer of a round (``round_index`` matters only when streaming)."""
-        return StreamingAggregator(numel=self.numel, device=self.device)
-
-    def fragment_for_round(self, round_index: int) -> int:
-        """Streaming DiLoCo fragment a round synchronises: always 0 (the whole model) here."""
-        return 0
-
-    def update_numel(self, round_index: int) -> int:
-        """Elements of a round's uploads and broadcast: the whole model here."""
-        return self.numel
+    def new_aggregator(self, round_index: int) -> RunningSum:
+        """The aggregation buffer of round ``round_index`` (sized for its fragment)."""
+        return RunningSum(numel=self.update_numel(round_index), device=self.device)
 
     def aggregate_round(
         self,
         global_flat: torch.Tensor,
-        aggregator: StreamingAggregator,
+        aggregator: RunningSum,
         plan: RoundPlan,
     ) -> RoundUpdate:
         """Outer step on the aggregated update, then the downlink encoding of the change.
@@ -321,44 +406,84 @@ class Strategy:
         self,
         global_flat: torch.Tensor,
         mean_update: torch.Tensor,
-        sites: tuple[int, ...],
+        sites: tuple[str, ...],
         plan: RoundPlan,
         *,
         consume_mean: bool = False,
     ) -> RoundUpdate:
-        """Outer step on an already averaged update (e.g. a secure aggregate), then the downlink.
+        """Outer step on an already averaged update of the round's fragment (e.g. a secure
+        aggregate), then the downlink. ``global_flat`` is always the full vector.
 
         ``consume_mean=True``: the caller passes its last reference to ``mean_update``, which the
         outer optimizer may overwrite and which is freed right after the step.
         """
-        new_flat = self.outer.step(global_flat, mean_update, consume_gradient=consume_mean)
+        fragment = self.partition[plan.fragment]
+        whole = self.partition.is_whole
+        downlink, next_part = self.fragments[plan.fragment].step(
+            global_flat if whole else fragment.gather(global_flat), mean_update,
+            plan.downlink_seed, consume_mean=consume_mean,
+        )
         del mean_update
-        # θ' is this call's own tensor: θ' − θ_t is computed in its memory.
-        downlink, next_flat = encode_downlink(
-            self.downlink, global_flat, new_flat, seed=plan.downlink_seed, consume_new_flat=True
-        )
-        del new_flat
+        next_flat = next_part if whole else fragment.scatter_(global_flat.clone(), next_part)
         return RoundUpdate(
-            global_flat=next_flat,
-            downlink=downlink,
-            digest=weights_digest(next_flat),
-            sites=sites,
+            global_flat=next_flat, downlink=downlink, digest=weights_digest(next_flat), sites=sites
         )
+
+    def no_change(self, global_flat: torch.Tensor, plan: RoundPlan) -> RoundUpdate:
+        """An aborted round: no outer step; the downlink carries ``θ' = θ_t`` plus the round
+        fragment's downlink residual, applied like any other broadcast of that round."""
+        fragment = self.partition[plan.fragment]
+        whole = self.partition.is_whole
+        part = global_flat if whole else fragment.gather(global_flat)
+        downlink, next_part = encode_downlink(
+            self.fragments[plan.fragment].downlink, part, part.clone(),
+            seed=plan.downlink_seed, consume_new_flat=True,
+        )
+        next_flat = next_part if whole else fragment.scatter_(global_flat.clone(), next_part)
+        return RoundUpdate(
+            global_flat=next_flat, downlink=downlink, digest=weights_digest(next_flat), sites=()
+        )
+
+    def apply_downlink(
+        self, global_flat: torch.Tensor, encoded: Encoded, round_index: int
+    ) -> torch.Tensor:
+        """What a site does with round ``round_index``'s broadcast: the new full ``θ_g``, by the
+        same addition as the coordinator's, so the replicas stay bit-identical."""
+        if self.partition.is_whole:
+            return apply_downlink(global_flat, encoded)
+        fragment = self.fragment(round_index)
+        new_part = apply_downlink(fragment.gather(global_flat), encoded)
+        return fragment.scatter_(global_flat.clone(), new_part)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Outer optimizer state and downlink residual, named for one safetensors file."""
-        tensors = {f"outer.{k}": v for k, v in self.outer.state_tensors().items()}
-        tensors.update({f"downlink.{k}": v for k, v in self.downlink.state_tensors().items()})
-        return tensors
+        """Outer optimizer state and downlink residual per fragment, named for one safetensors
+        file (an unfragmented strategy keeps the plain ``outer.``/``downlink.`` names)."""
+        if len(self.fragments) == 1:
+            return self.fragments[0].state_tensors()
+        out: dict[str, torch.Tensor] = {}
+        for p, frag in enumerate(self.fragments):
+            out.update({f"{FRAGMENT_PREFIX}{p}.{k}": v for k, v in frag.state_tensors().items()})
+        return out
 
-    def state_meta(self) -> dict[str, Any]:
-        """JSON-able rest of the state, with the configs it was built from."""
+    def _fragment_meta(self, frag: FragmentOuter) -> dict[str, Any]:
         return {
             "algorithm": self.name,
             "config": self.config.to_dict(),
             "outer_optimizer": self.outer_optimizer_config.to_dict(),
-            "outer": self.outer.state_meta(),
-            "downlink": self.downlink.state_meta(),
+            "outer": frag.outer.state_meta(),
+            "downlink": frag.downlink.state_meta(),
+        }
+
+    def state_meta(self) -> dict[str, Any]:
+        """JSON-able rest of the state, with the configs it was built from."""
+        if len(self.fragments) == 1:
+            return self._fragment_meta(self.fragments[0])
+        return {
+            "algorithm": self.name,
+            "config": self.config.to_dict(),
+            "streaming": self.streaming.to_dict(),
+            "partition": self.partition.to_dict(),
+            "fragments": [self._fragment_meta(frag) for frag in self.fragments],
         }
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
@@ -367,17 +492,29 @@ class Strategy:
             raise ValueError(
                 f"state was saved by algorithm {meta.get('algorithm')!r}; this is {self.name!r}"
             )
-        if "fragments" in meta:
+        saved = meta.get("fragments")
+        if len(self.fragments) == 1:
+            if saved is not None:
+                raise ValueError(
+                    f"state was saved by Streaming DiLoCo with {len(saved)} fragments; resume "
+                    "with the same [algorithm.streaming] settings or start a fresh checkpoint_dir"
+                )
+            self.fragments[0].load_state(tensors, meta)
+            return
+        if not isinstance(saved, list) or len(saved) != len(self.fragments):
+            got = "plain (unfragmented) state" if saved is None else f"{len(saved)} fragments"
             raise ValueError(
-                f"state was saved by Streaming DiLoCo with {len(meta['fragments'])} fragments; "
-                "resume with the same [algorithm.streaming] settings or start a fresh checkpoint_dir"
+                f"state holds {got}; this run streams {len(self.fragments)} fragments: resume "
+                "with the streaming settings the checkpoint was written with, or start a fresh "
+                "checkpoint_dir"
             )
-        outer = {k.removeprefix("outer."): v for k, v in tensors.items() if k.startswith("outer.")}
-        down = {
-            k.removeprefix("downlink."): v for k, v in tensors.items() if k.startswith("downlink.")
-        }
-        self.outer.load_state(outer, meta["outer"])
-        self.downlink.load_state(down, meta["downlink"])
+        if meta.get("partition") != self.partition.to_dict():
+            raise ValueError(
+                "checkpoint's fragment partition differs from this run's (different model or "
+                "streaming.split); resume with the same settings or start a fresh checkpoint_dir"
+            )
+        for p, frag in enumerate(self.fragments):
+            frag.load_state(_under(tensors, f"{FRAGMENT_PREFIX}{p}."), saved[p])
 
 
 class DiLoCo(Strategy):
@@ -415,11 +552,10 @@ class DataParallel(Strategy):
     name = "ddp"
     update_kind = "gradient"
 
-    def _build_outer(self) -> OuterOptimizer:
-        return OuterOptimizer.from_inner(self.inner_optimizer_config, self.numel, device=self.device)
+    def _build_outer(self, numel: int) -> OuterOptimizer:
+        return OuterOptimizer.from_inner(self.inner_optimizer_config, numel, device=self.device)
 
-    @property
-    def inner_steps(self) -> int:
+    def _round_steps(self) -> int:
         return 1
 
 
@@ -441,24 +577,9 @@ def build_strategy(
     seed: int = 0,
     device: torch.device | str | None = None,
     layout: ParamLayout | None = None,
-) -> Strategy | StreamingStrategy:
-    """The strategy named by ``config.name``; with ``config.streaming.enabled`` its Streaming
-    DiLoCo form (``StreamingStrategy``), which needs the model's ``layout`` for its fragments."""
-    if config.streaming.enabled:
-        from geoloco.algorithms.streaming import StreamingStrategy
-
-        if layout is None:
-            raise ValueError("streaming needs the model's ParamLayout: pass layout= to build_strategy")
-        if layout.numel != numel:
-            raise ValueError(f"layout has {layout.numel} elements but numel = {numel}")
-        return StreamingStrategy(
-            config,
-            layout=layout,
-            outer_optimizer=outer_optimizer,
-            inner_optimizer=inner_optimizer,
-            seed=seed,
-            device=device,
-        )
+) -> Strategy:
+    """The strategy named by ``config.name``; with ``config.streaming.enabled`` it syncs
+    fragments, which needs the model's ``layout``."""
     try:
         cls = ALGORITHMS[config.name]
     except KeyError:
@@ -468,6 +589,7 @@ def build_strategy(
     return cls(
         config,
         numel=numel,
+        layout=layout,
         outer_optimizer=outer_optimizer,
         inner_optimizer=inner_optimizer,
         seed=seed,

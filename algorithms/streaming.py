@@ -8,7 +8,7 @@ back. Streaming DiLoCo splits the global weights into ``P`` fragments (groups of
 synchronises one fragment at a time:
 
 * **Schedule.** One *round* is one fragment sync, every ``s = H / P`` inner steps; round ``r``
-  (numbered from 1, as the strategy numbers rounds) syncs fragment ``(r − 1) mod P``, so fragment
+  (numbered from 0, as on the wire) syncs fragment ``r mod P``, so fragment
   ``p`` syncs every ``H`` steps, at cumulative steps ``(p + 1)·s, (p + 1)·s + H, ...``. The
   schedule is a function of the round counter only: every site and the coordinator agree on it
   without a message, and the wire protocol's existing round number carries it.
@@ -29,22 +29,17 @@ the functions below, so both follow the same schedule and the same merge.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
 from geoloco.algorithms.config import config_to_dict, require
-from geoloco.algorithms.diloco import StreamingAggregator, UpdateEncoder, apply_downlink
-from geoloco.algorithms.params import ParamEntry, ParamLayout, weights_digest
+from geoloco.algorithms.diloco import UpdateEncoder
+from geoloco.algorithms.params import ParamEntry, ParamLayout
 from geoloco.compression import Encoded
-
-if TYPE_CHECKING:
-    from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
-    from geoloco.algorithms.strategy import AlgorithmConfig, RoundPlan, RoundUpdate, Strategy
 
 __all__ = [
     "SPLITS",
@@ -53,7 +48,6 @@ __all__ = [
     "FragmentUplink",
     "StreamingConfig",
     "StreamingSchedule",
-    "StreamingStrategy",
     "layer_key",
     "merge_fragment_",
 ]
@@ -233,6 +227,16 @@ class FragmentPartition:
             )
         return cls(fragments=tuple(parts), numel=layout.numel)
 
+    @classmethod
+    def whole(cls, numel: int) -> FragmentPartition:
+        """One fragment holding the whole model: plain DiLoCo, which needs no layout."""
+        return cls(fragments=(Fragment(index=0, layers=(), slices=((0, numel),), numel=numel),), numel=numel)
+
+    @property
+    def is_whole(self) -> bool:
+        """One fragment covering every element (gather and scatter are the identity)."""
+        return len(self.fragments) == 1 and self.fragments[0].numel == self.numel
+
     def __len__(self) -> int:
         return len(self.fragments)
 
@@ -292,7 +296,7 @@ def merge_fragment_(
 class StreamingSchedule:
     """Which fragment syncs in which round, and where in the step count the syncs and merges fall.
 
-    Rounds are numbered from 1 (the strategy's numbering; wire round ``w`` is round ``w + 1``).
+    Rounds are numbered from 0, on the wire and everywhere else.
     """
 
     inner_steps: int
@@ -323,32 +327,19 @@ class StreamingSchedule:
         return self.inner_steps // self.fragments
 
     def fragment_for_round(self, round_index: int) -> int:
-        """The fragment round ``round_index`` (>= 1) synchronises."""
-        if round_index < 1:
-            raise ValueError(f"rounds are numbered from 1, got {round_index}")
-        return (round_index - 1) % self.fragments
+        """The fragment round ``round_index`` (>= 0) synchronises."""
+        if round_index < 0:
+            raise ValueError(f"rounds are numbered from 0, got {round_index}")
+        return round_index % self.fragments
 
     def sync_step(self, round_index: int) -> int:
         """Cumulative inner steps done when round ``round_index`` uploads its fragment."""
-        return round_index * self.interval
+        return (round_index + 1) * self.interval
 
-    def merge_step(self, round_index: int) -> int:
-        """Cumulative inner steps done when round ``round_index``'s broadcast is merged."""
-        return self.sync_step(round_index) + self.overlap_steps
-
-    def rounds_of_fragment(self, fragment: int, up_to_round: int) -> list[int]:
-        """The rounds <= ``up_to_round`` that synchronise ``fragment``."""
-        return [r for r in range(fragment + 1, up_to_round + 1, self.fragments)]
-
-    def events(self, total_rounds: int) -> list[tuple[int, str, int, int]]:
-        """``(step, "sync" | "merge", round, fragment)`` for rounds 1..total_rounds, in step order
-        (at one step merges come first: a site merges before it computes the next sync)."""
-        out = []
-        for r in range(1, total_rounds + 1):
-            p = self.fragment_for_round(r)
-            out.append((self.sync_step(r), "sync", r, p))
-            out.append((self.merge_step(r), "merge", r, p))
-        return sorted(out, key=lambda e: (e[0], 0 if e[1] == "merge" else 1, e[2]))
+    def overlap_before_merge(self, round_index: int) -> int:
+        """Inner steps of round ``round_index`` run before the previous round's broadcast is
+        merged: ``τ``, except in round 0, which has nothing to merge."""
+        return self.overlap_steps if round_index > 0 else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,193 +352,9 @@ class FragmentUplink:
     def __init__(self, encoders: Sequence[UpdateEncoder]) -> None:
         self.encoders = list(encoders)
 
-    def encode(self, update: torch.Tensor, *, seed: int, fragment: int) -> Encoded:
+    def encode(self, update: torch.Tensor, *, seed: int, fragment: int = 0) -> Encoded:
         return self.encoders[fragment].encode(update, seed=seed)
 
-    def restore(self, encoded: Encoded, *, fragment: int) -> None:
+    def restore(self, encoded: Encoded, *, fragment: int = 0) -> None:
         """A late upload of ``fragment``: keep it in that fragment's residual."""
         self.encoders[fragment].restore(encoded)
-
-
-class StreamingStrategy:
-    """Streaming DiLoCo over any DiLoCo-family strategy: one sub-strategy per fragment.
-
-    Each fragment has its own instance of the configured algorithm (``diloco``, ``fedavg``,
-    ``fedopt``) over the fragment's elements: its own outer optimizer state (momentum, Adam
-    moments and step count advance only when that fragment syncs) and its own downlink
-    error-feedback residual. ``aggregate_round`` takes and returns *full* weight vectors, so the
-    coordinator and the simulator drive it exactly like a ``Strategy``; only the aggregator's
-    size and the broadcast's content are per fragment. Round seeds are the sub-strategy's
-    ``configure_round`` seeds, i.e. plain DiLoCo's.
-    """
-
-    def __init__(
-        self,
-        config: AlgorithmConfig,
-        *,
-        layout: ParamLayout,
-        outer_optimizer: OuterOptimizerConfig | None = None,
-        inner_optimizer: InnerOptimizerConfig | None = None,
-        seed: int = 0,
-        device: torch.device | str | None = None,
-    ) -> None:
-        from geoloco.algorithms.strategy import ALGORITHMS
-
-        cls = ALGORITHMS[config.name]
-        if cls.update_kind != "pseudo_gradient":
-            raise ValueError(
-                f"streaming needs a pseudo-gradient algorithm (diloco, fedavg, fedopt), not "
-                f"{config.name!r}"
-            )
-        self.config = config
-        self.streaming = config.streaming
-        self.layout = layout
-        self.numel = layout.numel
-        self.seed = seed
-        self.device = device
-        self.name = cls.name
-        self.update_kind = cls.update_kind
-        self.partition = FragmentPartition.from_layout(
-            layout, config.streaming.fragments, config.streaming.split
-        )
-        self.schedule = StreamingSchedule.from_config(config.inner_steps, config.streaming)
-        sub_config = dataclasses.replace(config, streaming=StreamingConfig())
-        self.fragment_strategies: list[Strategy] = [
-            cls(
-                sub_config,
-                numel=fragment.numel,
-                outer_optimizer=outer_optimizer,
-                inner_optimizer=inner_optimizer,
-                seed=seed,
-                device=device,
-            )
-            for fragment in self.partition.fragments
-        ]
-        first = self.fragment_strategies[0]
-        self.inner_optimizer_config = first.inner_optimizer_config
-        self.outer_optimizer_config = first.outer_optimizer_config
-
-    # -- the Strategy surface ----------------------------------------------------------------
-
-    @property
-    def inner_steps(self) -> int:
-        """Inner steps per round: s = H / P (one fragment syncs per round)."""
-        return self.schedule.interval
-
-    def fragment_for_round(self, round_index: int) -> int:
-        return self.schedule.fragment_for_round(round_index)
-
-    def fragment(self, round_index: int) -> Fragment:
-        return self.partition[self.fragment_for_round(round_index)]
-
-    def update_numel(self, round_index: int) -> int:
-        """Elements of round ``round_index``'s uploads and broadcast (its fragment's size)."""
-        return self.fragment(round_index).numel
-
-    def configure_round(self, round_index: int, sites: Sequence[int]) -> RoundPlan:
-        return self.fragment_strategies[self.fragment_for_round(round_index)].configure_round(
-            round_index, sites
-        )
-
-    def build_uplink(self) -> FragmentUplink:
-        return FragmentUplink([s.build_uplink() for s in self.fragment_strategies])
-
-    def site_weight(self, samples: int) -> float:
-        return self.fragment_strategies[0].site_weight(samples)
-
-    def new_aggregator(self, round_index: int | None = None) -> StreamingAggregator:
-        if round_index is None:
-            raise ValueError("a streaming aggregator is per fragment: pass round_index")
-        return self.fragment_strategies[self.fragment_for_round(round_index)].new_aggregator()
-
-    def aggregate_round(
-        self, global_flat: torch.Tensor, aggregator: StreamingAggregator, plan: RoundPlan
-    ) -> RoundUpdate:
-        """Outer step and downlink of the round's fragment; ``global_flat`` is the full vector."""
-        p = self.fragment_for_round(plan.round)
-        fragment = self.partition[p]
-        sub = self.fragment_strategies[p].aggregate_round(
-            fragment.gather(global_flat), aggregator, plan
-        )
-        return self._full_update(global_flat, fragment, sub)
-
-    def apply_mean_update(
-        self,
-        global_flat: torch.Tensor,
-        mean_update: torch.Tensor,
-        sites: tuple[int, ...],
-        plan: RoundPlan,
-        *,
-        consume_mean: bool = False,
-    ) -> RoundUpdate:
-        """Outer step on an already averaged fragment update (e.g. one fragment's secure sum)."""
-        p = self.fragment_for_round(plan.round)
-        fragment = self.partition[p]
-        sub = self.fragment_strategies[p].apply_mean_update(
-            fragment.gather(global_flat), mean_update, sites, plan, consume_mean=consume_mean
-        )
-        return self._full_update(global_flat, fragment, sub)
-
-    def _full_update(
-        self, global_flat: torch.Tensor, fragment: Fragment, sub: RoundUpdate
-    ) -> RoundUpdate:
-        from geoloco.algorithms.strategy import RoundUpdate
-
-        new_flat = global_flat.clone()
-        fragment.scatter_(new_flat, sub.global_flat)
-        return RoundUpdate(
-            global_flat=new_flat,
-            downlink=sub.downlink,
-            digest=weights_digest(new_flat),
-            sites=sub.sites,
-        )
-
-    def apply_downlink(
-        self, global_flat: torch.Tensor, encoded: Encoded, round_index: int
-    ) -> torch.Tensor:
-        """What a site does with round ``round_index``'s broadcast: the new full ``θ_g``.
-
-        The same addition as the coordinator's (``apply_downlink`` on the fragment), so the
-        replicas stay bit-identical.
-        """
-        fragment = self.fragment(round_index)
-        new_part = apply_downlink(fragment.gather(global_flat), encoded)
-        return fragment.scatter_(global_flat.clone(), new_part)
-
-    # -- state -------------------------------------------------------------------------------
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for p, sub in enumerate(self.fragment_strategies):
-            out.update({f"{FRAGMENT_PREFIX}{p}.{k}": v for k, v in sub.state_tensors().items()})
-        return out
-
-    def state_meta(self) -> dict[str, Any]:
-        return {
-            "algorithm": self.name,
-            "config": self.config.to_dict(),
-            "streaming": self.streaming.to_dict(),
-            "partition": self.partition.to_dict(),
-            "fragments": [sub.state_meta() for sub in self.fragment_strategies],
-        }
-
-    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
-        saved = meta.get("fragments")
-        if not isinstance(saved, list) or len(saved) != len(self.fragment_strategies):
-            got = "plain (unfragmented) state" if saved is None else f"{len(saved)} fragments"
-            raise ValueError(
-                f"state holds {got}; this run streams {len(self.fragment_strategies)} fragments: "
-                "resume with the streaming settings the checkpoint was written with, or start a "
-                "fresh checkpoint_dir"
-            )
-        if meta.get("partition") != self.partition.to_dict():
-            raise ValueError(
-                "checkpoint's fragment partition differs from this run's (different model or "
-                "streaming.split); resume with the same settings or start a fresh checkpoint_dir"
-            )
-        for p, sub in enumerate(self.fragment_strategies):
-            prefix = f"{FRAGMENT_PREFIX}{p}."
-            sub.load_state(
-                {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)},
-                saved[p],
-            )

@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from geoloco.algorithms.clock import SiteConfig, download_ends, select_participants, transfer_time
+from geoloco.algorithms.clock import SiteConfig, download_ends, transfer_time
+from geoloco.algorithms.round import Round, close_time
 from geoloco.algorithms.diloco import pseudo_gradient, run_inner_steps
-from geoloco.algorithms.streaming import FragmentUplink, StreamingStrategy, merge_fragment_
+from geoloco.algorithms.streaming import merge_fragment_
+from geoloco.algorithms.strategy import Strategy
 from geoloco.compression import Encoded
 
 if TYPE_CHECKING:
@@ -100,10 +102,8 @@ class StreamingRounds:
     """Runs Streaming DiLoCo rounds for a ``Simulator`` (same workload, sites, clock, records)."""
 
     def __init__(self, simulator: Simulator) -> None:
-        if not isinstance(simulator.strategy, StreamingStrategy):
-            raise TypeError("StreamingRounds needs a simulator whose strategy is a StreamingStrategy")
         self.sim = simulator
-        self.strategy: StreamingStrategy = simulator.strategy
+        self.strategy: Strategy = simulator.strategy
         self.streams = [_SiteStream() for _ in simulator.sites]
 
     def _steps(self, site: Any, steps: int) -> tuple[list[float], int, float]:
@@ -123,15 +123,14 @@ class StreamingRounds:
     def round(self, round_index: int) -> dict[str, Any]:
         sim = self.sim
         strategy = self.strategy
-        tau = strategy.schedule.overlap_steps
         interval = strategy.schedule.interval
         mix = strategy.streaming.mix
-        plan = strategy.configure_round(round_index, [s.index for s in sim.sites])
-        p = strategy.fragment_for_round(round_index)
+        plan = strategy.configure_round(round_index - 1, [s.name for s in sim.sites])
+        p = plan.fragment
         fragment = strategy.partition[p]
-        aggregator = strategy.new_aggregator(round_index)
-        deadline_s = sim.config.simulation.round_deadline_s
-        cutoff = None if deadline_s is None else sim.open_s + deadline_s
+        round_ = Round(number=plan.round, aggregation=strategy.new_aggregator(plan.round), opened_s=sim.open_s)
+        round_.start(sim.open_s, sim.policy)
+        cutoff = round_.deadline_at
         global_fragment = fragment.gather(sim.global_flat)
         pending: dict[int, Encoded] = {}
         times: list[SiteStreamTime] = []
@@ -141,16 +140,16 @@ class StreamingRounds:
         private = sim.config.privacy.enabled
         private_updates: dict[int, torch.Tensor] = {}
         for site, stream in zip(sim.sites, self.streams):
-            assert site.optimizer is not None and isinstance(site.uplink, FragmentUplink)
+            assert site.optimizer is not None
             if stream.local is None:
                 stream.local = sim.global_flat.clone()
                 stream.upload_s = site.ready_s
             sim.layout.load_(sim.model, stream.local)
-            overlap = tau if stream.merge_round is not None else 0
+            overlap = strategy.schedule.overlap_before_merge(plan.round)
             first_losses, first_samples, first_s = self._steps(site, overlap)
             if stream.merge_round is not None:
                 local = sim.layout.flatten(sim.model)
-                merge_fragment_(local, sim.global_flat, strategy.fragment(stream.merge_round), mix)
+                merge_fragment_(local, sim.global_flat, strategy.fragment(stream.merge_round - 1), mix)
                 sim.layout.load_(sim.model, local)
                 del local
             rest_losses, rest_samples, rest_s = self._steps(site, interval - overlap)
@@ -167,7 +166,7 @@ class StreamingRounds:
                     upload_bytes=0, site=site.config,
                 ))
                 continue
-            encoded = site.uplink.encode(update, seed=plan.uplink_seed(site.index), fragment=p)
+            encoded = site.uplink.encode(update, seed=plan.uplink_seed(site.name), fragment=p)
             del update
             timing = streaming_site_time(
                 start_s=stream.upload_s,
@@ -179,7 +178,7 @@ class StreamingRounds:
             )
             weights[site.index] = strategy.site_weight(first_samples + rest_samples)
             if cutoff is None or timing.arrival_s <= cutoff:
-                aggregator.add(encoded, weights[site.index], site=site.index)
+                round_.add(encoded, weights[site.index], site=site.name, now=timing.arrival_s)
             else:
                 pending[site.index] = encoded
             times.append(timing)
@@ -187,18 +186,20 @@ class StreamingRounds:
         if private:
             return self._private_finish(round_index, plan, p, private_updates, times, losses)
         arrivals = [t.arrival_s for t in times]
-        included, aggregate_s = select_participants(
-            arrivals, open_s=sim.open_s, deadline_s=deadline_s,
-            min_sites=sim.config.simulation.min_sites,
-        )
+        aggregate_s = close_time(sim.policy, arrivals, start_s=sim.open_s, deadline_s=round_.deadline_s)
+        included = [k for k, a in enumerate(arrivals) if a <= aggregate_s]
         for k in included:
             if k in pending:
-                aggregator.add(pending.pop(k), weights[k], site=k)
+                round_.add(pending.pop(k), weights[k], site=sim.sites[k].name, now=arrivals[k])
+        sim.policy.observe(round_.close(now=aggregate_s, expected=[s.name for s in sim.sites]))
+        # Streaming never folds (the next round syncs another fragment): late work stays in the
+        # fragment's residual.
         for k, encoded in pending.items():
-            sim.sites[k].uplink.restore(encoded, fragment=p)  # type: ignore[call-arg]
-        update = strategy.aggregate_round(sim.global_flat, aggregator, plan)
-        return self._finish(round_index, p, update, times, upload_sizes, arrivals, included,
-                            aggregate_s, losses, sorted(pending))
+            sim.sites[k].uplink.restore(encoded, fragment=p)
+        update = strategy.aggregate_round(sim.global_flat, round_.aggregation, plan)
+        stats = self._finish(round_index, p, update, times, upload_sizes, arrivals, included,
+                             aggregate_s, losses, sorted(pending))
+        return {**stats, "deadline_s": round_.deadline_s}
 
     def _private_finish(
         self,
@@ -214,7 +215,7 @@ class StreamingRounds:
         sim = self.sim
         mean, upload_sizes = sim._private_aggregate(round_index, updates, plan, fragment=p)
         update = self.strategy.apply_mean_update(
-            sim.global_flat, mean, tuple(sorted(updates)), plan, consume_mean=True
+            sim.global_flat, mean, tuple(str(k) for k in sorted(updates)), plan, consume_mean=True
         )
         # The timelines were made before the upload size was known: its transfer now.
         times = [
@@ -224,9 +225,8 @@ class StreamingRounds:
             for t, size, site in zip(compute_times, upload_sizes, sim.sites)
         ]
         arrivals = [t.arrival_s for t in times]
-        included, aggregate_s = select_participants(
-            arrivals, open_s=sim.open_s, deadline_s=None, min_sites=len(sim.sites)
-        )
+        # Privacy rounds have no deadline: every site's update enters.
+        included, aggregate_s = list(range(len(arrivals))), max(arrivals)
         return self._finish(round_index, p, update, times, upload_sizes, arrivals, included,
                             aggregate_s, losses, [])
 

@@ -7,7 +7,7 @@ number of bytes in the same process. The ratio says what the masking arithmetic 
 the cipher, which is the floor.
 
 Table 2 — one aggregation round of ``--sites`` sites x ``--params`` fp32 values, in one process
-(no network): plain (``UpdateEncoder("none")`` + ``StreamingAggregator``) vs secure
+(no network): plain (``UpdateEncoder("none")`` + ``RunningSum``) vs secure
 (clip + fixed point + masks + the coordinator's chunked sum and unmasking), all stages timed.
 "Per-site critical path" is what a round takes when the sites run in parallel, as in a
 deployment: the slowest site's work plus the coordinator's.
@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from geoloco.algorithms.diloco import StreamingAggregator, UpdateEncoder
+from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.diloco import UpdateEncoder
 from geoloco.algorithms.fixed_point import lift
 from geoloco.algorithms.privacy import (
     PrivacyConfig,
@@ -112,7 +113,7 @@ def round_table(n: int, numel: int, chunk: int) -> list[str]:
     for s in range(n):
         uploads[s], t = _timed(lambda s=s: encoders[s].encode(updates[s], seed=s).to_bytes())
         site_times.append(t)
-    agg = StreamingAggregator(numel=numel)
+    agg = RunningSum(numel=numel)
     from geoloco.compression import Encoded
 
     def plain_server() -> torch.Tensor:

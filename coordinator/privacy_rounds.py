@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.diloco import StreamingAggregator, encode_downlink
+from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES, clip_l2
 from geoloco.algorithms.params import weights_digest
 from geoloco.algorithms.privacy import (
@@ -49,7 +49,6 @@ from geoloco.algorithms.privacy import (
 )
 from geoloco.algorithms.secagg import MIN_SITES, SecAggAbort, SecAggViolation, num_chunks, site_index
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate, Strategy
-from geoloco.algorithms.streaming import StreamingStrategy
 from geoloco.coordinator.errors import InvalidUpdateError, WrongRoundError
 from geoloco.coordinator.secure_round import SecureRound, StageReply
 from geoloco.protos import geoloco_pb2 as pb
@@ -278,7 +277,7 @@ class PrivateRounds:
         self,
         strategy: Strategy,
         global_flat: torch.Tensor,
-        aggregator: StreamingAggregator,
+        aggregator: RunningSum,
         plan: RoundPlan,
         contributors: list[str],
     ) -> tuple[RoundUpdate, list[str], float, dict[str, Any]]:
@@ -315,7 +314,7 @@ class PrivateRounds:
         else:
             mean = None
         if mean is None:
-            update = _no_change(strategy, global_flat, plan)
+            update = strategy.no_change(global_flat, plan)
             norm = 0.0
         else:
             mean = mean.to(global_flat.device, torch.float32)
@@ -342,28 +341,6 @@ class PrivateRounds:
     def load_state(self, state: dict[str, Any]) -> None:
         if self.accountant is not None and "accountant" in state:
             self.accountant.load_state(state["accountant"])
-
-
-def _no_change(strategy: Strategy, global_flat: torch.Tensor, plan: RoundPlan) -> RoundUpdate:
-    """An aborted round: no outer step; the downlink carries θ' = θ_t (plus its residual).
-
-    With Streaming DiLoCo the downlink is that of the round's fragment (its own residual), so
-    sites apply it to the fragment like any other broadcast of that round.
-    """
-    if isinstance(strategy, StreamingStrategy):
-        p = strategy.fragment_for_round(plan.round)
-        fragment = strategy.partition[p]
-        sub = strategy.fragment_strategies[p]
-        part = fragment.gather(global_flat)
-        downlink, next_part = encode_downlink(
-            sub.downlink, part, part.clone(), seed=plan.downlink_seed, consume_new_flat=True
-        )
-        next_flat = fragment.scatter_(global_flat.clone(), next_part)
-        return RoundUpdate(global_flat=next_flat, downlink=downlink, digest=weights_digest(next_flat), sites=())
-    downlink, next_flat = encode_downlink(
-        strategy.downlink, global_flat, global_flat.clone(), seed=plan.downlink_seed, consume_new_flat=True
-    )
-    return RoundUpdate(global_flat=next_flat, downlink=downlink, digest=weights_digest(next_flat), sites=())
 
 
 def epsilon_text(record: dict[str, Any]) -> str:

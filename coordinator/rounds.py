@@ -1,8 +1,7 @@
 """The coordinator's round state machine: pure, lock-protected, testable without a socket.
 
-Rounds on the wire are numbered from 0: round ``r`` starts from ``θ_r`` and its broadcast turns
-``θ_r`` into ``θ_{r+1}``. The strategy (and the simulator) number rounds from 1, so wire round
-``r`` is ``strategy.configure_round(r + 1, ...)``: same seeds, same math.
+Rounds are numbered from 0, on the wire and in the strategy: round ``r`` starts from ``θ_r`` and
+its broadcast turns ``θ_r`` into ``θ_{r+1}``.
 
 Phases of a round::
 
@@ -265,7 +264,7 @@ class RoundStateMachine:
         self.events = ev.EventHub(clock)
         """Observers (metrics, status page) listen here; see ``geoloco.coordinator.events``."""
         self.uplink_codec = canonical_codec(config.algorithm.uplink_codec)
-        self.strategy: Strategy = build_strategy(
+        self.strategy = build_strategy(
             config.algorithm,
             numel=self.numel,
             outer_optimizer=config.outer_optimizer,
@@ -310,7 +309,7 @@ class RoundStateMachine:
         self._set_weights(weights)
         now = self.clock()
         self._round = _Round(number=start_round, opened_s=now)
-        self._aggregator = self.strategy.new_aggregator(start_round + 1)
+        self._aggregator = self.strategy.new_aggregator(start_round)
         self._phase = RoundPhase.WAITING_FOR_QUORUM
         if config.total_rounds and start_round >= config.total_rounds:
             self._phase = RoundPhase.FINISHED
@@ -426,19 +425,19 @@ class RoundStateMachine:
     def run_config(self) -> pb.RunConfig:
         return self._run_config
 
-    # -- Streaming DiLoCo: which fragment a wire round syncs (strategy round = wire round + 1) --
+    # -- Streaming DiLoCo: which fragment a round syncs --
 
     def fragment_of(self, round_number: int) -> int:
-        """Fragment wire round ``round_number`` synchronises (0 without streaming)."""
-        return self.strategy.fragment_for_round(round_number + 1)
+        """Fragment round ``round_number`` synchronises (0 without streaming)."""
+        return self.strategy.fragment_for_round(round_number)
 
     def update_numel(self, round_number: int) -> int:
-        """Elements of wire round ``round_number``'s uploads (its fragment's, or the model's)."""
-        return self.strategy.update_numel(round_number + 1)
+        """Elements of round ``round_number``'s uploads (its fragment's, or the model's)."""
+        return self.strategy.update_numel(round_number)
 
     def round_seed(self, round_number: int) -> int:
-        """Seed shared by every site for wire round ``round_number`` (strategy round + 1)."""
-        return self.strategy.configure_round(round_number + 1, ()).seed
+        """Seed shared by every site for round ``round_number``."""
+        return self.strategy.configure_round(round_number, ()).seed
 
     def _round_info(self, now: float) -> pb.RoundInfo:
         r = self._round
@@ -1254,7 +1253,7 @@ class RoundStateMachine:
         contributors = list(r.contributed)
         started = r.started_s if r.started_s is not None else r.opened_s
         self._deadline.observe(list(r.arrivals.values()), [closed_s - started for _ in excluded])
-        plan = self.strategy.configure_round(r.number + 1, contributors)  # type: ignore[arg-type]
+        plan = self.strategy.configure_round(r.number, contributors)
         privacy_record: dict[str, Any] = {}
         if self.privacy is not None:
             update, contributors, update_norm, privacy_record = self.privacy.finish_round(
@@ -1265,7 +1264,7 @@ class RoundStateMachine:
             update = self.strategy.aggregate_round(self._weights, self._aggregator, plan)
         with self._cond:
             # allocates on the first add; with streaming sized for the next round's fragment
-            self._aggregator = self.strategy.new_aggregator(r.number + 2)
+            self._aggregator = self.strategy.new_aggregator(r.number + 1)
         delta_bytes = update.downlink.to_bytes()
         blob = blob_manifest(
             delta_bytes,

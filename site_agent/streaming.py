@@ -42,7 +42,6 @@ from geoloco.algorithms.strategy import UPLINK_SEED_PURPOSE, AlgorithmConfig, bu
 from geoloco.algorithms.streaming import (
     FragmentUplink,
     StreamingSchedule,
-    StreamingStrategy,
     merge_fragment_,
 )
 from geoloco.compression import Encoded
@@ -100,7 +99,6 @@ class StreamingSite:
                 "or disable streaming"
             )
         strategy = build_strategy(algorithm, numel=agent.layout.numel, layout=agent.layout)
-        assert isinstance(strategy, StreamingStrategy)
         self.agent = agent
         self.algorithm = algorithm
         self.strategy = strategy
@@ -188,7 +186,7 @@ class StreamingSite:
         assert a._global is not None
         started = time.monotonic()
         steps = self.schedule.interval - self.overlap_done
-        fragment_index = self.strategy.fragment_for_round(round_number + 1)
+        fragment_index = self.strategy.fragment_for_round(round_number)
         fragment = self.strategy.partition[fragment_index]
         secure = a._secure
         if secure is not None:
@@ -220,9 +218,7 @@ class StreamingSite:
                 "uploading it and resetting that fragment's residual", a.site, fragment_index,
                 round_number,
             )
-            self.uplink.encoders[fragment_index] = self.strategy.fragment_strategies[
-                fragment_index
-            ].build_uplink()
+            self.uplink.encoders[fragment_index] = self.strategy.uplink_encoder()
             if secure is not None:
                 secure.encoders.pop(fragment_index, None)
             return flight
@@ -343,11 +339,11 @@ class StreamingSite:
         a = self.agent
         assert a._global is not None
         if header.action == pb.BROADCAST_ACTION_APPLY_DELTA and data is not None:
-            new = self.strategy.apply_downlink(a._global, Encoded.from_bytes(data), round_number + 1)
+            new = self.strategy.apply_downlink(a._global, Encoded.from_bytes(data), round_number)
             digest = weights_digest(new)
             if digest == header.weights_digest.digest.hex():
                 a._global, a._global_digest, a._held_round = new, digest, round_number + 1
-                fragment = self.strategy.fragment(round_number + 1)
+                fragment = self.strategy.fragment(round_number)
                 local = a.layout.flatten(a.module)
                 merge_fragment_(local, new, fragment, self.strategy.streaming.mix)
                 a.layout.load_(a.module, local)
@@ -369,12 +365,12 @@ class StreamingSite:
         """
         a = self.agent
         held = a._held_round
-        missed = range(held + 1, round_number + 1)  # strategy rounds = wire rounds + 1
+        missed = range(held, round_number)
         local = a.layout.flatten(a.module)
         if 0 < len(missed) <= self.schedule.fragments:
-            for strategy_round in missed:
+            for missed_round in missed:
                 merge_fragment_(
-                    local, weights, self.strategy.fragment(strategy_round), self.strategy.streaming.mix
+                    local, weights, self.strategy.fragment(missed_round), self.strategy.streaming.mix
                 )
         else:
             local = weights.clone()

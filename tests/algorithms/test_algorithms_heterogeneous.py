@@ -11,7 +11,8 @@ import torch
 from geoloco.algorithms.clock import transfer_time
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig, RoundDeadline, quantile
-from geoloco.algorithms.diloco import StreamingAggregator, run_inner_steps
+from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.diloco import run_inner_steps
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.simulator import Simulator, SimulatorConfig, simulate
 from geoloco.algorithms.strategy import AlgorithmConfig
@@ -71,7 +72,7 @@ def test_algorithm_config_heterogeneous_keys() -> None:
 
 
 def test_aggregator_takes_a_stale_and_a_fresh_update_of_one_site() -> None:
-    agg = StreamingAggregator(numel=2)
+    agg = RunningSum(numel=2)
     agg.add(torch.tensor([4.0, 0.0]), 3.0, site=1)
     agg.add(torch.tensor([0.0, 4.0]), 1.0, site=1, stale=True)
     with pytest.raises(ValueError, match="late update"):
@@ -235,17 +236,17 @@ def test_adaptive_deadline_in_the_simulator(make_workload) -> None:
     assert all(r.stragglers == [] for r in records)
 
 
-def _recording(sim: Simulator) -> list[tuple[int, float, bool]]:
+def _recording(sim: Simulator) -> list[tuple[str, float, bool]]:
     """Every ``add`` of the simulator's aggregators: (site, weight, stale)."""
-    adds: list[tuple[int, float, bool]] = []
+    adds: list[tuple[str, float, bool]] = []
 
-    class Recording(StreamingAggregator):
+    class Recording(RunningSum):
         def add(self, update, weight=1.0, *, site, stale=False):  # type: ignore[override]
             adds.append((site, weight, stale))
             super().add(update, weight, site=site, stale=stale)
 
     sim.strategy.new_aggregator = (  # type: ignore[method-assign]
-        lambda: Recording(numel=sim.strategy.numel, device=sim.strategy.device)
+        lambda round_index: Recording(numel=sim.strategy.numel, device=sim.strategy.device)
     )
     return adds
 
@@ -266,11 +267,11 @@ def test_late_update_is_folded_with_discount_or_dropped(make_workload, late_upda
     stale = [(site, w) for site, w, is_stale in adds if is_stale]
     if late_updates == "fold":
         assert [r.folded for r in records] == [[], [2], [2]]
-        assert stale == [(2, 0.25), (2, 0.25)]
+        assert stale == [("2", 0.25), ("2", 0.25)]
     else:
         assert [r.folded for r in records] == [[], [], []] and stale == []
         # Dropped, the update sits in the site's residual: error feedback keeps all of it.
-        assert sim.sites[2].uplink.error_feedback.residual.abs().sum() > 0
+        assert sim.sites[2].uplink.encoders[0].error_feedback.residual.abs().sum() > 0
 
 
 def test_simulator_config_rejects_adaptive_deadline_with_ddp() -> None:

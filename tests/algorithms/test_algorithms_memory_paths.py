@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geoloco.algorithms.diloco import StreamingAggregator
+from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.optimizers import OuterOptimizer, OuterOptimizerConfig
 
 
@@ -16,7 +16,7 @@ def _vectors(n: int, count: int) -> list[torch.Tensor]:
 
 def test_take_result_equals_result_and_spends_the_aggregator() -> None:
     updates = _vectors(1000, 3)
-    plain, taken = StreamingAggregator(1000), StreamingAggregator(1000)
+    plain, taken = RunningSum(1000), RunningSum(1000)
     for site, (u, w) in enumerate(zip(updates, [1.0, 2.0, 0.5])):
         plain.add(u, w, site=site)
         taken.add(u, w, site=site)

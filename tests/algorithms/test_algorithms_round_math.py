@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.diloco import (
-    StreamingAggregator,
     UpdateEncoder,
     apply_downlink,
     encode_downlink,
@@ -29,7 +29,7 @@ def test_streaming_aggregator_equals_batch_weighted_mean() -> None:
     torch.manual_seed(0)
     updates = [torch.randn(1000) for _ in range(7)]
     weights = [1.0, 2.0, 0.5, 3.0, 1.0, 4.0, 2.5]
-    agg = StreamingAggregator(numel=1000)
+    agg = RunningSum(numel=1000)
     for k, (u, w) in enumerate(zip(updates, weights)):
         agg.add(u, w, site=k)
     stacked = torch.stack(updates).double()
@@ -42,7 +42,7 @@ def test_streaming_aggregator_equals_batch_weighted_mean() -> None:
 
 def test_uniform_mean_of_encoded_uploads_and_duplicate_rejected() -> None:
     codec = parse_codec("none")
-    agg = StreamingAggregator(numel=3)
+    agg = RunningSum(numel=3)
     agg.add(codec.encode(torch.tensor([1.0, 2.0, 3.0])), site=0)
     agg.add(codec.encode(torch.tensor([3.0, 2.0, 1.0])), site=1)
     assert torch.equal(agg.result(), torch.tensor([2.0, 2.0, 2.0]))
@@ -51,11 +51,11 @@ def test_uniform_mean_of_encoded_uploads_and_duplicate_rejected() -> None:
     with pytest.raises(ValueError, match="sent 2 values; the model has 3"):
         agg.add(torch.zeros(2), site=2)
     with pytest.raises(ValueError, match="nothing"):
-        StreamingAggregator(numel=3).result()
+        RunningSum(numel=3).result()
 
 
 def test_samples_weighting_favours_the_bigger_site() -> None:
-    agg = StreamingAggregator(numel=1)
+    agg = RunningSum(numel=1)
     agg.add(torch.tensor([0.0]), 100.0, site=0)
     agg.add(torch.tensor([4.0]), 300.0, site=1)
     assert agg.result().item() == 3.0

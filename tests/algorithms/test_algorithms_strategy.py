@@ -38,14 +38,14 @@ def test_registry_and_default_outer_optimizers() -> None:
 
 def test_configure_round_seeds_differ_per_site_and_round() -> None:
     s = build_strategy(AlgorithmConfig(inner_steps=7), numel=4, seed=5)
-    p1, p2 = s.configure_round(1, [0, 1]), s.configure_round(2, [0, 1])
-    assert p1.inner_steps == 7 and p1.sites == (0, 1) and p1.update_kind == "pseudo_gradient"
-    seeds = {p.uplink_seed(k) for p in (p1, p2) for k in (0, 1)} | {p1.downlink_seed, p2.downlink_seed}
+    p1, p2 = s.configure_round(0, ["a", "b"]), s.configure_round(1, ["a", "b"])
+    assert p1.inner_steps == 7 and p1.sites == ("a", "b") and p1.update_kind == "pseudo_gradient"
+    seeds = {p.uplink_seed(k) for p in (p1, p2) for k in ("a", "b")} | {p1.downlink_seed, p2.downlink_seed}
     assert len(seeds) == 6
-    assert build_strategy(AlgorithmConfig(inner_steps=7), numel=4, seed=5).configure_round(1, [0]).seed == p1.seed
+    assert build_strategy(AlgorithmConfig(inner_steps=7), numel=4, seed=5).configure_round(0, ["a"]).seed == p1.seed
     ddp = build_strategy(AlgorithmConfig(name="ddp", inner_steps=7), numel=4)
-    assert isinstance(ddp, DataParallel) and ddp.configure_round(1, [0]).inner_steps == 1
-    assert ddp.configure_round(1, [0]).update_kind == "gradient"
+    assert isinstance(ddp, DataParallel) and ddp.configure_round(0, ["a"]).inner_steps == 1
+    assert ddp.configure_round(0, ["a"]).update_kind == "gradient"
 
 
 def test_site_weight_by_samples() -> None:
@@ -138,20 +138,20 @@ def test_strategy_state_roundtrip_continues_identically(tmp_path) -> None:
     theta = torch.randn(256)
 
     def one_round(strategy, theta, round_index, g):
-        agg = strategy.new_aggregator()
-        agg.add(g, site=0)
+        agg = strategy.new_aggregator(round_index)
+        agg.add(g, site="0")
         return strategy.aggregate_round(theta, agg, strategy.configure_round(round_index, [0]))
 
     grads = [torch.randn(256) * 0.1 for _ in range(4)]
     for t in range(2):
-        theta = one_round(a, theta, t + 1, grads[t]).global_flat
+        theta = one_round(a, theta, t, grads[t]).global_flat
     save_file(a.state_tensors(), tmp_path / "s.safetensors")
     meta = json.loads(json.dumps(a.state_meta()))
     b = build_strategy(cfg, numel=256)
     b.load_state(load_file(tmp_path / "s.safetensors"), meta)
     ta = tb = theta
     for t in range(2, 4):
-        ua, ub = one_round(a, ta, t + 1, grads[t]), one_round(b, tb, t + 1, grads[t])
+        ua, ub = one_round(a, ta, t, grads[t]), one_round(b, tb, t, grads[t])
         assert ua.digest == ub.digest
         ta, tb = ua.global_flat, ub.global_flat
     assert "outer.state.0.momentum_buffer" in a.state_tensors()
@@ -169,18 +169,18 @@ def test_site_side_round_against_coordinator(make_workload) -> None:
     strategy = build_strategy(
         AlgorithmConfig(inner_steps=5, uplink_codec="int8", downlink_codec="int8"), numel=layout.numel
     )
-    plan = strategy.configure_round(1, [0, 1])
-    agg = strategy.new_aggregator()
+    plan = strategy.configure_round(0, ["0", "1"])
+    agg = strategy.new_aggregator(0)
     for k in plan.sites:
         layout.load_(model, theta)
         opt = InnerOptimizerConfig(lr=0.01).build(model.parameters())
-        result = run_inner_steps(model, opt, workload.site_batches(k, 2, 0), plan.inner_steps, workload.loss)
+        result = run_inner_steps(model, opt, workload.site_batches(int(k), 2, 0), plan.inner_steps, workload.loss)
         upload = strategy.build_uplink().encode(
             pseudo_gradient(theta, layout.flatten(model)), seed=plan.uplink_seed(k)
         )
         agg.add(upload, strategy.site_weight(result.samples), site=k)
     update = strategy.aggregate_round(theta, agg, plan)
-    assert update.sites == (0, 1)
+    assert update.sites == ("0", "1")
     assert weights_digest(apply_downlink(theta, update.downlink)) == update.digest
     assert update.digest != weights_digest(theta)
 

@@ -51,10 +51,10 @@ def expected_weights(
 ) -> torch.Tensor:
     """The same round done directly with the strategy (fresh outer state: first round only)."""
     strategy = build_strategy(rounds.config.algorithm, numel=rounds.numel, seed=rounds.config.seed)
-    aggregator = strategy.new_aggregator()
+    aggregator = strategy.new_aggregator(round_number)
     for k, u in enumerate(updates):
-        aggregator.add(u, 1.0, site=k)
-    plan = strategy.configure_round(round_number + 1, range(len(updates)))
+        aggregator.add(u, 1.0, site=str(k))
+    plan = strategy.configure_round(round_number, [str(k) for k in range(len(updates))])
     return strategy.aggregate_round(start, aggregator, plan).global_flat
 
 

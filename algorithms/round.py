@@ -1,0 +1,244 @@
+"""One round, written once: who is in it, when it closes, what enters the aggregate.
+
+The coordinator (real clock) and the simulator (virtual clock) both run their rounds through a
+``Round`` and one ``RoundPolicy``, so a rule such as "close at the adaptive deadline once the
+quorum has reported" cannot mean one thing in the emulator and another in its prediction.
+
+- ``RoundPolicy`` decides *when* a round closes (quorum, fixed or adaptive deadline) and what
+  happens to an update that misses its round (``late_updates``: drop it back into the site's
+  residual, or fold it into the next round with a staleness discount). It learns the adaptive
+  deadline from the rounds it has seen.
+- ``Round`` owns one round's bookkeeping: its plan, the aggregation buffer, contributors (with
+  weights and arrival times), rejected sites and folded late updates. ``add``/``fold`` put an
+  update in, ``close`` returns the ``RoundOutcome``: who counted, who was excluded, the deadline
+  in force and whether it was hit.
+
+Times are seconds on whichever clock drives the round; the round never reads a clock itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.deadline import AdaptiveDeadlineConfig, RoundDeadline
+from geoloco.algorithms.weighting import stale_weight
+from geoloco.compression import Encoded
+
+__all__ = ["CloseDecision", "Round", "RoundOutcome", "RoundPolicy", "close_time"]
+
+
+@dataclass(frozen=True, slots=True)
+class CloseDecision:
+    """Whether a round closes now, and whether its deadline is what closed it."""
+
+    close: bool
+    deadline_hit: bool = False
+
+
+_KEEP_OPEN = CloseDecision(close=False)
+
+
+class RoundPolicy:
+    """Quorum, deadline (fixed or adaptive) and the late-update rule of a run."""
+
+    def __init__(
+        self,
+        *,
+        min_sites: int = 1,
+        round_deadline_s: float | None = None,
+        adaptive_deadline: AdaptiveDeadlineConfig | None = None,
+        late_updates: Literal["drop", "fold"] = "drop",
+        staleness_discount: float = 0.5,
+    ) -> None:
+        if min_sites < 1:
+            raise ValueError(f"min_sites must be >= 1, got {min_sites}")
+        self.min_sites = min_sites
+        self.deadline = RoundDeadline(round_deadline_s, adaptive_deadline)
+        self.late_updates = late_updates
+        self.staleness_discount = staleness_discount
+
+    @property
+    def folds_late_updates(self) -> bool:
+        return self.late_updates == "fold"
+
+    def deadline_s(self) -> float | None:
+        """The deadline (seconds after a round's start) the next round runs under."""
+        return self.deadline.current_s()
+
+    def decide(
+        self,
+        *,
+        now: float,
+        started: bool,
+        deadline_at: float | None,
+        contributed: int,
+        pending: int,
+    ) -> CloseDecision:
+        """Close once the quorum has reported and either nobody is pending or the deadline has
+        passed; with fewer than ``min_sites`` updates keep waiting, past the deadline if need be.
+
+        ``started``: the round's clock runs (enough members joined). A round that never started
+        still closes when the quorum's updates are in (members left after uploading).
+        """
+        if contributed < self.min_sites:
+            return _KEEP_OPEN
+        if not started or pending == 0:
+            return CloseDecision(close=True)
+        if deadline_at is not None and now >= deadline_at:
+            return CloseDecision(close=True, deadline_hit=True)
+        return _KEEP_OPEN
+
+    def stale_weight(self, weight: float) -> float:
+        """Weight of an update folded in one round late."""
+        return stale_weight(weight, discount=self.staleness_discount, staleness=1)
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        """Learn from a closed round: its arrivals, and the close time for every site that had
+        not arrived (the adaptive deadline must cover them next time)."""
+        self.deadline.observe(
+            list(outcome.arrivals_s.values()), [outcome.closed_after_s] * len(outcome.excluded)
+        )
+
+    def state(self) -> list[list[float]]:
+        return self.deadline.state()
+
+    def load_state(self, rounds: Sequence[Sequence[float]]) -> None:
+        self.deadline.load_state(rounds)
+
+
+def close_time(
+    policy: RoundPolicy, arrivals: Sequence[float], *, start_s: float, deadline_s: float | None
+) -> float:
+    """When a round whose updates arrive at ``arrivals`` (absolute times) closes under
+    ``policy``: the first arrival or the deadline at which ``policy.decide`` says close. The
+    simulator's virtual clock asks this; the coordinator asks ``decide`` as events happen."""
+    if not arrivals:
+        raise ValueError("a round needs at least one site")
+    deadline_at = None if deadline_s is None else start_s + deadline_s
+    events = sorted({*arrivals, *(() if deadline_at is None else (deadline_at,))})
+    for now in events:
+        contributed = sum(1 for a in arrivals if a <= now)
+        decision = policy.decide(
+            now=now, started=True, deadline_at=deadline_at,
+            contributed=contributed, pending=len(arrivals) - contributed,
+        )
+        if decision.close:
+            return now
+    return max(arrivals)  # unreachable: with every arrival in, nobody is pending
+
+
+@dataclass(frozen=True, slots=True)
+class RoundOutcome:
+    """How a round closed."""
+
+    round: int
+    contributors: tuple[str, ...]
+    """Sites whose update entered the aggregate, in arrival order."""
+    weights: dict[str, float]
+    """site -> aggregation weight."""
+    excluded: tuple[str, ...]
+    """Expected sites without an update at the close (stragglers), sorted."""
+    folded: dict[str, float]
+    """site -> discounted weight of its previous round's late update folded into this round."""
+    rejected: tuple[str, ...]
+    """Sites whose update was refused (bad values), sorted."""
+    deadline_s: float | None
+    """The deadline in force (seconds after the start); None: none."""
+    deadline_hit: bool
+    arrivals_s: dict[str, float]
+    """site -> seconds from the round's start until its update was in."""
+    closed_after_s: float
+    """Seconds from the round's start to its close."""
+
+
+@dataclass(slots=True)
+class Round:
+    """The bookkeeping of one round; ``aggregation`` holds the running sum of its updates."""
+
+    number: int
+    aggregation: RunningSum
+    opened_s: float
+    """When the round opened (the previous one closed, or the run started)."""
+    started_s: float | None = None
+    """When its clock started (quorum of members present); None while waiting."""
+    deadline_s: float | None = None
+    """The deadline in force, seconds after ``started_s`` (fixed when the round starts)."""
+    contributed: dict[str, float] = field(default_factory=dict)
+    """site -> aggregation weight, in arrival order."""
+    arrivals_s: dict[str, float] = field(default_factory=dict)
+    folded: dict[str, float] = field(default_factory=dict)
+    rejected: set[str] = field(default_factory=set)
+
+    def start(self, now: float, policy: RoundPolicy) -> None:
+        """Start the round's clock under the policy's current deadline."""
+        self.started_s = now
+        self.deadline_s = policy.deadline_s()
+
+    @property
+    def started(self) -> bool:
+        return self.started_s is not None
+
+    @property
+    def deadline_at(self) -> float | None:
+        """Absolute time of the deadline, once started."""
+        if self.started_s is None or self.deadline_s is None:
+            return None
+        return self.started_s + self.deadline_s
+
+    def add(self, update: Encoded | torch.Tensor, weight: float, *, site: str, now: float) -> None:
+        """A site's verified update for this round, arriving at ``now``."""
+        self.aggregation.add(update, weight, site=site)
+        self.contributed[site] = weight
+        start = self.started_s if self.started_s is not None else self.opened_s
+        self.arrivals_s[site] = now - start
+
+    def fold(self, update: Encoded | torch.Tensor, weight: float, *, site: str, policy: RoundPolicy) -> float:
+        """A site's previous-round update that missed its deadline, folded in with the
+        policy's staleness discount; returns the weight it entered with."""
+        discounted = policy.stale_weight(weight)
+        self.aggregation.add(update, discounted, site=site, stale=True)
+        self.folded[site] = discounted
+        return discounted
+
+    def reject(self, site: str) -> None:
+        self.rejected.add(site)
+
+    def pending(self, expected: Iterable[str]) -> set[str]:
+        """Expected sites that neither contributed nor were rejected."""
+        return set(expected) - set(self.contributed) - self.rejected
+
+    def decide(self, policy: RoundPolicy, *, now: float, expected: Iterable[str]) -> CloseDecision:
+        return policy.decide(
+            now=now, started=self.started, deadline_at=self.deadline_at,
+            contributed=len(self.contributed), pending=len(self.pending(expected)),
+        )
+
+    def close(self, *, now: float, expected: Iterable[str]) -> RoundOutcome:
+        """The outcome at ``now``; ``expected`` are the sites the round waited for."""
+        start = self.started_s if self.started_s is not None else self.opened_s
+        deadline_at = self.deadline_at
+        return RoundOutcome(
+            round=self.number,
+            contributors=tuple(self.contributed),
+            weights=dict(self.contributed),
+            excluded=tuple(sorted(self.pending(expected))),
+            folded=dict(self.folded),
+            rejected=tuple(sorted(self.rejected)),
+            deadline_s=self.deadline_s,
+            deadline_hit=deadline_at is not None and now >= deadline_at and bool(self.pending(expected)),
+            arrivals_s=dict(self.arrivals_s),
+            closed_after_s=now - start,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "round": self.number,
+            "contributed": list(self.contributed),
+            "rejected": sorted(self.rejected),
+            "folded": dict(self.folded),
+        }

@@ -252,10 +252,13 @@ class SimulatorConfig:
 
 @dataclass(slots=True)
 class RoundRecord:
-    """What one round (or the warm-up, ``round = 0``) cost and achieved."""
+    """What one round (or the warm-up, ``round = -1``) cost and achieved.
+
+    The keys are those of the coordinator's ``metrics.jsonl`` records for the same facts
+    (``participants``, ``excluded``, ``folded_late``, ``weights_digest``, rounds from 0)."""
 
     round: int
-    """Round index; 0 is the data-parallel warm-up."""
+    """Round number from 0, as on the wire; -1 is the data-parallel warm-up before round 0."""
     phase: Literal["warmup", "train"]
     """``"warmup"`` for the synchronous warm-up, ``"train"`` for algorithm rounds."""
     inner_steps: int
@@ -264,10 +267,10 @@ class RoundRecord:
     """Mean of the sites' inner-step losses."""
     eval_loss: float | None
     """Held-out loss of the global weights after the round (``None`` when not evaluated)."""
-    sites_aggregated: int
-    """Sites whose updates entered the aggregate (for ddp/warm-up: per step, all)."""
-    stragglers: list[int]
-    """Sites left out by the round deadline."""
+    participants: list[str]
+    """Sites whose updates entered the aggregate, by name (for ddp/warm-up: every site)."""
+    excluded: list[str]
+    """Sites left out by the round deadline (stragglers), by name."""
     bytes_up: list[int]
     """Bytes each site uploaded in this record (``Encoded.nbytes``)."""
     bytes_down: list[int]
@@ -284,7 +287,7 @@ class RoundRecord:
     """Per site, virtual seconds spent computing in this record."""
     utilization: list[float]
     """Per site, the share of its round spent computing (``compute_s`` / its round span)."""
-    digest: str
+    weights_digest: str
     """``weights_digest`` of the global weights after the round."""
     epsilon: float | None = None
     """Accounted epsilon (at ``privacy.delta``) after this round; ``None`` without DP."""
@@ -293,8 +296,8 @@ class RoundRecord:
     ``inner_steps`` is then the most any site ran)."""
     deadline_s: float | None = None
     """The round deadline in force (seconds after the round opened); ``None``: none."""
-    folded: list[int] = field(default_factory=list)
-    """Sites whose previous round's late update was folded into this round (discounted)."""
+    folded_late: dict[str, float] = field(default_factory=dict)
+    """site -> discounted weight of its previous round's late update folded into this round."""
     peak_bytes_in_flight: list[int] | None = None
     """Per site, the largest single transfer of this record (one upload or one broadcast): the
     whole model's update in plain DiLoCo, one fragment's with streaming; ``None`` where not
@@ -493,20 +496,20 @@ class Simulator:
             "bytes_down": bytes_down,
             "compute_s": compute,
             "utilization": [c / span if span > 0 else 1.0 for c, span in zip(compute, spans)],
-            "stragglers": [],
-            "sites_aggregated": n,
+            "excluded": [],
+            "participants": [s.name for s in self.sites],
         }
 
     # -- one DiLoCo-family round -------------------------------------------------------------
 
-    def _round_noise_multiplier(self, round_index: int) -> float:
+    def _round_noise_multiplier(self, round_number: int) -> float:
         """What the accountant composes for one round (see ``effective_noise_multiplier``);
         with streaming one release of the round's fragment update."""
         privacy = self.config.privacy
         if privacy.dp != "distributed":
             return privacy.noise_multiplier
         numel = (
-            self.strategy.update_numel(round_index - 1)
+            self.strategy.update_numel(round_number)
         )
         context, fixed = plan_secure_round(
             privacy, self.config.algorithm.uplink_codec, numel=numel,
@@ -515,7 +518,7 @@ class Simulator:
         return effective_noise_multiplier(privacy, fixed, context.numel)
 
     def _private_aggregate(
-        self, round_index: int, updates: dict[int, torch.Tensor], plan: Any,
+        self, round_number: int, updates: dict[int, torch.Tensor], plan: Any,
         fragment: int | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Mean update under the privacy config, and each site's upload bytes.
@@ -530,7 +533,7 @@ class Simulator:
             traffic: dict[int, int] = {}
             mean, survivors = private_round_in_memory(
                 privacy, codec, updates, self.private_fragments[fragment or 0], self.identity_keys,
-                session=f"simulation-{self.config.simulation.seed}", round_index=round_index,
+                session=f"simulation-{self.config.simulation.seed}", round_index=round_number,
                 index_seed=secure_index_seed(plan.seed), traffic=traffic,
             )
             if privacy.dp == "central":
@@ -549,10 +552,10 @@ class Simulator:
         mean = add_central_noise(total, privacy) / len(updates)
         return mean.to(self.global_flat.device), sizes
 
-    def _diloco_round(self, round_index: int) -> dict[str, Any]:
+    def _diloco_round(self, round_number: int) -> dict[str, Any]:
         sim = self.config.simulation
         strategy = self.strategy
-        plan = strategy.configure_round(round_index - 1, [s.name for s in self.sites])
+        plan = strategy.configure_round(round_number, [s.name for s in self.sites])
         round_ = Round(number=plan.round, aggregation=strategy.new_aggregator(plan.round), opened_s=self.open_s)
         round_.start(self.open_s, self.policy)
         deadline_s = round_.deadline_s
@@ -590,8 +593,8 @@ class Simulator:
             upload_sizes.append(encoded.nbytes)
             losses.extend(result.losses)
         if private_updates:
-            stats = self._private_round_finish(round_index, plan, private_updates, compute, losses)
-            return {**stats, "site_inner_steps": site_steps, "deadline_s": None, "folded": []}
+            stats = self._private_round_finish(round_number, plan, private_updates, compute, losses)
+            return {**stats, "site_inner_steps": site_steps, "deadline_s": None, "folded_late": {}}
         aggregate_s = close_time(self.policy, arrivals, start_s=self.open_s, deadline_s=deadline_s)
         included = [k for k, a in enumerate(arrivals) if a <= aggregate_s]
         # Late uploads the quorum rule pulled in are aggregated.
@@ -600,7 +603,7 @@ class Simulator:
                 round_.add(pending.pop(k), weights[k], site=self.sites[k].name, now=arrivals[k])
         outcome = round_.close(now=aggregate_s, expected=[s.name for s in self.sites])
         self.policy.observe(outcome)
-        folded = self._fold_late_updates(round_, aggregate_s)
+        self._fold_late_updates(round_, aggregate_s)
         # The others go back to the sites' residuals (with error feedback) so their work arrives
         # next round, or wait to be folded into the next round's average.
         for k, encoded in pending.items():
@@ -617,11 +620,11 @@ class Simulator:
             "bytes_down": [update.downlink.nbytes] * len(self.sites),
             "compute_s": compute,
             "utilization": utilization,
-            "stragglers": sorted(pending),
-            "sites_aggregated": len(included),
+            "excluded": list(outcome.excluded),
+            "participants": [self.sites[k].name for k in included],
             "site_inner_steps": site_steps,
             "deadline_s": deadline_s,
-            "folded": folded,
+            "folded_late": dict(round_.folded),
             "peak_bytes_in_flight": [max(up, update.downlink.nbytes) for up in upload_sizes],
         }
 
@@ -652,11 +655,10 @@ class Simulator:
         self._sync_device()
         return result, self._step_seconds(site, inner_steps, time.perf_counter() - t0)
 
-    def _fold_late_updates(self, round_: Round, aggregate_s: float) -> list[int]:
+    def _fold_late_updates(self, round_: Round, aggregate_s: float) -> None:
         """Add last round's late updates that arrived before this round aggregated, with the
         policy's staleness discount; those that did not go back into their site's residual (the
         real coordinator accepts an update exactly one round late, no later)."""
-        folded = []
         for site in self.sites:
             if site.late is None:
                 continue
@@ -664,17 +666,15 @@ class Simulator:
             site.late = None
             if arrival <= aggregate_s:
                 round_.fold(encoded, weight, site=site.name, policy=self.policy)
-                folded.append(site.index)
             else:
                 site.uplink.restore(encoded)
-        return folded
 
     def _private_round_finish(
-        self, round_index: int, plan: Any, updates: dict[int, torch.Tensor],
+        self, round_number: int, plan: Any, updates: dict[int, torch.Tensor],
         compute: list[float], losses: list[float],
     ) -> dict[str, Any]:
         """Aggregate a privacy round (every site enters), outer step, clock and downlink."""
-        mean, upload_sizes = self._private_aggregate(round_index, updates, plan)
+        mean, upload_sizes = self._private_aggregate(round_number, updates, plan)
         update = self.strategy.apply_mean_update(
             self.global_flat, mean, tuple(str(k) for k in sorted(updates)), plan
         )
@@ -692,8 +692,8 @@ class Simulator:
             "bytes_down": [update.downlink.nbytes] * len(self.sites),
             "compute_s": compute,
             "utilization": utilization,
-            "stragglers": [],
-            "sites_aggregated": len(included),
+            "excluded": [],
+            "participants": [self.sites[k].name for k in included],
         }
 
     def _close_round_clock(
@@ -712,19 +712,19 @@ class Simulator:
 
     # -- the run ------------------------------------------------------------------------------
 
-    def _record(self, round_index: int, phase: str, steps: int, stats: dict[str, Any],
+    def _record(self, round_number: int, phase: str, steps: int, stats: dict[str, Any],
                 eval_loss: float | None) -> RoundRecord:
         self.bytes_up_total += sum(stats["bytes_up"])
         self.bytes_down_total += sum(stats["bytes_down"])
         end = stats.get("end_s", max(s.ready_s for s in self.sites))
         record = RoundRecord(
-            round=round_index,
+            round=round_number,
             phase=phase,  # type: ignore[arg-type]
             inner_steps=steps,
             train_loss=stats["train_loss"],
             eval_loss=eval_loss,
-            sites_aggregated=stats["sites_aggregated"],
-            stragglers=stats["stragglers"],
+            participants=stats["participants"],
+            excluded=stats["excluded"],
             bytes_up=stats["bytes_up"],
             bytes_down=stats["bytes_down"],
             bytes_up_total=self.bytes_up_total,
@@ -733,11 +733,11 @@ class Simulator:
             wall_clock_s=end,
             compute_s=stats["compute_s"],
             utilization=stats["utilization"],
-            digest=weights_digest(self.global_flat),
+            weights_digest=weights_digest(self.global_flat),
             epsilon=None if self.accountant is None else self.accountant.epsilon(),
             site_inner_steps=stats.get("site_inner_steps", [steps] * len(self.sites)),
             deadline_s=stats.get("deadline_s"),
-            folded=stats.get("folded", []),
+            folded_late=stats.get("folded_late", {}),
             peak_bytes_in_flight=stats.get("peak_bytes_in_flight"),
             fragment=stats.get("fragment"),
         )
@@ -763,40 +763,40 @@ class Simulator:
                 warmup, [warmup.build_uplink() for _ in self.sites], algo.warmup_steps, 0
             )
             self._seed_site_optimizers(warmup)
-            yield self._record(0, "warmup", algo.warmup_steps, stats, self._evaluate())
-        for round_index in range(1, sim.rounds + 1):
+            yield self._record(-1, "warmup", algo.warmup_steps, stats, self._evaluate())
+        for round_number in range(sim.rounds):
             if self.data_parallel:
-                first = (round_index - 1) * algo.inner_steps
+                first = round_number * algo.inner_steps
                 stats = self._data_parallel_steps(
                     self.strategy, [s.uplink for s in self.sites], algo.inner_steps, first
                 )
             else:
-                z = self._round_noise_multiplier(round_index)
+                z = self._round_noise_multiplier(round_number)
                 if self.accountant is not None and not self.accountant.allows(
                     z, self.config.privacy.epsilon_budget
                 ):
                     logger.info(
                         "stopping before round %d: epsilon would reach %.3f, budget %.3f",
-                        round_index, self.accountant.epsilon_after(z),
+                        round_number, self.accountant.epsilon_after(z),
                         self.config.privacy.epsilon_budget,
                     )
                     return
                 stats = (
-                    self.streaming.round(round_index)
+                    self.streaming.round(round_number)
                     if self.streaming is not None
-                    else self._diloco_round(round_index)
+                    else self._diloco_round(round_number)
                 )
                 if self.accountant is not None:
                     self.accountant.step(z)
-            last = round_index == sim.rounds
+            last = round_number == sim.rounds - 1
             eval_loss = (
-                self._evaluate() if last or round_index % sim.eval_every == 0 else None
+                self._evaluate() if last or (round_number + 1) % sim.eval_every == 0 else None
             )
             if self.streaming is not None:
                 steps = self.strategy.inner_steps
             else:
                 steps = max(stats["site_inner_steps"]) if stats.get("site_inner_steps") else algo.inner_steps
-            yield self._record(round_index, "train", steps, stats, eval_loss)
+            yield self._record(round_number, "train", steps, stats, eval_loss)
             if (
                 sim.target_eval_loss is not None
                 and eval_loss is not None
@@ -804,7 +804,7 @@ class Simulator:
             ):
                 logger.info(
                     "eval loss %.4f reached target %.4f after round %d",
-                    eval_loss, sim.target_eval_loss, round_index,
+                    eval_loss, sim.target_eval_loss, round_number,
                 )
                 return
 

@@ -120,12 +120,12 @@ class StreamingRounds:
         sim._sync_device()
         return result.losses, result.samples, sim._step_seconds(site, steps, time.perf_counter() - t0)
 
-    def round(self, round_index: int) -> dict[str, Any]:
+    def round(self, round_number: int) -> dict[str, Any]:
         sim = self.sim
         strategy = self.strategy
         interval = strategy.schedule.interval
         mix = strategy.streaming.mix
-        plan = strategy.configure_round(round_index - 1, [s.name for s in sim.sites])
+        plan = strategy.configure_round(round_number, [s.name for s in sim.sites])
         p = plan.fragment
         fragment = strategy.partition[p]
         round_ = Round(number=plan.round, aggregation=strategy.new_aggregator(plan.round), opened_s=sim.open_s)
@@ -149,7 +149,7 @@ class StreamingRounds:
             first_losses, first_samples, first_s = self._steps(site, overlap)
             if stream.merge_round is not None:
                 local = sim.layout.flatten(sim.model)
-                merge_fragment_(local, sim.global_flat, strategy.fragment(stream.merge_round - 1), mix)
+                merge_fragment_(local, sim.global_flat, strategy.fragment(stream.merge_round), mix)
                 sim.layout.load_(sim.model, local)
                 del local
             rest_losses, rest_samples, rest_s = self._steps(site, interval - overlap)
@@ -184,7 +184,7 @@ class StreamingRounds:
             times.append(timing)
             upload_sizes.append(encoded.nbytes)
         if private:
-            return self._private_finish(round_index, plan, p, private_updates, times, losses)
+            return self._private_finish(round_number, plan, p, private_updates, times, losses)
         arrivals = [t.arrival_s for t in times]
         aggregate_s = close_time(sim.policy, arrivals, start_s=sim.open_s, deadline_s=round_.deadline_s)
         included = [k for k, a in enumerate(arrivals) if a <= aggregate_s]
@@ -197,13 +197,13 @@ class StreamingRounds:
         for k, encoded in pending.items():
             sim.sites[k].uplink.restore(encoded, fragment=p)
         update = strategy.aggregate_round(sim.global_flat, round_.aggregation, plan)
-        stats = self._finish(round_index, p, update, times, upload_sizes, arrivals, included,
-                             aggregate_s, losses, sorted(pending))
+        stats = self._finish(round_number, p, update, times, upload_sizes, arrivals, included,
+                             aggregate_s, losses, [sim.sites[k].name for k in sorted(pending)])
         return {**stats, "deadline_s": round_.deadline_s}
 
     def _private_finish(
         self,
-        round_index: int,
+        round_number: int,
         plan: Any,
         p: int,
         updates: dict[int, torch.Tensor],
@@ -213,7 +213,7 @@ class StreamingRounds:
         """A privacy round of fragment ``p``: one secure sum / DP release of the fragment's
         updates (every site enters; privacy runs have no round deadline), then the outer step."""
         sim = self.sim
-        mean, upload_sizes = sim._private_aggregate(round_index, updates, plan, fragment=p)
+        mean, upload_sizes = sim._private_aggregate(round_number, updates, plan, fragment=p)
         update = self.strategy.apply_mean_update(
             sim.global_flat, mean, tuple(str(k) for k in sorted(updates)), plan, consume_mean=True
         )
@@ -227,12 +227,12 @@ class StreamingRounds:
         arrivals = [t.arrival_s for t in times]
         # Privacy rounds have no deadline: every site's update enters.
         included, aggregate_s = list(range(len(arrivals))), max(arrivals)
-        return self._finish(round_index, p, update, times, upload_sizes, arrivals, included,
+        return self._finish(round_number, p, update, times, upload_sizes, arrivals, included,
                             aggregate_s, losses, [])
 
     def _finish(
         self,
-        round_index: int,
+        round_number: int,
         p: int,
         update: Any,
         times: list[SiteStreamTime],
@@ -241,7 +241,7 @@ class StreamingRounds:
         included: list[int],
         aggregate_s: float,
         losses: list[float],
-        stragglers: list[int],
+        excluded: list[str],
     ) -> dict[str, Any]:
         """Apply the round's update, advance the clock and each site's stream; the stats."""
         sim = self.sim
@@ -250,7 +250,7 @@ class StreamingRounds:
             aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in sim.sites]
         )
         for site, stream, timing, end in zip(sim.sites, self.streams, times, ends):
-            stream.merge_round = round_index
+            stream.merge_round = round_number
             stream.broadcast_s = end
             stream.upload_s = timing.upload_s
             site.ready_s = timing.upload_s
@@ -262,8 +262,8 @@ class StreamingRounds:
             "bytes_down": [down] * len(sim.sites),
             "compute_s": [t.compute_s for t in times],
             "utilization": [t.utilization for t in times],
-            "stragglers": stragglers,
-            "sites_aggregated": len(included),
+            "excluded": excluded,
+            "participants": [sim.sites[k].name for k in included],
             "end_s": max(ends),
             "peak_bytes_in_flight": [max(up, down) for up in upload_sizes],
             "fragment": p,

@@ -110,8 +110,8 @@ def run(variant: Variant, *, size: str, wall_s: float, seed: int) -> Outcome:
         for k in range(len(SPEEDS)):
             compute[k] += record.compute_s[k]
             steps[k] += record.site_inner_steps[k]
-        folded += len(record.folded)
-        stragglers += len(record.stragglers)
+        folded += len(record.folded_late)
+        stragglers += len(record.excluded)
         deadlines.append(record.deadline_s)
         if wall >= wall_s:
             break

@@ -242,7 +242,7 @@ def _run(args: argparse.Namespace) -> int:
                           f"{simulator.strategy.inner_steps} steps, overlap "
                           f"{algo.streaming.overlap_steps} steps, mix {algo.streaming.mix:g}")]
           if algo.streaming.enabled else []),
-        ("rounds", f"{last.round}" + (
+        ("rounds", f"{last.round + 1}" + (
             f" (target eval loss {sim.target_eval_loss} reached)"
             if sim.target_eval_loss is not None and last_eval is not None
             and last_eval <= sim.target_eval_loss else "")),

@@ -233,7 +233,7 @@ def test_adaptive_deadline_in_the_simulator(make_workload) -> None:
     arrival = 0.4 + transfer_time(records[0].bytes_up[0], 1e6, 0.05)
     assert records[0].deadline_s == 100.0
     assert records[1].deadline_s == pytest.approx(2.0 * arrival)
-    assert all(r.stragglers == [] for r in records)
+    assert all(r.excluded == [] for r in records)
 
 
 def _recording(sim: Simulator) -> list[tuple[str, float, bool]]:
@@ -263,13 +263,13 @@ def test_late_update_is_folded_with_discount_or_dropped(make_workload, late_upda
     sim = Simulator(config, make_workload())
     adds = _recording(sim)
     records = list(sim.run())
-    assert [r.stragglers for r in records] == [[2], [2], [2]]
+    assert [r.excluded for r in records] == [["2"], ["2"], ["2"]]
     stale = [(site, w) for site, w, is_stale in adds if is_stale]
     if late_updates == "fold":
-        assert [r.folded for r in records] == [[], [2], [2]]
+        assert [sorted(r.folded_late) for r in records] == [[], ["2"], ["2"]]
         assert stale == [("2", 0.25), ("2", 0.25)]
     else:
-        assert [r.folded for r in records] == [[], [], []] and stale == []
+        assert [r.folded_late for r in records] == [{}, {}, {}] and stale == []
         # Dropped, the update sits in the site's residual: error feedback keeps all of it.
         assert sim.sites[2].uplink.encoders[0].error_feedback.residual.abs().sum() > 0
 

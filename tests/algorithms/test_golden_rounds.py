@@ -109,19 +109,19 @@ def _canonical(record: Any) -> dict[str, Any]:
     """The facts of one round, under one set of names (independent of record field names)."""
     d = record.to_dict()
     return {
-        "round": d["round"],
+        "round": d["round"] + 1,  # recorded when the simulator numbered rounds from 1
         "eval_loss": _rounded(d["eval_loss"]),
         "train_loss": _rounded(d["train_loss"]),
-        "participants": d["sites_aggregated"],
-        "excluded": [str(s) for s in d["stragglers"]],
-        "folded_late": [str(s) for s in d["folded"]],
+        "participants": len(d["participants"]),
+        "excluded": d["excluded"],
+        "folded_late": sorted(d["folded_late"]),
         "bytes_up": d["bytes_up"],
         "bytes_down": d["bytes_down"],
         "deadline_s": _rounded(d["deadline_s"]),
         "wall_clock_s": _rounded(d["wall_clock_s"]),
         "epsilon": _rounded(d["epsilon"]),
         "fragment": d["fragment"],
-        "weights_digest": d["digest"],
+        "weights_digest": d["weights_digest"],
     }
 
 

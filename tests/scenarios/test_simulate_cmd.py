@@ -53,7 +53,7 @@ def test_simulate_writes_metrics_config_and_summary(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     lines = (out / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert [r["round"] for r in records] == [1, 2, 3]
+    assert [r["round"] for r in records] == [0, 1, 2]
     assert records[-1]["eval_loss"] is not None and len(records[-1]["bytes_up"]) == 3
     assert records[-1]["bytes_up_total"] > 0 and records[-1]["wall_clock_s"] > 0
     resolved = json.loads((out / "config.json").read_text())

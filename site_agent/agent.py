@@ -444,6 +444,25 @@ class SiteAgent:
             self._set_global(weights.to(self.device), manifest.round)
         logger.info("site %s fetched the weights of round %d", self.site, manifest.round)
 
+    def _refresh_round_info(self) -> None:
+        """Get the round info (seed, deadline) of the round the site holds weights for when the
+        last broadcast it applied carried an older one: a straggler that fetched newer weights
+        knows their round but not its seed. A heartbeat answers with the coordinator's round;
+        if that is further on, the site chases it instead of training."""
+        if self._round_info.round == self._held_round or self._global is None:
+            return
+        try:
+            response = self.client.heartbeat(
+                round_number=self._held_round, phase=pb.SITE_PHASE_WAITING, inner_steps_done=0
+            )
+        except grpc.RpcError as error:
+            raise RejoinRequired(f"heartbeat for the round info failed: {error.code()}") from None
+        if response.rejoin_required:
+            raise RejoinRequired("the coordinator asks this site to join again")
+        self._coordinator_round = max(self._coordinator_round, response.round.round)
+        if response.round.round == self._held_round:
+            self._round_info = response.round
+
     def _set_global(self, flat: torch.Tensor, round_number: int) -> None:
         self._global = flat
         self._global_digest = weights_digest(flat)
@@ -459,6 +478,7 @@ class SiteAgent:
             return
         pending = self._pending
         if pending is None:
+            self._refresh_round_info()
             if self._held_round < self._coordinator_round:
                 self._await_and_apply(self._held_round, None)  # behind: chase without training
                 return

@@ -136,6 +136,7 @@ class StreamingSite:
             # reached its round: what it carried goes back into the fragment's residual, as for
             # any update that missed its round.
             self.uplink.restore(pending.encoded, fragment=pending.fragment)
+        a._refresh_round_info()
         if a._held_round < a._coordinator_round:
             self.overlap_done, self.overlap_losses, self.overlap_samples = 0, [], 0
             self._chase()

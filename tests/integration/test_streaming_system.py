@@ -9,6 +9,8 @@
   is SIGKILLed mid-round, the round closes at its deadline without it, the same command brings it
   back, it re-joins, fetches the global weights and contributes again; every replica ends on the
   coordinator's digest.
+* With an adaptive deadline and a straggler, the real coordinator and the simulator leave out the
+  same site, adapt the same deadline and end on the same weights.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import math
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,10 @@ import torch
 
 from _cluster import AgentThread, Run, make_certs, on_round, wait_for
 from _processes import COORDINATOR_END, COORDINATOR_ROUND, LISTENING, SITE_END, SITE_ROUND, Processes, names
+from geoloco.algorithms.clock import SiteConfig
+from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import FragmentPartition, StreamingConfig
 from geoloco.coordinator.metrics import read_metrics
@@ -221,3 +227,71 @@ def test_streaming_site_killed_and_restarted_over_processes(certs: Path, tmp_pat
         assert digests == {end["digest"]}
     records = read_metrics(metrics)
     assert [r["fragment"] for r in records] == [r % 3 for r in range(rounds)]
+
+
+class _SlowSite:
+    """The workload with site "2" sleeping before each batch: it misses every round's deadline."""
+
+    def __init__(self, workload: object, slow_site: int, sleep_s: float) -> None:
+        self.workload = workload
+        self.slow_site = slow_site
+        self.sleep_s = sleep_s
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.workload, name)
+
+    def site_batches(self, site: int, num_sites: int, seed: int):  # type: ignore[no-untyped-def]
+        batches = self.workload.site_batches(site, num_sites, seed)  # type: ignore[attr-defined]
+        for batch in batches:
+            if site == self.slow_site:
+                time.sleep(self.sleep_s)
+            yield batch
+
+
+def test_streaming_adaptive_deadline_straggler_agrees_with_the_simulator(
+    certs: Path, mlp: object, tmp_path: Path
+) -> None:
+    """Streaming (P = 2) with an adaptive deadline and a straggler: the real coordinator (its
+    real clock) and the simulator (its virtual clock) run the same ``RoundPolicy``, so both leave
+    the slow site out of every round, adapt the deadline the same way (margin x quantile, clipped
+    to ``max_s``) and end on the same weights bit for bit (two contributors: the sum is exact)."""
+    adaptive = AdaptiveDeadlineConfig(enabled=True, window=3, margin=3.0, min_s=0.8, max_s=2.0)
+    algorithm = AlgorithmConfig(
+        inner_steps=4, uplink_codec="int8", downlink_codec="int8",
+        streaming=StreamingConfig(enabled=True, fragments=2, overlap_steps=1),
+    )
+    rounds = 4
+    run = Run(workload=_SlowSite(mlp, slow_site=2, sleep_s=2.0), num_sites=3, rounds=rounds, seed=6,
+              algorithm=algorithm)
+    metrics = tmp_path / "metrics.jsonl"
+    server = run.start_coordinator(
+        certs, metrics_path=str(metrics), min_sites=2, round_deadline_s=1.0, adaptive_deadline=adaptive
+    )
+    threads = [AgentThread(run.agent(certs, server.port, k)) for k in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.finish(timeout_s=120)
+        assert server.wait_until_finished(30)
+    finally:
+        server.stop(grace=0)
+    real = read_metrics(metrics)
+
+    sim_config = SimulatorConfig(
+        algorithm=algorithm,
+        inner_optimizer=run.inner,
+        sites=[SiteConfig(), SiteConfig(), SiteConfig(step_time_factor=1e4)],
+        simulation=SimulationConfig(
+            rounds=rounds, seed=run.seed, device="cpu", eval_every=10**6, step_time_s=0.01,
+            min_sites=2, round_deadline_s=1.0, adaptive_deadline=adaptive,
+        ),
+    )
+    simulator = Simulator(sim_config, mlp)
+    predicted = list(simulator.run())
+
+    assert [r["excluded"] for r in real] == [["2"]] * rounds
+    assert [r.excluded for r in predicted] == [["2"]] * rounds
+    assert [r["deadline_s"] for r in real] == [r.deadline_s for r in predicted] == [1.0, 2.0, 2.0, 2.0]
+    assert [r["fragment"] for r in real] == [r.fragment for r in predicted] == [0, 1, 0, 1]
+    assert torch.equal(server.rounds.weights, simulator.global_flat)

@@ -1,18 +1,44 @@
-"""Aggregation buffers: the plain weighted running sum every round's uploads are added into.
+"""Aggregations: what a round adds its updates into and takes the mean update from.
 
-The coordinator and the simulator both add each decoded upload the moment it arrives; the round
-(``geoloco.algorithms.round``) owns one buffer and hands it to the strategy's outer step.
+Every aggregation has the same interface (``Aggregation``): ``add(update, weight, site=...)``
+as updates arrive and ``take_result()`` once at the close, so the round above it
+(``geoloco.algorithms.round``) and the strategy's outer step never branch on privacy:
+
+- ``RunningSum``: the plain weighted mean, one fp32 buffer however many sites report.
+- ``CentralDPSum``: central differential privacy with a trusted aggregator: each update clipped
+  to ``clip_norm``, Gaussian noise added once to the sum.
+- the secure (masked) sum, ``geoloco.algorithms.secure_sum.InMemorySecureSum`` in the simulator;
+  the coordinator runs the same protocol over gRPC.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from geoloco.algorithms.fixed_point import clip_l2, secure_generator
 from geoloco.compression import Encoded, decode
 
-__all__ = ["RunningSum"]
+__all__ = ["Aggregation", "CentralDPSum", "RunningSum"]
+
+
+class Aggregation(Protocol):
+    """What a round needs of an aggregation."""
+
+    @property
+    def sites(self) -> list[str]:
+        """Sites added so far, in arrival order."""
+        ...
+
+    def add(
+        self, update: Encoded | torch.Tensor, weight: float = 1.0, *, site: str, stale: bool = False
+    ) -> None: ...
+
+    def take_result(self) -> torch.Tensor:
+        """The mean update, handed over once at the close."""
+        ...
 
 
 @dataclass(slots=True)
@@ -102,3 +128,64 @@ class RunningSum:
         if self._buffer is None:
             raise ValueError("no uploads were aggregated this round; cannot take a mean of nothing")
         return self._buffer
+
+
+class CentralDPSum:
+    """Central DP with a trusted aggregator: ``(Σ clip(u_k) + N(0, (z·C)²)) / n``.
+
+    Each decoded update is clipped to L2 norm ``clip_norm`` (its sensitivity) and added to one
+    buffer; Gaussian noise of std ``noise_multiplier · clip_norm`` is added to the sum once, at
+    the close, from a CSPRNG-seeded generator (noise must be unpredictable). Weighting is uniform:
+    DP configs refuse other weightings and folded late updates.
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        *,
+        clip_norm: float,
+        noise_multiplier: float,
+        device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.numel = numel
+        self.clip_norm = clip_norm
+        self.noise_multiplier = noise_multiplier
+        self.device = device
+        self.generator = generator
+        self._sites: list[str] = []
+        self._total: torch.Tensor | None = None
+        self.norms: dict[str, float] = {}
+        """site -> L2 norm of its update before clipping (for metrics)."""
+
+    @property
+    def sites(self) -> list[str]:
+        return list(self._sites)
+
+    def add(
+        self, update: Encoded | torch.Tensor, weight: float = 1.0, *, site: str, stale: bool = False
+    ) -> None:
+        if stale:
+            raise ValueError("differential privacy does not fold late updates (each site enters once)")
+        if site in self._sites:
+            raise ValueError(f"site {site!r} was already aggregated this round")
+        if self._total is None:
+            self._total = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        value = update if isinstance(update, torch.Tensor) else decode(update, device=self._total.device)
+        value = value.reshape(-1)
+        if value.numel() != self.numel:
+            raise ValueError(f"site {site!r} sent {value.numel()} values; the round needs {self.numel}")
+        clipped, norm = clip_l2(value, self.clip_norm)
+        self._total += clipped.to(self._total)
+        self.norms[site] = norm
+        self._sites.append(site)
+
+    def take_result(self) -> torch.Tensor:
+        if self._total is None:
+            raise ValueError("no uploads were aggregated this round; cannot take a mean of nothing")
+        generator = self.generator if self.generator is not None else secure_generator()
+        std = self.noise_multiplier * self.clip_norm
+        noise = torch.randn(self._total.shape, generator=generator, dtype=self._total.dtype)
+        total, self._total = self._total, None
+        return (total + std * noise.to(total.device)) / len(self._sites)
+

@@ -1,81 +1,49 @@
 """The single-process simulator: N sites in a loop on a virtual network clock, same math as the real system.
 
-Scaling choice: there is ONE model instance for all sites. Before a site's inner steps the global
-weights are loaded into it; what each site owns is only its inner-optimizer state (one torch
-optimizer instance per site over the same shared parameters — each instance keeps its own state),
-its uplink error-feedback residual and its data stream. Sites run one after another within a round,
-so memory is ``model + N × (optimizer state + residual)``: 64 sites of a 0.45M-parameter GPT fit
-in well under a gigabyte.
+The sites take turns on one shared model (``geoloco.algorithms.sim_state``); rounds close through
+the same ``Round``/``RoundPolicy`` as the coordinator's (``geoloco.algorithms.round``), uploads
+are encoded and aggregated through one interface whatever the privacy settings
+(``geoloco.algorithms.sim_uplinks``), and Streaming DiLoCo rounds run in
+``geoloco.algorithms.streaming_sim``.
 
 Time is virtual (``geoloco.algorithms.clock``): compute is ``step_time_s × step_time_factor`` per
 step (or the measured wall time of the real steps with ``step_time_s = "measure"``) and every
-transfer costs ``latency + 8 · Encoded.nbytes / bandwidth``, from the bytes really produced by
-the codecs.
+transfer costs ``latency + 8 · nbytes / bandwidth``, from the bytes really produced by the codecs
+(or the secure aggregation protocol).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Iterator
+from typing import Any
 
 import torch
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from geoloco.algorithms.clock import (
-    SiteConfig,
-    download_ends,
-    upload_arrivals,
-)
-from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
-from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
-from geoloco.algorithms.diloco import (
-    UpdateEncoder,
-    batch_size,
-    compute_gradient,
-    pseudo_gradient,
-    run_inner_steps,
-)
-from geoloco.algorithms.fixed_point import clip_l2
+from geoloco.algorithms.clock import download_ends, upload_arrivals
+from geoloco.algorithms.device import resolve_device
+from geoloco.algorithms.diloco import batch_size, compute_gradient, pseudo_gradient
 from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.optimizers import (
-    InnerOptimizerConfig,
-    OuterOptimizerConfig,
     load_optimizer_state_,
     optimizer_state_tensors,
     split_flat_optimizer_state,
 )
-from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
-from geoloco.algorithms.privacy import (
-    PrivacyAccountant,
-    PrivacyConfig,
-    PrivateUpdateEncoder,
-    add_central_noise,
-    check_aggregation,
-    check_composition,
-    effective_noise_multiplier,
-    plan_secure_round,
-    private_round_in_memory,
-    secure_index_seed,
-)
+from geoloco.algorithms.params import ParamLayout, weights_digest
+from geoloco.algorithms.privacy import PrivacyAccountant
 from geoloco.algorithms.round import Round, RoundPolicy, close_time
-from geoloco.algorithms.streaming_sim import StreamingRounds
+from geoloco.algorithms.sim_config import MEASURE, RoundRecord, SimulationConfig, SimulatorConfig
+from geoloco.algorithms.sim_state import SimSite, SimTrainer
+from geoloco.algorithms.sim_uplinks import build_uplinks, round_noise_multiplier
+from geoloco.algorithms.strategy import UPDATE_GRADIENT, AlgorithmConfig, DataParallel, Strategy, build_strategy
 from geoloco.algorithms.streaming import FragmentUplink
-from geoloco.algorithms.strategy import (
-    UPDATE_GRADIENT,
-    AlgorithmConfig,
-    DataParallel,
-    Strategy,
-    build_strategy,
-)
-from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within, steps_in_budget
+from geoloco.algorithms.streaming_sim import StreamingRounds
 from geoloco.algorithms.workload import Workload
-from geoloco.compression import Encoded, decode
+from geoloco.compression import Encoded
 
 __all__ = [
+    "MEASURE",
     "RoundRecord",
     "SimulationConfig",
     "Simulator",
@@ -86,257 +54,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MEASURE = "measure"
-"""``step_time_s`` value that uses the measured wall time of the real inner steps."""
-
-
-@dataclass(kw_only=True, slots=True)
-class SimulationConfig:
-    """How long to run, what to measure, and the coordinator's round policy."""
-
-    rounds: int = 100
-    """Maximum number of rounds (the run stops earlier once ``target_eval_loss`` is reached)."""
-    target_eval_loss: float | None = None
-    """Stop at the first evaluation whose loss is <= this (time-to-target runs); unset = never."""
-    eval_every: int = 10
-    """Evaluate the global model every this many rounds (and always after the last round)."""
-    seed: int = 0
-    """Seed of the model initialisation, the data streams and the codecs' randomness."""
-    step_time_s: float | Literal["measure"] = 0.1
-    """Virtual seconds per inner step of a reference site, or ``"measure"`` (real wall time)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the model trains: ``"auto"`` picks CUDA when available."""
-    round_deadline_s: float | None = None
-    """Uploads arriving later than this after the round opened are left out (stragglers keep
-    their update in their error-feedback residual); unset = wait for every site."""
-    min_sites: int = 1
-    """Quorum: with a deadline, wait past it until at least this many uploads arrived."""
-    adaptive_deadline: AdaptiveDeadlineConfig = field(default_factory=AdaptiveDeadlineConfig)
-    """``[simulation.adaptive_deadline]``: learn each round's deadline from recent arrivals
-    (``geoloco.algorithms.deadline``); ``round_deadline_s`` is then the first rounds' deadline."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        require(self.rounds >= 1, "rounds", f"must be >= 1, got {self.rounds}")
-        require(self.eval_every >= 1, "eval_every", f"must be >= 1, got {self.eval_every}")
-        if not isinstance(self.step_time_s, str):
-            require(
-                self.step_time_s >= 0,
-                "step_time_s",
-                f"must be >= 0 seconds or \"{MEASURE}\", got {self.step_time_s}",
-            )
-        else:
-            require(
-                self.step_time_s == MEASURE,
-                "step_time_s",
-                f"must be a number of seconds or \"{MEASURE}\", got {self.step_time_s!r}",
-            )
-        require(
-            self.target_eval_loss is None or math.isfinite(self.target_eval_loss),
-            "target_eval_loss",
-            f"must be a finite number or unset, got {self.target_eval_loss}",
-        )
-        require(
-            self.round_deadline_s is None or self.round_deadline_s > 0,
-            "round_deadline_s",
-            f"must be > 0 seconds or unset, got {self.round_deadline_s}",
-        )
-        require(self.min_sites >= 1, "min_sites", f"must be >= 1, got {self.min_sites}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return config_to_dict(self)
-
-
-def _default_sites() -> list[SiteConfig]:
-    return [SiteConfig() for _ in range(4)]
-
-
-@dataclass(kw_only=True, slots=True)
-class SimulatorConfig:
-    """Everything a simulated run needs besides the workload; TOML sections map onto the fields."""
-
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """Algorithm, H, codecs, error feedback, weighting, warm-up."""
-    inner_optimizer: InnerOptimizerConfig = field(default_factory=InnerOptimizerConfig)
-    """Each site's optimizer for its inner steps (the shared optimizer for ``ddp``)."""
-    outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
-    """The coordinator's optimizer on the averaged pseudo-gradient (unused by ``ddp``)."""
-    sites: list[SiteConfig] = field(default_factory=_default_sites)
-    """One entry per site (in a file: ``[[sites]]`` entries, or a ``[sites]`` table with
-    ``count`` plus the fields every site shares)."""
-    simulation: SimulationConfig = field(default_factory=SimulationConfig)
-    """Run length, evaluation, clock and round policy."""
-    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-    """Secure aggregation and differential privacy (``geoloco.algorithms.privacy``)."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        require(len(self.sites) >= 1, "sites", "at least one site is needed")
-        try:
-            self.inner_optimizer.resolved_decay_steps(
-                total_rounds=self.simulation.rounds, inner_steps=self.algorithm.inner_steps
-            )
-        except ConfigError as err:
-            raise err.under("inner_optimizer") from None
-        require(
-            self.simulation.min_sites <= len(self.sites),
-            "simulation.min_sites",
-            f"must be <= the number of sites ({len(self.sites)}), got {self.simulation.min_sites}",
-        )
-        require(
-            not (self.algorithm.name == "ddp" and self.simulation.round_deadline_s is not None),
-            "simulation.round_deadline_s",
-            "the ddp baseline waits for every site each step; unset round_deadline_s",
-        )
-        require(
-            not (self.algorithm.name == "ddp" and self.simulation.adaptive_deadline.enabled),
-            "simulation.adaptive_deadline.enabled",
-            "the ddp baseline waits for every site each step; set enabled = false",
-        )
-        if self.privacy.enabled:
-            require(
-                self.algorithm.name != "ddp" and self.algorithm.warmup_steps == 0,
-                "privacy",
-                "privacy applies to pseudo-gradient rounds; use diloco, fedavg or fedopt with "
-                "warmup_steps = 0",
-            )
-            require(
-                self.simulation.round_deadline_s is None,
-                "simulation.round_deadline_s",
-                "with privacy on, every site's update enters the round; unset round_deadline_s",
-            )
-            require(
-                not self.simulation.adaptive_deadline.enabled,
-                "simulation.adaptive_deadline.enabled",
-                "with privacy on, every site's update enters the round; set enabled = false",
-            )
-            check_aggregation(
-                self.privacy,
-                weighting=self.algorithm.weighting,
-                late_updates=self.algorithm.late_updates,
-            )
-            try:
-                check_composition(self.privacy, self.algorithm.uplink_codec, len(self.sites))
-            except ConfigError as err:
-                raise err.under("algorithm" if err.key == "uplink_codec" else "") from None
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SimulatorConfig:
-        """Build from a parsed TOML/JSON dict; errors name the dotted key and what is allowed.
-
-        ``sites`` may be a list of site tables, or one table with ``count`` (default 4) and the
-        fields all sites share.
-        """
-        data = dict(data)
-        sites = data.get("sites")
-        if isinstance(sites, Mapping):
-            shared = dict(sites)
-            count = shared.pop("count", 4)
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                raise ConfigError("sites.count", f"must be an integer >= 1, got {count!r}")
-            template = config_from_dict(SiteConfig, shared, prefix="sites")
-            data["sites"] = [config_to_dict(template) for _ in range(count)]
-        elif sites is not None and not isinstance(sites, list):
-            raise ConfigError(
-                "sites", "expected a list of [[sites]] tables or a [sites] table with count"
-            )
-        return config_from_dict(cls, data)
-
-    def to_dict(self) -> dict[str, Any]:
-        return config_to_dict(self)
-
-
-@dataclass(slots=True)
-class RoundRecord:
-    """What one round (or the warm-up, ``round = -1``) cost and achieved.
-
-    The keys are those of the coordinator's ``metrics.jsonl`` records for the same facts
-    (``participants``, ``excluded``, ``folded_late``, ``weights_digest``, rounds from 0)."""
-
-    round: int
-    """Round number from 0, as on the wire; -1 is the data-parallel warm-up before round 0."""
-    phase: Literal["warmup", "train"]
-    """``"warmup"`` for the synchronous warm-up, ``"train"`` for algorithm rounds."""
-    inner_steps: int
-    """Training steps each site ran in this record."""
-    train_loss: float
-    """Mean of the sites' inner-step losses."""
-    eval_loss: float | None
-    """Held-out loss of the global weights after the round (``None`` when not evaluated)."""
-    participants: list[str]
-    """Sites whose updates entered the aggregate, by name (for ddp/warm-up: every site)."""
-    excluded: list[str]
-    """Sites left out by the round deadline (stragglers), by name."""
-    bytes_up: list[int]
-    """Bytes each site uploaded in this record (``Encoded.nbytes``)."""
-    bytes_down: list[int]
-    """Bytes each site downloaded in this record."""
-    bytes_up_total: int
-    """Cumulative upload bytes of all sites since the start."""
-    bytes_down_total: int
-    """Cumulative download bytes of all sites since the start."""
-    round_time_s: float
-    """Virtual seconds from the previous record's end to this one's."""
-    wall_clock_s: float
-    """Virtual time when every site held the new weights."""
-    compute_s: list[float]
-    """Per site, virtual seconds spent computing in this record."""
-    utilization: list[float]
-    """Per site, the share of its round spent computing (``compute_s`` / its round span)."""
-    weights_digest: str
-    """``weights_digest`` of the global weights after the round."""
-    epsilon: float | None = None
-    """Accounted epsilon (at ``privacy.delta``) after this round; ``None`` without DP."""
-    site_inner_steps: list[int] = field(default_factory=list)
-    """Per site, inner steps run in this record (they differ with ``round_time_budget_s``;
-    ``inner_steps`` is then the most any site ran)."""
-    deadline_s: float | None = None
-    """The round deadline in force (seconds after the round opened); ``None``: none."""
-    folded_late: dict[str, float] = field(default_factory=dict)
-    """site -> discounted weight of its previous round's late update folded into this round."""
-    peak_bytes_in_flight: list[int] | None = None
-    """Per site, the largest single transfer of this record (one upload or one broadcast): the
-    whole model's update in plain DiLoCo, one fragment's with streaming; ``None`` where not
-    tracked (ddp, privacy rounds)."""
-    fragment: int | None = None
-    """Streaming DiLoCo: the fragment this round synchronised; ``None`` otherwise."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return config_to_dict(self)
-
-
-def resolve_device(device: str) -> torch.device:
-    """``"auto"`` -> CUDA if available else CPU; ``"cuda"`` without CUDA is an error."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "simulation.device", "\"cuda\" requested but CUDA is not available; use \"auto\" or \"cpu\""
-        )
-    return torch.device(device)
-
-
-@dataclass(slots=True)
-class _Site:
-    index: int
-    name: str
-    """The site's identity in plans, seeds and aggregation: ``str(index)``."""
-    config: SiteConfig
-    batches: Iterator[Any]
-    optimizer: torch.optim.Optimizer | None
-    uplink: FragmentUplink
-    lr_schedule: InnerLRSchedule | None = None
-    """The inner lr schedule over ``optimizer``, positioned by this site's cumulative inner steps."""
-    ready_s: float = 0.0
-    """Virtual time at which this site holds the current global weights."""
-    late: tuple[Encoded, float, float] | None = None
-    """Its last round's update that missed the deadline, its weight and its arrival time, kept
-    to be folded into the next round (``late_updates = "fold"``)."""
-
 
 class Simulator:
     """A simulated run; iterate ``run()`` for records. ``global_flat`` holds the current weights."""
@@ -345,12 +62,13 @@ class Simulator:
         self.config = config
         self.workload = workload
         sim = config.simulation
-        self.device = resolve_device(sim.device)
+        algo = config.algorithm
+        self.device = resolve_device(sim.device, "simulation.device")
         self.model = workload.build_model(sim.seed).to(self.device)
         self.layout = ParamLayout.from_model(self.model)
         self.global_flat = self.layout.flatten(self.model)
-        self.strategy = build_strategy(
-            config.algorithm,
+        self.strategy: Strategy = build_strategy(
+            algo,
             numel=self.layout.numel,
             outer_optimizer=config.outer_optimizer,
             inner_optimizer=config.inner_optimizer,
@@ -359,92 +77,64 @@ class Simulator:
             layout=self.layout,
         )
         self.data_parallel = self.strategy.update_kind == UPDATE_GRADIENT
+        self.trainer = SimTrainer(
+            self.model, self.layout, workload, device=self.device, step_time_s=sim.step_time_s,
+            grad_clip_norm=config.inner_optimizer.grad_clip_norm,
+        )
         num_sites = len(config.sites)
+        names = [str(k) for k in range(num_sites)]
+        self.uplinks, site_uplinks = build_uplinks(
+            self.strategy, config.privacy, names, uplink_codec=algo.uplink_codec,
+            error_feedback=algo.error_feedback, session=f"simulation-{sim.seed}",
+        )
         self.sites = [
-            _Site(
+            SimSite(
                 index=k,
-                name=str(k),
+                name=names[k],
                 config=site,
                 batches=workload.site_batches(k, num_sites, sim.seed),
                 optimizer=None if self.data_parallel else config.inner_optimizer.build(
                     self.model.parameters()
                 ),
-                uplink=self.strategy.build_uplink(),
+                uplink=site_uplinks.get(names[k]),
             )
             for k, site in enumerate(config.sites)
         ]
         # Inner lr schedule (geoloco.algorithms.lr_schedule): one per site, over its cumulative
         # inner steps of the rounds (the data-parallel warm-up runs at the constant lr); for the
-        # ddp baseline, one over the shared optimizer's steps. Horizon: rounds x inner_steps.
-        # A Streaming DiLoCo round is one fragment sync: H / fragments inner steps.
-        streaming = config.algorithm.streaming
-        per_round = config.algorithm.inner_steps // (streaming.fragments if streaming.enabled else 1)
+        # ddp baseline, one over the shared optimizer's steps. Horizon: rounds x inner steps per
+        # round (a Streaming DiLoCo round is one fragment sync: H / fragments inner steps; a ddp
+        # round reports H synchronous steps).
+        per_round = algo.inner_steps // (algo.streaming.fragments if algo.streaming.enabled else 1)
         horizon = {"total_rounds": sim.rounds, "inner_steps": per_round}
         for site in self.sites:
             if site.optimizer is not None:
                 site.lr_schedule = config.inner_optimizer.build_schedule(site.optimizer, **horizon)
         self.ddp_lr_schedule: InnerLRSchedule | None = None
         if self.data_parallel:
-            shared = self.strategy.outer.optimizer
-            self.ddp_lr_schedule = config.inner_optimizer.build_schedule(shared, **horizon)
-        privacy = config.privacy
-        # One private encoder (own error-feedback residual) per site, and with Streaming DiLoCo
-        # per site and fragment: each fragment sync is its own secure sum.
-        fragments = (
-            config.algorithm.streaming.fragments if config.algorithm.streaming.enabled else 1
-        )
-        self.private_fragments: list[dict[int, PrivateUpdateEncoder]] = [
-            {k: PrivateUpdateEncoder(privacy, config.algorithm.uplink_codec,
-                                     error_feedback=config.algorithm.error_feedback)
-             for k in range(num_sites)} if privacy.secure_aggregation else {}
-            for _ in range(fragments)
-        ]
-        # Simulated sites still run the real protocol, so each needs an identity key.
-        self.identity_keys: dict[int, Ed25519PrivateKey] = (
-            {k: Ed25519PrivateKey.generate() for k in range(num_sites)}
-            if privacy.secure_aggregation else {}
-        )
-        self.accountant = PrivacyAccountant(privacy.delta) if privacy.dp != "off" else None
+            self.ddp_lr_schedule = config.inner_optimizer.build_schedule(self.strategy.outer.optimizer, **horizon)
+        self.accountant = PrivacyAccountant(config.privacy.delta) if config.privacy.dp != "off" else None
         self.policy = RoundPolicy(
             min_sites=sim.min_sites,
             round_deadline_s=sim.round_deadline_s,
             adaptive_deadline=sim.adaptive_deadline,
-            late_updates=config.algorithm.late_updates,
-            staleness_discount=config.algorithm.staleness_discount,
+            late_updates=algo.late_updates,
+            staleness_discount=algo.staleness_discount,
         )
         self.clock_s = 0.0
         self.open_s = 0.0
         self.bytes_up_total = 0
         self.bytes_down_total = 0
-        # Streaming DiLoCo (geoloco.algorithms.streaming_sim): per-site weights and overlap.
-        self.streaming: StreamingRounds | None = (
-            StreamingRounds(self) if config.algorithm.streaming.enabled else None
-        )
-
-    # -- helpers -----------------------------------------------------------------------------
-
-    def _step_seconds(self, site: _Site, steps: int, measured_s: float) -> float:
-        step_time = self.config.simulation.step_time_s
-        base = measured_s if step_time == MEASURE else steps * float(step_time)
-        return base * site.config.step_time_factor
-
-    def _sync_device(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.streaming: StreamingRounds | None = StreamingRounds(self) if algo.streaming.enabled else None
+        """Streaming DiLoCo (``geoloco.algorithms.streaming_sim``): per-site weights and overlap."""
 
     def _evaluate(self) -> float:
-        self.layout.load_(self.model, self.global_flat)
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                return float(self.workload.eval_loss(self.model))
-        finally:
-            self.model.train()
+        return self.trainer.evaluate(self.global_flat)
 
     # -- data-parallel steps (the ddp baseline and the warm-up) ------------------------------
 
     def _data_parallel_steps(
-        self, strategy: Strategy, uplinks: list[FragmentUplink], steps: int, first_index: int
+        self, strategy: Strategy, uplinks: list[FragmentUplink], steps: int, first_round: int
     ) -> dict[str, Any]:
         """``steps`` synchronous DDP steps through ``strategy`` (a ``DataParallel``)."""
         n = len(self.sites)
@@ -453,19 +143,20 @@ class Simulator:
         compute = [0.0] * n
         starts0 = [s.ready_s for s in self.sites]
         losses: list[float] = []
+        trainer = self.trainer
         for step in range(steps):
-            plan = strategy.configure_round(first_index + step, [s.name for s in self.sites])
+            plan = strategy.configure_round(first_round + step, [s.name for s in self.sites])
             aggregator = strategy.new_aggregator(plan.round)
-            self.layout.load_(self.model, self.global_flat)
+            trainer.load(self.global_flat)
             step_compute = []
             upload_sizes = []
-            for site, uplink in zip(self.sites, uplinks):
-                self._sync_device()
+            for site, uplink in zip(self.sites, uplinks, strict=True):
+                trainer.sync_device()
                 t0 = time.perf_counter()
                 batch = next(site.batches)
                 grad, loss = compute_gradient(self.model, self.layout, batch, self.workload.loss)
-                self._sync_device()
-                seconds = self._step_seconds(site, 1, time.perf_counter() - t0)
+                trainer.sync_device()
+                seconds = trainer.step_seconds(site, 1, time.perf_counter() - t0)
                 encoded = uplink.encode(grad, seed=plan.uplink_seed(site.name))
                 aggregator.add(encoded, strategy.site_weight(batch_size(batch)), site=site.name)
                 losses.append(loss)
@@ -489,128 +180,78 @@ class Simulator:
                 compute[k] += step_compute[k]
                 bytes_up[k] += upload_sizes[k]
                 bytes_down[k] += update.downlink.nbytes
-        spans = [s.ready_s - start for s, start in zip(self.sites, starts0)]
+        spans = [s.ready_s - start for s, start in zip(self.sites, starts0, strict=True)]
         return {
             "train_loss": sum(losses) / len(losses),
             "bytes_up": bytes_up,
             "bytes_down": bytes_down,
             "compute_s": compute,
-            "utilization": [c / span if span > 0 else 1.0 for c, span in zip(compute, spans)],
+            "utilization": [c / span if span > 0 else 1.0 for c, span in zip(compute, spans, strict=True)],
             "excluded": [],
             "participants": [s.name for s in self.sites],
         }
 
     # -- one DiLoCo-family round -------------------------------------------------------------
 
-    def _round_noise_multiplier(self, round_number: int) -> float:
-        """What the accountant composes for one round (see ``effective_noise_multiplier``);
-        with streaming one release of the round's fragment update."""
-        privacy = self.config.privacy
-        if privacy.dp != "distributed":
-            return privacy.noise_multiplier
-        numel = (
-            self.strategy.update_numel(round_number)
+    def round_noise_multiplier(self, round_number: int) -> float:
+        """What the accountant composes for round ``round_number``: one release of its update
+        (with streaming, of its fragment's)."""
+        return round_noise_multiplier(
+            self.config.privacy, self.config.algorithm.uplink_codec,
+            numel=self.strategy.update_numel(round_number), num_sites=len(self.sites),
         )
-        context, fixed = plan_secure_round(
-            privacy, self.config.algorithm.uplink_codec, numel=numel,
-            num_sites=len(self.sites), session="simulation", round_index=0,
-        )
-        return effective_noise_multiplier(privacy, fixed, context.numel)
-
-    def _private_aggregate(
-        self, round_number: int, updates: dict[int, torch.Tensor], plan: Any,
-        fragment: int | None = None,
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Mean update under the privacy config, and each site's upload bytes.
-
-        ``fragment``: Streaming DiLoCo's fragment of this round (``updates`` are that
-        fragment's); its secure sum, clip and noise cover the fragment only.
-        """
-        privacy = self.config.privacy
-        codec = self.config.algorithm.uplink_codec
-        numel = next(iter(updates.values())).numel()
-        if privacy.secure_aggregation:
-            traffic: dict[int, int] = {}
-            mean, survivors = private_round_in_memory(
-                privacy, codec, updates, self.private_fragments[fragment or 0], self.identity_keys,
-                session=f"simulation-{self.config.simulation.seed}", round_index=round_number,
-                index_seed=secure_index_seed(plan.seed), traffic=traffic,
-            )
-            if privacy.dp == "central":
-                mean = add_central_noise(mean * len(survivors), privacy) / len(survivors)
-            return mean.to(self.global_flat.device), [traffic[k] for k in sorted(updates)]
-        # Central DP without secure aggregation: the trusted coordinator clips each decoded
-        # upload, sums, and adds Gaussian noise to the sum.
-        assert privacy.clip_norm is not None
-        total = torch.zeros(numel, dtype=torch.float32)
-        sizes = []
-        for k in sorted(updates):
-            uplink = self.sites[k].uplink
-            encoded = uplink.encode(updates[k], seed=plan.uplink_seed(str(k)), fragment=plan.fragment)
-            sizes.append(encoded.nbytes)
-            total += clip_l2(decode(encoded, device="cpu").reshape(-1), privacy.clip_norm)[0]
-        mean = add_central_noise(total, privacy) / len(updates)
-        return mean.to(self.global_flat.device), sizes
 
     def _diloco_round(self, round_number: int) -> dict[str, Any]:
-        sim = self.config.simulation
+        """Every site trains from ``θ_t`` and uploads; the round closes by the policy on the
+        virtual clock; late uploads are folded next round or kept in the site's residual."""
         strategy = self.strategy
         plan = strategy.configure_round(round_number, [s.name for s in self.sites])
-        round_ = Round(number=plan.round, aggregation=strategy.new_aggregator(plan.round), opened_s=self.open_s)
+        round_ = Round(number=plan.round, aggregation=self.uplinks.begin(plan), opened_s=self.open_s)
         round_.start(self.open_s, self.policy)
-        deadline_s = round_.deadline_s
-        deadline = round_.deadline_at
-        pending: dict[int, Encoded] = {}
+        payloads = []
+        weights: list[float] = []
         site_steps: list[int] = []
-        arrivals: list[float] = []
         compute: list[float] = []
-        upload_sizes: list[int] = []
         losses: list[float] = []
-        weights: dict[int, float] = {}
-        private_updates: dict[int, torch.Tensor] = {}
         for site in self.sites:
-            assert site.optimizer is not None
-            self.layout.load_(self.model, self.global_flat)
+            self.trainer.load(self.global_flat)
             result, seconds = self._inner_steps(site, plan.inner_steps)
             steps = len(result.losses)
-            site_steps.append(steps)
-            update = pseudo_gradient(self.global_flat, self.layout.flatten(self.model))
-            if self.config.privacy.enabled:
-                private_updates[site.index] = update.to("cpu")
-                compute.append(seconds)
-                losses.extend(result.losses)
-                continue
-            encoded = site.uplink.encode(update, seed=plan.uplink_seed(site.name))
+            update = pseudo_gradient(self.global_flat, self.trainer.flatten())
+            payloads.append(self.uplinks.encode(site.name, update, plan, round_.aggregation))
             del update
-            (arrival,) = upload_arrivals([site.ready_s], [seconds], [encoded.nbytes], [site.config])
-            weights[site.index] = strategy.site_weight(result.samples, steps)
-            if deadline is None or arrival <= deadline:
-                round_.add(encoded, weights[site.index], site=site.name, now=arrival)
-            else:
-                pending[site.index] = encoded
-            arrivals.append(arrival)
+            weights.append(strategy.site_weight(result.samples, steps))
+            site_steps.append(steps)
             compute.append(seconds)
-            upload_sizes.append(encoded.nbytes)
             losses.extend(result.losses)
-        if private_updates:
-            stats = self._private_round_finish(round_number, plan, private_updates, compute, losses)
-            return {**stats, "site_inner_steps": site_steps, "deadline_s": None, "folded_late": {}}
-        aggregate_s = close_time(self.policy, arrivals, start_s=self.open_s, deadline_s=deadline_s)
-        included = [k for k, a in enumerate(arrivals) if a <= aggregate_s]
-        # Late uploads the quorum rule pulled in are aggregated.
-        for k in included:
-            if k in pending:
-                round_.add(pending.pop(k), weights[k], site=self.sites[k].name, now=arrivals[k])
+        # Sizes are known once every site has encoded (the secure protocol's messages).
+        upload_sizes = [
+            self.uplinks.nbytes(s.name, p, round_.aggregation) for s, p in zip(self.sites, payloads, strict=True)
+        ]
+        arrivals = upload_arrivals(
+            [s.ready_s for s in self.sites], compute, upload_sizes, [s.config for s in self.sites]
+        )
+        aggregate_s = close_time(self.policy, arrivals, start_s=self.open_s, deadline_s=round_.deadline_s)
+        # On-time uploads in site order, then those the quorum rule pulled in after the deadline.
+        deadline = round_.deadline_at
+        on_time = [k for k, a in enumerate(arrivals) if deadline is None or a <= deadline]
+        pulled_in = [k for k, a in enumerate(arrivals) if k not in on_time and a <= aggregate_s]
+        for k in on_time + pulled_in:
+            round_.add(payloads[k], weights[k], site=self.sites[k].name, now=arrivals[k])
+        self._fold_late_updates(round_, aggregate_s)
         outcome = round_.close(now=aggregate_s, expected=[s.name for s in self.sites])
         self.policy.observe(outcome)
-        self._fold_late_updates(round_, aggregate_s)
         # The others go back to the sites' residuals (with error feedback) so their work arrives
         # next round, or wait to be folded into the next round's average.
-        for k, encoded in pending.items():
+        for k, site in enumerate(self.sites):
+            if site.name not in outcome.excluded:
+                continue
+            payload = payloads[k]
             if self.policy.folds_late_updates:
-                self.sites[k].late = (encoded, weights[k], arrivals[k])
+                assert isinstance(payload, Encoded)  # privacy rounds never fold
+                site.late = (payload, weights[k], arrivals[k])
             else:
-                self.sites[k].uplink.restore(encoded)
+                self.uplinks.keep(site.name, payload, plan.fragment)
         update = strategy.aggregate_round(self.global_flat, round_.aggregation, plan)
         self.global_flat = update.global_flat
         utilization = self._close_round_clock(aggregate_s, arrivals, update.downlink.nbytes, compute)
@@ -621,39 +262,22 @@ class Simulator:
             "compute_s": compute,
             "utilization": utilization,
             "excluded": list(outcome.excluded),
-            "participants": [self.sites[k].name for k in included],
+            "participants": list(outcome.contributors),
             "site_inner_steps": site_steps,
-            "deadline_s": deadline_s,
-            "folded_late": dict(round_.folded),
+            "deadline_s": outcome.deadline_s,
+            "folded_late": dict(outcome.folded),
             "peak_bytes_in_flight": [max(up, update.downlink.nbytes) for up in upload_sizes],
         }
 
-    def _inner_steps(self, site: _Site, inner_steps: int) -> tuple[Any, float]:
+    def _inner_steps(self, site: SimSite, inner_steps: int) -> tuple[Any, float]:
         """One site's inner steps of a round: ``inner_steps``, or as many as fit in the time
-        budget on the virtual clock (``steps_in_budget``, or measured step by step in
-        ``"measure"`` mode). Returns the ``InnerResult`` and the virtual compute seconds."""
-        sim = self.config.simulation
+        budget on the virtual clock. Returns the ``InnerResult`` and the virtual seconds."""
         budget_s = self.config.algorithm.round_time_budget_s
-        assert site.optimizer is not None
-        clip = self.config.inner_optimizer.grad_clip_norm
-        if budget_s is not None and sim.step_time_s == MEASURE:
-            result, seconds = run_inner_steps_within(
-                self.model, site.optimizer, site.batches, TimeBudget(budget_s),
-                self.workload.loss, grad_clip_norm=clip, lr_schedule=site.lr_schedule,
-                time_scale=site.config.step_time_factor, sync=self._sync_device,
-            )
-            return result, seconds
         if budget_s is not None:
-            step_s = float(sim.step_time_s) * site.config.step_time_factor
-            inner_steps = steps_in_budget(budget_s, step_s, max_steps=None if step_s > 0 else 1)
-        self._sync_device()
-        t0 = time.perf_counter()
-        result = run_inner_steps(
-            self.model, site.optimizer, site.batches, inner_steps, self.workload.loss,
-            grad_clip_norm=clip, lr_schedule=site.lr_schedule,
-        )
-        self._sync_device()
-        return result, self._step_seconds(site, inner_steps, time.perf_counter() - t0)
+            return self.trainer.steps_within(site, budget_s)
+        result, seconds = self.trainer.steps(site, inner_steps)
+        assert result is not None
+        return result, seconds
 
     def _fold_late_updates(self, round_: Round, aggregate_s: float) -> None:
         """Add last round's late updates that arrived before this round aggregated, with the
@@ -667,34 +291,7 @@ class Simulator:
             if arrival <= aggregate_s:
                 round_.fold(encoded, weight, site=site.name, policy=self.policy)
             else:
-                site.uplink.restore(encoded)
-
-    def _private_round_finish(
-        self, round_number: int, plan: Any, updates: dict[int, torch.Tensor],
-        compute: list[float], losses: list[float],
-    ) -> dict[str, Any]:
-        """Aggregate a privacy round (every site enters), outer step, clock and downlink."""
-        mean, upload_sizes = self._private_aggregate(round_number, updates, plan)
-        update = self.strategy.apply_mean_update(
-            self.global_flat, mean, tuple(str(k) for k in sorted(updates)), plan
-        )
-        self.global_flat = update.global_flat
-        arrivals = [
-            upload_arrivals([site.ready_s], [compute[k]], [upload_sizes[k]], [site.config])[0]
-            for k, site in enumerate(self.sites)
-        ]
-        # Privacy rounds have no deadline: every site's update enters.
-        included, aggregate_s = list(range(len(arrivals))), max(arrivals)
-        utilization = self._close_round_clock(aggregate_s, arrivals, update.downlink.nbytes, compute)
-        return {
-            "train_loss": sum(losses) / len(losses),
-            "bytes_up": upload_sizes,
-            "bytes_down": [update.downlink.nbytes] * len(self.sites),
-            "compute_s": compute,
-            "utilization": utilization,
-            "excluded": [],
-            "participants": [self.sites[k].name for k in included],
-        }
+                self.uplinks.keep(site.name, encoded, 0)
 
     def _close_round_clock(
         self, aggregate_s: float, arrivals: list[float], downlink_bytes: int, compute: list[float]
@@ -766,12 +363,12 @@ class Simulator:
             yield self._record(-1, "warmup", algo.warmup_steps, stats, self._evaluate())
         for round_number in range(sim.rounds):
             if self.data_parallel:
-                first = round_number * algo.inner_steps
                 stats = self._data_parallel_steps(
-                    self.strategy, [s.uplink for s in self.sites], algo.inner_steps, first
+                    self.strategy, [s.uplink for s in self.sites if s.uplink is not None],
+                    algo.inner_steps, round_number * algo.inner_steps,
                 )
             else:
-                z = self._round_noise_multiplier(round_number)
+                z = self.round_noise_multiplier(round_number)
                 if self.accountant is not None and not self.accountant.allows(
                     z, self.config.privacy.epsilon_budget
                 ):

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
-from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.aggregation import Aggregation, RunningSum
 from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, encode_downlink
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, OuterOptimizerConfig
 from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
@@ -388,7 +388,7 @@ class Strategy:
     def aggregate_round(
         self,
         global_flat: torch.Tensor,
-        aggregator: RunningSum,
+        aggregator: Aggregation,
         plan: RoundPlan,
     ) -> RoundUpdate:
         """Outer step on the aggregated update, then the downlink encoding of the change.
@@ -419,6 +419,7 @@ class Strategy:
         """
         fragment = self.partition[plan.fragment]
         whole = self.partition.is_whole
+        mean_update = mean_update.to(global_flat.device)  # a secure or DP mean may come from the CPU
         downlink, next_part = self.fragments[plan.fragment].step(
             global_flat if whole else fragment.gather(global_flat), mean_update,
             plan.downlink_seed, consume_mean=consume_mean,

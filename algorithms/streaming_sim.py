@@ -21,22 +21,19 @@ broadcast): one fragment, not the whole model.
 
 from __future__ import annotations
 
-import dataclasses
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from geoloco.algorithms.clock import SiteConfig, download_ends, transfer_time
-from geoloco.algorithms.round import Round, close_time
-from geoloco.algorithms.diloco import pseudo_gradient, run_inner_steps
-from geoloco.algorithms.streaming import merge_fragment_
+from geoloco.algorithms.diloco import pseudo_gradient
+from geoloco.algorithms.round import Round, RoundPolicy, close_time
+from geoloco.algorithms.sim_state import SimSite, SimTrainer
+from geoloco.algorithms.sim_uplinks import SimUplinks
 from geoloco.algorithms.strategy import Strategy
-from geoloco.compression import Encoded
-
-if TYPE_CHECKING:
-    from geoloco.algorithms.simulator import Simulator
+from geoloco.algorithms.streaming import merge_fragment_
 
 __all__ = ["SiteStreamTime", "StreamingRounds", "streaming_site_time"]
 
@@ -98,159 +95,96 @@ class _SiteStream:
     """When the site finished its last step (its last upload started)."""
 
 
-class StreamingRounds:
-    """Runs Streaming DiLoCo rounds for a ``Simulator`` (same workload, sites, clock, records)."""
+class SimulatorState(Protocol):
+    """What a streaming round reads and advances of its simulator (``Simulator`` has it all)."""
 
-    def __init__(self, simulator: Simulator) -> None:
+    strategy: Strategy
+    trainer: SimTrainer
+    uplinks: SimUplinks
+    policy: RoundPolicy
+    sites: list[SimSite]
+    global_flat: torch.Tensor
+    open_s: float
+
+
+class StreamingRounds:
+    """Runs Streaming DiLoCo rounds for a simulator (same workload, sites, clock, records)."""
+
+    def __init__(self, simulator: SimulatorState) -> None:
         self.sim = simulator
-        self.strategy: Strategy = simulator.strategy
         self.streams = [_SiteStream() for _ in simulator.sites]
 
-    def _steps(self, site: Any, steps: int) -> tuple[list[float], int, float]:
+    def _steps(self, site: SimSite, steps: int) -> tuple[list[float], int, float]:
         """``steps`` inner steps of ``site`` on the shared model: (losses, samples, virtual s)."""
-        if steps == 0:
-            return [], 0, 0.0
-        sim = self.sim
-        sim._sync_device()
-        t0 = time.perf_counter()
-        result = run_inner_steps(
-            sim.model, site.optimizer, site.batches, steps, sim.workload.loss,
-            grad_clip_norm=sim.config.inner_optimizer.grad_clip_norm, lr_schedule=site.lr_schedule,
-        )
-        sim._sync_device()
-        return result.losses, result.samples, sim._step_seconds(site, steps, time.perf_counter() - t0)
+        result, seconds = self.sim.trainer.steps(site, steps)
+        return ([], 0, seconds) if result is None else (result.losses, result.samples, seconds)
 
     def round(self, round_number: int) -> dict[str, Any]:
         sim = self.sim
-        strategy = self.strategy
-        interval = strategy.schedule.interval
-        mix = strategy.streaming.mix
+        strategy = sim.strategy
+        trainer = sim.trainer
+        schedule = strategy.schedule
         plan = strategy.configure_round(round_number, [s.name for s in sim.sites])
         p = plan.fragment
         fragment = strategy.partition[p]
-        round_ = Round(number=plan.round, aggregation=strategy.new_aggregator(plan.round), opened_s=sim.open_s)
+        round_ = Round(number=plan.round, aggregation=sim.uplinks.begin(plan), opened_s=sim.open_s)
         round_.start(sim.open_s, sim.policy)
-        cutoff = round_.deadline_at
         global_fragment = fragment.gather(sim.global_flat)
-        pending: dict[int, Encoded] = {}
-        times: list[SiteStreamTime] = []
-        upload_sizes: list[int] = []
+        payloads = []
+        weights: list[float] = []
+        computed: list[tuple[float, float, float | None, float]] = []
         losses: list[float] = []
-        weights: dict[int, float] = {}
-        private = sim.config.privacy.enabled
-        private_updates: dict[int, torch.Tensor] = {}
-        for site, stream in zip(sim.sites, self.streams):
-            assert site.optimizer is not None
+        for site, stream in zip(sim.sites, self.streams, strict=True):
             if stream.local is None:
                 stream.local = sim.global_flat.clone()
                 stream.upload_s = site.ready_s
-            sim.layout.load_(sim.model, stream.local)
-            overlap = strategy.schedule.overlap_before_merge(plan.round)
+            trainer.load(stream.local)
+            overlap = schedule.overlap_before_merge(plan.round)
             first_losses, first_samples, first_s = self._steps(site, overlap)
             if stream.merge_round is not None:
-                local = sim.layout.flatten(sim.model)
-                merge_fragment_(local, sim.global_flat, strategy.fragment(stream.merge_round), mix)
-                sim.layout.load_(sim.model, local)
+                local = trainer.flatten()
+                merge_fragment_(local, sim.global_flat, strategy.fragment(stream.merge_round), strategy.streaming.mix)
+                trainer.load(local)
                 del local
-            rest_losses, rest_samples, rest_s = self._steps(site, interval - overlap)
-            stream.local = sim.layout.flatten(sim.model)
+            rest_losses, rest_samples, rest_s = self._steps(site, schedule.interval - overlap)
+            stream.local = trainer.flatten()
             update = pseudo_gradient(global_fragment, fragment.gather(stream.local))
             losses.extend(first_losses + rest_losses)
-            if private:
-                # Privacy: the fragment's update enters this round's own private round below
-                # (secure sum / clip / noise over the fragment only); timed once its size is known.
-                private_updates[site.index] = update.to("cpu")
-                times.append(streaming_site_time(
-                    start_s=stream.upload_s, overlap_compute_s=first_s, rest_compute_s=rest_s,
-                    previous_broadcast_s=stream.broadcast_s if stream.merge_round is not None else None,
-                    upload_bytes=0, site=site.config,
-                ))
-                continue
-            encoded = site.uplink.encode(update, seed=plan.uplink_seed(site.name), fragment=p)
+            payloads.append(sim.uplinks.encode(site.name, update, plan, round_.aggregation))
             del update
-            timing = streaming_site_time(
-                start_s=stream.upload_s,
-                overlap_compute_s=first_s,
-                rest_compute_s=rest_s,
-                previous_broadcast_s=stream.broadcast_s if stream.merge_round is not None else None,
-                upload_bytes=encoded.nbytes,
-                site=site.config,
-            )
-            weights[site.index] = strategy.site_weight(first_samples + rest_samples)
-            if cutoff is None or timing.arrival_s <= cutoff:
-                round_.add(encoded, weights[site.index], site=site.name, now=timing.arrival_s)
-            else:
-                pending[site.index] = encoded
-            times.append(timing)
-            upload_sizes.append(encoded.nbytes)
-        if private:
-            return self._private_finish(round_number, plan, p, private_updates, times, losses)
-        arrivals = [t.arrival_s for t in times]
-        aggregate_s = close_time(sim.policy, arrivals, start_s=sim.open_s, deadline_s=round_.deadline_s)
-        included = [k for k, a in enumerate(arrivals) if a <= aggregate_s]
-        for k in included:
-            if k in pending:
-                round_.add(pending.pop(k), weights[k], site=sim.sites[k].name, now=arrivals[k])
-        sim.policy.observe(round_.close(now=aggregate_s, expected=[s.name for s in sim.sites]))
-        # Streaming never folds (the next round syncs another fragment): late work stays in the
-        # fragment's residual.
-        for k, encoded in pending.items():
-            sim.sites[k].uplink.restore(encoded, fragment=p)
-        update = strategy.aggregate_round(sim.global_flat, round_.aggregation, plan)
-        stats = self._finish(round_number, p, update, times, upload_sizes, arrivals, included,
-                             aggregate_s, losses, [sim.sites[k].name for k in sorted(pending)])
-        return {**stats, "deadline_s": round_.deadline_s}
-
-    def _private_finish(
-        self,
-        round_number: int,
-        plan: Any,
-        p: int,
-        updates: dict[int, torch.Tensor],
-        compute_times: list[SiteStreamTime],
-        losses: list[float],
-    ) -> dict[str, Any]:
-        """A privacy round of fragment ``p``: one secure sum / DP release of the fragment's
-        updates (every site enters; privacy runs have no round deadline), then the outer step."""
-        sim = self.sim
-        mean, upload_sizes = sim._private_aggregate(round_number, updates, plan, fragment=p)
-        update = self.strategy.apply_mean_update(
-            sim.global_flat, mean, tuple(str(k) for k in sorted(updates)), plan, consume_mean=True
-        )
-        # The timelines were made before the upload size was known: its transfer now.
+            weights.append(strategy.site_weight(first_samples + rest_samples))
+            previous = stream.broadcast_s if stream.merge_round is not None else None
+            computed.append((stream.upload_s, first_s, previous, rest_s))
+        # Sizes are known once every site has encoded (the secure protocol's messages).
+        upload_sizes = [
+            sim.uplinks.nbytes(s.name, pl, round_.aggregation) for s, pl in zip(sim.sites, payloads, strict=True)
+        ]
         times = [
-            dataclasses.replace(t, arrival_s=t.upload_s + transfer_time(
-                size, site.config.uplink_bps, site.config.latency_s
-            ))
-            for t, size, site in zip(compute_times, upload_sizes, sim.sites)
+            streaming_site_time(
+                start_s=start, overlap_compute_s=first_s, rest_compute_s=rest_s,
+                previous_broadcast_s=previous, upload_bytes=size, site=site.config,
+            )
+            for (start, first_s, previous, rest_s), size, site in zip(computed, upload_sizes, sim.sites, strict=True)
         ]
         arrivals = [t.arrival_s for t in times]
-        # Privacy rounds have no deadline: every site's update enters.
-        included, aggregate_s = list(range(len(arrivals))), max(arrivals)
-        return self._finish(round_number, p, update, times, upload_sizes, arrivals, included,
-                            aggregate_s, losses, [])
-
-    def _finish(
-        self,
-        round_number: int,
-        p: int,
-        update: Any,
-        times: list[SiteStreamTime],
-        upload_sizes: list[int],
-        arrivals: list[float],
-        included: list[int],
-        aggregate_s: float,
-        losses: list[float],
-        excluded: list[str],
-    ) -> dict[str, Any]:
-        """Apply the round's update, advance the clock and each site's stream; the stats."""
-        sim = self.sim
+        aggregate_s = close_time(sim.policy, arrivals, start_s=sim.open_s, deadline_s=round_.deadline_s)
+        deadline = round_.deadline_at
+        on_time = [k for k, a in enumerate(arrivals) if deadline is None or a <= deadline]
+        pulled_in = [k for k, a in enumerate(arrivals) if k not in on_time and a <= aggregate_s]
+        for k in on_time + pulled_in:
+            round_.add(payloads[k], weights[k], site=sim.sites[k].name, now=arrivals[k])
+        outcome = round_.close(now=aggregate_s, expected=[s.name for s in sim.sites])
+        sim.policy.observe(outcome)
+        # Streaming never folds (the next round syncs another fragment): late work stays in the
+        # fragment's residual.
+        for k, site in enumerate(sim.sites):
+            if site.name in outcome.excluded:
+                sim.uplinks.keep(site.name, payloads[k], p)
+        update = strategy.aggregate_round(sim.global_flat, round_.aggregation, plan)
         sim.global_flat = update.global_flat
-        ends = download_ends(
-            aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in sim.sites]
-        )
-        for site, stream, timing, end in zip(sim.sites, self.streams, times, ends):
-            stream.merge_round = round_number
+        ends = download_ends(aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in sim.sites])
+        for site, stream, timing, end in zip(sim.sites, self.streams, times, ends, strict=True):
+            stream.merge_round = plan.round
             stream.broadcast_s = end
             stream.upload_s = timing.upload_s
             site.ready_s = timing.upload_s
@@ -262,9 +196,10 @@ class StreamingRounds:
             "bytes_down": [down] * len(sim.sites),
             "compute_s": [t.compute_s for t in times],
             "utilization": [t.utilization for t in times],
-            "excluded": excluded,
-            "participants": [sim.sites[k].name for k in included],
+            "excluded": list(outcome.excluded),
+            "participants": list(outcome.contributors),
             "end_s": max(ends),
             "peak_bytes_in_flight": [max(up, down) for up in upload_sizes],
             "fragment": p,
+            "deadline_s": outcome.deadline_s,
         }

@@ -388,16 +388,16 @@ def test_simulator_streaming_secure_aggregation_matches_plain_streaming(deep, mo
         "algorithm": {"uplink_codec": "none", "downlink_codec": "none"},
         "simulation": {"rounds": 4, "eval_every": 4, "device": "cpu", "step_time_s": 0.1},
     }
-    from geoloco.algorithms import simulator as simulator_module
+    from geoloco.algorithms import secure_sum as secure_sum_module
 
     sums: list[int] = []
-    real = simulator_module.private_round_in_memory
+    real = secure_sum_module.private_round_in_memory
 
     def recording(privacy, codec, updates, encoders, *args, **kwargs):
         sums.append(next(iter(updates.values())).numel())
         return real(privacy, codec, updates, encoders, *args, **kwargs)
 
-    monkeypatch.setattr(simulator_module, "private_round_in_memory", recording)
+    monkeypatch.setattr(secure_sum_module, "private_round_in_memory", recording)
     plain = Simulator(_sim_config(streaming, **sections), deep())
     secure = Simulator(
         _sim_config(streaming, privacy={"secure_aggregation": True, "clip_norm": 10.0}, **sections),
@@ -410,7 +410,7 @@ def test_simulator_streaming_secure_aggregation_matches_plain_streaming(deep, mo
     assert sums == [partition[r.fragment].numel for r in b]
     assert partition[0].numel != partition[1].numel
     # Per-fragment error feedback: each site keeps one residual per fragment, of its size.
-    for p, encoders in enumerate(secure.private_fragments):
+    for p, encoders in enumerate(secure.uplinks.encoders):  # type: ignore[attr-defined]
         assert {e.residual.numel() for e in encoders.values()} == {partition[p].numel}  # type: ignore[union-attr]
     difference = float((secure.global_flat - plain.global_flat).abs().max())
     assert 0 < difference < 1e-5, difference
@@ -436,7 +436,7 @@ def test_simulator_streaming_distributed_dp_accounts_one_release_per_fragment_sy
     accountant = PrivacyAccountant(config.privacy.delta)
     expected = []
     for r in records:
-        expected.append(accountant.step(sim._round_noise_multiplier(r.round)))
+        expected.append(accountant.step(sim.round_noise_multiplier(r.round)))
     assert [r.epsilon for r in records] == pytest.approx(expected)
     assert 0 < records[0].epsilon < records[1].epsilon < records[2].epsilon  # type: ignore[operator]
     assert all(torch.isfinite(sim.global_flat))

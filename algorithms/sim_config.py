@@ -1,0 +1,240 @@
+"""What a simulated run is told: the run's length and round policy, the sites, and the record
+each round yields. TOML sections map onto these dataclasses one to one."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from geoloco.algorithms.clock import SiteConfig
+from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
+from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
+from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
+from geoloco.algorithms.privacy import PrivacyConfig, check_aggregation, check_composition
+from geoloco.algorithms.strategy import AlgorithmConfig
+
+__all__ = ["MEASURE", "RoundRecord", "SimulationConfig", "SimulatorConfig"]
+
+MEASURE = "measure"
+"""``step_time_s`` value that uses the measured wall time of the real inner steps."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SimulationConfig:
+    """How long to run, what to measure, and the coordinator's round policy."""
+
+    rounds: int = 100
+    """Maximum number of rounds (the run stops earlier once ``target_eval_loss`` is reached)."""
+    target_eval_loss: float | None = None
+    """Stop at the first evaluation whose loss is <= this (time-to-target runs); unset = never."""
+    eval_every: int = 10
+    """Evaluate the global model every this many rounds (and always after the last round)."""
+    seed: int = 0
+    """Seed of the model initialisation, the data streams and the codecs' randomness."""
+    step_time_s: float | Literal["measure"] = 0.1
+    """Virtual seconds per inner step of a reference site, or ``"measure"`` (real wall time)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model trains: ``"auto"`` picks CUDA when available."""
+    round_deadline_s: float | None = None
+    """Uploads arriving later than this after the round opened are left out (stragglers keep
+    their update in their error-feedback residual); unset = wait for every site."""
+    min_sites: int = 1
+    """Quorum: with a deadline, wait past it until at least this many uploads arrived."""
+    adaptive_deadline: AdaptiveDeadlineConfig = field(default_factory=AdaptiveDeadlineConfig)
+    """``[simulation.adaptive_deadline]``: learn each round's deadline from recent arrivals
+    (``geoloco.algorithms.deadline``); ``round_deadline_s`` is then the first rounds' deadline."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        require(self.rounds >= 1, "rounds", f"must be >= 1, got {self.rounds}")
+        require(self.eval_every >= 1, "eval_every", f"must be >= 1, got {self.eval_every}")
+        if not isinstance(self.step_time_s, str):
+            require(
+                self.step_time_s >= 0,
+                "step_time_s",
+                f"must be >= 0 seconds or \"{MEASURE}\", got {self.step_time_s}",
+            )
+        else:
+            require(
+                self.step_time_s == MEASURE,
+                "step_time_s",
+                f"must be a number of seconds or \"{MEASURE}\", got {self.step_time_s!r}",
+            )
+        require(
+            self.target_eval_loss is None or math.isfinite(self.target_eval_loss),
+            "target_eval_loss",
+            f"must be a finite number or unset, got {self.target_eval_loss}",
+        )
+        require(
+            self.round_deadline_s is None or self.round_deadline_s > 0,
+            "round_deadline_s",
+            f"must be > 0 seconds or unset, got {self.round_deadline_s}",
+        )
+        require(self.min_sites >= 1, "min_sites", f"must be >= 1, got {self.min_sites}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+def _default_sites() -> list[SiteConfig]:
+    return [SiteConfig() for _ in range(4)]
+
+
+@dataclass(kw_only=True, slots=True)
+class SimulatorConfig:
+    """Everything a simulated run needs besides the workload; TOML sections map onto the fields."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Algorithm, H, codecs, error feedback, weighting, warm-up."""
+    inner_optimizer: InnerOptimizerConfig = field(default_factory=InnerOptimizerConfig)
+    """Each site's optimizer for its inner steps (the shared optimizer for ``ddp``)."""
+    outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
+    """The coordinator's optimizer on the averaged pseudo-gradient (unused by ``ddp``)."""
+    sites: list[SiteConfig] = field(default_factory=_default_sites)
+    """One entry per site (in a file: ``[[sites]]`` entries, or a ``[sites]`` table with
+    ``count`` plus the fields every site shares)."""
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    """Run length, evaluation, clock and round policy."""
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    """Secure aggregation and differential privacy (``geoloco.algorithms.privacy``)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        require(len(self.sites) >= 1, "sites", "at least one site is needed")
+        try:
+            self.inner_optimizer.resolved_decay_steps(
+                total_rounds=self.simulation.rounds, inner_steps=self.algorithm.inner_steps
+            )
+        except ConfigError as err:
+            raise err.under("inner_optimizer") from None
+        require(
+            self.simulation.min_sites <= len(self.sites),
+            "simulation.min_sites",
+            f"must be <= the number of sites ({len(self.sites)}), got {self.simulation.min_sites}",
+        )
+        require(
+            not (self.algorithm.name == "ddp" and self.simulation.round_deadline_s is not None),
+            "simulation.round_deadline_s",
+            "the ddp baseline waits for every site each step; unset round_deadline_s",
+        )
+        require(
+            not (self.algorithm.name == "ddp" and self.simulation.adaptive_deadline.enabled),
+            "simulation.adaptive_deadline.enabled",
+            "the ddp baseline waits for every site each step; set enabled = false",
+        )
+        if self.privacy.enabled:
+            require(
+                self.algorithm.name != "ddp" and self.algorithm.warmup_steps == 0,
+                "privacy",
+                "privacy applies to pseudo-gradient rounds; use diloco, fedavg or fedopt with "
+                "warmup_steps = 0",
+            )
+            require(
+                self.simulation.round_deadline_s is None,
+                "simulation.round_deadline_s",
+                "with privacy on, every site's update enters the round; unset round_deadline_s",
+            )
+            require(
+                not self.simulation.adaptive_deadline.enabled,
+                "simulation.adaptive_deadline.enabled",
+                "with privacy on, every site's update enters the round; set enabled = false",
+            )
+            check_aggregation(
+                self.privacy,
+                weighting=self.algorithm.weighting,
+                late_updates=self.algorithm.late_updates,
+            )
+            try:
+                check_composition(self.privacy, self.algorithm.uplink_codec, len(self.sites))
+            except ConfigError as err:
+                raise err.under("algorithm" if err.key == "uplink_codec" else "") from None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SimulatorConfig:
+        """Build from a parsed TOML/JSON dict; errors name the dotted key and what is allowed.
+
+        ``sites`` may be a list of site tables, or one table with ``count`` (default 4) and the
+        fields all sites share.
+        """
+        data = dict(data)
+        sites = data.get("sites")
+        if isinstance(sites, Mapping):
+            shared = dict(sites)
+            count = shared.pop("count", 4)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ConfigError("sites.count", f"must be an integer >= 1, got {count!r}")
+            template = config_from_dict(SiteConfig, shared, prefix="sites")
+            data["sites"] = [config_to_dict(template) for _ in range(count)]
+        elif sites is not None and not isinstance(sites, list):
+            raise ConfigError(
+                "sites", "expected a list of [[sites]] tables or a [sites] table with count"
+            )
+        return config_from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+@dataclass(slots=True)
+class RoundRecord:
+    """What one round (or the warm-up, ``round = -1``) cost and achieved.
+
+    The keys are those of the coordinator's ``metrics.jsonl`` records for the same facts
+    (``participants``, ``excluded``, ``folded_late``, ``weights_digest``, rounds from 0)."""
+
+    round: int
+    """Round number from 0, as on the wire; -1 is the data-parallel warm-up before round 0."""
+    phase: Literal["warmup", "train"]
+    """``"warmup"`` for the synchronous warm-up, ``"train"`` for algorithm rounds."""
+    inner_steps: int
+    """Training steps each site ran in this record."""
+    train_loss: float
+    """Mean of the sites' inner-step losses."""
+    eval_loss: float | None
+    """Held-out loss of the global weights after the round (``None`` when not evaluated)."""
+    participants: list[str]
+    """Sites whose updates entered the aggregate, by name (for ddp/warm-up: every site)."""
+    excluded: list[str]
+    """Sites left out by the round deadline (stragglers), by name."""
+    bytes_up: list[int]
+    """Bytes each site uploaded in this record (``Encoded.nbytes``)."""
+    bytes_down: list[int]
+    """Bytes each site downloaded in this record."""
+    bytes_up_total: int
+    """Cumulative upload bytes of all sites since the start."""
+    bytes_down_total: int
+    """Cumulative download bytes of all sites since the start."""
+    round_time_s: float
+    """Virtual seconds from the previous record's end to this one's."""
+    wall_clock_s: float
+    """Virtual time when every site held the new weights."""
+    compute_s: list[float]
+    """Per site, virtual seconds spent computing in this record."""
+    utilization: list[float]
+    """Per site, the share of its round spent computing (``compute_s`` / its round span)."""
+    weights_digest: str
+    """``weights_digest`` of the global weights after the round."""
+    epsilon: float | None = None
+    """Accounted epsilon (at ``privacy.delta``) after this round; ``None`` without DP."""
+    site_inner_steps: list[int] = field(default_factory=list)
+    """Per site, inner steps run in this record (they differ with ``round_time_budget_s``;
+    ``inner_steps`` is then the most any site ran)."""
+    deadline_s: float | None = None
+    """The round deadline in force (seconds after the round opened); ``None``: none."""
+    folded_late: dict[str, float] = field(default_factory=dict)
+    """site -> discounted weight of its previous round's late update folded into this round."""
+    peak_bytes_in_flight: list[int] | None = None
+    """Per site, the largest single transfer of this record (one upload or one broadcast): the
+    whole model's update in plain DiLoCo, one fragment's with streaming; ``None`` where not
+    tracked (the ddp baseline and the warm-up)."""
+    fragment: int | None = None
+    """Streaming DiLoCo: the fragment this round synchronised; ``None`` otherwise."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)

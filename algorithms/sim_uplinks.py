@@ -1,0 +1,156 @@
+"""How the simulator's sites upload and how their uploads are aggregated, for each kind of round.
+
+One interface, three implementations, chosen once per run by ``build_uplinks``:
+
+- ``PlainUplinks``: each site encodes with its own uplink (error feedback per fragment) and the
+  round adds the decoded update into a ``RunningSum``.
+- central DP: the same uplinks, aggregated by a ``CentralDPSum`` (clip each, noise the sum).
+- ``SecureUplinks``: each site's update is clipped, fixed-point encoded and masked by the secure
+  aggregation protocol (``InMemorySecureSum``: every party in this process); the upload sizes are
+  those of the protocol's messages, known once every site has encoded.
+
+The simulator's round asks ``begin`` for the round's aggregation, ``encode`` for each site's
+payload, ``nbytes`` for its size on the wire, and ``keep`` for an update that missed its round;
+it never asks which kind of round it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from geoloco.algorithms.aggregation import Aggregation, CentralDPSum
+from geoloco.algorithms.privacy import (
+    PrivacyConfig,
+    PrivateUpdateEncoder,
+    effective_noise_multiplier,
+    plan_secure_round,
+    secure_index_seed,
+)
+from geoloco.algorithms.secure_sum import InMemorySecureSum
+from geoloco.algorithms.strategy import RoundPlan, Strategy
+from geoloco.algorithms.streaming import FragmentUplink
+from geoloco.compression import Encoded
+
+__all__ = ["PlainUplinks", "SecureUplinks", "SimUplinks", "build_uplinks", "round_noise_multiplier"]
+
+Payload = Encoded | torch.Tensor
+
+
+class SimUplinks(Protocol):
+    """The sites' side and the aggregation of one kind of round."""
+
+    def begin(self, plan: RoundPlan) -> Aggregation:
+        """The aggregation of round ``plan.round`` (sized for its fragment)."""
+        ...
+
+    def encode(self, site: str, update: torch.Tensor, plan: RoundPlan, aggregation: Aggregation) -> Payload:
+        """Site ``site``'s upload of ``update`` (consumed)."""
+        ...
+
+    def nbytes(self, site: str, payload: Payload, aggregation: Aggregation) -> int:
+        """Bytes site ``site`` sent this round (available once every site has encoded)."""
+        ...
+
+    def keep(self, site: str, payload: Payload, fragment: int) -> None:
+        """An upload that missed its round goes back into the site's residual."""
+        ...
+
+
+class PlainUplinks:
+    """Sites encode with their own uplink; the round sums the decoded updates, plainly or with
+    central DP (clip each, noise the sum)."""
+
+    def __init__(self, strategy: Strategy, uplinks: dict[str, FragmentUplink], privacy: PrivacyConfig) -> None:
+        self.strategy = strategy
+        self.uplinks = uplinks
+        self.privacy = privacy
+
+    def begin(self, plan: RoundPlan) -> Aggregation:
+        if self.privacy.dp == "central":
+            assert self.privacy.clip_norm is not None
+            return CentralDPSum(
+                self.strategy.update_numel(plan.round), clip_norm=self.privacy.clip_norm,
+                noise_multiplier=self.privacy.noise_multiplier, device=self.strategy.device,
+            )
+        return self.strategy.new_aggregator(plan.round)
+
+    def encode(self, site: str, update: torch.Tensor, plan: RoundPlan, aggregation: Aggregation) -> Payload:
+        return self.uplinks[site].encode(update, seed=plan.uplink_seed(site), fragment=plan.fragment)
+
+    def nbytes(self, site: str, payload: Payload, aggregation: Aggregation) -> int:
+        assert isinstance(payload, Encoded)
+        return payload.nbytes
+
+    def keep(self, site: str, payload: Payload, fragment: int) -> None:
+        assert isinstance(payload, Encoded)
+        self.uplinks[site].restore(payload, fragment=fragment)
+
+
+class SecureUplinks:
+    """Secure aggregation (optionally with distributed or central DP), all parties in-process.
+
+    Each site keeps one ``PrivateUpdateEncoder`` per fragment (its own error-feedback residual)
+    and an Ed25519 identity key, as the real site agent does.
+    """
+
+    def __init__(
+        self, privacy: PrivacyConfig, uplink_codec: str, *, error_feedback: bool,
+        sites: Sequence[str], fragments: int, session: str,
+    ) -> None:
+        self.privacy = privacy
+        self.uplink_codec = uplink_codec
+        self.session = session
+        self.sites = list(sites)
+        self.encoders = [
+            {site: PrivateUpdateEncoder(privacy, uplink_codec, error_feedback=error_feedback) for site in sites}
+            for _ in range(fragments)
+        ]
+        self.identity_keys = {site: Ed25519PrivateKey.generate() for site in sites}
+
+    def begin(self, plan: RoundPlan) -> Aggregation:
+        return InMemorySecureSum(
+            self.privacy, self.uplink_codec, self.encoders[plan.fragment], self.identity_keys,
+            expected=self.sites, session=self.session, round_index=plan.round,
+            index_seed=secure_index_seed(plan.seed),
+        )
+
+    def encode(self, site: str, update: torch.Tensor, plan: RoundPlan, aggregation: Aggregation) -> Payload:
+        assert isinstance(aggregation, InMemorySecureSum)
+        aggregation.submit(site, update.to("cpu"))
+        return update
+
+    def nbytes(self, site: str, payload: Payload, aggregation: Aggregation) -> int:
+        assert isinstance(aggregation, InMemorySecureSum)
+        return aggregation.traffic[site]
+
+    def keep(self, site: str, payload: Payload, fragment: int) -> None:
+        raise ValueError("a secure round waits for every site (no deadline): nothing can miss it")
+
+
+def build_uplinks(
+    strategy: Strategy, privacy: PrivacyConfig, sites: Sequence[str], *, uplink_codec: str,
+    error_feedback: bool, session: str,
+) -> tuple[SimUplinks, dict[str, FragmentUplink]]:
+    """The run's uplinks and, for plain and central-DP rounds, each site's own encoders."""
+    if privacy.secure_aggregation:
+        return SecureUplinks(
+            privacy, uplink_codec, error_feedback=error_feedback, sites=sites,
+            fragments=len(strategy.partition), session=session,
+        ), {}
+    uplinks = {site: strategy.build_uplink() for site in sites}
+    return PlainUplinks(strategy, uplinks, privacy), uplinks
+
+
+def round_noise_multiplier(privacy: PrivacyConfig, uplink_codec: str, *, numel: int, num_sites: int) -> float:
+    """What the accountant composes for one release of a ``numel``-element update (see
+    ``effective_noise_multiplier``): distributed DP's noise in fixed-point units."""
+    if privacy.dp != "distributed":
+        return privacy.noise_multiplier
+    context, fixed = plan_secure_round(
+        privacy, uplink_codec, numel=numel, num_sites=num_sites, session="simulation", round_index=0,
+    )
+    return effective_noise_multiplier(privacy, fixed, context.numel)

@@ -75,7 +75,7 @@ _EXPORTS: dict[str, str] = {
     "weights_digest": "geoloco.algorithms.params",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 (built from the lazy export table)
 
 
 def __getattr__(name: str) -> Any:

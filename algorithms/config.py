@@ -85,7 +85,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(key, f"got {value!r}; expected {type_name(tp)}")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):
@@ -104,7 +104,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
             raise ConfigError(key, f"got {len(value)} values; expected {type_name(tp)}")
-        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(key, f"got {value!r}; expected a table")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from geoloco.algorithms.config import ConfigError
 
 __all__ = ["DEVICES", "resolve_device"]

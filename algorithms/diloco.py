@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-
 from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.workload import Batch
 from geoloco.compression import Codec, Encoded, ErrorFeedback, decode, parse_codec
+from torch import nn
 
 __all__ = [
     "InnerResult",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ __all__ = [
     "unpack",
 ]
 
-MODULUS_DTYPES: Final = {8: np.dtype("<u1"), 16: np.dtype("<u2"), 32: np.dtype("<u4")}
+MODULUS_DTYPES: Final[dict[int, np.dtype[Any]]] = {8: np.dtype("<u1"), 16: np.dtype("<u2"), 32: np.dtype("<u4")}
 """Modulus bits -> the unsigned little-endian dtype masked values travel in."""
 
 _TAIL_SIGMAS: Final = 12.0
@@ -82,7 +82,7 @@ class FixedPoint:
     """``b`` in ``Z_{2^b}``: 8, 16 or 32."""
 
     @property
-    def dtype(self) -> np.dtype:
+    def dtype(self) -> np.dtype[Any]:
         return MODULUS_DTYPES[self.modulus_bits]
 
     @property

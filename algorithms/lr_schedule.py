@@ -18,7 +18,6 @@ import math
 from collections.abc import Callable
 
 import torch
-
 from geoloco.algorithms.config import ConfigError
 
 __all__ = [
@@ -150,7 +149,7 @@ class InnerLRSchedule:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         # Loading optimizer state replaces the param groups (and their initial_lr); restore it.
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["initial_lr"] = base
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, self.multiplier, last_epoch=step - 1

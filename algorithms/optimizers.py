@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
 from geoloco.algorithms.lr_schedule import LR_SCHEDULES, InnerLRSchedule, resolve_decay_steps
 
@@ -200,24 +199,26 @@ class _OuterSpec:
     momentum: float
 
 
+def _resolved_lr_momentum(config: OuterOptimizerConfig) -> tuple[float, float]:
+    """``lr`` and ``momentum`` of a config that went through ``OuterOptimizerConfig.resolved``."""
+    if config.lr is None or config.momentum is None:
+        raise ValueError("build the outer optimizer from config.resolved(), which fills lr and momentum")
+    return config.lr, config.momentum
+
+
 def _build_nesterov(config: OuterOptimizerConfig, params: Params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(
-        params, lr=config.lr, momentum=config.momentum, nesterov=True,
-        weight_decay=config.weight_decay,
-    )
+    lr, momentum = _resolved_lr_momentum(config)
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True, weight_decay=config.weight_decay)
 
 
 def _build_outer_sgd(config: OuterOptimizerConfig, params: Params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(
-        params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-    )
+    lr, momentum = _resolved_lr_momentum(config)
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=config.weight_decay)
 
 
 def _build_adam(config: OuterOptimizerConfig, params: Params) -> torch.optim.Optimizer:
-    return torch.optim.Adam(
-        params, lr=config.lr, betas=config.betas, eps=config.eps,
-        weight_decay=config.weight_decay,
-    )
+    lr, _ = _resolved_lr_momentum(config)
+    return torch.optim.Adam(params, lr=lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
 
 
 OUTER_OPTIMIZERS: dict[str, _OuterSpec] = {
@@ -367,7 +368,7 @@ class OuterOptimizer:
         param = self.param
         with torch.no_grad():
             # The copy of θ_t this step works on; it becomes the returned θ'.
-            param.set_(global_flat.detach().to(param.device, torch.float32, copy=True))
+            param.set_(global_flat.detach().to(param.device, torch.float32, copy=True))  # type: ignore[call-overload]
         grad = pseudo_gradient.detach()
         same_layout = grad.dtype == param.dtype and grad.device == param.device
         param.grad = grad if consume_gradient and same_layout else grad.to(param, copy=True)
@@ -380,7 +381,7 @@ class OuterOptimizer:
         finally:
             param.grad = None
             with torch.no_grad():
-                param.set_(torch.empty(0, dtype=torch.float32, device=param.device))
+                param.set_(torch.empty(0, dtype=torch.float32, device=param.device))  # type: ignore[call-overload]
         return new_flat
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -472,7 +473,7 @@ def split_flat_optimizer_state(
         prefix, index, key = name.split(".", 2)
         if index != "0":
             raise ValueError(f"flat optimizer state has more than one parameter ({name})")
-        for i, ((offset, shape), numel) in enumerate(zip(entries, sizes)):
+        for i, ((offset, shape), numel) in enumerate(zip(entries, sizes, strict=True)):
             if value.dim() == 1 and value.numel() == total:
                 out[f"{prefix}.{i}.{key}"] = value[offset : offset + numel].reshape(shape).clone()
             else:

@@ -94,13 +94,13 @@ class ParamLayout:
         """Copy ``flat`` into the model's parameters in place (dtype/device converted)."""
         self._check(flat)
         with torch.no_grad():
-            for entry, p in zip(self.entries, self._params(model)):
+            for entry, p in zip(self.entries, self._params(model), strict=True):
                 p.copy_(flat[entry.offset : entry.offset + entry.numel].view(entry.shape))
 
     def load_grads_(self, model: nn.Module, flat: torch.Tensor) -> None:
         """Set every parameter's ``.grad`` from ``flat`` (used to apply an averaged gradient)."""
         self._check(flat)
-        for entry, p in zip(self.entries, self._params(model)):
+        for entry, p in zip(self.entries, self._params(model), strict=True):
             g = flat[entry.offset : entry.offset + entry.numel].view(entry.shape).to(p)
             if p.grad is None:
                 p.grad = g.clone()
@@ -131,7 +131,7 @@ class ParamLayout:
                 f"model has {len(named)} parameter tensors but the layout has "
                 f"{len(self.entries)}; build the layout from this model class"
             )
-        for entry, (name, p) in zip(self.entries, named):
+        for entry, (name, p) in zip(self.entries, named, strict=True):
             if name != entry.name or tuple(p.shape) != entry.shape:
                 raise ValueError(
                     f"model parameter {name} {tuple(p.shape)} does not match layout entry "

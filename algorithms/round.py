@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-
-from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.aggregation import Aggregation
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig, RoundDeadline
 from geoloco.algorithms.weighting import stale_weight
 from geoloco.compression import Encoded
@@ -161,7 +160,7 @@ class Round:
     """The bookkeeping of one round; ``aggregation`` holds the running sum of its updates."""
 
     number: int
-    aggregation: RunningSum
+    aggregation: Aggregation
     opened_s: float
     """When the round opened (the previous one closed, or the run started)."""
     started_s: float | None = None

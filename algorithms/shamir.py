@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Iterable, Mapping
 from typing import Final
 
-__all__ = ["PRIME", "SHARE_NBYTES", "SECRET_NBYTES", "reconstruct", "split"]
+__all__ = ["PRIME", "SECRET_NBYTES", "SHARE_NBYTES", "reconstruct", "split"]
 
 PRIME: Final = (1 << 521) - 1
 """The field modulus, a Mersenne prime (so every 256-bit secret is a field element)."""
@@ -65,7 +65,7 @@ def reconstruct(shares: Mapping[int, bytes], threshold: int) -> bytes:
     points = sorted(shares.items())[:threshold]
     xs = [h + 1 for h, _ in points]
     secret = 0
-    for i, (xi, (_, share)) in enumerate(zip(xs, points)):
+    for i, (xi, (_, share)) in enumerate(zip(xs, points, strict=True)):
         if len(share) != SHARE_NBYTES:
             raise ValueError(f"a Shamir share is {SHARE_NBYTES} bytes, got {len(share)}")
         yi = int.from_bytes(share, "big")

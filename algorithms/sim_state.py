@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-
 from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.diloco import InnerResult, run_inner_steps
 from geoloco.algorithms.lr_schedule import InnerLRSchedule
@@ -30,6 +28,7 @@ from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within, steps_in_budget
 from geoloco.algorithms.workload import Workload
 from geoloco.compression import Encoded
+from torch import nn
 
 __all__ = ["SimSite", "SimTrainer"]
 

@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-
 from geoloco.algorithms.clock import download_ends, upload_arrivals
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.diloco import batch_size, compute_gradient, pseudo_gradient
@@ -217,9 +216,9 @@ class Simulator:
             self.trainer.load(self.global_flat)
             result, seconds = self._inner_steps(site, plan.inner_steps)
             steps = len(result.losses)
-            update = pseudo_gradient(self.global_flat, self.trainer.flatten())
-            payloads.append(self.uplinks.encode(site.name, update, plan, round_.aggregation))
-            del update
+            pseudo = pseudo_gradient(self.global_flat, self.trainer.flatten())
+            payloads.append(self.uplinks.encode(site.name, pseudo, plan, round_.aggregation))
+            del pseudo
             weights.append(strategy.site_weight(result.samples, steps))
             site_steps.append(steps)
             compute.append(seconds)

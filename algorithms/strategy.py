@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
-
-from geoloco.algorithms.config import ConfigError, config_to_dict, require
 from geoloco.algorithms.aggregation import Aggregation, RunningSum
+from geoloco.algorithms.config import ConfigError, config_to_dict, require
 from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, encode_downlink
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, OuterOptimizerConfig
 from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
@@ -52,8 +51,8 @@ __all__ = [
     "DataParallel",
     "DiLoCo",
     "FedAvg",
-    "FragmentOuter",
     "FedOpt",
+    "FragmentOuter",
     "RoundPlan",
     "RoundUpdate",
     "Strategy",

@@ -30,12 +30,11 @@ the functions below, so both follow the same schedule and the same merge.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-
 from geoloco.algorithms.config import config_to_dict, require
 from geoloco.algorithms.diloco import UpdateEncoder
 from geoloco.algorithms.params import ParamEntry, ParamLayout
@@ -209,7 +208,7 @@ class FragmentPartition:
             owner = _contiguous_owner(sizes, fragments)
         parts = []
         for p in range(fragments):
-            mine = [layer for layer, o in zip(layers, owner) if o == p]
+            mine = [layer for layer, o in zip(layers, owner, strict=True) if o == p]
             entries = sorted((e for layer in mine for e in groups[layer]), key=lambda e: e.offset)
             slices: list[tuple[int, int]] = []
             for e in entries:

@@ -21,12 +21,10 @@ broadcast): one fragment, not the whole model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
 from geoloco.algorithms.clock import SiteConfig, download_ends, transfer_time
 from geoloco.algorithms.diloco import pseudo_gradient
 from geoloco.algorithms.round import Round, RoundPolicy, close_time
@@ -148,10 +146,10 @@ class StreamingRounds:
                 del local
             rest_losses, rest_samples, rest_s = self._steps(site, schedule.interval - overlap)
             stream.local = trainer.flatten()
-            update = pseudo_gradient(global_fragment, fragment.gather(stream.local))
+            pseudo = pseudo_gradient(global_fragment, fragment.gather(stream.local))
             losses.extend(first_losses + rest_losses)
-            payloads.append(sim.uplinks.encode(site.name, update, plan, round_.aggregation))
-            del update
+            payloads.append(sim.uplinks.encode(site.name, pseudo, plan, round_.aggregation))
+            del pseudo
             weights.append(strategy.site_weight(first_samples + rest_samples))
             previous = stream.broadcast_s if stream.merge_round is not None else None
             computed.append((stream.upload_s, first_s, previous, rest_s))

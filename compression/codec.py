@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 import torch
-
 from geoloco.compression import _memory
 from geoloco.compression.casts import Cast, Lossless
 from geoloco.compression.encoded import DTYPE_CODES, CodecError, Encoded

@@ -116,7 +116,7 @@ class Encoded:
         """Serialize to the wire format described in the module docstring (moves the payload to host)."""
         header = self._header()
         # A view of the host payload, not a copy: ``join`` copies it once, into the result.
-        payload = memoryview(self.payload.detach().to("cpu").contiguous().numpy())
+        payload = memoryview(self.payload.detach().to("cpu").contiguous().numpy())  # type: ignore[arg-type]
         crc = zlib.crc32(payload, zlib.crc32(header))
         return b"".join((header, payload, _CRC.pack(crc)))
 

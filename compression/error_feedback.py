@@ -15,7 +15,6 @@ decode.
 from __future__ import annotations
 
 import torch
-
 from geoloco.compression.codec import Codec
 from geoloco.compression.encoded import Encoded
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-
 from geoloco.compression.encoded import CodecError
 
 

@@ -6,10 +6,10 @@ One synchronous round ``t`` on the clock (all times in seconds, ``k`` a site):
 - ``c_k = s_k + H · step_time_s · step_time_factor_k``: it has finished its inner steps.
 - ``a_k = c_k + latency_k + 8 · upload_bytes_k / uplink_bps_k``: its upload has fully arrived.
 - ``O_t``: the coordinator opened the round (sent ``θ_t``); ``O_1 = 0``, ``O_{t+1} = A_t``.
-- Participants: every site, or with a round deadline ``D`` those with ``a_k ≤ O_t + D``.
-  ``A_t`` (aggregation) is ``max a_k`` when everyone made it; otherwise the coordinator waited
-  until the deadline, ``O_t + D`` — or, if fewer than ``min_sites`` arrived by then, until the
-  ``min_sites``-th arrival, and takes everyone who arrived by that time.
+- Participants and ``A_t`` (aggregation): the round closes by the same ``RoundPolicy`` as the real
+  coordinator's (``geoloco.algorithms.round.close_time``): when everyone made it, at ``max a_k``;
+  otherwise at the deadline ``O_t + D`` — or, if fewer than ``min_sites`` arrived by then, at the
+  ``min_sites``-th arrival — taking everyone who arrived by that time.
 - ``r_k = max(A_t, a_k) + latency_k + 8 · download_bytes / downlink_bps_k``: site ``k`` holds
   ``θ_{t+1}`` (a straggler gets it after its own late upload) and starts round ``t + 1``.
 - The round ends at ``E_t = max_k r_k`` (every site has the new weights): that is the reported
@@ -29,12 +29,8 @@ from typing import Any
 from geoloco.algorithms.config import config_to_dict, require
 
 __all__ = [
-    "RoundTiming",
     "SiteConfig",
-    "SiteRoundTime",
     "download_ends",
-    "round_timing",
-    "select_participants",
     "transfer_time",
     "upload_arrivals",
 ]
@@ -79,48 +75,6 @@ def transfer_time(nbytes: int, bandwidth_bps: float, latency_s: float) -> float:
     return latency_s + 8.0 * nbytes / bandwidth_bps
 
 
-@dataclass(frozen=True, slots=True)
-class SiteRoundTime:
-    """One site's timeline in one round."""
-
-    start_s: float
-    """When it held the round's starting weights."""
-    compute_s: float
-    """Seconds spent computing inner steps."""
-    upload_end_s: float
-    """When its upload had fully arrived at the coordinator."""
-    download_end_s: float
-    """When it held the next weights."""
-
-    @property
-    def compute_end_s(self) -> float:
-        return self.start_s + self.compute_s
-
-    @property
-    def utilization(self) -> float:
-        """Share of this site's round spent computing."""
-        span = self.download_end_s - self.start_s
-        return self.compute_s / span if span > 0 else 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class RoundTiming:
-    """All sites' timelines for one synchronous round."""
-
-    open_s: float
-    """When the coordinator opened the round."""
-    aggregate_s: float
-    """When it aggregated (``A_t``)."""
-    included: tuple[int, ...]
-    """Sites whose uploads were aggregated, in site order."""
-    sites: tuple[SiteRoundTime, ...]
-
-    @property
-    def end_s(self) -> float:
-        """``E_t``: when the last site held the new weights."""
-        return max(s.download_end_s for s in self.sites)
-
-
 def upload_arrivals(
     starts: Sequence[float],
     compute_s: Sequence[float],
@@ -132,28 +86,6 @@ def upload_arrivals(
         start + compute + transfer_time(nbytes, site.uplink_bps, site.latency_s)
         for start, compute, nbytes, site in zip(starts, compute_s, upload_bytes, sites, strict=True)
     ]
-
-
-def select_participants(
-    arrivals: Sequence[float],
-    *,
-    open_s: float,
-    deadline_s: float | None = None,
-    min_sites: int = 1,
-) -> tuple[tuple[int, ...], float]:
-    """Which uploads the coordinator aggregates, and when (``A_t``); see the module docstring."""
-    if not arrivals:
-        raise ValueError("a round needs at least one site")
-    if deadline_s is None:
-        return tuple(range(len(arrivals))), max(arrivals)
-    cutoff = open_s + deadline_s
-    on_time = [k for k, a in enumerate(arrivals) if a <= cutoff]
-    if len(on_time) == len(arrivals):
-        return tuple(on_time), max(arrivals)
-    quorum = min(min_sites, len(arrivals))
-    aggregate_s = max(cutoff, sorted(arrivals)[quorum - 1])
-    included = tuple(k for k, a in enumerate(arrivals) if a <= aggregate_s)
-    return included, aggregate_s
 
 
 def download_ends(
@@ -170,31 +102,3 @@ def download_ends(
         max(aggregate_s, arrival) + transfer_time(nbytes, site.downlink_bps, site.latency_s)
         for arrival, nbytes, site in zip(arrivals, sizes, sites, strict=True)
     ]
-
-
-def round_timing(
-    *,
-    open_s: float,
-    starts: Sequence[float],
-    compute_s: Sequence[float],
-    upload_bytes: Sequence[int],
-    download_bytes: int | Sequence[int],
-    sites: Sequence[SiteConfig],
-    deadline_s: float | None = None,
-    min_sites: int = 1,
-) -> RoundTiming:
-    """The whole round on the virtual clock (the three steps above, composed)."""
-    arrivals = upload_arrivals(starts, compute_s, upload_bytes, sites)
-    included, aggregate_s = select_participants(
-        arrivals, open_s=open_s, deadline_s=deadline_s, min_sites=min_sites
-    )
-    ends = download_ends(aggregate_s, arrivals, download_bytes, sites)
-    return RoundTiming(
-        open_s=open_s,
-        aggregate_s=aggregate_s,
-        included=included,
-        sites=tuple(
-            SiteRoundTime(start_s=s, compute_s=c, upload_end_s=a, download_end_s=r)
-            for s, c, a, r in zip(starts, compute_s, arrivals, ends, strict=True)
-        ),
-    )

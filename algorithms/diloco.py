@@ -52,10 +52,6 @@ class InnerResult:
     samples: int
     """Samples seen in these steps (dim 0 of each batch); the weight for ``weighting = "samples"``."""
 
-    @property
-    def mean_loss(self) -> float:
-        return sum(self.losses) / len(self.losses) if self.losses else float("nan")
-
 
 def batch_size(batch: Batch) -> int:
     """Samples in a batch: dim 0 of its first tensor (tuples, lists and dicts are searched)."""

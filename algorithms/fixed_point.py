@@ -14,7 +14,6 @@ as int64.
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass
 from typing import Any, Final
@@ -85,10 +84,6 @@ class FixedPoint:
     def dtype(self) -> np.dtype[Any]:
         return MODULUS_DTYPES[self.modulus_bits]
 
-    @property
-    def value_nbytes(self) -> int:
-        return self.modulus_bits // 8
-
     def quantize(self, values: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Already-clipped float values -> int64 fixed point (stochastic rounding)."""
         return stochastic_round(values.to(torch.float64) * self.scale, generator)
@@ -96,10 +91,6 @@ class FixedPoint:
     def dequantize(self, ints: torch.Tensor) -> torch.Tensor:
         """Signed integers (e.g. a lifted sum) -> fp32 values."""
         return (ints.to(torch.float64) / self.scale).to(torch.float32)
-
-    def rounding_error_bound(self, num_sites: int) -> float:
-        """Standard deviation bound of the rounding error of a sum of ``num_sites`` sites, per value."""
-        return math.sqrt(num_sites) / (2 * self.scale)
 
 
 def plan_fixed_point(

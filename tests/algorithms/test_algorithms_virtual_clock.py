@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import pytest
-
-from geoloco.algorithms.clock import SiteConfig, round_timing, select_participants, transfer_time
+from geoloco.algorithms.clock import SiteConfig, download_ends, transfer_time, upload_arrivals
 from geoloco.algorithms.config import ConfigError, config_from_dict
+from geoloco.algorithms.round import RoundPolicy, close_time
+
+
+def _round(*, open_s, starts, compute_s, upload_bytes, download_bytes, sites, deadline_s=None, min_sites=1):
+    """One round on the virtual clock: arrivals, the policy's close, downloads, utilization."""
+    arrivals = upload_arrivals(starts, compute_s, upload_bytes, sites)
+    policy = RoundPolicy(min_sites=min_sites, round_deadline_s=deadline_s)
+    closed = close_time(policy, arrivals, start_s=open_s, deadline_s=policy.deadline_s())
+    ends = download_ends(closed, arrivals, download_bytes, sites)
+    included = tuple(k for k, a in enumerate(arrivals) if a <= closed)
+    utilization = [c / (e - s) for c, e, s in zip(compute_s, ends, starts, strict=True)]
+    return included, arrivals, closed, ends, utilization
 
 
 def test_transfer_time_is_latency_plus_bits_over_bandwidth() -> None:
@@ -26,7 +37,7 @@ def test_round_hand_checked() -> None:
         SiteConfig(uplink_bps=8e7, downlink_bps=1.6e8, latency_s=0.01),
         SiteConfig(uplink_bps=4e7, downlink_bps=8e6, latency_s=0.02, step_time_factor=2.0),
     ]
-    timing = round_timing(
+    included, arrivals, closed, ends, utilization = _round(
         open_s=0.0,
         starts=[0.0, 0.0],
         compute_s=[10 * 0.1 * s.step_time_factor for s in sites],
@@ -34,43 +45,47 @@ def test_round_hand_checked() -> None:
         download_bytes=500_000,
         sites=sites,
     )
-    assert timing.included == (0, 1)
-    assert [s.upload_end_s for s in timing.sites] == pytest.approx([1.11, 2.22])
-    assert timing.aggregate_s == pytest.approx(2.22)
-    assert [s.download_end_s for s in timing.sites] == pytest.approx([2.255, 2.74])
-    assert timing.end_s == pytest.approx(2.74)
-    assert [s.utilization for s in timing.sites] == pytest.approx([1.0 / 2.255, 2.0 / 2.74])
+    assert included == (0, 1)
+    assert arrivals == pytest.approx([1.11, 2.22])
+    assert closed == pytest.approx(2.22)
+    assert ends == pytest.approx([2.255, 2.74])
+    assert max(ends) == pytest.approx(2.74)
+    assert utilization == pytest.approx([1.0 / 2.255, 2.0 / 2.74])
 
 
 def test_next_round_starts_from_each_sites_download() -> None:
     sites = [SiteConfig(latency_s=0.0, uplink_bps=8.0, downlink_bps=8.0)] * 2
     # 1 byte at 8 bit/s = 1 s per transfer.
-    t = round_timing(open_s=5.0, starts=[5.5, 6.0], compute_s=[1.0, 1.0],
-                     upload_bytes=[1, 1], download_bytes=1, sites=sites)
-    assert [s.upload_end_s for s in t.sites] == [7.5, 8.0]
-    assert t.aggregate_s == 8.0
-    assert [s.download_end_s for s in t.sites] == [9.0, 9.0]
-    assert t.sites[0].utilization == pytest.approx(1.0 / 3.5)
+    _, arrivals, closed, ends, utilization = _round(
+        open_s=5.0, starts=[5.5, 6.0], compute_s=[1.0, 1.0], upload_bytes=[1, 1], download_bytes=1, sites=sites
+    )
+    assert arrivals == [7.5, 8.0]
+    assert closed == 8.0
+    assert ends == [9.0, 9.0]
+    assert utilization[0] == pytest.approx(1.0 / 3.5)
 
 
 def test_deadline_excludes_straggler_and_waits_until_deadline() -> None:
-    included, at = select_participants([1.0, 1.5, 9.0], open_s=0.0, deadline_s=3.0)
-    assert included == (0, 1) and at == 3.0
+    policy = RoundPolicy(round_deadline_s=3.0)
+    assert close_time(policy, [1.0, 1.5, 9.0], start_s=0.0, deadline_s=3.0) == 3.0
     # Everyone on time: no waiting for the deadline.
-    included, at = select_participants([1.0, 1.5], open_s=0.0, deadline_s=3.0)
-    assert included == (0, 1) and at == 1.5
-    # Quorum of 2 not met by the deadline: wait for the 2nd arrival, take all arrived by then.
-    included, at = select_participants([1.0, 5.0, 5.0, 9.0], open_s=0.0, deadline_s=3.0, min_sites=2)
-    assert included == (0, 1, 2) and at == 5.0
+    assert close_time(policy, [1.0, 1.5], start_s=0.0, deadline_s=3.0) == 1.5
+    # Quorum of 2 not met by the deadline: wait for the 2nd arrival (everyone arrived by then counts).
+    quorum = RoundPolicy(min_sites=2, round_deadline_s=3.0)
+    assert close_time(quorum, [1.0, 5.0, 5.0, 9.0], start_s=0.0, deadline_s=3.0) == 5.0
+    # No deadline: wait for everyone.
+    assert close_time(RoundPolicy(), [1.0, 5.0, 9.0], start_s=0.0, deadline_s=None) == 9.0
 
 
 def test_straggler_downloads_after_its_late_upload() -> None:
     sites = [SiteConfig(latency_s=0.0, uplink_bps=8.0, downlink_bps=8.0)] * 2
-    t = round_timing(open_s=0.0, starts=[0.0, 0.0], compute_s=[1.0, 10.0],
-                     upload_bytes=[1, 1], download_bytes=1, sites=sites, deadline_s=4.0)
-    assert t.included == (0,)
-    assert t.aggregate_s == 4.0
-    assert [s.download_end_s for s in t.sites] == [5.0, 12.0]
+    included, _, closed, ends, _ = _round(
+        open_s=0.0, starts=[0.0, 0.0], compute_s=[1.0, 10.0], upload_bytes=[1, 1], download_bytes=1,
+        sites=sites, deadline_s=4.0,
+    )
+    assert included == (0,)
+    assert closed == 4.0
+    assert ends == [5.0, 12.0]
 
 
 @pytest.mark.parametrize(

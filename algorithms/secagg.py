@@ -14,6 +14,8 @@ Modules (this one re-exports their public names and runs a whole round in memory
   and the protocol messages, and the exact byte strings that signatures cover.
 - ``secagg_client``: ``SecAggClient``, a site's state machine.
 - ``secagg_server``: ``SecAggServer``, the coordinator's workflow.
+- ``secagg_stages``: what each stage call of the real system carries either way
+  (``AdvertiseKeys``, ``Advertisements``, ``ShareBundle``, ...), ``StageReply``.
 
 One round, for sites ``U``:
 
@@ -88,41 +90,64 @@ from geoloco.algorithms.secagg_messages import (
     unpack_messages,
 )
 from geoloco.algorithms.secagg_server import SecAggServer
+from geoloco.algorithms.secagg_stages import (
+    STAGE_REPLIES,
+    STAGE_REQUESTS,
+    AdvertiseKeys,
+    Advertisements,
+    IdentityBinding,
+    ShareBundle,
+    StageMessage,
+    StageReply,
+    SurvivorList,
+    SurvivorSignature,
+    check_stage_message,
+)
 
 __all__ = [
     "MIN_SITES",
+    "STAGES",
     "STAGE_ADVERTISE_KEYS",
     "STAGE_CONSISTENCY",
     "STAGE_MASKED_INPUT",
+    "STAGE_REPLIES",
+    "STAGE_REQUESTS",
     "STAGE_SHARE_KEYS",
     "STAGE_UNMASK",
     "STAGE_UNMASK_RESPONSE",
-    "STAGES",
+    "AdvertiseKeys",
+    "Advertisements",
     "EncryptedShare",
+    "IdentityBinding",
     "KeyAdvertisement",
     "NeighbourMode",
+    "RandomBytes",
     "RoundContext",
     "SecAggAbort",
     "SecAggClient",
     "SecAggServer",
     "SecAggViolation",
+    "ShareBundle",
+    "StageMessage",
+    "StageReply",
+    "SurvivorList",
+    "SurvivorSignature",
     "UnmaskRequest",
     "UnmaskResponse",
+    "check_stage_message",
     "default_threshold",
     "keystream",
     "keystream_into",
+    "mask_key",
     "message_from_bytes",
     "message_to_bytes",
-    "NeighbourMode",
-    "RandomBytes",
-    "pack_messages",
-    "site_index",
-    "unpack_messages",
-    "mask_key",
     "neighbour_graph",
     "num_chunks",
+    "pack_messages",
     "public_bytes",
     "run_round_in_memory",
+    "site_index",
+    "unpack_messages",
 ]
 
 

@@ -122,8 +122,12 @@ from geoloco.protos.wire_manifests import (
     validate_blob_manifest,
 )
 
-PROTOCOL_VERSION = 1
-"""Sent in Join; bump on incompatible changes to the meaning of geoloco.proto."""
+PROTOCOL_VERSION = 2
+"""Sent in Join; bump on incompatible changes to the meaning of geoloco.proto.
+
+2: SecureStage carries typed ``SecAgg*`` messages in oneofs instead of JSON in a ``payload``
+field (now reserved), so a version-1 peer cannot take part in a secure round.
+"""
 
 __all__ = [
     "AWAIT_BROADCAST_RESPONSE_CODEC",

@@ -189,8 +189,10 @@ def _message_types() -> dict[str, type]:
 
 
 def message_to_bytes(message: KeyAdvertisement | EncryptedShare | UnmaskRequest | UnmaskResponse) -> bytes:
-    """A protocol message as self-describing JSON bytes (for a ``bytes`` field of a transport message).
+    """A protocol message as self-describing JSON bytes.
 
+    Not the wire format (the real system sends the ``SecAgg*`` protobuf messages, see
+    ``geoloco.protos.secagg_wire``): ``run_round_in_memory`` sizes its traffic estimate with it.
     Integrity does not rest on this encoding: advertisements and survivor lists are signed and
     shares are AEAD-encrypted, so a tampered message is refused by the state machines.
     """
@@ -231,7 +233,8 @@ def message_from_bytes(data: bytes) -> KeyAdvertisement | EncryptedShare | Unmas
 
 
 def pack_messages(messages: Iterable[object]) -> bytes:
-    """Several protocol messages (or raw bytes, e.g. signatures) as one payload."""
+    """Several protocol messages (or raw bytes, e.g. signatures) as one JSON payload (the wire
+    format before protocol version 2; kept for callers of the old API, not sent any more)."""
     items = []
     for m in messages:
         data = m if isinstance(m, bytes) else message_to_bytes(m)  # type: ignore[arg-type]

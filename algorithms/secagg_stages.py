@@ -145,9 +145,8 @@ def check_stage_message(stage: str, message: object, *, reply: bool = False) -> 
     if (message is None) if expected is None else isinstance(message, expected):
         return
     direction = "reply to" if reply else "request at"
-    raise SecAggViolation(
-        f"a {direction} stage {stage!r} must carry {_name(expected)}, got {_name(type(message) if message is not None else None)}"
-    )
+    got = _name(type(message) if message is not None else None)
+    raise SecAggViolation(f"a {direction} stage {stage!r} must carry {_name(expected)}, got {got}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -851,7 +851,8 @@ class RoundStateMachine:
         return self.privacy is not None and self.privacy.secure
 
     def secure_stage(
-        self, site: str, session_id: str, round_number: int, stage: str, message: StageMessage, *, wait_s: float
+        self, site: str, session_id: str, round_number: int, stage: str, message: StageMessage, *,
+        wait_s: float,
     ) -> StageReply:
         """One SecureStage call: record the message, wait up to ``wait_s`` for the stage to close."""
         if self.privacy is None or not self.privacy.secure:

@@ -5,8 +5,9 @@ system: sites are names (``site_index`` maps them to protocol ids), stages close
 site has answered or a stage deadline passes (a site that vanished is waited for no longer than
 that, or than the heartbeat timeout that drops it), and stage calls carry the dataclasses of
 ``geoloco.algorithms.secagg_stages`` both ways (the servicer translates them from and to
-``SecureStageRequest`` / ``SecureStageResponse`` with ``geoloco.protos.secagg_wire``). It is not thread-safe: ``RoundStateMachine`` calls it under its
-lock and runs ``result()`` (the unmasking, the heavy part) outside the lock.
+``SecureStageRequest`` / ``SecureStageResponse`` with ``geoloco.protos.secagg_wire``). It is not
+thread-safe: ``RoundStateMachine`` calls it under its lock and runs ``result()`` (the unmasking,
+the heavy part) outside the lock.
 
 Stage calls of a site, in order (``stage`` names from ``geoloco.algorithms.secagg``):
 

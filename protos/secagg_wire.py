@@ -114,7 +114,9 @@ def _binding_from_pb(m: pb.SecAggIdentityBinding) -> IdentityBinding:
 
 
 def _share_to_pb(s: EncryptedShare) -> pb.SecAggEncryptedShare:
-    return pb.SecAggEncryptedShare(sender=s.sender, recipient=s.recipient, round=s.round_index, ciphertext=s.ciphertext)
+    return pb.SecAggEncryptedShare(
+        sender=s.sender, recipient=s.recipient, round=s.round_index, ciphertext=s.ciphertext
+    )
 
 
 def _share_from_pb(m: pb.SecAggEncryptedShare) -> EncryptedShare:
@@ -163,7 +165,9 @@ def _advertisements_to_pb(a: Advertisements) -> pb.SecAggAdvertisements:
 
 def _advertisements_from_pb(m: pb.SecAggAdvertisements) -> Advertisements:
     return Advertisements(
-        dict(m.names), tuple(_advert_from_pb(x) for x in m.adverts), tuple(_binding_from_pb(b) for b in m.bindings)
+        names=dict(m.names),
+        advertisements=tuple(_advert_from_pb(x) for x in m.adverts),
+        bindings=tuple(_binding_from_pb(b) for b in m.bindings),
     )
 
 
@@ -241,7 +245,9 @@ def request_message(request: pb.SecureStageRequest) -> StageMessage:
 
 def stage_response(stage: str, reply: StageReply) -> pb.SecureStageResponse:
     """The SecureStage response for ``reply`` to a ``stage`` call."""
-    response = pb.SecureStageResponse(ready=reply.ready, aborted=bool(reply.aborted), abort_reason=reply.aborted)
+    response = pb.SecureStageResponse(
+        ready=reply.ready, aborted=bool(reply.aborted), abort_reason=reply.aborted
+    )
     if reply.message is not None:
         check_stage_message(stage, reply.message, reply=True)
         getattr(response, REPLY_FIELDS[stage]).CopyFrom(to_pb(reply.message))  # type: ignore[arg-type]

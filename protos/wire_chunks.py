@@ -13,7 +13,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.wire_buffers import DEFAULT_CHUNK_SIZE, Buffer, as_byte_view, num_chunks_for, ranges_to_indices
+from geoloco.protos.wire_buffers import (
+    DEFAULT_CHUNK_SIZE,
+    Buffer,
+    as_byte_view,
+    num_chunks_for,
+    ranges_to_indices,
+)
 
 
 # ---------------------------------------------------------------------------------------------

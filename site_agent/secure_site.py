@@ -220,7 +220,9 @@ class SecureSite:
 class _Client(Protocol):
     """The part of ``CoordinatorClient`` a secure round uses."""
 
-    def secure_stage(self, round_number: int, stage: str, message: StageMessage) -> tuple[StageMessage, str]: ...
+    def secure_stage(
+        self, round_number: int, stage: str, message: StageMessage
+    ) -> tuple[StageMessage, str]: ...
 
     def upload(self, **kwargs: Any) -> Any: ...
 

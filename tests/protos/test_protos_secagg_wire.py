@@ -250,7 +250,8 @@ def test_an_identity_binding_changed_on_the_wire_fails_verification(tmp_path: Pa
     for name in ("s0", "s1"):
         issue_site(tmp_path, name)
     ca = (tmp_path / "ca.crt").read_bytes()
-    identity = SiteIdentity.create("s0", (tmp_path / "s0.crt").read_bytes(), (tmp_path / "s0.key").read_bytes())
+    cert, key = (tmp_path / "s0.crt").read_bytes(), (tmp_path / "s0.key").read_bytes()
+    identity = SiteIdentity.create("s0", cert, key)
     assert set(verify_bindings([_wire(identity.binding)], ca)) == {"s0"}
     other = SiteIdentity.create("s1").binding.identity_key
     for field, value in (("identity_key", other), ("name", "s1"), ("signature", bytes(70))):
@@ -294,7 +295,9 @@ def test_a_stage_call_carrying_another_stages_message_is_refused_by_the_translat
 
 def test_sending_or_receiving_another_stages_message_is_refused_by_the_site(secure_round: _Round) -> None:
     with pytest.raises(SecAggViolation, match="must carry SurvivorSignature, got ShareBundle"):
-        secagg_wire.stage_request(STAGE_UNMASK, ShareBundle(()), site="s0", session_id="x", round_number=7, wait_ms=0)
+        secagg_wire.stage_request(
+            STAGE_UNMASK, ShareBundle(()), site="s0", session_id="x", round_number=7, wait_ms=0
+        )
     # A coordinator answering the unmask stage with a survivor list instead of a request.
     response = pb.SecureStageResponse(ready=True, survivors=pb.SecAggSurvivors(sites=["s0"]))
     with pytest.raises(SecAggViolation, match="answered stage 'unmask' with survivors"):

@@ -413,7 +413,7 @@ class CoordinatorClient:
             self.stats.received += message_nbytes(response)
             backoff.alive()
             if response.aborted:
-                return b"", response.abort_reason or "aborted"
+                return None, response.abort_reason or "aborted"
             if response.ready:
                 return secagg_wire.reply_message(stage, response), ""
 

@@ -19,13 +19,12 @@ import grpc
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import StatusError
 
-
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
 DEFAULT_CHUNK_SIZE = 1 * MiB
-"""Bytes per chunk when sending (measured best; see the module docstring)."""
+"""Bytes per chunk when sending (measured best; see ``geoloco.protos.wire``'s docstring)."""
 
 MAX_CHUNK_SIZE = 4 * MiB
 """Largest chunk a receiver accepts; ``transport``'s message limits are sized from it. A chunk

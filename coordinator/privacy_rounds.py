@@ -47,7 +47,14 @@ from geoloco.algorithms.privacy import (
     secure_context,
     secure_index_seed,
 )
-from geoloco.algorithms.secagg import MIN_SITES, SecAggAbort, SecAggViolation, num_chunks, site_index
+from geoloco.algorithms.secagg import (
+    MIN_SITES,
+    SecAggAbort,
+    SecAggViolation,
+    StageMessage,
+    num_chunks,
+    site_index,
+)
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate, Strategy
 from geoloco.coordinator.errors import InvalidUpdateError, WrongRoundError
 from geoloco.coordinator.secure_round import SecureRound, StageReply
@@ -134,7 +141,9 @@ class PrivateRounds:
         current = self.current
         return current if current is not None and current.round_number == round_number else None
 
-    def stage(self, site: str, round_number: int, stage: str, payload: bytes, live: set[str], now: float) -> StageReply:
+    def stage(
+        self, site: str, round_number: int, stage: str, message: StageMessage, live: set[str], now: float
+    ) -> StageReply:
         """Record a stage call and answer it if its stage has closed (``ready=False``: call again)."""
         current = self._round(round_number)
         if current is None:
@@ -145,7 +154,7 @@ class PrivateRounds:
                 )
             return StageReply(ready=False)  # the round has not started yet
         try:
-            current.submit(site, stage, payload)
+            current.submit(site, stage, message)
         except (SecAggViolation, ValueError) as err:
             raise InvalidUpdateError(f"secure aggregation, round {round_number}: {err}") from None
         current.advance(live, now)

@@ -52,6 +52,7 @@ import torch
 
 from geoloco.algorithms.deadline import RoundDeadline
 from geoloco.algorithms.params import ParamLayout, weights_digest
+from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.algorithms.strategy import Strategy, build_strategy
 from geoloco.algorithms.weighting import site_weight, stale_weight
 from geoloco.compression import CodecError, Encoded, decode, parse_codec
@@ -849,8 +850,9 @@ class RoundStateMachine:
         return self.privacy is not None and self.privacy.secure
 
     def secure_stage(
-        self, site: str, session_id: str, round_number: int, stage: str, payload: bytes, *, wait_s: float
-    ) -> pb.SecureStageResponse:
+        self, site: str, session_id: str, round_number: int, stage: str, message: StageMessage, *,
+        wait_s: float,
+    ) -> StageReply:
         """One SecureStage call: record the message, wait up to ``wait_s`` for the stage to close."""
         if self.privacy is None or not self.privacy.secure:
             raise InvalidUpdateError(
@@ -863,17 +865,15 @@ class RoundStateMachine:
             if self._phase is RoundPhase.FINISHED or round_number > self._round.number:
                 self._check_upload_round(round_number)
             deadline = self.clock() + wait_s
-            reply = privacy.stage(site, round_number, stage, payload, set(self._members), self.clock())
+            reply = privacy.stage(site, round_number, stage, message, set(self._members), self.clock())
             self._cond.notify_all()
             while not reply.ready and not self._closing:
                 left = deadline - self.clock()
                 if left <= 0:
                     break
                 self._cond.wait(timeout=min(left, 0.25))
-                reply = privacy.stage(site, round_number, stage, payload, set(self._members), self.clock())
-            return pb.SecureStageResponse(
-                ready=reply.ready, payload=reply.payload, aborted=bool(reply.aborted), abort_reason=reply.aborted
-            )
+                reply = privacy.stage(site, round_number, stage, message, set(self._members), self.clock())
+            return reply
 
     def secure_upload(
         self, site: str, manifest: pb.UploadManifest, requests: Iterable[pb.UploadRequest | ChunkRef]

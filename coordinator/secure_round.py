@@ -3,28 +3,28 @@
 ``geoloco.algorithms.secagg.SecAggServer`` is the protocol; this class adapts it to the real
 system: sites are names (``site_index`` maps them to protocol ids), stages close when every live
 site has answered or a stage deadline passes (a site that vanished is waited for no longer than
-that, or than the heartbeat timeout that drops it), and replies are payload bytes the servicer
-puts into ``SecureStageResponse``. It is not thread-safe: ``RoundStateMachine`` calls it under its
-lock and runs ``result()`` (the unmasking, the heavy part) outside the lock.
+that, or than the heartbeat timeout that drops it), and stage calls carry the dataclasses of
+``geoloco.algorithms.secagg_stages`` both ways (the servicer translates them from and to
+``SecureStageRequest`` / ``SecureStageResponse`` with ``geoloco.protos.secagg_wire``). It is not
+thread-safe: ``RoundStateMachine`` calls it under its lock and runs ``result()`` (the unmasking,
+the heavy part) outside the lock.
 
 Stage calls of a site, in order (``stage`` names from ``geoloco.algorithms.secagg``):
 
-1. ``advertise_keys`` with its ``KeyAdvertisement`` (+ identity binding) -> every advertisement.
-2. ``share_keys`` with its ``EncryptedShare`` list -> the shares addressed to it.
+1. ``advertise_keys`` with ``AdvertiseKeys`` (advertisement + identity binding) -> ``Advertisements``.
+2. ``share_keys`` with its ``ShareBundle`` -> a ``ShareBundle`` of the shares addressed to it.
 3. the masked upload, through the ordinary ``Upload`` RPC (codec ``"secagg"``) -> ``receive_upload``.
-4. ``consistency`` -> the survivor list (sites whose upload is complete), once uploads close.
-5. ``unmask`` with its signature over that list -> the ``UnmaskRequest``.
-6. ``unmask_response`` with its ``UnmaskResponse`` -> acknowledged.
+4. ``consistency`` (no message) -> the ``SurvivorList`` (complete uploads), once uploads close.
+5. ``unmask`` with its ``SurvivorSignature`` over that list -> the ``UnmaskRequest``.
+6. ``unmask_response`` with its ``UnmaskResponse`` -> acknowledged (no message).
 
 No method stores a site's update: masked chunks go straight into the protocol's sum.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
-from typing import Final
 
 import torch
 
@@ -43,42 +43,32 @@ from geoloco.algorithms.secagg import (
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
-    STAGES,
-    KeyAdvertisement,
+    AdvertiseKeys,
+    Advertisements,
+    IdentityBinding,
     RoundContext,
     SecAggAbort,
     SecAggServer,
     SecAggViolation,
+    ShareBundle,
+    StageMessage,
+    StageReply,
+    SurvivorList,
+    SurvivorSignature,
     UnmaskResponse,
-    message_from_bytes,
-    message_to_bytes,
-    pack_messages,
+    check_stage_message,
     site_index,
-    unpack_messages,
 )
 
 __all__ = ["SecureRound", "StageReply"]
 
 logger = logging.getLogger(__name__)
 
-_UPLOAD: Final = "upload"
-
-
-@dataclass(frozen=True, slots=True)
-class StageReply:
-    """What a stage call gets back now."""
-
-    ready: bool
-    """False: the stage is still open; call again (the call is idempotent)."""
-    payload: bytes = b""
-    aborted: str = ""
-    """Non-empty when the secure round was aborted (too few sites): skip to the broadcast."""
-
-
 @dataclass(slots=True)
 class _Stage:
     opened_s: float
-    answered: dict[str, bytes] = field(default_factory=dict)
+    answered: dict[str, StageMessage] = field(default_factory=dict)
+    """Site -> the message it sent (a repeated call must send an equal one)."""
     closed: bool = False
 
 
@@ -111,9 +101,9 @@ class SecureRound:
         self.server = SecAggServer(self.context)
         self.aborted = ""
         self._names: dict[int, str] = {}
-        self._bindings: dict[str, bytes] = {}
+        self._bindings: dict[str, IdentityBinding] = {}
         self._stages: dict[str, _Stage] = {STAGE_ADVERTISE_KEYS: _Stage(opened_s=now)}
-        self._replies: dict[str, dict[str, bytes]] = {}
+        self._replies: dict[str, dict[str, StageMessage]] = {}
         self._survivors: list[str] = []
         self._uploaded: list[str] = []
         self._withdrawn: set[str] = set()
@@ -122,10 +112,13 @@ class SecureRound:
     # ------------------------------------------------------------------------------------------
     # Stage calls
 
-    def submit(self, site: str, stage: str, payload: bytes) -> None:
-        """Record a site's stage message (a repeated identical call is a no-op)."""
-        if stage not in STAGES or stage == _UPLOAD:
-            raise ValueError(f"unknown secure-aggregation stage {stage!r}; stages: {', '.join(STAGES)}")
+    def submit(self, site: str, stage: str, message: StageMessage) -> None:
+        """Record a site's stage message (a repeated identical call is a no-op).
+
+        ``message`` must be what ``stage`` takes (``STAGE_REQUESTS``): anything else raises
+        ``SecAggViolation``, an unknown stage ``ValueError``.
+        """
+        check_stage_message(stage, message)
         if self.aborted:
             return
         if stage == STAGE_CONSISTENCY:
@@ -137,16 +130,15 @@ class SecureRound:
         if current is None:
             raise SecAggViolation(f"site {site}: stage {stage} is not open yet in round {self.round_number}")
         if site in current.answered:
-            if current.answered[site] != payload:
+            if current.answered[site] != message:
                 raise SecAggViolation(f"site {site} sent a different {stage} message twice")
             return
         if current.closed:
             raise SecAggViolation(f"site {site}: stage {stage} of round {self.round_number} is closed")
         index = site_index(site)
-        if stage == STAGE_ADVERTISE_KEYS:
-            items = unpack_messages(payload, raw=True)
-            ad = message_from_bytes(items[0]) if items else None
-            if not isinstance(ad, KeyAdvertisement) or ad.site != index:
+        if isinstance(message, AdvertiseKeys):
+            ad = message.advertisement
+            if ad.site != index:
                 raise SecAggViolation(f"site {site} must advertise keys as protocol site {index}")
             other = self._names.get(index)
             if other is not None and other != site:
@@ -155,18 +147,17 @@ class SecureRound:
                 )
             self.server.receive_advertisement(ad)
             self._names[index] = site
-            if len(items) > 1:
-                self._bindings[site] = items[1]
-        elif stage == STAGE_SHARE_KEYS:
-            self.server.receive_shares(index, unpack_messages(payload))
-        elif stage == STAGE_UNMASK:
-            self.server.receive_signature(index, payload)
-        elif stage == STAGE_UNMASK_RESPONSE:
-            (response,) = unpack_messages(payload)
-            if not isinstance(response, UnmaskResponse) or response.site != index:
+            if message.binding is not None:
+                self._bindings[site] = message.binding
+        elif isinstance(message, ShareBundle):
+            self.server.receive_shares(index, message.shares)
+        elif isinstance(message, SurvivorSignature):
+            self.server.receive_signature(index, message.signature)
+        elif isinstance(message, UnmaskResponse):
+            if message.site != index:
                 raise SecAggViolation(f"site {site} sent an unmask response for another site")
-            self.server.receive_unmask(response)
-        current.answered[site] = payload
+            self.server.receive_unmask(message)
+        current.answered[site] = message
 
     def reply(self, site: str, stage: str) -> StageReply:
         """The reply to ``site``'s ``stage`` call if the stage has closed."""
@@ -174,10 +165,10 @@ class SecureRound:
             return StageReply(ready=True, aborted=self.aborted)
         current = self._stages.get(stage)
         if stage == STAGE_CONSISTENCY and self._survivors:
-            return StageReply(ready=True, payload=json.dumps(self._survivors).encode())
+            return StageReply(ready=True, message=SurvivorList(tuple(self._survivors)))
         if current is None or not current.closed:
             return StageReply(ready=False)
-        return StageReply(ready=True, payload=self._replies.get(stage, {}).get(site, b""))
+        return StageReply(ready=True, message=self._replies.get(stage, {}).get(site))
 
     def receive_upload(self, site: str, data: memoryview | bytes) -> None:
         """Add a complete masked upload chunk by chunk into the protocol sum."""
@@ -240,12 +231,12 @@ class SecureRound:
                 self.fixed = secure_fixed_point(self.privacy, len(adverts))
             except ValueError as err:
                 raise SecAggAbort(str(err)) from None
-            payload = json.dumps({
-                "names": {str(i): n for i, n in self._names.items()},
-                "advertisements": pack_messages(adverts).decode(),
-                "bindings": pack_messages([self._bindings[n] for n in sorted(self._bindings)]).decode(),
-            }).encode()
-            self._replies[STAGE_ADVERTISE_KEYS] = {n: payload for n in self._names.values()}
+            everyone = Advertisements(
+                names=dict(self._names),
+                advertisements=tuple(adverts),
+                bindings=tuple(self._bindings[n] for n in sorted(self._bindings)),
+            )
+            self._replies[STAGE_ADVERTISE_KEYS] = {n: everyone for n in self._names.values()}
             self._stages[STAGE_SHARE_KEYS] = _Stage(opened_s=now)
         shares = self._stages.get(STAGE_SHARE_KEYS)
         if shares is not None and not shares.closed and self._due(
@@ -254,14 +245,14 @@ class SecureRound:
             shares.closed = True
             self.server.close_share_keys()
             self._replies[STAGE_SHARE_KEYS] = {
-                n: pack_messages(self.server.shares_for(i)) for i, n in self._names.items()
+                n: ShareBundle(tuple(self.server.shares_for(i))) for i, n in self._names.items()
             }
         signatures = self._stages.get(STAGE_UNMASK)
         if signatures is not None and not signatures.closed and self._due(
             signatures, live & set(self._survivors), now
         ):
             signatures.closed = True
-            request = message_to_bytes(self.server.unmask_request())
+            request = self.server.unmask_request()
             self._replies[STAGE_UNMASK] = {n: request for n in signatures.answered}
             self._stages[STAGE_UNMASK_RESPONSE] = _Stage(opened_s=now)
         responses = self._stages.get(STAGE_UNMASK_RESPONSE)

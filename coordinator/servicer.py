@@ -19,6 +19,7 @@ from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.rounds import SECURE_STAGE_WAIT_S, RoundStateMachine
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
+from geoloco.protos import secagg_wire
 from geoloco.protos.transport import resolve_site
 from geoloco.protos.wire import (
     RAW_CODEC,
@@ -163,10 +164,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.SecureStageRequest, context: grpc.ServicerContext
     ) -> pb.SecureStageResponse:
         site = self._site(context, request.site)
-        return self.rounds.secure_stage(
-            site, request.session_id, request.round, request.stage, request.payload,
+        reply = self.rounds.secure_stage(
+            site, request.session_id, request.round, request.stage, secagg_wire.request_message(request),
             wait_s=min(request.wait_ms / 1000, SECURE_STAGE_WAIT_S),
         )
+        return secagg_wire.stage_response(request.stage, reply)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
         site = self._site(context, request.site)

@@ -20,6 +20,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_RESYNC_REQUIRED: _ClassVar[ErrorReason]
     ERROR_REASON_RUN_FINISHED: _ClassVar[ErrorReason]
     ERROR_REASON_PROTOCOL_VERSION: _ClassVar[ErrorReason]
+    ERROR_REASON_BAD_STAGE_MESSAGE: _ClassVar[ErrorReason]
 
 class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -59,6 +60,7 @@ ERROR_REASON_IDENTITY_MISMATCH: ErrorReason
 ERROR_REASON_RESYNC_REQUIRED: ErrorReason
 ERROR_REASON_RUN_FINISHED: ErrorReason
 ERROR_REASON_PROTOCOL_VERSION: ErrorReason
+ERROR_REASON_BAD_STAGE_MESSAGE: ErrorReason
 CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_SHA256: ChecksumAlgorithm
@@ -414,30 +416,170 @@ class AwaitBroadcastResponse(_message.Message):
     chunk: Chunk
     def __init__(self, progress: _Optional[_Union[RoundProgress, _Mapping]] = ..., header: _Optional[_Union[BroadcastHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
+class SecAggKeyAdvert(_message.Message):
+    __slots__ = ("site", "session", "round", "cipher_public_key", "mask_public_key", "signature")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CIPHER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    MASK_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    site: int
+    session: str
+    round: int
+    cipher_public_key: bytes
+    mask_public_key: bytes
+    signature: bytes
+    def __init__(self, site: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., cipher_public_key: _Optional[bytes] = ..., mask_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class SecAggIdentityBinding(_message.Message):
+    __slots__ = ("name", "identity_key", "certificate_pem", "signature")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_KEY_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    identity_key: bytes
+    certificate_pem: bytes
+    signature: bytes
+    def __init__(self, name: _Optional[str] = ..., identity_key: _Optional[bytes] = ..., certificate_pem: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class SecAggEncryptedShare(_message.Message):
+    __slots__ = ("sender", "recipient", "round", "ciphertext")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    RECIPIENT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXT_FIELD_NUMBER: _ClassVar[int]
+    sender: int
+    recipient: int
+    round: int
+    ciphertext: bytes
+    def __init__(self, sender: _Optional[int] = ..., recipient: _Optional[int] = ..., round: _Optional[int] = ..., ciphertext: _Optional[bytes] = ...) -> None: ...
+
+class SecAggUnmaskRequest(_message.Message):
+    __slots__ = ("round", "survivors", "dropped", "signatures")
+    class SignaturesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: bytes
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURES_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    survivors: _containers.RepeatedScalarFieldContainer[int]
+    dropped: _containers.RepeatedScalarFieldContainer[int]
+    signatures: _containers.ScalarMap[int, bytes]
+    def __init__(self, round: _Optional[int] = ..., survivors: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ..., signatures: _Optional[_Mapping[int, bytes]] = ...) -> None: ...
+
+class SecAggUnmaskResponse(_message.Message):
+    __slots__ = ("site", "round", "self_mask_shares", "mask_key_shares")
+    class SelfMaskSharesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: bytes
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
+    class MaskKeySharesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: bytes
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SELF_MASK_SHARES_FIELD_NUMBER: _ClassVar[int]
+    MASK_KEY_SHARES_FIELD_NUMBER: _ClassVar[int]
+    site: int
+    round: int
+    self_mask_shares: _containers.ScalarMap[int, bytes]
+    mask_key_shares: _containers.ScalarMap[int, bytes]
+    def __init__(self, site: _Optional[int] = ..., round: _Optional[int] = ..., self_mask_shares: _Optional[_Mapping[int, bytes]] = ..., mask_key_shares: _Optional[_Mapping[int, bytes]] = ...) -> None: ...
+
+class SecAggAdvertiseKeys(_message.Message):
+    __slots__ = ("advert", "binding")
+    ADVERT_FIELD_NUMBER: _ClassVar[int]
+    BINDING_FIELD_NUMBER: _ClassVar[int]
+    advert: SecAggKeyAdvert
+    binding: SecAggIdentityBinding
+    def __init__(self, advert: _Optional[_Union[SecAggKeyAdvert, _Mapping]] = ..., binding: _Optional[_Union[SecAggIdentityBinding, _Mapping]] = ...) -> None: ...
+
+class SecAggAdvertisements(_message.Message):
+    __slots__ = ("names", "adverts", "bindings")
+    class NamesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    ADVERTS_FIELD_NUMBER: _ClassVar[int]
+    BINDINGS_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.ScalarMap[int, str]
+    adverts: _containers.RepeatedCompositeFieldContainer[SecAggKeyAdvert]
+    bindings: _containers.RepeatedCompositeFieldContainer[SecAggIdentityBinding]
+    def __init__(self, names: _Optional[_Mapping[int, str]] = ..., adverts: _Optional[_Iterable[_Union[SecAggKeyAdvert, _Mapping]]] = ..., bindings: _Optional[_Iterable[_Union[SecAggIdentityBinding, _Mapping]]] = ...) -> None: ...
+
+class SecAggShareBundle(_message.Message):
+    __slots__ = ("shares",)
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    shares: _containers.RepeatedCompositeFieldContainer[SecAggEncryptedShare]
+    def __init__(self, shares: _Optional[_Iterable[_Union[SecAggEncryptedShare, _Mapping]]] = ...) -> None: ...
+
+class SecAggSurvivors(_message.Message):
+    __slots__ = ("sites",)
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    sites: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sites: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SecAggSurvivorSignature(_message.Message):
+    __slots__ = ("signature",)
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    signature: bytes
+    def __init__(self, signature: _Optional[bytes] = ...) -> None: ...
+
 class SecureStageRequest(_message.Message):
-    __slots__ = ("site", "session_id", "round", "stage", "payload", "wait_ms")
+    __slots__ = ("site", "session_id", "round", "stage", "wait_ms", "advertise_keys", "share_keys", "survivor_signature", "unmask_response")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SURVIVOR_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    UNMASK_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     round: int
     stage: str
-    payload: bytes
     wait_ms: int
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[str] = ..., payload: _Optional[bytes] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    advertise_keys: SecAggAdvertiseKeys
+    share_keys: SecAggShareBundle
+    survivor_signature: SecAggSurvivorSignature
+    unmask_response: SecAggUnmaskResponse
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[str] = ..., wait_ms: _Optional[int] = ..., advertise_keys: _Optional[_Union[SecAggAdvertiseKeys, _Mapping]] = ..., share_keys: _Optional[_Union[SecAggShareBundle, _Mapping]] = ..., survivor_signature: _Optional[_Union[SecAggSurvivorSignature, _Mapping]] = ..., unmask_response: _Optional[_Union[SecAggUnmaskResponse, _Mapping]] = ...) -> None: ...
 
 class SecureStageResponse(_message.Message):
-    __slots__ = ("ready", "payload", "aborted", "abort_reason")
+    __slots__ = ("ready", "aborted", "abort_reason", "advertisements", "shares", "survivors", "unmask_request")
     READY_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    UNMASK_REQUEST_FIELD_NUMBER: _ClassVar[int]
     ready: bool
-    payload: bytes
     aborted: bool
     abort_reason: str
-    def __init__(self, ready: bool = ..., payload: _Optional[bytes] = ..., aborted: bool = ..., abort_reason: _Optional[str] = ...) -> None: ...
+    advertisements: SecAggAdvertisements
+    shares: SecAggShareBundle
+    survivors: SecAggSurvivors
+    unmask_request: SecAggUnmaskRequest
+    def __init__(self, ready: bool = ..., aborted: bool = ..., abort_reason: _Optional[str] = ..., advertisements: _Optional[_Union[SecAggAdvertisements, _Mapping]] = ..., shares: _Optional[_Union[SecAggShareBundle, _Mapping]] = ..., survivors: _Optional[_Union[SecAggSurvivors, _Mapping]] = ..., unmask_request: _Optional[_Union[SecAggUnmaskRequest, _Mapping]] = ...) -> None: ...

@@ -26,7 +26,9 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from geoloco.algorithms.secagg import StageMessage
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import secagg_wire
 from geoloco.protos.transport import (
     HEARTBEAT_TIMEOUT_S,
     JOIN_TIMEOUT_S,
@@ -389,15 +391,18 @@ class CoordinatorClient:
     # ---------------------------------------------------------------------------------------
     # SecureStage
 
-    def secure_stage(self, round_number: int, stage: str, payload: bytes, *, wait_ms: int = 1000) -> tuple[bytes, str]:
-        """One secure-aggregation stage: ``(reply payload, abort reason or "")`` once it closes.
+    def secure_stage(
+        self, round_number: int, stage: str, message: StageMessage, *, wait_ms: int = 1000
+    ) -> tuple[StageMessage, str]:
+        """One secure-aggregation stage: ``(reply, abort reason or "")`` once it closes; the
+        messages are ``geoloco.algorithms.secagg_stages`` dataclasses (``secagg_wire`` translates).
 
         The coordinator holds each call up to ``wait_ms``; an open stage is simply asked again
         (stage calls are idempotent), and a transient failure is retried like any call.
         """
-        request = pb.SecureStageRequest(
-            site=self.site, session_id=self.session_id, round=round_number, stage=stage,
-            payload=payload, wait_ms=wait_ms,
+        request = secagg_wire.stage_request(
+            stage, message, site=self.site, session_id=self.session_id, round_number=round_number,
+            wait_ms=wait_ms,
         )
         backoff = _Backoff(self, f"SecureStage {stage} of round {round_number}")
         while True:
@@ -408,9 +413,9 @@ class CoordinatorClient:
             self.stats.received += message_nbytes(response)
             backoff.alive()
             if response.aborted:
-                return b"", response.abort_reason or "aborted"
+                return None, response.abort_reason or "aborted"
             if response.ready:
-                return response.payload, ""
+                return secagg_wire.reply_message(stage, response), ""
 
     # ---------------------------------------------------------------------------------------
     # AwaitBroadcast

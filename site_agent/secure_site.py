@@ -9,20 +9,20 @@
   an identity key (and hence advertised keys) without the CA's key. Without TLS (``--insecure``)
   bindings are unsigned and identities are taken on the coordinator's word: the protocol still
   hides updates from a coordinator that follows it, but substitution can no longer be detected.
-* **Stage calls.** ``StageCall(stage, payload) -> (payload, aborted)`` is the transport (the gRPC
-  client, retrying until the stage is ready); ``SecureSite`` runs the key stages before
+* **Stage calls.** ``StageCall(stage, message) -> (reply, aborted)`` is the transport (the gRPC
+  client, retrying until the stage is ready; it translates the ``geoloco.algorithms.secagg_stages``
+  dataclasses with ``geoloco.protos.secagg_wire``); ``SecureSite`` runs the key stages before
   training, masks the encoded update chunk by chunk, and runs the unmask stages after upload.
+  A reply that is not what its stage answers with is refused (``SecAggViolation``).
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from cryptography import x509
@@ -46,15 +46,21 @@ from geoloco.algorithms.secagg import (
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
+    STAGE_REPLIES,
+    AdvertiseKeys,
+    Advertisements,
+    IdentityBinding,
     SecAggAbort,
     SecAggClient,
     SecAggViolation,
+    ShareBundle,
+    StageMessage,
+    SurvivorList,
+    SurvivorSignature,
     UnmaskRequest,
-    message_from_bytes,
-    pack_messages,
+    check_stage_message,
     public_bytes,
     site_index,
-    unpack_messages,
 )
 from geoloco.protos.identity import site_from_uri
 from geoloco.protos.transport import TLSFiles
@@ -66,8 +72,10 @@ logger = logging.getLogger(__name__)
 
 IDENTITY_DOMAIN = b"geoloco-secagg/identity/v1"
 
-StageCall = Callable[[str, bytes], tuple[bytes, str]]
-"""``(stage, payload) -> (reply payload, abort reason or "")``, blocking until the stage closes."""
+StageCall = Callable[[str, StageMessage], tuple[StageMessage, str]]
+"""``(stage, message) -> (reply, abort reason or "")``, blocking until the stage closes."""
+
+_Reply = TypeVar("_Reply")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,44 +84,38 @@ class SiteIdentity:
 
     name: str
     key: Ed25519PrivateKey
-    binding: bytes
+    binding: IdentityBinding
 
     @classmethod
     def create(cls, name: str, tls_cert_pem: bytes | None = None, tls_key_pem: bytes | None = None) -> SiteIdentity:
         """A fresh identity; signed with the TLS key when one is given (unsigned for --insecure)."""
         key = Ed25519PrivateKey.generate()
         public = public_bytes(key.public_key())
-        body: dict[str, str] = {"name": name, "identity_key": base64.b64encode(public).decode()}
-        if tls_cert_pem is not None and tls_key_pem is not None:
-            tls_key = serialization.load_pem_private_key(tls_key_pem, password=None)
-            if not isinstance(tls_key, ec.EllipticCurvePrivateKey):
-                raise ValueError("the site's TLS key must be an EC key (as `geoloco certs` issues)")
-            signature = tls_key.sign(_binding_bytes(name, public), ec.ECDSA(hashes.SHA256()))
-            body["certificate"] = tls_cert_pem.decode()
-            body["signature"] = base64.b64encode(signature).decode()
-        return cls(name=name, key=key, binding=json.dumps(body, sort_keys=True).encode())
+        if tls_cert_pem is None or tls_key_pem is None:
+            return cls(name=name, key=key, binding=IdentityBinding(name, public))
+        tls_key = serialization.load_pem_private_key(tls_key_pem, password=None)
+        if not isinstance(tls_key, ec.EllipticCurvePrivateKey):
+            raise ValueError("the site's TLS key must be an EC key (as `geoloco certs` issues)")
+        signature = tls_key.sign(_binding_bytes(name, public), ec.ECDSA(hashes.SHA256()))
+        return cls(name=name, key=key, binding=IdentityBinding(name, public, tls_cert_pem, signature))
 
 
 def _binding_bytes(name: str, identity_key: bytes) -> bytes:
+    """What the TLS key signs: built from the fields, so the encoding that carries them is irrelevant."""
     return IDENTITY_DOMAIN + b"|" + name.encode() + b"|" + identity_key
 
 
-def verify_bindings(bindings: list[bytes], ca_pem: bytes | None) -> dict[str, Ed25519PublicKey]:
+def verify_bindings(bindings: Sequence[IdentityBinding], ca_pem: bytes | None) -> dict[str, Ed25519PublicKey]:
     """Site name -> identity key, each checked against the CA (``ca_pem``; None: --insecure)."""
     ca = x509.load_pem_x509_certificate(ca_pem) if ca_pem is not None else None
     out: dict[str, Ed25519PublicKey] = {}
-    for raw in bindings:
-        try:
-            body = json.loads(raw)
-            name = body["name"]
-            public = base64.b64decode(body["identity_key"], validate=True)
-        except (KeyError, TypeError, ValueError) as err:
-            raise SecAggViolation(f"malformed identity binding: {err!r}") from None
+    for binding in bindings:
+        name, public = binding.name, binding.identity_key
         if ca is not None:
-            if "certificate" not in body or "signature" not in body:
+            if not binding.certificate or not binding.signature:
                 raise SecAggViolation(f"the identity of site {name!r} is not signed with its TLS key")
             try:
-                cert = x509.load_pem_x509_certificate(body["certificate"].encode())
+                cert = x509.load_pem_x509_certificate(binding.certificate)
                 cert.verify_directly_issued_by(ca)
                 uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
                 names = {site_from_uri(u) for u in uris.get_values_for_type(x509.UniformResourceIdentifier)}
@@ -123,7 +125,7 @@ def verify_bindings(bindings: list[bytes], ca_pem: bytes | None) -> dict[str, Ed
                 if not isinstance(cert_key, ec.EllipticCurvePublicKey):
                     raise SecAggViolation(f"site {name!r}'s certificate has no EC key")
                 cert_key.verify(
-                    base64.b64decode(body["signature"], validate=True),
+                    binding.signature,
                     _binding_bytes(name, public),
                     ec.ECDSA(hashes.SHA256()),
                 )
@@ -135,7 +137,10 @@ def verify_bindings(bindings: list[bytes], ca_pem: bytes | None) -> dict[str, Ed
                 ) from None
         if name in out:
             raise SecAggViolation(f"two identity bindings for site {name!r}")
-        out[name] = Ed25519PublicKey.from_public_bytes(public)
+        try:
+            out[name] = Ed25519PublicKey.from_public_bytes(public)
+        except ValueError as err:
+            raise SecAggViolation(f"malformed identity key for site {name!r}: {err}") from None
     return out
 
 
@@ -170,29 +175,32 @@ class SecureSite:
         self.fixed: FixedPoint | None = None
         self.num_sites = 0
 
-    def _stage(self, stage: str, payload: bytes) -> bytes:
-        reply, aborted = self._call(stage, payload)
+    def _stage(self, stage: str, message: StageMessage, reply_type: type[_Reply]) -> _Reply:
+        """One stage call; its reply must be what ``stage`` answers with (``reply_type``)."""
+        assert (STAGE_REPLIES[stage] or type(None)) is reply_type, (stage, reply_type)
+        reply, aborted = self._call(stage, message)
         if aborted:
             raise SecAggAbort(aborted)
-        return reply
+        check_stage_message(stage, reply, reply=True)
+        return reply  # type: ignore[return-value]
 
     def share_keys(self) -> None:
         """Stages 1-2 (before training): advertise, verify identities, share keys, get shares."""
         ad = self.client.advertise()
-        reply = json.loads(self._stage(STAGE_ADVERTISE_KEYS, pack_messages([ad, self.identity.binding])))
-        names = {int(i): n for i, n in reply["names"].items()}
-        identities = verify_bindings(unpack_messages(reply["bindings"].encode(), raw=True), self._ca_pem)
+        reply = self._stage(STAGE_ADVERTISE_KEYS, AdvertiseKeys(ad, self.identity.binding), Advertisements)
+        identities = verify_bindings(reply.bindings, self._ca_pem)
         by_index: dict[int, Ed25519PublicKey] = {}
-        for index, name in names.items():
+        for index, name in reply.names.items():
             if site_index(name) != index or name not in identities:
                 raise SecAggViolation(f"site {self.identity.name}: no valid identity for site {name!r}")
             by_index[index] = identities[name]
         self.client.add_identities(by_index)
-        adverts = unpack_messages(reply["advertisements"].encode())
+        adverts = reply.advertisements
         self.num_sites = len(adverts)
         shares = self.client.share_keys(adverts)
         self.fixed = secure_fixed_point(self.privacy, self.num_sites)
-        self.client.receive_shares(unpack_messages(self._stage(STAGE_SHARE_KEYS, pack_messages(shares))))
+        mine = self._stage(STAGE_SHARE_KEYS, ShareBundle(tuple(shares)), ShareBundle)
+        self.client.receive_shares(mine.shares)
 
     def masked_upload(self, update: torch.Tensor, encoder: PrivateUpdateEncoder) -> bytes:
         """The masked, encoded update as upload bytes (masks made chunk by chunk)."""
@@ -203,18 +211,18 @@ class SecureSite:
 
     def unmask(self) -> None:
         """Stages 4-5 (after upload): sign the survivor list, answer the unmask request."""
-        survivors = json.loads(self._stage(STAGE_CONSISTENCY, b""))
+        survivors = self._stage(STAGE_CONSISTENCY, None, SurvivorList).sites
         signature = self.client.sign_survivors(self.context.round_index, sorted(site_index(n) for n in survivors))
-        request = message_from_bytes(self._stage(STAGE_UNMASK, signature))
-        if not isinstance(request, UnmaskRequest):
-            raise SecAggViolation("the coordinator's unmask stage reply is not an unmask request")
-        self._stage(STAGE_UNMASK_RESPONSE, pack_messages([self.client.unmask(request)]))
+        request = self._stage(STAGE_UNMASK, SurvivorSignature(signature), UnmaskRequest)
+        self._stage(STAGE_UNMASK_RESPONSE, self.client.unmask(request), type(None))
 
 
 class _Client(Protocol):
     """The part of ``CoordinatorClient`` a secure round uses."""
 
-    def secure_stage(self, round_number: int, stage: str, payload: bytes) -> tuple[bytes, str]: ...
+    def secure_stage(
+        self, round_number: int, stage: str, message: StageMessage
+    ) -> tuple[StageMessage, str]: ...
 
     def upload(self, **kwargs: Any) -> Any: ...
 
@@ -275,7 +283,7 @@ class SecureUplink:
         self._round = SecureSite(
             self.identity, self.privacy, self.uplink_codec, numel=numel, session=session,
             round_number=round_number, index_seed=secure_index_seed(round_seed),
-            call=lambda stage, payload: client.secure_stage(round_number, stage, payload), ca_pem=self.ca_pem,
+            call=lambda stage, message: client.secure_stage(round_number, stage, message), ca_pem=self.ca_pem,
         )
         self._keys_error = None
         self._last = None

@@ -7,8 +7,6 @@ they encoded, and nothing individual is kept.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -21,12 +19,15 @@ from geoloco.algorithms.secagg import (
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
+    AdvertiseKeys,
+    Advertisements,
     SecAggClient,
     SecAggViolation,
-    message_from_bytes,
-    pack_messages,
+    ShareBundle,
+    SurvivorList,
+    SurvivorSignature,
+    UnmaskRequest,
     site_index,
-    unpack_messages,
 )
 from geoloco.algorithms.privacy import secure_context, secure_fixed_point
 from geoloco.coordinator.secure_round import SecureRound
@@ -55,13 +56,14 @@ def test_secure_round_over_stage_calls_survives_a_site_killed_after_upload() -> 
     live = set(NAMES)
     assert sr.reply("alpha", STAGE_ADVERTISE_KEYS).ready is False
     for n, c in clients.items():
-        sr.submit(n, STAGE_ADVERTISE_KEYS, pack_messages([c.advertise()]))
+        sr.submit(n, STAGE_ADVERTISE_KEYS, AdvertiseKeys(c.advertise()))
     sr.advance(live, now=0.1)
-    reply = json.loads(sr.reply("beta", STAGE_ADVERTISE_KEYS).payload)
-    ads = unpack_messages(reply["advertisements"].encode())
-    assert {int(i): n for i, n in reply["names"].items()} == {site_index(n): n for n in NAMES}
+    reply = sr.reply("beta", STAGE_ADVERTISE_KEYS).message
+    assert isinstance(reply, Advertisements)
+    ads = reply.advertisements
+    assert dict(reply.names) == {site_index(n): n for n in NAMES}
     for n, c in clients.items():
-        sr.submit(n, STAGE_SHARE_KEYS, pack_messages(c.share_keys(ads)))
+        sr.submit(n, STAGE_SHARE_KEYS, ShareBundle(tuple(c.share_keys(ads))))
     sr.advance(live, now=0.2)
     assert sr.keys_shared and sr.may_upload("alpha")
     fixed = secure_fixed_point(privacy, len(ads))
@@ -69,7 +71,9 @@ def test_secure_round_over_stage_calls_survives_a_site_killed_after_upload() -> 
     gen = torch.Generator().manual_seed(0)
     updates = {n: 0.01 * torch.randn(numel, generator=gen) for n in NAMES}
     for n, c in clients.items():
-        c.receive_shares(unpack_messages(sr.reply(n, STAGE_SHARE_KEYS).payload))
+        bundle = sr.reply(n, STAGE_SHARE_KEYS).message
+        assert isinstance(bundle, ShareBundle)
+        c.receive_shares(bundle.shares)
         ints = PrivateUpdateEncoder(privacy, "none").encode(updates[n], fixed, c.context, index_seed=1, num_sites=4)
         blob = b"".join(data for _, data in c.masked_chunks(ints))
         sr.receive_upload(n, blob)
@@ -78,14 +82,16 @@ def test_secure_round_over_stage_calls_survives_a_site_killed_after_upload() -> 
     survivors = sr.close_upload(now=1.0)
     assert survivors == sorted(NAMES)  # its upload is complete, so it is in the sum
     for n in ("alpha", "beta", "gamma"):
-        sr.submit(n, STAGE_CONSISTENCY, b"")
-        listed = json.loads(sr.reply(n, STAGE_CONSISTENCY).payload)
-        indices = sorted(site_index(x) for x in listed)
-        sr.submit(n, STAGE_UNMASK, clients[n].sign_survivors(3, indices))
+        sr.submit(n, STAGE_CONSISTENCY, None)
+        listed = sr.reply(n, STAGE_CONSISTENCY).message
+        assert isinstance(listed, SurvivorList)
+        indices = sorted(site_index(x) for x in listed.sites)
+        sr.submit(n, STAGE_UNMASK, SurvivorSignature(clients[n].sign_survivors(3, indices)))
     sr.advance(live, now=1.1)
     for n in ("alpha", "beta", "gamma"):
-        request = message_from_bytes(sr.reply(n, STAGE_UNMASK).payload)
-        sr.submit(n, STAGE_UNMASK_RESPONSE, pack_messages([clients[n].unmask(request)]))
+        request = sr.reply(n, STAGE_UNMASK).message
+        assert isinstance(request, UnmaskRequest)
+        sr.submit(n, STAGE_UNMASK_RESPONSE, clients[n].unmask(request))
     assert not sr.done
     sr.advance(live, now=1.2)
     assert sr.done
@@ -100,7 +106,7 @@ def test_stage_deadline_aborts_when_too_few_sites_advertise() -> None:
     sr = _round(privacy, 100)
     clients = _clients(privacy, 100)
     for n in NAMES[:2]:
-        sr.submit(n, STAGE_ADVERTISE_KEYS, pack_messages([clients[n].advertise()]))
+        sr.submit(n, STAGE_ADVERTISE_KEYS, AdvertiseKeys(clients[n].advertise()))
     sr.advance(set(NAMES), now=1.0)
     assert not sr.aborted  # still waiting for the others
     sr.advance(set(NAMES), now=TIMEOUT + 0.1)
@@ -114,14 +120,14 @@ def test_stage_calls_are_checked() -> None:
     privacy = PrivacyConfig(secure_aggregation=True, clip_norm=1.0)
     sr = _round(privacy, 100)
     clients = _clients(privacy, 100)
-    ad = pack_messages([clients["alpha"].advertise()])
+    ad = AdvertiseKeys(clients["alpha"].advertise())
     sr.submit("alpha", STAGE_ADVERTISE_KEYS, ad)
     sr.submit("alpha", STAGE_ADVERTISE_KEYS, ad)  # idempotent retry
     with pytest.raises(SecAggViolation, match="protocol site"):
         sr.submit("beta", STAGE_ADVERTISE_KEYS, ad)  # beta cannot advertise alpha's keys
     with pytest.raises(SecAggViolation, match="not open yet"):
-        sr.submit("alpha", STAGE_SHARE_KEYS, b"[]")
+        sr.submit("alpha", STAGE_SHARE_KEYS, ShareBundle(()))
     with pytest.raises(ValueError, match="unknown secure-aggregation stage"):
-        sr.submit("alpha", "gossip", b"")
+        sr.submit("alpha", "gossip", None)
     with pytest.raises(ValueError, match="bytes, expected"):
         sr.receive_upload("alpha", np.zeros(3, dtype="<u4").tobytes())

@@ -2,12 +2,13 @@
 
 Four site threads with TLS-bound identities run a secure round through stage calls served by a
 ``SecureRound`` under a lock; one site is killed after uploading. A coordinator that swaps an
-identity binding for one not issued by the run's CA is refused.
+identity binding for one not issued by the run's CA is refused. Every stage call goes through
+the wire translation both ways (``geoloco.protos.secagg_wire``), as it does over gRPC.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -15,8 +16,9 @@ import pytest
 import torch
 
 from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder
-from geoloco.algorithms.secagg import STAGE_ADVERTISE_KEYS, SecAggViolation, pack_messages, unpack_messages
+from geoloco.algorithms.secagg import STAGE_ADVERTISE_KEYS, Advertisements, SecAggViolation, StageMessage
 from geoloco.coordinator.secure_round import SecureRound
+from geoloco.protos import secagg_wire
 from geoloco.scenarios.certs import init_ca, issue_site
 from geoloco.site_agent.secure_site import SecureSite, SiteIdentity, verify_bindings
 
@@ -35,18 +37,21 @@ class _Coordinator:
         self.tamper = None
 
     def call(self, site: str):  # type: ignore[no-untyped-def]
-        def stage_call(stage: str, payload: bytes) -> tuple[bytes, str]:
+        def stage_call(stage: str, message: StageMessage) -> tuple[StageMessage, str]:
+            request = secagg_wire.stage_request(stage, message, site=site, session_id="", round_number=0, wait_ms=0)
             with self.cond:
-                self.secure.submit(site, stage, payload)
+                self.secure.submit(site, stage, secagg_wire.request_message(request))
                 self.secure.advance(self.live, self.now)
                 self.cond.notify_all()
                 ok = self.cond.wait_for(lambda: self.secure.reply(site, stage).ready, timeout=30)
                 assert ok, f"{site}: stage {stage} never closed"
                 reply = self.secure.reply(site, stage)
-                data = reply.payload
-                if self.tamper is not None and stage == STAGE_ADVERTISE_KEYS:
-                    data = self.tamper(data)
-                return data, reply.aborted
+                if self.tamper is not None and stage == STAGE_ADVERTISE_KEYS and not reply.aborted:
+                    reply = dataclasses.replace(reply, message=self.tamper(reply.message))
+                response = secagg_wire.stage_response(stage, reply)
+                if response.aborted:
+                    return None, response.abort_reason
+                return secagg_wire.reply_message(stage, response), ""
 
         return stage_call
 
@@ -152,12 +157,9 @@ def test_site_refuses_a_round_with_a_substituted_identity(certs: Path, tmp_path:
                          index_seed=5, stage_timeout_s=60, now=0.0)
     coordinator = _Coordinator(secure)
 
-    def swap(data: bytes) -> bytes:
-        reply = json.loads(data)
-        bindings = unpack_messages(reply["bindings"].encode(), raw=True)
-        kept = [b for b in bindings if json.loads(b)["name"] != "s1"]
-        reply["bindings"] = pack_messages([*kept, forged]).decode()
-        return json.dumps(reply).encode()
+    def swap(reply: Advertisements) -> Advertisements:
+        kept = [b for b in reply.bindings if b.name != "s1"]
+        return dataclasses.replace(reply, bindings=(*kept, forged))
 
     coordinator.tamper = swap
     errors: dict[str, BaseException] = {}
@@ -195,12 +197,9 @@ def test_site_agent_uplink_refuses_substitution_logs_why_and_sits_the_round_out(
                          index_seed=5, stage_timeout_s=60, now=0.0)
     coordinator = _Coordinator(secure)
 
-    def swap(data: bytes) -> bytes:
-        reply = json.loads(data)
-        bindings = unpack_messages(reply["bindings"].encode(), raw=True)
-        kept = [b for b in bindings if json.loads(b)["name"] != "s2"]
-        reply["bindings"] = pack_messages([*kept, forged]).decode()
-        return json.dumps(reply).encode()
+    def swap(reply: Advertisements) -> Advertisements:
+        kept = [b for b in reply.bindings if b.name != "s2"]
+        return dataclasses.replace(reply, bindings=(*kept, forged))
 
     coordinator.tamper = swap
 
@@ -208,9 +207,9 @@ def test_site_agent_uplink_refuses_substitution_logs_why_and_sits_the_round_out(
         def __init__(self, name: str) -> None:
             self.call = coordinator.call(name)
 
-        def secure_stage(self, round_number: int, stage: str, payload: bytes) -> tuple[bytes, str]:
+        def secure_stage(self, round_number: int, stage: str, message: StageMessage) -> tuple[StageMessage, str]:
             assert round_number == 0
-            return self.call(stage, payload)
+            return self.call(stage, message)
 
         def upload(self, **kwargs: object) -> None:
             raise AssertionError("a refused round must not upload")

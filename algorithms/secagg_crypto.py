@@ -1,0 +1,175 @@
+"""Secure aggregation's crypto primitives: X25519 keys, HKDF, the ChaCha20 mask PRG, the neighbour graph.
+
+Pure functions shared by the site (``secagg_client``) and the coordinator (``secagg_server``);
+the protocol itself is described in ``geoloco.algorithms.secagg``. Every derived key is bound by
+HKDF to ``DOMAIN``, a purpose, the session and the round, so no two masks of a run share a
+keystream and no key of one purpose can be replayed as another's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Callable, Iterable
+from typing import Final, Literal
+
+import numpy as np
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+__all__ = [
+    "DOMAIN",
+    "NeighbourMode",
+    "RandomBytes",
+    "add_masks",
+    "default_threshold",
+    "hkdf",
+    "keystream",
+    "keystream_into",
+    "mask_key",
+    "neighbour_graph",
+    "num_chunks",
+    "private_bytes",
+    "public_bytes",
+    "site_index",
+]
+
+NeighbourMode = Literal["full", "secagg+"]
+
+DOMAIN: Final = b"geoloco-secagg/v1"
+"""Domain separation of every key derivation and signed byte string of the protocol."""
+PURPOSE_PAIR_MASK: Final = b"pair-mask"
+PURPOSE_SELF_MASK: Final = b"self-mask"
+PURPOSE_SHARE_KEY: Final = b"share-encryption"
+
+RandomBytes = Callable[[int], bytes]
+
+
+def default_threshold(num_holders: int) -> int:
+    """About two thirds of the share holders (at least 2): ``ceil(2 n / 3)``."""
+    return max(2, math.ceil(2 * num_holders / 3))
+
+
+def public_bytes(key: X25519PublicKey | Ed25519PublicKey) -> bytes:
+    """Raw 32-byte encoding of a public key (what travels and what is signed)."""
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def private_bytes(key: X25519PrivateKey) -> bytes:
+    """Raw 32-byte encoding of an X25519 private key (what is Shamir-shared)."""
+    return key.private_bytes(
+        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+    )
+
+
+def hkdf(material: bytes, *info: bytes | int | str) -> bytes:
+    """A 256-bit key from ``material``, bound to ``DOMAIN`` and each ``info`` item (hashed, in order)."""
+    parts = [DOMAIN]
+    for item in info:
+        if isinstance(item, int):
+            parts.append(item.to_bytes(8, "little", signed=True))
+        elif isinstance(item, str):
+            parts.append(item.encode())
+        else:
+            parts.append(item)
+    info_bytes = b"/".join(hashlib.sha256(p).digest() for p in parts)
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info_bytes).derive(material)
+
+
+def mask_key(material: bytes, session: str, round_index: int, *, pair: tuple[int, int] | None = None, site: int | None = None) -> bytes:
+    """The 256-bit ChaCha20 key of one mask: a pairwise mask (``pair``) or a self-mask (``site``).
+
+    ``material`` is the X25519 shared secret (pairwise) or the self-mask seed ``b_u``; HKDF binds
+    the key to the session, round and the (unordered) pair or the site, so no two masks of a run
+    share a keystream.
+    """
+    if (pair is None) == (site is None):
+        raise ValueError("mask_key needs exactly one of pair= or site=")
+    if pair is not None:
+        low, high = sorted(pair)
+        return hkdf(material, PURPOSE_PAIR_MASK, session, round_index, low, high)
+    return hkdf(material, PURPOSE_SELF_MASK, session, round_index, int(site))  # type: ignore[arg-type]
+
+
+_ZEROS = bytes(1 << 22)
+
+
+def keystream(key: bytes, chunk_index: int, nbytes: int) -> bytes:
+    """ChaCha20 keystream for one chunk: the nonce carries the chunk index (domain separation)."""
+    nonce = b"\x00\x00\x00\x00" + chunk_index.to_bytes(8, "little") + b"mask"
+    encryptor = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
+    if nbytes <= len(_ZEROS):
+        return encryptor.update(memoryview(_ZEROS)[:nbytes])
+    return encryptor.update(bytes(nbytes))
+
+
+def keystream_into(key: bytes, chunk_index: int, out: bytearray | memoryview) -> None:
+    """``keystream`` written into ``out`` (no allocation; the hot path of masking)."""
+    nonce = b"\x00\x00\x00\x00" + chunk_index.to_bytes(8, "little") + b"mask"
+    encryptor = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
+    nbytes = len(out)
+    if nbytes > len(_ZEROS):
+        out[:] = encryptor.update(bytes(nbytes))
+        return
+    encryptor.update_into(memoryview(_ZEROS)[:nbytes], out)
+
+
+def add_masks(keys: Iterable[tuple[bytes, int]], chunk_index: int, target: np.ndarray, *, subtract: bool) -> None:
+    """Add (or subtract) ``sign * PRG(key)`` for each key into ``target`` in place, one buffer reused."""
+    buffer = bytearray(target.nbytes)
+    mask = np.frombuffer(buffer, dtype=target.dtype)
+    for key, sign in keys:
+        keystream_into(key, chunk_index, buffer)
+        if (sign > 0) != subtract:
+            target += mask
+        else:
+            target -= mask
+
+
+def num_chunks(numel: int, chunk_size: int) -> int:
+    """Chunks of ``chunk_size`` values that cover ``numel`` values (the last may be shorter)."""
+    return max(1, math.ceil(numel / chunk_size))
+
+
+def neighbour_graph(
+    sites: Iterable[int], mode: NeighbourMode, *, session: str, round_index: int, degree: int | None = None
+) -> dict[int, frozenset[int]]:
+    """Who masks with whom: everyone (``"full"``), or a random ``k``-regular circulant (``"secagg+"``).
+
+    SecAgg+ places the sites on a ring in an order every party derives from (session, round,
+    sites) and links each to its ``k/2`` nearest on either side, ``k = 2 ceil(log2 n)`` by default,
+    so per-site cost grows with ``log n`` and total cost with ``n log n``.
+    """
+    ordered = sorted(set(sites))
+    n = len(ordered)
+    if mode == "full":
+        return {u: frozenset(v for v in ordered if v != u) for u in ordered}
+    if mode != "secagg+":
+        raise ValueError(f"unknown neighbour mode {mode!r}; choose 'full' or 'secagg+'")
+    k = degree if degree is not None else 2 * math.ceil(math.log2(max(n, 2)))
+    if k >= n - 1:
+        return {u: frozenset(v for v in ordered if v != u) for u in ordered}
+    seed = hashlib.sha256(f"{session}/{round_index}/{ordered}".encode()).digest()
+    ring = list(ordered)
+    random.Random(seed).shuffle(ring)
+    half = max(1, k // 2)
+    graph: dict[int, set[int]] = {u: set() for u in ordered}
+    for p, u in enumerate(ring):
+        for d in range(1, half + 1):
+            v = ring[(p + d) % n]
+            graph[u].add(v)
+            graph[v].add(u)
+    return {u: frozenset(vs) for u, vs in graph.items()}
+
+
+def site_index(name: str) -> int:
+    """The protocol's integer id of a named site: 32 bits of SHA-256 of the name.
+
+    Both sides compute it without a round trip; a collision between two names of one run (odds
+    about 1 in 4e9 per pair) is detected by the coordinator, which refuses the second site.
+    """
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")

@@ -1,0 +1,249 @@
+"""Byte buffers on the wire: sizes, zero-copy byte views, checksums, chunk index ranges, wire errors.
+
+The vocabulary every other wire module uses (``geoloco.protos.wire`` re-exports it; its
+docstring explains the chunk size and checksum choices). Violations raise ``WireError``
+subclasses, each carrying the gRPC status code the servicer should return (see
+``geoloco.protos.errors``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import grpc
+
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.errors import StatusError
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+DEFAULT_CHUNK_SIZE = 1 * MiB
+"""Bytes per chunk when sending (measured best; see ``geoloco.protos.wire``'s docstring)."""
+
+MAX_CHUNK_SIZE = 4 * MiB
+"""Largest chunk a receiver accepts; ``transport``'s message limits are sized from it. A chunk
+message is the chunk plus ~10 bytes of framing, so chunks up to ~4 MiB - 16 B also pass a peer
+that keeps gRPC's default 4 MiB receive limit; the default chunk size always does."""
+
+DEFAULT_MAX_BLOB_BYTES = 16 * GiB
+"""Largest blob an assembler allocates unless told otherwise. Receivers that know better (the
+coordinator knows the model size) should pass a tighter ``max_total_bytes``."""
+
+DEFAULT_CHECKSUM = pb.CHECKSUM_ALGORITHM_CRC32
+
+RAW_CODEC = "none"
+"""Codec name of uncompressed bytes, e.g. the fp32 weights in FetchModel."""
+
+DIGEST_SIZES = {pb.CHECKSUM_ALGORITHM_CRC32: 4, pb.CHECKSUM_ALGORITHM_SHA256: 32}
+"""Digest length in bytes of each checksum algorithm."""
+
+Buffer = Any
+"""bytes, bytearray, memoryview, a C-contiguous NumPy array or a contiguous CPU torch tensor."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+class WireError(StatusError):
+    """A chunk stream or manifest that violates the protocol."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ManifestError(WireError):
+    """Malformed manifest, or a stream that does not start with exactly one manifest."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = pb.ERROR_REASON_BAD_MANIFEST
+
+
+class ManifestTooLargeError(ManifestError):
+    """The manifest announces more bytes, or larger chunks, than the receiver accepts."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class ManifestConflictError(WireError):
+    """A resumed upload sent a manifest that differs from the stored one."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = pb.ERROR_REASON_MANIFEST_CONFLICT
+
+
+class ChunkIndexError(WireError):
+    """A chunk index at or past the manifest's num_chunks."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = pb.ERROR_REASON_CHUNK_OUT_OF_BOUNDS
+
+
+class ChunkSizeError(WireError):
+    """A chunk shorter than its slot (every chunk but the last is exactly chunk_size)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = pb.ERROR_REASON_CHUNK_OUT_OF_BOUNDS
+
+
+class OversizeChunkError(ChunkSizeError):
+    """A chunk longer than its slot: it would write past the manifest's total size."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class StreamOverrunError(WireError):
+    """One stream carried more chunk bytes than the whole blob holds (a looping sender)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = pb.ERROR_REASON_CHUNK_OUT_OF_BOUNDS
+
+
+class IncompleteError(WireError):
+    """Reassembly finished while chunks are missing; ``missing`` lists them as ranges."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+    def __init__(self, message: str, missing: list[tuple[int, int]]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class ChecksumMismatchError(WireError):
+    """The reassembled bytes do not match the manifest's checksum."""
+
+    code = grpc.StatusCode.DATA_LOSS
+    reason = pb.ERROR_REASON_CHECKSUM_MISMATCH
+
+
+# ---------------------------------------------------------------------------------------------
+# Buffers, checksums, ranges
+# ---------------------------------------------------------------------------------------------
+
+
+def as_byte_view(data: Buffer, *, writable: bool = False) -> memoryview:
+    """A flat ``uint8`` memoryview of ``data`` without copying.
+
+    Torch tensors are viewed through NumPy (CPU, contiguous only); other objects must support the
+    buffer protocol and be C-contiguous.
+    """
+    if isinstance(data, memoryview):
+        view = data
+    elif isinstance(data, (bytes, bytearray)):
+        view = memoryview(data)
+    else:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(data, torch.Tensor):
+            tensor = data.detach()
+            if tensor.device.type != "cpu":
+                raise ValueError(
+                    f"tensor is on {tensor.device}; wire buffers are host memory, call .cpu() first"
+                )
+            if not tensor.is_contiguous():
+                raise ValueError("tensor is not contiguous; call .contiguous() first")
+            tensor = tensor.reshape(-1)
+            if tensor.dtype != torch.uint8:
+                tensor = tensor.view(torch.uint8)
+            view = memoryview(tensor.numpy())
+        else:
+            try:
+                view = memoryview(data)
+            except TypeError:
+                raise TypeError(
+                    "expected bytes, bytearray, memoryview, a NumPy array or a CPU torch tensor, "
+                    f"got {type(data).__name__}"
+                ) from None
+    if not view.c_contiguous:
+        raise ValueError("buffer is not C-contiguous; make a contiguous copy first")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    if writable and view.readonly:
+        raise ValueError(f"buffer of type {type(data).__name__} is read-only; pass a writable one")
+    return view
+
+
+def compute_checksum(data: Buffer, algorithm: int = DEFAULT_CHECKSUM) -> pb.Checksum:
+    """Checksum of ``data``'s bytes (CRC-32 digest as 4 big-endian bytes, or SHA-256)."""
+    view = as_byte_view(data)
+    if algorithm == pb.CHECKSUM_ALGORITHM_CRC32:
+        digest = zlib.crc32(view).to_bytes(4, "big")
+    elif algorithm == pb.CHECKSUM_ALGORITHM_SHA256:
+        digest = hashlib.sha256(view).digest()
+    else:
+        raise ValueError(
+            f"unknown checksum algorithm {algorithm}; use one of "
+            f"{[pb.ChecksumAlgorithm.Name(a) for a in DIGEST_SIZES]}"
+        )
+    return pb.Checksum(algorithm=algorithm, digest=digest)
+
+
+def checksum_hex(checksum: pb.Checksum) -> str:
+    """``crc32:1a2b3c4d`` for logs."""
+    name = pb.ChecksumAlgorithm.Name(checksum.algorithm).removeprefix("CHECKSUM_ALGORITHM_")
+    return f"{name.lower()}:{checksum.digest.hex()}"
+
+
+def verify_checksum(data: Buffer, expected: pb.Checksum) -> None:
+    """Raise ``ChecksumMismatchError`` unless ``data`` has checksum ``expected``."""
+    actual = compute_checksum(data, expected.algorithm)
+    if actual.digest != expected.digest:
+        raise ChecksumMismatchError(
+            f"checksum mismatch: expected {checksum_hex(expected)}, got {checksum_hex(actual)}; "
+            "every chunk must be sent again"
+        )
+
+
+def num_chunks_for(total_bytes: int, chunk_size: int) -> int:
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return -(-total_bytes // chunk_size)
+
+
+def indices_to_ranges(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted, merged half-open ranges covering ``indices``: [0, 1, 2, 5] -> [(0, 3), (5, 6)]."""
+    ranges: list[tuple[int, int]] = []
+    for i in sorted(set(indices)):
+        if ranges and ranges[-1][1] == i:
+            ranges[-1] = (ranges[-1][0], i + 1)
+        else:
+            ranges.append((i, i + 1))
+    return ranges
+
+
+def ranges_to_indices(ranges: Iterable[tuple[int, int] | pb.IndexRange]) -> list[int]:
+    out: list[int] = []
+    for r in ranges:
+        start, end = (r.start, r.end) if isinstance(r, pb.IndexRange) else r
+        out.extend(range(start, end))
+    return out
+
+
+def to_index_ranges(ranges: Iterable[tuple[int, int]]) -> list[pb.IndexRange]:
+    return [pb.IndexRange(start=s, end=e) for s, e in ranges]
+
+
+def flag_ranges(flags: bytes | bytearray, value: int) -> list[tuple[int, int]]:
+    """Runs of ``value`` (0 or 1) in a flag array; bytes.find keeps this fast for 1e5+ chunks."""
+    want, other = bytes([value]), bytes([1 - value])
+    ranges = []
+    pos, n = 0, len(flags)
+    while pos < n:
+        start = flags.find(want, pos)
+        if start < 0:
+            break
+        end = flags.find(other, start)
+        end = n if end < 0 else end
+        ranges.append((start, end))
+        pos = end
+    return ranges
+
+
+def dtype_name(dtype: object) -> str:
+    """``torch.float32`` / ``numpy.float32`` / ``"float32"`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")

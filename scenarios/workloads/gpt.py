@@ -348,7 +348,3 @@ class GPTWorkload:
         finally:
             model.train(was_training)
         return total / self.config.eval_batches
-
-    def tokens_per_batch(self) -> int:
-        """Predicted bytes per training batch; the natural weight of a site's update."""
-        return self.config.batch_size * self.seq_len

@@ -278,7 +278,7 @@ class Emulation:
             "algorithm": s.algorithm.to_dict(),
             "inner_optimizer": s.inner_optimizer.to_dict(),
             "outer_optimizer": s.outer_optimizer.to_dict(),
-            "workload": dict(s.workload),
+            "workload": s.workload.to_table(),
             "http": {"enabled": True, "host": "127.0.0.1", "port": 0},
             **({"privacy": s.privacy.to_dict()} if s.privacy.enabled else {}),
         }

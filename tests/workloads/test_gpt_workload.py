@@ -73,7 +73,7 @@ def test_weights_are_tied_and_stored_once() -> None:
 
 
 def test_preset_parameter_counts() -> None:
-    counts = {name: GPT(config).num_parameters() for name, config in GPT_PRESETS.items()}
+    counts = {name: sum(p.numel() for p in GPT(config).parameters()) for name, config in GPT_PRESETS.items()}
     assert counts["tiny"] < counts["small"] < counts["base"]
     assert 400_000 <= counts["small"] <= 500_000
     assert GPTWorkloadConfig().size == "small"

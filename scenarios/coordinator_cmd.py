@@ -2,7 +2,8 @@
 
 The TOML file maps one to one onto ``geoloco.coordinator.CoordinatorConfig`` (top-level keys plus
 ``[algorithm]``, ``[outer_optimizer]`` and ``[inner_optimizer]`` tables); its ``[workload]`` table
-names the built-in workload (``name``) and its options. The coordinator builds that workload's
+names the built-in workload (``name``, default ``gpt``; read by ``parse_workload`` like every
+command's) and its options. The coordinator builds that workload's
 model with the run's ``seed`` for the initial weights and evaluates the global weights with the
 workload's ``eval_loss``; the table is also sent to the sites (``RunConfig.config_json``), so
 ``geoloco site`` builds the same model without being told. See the shipped ``coordinator.toml``

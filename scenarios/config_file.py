@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COMMAND_LINE",
     "EXIT_CONFIG_ERROR",
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_RUNTIME_ERROR",
     "ConfigFileError",
@@ -47,6 +48,9 @@ EXIT_RUNTIME_ERROR = 1
 EXIT_CONFIG_ERROR = 2
 """A bad config file, table or flag (argparse's own usage-error status, so a bad flag value
 caught by argparse and a bad key caught by a schema exit alike)."""
+
+EXIT_INTERRUPTED = 130
+"""Ctrl-C or SIGTERM stopped the command (128 + SIGINT, as a shell reports it)."""
 
 COMMAND_LINE = "command line"
 """``source`` of an error in a flag."""

@@ -26,6 +26,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from geoloco.scenarios.config_file import (
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_RUNTIME_ERROR,
     ConfigFileError,
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
     from geoloco.scenarios.netns import ShapingPlan
 
 logger = logging.getLogger(__name__)
-
-EXIT_INTERRUPTED = 130
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """Stop the run cleanly (every child stopped, report written, exit 130), whatever the

@@ -67,6 +67,7 @@ __all__ = [
     "PrivateUpdateEncoder",
     "add_central_noise",
     "check_composition",
+    "check_privacy_setup",
     "decode_secure_sum",
     "plan_secure_round",
     "secure_context",
@@ -232,6 +233,37 @@ def check_composition(privacy: PrivacyConfig, uplink_codec: str, num_sites: int 
     if num_sites is not None and privacy.threshold is not None and privacy.threshold > num_sites:
         raise ConfigError(
             "privacy.threshold", f"threshold {privacy.threshold} exceeds the {num_sites} sites"
+        )
+
+
+def check_privacy_setup(
+    privacy: PrivacyConfig,
+    *,
+    weighting: str,
+    late_updates: str,
+    uplink_codec: str,
+    num_sites: int | None,
+    quorum: int | None,
+    quorum_key: str,
+    deadline_key: str | None = None,
+) -> None:
+    """Every check a config with ``[privacy]`` beside ``[algorithm]`` needs, in one place:
+    ``check_aggregation``, ``check_composition`` (its codec key under ``algorithm.``) and, under
+    secure aggregation, rounds of at least ``MIN_SITES`` sites. ``quorum_key`` and ``deadline_key``
+    name the config's own settings (``run.min_sites``, ``run.round_deadline_s``, ...)."""
+    if not privacy.enabled:
+        return
+    check_aggregation(privacy, weighting=weighting, late_updates=late_updates, deadline_key=deadline_key)
+    try:
+        check_composition(privacy, uplink_codec, num_sites)
+    except ConfigError as err:
+        raise err.under("algorithm" if err.key == "uplink_codec" else "") from None
+    if privacy.secure_aggregation and quorum is not None:
+        require(
+            quorum >= MIN_SITES,
+            quorum_key,
+            f"secure aggregation needs rounds of at least {MIN_SITES} sites (with 2 the sum "
+            f"reveals each site's update to the other); got a quorum of {quorum}",
         )
 
 

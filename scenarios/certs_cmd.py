@@ -12,8 +12,9 @@ every ``--host``). See ``geoloco.scenarios.certs``.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+
+from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError, report_config_error
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -69,8 +70,7 @@ def _init(args: argparse.Namespace) -> int:
     try:
         pair = certs.init_ca(args.directory, force=args.force, **kwargs)
     except (FileExistsError, ValueError) as e:
-        print(f"geoloco certs init: {e}", file=sys.stderr)
-        return 2
+        return report_config_error("certs init", ConfigFileError(str(args.directory), "", str(e)))
     print(f"CA certificate: {pair.cert}")
     print(f"CA key:         {pair.key} (keep it private)")
     return 0
@@ -87,14 +87,12 @@ def _issue(args: argparse.Namespace) -> int:
             )
         else:
             if args.host:
-                print(
-                    "geoloco certs issue: --host only applies with --coordinator", file=sys.stderr
+                return report_config_error(
+                    "certs issue", ConfigFileError(COMMAND_LINE, "--host", "only applies with --coordinator")
                 )
-                return 2
             pair = certs.issue_site(args.directory, args.name, force=args.force, **kwargs)
     except (FileExistsError, FileNotFoundError, ValueError) as e:
-        print(f"geoloco certs issue: {e}", file=sys.stderr)
-        return 2
+        return report_config_error("certs issue", ConfigFileError(str(args.directory), "", str(e)))
     print(f"certificate: {pair.cert}  ({certs.describe(pair.cert)})")
     print(f"key:         {pair.key}")
     return 0

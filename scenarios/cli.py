@@ -13,6 +13,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from geoloco.scenarios.config_file import EXIT_INTERRUPTED
+
 # Subcommand name -> module that registers it. One place to look when adding a command.
 SUBCOMMANDS: dict[str, str] = {
     "simulate": "geoloco.scenarios.simulate_cmd",
@@ -55,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:
         logging.getLogger("geoloco").warning("interrupted")
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

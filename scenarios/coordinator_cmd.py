@@ -2,7 +2,8 @@
 
 The TOML file maps one to one onto ``geoloco.coordinator.CoordinatorConfig`` (top-level keys plus
 ``[algorithm]``, ``[outer_optimizer]`` and ``[inner_optimizer]`` tables); its ``[workload]`` table
-names the built-in workload (``name``) and its options. The coordinator builds that workload's
+names the built-in workload (``name``, default ``gpt``; read by ``parse_workload`` like every
+command's) and its options. The coordinator builds that workload's
 model with the run's ``seed`` for the initial weights and evaluates the global weights with the
 workload's ``eval_loss``; the table is also sent to the sites (``RunConfig.config_json``), so
 ``geoloco site`` builds the same model without being told. See the shipped ``coordinator.toml``
@@ -43,14 +44,18 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from geoloco.scenarios.config_file import ConfigFileError, read_toml
+from geoloco.scenarios.config_file import (
+    COMMAND_LINE,
+    EXIT_OK,
+    EXIT_RUNTIME_ERROR,
+    ConfigFileError,
+    from_config_error,
+    port_number,
+    read_toml,
+    report_config_error,
+)
 
 logger = logging.getLogger(__name__)
-
-EXIT_OK = 0
-EXIT_RUNTIME_ERROR = 1
-EXIT_CONFIG_ERROR = 2
-"""Exit status for a bad config or flag (argparse's own usage-error status)."""
 
 PROGRAM = "geoloco-coordinator"
 """Prefix of every machine-readable stdout line."""
@@ -66,7 +71,6 @@ same value as ``geoloco.protos.transport.SHUTDOWN_GRACE_S``; an upload cut off h
 after a restart). A round being aggregated is completed and checkpointed first."""
 
 EXAMPLE_CONFIG = Path(__file__).with_name("coordinator.toml")
-WORKLOAD_TABLE = "workload"
 
 
 class GracefulStop:
@@ -104,16 +108,6 @@ class GracefulStop:
             threading.Thread(target=self.on_stop, name="geoloco-stop", daemon=True).start()
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be an integer in 0..65535, got {text!r}")
-    return value
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser(
         "coordinator",
@@ -135,10 +129,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     parser.add_argument("--config", type=Path, required=True, metavar="FILE", help="TOML config file")
     parser.add_argument("--host", help="address to listen on, overrides `host` (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=_port, help="port to listen on, overrides `port` (0: a free one)")
+    parser.add_argument("--port", type=port_number, help="port to listen on, overrides `port` (0: a free one)")
     parser.add_argument(
         "--http-port",
-        type=_port,
+        type=port_number,
         help="port of /metrics and the status page, overrides `http.port` (0: a free one; on by "
         "default at 9470, loopback only unless `http.host` says otherwise)",
     )
@@ -176,7 +170,7 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
             "set certs_dir (made by `geoloco certs`) for mutual TLS",
         )
     if args.insecure and args.certs is not None:
-        raise ConfigFileError("command line", "--insecure", "cannot be combined with --certs; drop one")
+        raise ConfigFileError(COMMAND_LINE, "--insecure", "cannot be combined with --certs; drop one")
     if args.insecure:
         raw["insecure"] = True
         raw.pop("certs_dir", None)  # the command line asked for plain text explicitly
@@ -200,55 +194,23 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
             raw[key] = str(value) if isinstance(value, Path) else value
 
 
-def _check_workload(table: Any, source: str) -> tuple[str, dict[str, Any]]:
-    """``(name, options)`` of the ``[workload]`` table, each option checked against the
-    workload's config dataclass."""
-    from geoloco.scenarios.workloads import WORKLOADS, workload_config
-
-    if table is None:
-        raise ConfigFileError(
-            source,
-            WORKLOAD_TABLE,
-            f"missing [workload] table; it names the model to train: name = one of "
-            f"{', '.join(map(repr, WORKLOADS))}",
-        )
-    if not isinstance(table, Mapping):
-        raise ConfigFileError(source, WORKLOAD_TABLE, "expected a [workload] table with `name`")
-    options = dict(table)
-    name = options.pop("name", None)
-    if not isinstance(name, str) or name not in WORKLOADS:
-        raise ConfigFileError(
-            source,
-            f"{WORKLOAD_TABLE}.name",
-            f"got {name!r}; allowed workloads: {', '.join(map(repr, WORKLOADS))}",
-        )
-    for key, value in options.items():
-        try:
-            workload_config(name, **{key: value})
-        except ValueError as err:
-            raise ConfigFileError(source, f"{WORKLOAD_TABLE}.{key}", str(err)) from None
-    try:
-        workload_config(name, **options)
-    except ValueError as err:  # a constraint between options
-        raise ConfigFileError(source, WORKLOAD_TABLE, str(err)) from None
-    return name, options
-
-
-def load_config(args: argparse.Namespace) -> tuple[Any, str, dict[str, Any]]:
-    """``(CoordinatorConfig, workload name, workload options)`` from ``--config`` and the flags."""
+def load_config(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(CoordinatorConfig, WorkloadSpec)`` from ``--config`` and the flags."""
     from geoloco.algorithms.config import ConfigError
     from geoloco.coordinator.config import CoordinatorConfig
+    from geoloco.scenarios.workloads import WORKLOAD_TABLE, parse_workload
 
     source = str(args.config)
     raw = read_toml(args.config)
     _apply_flags(raw, args, source)
-    name, options = _check_workload(raw.get(WORKLOAD_TABLE), source)
-    raw[WORKLOAD_TABLE] = {"name": name, **options}
     try:
+        workload = parse_workload(raw.get(WORKLOAD_TABLE))
+        # The table as parsed (defaults named) goes to the sites with the rest of the config.
+        raw[WORKLOAD_TABLE] = workload.to_table()
         config = CoordinatorConfig.from_dict(raw)
     except ConfigError as err:
-        raise ConfigFileError(source, err.key, err.message) from None
-    return config, name, options
+        raise from_config_error(source, err) from None
+    return config, workload
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,8 +221,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except ConfigFileError as err:
-        print(f"geoloco coordinator: error: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return report_config_error("coordinator", err)
 
 
 def _round_line(record: Mapping[str, Any]) -> str:
@@ -295,20 +256,19 @@ def _privacy_line(record: Mapping[str, Any]) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    config, name, options = load_config(args)
+    config, workload = load_config(args)
     stop = GracefulStop().install()
     try:
-        return _serve(config, name, options, str(args.config), stop)
+        return _serve(config, workload, str(args.config), stop)
     finally:
         stop.restore()
 
 
-def _serve(config: Any, name: str, options: dict[str, Any], source: str, stop: GracefulStop) -> int:
+def _serve(config: Any, spec: Any, source: str, stop: GracefulStop) -> int:
     from geoloco.algorithms.params import ParamLayout
     from geoloco.coordinator import events as ev
     from geoloco.coordinator.checkpoint import CheckpointError
     from geoloco.coordinator.server import CoordinatorServer
-    from geoloco.scenarios.workloads import build_workload
 
     if config.insecure:
         print(
@@ -318,7 +278,7 @@ def _serve(config: Any, name: str, options: dict[str, Any], source: str, stop: G
             file=sys.stderr,
             flush=True,
         )
-    workload = build_workload(name, **options)
+    workload = spec.build()
     model = workload.build_model(config.seed)
     layout = ParamLayout.from_model(model)
 

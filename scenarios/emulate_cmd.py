@@ -25,15 +25,18 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from geoloco.scenarios.config_file import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_RUNTIME_ERROR,
+    ConfigFileError,
+    report_config_error,
+)
+
 if TYPE_CHECKING:
     from geoloco.scenarios.netns import ShapingPlan
 
 logger = logging.getLogger(__name__)
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG_ERROR = 2
-EXIT_INTERRUPTED = 130
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """Stop the run cleanly (every child stopped, report written, exit 130), whatever the
@@ -108,13 +111,12 @@ def describe(scenario: object) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from geoloco.scenarios.scenario import ScenarioError, load_scenario
+    from geoloco.scenarios.scenario import load_scenario
 
     try:
         scenario = load_scenario(args.scenario)
-    except ScenarioError as err:
-        print(f"geoloco emulate: error: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    except ConfigFileError as err:
+        return report_config_error("emulate", err)
     print(f"geoloco emulate: {args.scenario}")
     for line in describe(scenario):
         print(f"  {line}")
@@ -174,4 +176,4 @@ def emulate(
     print(f"  report: {summary} (plots and metrics.jsonl next to it)")
     if result.status == "interrupted":
         return EXIT_INTERRUPTED
-    return EXIT_OK if result.ok else EXIT_FAILED
+    return EXIT_OK if result.ok else EXIT_RUNTIME_ERROR

@@ -17,6 +17,11 @@
 Site states for the progress display come from the processes and the link traffic alone: a site
 whose last transfer was an upload is *waiting* for the round's aggregate; after a download it is
 *training*; a transfer in flight is *uploading* / *downloading*.
+
+This module supervises the processes; the rest is elsewhere: what the children are told (config
+file, command lines) in ``child_commands``, when faults fire and end in ``fault_schedule``, the
+coordinator's metrics read as they grow in ``run_metrics``, the child processes themselves in
+``launcher``.
 """
 
 from __future__ import annotations
@@ -25,12 +30,19 @@ import json
 import logging
 import os
 import re
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from geoloco.scenarios.child_commands import coordinator_table, geoloco_command, site_command, to_toml
+from geoloco.scenarios.fault_schedule import (
+    RESTORE_COORDINATOR,
+    RESTORE_LINK,
+    RESTORE_SITE,
+    FaultEvent,
+    FaultSchedule,
+)
 from geoloco.scenarios.launcher import ChildProcess, wait_for
 from geoloco.scenarios.netns import (
     MODE_KERNEL,
@@ -57,10 +69,21 @@ from geoloco.scenarios.progress import (
     SiteStatus,
     Snapshot,
 )
+from geoloco.scenarios.run_metrics import MetricsTail
 from geoloco.scenarios.scenario import CUT_LINK, KILL_COORDINATOR, KILL_SITE, Fault, Scenario
 from geoloco.scenarios.shaping import LinkRelay, LinkShape, RelayHub
 
-__all__ = ["EmulationError", "EmulationResult", "FaultEvent", "Emulation", "STATUS_PAGE_RE", "to_toml"]
+# FaultEvent, to_toml and geoloco_command live in fault_schedule / child_commands; importing them
+# from here keeps working.
+__all__ = [
+    "STATUS_PAGE_RE",
+    "Emulation",
+    "EmulationError",
+    "EmulationResult",
+    "FaultEvent",
+    "geoloco_command",
+    "to_toml",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +101,6 @@ FINISHED_MARK = "geoloco-coordinator finished:"
 COORDINATOR_START_TIMEOUT_S = 120.0
 POLL_INTERVAL_S = 0.1
 PROGRESS_INTERVAL_S = 0.5
-COORDINATOR_DRAIN_S = 10.0
-"""The coordinator waits this long for sites to fetch the final broadcast before it exits."""
-
-SITE_BACKOFF_MAX_S = 2.0
-"""Longest pause between a site's reconnection attempts: short, so recoveries after a fault are
-measured in the emulated faults' seconds rather than in backoff."""
-
 SITE_NICENESS = 5
 """Sites train at a lower CPU priority than the emulator, whose relays emulate the network: on a
 machine with fewer cores than sites, a starved relay would stretch transfers the links do not."""
@@ -97,19 +113,6 @@ STATUS_FAILED = "failed"
 
 class EmulationError(RuntimeError):
     """The run could not start or a process failed; the message says which and where its log is."""
-
-
-@dataclass(slots=True)
-class FaultEvent:
-    """A fault as it happened (times in seconds since the run started)."""
-
-    fault: Fault
-    fired_s: float
-    fired_round: int
-    """Rounds completed when it fired."""
-    restored_s: float | None = None
-    """When the process was restarted / the link restored."""
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -140,46 +143,6 @@ class EmulationResult:
         return self.status in (STATUS_COMPLETED, STATUS_TIME_BUDGET)
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as a TOML value")
-
-
-def to_toml(data: dict[str, Any]) -> str:
-    """A TOML document for a dict of scalars, lists and nested tables (``[algorithm.streaming]``);
-    None is left out (TOML has no null; a missing key means the default)."""
-    lines: list[str] = []
-    _toml_table(data, "", lines)
-    return "\n".join(lines).lstrip("\n") + "\n"
-
-
-def _toml_table(table: dict[str, Any], name: str, lines: list[str]) -> None:
-    if name:
-        lines.append(f"\n[{name}]")
-    nested: list[tuple[str, dict[str, Any]]] = []
-    for key, value in table.items():
-        if value is None:
-            continue
-        if isinstance(value, dict):
-            nested.append((f"{name}.{key}" if name else key, value))
-        else:
-            lines.append(f"{key} = {_toml_value(value)}")
-    for child, value in nested:
-        _toml_table(value, child, lines)
-
-
-def geoloco_command(*args: str) -> list[str]:
-    """``python -m geoloco.scenarios.cli ARGS`` with this interpreter (no PATH lookup)."""
-    return [sys.executable, "-m", "geoloco.scenarios.cli", *args]
-
-
 class Emulation:
     """See the module docstring."""
 
@@ -204,15 +167,9 @@ class Emulation:
         self.relays: dict[str, LinkRelay] = {}
         self.coordinator: ChildProcess | None = None
         self.sites: dict[str, ChildProcess] = {}
-        self.records: list[dict[str, Any]] = []
+        self.metrics = MetricsTail(self.metrics_path, self.now)
         self.faults: list[FaultEvent] = []
-        self._pending_faults = sorted(scenario.faults, key=lambda f: (f.at_round, f.after_s))
-        self._round_started_s: dict[int, float] = {}
-        self._restarts: list[tuple[float, str, Any]] = []
-        """(when, what, payload) scheduled restarts: ("site", name) / ("coordinator", None) /
-        ("link", name) for the end of a cut."""
-        self._metrics_offset = 0
-        self._metrics_buffer = b""
+        self._schedule = FaultSchedule(scenario.faults)
         self._t0 = time.monotonic()
         self._site_starts: dict[str, list[float]] = {s.name: [] for s in scenario.sites}
         self._site_stops: dict[str, list[float]] = {s.name: [] for s in scenario.sites}
@@ -253,52 +210,30 @@ class Emulation:
         for site in self.scenario.sites:
             issue_site(self.certs_dir, site.name, force=True)
 
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The coordinator's metrics records so far."""
+        return self.metrics.records
+
     def coordinator_config(self) -> dict[str, Any]:
         """The ``geoloco coordinator --config`` table for this scenario."""
-        s = self.scenario
-        run = s.run
-        return {
-            "seed": run.seed,
-            "total_rounds": run.rounds,
-            "min_sites": s.quorum,
-            "round_deadline_s": run.round_deadline_s,
-            "adaptive_deadline": run.adaptive_deadline.to_dict(),
-            "heartbeat_interval_s": run.heartbeat_interval_s,
-            "heartbeat_timeout_s": run.heartbeat_timeout_s,
-            "host": "127.0.0.1",
-            "port": 0,
-            "certs_dir": str(self.certs_dir.resolve()),
-            "allowed_sites": [site.name for site in s.sites],
-            "checkpoint_dir": str((self.out / "checkpoints").resolve()),
-            "checkpoint_every": 1,
-            "metrics_path": str(self.metrics_path.resolve()),
-            "eval_every": run.eval_every,
-            "drain_timeout_s": COORDINATOR_DRAIN_S,
-            "device": "cpu",
-            "algorithm": s.algorithm.to_dict(),
-            "inner_optimizer": s.inner_optimizer.to_dict(),
-            "outer_optimizer": s.outer_optimizer.to_dict(),
-            "workload": dict(s.workload),
-            "http": {"enabled": True, "host": "127.0.0.1", "port": 0},
-            **({"privacy": s.privacy.to_dict()} if s.privacy.enabled else {}),
-        }
+        return coordinator_table(
+            self.scenario,
+            certs_dir=self.certs_dir,
+            checkpoint_dir=self.out / "checkpoints",
+            metrics_path=self.metrics_path,
+        )
 
     def site_command(self, index: int) -> list[str]:
-        site = self.scenario.sites[index]
-        relay = self.relays[site.name]
+        """``geoloco site ...`` for site ``index`` dialling its relay (inside its namespace under
+        kernel shaping)."""
+        relay = self.relays[self.scenario.sites[index].name]
         link = self.kernel_links.links[index] if self.kernel_links else None
-        return [*(link.exec_prefix() if link else []), *geoloco_command(
-            "--log-level", self.log_level,
-            "site",
-            "--coordinator", f"{relay.host}:{relay.port}",
-            "--name", site.name,
-            "--certs", str(self.certs_dir.resolve()),
-            "--device", "cpu",
-            "--site-index", str(self.scenario.shard_of(index)),
-            "--num-sites", str(len(self.scenario.sites)),
-            "--backoff-max", repr(SITE_BACKOFF_MAX_S),
-            *(["--speed-factor", repr(site.speed_factor)] if site.speed_factor != 1.0 else []),
-        )]
+        command = site_command(
+            self.scenario, index, coordinator=f"{relay.host}:{relay.port}",
+            certs_dir=self.certs_dir, log_level=self.log_level,
+        )
+        return [*(link.exec_prefix() if link else []), *command]
 
     def _child_env(self) -> dict[str, str]:
         from geoloco.protos.transport import recommended_env
@@ -414,7 +349,7 @@ class Emulation:
             self._start_coordinator()
             for name in self.sites:
                 self._start_site(name)
-            self._round_started_s[0] = self.now()
+            self.metrics.round_started_s[0] = self.now()
             status, reason = self._loop()
         except KeyboardInterrupt:
             status, reason = STATUS_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); every child stopped"
@@ -467,7 +402,7 @@ class Emulation:
 
     def _coordinator_down(self) -> bool:
         """The coordinator is dead on purpose (a fault) and waits for its restart."""
-        return any(kind == "coordinator" for _, kind, _ in self._restarts)
+        return self._schedule.coordinator_down
 
     def _check_sites(self) -> None:
         for name, child in self.sites.items():
@@ -484,40 +419,15 @@ class Emulation:
             )
 
     def _rounds_done(self) -> int:
-        return 1 + max((int(r["round"]) for r in self.records), default=-1)
+        return self.metrics.rounds_done
 
     def _read_metrics(self) -> None:
-        path = self.metrics_path
-        if not path.exists():
-            return
-        with path.open("rb") as f:
-            f.seek(self._metrics_offset)
-            data = f.read()
-        self._metrics_offset += len(data)
-        data = self._metrics_buffer + data
-        *lines, self._metrics_buffer = data.split(b"\n")
-        for line in lines:
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            record["observed_s"] = round(self.now(), 3)
-            done_before = self._rounds_done()
-            self.records.append(record)
-            done = self._rounds_done()
-            if done > done_before:
-                self._round_started_s.setdefault(done, self.now())
+        self.metrics.read()
 
     # -- faults -----------------------------------------------------------------------------------
 
     def _fire_faults(self, now: float) -> None:
-        while self._pending_faults:
-            fault = self._pending_faults[0]
-            began = self._round_started_s.get(fault.at_round)
-            if fault.after_upload:
-                began = self._upload_seen_s(fault.at_round, fault.site or "")
-            if began is None or now < began + fault.after_s:
-                return
-            self._pending_faults.pop(0)
+        for fault in self._schedule.due_faults(now, self.metrics.round_started_s, self._upload_seen_s):
             self._fire(fault, now)
 
     def _upload_seen_s(self, round_number: int, site: str) -> float | None:
@@ -545,42 +455,36 @@ class Emulation:
                 self._site_stops[fault.site].append(self.now())
             else:
                 event.notes.append("the site had already exited; nothing to kill")
-            self._restarts.append((now + fault.down_s, "site", (fault.site, event)))
+            self._schedule.restore_at(now + fault.down_s, RESTORE_SITE, event, fault.site)
         elif fault.kind == KILL_COORDINATOR:
             assert self.coordinator is not None
             self.coordinator.kill()
-            self._restarts.append((now + fault.down_s, "coordinator", event))
+            self._schedule.restore_at(now + fault.down_s, RESTORE_COORDINATOR, event)
         elif fault.kind == CUT_LINK:
             assert fault.site is not None and self.hub is not None
             self.hub.cut(fault.site, fault.down_s)
-            self._restarts.append((now + fault.down_s, "link", (fault.site, event)))
+            self._schedule.restore_at(now + fault.down_s, RESTORE_LINK, event, fault.site)
 
     def _do_restarts(self, now: float) -> None:
-        due = [r for r in self._restarts if r[0] <= now]
-        if not due:
-            return
-        self._restarts = [r for r in self._restarts if r[0] > now]
-        for _, kind, payload in due:
-            if kind == "site":
-                name, event = payload
+        for what, name, event in self._schedule.due_restorations(now):
+            if what == RESTORE_SITE:
+                assert name is not None
                 if self._coordinator_finished():
                     event.notes.append("not restarted: the run had already finished")
                     continue
                 self._start_site(name)
                 event.restored_s = self.now()
                 self._event(f"restarted site {name}")
-            elif kind == "coordinator":
-                event = payload
+            elif what == RESTORE_COORDINATOR:
                 self._start_coordinator()
                 event.restored_s = self.now()
                 self._event("restarted the coordinator (it resumes from its newest checkpoint)")
             else:
-                name, event = payload
                 event.restored_s = self.now()
                 self._event(f"link of site {name} restored")
 
     def _coordinator_finished(self) -> bool:
-        return any(r.get("run_finished") for r in self.records)
+        return self.metrics.run_finished
 
     # -- progress ---------------------------------------------------------------------------------
 
@@ -604,22 +508,7 @@ class Emulation:
         return STATE_WAITING if bursts[-1].direction == "up" else STATE_TRAINING
 
     def snapshot(self) -> Snapshot:
-        latest_loss: dict[str, float] = {}
-        eval_loss = None
-        train_loss = None
-        for record in self.records:
-            for site, metrics in (record.get("site_metrics") or {}).items():
-                if metrics.get("train_loss") is not None:
-                    latest_loss[site] = float(metrics["train_loss"])
-            if record.get("eval_loss") is not None:
-                eval_loss = float(record["eval_loss"])
-        if self.records:
-            losses = [
-                float(m["train_loss"])
-                for m in (self.records[-1].get("site_metrics") or {}).values()
-                if m.get("train_loss") is not None
-            ]
-            train_loss = sum(losses) / len(losses) if losses else None
+        losses = self.metrics.losses()
         now = self.now()
         done = self._rounds_done()
         run = self.scenario.run
@@ -635,14 +524,14 @@ class Emulation:
                 state=self.site_state(name),
                 bytes_up=self.relays[name].bytes_up,
                 bytes_down=self.relays[name].bytes_down,
-                train_loss=latest_loss.get(name),
+                train_loss=losses.per_site.get(name),
             )
             for name in self.sites
         ]
         events, self._events = self._events, []
         return Snapshot(
             elapsed_s=now, round=done, total_rounds=run.rounds, sites=sites,
-            eval_loss=eval_loss, train_loss=train_loss, eta_s=eta, events=events,
+            eval_loss=losses.eval, train_loss=losses.train, eta_s=eta, events=events,
         )
 
     def _show_progress(self, now: float) -> None:

@@ -31,11 +31,11 @@ from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
-from geoloco.algorithms.privacy import PrivacyConfig, check_aggregation, check_composition
-from geoloco.algorithms.secagg import MIN_SITES
+from geoloco.algorithms.privacy import PrivacyConfig, check_privacy_setup
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.protos.identity import validate_site_name
 from geoloco.scenarios.config_file import ConfigFileError, read_toml
+from geoloco.scenarios.workloads import WorkloadSpec, parse_workload
 
 __all__ = [
     "FAULT_KINDS",
@@ -279,8 +279,9 @@ class Fault:
 class Scenario:
     """A whole emulated experiment."""
 
-    workload: dict[str, Any] = field(default_factory=lambda: {"name": "gpt"})
-    """``name`` of a built-in workload plus its options (passed to sites and the coordinator)."""
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    """``[workload]``: ``name`` of a built-in workload plus its options (passed to sites and the
+    coordinator); read by ``parse_workload`` like every command's."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Algorithm, H, codecs, error feedback, weighting."""
     inner_optimizer: InnerOptimizerConfig = field(default_factory=InnerOptimizerConfig)
@@ -347,7 +348,20 @@ class Scenario:
             "run.min_sites",
             f"must be <= the number of sites ({len(self.sites)}), got {quorum}",
         )
-        self._validate_privacy()
+        check_privacy_setup(
+            self.privacy,
+            weighting=self.algorithm.weighting,
+            late_updates=self.algorithm.late_updates,
+            uplink_codec=self.algorithm.uplink_codec,
+            num_sites=len(self.sites),
+            quorum=self.quorum,
+            quorum_key="run.min_sites",
+            deadline_key=(
+                "run.adaptive_deadline.enabled" if self.run.adaptive_deadline.enabled
+                else "run.round_deadline_s" if self.run.round_deadline_s is not None
+                else None
+            ),
+        )
         for i, fault in enumerate(self.faults):
             key = f"faults[{i}]"
             if fault.site is not None:
@@ -369,40 +383,13 @@ class Scenario:
                     "kill_coordinator needs a fixed number of rounds (run.rounds >= 1)",
                 )
 
-    def _validate_privacy(self) -> None:
-        privacy = self.privacy
-        if not privacy.enabled:
-            return
-        check_aggregation(
-            privacy,
-            weighting=self.algorithm.weighting,
-            late_updates=self.algorithm.late_updates,
-            deadline_key=(
-                "run.adaptive_deadline.enabled" if self.run.adaptive_deadline.enabled
-                else "run.round_deadline_s" if self.run.round_deadline_s is not None
-                else None
-            ),
-        )
-        try:
-            check_composition(privacy, self.algorithm.uplink_codec, len(self.sites))
-        except ConfigError as err:
-            key = err.key if err.key.startswith("privacy") else f"algorithm.{err.key}"
-            raise ConfigError(key, err.message) from None
-        if privacy.secure_aggregation:
-            require(
-                self.quorum >= MIN_SITES,
-                "run.min_sites",
-                f"secure aggregation needs rounds of at least {MIN_SITES} sites (with 2 the sum "
-                f"reveals each site's update to the other); got a quorum of {self.quorum}",
-            )
-
     @property
     def workload_name(self) -> str:
-        return str(self.workload["name"])
+        return self.workload.name
 
     @property
     def workload_options(self) -> dict[str, Any]:
-        return {k: v for k, v in self.workload.items() if k != "name"}
+        return dict(self.workload.options)
 
     @property
     def quorum(self) -> int:
@@ -418,23 +405,8 @@ class Scenario:
     def to_dict(self) -> dict[str, Any]:
         data = config_to_dict(self)
         data.pop("source")
+        data["workload"] = self.workload.to_table()  # the TOML table, one to one
         return data
-
-
-def _check_workload(raw: Any) -> dict[str, Any]:
-    from geoloco.scenarios.workloads import WORKLOADS, workload_config
-
-    if not isinstance(raw, Mapping):
-        raise ConfigError("workload", "expected a [workload] table with name = \"gpt\" or \"mlp\"")
-    options = dict(raw)
-    name = options.pop("name", "gpt")
-    if not isinstance(name, str) or name not in WORKLOADS:
-        raise ConfigError("workload.name", f"got {name!r}; allowed values: {', '.join(WORKLOADS)}")
-    try:
-        workload_config(name, **options)
-    except ValueError as err:
-        raise ConfigError("workload", str(err)) from None
-    return {"name": name, **options}
 
 
 def _table_list(raw: Any, key: str) -> list[Any]:
@@ -452,7 +424,7 @@ def parse_scenario(raw: Mapping[str, Any], source: str = "scenario") -> Scenario
         if unknown:
             raise ConfigError(unknown[0], f"unknown section; allowed: {', '.join(SECTIONS)}")
         data = dict(raw)
-        data["workload"] = _check_workload(data.get("workload", {"name": "gpt"}))
+        data["workload"] = parse_workload(data.get("workload"))
         data["sites"] = _table_list(data.get("sites", []), "sites")
         data["faults"] = _table_list(data.get("faults", []), "faults")
         return config_from_dict(Scenario, {**data, "source": source})

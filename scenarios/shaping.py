@@ -125,10 +125,6 @@ class Burst:
     """When its last byte was (or is scheduled to be) delivered."""
     nbytes: int
 
-    @property
-    def duration_s(self) -> float:
-        return self.end_s - self.start_s
-
     def to_dict(self, origin_s: float = 0.0) -> dict[str, Any]:
         return {
             "direction": self.direction,

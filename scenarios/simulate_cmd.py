@@ -19,33 +19,25 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from geoloco.scenarios.config_file import ConfigFileError, read_toml
+from geoloco.scenarios.config_file import (
+    COMMAND_LINE,
+    ConfigFileError,
+    from_config_error,
+    positive_int,
+    read_toml,
+    report_config_error,
+)
 
 logger = logging.getLogger(__name__)
-
-EXIT_CONFIG_ERROR = 2
-"""Exit status for a bad config or flag (argparse's own usage-error status)."""
 
 SECTIONS = ("workload", "algorithm", "inner_optimizer", "outer_optimizer", "sites", "simulation", "privacy")
 """Top-level keys of a simulate config file."""
 
-DEFAULT_WORKLOAD = "gpt"
 EXAMPLE_CONFIG = Path(__file__).with_name("simulate.toml")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -61,8 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     parser.add_argument("--config", type=Path, help="TOML config file (default: built-in defaults)")
     parser.add_argument("--workload", help="workload name, overrides [workload] name (gpt, mlp)")
-    parser.add_argument("--rounds", type=_positive_int, help="overrides [simulation] rounds")
-    parser.add_argument("--sites", type=_positive_int, help="number of identical sites, overrides [sites] count")
+    parser.add_argument("--rounds", type=positive_int, help="overrides [simulation] rounds")
+    parser.add_argument("--sites", type=positive_int, help="number of identical sites, overrides [sites] count")
     parser.add_argument("--seed", type=int, help="overrides [simulation] seed")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="overrides [simulation] device")
     parser.add_argument(
@@ -103,12 +95,13 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
         raw["sites"] = sites
 
 
-def load_config(args: argparse.Namespace) -> tuple[str, dict[str, Any], Any]:
-    """``(workload name, workload options, SimulatorConfig)`` from ``--config`` and the flags."""
+def load_config(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(WorkloadSpec, SimulatorConfig)`` from ``--config`` and the flags."""
     from geoloco.algorithms.config import ConfigError
     from geoloco.algorithms.simulator import SimulatorConfig
+    from geoloco.scenarios.workloads import WORKLOAD_TABLE, parse_workload
 
-    source = str(args.config) if args.config is not None else "command line"
+    source = str(args.config) if args.config is not None else COMMAND_LINE
     raw = read_toml(args.config) if args.config is not None else {}
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
@@ -116,31 +109,12 @@ def load_config(args: argparse.Namespace) -> tuple[str, dict[str, Any], Any]:
             source, unknown[0], f"unknown section; allowed: {', '.join(SECTIONS)}"
         )
     _apply_flags(raw, args, source)
-    workload = raw.pop("workload", {})
-    if not isinstance(workload, Mapping):
-        raise ConfigFileError(source, "workload", "expected a [workload] table with name")
-    options = dict(workload)
-    name = options.pop("name", DEFAULT_WORKLOAD)
-    if not isinstance(name, str):
-        raise ConfigFileError(source, "workload.name", f"expected a string, got {name!r}")
     try:
+        workload = parse_workload(raw.pop(WORKLOAD_TABLE, None))
         config = SimulatorConfig.from_dict(raw)
     except ConfigError as err:
-        raise ConfigFileError(source, err.key, err.message) from None
-    return name, options, config
-
-
-def _build_workload(name: str, options: dict[str, Any], source: str) -> Any:
-    from geoloco.scenarios.workloads import WORKLOADS, build_workload
-
-    if name not in WORKLOADS:
-        raise ConfigFileError(
-            source, "workload.name", f"unknown workload {name!r}; valid names: {', '.join(WORKLOADS)}"
-        )
-    try:
-        return build_workload(name, **options)
-    except (ValueError, TypeError) as err:
-        raise ConfigFileError(source, "workload", str(err)) from None
+        raise from_config_error(source, err) from None
+    return workload, config
 
 
 def resolved_config(name: str, workload: Any, config: Any, device: str) -> dict[str, Any]:
@@ -178,8 +152,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except ConfigFileError as err:
-        print(f"geoloco simulate: error: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return report_config_error("simulate", err)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -188,13 +161,17 @@ def _run(args: argparse.Namespace) -> int:
     from geoloco.algorithms.config import ConfigError
     from geoloco.algorithms.simulator import Simulator
 
-    source = str(args.config) if args.config is not None else "command line"
-    name, options, config = load_config(args)
-    workload = _build_workload(name, options, source)
+    source = str(args.config) if args.config is not None else COMMAND_LINE
+    spec, config = load_config(args)
+    name = spec.name
+    try:
+        workload = spec.build()
+    except ValueError as err:  # e.g. the GPT corpus is missing
+        raise ConfigFileError(source, "workload", str(err)) from None
     try:
         simulator = Simulator(config, workload)
     except ConfigError as err:
-        raise ConfigFileError(source, err.key, err.message) from None
+        raise from_config_error(source, err) from None
 
     out = args.out or Path("runs") / datetime.now(timezone.utc).strftime("simulate-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)

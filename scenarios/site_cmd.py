@@ -46,10 +46,25 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from geoloco.scenarios.config_file import tomllib
-from geoloco.scenarios.coordinator_cmd import EXIT_CONFIG_ERROR, EXIT_OK, EXIT_RUNTIME_ERROR, GracefulStop
+from geoloco.scenarios.config_file import (
+    COMMAND_LINE,
+    EXIT_OK,
+    EXIT_RUNTIME_ERROR,
+    ConfigFileError,
+    from_config_error,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+    report_config_error,
+    tomllib,
+)
+from geoloco.scenarios.coordinator_cmd import GracefulStop
+
+if TYPE_CHECKING:  # the workloads import torch; `geoloco --help` stays fast without it
+    from geoloco.scenarios.workloads import WorkloadSpec
 
 logger = logging.getLogger(__name__)
 
@@ -60,50 +75,23 @@ DEFAULT_GIVE_UP_S = 300.0
 DEFAULT_BACKOFF_MAX_S = 10.0
 
 
-class SiteCommandError(Exception):
-    """A flag or run setting this site cannot work with, phrased for the user (exit status 2)."""
+ADVERTISED = "the coordinator's config"
+"""``source`` of an error in what the coordinator advertised (``RunConfig.config_json``)."""
+
+SiteCommandError = ConfigFileError
+"""A flag or run setting this site cannot work with: ``SiteCommandError(source, key, message)``,
+the same class (and exit status 2) as every other command's config errors."""
 
 
 @dataclass(frozen=True, slots=True)
 class SitePlan:
     """What this site trains, resolved from the coordinator's config and the flags."""
 
-    workload: str
-    options: dict[str, Any]
+    workload: WorkloadSpec
     seed: int
     site_index: int
     num_sites: int
     inner_optimizer: dict[str, Any]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -171,17 +159,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     parser.add_argument(
         "--site-index",
-        type=_non_negative_int,
+        type=non_negative_int,
         help="this site's data shard (default: its position in the coordinator's allowed_sites, "
         "or its name when that is a number)",
     )
     parser.add_argument(
         "--num-sites",
-        type=_positive_int,
+        type=positive_int,
         help="number of data shards (default: len(allowed_sites), else the coordinator's min_sites)",
     )
     parser.add_argument(
-        "--inner-lr", type=_positive_float, help="inner learning rate (default: the coordinator's)"
+        "--inner-lr", type=positive_float, help="inner learning rate (default: the coordinator's)"
     )
     parser.add_argument(
         "--device",
@@ -194,11 +182,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--bf16", action="store_true", help="forward passes under bf16 autocast (weights stay fp32)"
     )
     parser.add_argument(
-        "--max-rounds", type=_positive_int, help="leave after training this many rounds"
+        "--max-rounds", type=positive_int, help="leave after training this many rounds"
     )
     parser.add_argument(
         "--speed-factor",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         metavar="F",
         help="emulate slower hardware: each inner step is followed by a sleep so that steps run "
@@ -206,33 +194,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     parser.add_argument(
         "--give-up-after",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_GIVE_UP_S,
         metavar="SECONDS",
         help="exit when the coordinator stays unreachable this long (default: %(default)g)",
     )
     parser.add_argument(
         "--backoff-max",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_BACKOFF_MAX_S,
         metavar="SECONDS",
         help="longest pause between reconnection attempts (default: %(default)g)",
     )
     parser.add_argument(
         "--metrics-port",
-        type=_metrics_port,
+        type=port_number,
         metavar="PORT",
         help="serve this site's Prometheus /metrics on 127.0.0.1:PORT (0: a free one, printed); "
         "off unless given",
     )
     parser.set_defaults(handler=run)
-
-
-def _metrics_port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {port}")
-    return port
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,14 +223,16 @@ def run(args: argparse.Namespace) -> int:
     reexec_with_malloc_tunables()
     try:
         return _run(args)
-    except SiteCommandError as err:
-        print(f"geoloco site: error: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    except ConfigFileError as err:
+        return report_config_error("site", err)
 
 
 def resolve_plan(args: argparse.Namespace, advertised: dict[str, Any]) -> SitePlan:
     """The site's workload, seed, data shard and inner optimizer from the coordinator's config
     (``RunConfig.config_json``) and the flags; flags win."""
+    from geoloco.algorithms.config import ConfigError
+    from geoloco.scenarios.workloads import parse_workload
+
     table = dict(advertised.get("workload") or {})
     advertised_name = table.pop("name", None)
     flag_options = dict(args.workload_option)
@@ -258,10 +241,19 @@ def resolve_plan(args: argparse.Namespace, advertised: dict[str, Any]) -> SitePl
     elif advertised_name is not None:
         name, options = advertised_name, {**table, **flag_options}
     else:
-        raise SiteCommandError(
-            "the coordinator's config names no workload (no [workload] table); pass --workload "
-            "NAME (gpt or mlp) with the model the coordinator was started with"
+        # Not the [workload] default: a coordinator started from Python may train its own model.
+        raise ConfigFileError(
+            ADVERTISED,
+            "workload",
+            "names no workload (no [workload] table); pass --workload NAME (gpt or mlp) with "
+            "the model the coordinator was started with",
         )
+    try:
+        workload = parse_workload({"name": name, **options})
+    except ConfigError as err:
+        option = err.key.partition(".")[2]
+        from_flags = option in flag_options or (option == "name" and args.workload is not None)
+        raise from_config_error(COMMAND_LINE if from_flags else ADVERTISED, err) from None
     seed = args.seed if args.seed is not None else int(advertised.get("seed", 0))
 
     allowed = advertised.get("allowed_sites") or None
@@ -273,10 +265,12 @@ def resolve_plan(args: argparse.Namespace, advertised: dict[str, Any]) -> SitePl
     elif name_is_number:
         index = int(args.name)
     else:
-        raise SiteCommandError(
+        raise ConfigFileError(
+            COMMAND_LINE,
+            "--site-index",
             f"cannot tell which data shard site {args.name!r} trains on: it is not a number and "
             "the coordinator lists no allowed_sites containing it; pass --site-index I "
-            "(and --num-sites N)"
+            "(and --num-sites N)",
         )
     if args.num_sites is not None:
         num_sites = args.num_sites
@@ -285,9 +279,11 @@ def resolve_plan(args: argparse.Namespace, advertised: dict[str, Any]) -> SitePl
     else:
         num_sites = int(advertised.get("min_sites", 1))
     if index >= num_sites:
-        raise SiteCommandError(
+        raise ConfigFileError(
+            COMMAND_LINE,
+            "--num-sites",
             f"site index {index} is outside the {num_sites} data shards (0..{num_sites - 1}); pass "
-            "--num-sites N with the number of sites in the run (or --site-index)"
+            "--num-sites N with the number of sites in the run (or --site-index)",
         )
 
     inner = dict(advertised.get("inner_optimizer") or {})
@@ -298,7 +294,7 @@ def resolve_plan(args: argparse.Namespace, advertised: dict[str, Any]) -> SitePl
             )
         inner["lr"] = args.inner_lr
     return SitePlan(
-        workload=name, options=options, seed=seed, site_index=index, num_sites=num_sites,
+        workload=workload, seed=seed, site_index=index, num_sites=num_sites,
         inner_optimizer=inner,
     )
 
@@ -320,7 +316,7 @@ def _build_lr_schedule(inner: Any, optimizer: Any, advertised: dict[str, Any]) -
             optimizer, total_rounds=int(advertised.get("total_rounds", 0)), inner_steps=inner_steps
         )
     except ConfigError as err:
-        raise SiteCommandError(f"the coordinator's inner_optimizer.{err.key}: {err.message}") from None
+        raise from_config_error(ADVERTISED, err, prefix="inner_optimizer") from None
 
 
 def _probe(
@@ -385,7 +381,7 @@ def _run(args: argparse.Namespace) -> int:
     from geoloco.algorithms.optimizers import InnerOptimizerConfig
     from geoloco.protos.identity import validate_site_name
     from geoloco.protos.transport import TLSFiles
-    from geoloco.scenarios.workloads import WORKLOADS, build_workload
+    from geoloco.scenarios.workloads import WORKLOADS
     from geoloco.site_agent.agent import SiteAgent
     from geoloco.site_agent.client import AgentStopped, SiteAgentError
     from geoloco.site_agent.config import SiteAgentConfig, SiteHooks
@@ -394,14 +390,18 @@ def _run(args: argparse.Namespace) -> int:
     try:
         validate_site_name(args.name)
     except ValueError as err:
-        raise SiteCommandError(f"--name: {err}") from None
+        raise ConfigFileError(COMMAND_LINE, "--name", str(err)) from None
     if not 0 < args.speed_factor <= 1:
-        raise SiteCommandError(
-            f"--speed-factor: must be in (0, 1] (1 = this machine's speed, 0.5 = half), got {args.speed_factor:g}"
+        raise ConfigFileError(
+            COMMAND_LINE,
+            "--speed-factor",
+            f"must be in (0, 1] (1 = this machine's speed, 0.5 = half), got {args.speed_factor:g}",
         )
     if args.workload is not None and args.workload not in WORKLOADS:
-        raise SiteCommandError(
-            f"--workload: unknown workload {args.workload!r}; allowed: {', '.join(WORKLOADS)}"
+        raise ConfigFileError(
+            COMMAND_LINE,
+            "--workload",
+            f"got {args.workload!r}; allowed values: {', '.join(WORKLOADS)}",
         )
     if args.insecure:
         print(
@@ -415,13 +415,13 @@ def _run(args: argparse.Namespace) -> int:
         try:
             tls.read()
         except FileNotFoundError as err:
-            raise SiteCommandError(f"--certs: {err}") from None
+            raise ConfigFileError(COMMAND_LINE, "--certs", str(err)) from None
 
     stop = GracefulStop()
     try:
         group = init_from_env(device=None if args.device == "auto" else args.device)
     except ValueError as err:
-        raise SiteCommandError(f"--device {args.device}: {err}") from None
+        raise ConfigFileError(COMMAND_LINE, "--device", f"{args.device}: {err}") from None
 
     with group:
         agent_config = SiteAgentConfig(
@@ -462,16 +462,14 @@ def _run(args: argparse.Namespace) -> int:
                 try:
                     inner = config_from_dict(InnerOptimizerConfig, plan.inner_optimizer)
                 except ConfigError as err:
-                    raise SiteCommandError(
-                        f"the coordinator's inner_optimizer.{err.key}: {err.message}"
-                    ) from None
+                    raise from_config_error(ADVERTISED, err, prefix="inner_optimizer") from None
                 try:
-                    workload = build_workload(plan.workload, **plan.options)
-                except (ValueError, TypeError) as err:
-                    raise SiteCommandError(f"workload {plan.workload!r}: {err}") from None
+                    workload = plan.workload.build()
+                except ValueError as err:  # e.g. the GPT corpus is missing
+                    raise ConfigFileError(ADVERTISED, "workload", str(err)) from None
                 logger.info(
                     "site %s: workload %s %s, data shard %d of %d, seed %d, inner %s lr %g%s",
-                    args.name, plan.workload, plan.options, plan.site_index, plan.num_sites, plan.seed,
+                    args.name, plan.workload.name, plan.workload.options, plan.site_index, plan.num_sites, plan.seed,
                     inner.name, inner.lr,
                     f", rank {group.rank} of {group.world_size}" if group.is_distributed else "",
                 )
@@ -502,7 +500,9 @@ def _run(args: argparse.Namespace) -> int:
                     try:
                         metrics_port = site_metrics.serve("127.0.0.1", args.metrics_port)
                     except OSError as err:
-                        raise SiteCommandError(f"cannot serve /metrics on port {args.metrics_port}: {err}") from err
+                        raise ConfigFileError(
+                            COMMAND_LINE, "--metrics-port", f"cannot serve /metrics on port {args.metrics_port}: {err}"
+                        ) from err
                     print(f"{PROGRAM} {args.name} metrics on http://127.0.0.1:{metrics_port}/metrics", flush=True)
                 agent = SiteAgent(
                     model,
@@ -519,7 +519,7 @@ def _run(args: argparse.Namespace) -> int:
                     server_name=args.server_name,
                     lr_schedule=lr_schedule,
                 )
-            except SiteCommandError as err:
+            except ConfigFileError as err:
                 if probe_client is not None:
                     probe_client.leave(f"site could not start: {err}")
                 raise

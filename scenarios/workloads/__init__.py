@@ -4,6 +4,10 @@ Both implement ``geoloco.algorithms.workload.Workload``. They are found by name 
 ``build_workload(name, **options)`` turns the plain values of a TOML table into the workload's
 config dataclass, field for field, and rejects unknown names, unknown options and wrongly typed
 values with a message that says what is allowed.
+
+Every command reads its ``[workload]`` table through ``parse_workload``, into one typed
+``WorkloadSpec`` (name + options) with one set of defaults: the same table gives the same spec in
+``geoloco simulate``, ``emulate``, ``coordinator`` and ``site``.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, Union
 
+from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.workload import Workload
 from geoloco.scenarios.workloads.corpus import CorpusSplit, CorpusUnavailableError
 from geoloco.scenarios.workloads.gpt import (
@@ -25,9 +32,11 @@ from geoloco.scenarios.workloads.gpt import (
 from geoloco.scenarios.workloads.mlp import MLPWorkload, MLPWorkloadConfig
 
 __all__ = [
+    "DEFAULT_WORKLOAD",
     "GPT",
     "GPT_PRESETS",
     "WORKLOADS",
+    "WORKLOAD_TABLE",
     "CorpusSplit",
     "CorpusUnavailableError",
     "GPTConfig",
@@ -36,7 +45,9 @@ __all__ = [
     "MLPWorkload",
     "MLPWorkloadConfig",
     "WorkloadFactory",
+    "WorkloadSpec",
     "build_workload",
+    "parse_workload",
     "workload_config",
 ]
 
@@ -117,3 +128,66 @@ def build_workload(name: str, **options: object) -> Workload:
     """Workload ``name`` configured by ``options`` (the fields of its config dataclass)."""
     config = workload_config(name, **options)
     return WORKLOADS[name](config)
+
+
+DEFAULT_WORKLOAD = "gpt"
+"""The workload of a config without a ``[workload]`` table or without its ``name``."""
+
+WORKLOAD_TABLE = "workload"
+"""The table's name in every config file (and the prefix of its error keys)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkloadSpec:
+    """A built-in workload by name and the options of its config dataclass, as validated by
+    ``parse_workload``; what the ``[workload]`` table of every command's config means."""
+
+    name: str = DEFAULT_WORKLOAD
+    """A key of ``WORKLOADS``."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The options set in the table (the fields of the workload's config dataclass); the
+    dataclass's defaults fill in the rest."""
+
+    def config(self) -> Any:
+        """The workload's config dataclass, every default filled in."""
+        return workload_config(self.name, **self.options)
+
+    def build(self) -> Workload:
+        return build_workload(self.name, **self.options)
+
+    def to_table(self) -> dict[str, Any]:
+        """The ``[workload]`` table again (``name`` plus the options), JSON-able."""
+        return {"name": self.name, **self.options}
+
+
+def parse_workload(table: Any) -> WorkloadSpec:
+    """The ``WorkloadSpec`` of a ``[workload]`` table (``None``: no table, the defaults).
+
+    Raises ``ConfigError`` with a key under ``workload``: ``workload.name`` for an unknown name,
+    ``workload.OPTION`` for an unknown or wrongly typed option, ``workload`` for a table that is
+    not one or options that contradict each other.
+    """
+    if table is None:
+        return WorkloadSpec()
+    if not isinstance(table, Mapping):
+        raise ConfigError(
+            WORKLOAD_TABLE,
+            f"expected a [workload] table with name = one of {', '.join(map(repr, WORKLOADS))}, "
+            f"got {table!r}",
+        )
+    options = dict(table)
+    name = options.pop("name", DEFAULT_WORKLOAD)
+    if not isinstance(name, str) or name not in WORKLOADS:
+        raise ConfigError(
+            f"{WORKLOAD_TABLE}.name", f"got {name!r}; allowed values: {', '.join(WORKLOADS)}"
+        )
+    for key, value in options.items():
+        try:
+            workload_config(name, **{key: value})
+        except ValueError as err:
+            raise ConfigError(f"{WORKLOAD_TABLE}.{key}", str(err)) from None
+    try:
+        workload_config(name, **options)
+    except ValueError as err:  # a constraint between options
+        raise ConfigError(WORKLOAD_TABLE, str(err)) from None
+    return WorkloadSpec(name=name, options=options)

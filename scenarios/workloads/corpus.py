@@ -87,14 +87,6 @@ class CorpusSplit:
     eval_data: torch.Tensor
     """The evaluation modules' files concatenated as a 1-D ``uint8`` tensor."""
 
-    @property
-    def site_bytes(self) -> tuple[int, ...]:
-        return tuple(int(data.numel()) for data in self.site_data)
-
-    @property
-    def eval_bytes(self) -> int:
-        return int(self.eval_data.numel())
-
 
 def default_root() -> Path:
     """The running interpreter's standard library folder."""

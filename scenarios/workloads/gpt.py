@@ -156,9 +156,6 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_parameters(self) -> int:
-        return sum(parameter.numel() for parameter in self.parameters())
-
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``(batch, time, vocab_size)`` for integer tokens ``idx`` of ``(batch, time)``."""
         _, time = idx.shape
@@ -348,7 +345,3 @@ class GPTWorkload:
         finally:
             model.train(was_training)
         return total / self.config.eval_batches
-
-    def tokens_per_batch(self) -> int:
-        """Predicted bytes per training batch; the natural weight of a site's update."""
-        return self.config.batch_size * self.seq_len

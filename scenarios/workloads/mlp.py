@@ -125,15 +125,3 @@ class MLPWorkload:
                 return float(self.loss(model, (self.eval_inputs, self.eval_labels)))
         finally:
             model.train(was_training)
-
-    def eval_accuracy(self, model: nn.Module) -> float:
-        """Share of held-out samples classified as the teacher does."""
-        device = next(model.parameters()).device
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                predictions = model(self.eval_inputs.to(device)).argmax(dim=1).cpu()
-        finally:
-            model.train(was_training)
-        return float((predictions == self.eval_labels).float().mean())

@@ -76,7 +76,7 @@ def test_defaults_and_derived_values(tmp_path: Path) -> None:
         (BASE.replace("inner_steps = 5", 'inner_steps = 5\nname = "ddp"'), "algorithm.name", "fedavg"),
         (BASE.replace("inner_steps = 5", "inner_steps = 0"), "algorithm.inner_steps", ">= 1"),
         (BASE.replace('name = "mlp"', 'name = "resnet"'), "workload.name", "gpt, mlp"),
-        (BASE.replace('name = "mlp"', 'name = "mlp"\nwidth = 3'), "workload", "allowed options"),
+        (BASE.replace('name = "mlp"', 'name = "mlp"\nwidth = 3'), "workload.width", "allowed options"),
         (BASE + '[[faults]]\nkind = "explode"\nat_round = 1\nsite = "a"\n', "faults[0].kind", "kill_site"),
         (BASE + '[[faults]]\nkind = "kill_site"\nat_round = 1\nsite = "zz"\n', "faults[0].site", "sites: a, b"),
         (BASE + '[[faults]]\nkind = "kill_site"\nat_round = 1\n', "faults[0].site", "needs the name"),

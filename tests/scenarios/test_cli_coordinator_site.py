@@ -29,7 +29,7 @@ from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 from geoloco.scenarios.cli import main
 from geoloco.scenarios.coordinator_cmd import EXAMPLE_CONFIG, STOP_GRACE_S, load_config
 from geoloco.scenarios.site_cmd import SiteCommandError, _option, resolve_plan
-from geoloco.scenarios.workloads import build_workload
+from geoloco.scenarios.workloads import WorkloadSpec, build_workload
 
 CLI = [sys.executable, "-m", "geoloco.scenarios.cli"]
 PROCESS_TIMEOUT_S = 120.0
@@ -90,9 +90,9 @@ def test_help_of_both_commands_documents_the_contract(capsys: pytest.CaptureFixt
 
 
 def test_shipped_example_config_is_valid_and_every_key_is_commented() -> None:
-    config, name, options = load_config(_coordinator_args(EXAMPLE_CONFIG))
-    assert name == "gpt" and options["size"] == "small"
-    assert config.workload == {"name": "gpt", **options}
+    config, workload = load_config(_coordinator_args(EXAMPLE_CONFIG))
+    assert workload.name == "gpt" and workload.options["size"] == "small"
+    assert config.workload == {"name": "gpt", **workload.options}
     assert config.min_sites == 3 and config.allowed_sites == ["0", "1", "2"]
     assert config.algorithm.uplink_codec == "int8" and config.inner_optimizer.lr == 3e-3
     lines = EXAMPLE_CONFIG.read_text().splitlines()
@@ -114,7 +114,7 @@ def test_shipped_example_config_is_valid_and_every_key_is_commented() -> None:
 def test_flags_override_the_file(tmp_path: Path) -> None:
     config = tmp_path / "coordinator.toml"
     config.write_text(MLP_CONFIG.replace("insecure = false", 'certs_dir = "somewhere"'))
-    resolved, _, _ = load_config(
+    resolved, _ = load_config(
         _coordinator_args(
             config, host="0.0.0.0", port=4321, metrics=tmp_path / "m.jsonl",
             checkpoint_dir=tmp_path / "ck", certs=tmp_path / "certs",
@@ -124,7 +124,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert resolved.metrics_path == str(tmp_path / "m.jsonl")
     assert resolved.checkpoint_dir == str(tmp_path / "ck")
     assert resolved.certs_dir == str(tmp_path / "certs") and not resolved.insecure
-    insecure, _, _ = load_config(_coordinator_args(config, insecure=True))
+    insecure, _ = load_config(_coordinator_args(config, insecure=True))
     assert insecure.insecure and insecure.certs_dir is None
 
 
@@ -136,10 +136,9 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         (("min_sites = 2", "min_sites = 0"), [], "min_sites", "must be >= 1"),
         (("min_sites = 2", 'min_sites = "two"'), [], "min_sites", "expected an integer"),
         (('uplink_codec = "int8"', 'uplink_codec = "int9"'), [], "algorithm.uplink_codec", "int8"),
-        (('name = "mlp"', 'name = "resnet"'), [], "workload.name", "allowed workloads: 'gpt', 'mlp'"),
+        (('name = "mlp"', 'name = "resnet"'), [], "workload.name", "allowed values: gpt, mlp"),
         (("hidden_dim = 16", "hidden_dims = 16"), [], "workload.hidden_dims", "allowed options"),
         (("hidden_dim = 16", 'hidden_dim = "16"'), [], "workload.hidden_dim", "must be int"),
-        (('[workload]\nname = "mlp"\nhidden_dim = 16', ""), [], "workload", "missing [workload] table"),
         (("insecure = false", "insecure = true"), [], "insecure", "add --insecure"),
         (("insecure = false", "insecure = false"), [], "certs_dir", "insecure = true"),
         (("insecure = false", 'port = 70000\ninsecure = true'), ["--insecure"], "port", "0..65535"),
@@ -300,7 +299,7 @@ ADVERTISED = {
 
 def test_site_takes_workload_seed_shard_and_optimizer_from_the_coordinator() -> None:
     plan = resolve_plan(_site_args(name="2"), ADVERTISED)
-    assert (plan.workload, plan.options, plan.seed) == ("mlp", {"hidden_dim": 16}, 7)
+    assert (plan.workload, plan.seed) == (WorkloadSpec(name="mlp", options={"hidden_dim": 16}), 7)
     assert (plan.site_index, plan.num_sites) == (2, 3)
     assert plan.inner_optimizer == {"name": "adamw", "lr": 0.01}
     listed = resolve_plan(_site_args(name="paris"), {**ADVERTISED, "allowed_sites": ["tokyo", "paris"]})
@@ -315,10 +314,10 @@ def test_site_flags_override_what_the_coordinator_advertises() -> None:
         ),
         ADVERTISED,
     )
-    assert plan.options == {"hidden_dim": 16, "batch_size": 8} and plan.seed == 1
+    assert plan.workload.options == {"hidden_dim": 16, "batch_size": 8} and plan.seed == 1
     assert (plan.site_index, plan.num_sites) == (4, 5) and plan.inner_optimizer["lr"] == 0.5
     other = resolve_plan(_site_args(workload="gpt", workload_option=[("size", "tiny")]), ADVERTISED)
-    assert (other.workload, other.options) == ("gpt", {"size": "tiny"})
+    assert other.workload == WorkloadSpec(name="gpt", options={"size": "tiny"})
 
 
 @pytest.mark.parametrize(
@@ -327,6 +326,9 @@ def test_site_flags_override_what_the_coordinator_advertises() -> None:
         ({"name": "alpha"}, ADVERTISED, "pass --site-index I"),
         ({"name": "3"}, ADVERTISED, "site index 3 is outside the 3 data shards"),
         ({"name": "0"}, {**ADVERTISED, "workload": {}}, "names no workload"),
+        ({"workload_option": [("hidden_dim", "x")]}, ADVERTISED, "command line: workload.hidden_dim: "),
+        ({}, {**ADVERTISED, "workload": {"name": "mlp", "hidden_dims": 3}}, "the coordinator's config: workload.hidden_dims"),
+        ({"workload": "resnet"}, ADVERTISED, "command line: workload.name: got 'resnet'"),
     ],
 )
 def test_site_plan_errors_say_what_to_pass(args: dict[str, object], advertised: dict, message: str) -> None:

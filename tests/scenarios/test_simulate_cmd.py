@@ -85,7 +85,7 @@ def test_bad_config_subprocess_exits_2_without_traceback(tmp_path: Path) -> None
         (('name = "diloco"', 'name = "diloko"'), "algorithm.name", "valid names"),
         (("rounds = 4", "rounds = 4.5"), "simulation.rounds", "expected an integer"),
         (("batch_size = 16", "batchsize = 16"), "workload", "allowed options"),
-        (('name = "mlp"', 'name = "resnet"'), "workload.name", "valid names: gpt, mlp"),
+        (('name = "mlp"', 'name = "resnet"'), "workload.name", "allowed values: gpt, mlp"),
         (("[sites]", "[sitez]"), "sitez", "unknown section"),
         (("rounds = 4", "rounds = = 4"), "", "not valid TOML"),
     ],
@@ -106,8 +106,8 @@ def _args(**kwargs) -> argparse.Namespace:
 
 
 def test_shipped_example_config_is_valid_and_documented() -> None:
-    name, options, config = load_config(_args(config=EXAMPLE_CONFIG))
-    assert name == "gpt" and options["size"] == "small"
+    workload, config = load_config(_args(config=EXAMPLE_CONFIG))
+    assert workload.name == "gpt" and workload.options["size"] == "small"
     assert config.algorithm.name == "diloco" and config.algorithm.uplink_codec == "int8"
     assert len(config.sites) == 4
     # Every group of key lines starts right after a comment line (a comment per key or key group).
@@ -120,8 +120,8 @@ def test_shipped_example_config_is_valid_and_documented() -> None:
 def test_flags_override_the_file(tmp_path: Path) -> None:
     config = tmp_path / "sim.toml"
     config.write_text(MLP_CONFIG)
-    name, options, cfg = load_config(_args(config=config, sites=5, rounds=9, workload="gpt"))
-    assert name == "gpt" and options == {} and len(cfg.sites) == 5 and cfg.simulation.rounds == 9
+    workload, cfg = load_config(_args(config=config, sites=5, rounds=9, workload="gpt"))
+    assert workload.name == "gpt" and workload.options == {} and len(cfg.sites) == 5 and cfg.simulation.rounds == 9
     assert cfg.sites[0].uplink_bps == 1e7
 
 

@@ -11,6 +11,13 @@ from geoloco.algorithms.workload import Workload
 from geoloco.scenarios.workloads import MLPWorkload, MLPWorkloadConfig
 
 
+def eval_accuracy(workload: MLPWorkload, model: torch.nn.Module) -> float:
+    """Share of held-out samples the model classifies as the teacher does."""
+    with torch.no_grad():
+        predictions = model(workload.eval_inputs).argmax(dim=1)
+    return float((predictions == workload.eval_labels).float().mean())
+
+
 def test_is_a_workload() -> None:
     workload = MLPWorkload()
     assert isinstance(workload, Workload)
@@ -91,7 +98,7 @@ def test_sgd_steps_reduce_loss_and_learn_the_teacher() -> None:
         plain.loss(iid_model, batch).backward()
         optimizer.step()
     assert plain.eval_loss(iid_model) < initial_eval * 0.5
-    assert plain.eval_accuracy(iid_model) > 0.8
+    assert eval_accuracy(plain, iid_model) > 0.8
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,124 @@
+"""What the emulator tells its child processes: the coordinator's config file and each site's
+command line, derived from a ``Scenario``.
+
+Pure functions of the scenario and the run's paths (no processes, no sockets), so a test can check
+that a scenario reaches the coordinator and the sites as intended. ``speed_factor`` of a
+``[[sites]]`` table reaches a site here, as ``geoloco site --speed-factor``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from geoloco.scenarios.scenario import Scenario
+
+__all__ = [
+    "COORDINATOR_DRAIN_S",
+    "SITE_BACKOFF_MAX_S",
+    "coordinator_table",
+    "geoloco_command",
+    "site_command",
+    "to_toml",
+]
+
+COORDINATOR_DRAIN_S = 10.0
+"""The coordinator waits this long for sites to fetch the final broadcast before it exits."""
+
+SITE_BACKOFF_MAX_S = 2.0
+"""Longest pause between a site's reconnection attempts: short, so recoveries after a fault are
+measured in the emulated faults' seconds rather than in backoff."""
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as a TOML value")
+
+
+def to_toml(data: dict[str, Any]) -> str:
+    """A TOML document for a dict of scalars, lists and nested tables (``[algorithm.streaming]``);
+    None is left out (TOML has no null; a missing key means the default)."""
+    lines: list[str] = []
+    _toml_table(data, "", lines)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_table(table: dict[str, Any], name: str, lines: list[str]) -> None:
+    if name:
+        lines.append(f"\n[{name}]")
+    nested: list[tuple[str, dict[str, Any]]] = []
+    for key, value in table.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            nested.append((f"{name}.{key}" if name else key, value))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for child, value in nested:
+        _toml_table(value, child, lines)
+
+
+def geoloco_command(*args: str) -> list[str]:
+    """``python -m geoloco.scenarios.cli ARGS`` with this interpreter (no PATH lookup)."""
+    return [sys.executable, "-m", "geoloco.scenarios.cli", *args]
+
+
+def coordinator_table(
+    scenario: Scenario, *, certs_dir: Path, checkpoint_dir: Path, metrics_path: Path
+) -> dict[str, Any]:
+    """The ``geoloco coordinator --config`` table for ``scenario`` (port 0, mutual TLS)."""
+    s = scenario
+    run = s.run
+    return {
+        "seed": run.seed,
+        "total_rounds": run.rounds,
+        "min_sites": s.quorum,
+        "round_deadline_s": run.round_deadline_s,
+        "adaptive_deadline": run.adaptive_deadline.to_dict(),
+        "heartbeat_interval_s": run.heartbeat_interval_s,
+        "heartbeat_timeout_s": run.heartbeat_timeout_s,
+        "host": "127.0.0.1",
+        "port": 0,
+        "certs_dir": str(certs_dir.resolve()),
+        "allowed_sites": [site.name for site in s.sites],
+        "checkpoint_dir": str(checkpoint_dir.resolve()),
+        "checkpoint_every": 1,
+        "metrics_path": str(metrics_path.resolve()),
+        "eval_every": run.eval_every,
+        "drain_timeout_s": COORDINATOR_DRAIN_S,
+        "device": "cpu",
+        "algorithm": s.algorithm.to_dict(),
+        "inner_optimizer": s.inner_optimizer.to_dict(),
+        "outer_optimizer": s.outer_optimizer.to_dict(),
+        "workload": s.workload.to_table(),
+        "http": {"enabled": True, "host": "127.0.0.1", "port": 0},
+        **({"privacy": s.privacy.to_dict()} if s.privacy.enabled else {}),
+    }
+
+
+def site_command(
+    scenario: Scenario, index: int, *, coordinator: str, certs_dir: Path, log_level: str
+) -> list[str]:
+    """``geoloco site ...`` for site ``index``, dialling ``coordinator`` (its link's relay)."""
+    site = scenario.sites[index]
+    return geoloco_command(
+        "--log-level", log_level,
+        "site",
+        "--coordinator", coordinator,
+        "--name", site.name,
+        "--certs", str(certs_dir.resolve()),
+        "--device", "cpu",
+        "--site-index", str(scenario.shard_of(index)),
+        "--num-sites", str(len(scenario.sites)),
+        "--backoff-max", repr(SITE_BACKOFF_MAX_S),
+        *(["--speed-factor", repr(site.speed_factor)] if site.speed_factor != 1.0 else []),
+    )

@@ -1,0 +1,57 @@
+"""The shape of ``scenarios/``: modules stay under the size limit, and nothing in it is dead code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "scenarios"
+MAX_LINES = 600
+"""STYLE.md: a file past ~600 lines is usually two concepts; split it by responsibility."""
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+SOURCES = [
+    p for p in ROOT.rglob("*.py")
+    if not {"tests", ".git", ".ci", "build"} & set(p.relative_to(ROOT).parts) and "egg-info" not in str(p)
+]
+"""Library and benchmark code: what counts as a use (a helper only tests call belongs in tests)."""
+
+DEFINITION_RE = re.compile(r"^\s*(?:async\s+)?def ([A-Za-z]\w*)\(|^([A-Z][A-Z0-9_]+)\s*[:=]", re.M)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=[str(p.relative_to(ROOT)) for p in MODULES])
+def test_module_is_under_the_size_limit(module: Path) -> None:
+    lines = len(module.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module.relative_to(ROOT)} has {lines} lines; split it by responsibility"
+
+
+def defined_names(text: str) -> set[str]:
+    """Public functions, methods, properties and UPPER_CASE constants defined in ``text``."""
+    return {m[1] or m[2] for m in DEFINITION_RE.finditer(text)}
+
+
+def unused(names: set[str], sources: list[str]) -> set[str]:
+    """Names that appear only once (their definition) in ``sources``."""
+    return {
+        name for name in names
+        if sum(len(re.findall(rf"\b{re.escape(name)}\b", text)) for text in sources) <= 1
+    }
+
+
+def test_nothing_in_scenarios_is_defined_but_unused() -> None:
+    sources = [p.read_text() for p in SOURCES]
+    names = set().union(*(defined_names(p.read_text()) for p in MODULES))
+    dead = sorted(unused(names, sources))
+    assert not dead, (
+        f"defined in scenarios/ but used nowhere outside tests: {dead}; delete them, or move a "
+        "helper only tests use into the tests"
+    )
+
+
+def test_the_dead_code_check_finds_an_unused_property() -> None:
+    code = "class Burst:\n    @property\n    def duration_s(self) -> float:\n        return 1.0\nLIMIT = 3\n"
+    assert defined_names(code) == {"duration_s", "LIMIT"}
+    assert unused({"duration_s", "LIMIT"}, [code, "x = LIMIT"]) == {"duration_s"}

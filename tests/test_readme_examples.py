@@ -1,0 +1,401 @@
+"""README.md's examples are tested artifacts: every fenced block is checked, or marked unchecked.
+
+- A ```toml block is parsed and validated by the command that reads such a file (``geoloco
+  emulate``'s scenario, ``geoloco simulate``'s or ``geoloco coordinator``'s config), through that
+  command's own loader. Its kind is read from an HTML comment just above the fence,
+  ``<!-- example: scenario, simulate, coordinator -->`` (one or more of ``TOML_KINDS``), or
+  detected from its tables and keys (``detect_toml_kinds``). A fragment (``[privacy]`` alone) is
+  merged into a minimal complete config of each kind (``BASES``).
+- A ```python block is compiled and run in a fresh interpreter in a temporary folder (it must
+  finish in a few seconds on a CPU); ``<!-- example: compile only: REASON -->`` only compiles it.
+- A ```sh block: every ``geoloco ...`` command in it is parsed by the real argument parser (flags
+  and subcommands exist; nothing runs) and every ``scenarios/*.toml`` it names exists.
+- Any other block, or one whose kind cannot be told, fails the test unless marked
+  ``<!-- example: unchecked: REASON -->``, so the README cannot drift from the code again.
+
+Prose is checked too: a backticked config key (``uplink_bps``, ``run.min_sites``) must be a field
+of one of the config dataclasses, a fault kind or a metrics key (``test_backticked_keys_exist``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shlex
+import subprocess
+import sys
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from geoloco.scenarios.config_file import ConfigFileError, tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+TOML_KINDS = ("scenario", "simulate", "coordinator")
+MARKER_RE = re.compile(r"^<!--\s*example:\s*(?P<spec>.*?)\s*-->$")
+FENCE_RE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
+PYTHON_TIMEOUT_S = 300  # generous: a fresh interpreter imports torch and grpc on a loaded machine
+
+BASES: dict[str, dict[str, Any]] = {
+    # Three sites: the smallest run secure aggregation accepts.
+    "scenario": {
+        "workload": {"name": "mlp"},
+        "run": {"rounds": 2},
+        "sites": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
+    },
+    "simulate": {
+        "workload": {"name": "mlp"},
+        "sites": {"count": 3},
+        "simulation": {"rounds": 1, "device": "cpu"},
+    },
+    "coordinator": {
+        "workload": {"name": "mlp"},
+        "total_rounds": 2,
+        "min_sites": 3,
+        "insecure": True,
+    },
+}
+"""A minimal complete config of each kind; a README block is merged over it (the block wins)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    lang: str
+    text: str
+    line: int
+    """1-based line of the opening fence in README.md."""
+    marker: str | None
+    """What ``<!-- example: ... -->`` right above the fence says, if there is one."""
+
+    def __str__(self) -> str:
+        return f"README.md:{self.line} ({self.lang or 'no language'})"
+
+
+def readme_blocks(text: str) -> list[Block]:
+    blocks: list[Block] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        fence = FENCE_RE.match(lines[i])
+        if fence is None:
+            i += 1
+            continue
+        start = i
+        i += 1
+        body: list[str] = []
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i])
+            i += 1
+        above = next((lines[j].strip() for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        marker = MARKER_RE.match(above)
+        blocks.append(
+            Block(fence["lang"], "\n".join(body) + "\n", start + 1, marker["spec"] if marker else None)
+        )
+        i += 1
+    return blocks
+
+
+BLOCKS = readme_blocks(README.read_text())
+
+
+def unchecked(block: Block) -> bool:
+    return block.marker is not None and block.marker.startswith("unchecked:")
+
+
+def _blocks(lang: str) -> list[Block]:
+    return [b for b in BLOCKS if b.lang == lang and not unchecked(b)]
+
+
+def _ids(blocks: list[Block]) -> list[str]:
+    return [f"line{b.line}" for b in blocks]
+
+
+# ------------------------------------------------------------------------------------------------
+# Every block is known
+
+
+def test_readme_has_examples_of_every_checked_kind() -> None:
+    langs = {b.lang for b in BLOCKS}
+    assert {"toml", "python", "sh"} <= langs, langs
+
+
+def test_every_block_is_checked_or_marked_unchecked() -> None:
+    for block in BLOCKS:
+        if unchecked(block):
+            reason = block.marker.partition(":")[2].strip() if block.marker else ""
+            assert reason, f"{block}: say why it is unchecked: <!-- example: unchecked: REASON -->"
+            continue
+        assert block.lang in ("toml", "python", "sh"), (
+            f"{block}: no check for ```{block.lang} blocks; mark it "
+            "<!-- example: unchecked: REASON --> or add a check to tests/test_readme_examples.py"
+        )
+        if block.lang == "toml":
+            toml_kinds(block)  # fails for a block whose kind cannot be told
+        if block.lang == "python" and block.marker is not None:
+            assert block.marker.startswith("compile only:"), f"{block}: unknown marker {block.marker!r}"
+
+
+def test_marker_parsing_and_an_unknown_block_fails() -> None:
+    text = (
+        "<!-- example: unchecked: pseudo code -->\n```text\nx\n```\n\n```toml\n[algorithm]\n"
+        "inner_steps = 5\n```\n"
+    )
+    unmarked_kinds = readme_blocks(text)
+    assert [(b.lang, b.marker, b.line) for b in unmarked_kinds] == [
+        ("text", "unchecked: pseudo code", 2), ("toml", None, 6)
+    ]
+    with pytest.raises(AssertionError, match="mark its kind"):
+        toml_kinds(unmarked_kinds[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# TOML
+
+
+def detect_toml_kinds(data: Mapping[str, Any]) -> tuple[str, ...]:
+    """The kind of a complete config from its tables: ``[run]``/``[[faults]]``/``[[sites]]`` with
+    names -> scenario, ``[simulation]`` -> simulate, coordinator-only keys -> coordinator."""
+    from geoloco.coordinator.config import CoordinatorConfig
+
+    if "run" in data or "faults" in data:
+        return ("scenario",)
+    if "simulation" in data:
+        return ("simulate",)
+    coordinator_only = set(CoordinatorConfig.__dataclass_fields__) - {
+        "algorithm", "inner_optimizer", "outer_optimizer", "privacy", "workload",
+    }
+    if set(data) & coordinator_only:
+        return ("coordinator",)
+    return ()
+
+
+def toml_kinds(block: Block) -> tuple[str, ...]:
+    if block.marker is not None:
+        kinds = tuple(k.strip() for k in block.marker.split(","))
+        unknown = [k for k in kinds if k not in TOML_KINDS]
+        assert not unknown, f"{block}: unknown kind(s) {unknown} in the marker; allowed: {TOML_KINDS}"
+        return kinds
+    kinds = detect_toml_kinds(tomllib.loads(block.text))
+    assert kinds, (
+        f"{block}: cannot tell which config this TOML belongs to; mark its kind just above the "
+        f"fence: <!-- example: {', '.join(TOML_KINDS)} --> (one or more)"
+    )
+    return kinds
+
+
+def merged(base: Mapping[str, Any], block: Mapping[str, Any]) -> dict[str, Any]:
+    """``block`` over ``base``, tables merged key by key (lists and values replaced)."""
+    out = dict(base)
+    for key, value in block.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def write_toml(data: Mapping[str, Any], path: Path) -> Path:
+    """``data`` as a TOML file: tables via the emulator's writer, lists of tables as ``[[key]]``."""
+    from geoloco.scenarios.child_commands import to_toml
+
+    plain = {k: v for k, v in data.items() if not _is_table_list(v)}
+    text = to_toml(plain)
+    for key, value in data.items():
+        if _is_table_list(value):
+            for item in value:
+                text += f"\n[[{key}]]\n" + to_toml(item)
+    path.write_text(text)
+    assert tomllib.loads(text) == data, "write_toml lost something"
+    return path
+
+
+def _is_table_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, Mapping) for v in value)
+
+
+def validate(kind: str, path: Path) -> Any:
+    """The config as the command ``kind`` reads it (raises ``ConfigFileError`` like it)."""
+    if kind == "scenario":
+        from geoloco.scenarios.scenario import load_scenario
+
+        return load_scenario(path)
+    if kind == "simulate":
+        from geoloco.scenarios.simulate_cmd import load_config as load_simulate
+
+        args = argparse.Namespace(config=path, workload=None, rounds=None, sites=None, seed=None, device=None)
+        return load_simulate(args)
+    from geoloco.scenarios.coordinator_cmd import load_config as load_coordinator
+
+    args = argparse.Namespace(
+        config=path, host=None, port=None, http_port=None, certs=None, cert_name=None, insecure=True,
+        metrics=None, checkpoint_dir=None,
+    )
+    return load_coordinator(args)
+
+
+@pytest.mark.parametrize("block", _blocks("toml"), ids=_ids(_blocks("toml")))
+def test_toml_block_is_a_valid_config_of_its_kind(block: Block, tmp_path: Path) -> None:
+    data = tomllib.loads(block.text)
+    for kind in toml_kinds(block):
+        path = write_toml(merged(BASES[kind], data), tmp_path / f"{kind}.toml")
+        try:
+            validate(kind, path)
+        except ConfigFileError as err:
+            pytest.fail(f"{block} is not a valid {kind} config: {err}")
+
+
+@pytest.mark.parametrize("kind", TOML_KINDS)
+def test_minimal_bases_are_valid_and_a_bad_key_in_a_block_is_caught(kind: str, tmp_path: Path) -> None:
+    validate(kind, write_toml(BASES[kind], tmp_path / "base.toml"))
+    bad = merged(BASES[kind], {"algorithm": {"inner_stepz": 20}})
+    with pytest.raises(ConfigFileError, match="algorithm.inner_stepz"):
+        validate(kind, write_toml(bad, tmp_path / "bad.toml"))
+
+
+def test_a_scenario_site_with_the_old_mbps_keys_is_refused(tmp_path: Path) -> None:
+    """What a new user copied from the README before it said ``uplink_bps``."""
+    bad = merged(BASES["scenario"], {"sites": [{"name": "a", "uplink_mbps": 100}]})
+    with pytest.raises(ConfigFileError, match=r"sites\[0\].uplink_mbps: unknown key"):
+        validate("scenario", write_toml(bad, tmp_path / "bad.toml"))
+
+
+SHIPPED = sorted((ROOT / "scenarios").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_toml_files_are_valid_configs_of_their_kind(path: Path) -> None:
+    kinds = detect_toml_kinds(tomllib.loads(path.read_text()))
+    assert len(kinds) == 1, f"{path.name}: cannot tell whether it is a scenario, simulate or coordinator config"
+    validate(kinds[0], path)
+
+
+# ------------------------------------------------------------------------------------------------
+# Python
+
+
+@pytest.mark.parametrize("block", _blocks("python"), ids=_ids(_blocks("python")))
+def test_python_block_compiles_and_runs(block: Block, tmp_path: Path) -> None:
+    code = compile(block.text, str(block), "exec")
+    assert code is not None
+    if block.marker is not None and block.marker.startswith("compile only:"):
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [sys.executable, "-c", block.text], cwd=tmp_path, capture_output=True, text=True,
+        timeout=PYTHON_TIMEOUT_S, env=env, check=False,
+    )
+    assert proc.returncode == 0, f"{block} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Shell
+
+
+def geoloco_invocations(script: str) -> Iterator[list[str]]:
+    """Each ``geoloco ...`` command of a shell snippet as argv (loop variables become ``0``)."""
+    for line in script.splitlines():
+        line = line.split(" #", 1)[0]
+        for part in re.split(r"&&|;|\|\||(?<!&)&(?!&)|\|", line):
+            words = shlex.split(re.sub(r"\$\{?\w+\}?", "0", part))
+            while words and words[0] in ("do", "then", "else", "time"):
+                words = words[1:]
+            if words and words[0] == "geoloco":
+                yield words[1:]
+
+
+def test_geoloco_invocations_are_found_in_loops_and_chains() -> None:
+    script = 'pip install -e . && geoloco emulate x.toml --out r\nfor s in 0 1; do geoloco certs issue c $s; done\n'
+    assert list(geoloco_invocations(script)) == [
+        ["emulate", "x.toml", "--out", "r"], ["certs", "issue", "c", "0"]
+    ]
+
+
+@pytest.mark.parametrize("block", _blocks("sh"), ids=_ids(_blocks("sh")))
+def test_sh_block_commands_parse(block: Block) -> None:
+    from geoloco.scenarios.cli import build_parser
+
+    for argv in geoloco_invocations(block.text):
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as exit_info:
+            pytest.fail(f"{block}: `geoloco {' '.join(argv)}` is not accepted (exit {exit_info.code})")
+        for word in argv:
+            if word.startswith("scenarios/") and word.endswith(".toml"):
+                assert (ROOT / word).is_file(), f"{block}: {word} does not exist"
+
+
+# ------------------------------------------------------------------------------------------------
+# Keys named in the prose
+
+METRICS_KEYS = {
+    # Keys of a round's record in metrics.jsonl (coordinator/rounds.py writes them) that the README
+    # explains; they are not config fields.
+    "deadline_s", "next_deadline_s", "arrival_s", "folded_late", "privacy_delta", "epsilon",
+}
+NOT_KEYS = {"register_step_post_hook"}
+"""Backticked words that are not config keys (``optimizer.register_step_post_hook``: torch's API)."""
+KEY_RE = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)+$")
+
+
+def _config_field_names() -> set[str]:
+    from geoloco.algorithms.simulator import RoundRecord, SimulatorConfig
+    from geoloco.coordinator.config import CoordinatorConfig
+    from geoloco.scenarios.scenario import FAULT_KINDS, Scenario
+    from geoloco.scenarios.workloads import WORKLOADS
+    from geoloco.site_agent.config import SiteAgentConfig
+
+    names: set[str] = set(FAULT_KINDS) | METRICS_KEYS
+    seen: set[type] = set()
+
+    def walk(cls: type) -> None:
+        if cls in seen:
+            return
+        seen.add(cls)
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            names.add(field.name)
+            for tp in (hints[field.name], *typing.get_args(hints[field.name])):
+                if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+                    walk(tp)
+
+    roots = [Scenario, SimulatorConfig, CoordinatorConfig, SiteAgentConfig, RoundRecord]
+    for cls in [*roots, *(w.config_class for w in WORKLOADS.values())]:
+        walk(cls)
+    return names
+
+
+def backticked_keys(text: str) -> set[str]:
+    """Config-key-looking words in backticks: ``uplink_bps``, ``late_updates = "fold"``,
+    ``run.min_sites`` (each dotted part), leaving out file and module names."""
+    keys: set[str] = set()
+    for span in re.findall(r"`([^`\n]+)`", text):
+        span = span.split(" = ", 1)[0].strip()
+        if span.endswith((".py", ".toml", ".md", ".jsonl")) or span.startswith("geoloco"):
+            continue
+        parts = span.split(".")
+        if all(re.fullmatch(r"[a-z_][a-z0-9_]*", p) for p in parts):
+            keys.update(p for p in parts if KEY_RE.match(p))
+    return keys
+
+
+def test_backticked_keys_exist() -> None:
+    known = _config_field_names()
+    unknown = sorted(backticked_keys(README.read_text()) - known - NOT_KEYS)
+    assert not unknown, (
+        f"README.md names keys no config has: {unknown}; fix the README (or, for a metrics key, "
+        "add it to METRICS_KEYS)"
+    )
+
+
+def test_backticked_keys_check_catches_the_old_site_keys() -> None:
+    keys = backticked_keys("per site (name, `uplink_mbps`/`downlink_mbps`), `run.min_sites`, `a.py`")
+    assert keys == {"uplink_mbps", "downlink_mbps", "min_sites"}
+    assert not {"uplink_mbps", "downlink_mbps"} & _config_field_names()

@@ -12,7 +12,7 @@ from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
-from geoloco.algorithms.privacy import PrivacyConfig, check_aggregation, check_composition
+from geoloco.algorithms.privacy import PrivacyConfig, check_privacy_setup
 from geoloco.algorithms.strategy import AlgorithmConfig
 
 __all__ = ["MEASURE", "RoundRecord", "SimulationConfig", "SimulatorConfig"]
@@ -145,15 +145,15 @@ class SimulatorConfig:
                 "simulation.adaptive_deadline.enabled",
                 "with privacy on, every site's update enters the round; set enabled = false",
             )
-            check_aggregation(
-                self.privacy,
-                weighting=self.algorithm.weighting,
-                late_updates=self.algorithm.late_updates,
-            )
-            try:
-                check_composition(self.privacy, self.algorithm.uplink_codec, len(self.sites))
-            except ConfigError as err:
-                raise err.under("algorithm" if err.key == "uplink_codec" else "") from None
+        check_privacy_setup(
+            self.privacy,
+            weighting=self.algorithm.weighting,
+            late_updates=self.algorithm.late_updates,
+            uplink_codec=self.algorithm.uplink_codec,
+            num_sites=len(self.sites),
+            quorum=len(self.sites),
+            quorum_key="sites",
+        )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SimulatorConfig:

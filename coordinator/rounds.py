@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.deadline import RoundDeadline
 from geoloco.algorithms.params import ParamLayout, weights_digest
+from geoloco.algorithms.round import CloseDecision, Round, RoundOutcome, RoundPolicy
 from geoloco.algorithms.strategy import Strategy, build_strategy
-from geoloco.algorithms.weighting import site_weight, stale_weight
+from geoloco.algorithms.weighting import site_weight
 from geoloco.compression import CodecError, Encoded, decode, parse_codec
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.checkpoint import load_latest_checkpoint, save_checkpoint
@@ -202,30 +202,35 @@ class WaitResult:
 
 @dataclass(slots=True)
 class _Round:
-    """Mutable state of the open round."""
+    """The open round: the round core's ``Round`` (contributors, weights, arrivals, folded late
+    updates, rejected sites, the aggregation buffer, the deadline in force) plus what only the
+    coordinator tracks: upload assemblers, bytes and the sites' own metrics."""
 
-    number: int
-    opened_s: float
-    started_s: float | None = None
-    deadline_s: float | None = None
+    core: Round
     departed: set[str] = field(default_factory=set)
     """Sites that left or were dropped during the round without contributing."""
     uploads: dict[str, UploadAssembler] = field(default_factory=dict)
-    contributed: dict[str, float] = field(default_factory=dict)
-    """site -> aggregation weight, in arrival order."""
-    rejected: set[str] = field(default_factory=set)
+    stale_uploads: dict[str, UploadAssembler] = field(default_factory=dict)
+    """Uploads for the previous round, to be folded into this one (``late_updates = "fold"``)."""
     bytes_up: dict[str, int] = field(default_factory=dict)
     bytes_down: dict[str, int] = field(default_factory=dict)
     site_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
-    # -- heterogeneous sites --
-    deadline_in_force_s: float | None = None
-    """The deadline (seconds after the start) this round runs under, fixed or adaptive."""
-    arrivals: dict[str, float] = field(default_factory=dict)
-    """site -> seconds from the round's start until its update was aggregated."""
-    stale_uploads: dict[str, UploadAssembler] = field(default_factory=dict)
-    """Uploads for the previous round, to be folded into this one (``late_updates = "fold"``)."""
-    stale_contributed: dict[str, float] = field(default_factory=dict)
-    """site -> discounted weight of its previous round's update folded into this round."""
+
+    @property
+    def number(self) -> int:
+        return self.core.number
+
+    @property
+    def contributed(self) -> dict[str, float]:
+        return self.core.contributed
+
+    @property
+    def rejected(self) -> set[str]:
+        return self.core.rejected
+
+    @property
+    def folded(self) -> dict[str, float]:
+        return self.core.folded
 
 
 class RoundStateMachine:
@@ -283,7 +288,7 @@ class RoundStateMachine:
             else None
         )
         """Secure aggregation / DP of this session (``geoloco.coordinator.privacy_rounds``)."""
-        self._secure_closed: tuple[_Round, float, bool, list[str], list[str]] | None = None
+        self._secure_closed: tuple[_Round, float, bool, RoundOutcome, list[str]] | None = None
 
         self._cond = threading.Condition(threading.RLock())
         self._poll_lock = threading.Lock()
@@ -296,7 +301,15 @@ class RoundStateMachine:
         self._broadcast: BroadcastRecord | None = None
         self._contributor_history: dict[int, frozenset[str]] = {}
         self._finished_s: float | None = None
-        self._deadline = RoundDeadline(config.round_deadline_s, config.adaptive_deadline)
+        algo = config.algorithm
+        self.policy = RoundPolicy(
+            min_sites=config.min_sites,
+            round_deadline_s=config.round_deadline_s,
+            adaptive_deadline=config.adaptive_deadline,
+            late_updates=algo.late_updates,
+            staleness_discount=algo.staleness_discount,
+        )
+        """Quorum, deadline in force (fixed or adaptive) and the late-update rule."""
         self._folded_history: dict[int, frozenset[str]] = {}
         """round t -> sites whose round-t update was folded into round t + 1."""
 
@@ -308,8 +321,7 @@ class RoundStateMachine:
                 weights, start_round = self._restore(checkpoint.tensors, checkpoint.metadata, checkpoint.round)
         self._set_weights(weights)
         now = self.clock()
-        self._round = _Round(number=start_round, opened_s=now)
-        self._aggregator = self.strategy.new_aggregator(start_round)
+        self._round = self._new_round(start_round, now)
         self._phase = RoundPhase.WAITING_FOR_QUORUM
         if config.total_rounds and start_round >= config.total_rounds:
             self._phase = RoundPhase.FINISHED
@@ -354,11 +366,14 @@ class RoundStateMachine:
             int(t): frozenset(sites) for t, sites in history.get("contributors", {}).items()
         }
         self._folded_history = {int(t): frozenset(sites) for t, sites in history.get("folded", {}).items()}
-        self._deadline.load_state(history.get("deadline", []))
+        self.policy.load_state(history.get("deadline", []))
         logger.info(
             "resumed from checkpoint in %s at round %d", self.config.checkpoint_dir, round_number
         )
         return weights.to(self.device, torch.float32).contiguous(), round_number
+
+    def _new_round(self, number: int, now: float) -> _Round:
+        return _Round(core=Round(number=number, aggregation=self.strategy.new_aggregator(number), opened_s=now))
 
     def _set_weights(self, weights: torch.Tensor) -> None:
         self._weights = weights
@@ -441,9 +456,9 @@ class RoundStateMachine:
 
     def _round_info(self, now: float) -> pb.RoundInfo:
         r = self._round
-        if r.deadline_s is not None:
-            remaining = max(0.0, r.deadline_s - now)
-        elif (upcoming := self._deadline.current_s()) is not None:
+        if (deadline_at := r.core.deadline_at) is not None:
+            remaining = max(0.0, deadline_at - now)
+        elif (upcoming := self.policy.deadline_s()) is not None:
             remaining = upcoming
         else:
             remaining = 0.0
@@ -466,7 +481,7 @@ class RoundStateMachine:
                 "round": r.number,
                 "phase": self._phase.value,
                 "members": sorted(self._members),
-                "pending": sorted(set(self._members) - set(r.contributed) - r.rejected),
+                "pending": sorted(r.core.pending(self._members)),
                 "contributed": list(r.contributed),
                 "rejected": sorted(r.rejected),
                 "uploads": {
@@ -608,10 +623,7 @@ class RoundStateMachine:
     def _maybe_start(self, now: float) -> None:
         r = self._round
         if self._phase is RoundPhase.WAITING_FOR_QUORUM and len(self._members) >= self.config.min_sites:
-            r.started_s = now
-            r.deadline_in_force_s = self._deadline.current_s()
-            if r.deadline_in_force_s is not None:
-                r.deadline_s = now + r.deadline_in_force_s
+            r.core.start(now, self.policy)
             self._phase = RoundPhase.RUNNING
             if self.privacy is not None:
                 self.privacy.start_round(
@@ -620,9 +632,9 @@ class RoundStateMachine:
             self.events.emit(ev.ROUND_STARTED, round=r.number, members=len(self._members))
             logger.info(
                 "round %d started with %d sites%s", r.number, len(self._members),
-                "" if r.deadline_s is None else
-                f", {'adaptive ' if self._deadline.is_adaptive else ''}deadline in "
-                f"{r.deadline_in_force_s:.3g} s",
+                "" if r.core.deadline_s is None else
+                f", {'adaptive ' if self.policy.deadline.is_adaptive else ''}deadline in "
+                f"{r.core.deadline_s:.3g} s",
             )
 
     # ---------------------------------------------------------------------------------------
@@ -812,7 +824,7 @@ class RoundStateMachine:
             if not bool(torch.isfinite(decoded).all()):
                 with self._cond:
                     if self._round.number == round_number:
-                        self._round.rejected.add(site)
+                        self._round.core.reject(site)
                         self._round.uploads.pop(site, None)
                         self._cond.notify_all()
                 self.events.emit(ev.UPDATE_REJECTED, site=site, round=round_number, why="NaN or Inf values")
@@ -828,9 +840,7 @@ class RoundStateMachine:
                 r = self._round
                 if r.uploads.get(site) is not assembler:
                     raise _discarded(site, round_number)
-                self._aggregator.add(decoded, weight, site=site)  # type: ignore[arg-type]
-                r.contributed[site] = weight
-                r.arrivals[site] = self.clock() - (r.started_s if r.started_s is not None else r.opened_s)
+                r.core.add(decoded, weight, site=site, now=self.clock())
                 self.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
                 logger.debug(
                     "round %d: update of %s aggregated (%d of %d members)",
@@ -910,7 +920,7 @@ class RoundStateMachine:
                     self._check_upload_round(manifest.round)
                 privacy.add_chunk(site, upload, request.chunk.index, request.chunk.data)
                 if upload.complete and site not in self._round.contributed:
-                    self._round.contributed[site] = 1.0
+                    self._round.core.count(site, 1.0, now=self.clock())
                     self.events.emit(ev.UPDATE_AGGREGATED, site=site, round=manifest.round, weight=1.0)
                     self._cond.notify_all()
         with self._cond:
@@ -959,7 +969,7 @@ class RoundStateMachine:
         exactly one round late, folding on, and the site's update did not count in its round."""
         r = self._round
         return (
-            self.config.algorithm.late_updates == "fold"
+            self.policy.folds_late_updates
             and round_number + 1 == r.number
             and self._phase in _OPEN_PHASES
             and site not in self._contributor_history.get(round_number, frozenset())
@@ -973,7 +983,7 @@ class RoundStateMachine:
         normalized.CopyFrom(manifest)
         normalized.site = site
         existing = r.stale_uploads.get(site)
-        if existing is not None and (site in r.stale_contributed or existing.upload == normalized):
+        if existing is not None and (site in r.folded or existing.upload == normalized):
             existing.check_same_manifest(normalized)
             return existing
         assembler = UploadAssembler(
@@ -990,7 +1000,7 @@ class RoundStateMachine:
         round_number = assembler.upload.round
         with self._verify_lock:
             with self._cond:
-                if site in self._round.stale_contributed:
+                if site in self._round.folded:
                     return _folded(assembler.upload_response())
             data = assembler.finish()
             decoded = self._decode_update(site, round_number, data)
@@ -999,18 +1009,14 @@ class RoundStateMachine:
                     f"site {site!r}'s late update for round {round_number} contains NaN or Inf "
                     "values; it is dropped"
                 )
-            algo = self.config.algorithm
-            weight = stale_weight(
-                self._upload_weight(assembler.upload), discount=algo.staleness_discount, staleness=1
-            )
+            weight = self._upload_weight(assembler.upload)
             with self._cond:
                 r = self._round
                 if r.number != round_number + 1 or self._phase not in _OPEN_PHASES:
                     self._check_upload_round(round_number)  # raises WRONG_ROUND: it is too late
                 if r.stale_uploads.get(site) is not assembler:
                     raise _discarded(site, round_number)
-                self._aggregator.add(decoded, weight, site=site, stale=True)  # type: ignore[arg-type]
-                r.stale_contributed[site] = weight
+                weight = r.core.fold(decoded, weight, site=site, policy=self.policy)
                 self.events.emit(
                     ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight, late=True
                 )
@@ -1026,7 +1032,7 @@ class RoundStateMachine:
         """Whether ``site``'s update of ``round_number`` entered the next round (late)."""
         if site in self._folded_history.get(round_number, frozenset()):
             return True
-        return round_number + 1 == self._round.number and site in self._round.stale_contributed
+        return round_number + 1 == self._round.number and site in self._round.folded
 
     def upload_status(
         self, site: str, session_id: str, round_number: int, fragment: int
@@ -1045,7 +1051,7 @@ class RoundStateMachine:
             if late and site in r.stale_uploads:
                 assembler = r.stale_uploads[site]
                 response = assembler.status_response()
-                response.complete = site in r.stale_contributed
+                response.complete = site in r.folded
                 response.folded_late = response.complete
                 return response
             if assembler is None:
@@ -1135,7 +1141,8 @@ class RoundStateMachine:
             if self._round.number != round_number:
                 return self._header_for(site, round_number, now, start_chunk)
             r = self._round
-            remaining = 0.0 if r.deadline_s is None else max(0.0, r.deadline_s - now)
+            deadline_at = r.core.deadline_at
+            remaining = 0.0 if deadline_at is None else max(0.0, deadline_at - now)
             return WaitResult(
                 progress=pb.RoundProgress(
                     round=round_number,
@@ -1157,39 +1164,30 @@ class RoundStateMachine:
                 )
                 self._remove_member(name, f"dropped after {now - member.last_seen_s:.1f} s of silence")
 
-    def _should_close(self, now: float) -> tuple[bool, bool]:
-        """(close now, deadline passed)."""
-        if self._phase is not RoundPhase.RUNNING and self._phase is not RoundPhase.WAITING_FOR_QUORUM:
-            return False, False
-        r = self._round
+    def _decide(self, now: float) -> CloseDecision:
+        """Whether the open round closes now: the round policy's rule, or with secure
+        aggregation the protocol's (``PrivateRounds.close_decision``)."""
+        if self._phase not in _OPEN_PHASES:
+            return CloseDecision(close=False)
+        r = self._round.core
         if self.privacy is not None and self.privacy.secure:
-            if self._phase is RoundPhase.WAITING_FOR_QUORUM:
-                return False, False
-            passed = r.deadline_s is not None and now >= r.deadline_s
-            close = self.privacy.close_decision(
-                set(self._members), set(r.contributed), self.config.min_sites, passed
+            # Secure rounds have no deadline (the config refuses one) and never close before
+            # their quorum started them: the protocol decides once key sharing ran.
+            if not r.started:
+                return CloseDecision(close=False)
+            return CloseDecision(
+                close=self.privacy.close_decision(set(self._members), set(r.contributed), self.config.min_sites, False)
             )
-            return close, close and passed
-        if len(r.contributed) < self.config.min_sites:
-            return False, False
-        if self._phase is RoundPhase.WAITING_FOR_QUORUM:
-            # Enough uploads although fewer members remain (some left after uploading): the
-            # quorum is met by what was aggregated.
-            return True, False
-        pending = set(self._members) - set(r.contributed) - r.rejected
-        if not pending:
-            return True, False
-        if r.deadline_s is not None and now >= r.deadline_s:
-            return True, True
-        return False, False
+        return r.decide(self.policy, now=now, expected=self._members)
 
     def next_poll_in(self) -> float:
         """Seconds until ``poll`` has time-driven work (a deadline, a heartbeat check)."""
         with self._cond:
             now = self.clock()
             wait = self.config.heartbeat_timeout_s / 4
-            if self._round.deadline_s is not None and self._phase is RoundPhase.RUNNING:
-                wait = min(wait, max(0.0, self._round.deadline_s - now))
+            deadline_at = self._round.core.deadline_at
+            if deadline_at is not None and self._phase is RoundPhase.RUNNING:
+                wait = min(wait, max(0.0, deadline_at - now))
             return max(0.005, wait)
 
     def wake(self) -> None:
@@ -1215,15 +1213,15 @@ class RoundStateMachine:
                 self._drop_silent(now)
                 self._maybe_start(now)
                 if self._secure_closed is None:
-                    close, deadline_hit = self._should_close(now)
-                    if not close:
+                    decision = self._decide(now)
+                    if not decision.close:
                         return None
                     self._phase = RoundPhase.AGGREGATING
                     r = self._round
-                    excluded = sorted(set(self._members) - set(r.contributed) - r.rejected)
+                    outcome = r.core.close(now=now, expected=self._members)
                     partial = sorted(set(r.uploads) - set(r.contributed))
                     self._cond.notify_all()
-                    args = (r, now, deadline_hit, excluded, partial)
+                    args = (r, now, decision.deadline_hit, outcome, partial)
                     if self.privacy is not None and self.privacy.secure:
                         # Secure aggregation: the survivors unmask the sum before it exists.
                         self.privacy.close_upload(now)
@@ -1242,7 +1240,7 @@ class RoundStateMachine:
         r: _Round,
         closed_s: float,
         deadline_hit: bool,
-        excluded: list[str],
+        outcome: RoundOutcome,
         partial: list[str],
     ) -> dict[str, Any]:
         # Memory: the aggregation buffer and the encoded downlink are released as soon as they
@@ -1250,21 +1248,20 @@ class RoundStateMachine:
         # written. The weights and the aggregator cannot change meanwhile: the phase is
         # AGGREGATING (uploads are refused) and ``_poll_lock`` is held.
         t0 = time.perf_counter()
-        contributors = list(r.contributed)
-        started = r.started_s if r.started_s is not None else r.opened_s
-        self._deadline.observe(list(r.arrivals.values()), [closed_s - started for _ in excluded])
+        contributors = list(outcome.contributors)
+        excluded = list(outcome.excluded)
+        self.policy.observe(outcome)
+        aggregation = r.core.aggregation
         plan = self.strategy.configure_round(r.number, contributors)
         privacy_record: dict[str, Any] = {}
         if self.privacy is not None:
             update, contributors, update_norm, privacy_record = self.privacy.finish_round(
-                self.strategy, self._weights, self._aggregator, plan, contributors
+                self.strategy, self._weights, aggregation, plan, contributors
             )
         else:
-            update_norm = float(torch.linalg.vector_norm(self._aggregator.result()))
-            update = self.strategy.aggregate_round(self._weights, self._aggregator, plan)
-        with self._cond:
-            # allocates on the first add; with streaming sized for the next round's fragment
-            self._aggregator = self.strategy.new_aggregator(r.number + 1)
+            update_norm = float(torch.linalg.vector_norm(aggregation.result()))
+            update = self.strategy.aggregate_round(self._weights, aggregation, plan)
+        del aggregation
         delta_bytes = update.downlink.to_bytes()
         blob = blob_manifest(
             delta_bytes,
@@ -1288,7 +1285,7 @@ class RoundStateMachine:
             finished or next_round % self.config.checkpoint_every == 0
         ):
             self._save_checkpoint(
-                next_round, new_weights, frozenset(contributors), frozenset(r.stale_contributed)
+                next_round, new_weights, frozenset(contributors), frozenset(outcome.folded)
             )
             self.events.emit(ev.CHECKPOINT_SAVED, round=next_round)
         record = BroadcastRecord(
@@ -1304,10 +1301,11 @@ class RoundStateMachine:
             self._broadcast = record
             self._contributor_history[r.number] = record.contributors
             self._contributor_history.pop(r.number - CONTRIBUTOR_HISTORY, None)
-            self._folded_history[r.number - 1] = frozenset(r.stale_contributed)
+            self._folded_history[r.number - 1] = frozenset(outcome.folded)
             self._folded_history.pop(r.number - 1 - CONTRIBUTOR_HISTORY, None)
             now = self.clock()
-            self._round = _Round(number=next_round, opened_s=now)
+            # allocates on the first add; with streaming sized for the next round's fragment
+            self._round = self._new_round(next_round, now)
             if finished:
                 self._phase = RoundPhase.FINISHED
                 self._finished_s = now
@@ -1321,9 +1319,9 @@ class RoundStateMachine:
             "round %d aggregated: %d sites (%s)%s%s, |update| %.4g, delta %d bytes, deadline %s",
             r.number, len(contributors), ", ".join(contributors),
             f", excluded {', '.join(excluded)}" if excluded else "",
-            f", folded late {', '.join(r.stale_contributed)}" if r.stale_contributed else "",
+            f", folded late {', '.join(outcome.folded)}" if outcome.folded else "",
             update_norm, len(delta_bytes),
-            "none" if r.deadline_in_force_s is None else f"{r.deadline_in_force_s:.3g} s",
+            "none" if outcome.deadline_s is None else f"{outcome.deadline_s:.3g} s",
         )
         eval_loss = None
         if self.eval_fn is not None and (finished or next_round % self.config.eval_every == 0):
@@ -1337,9 +1335,9 @@ class RoundStateMachine:
             "round": r.number,
             "fragment": self.fragment_of(r.number),
             "participants": contributors,
-            "sample_weights": dict(r.contributed),
+            "sample_weights": dict(outcome.weights),
             "excluded": excluded,
-            "rejected": sorted(r.rejected),
+            "rejected": list(outcome.rejected),
             "departed": sorted(r.departed),
             "partial_uploads": partial,
             "members": members,
@@ -1348,17 +1346,17 @@ class RoundStateMachine:
             "bytes_up_total": bytes_up_total,
             "bytes_down_total": bytes_down_total,
             "downlink_bytes": len(delta_bytes),
-            "round_time_s": closed_s - r.opened_s,
-            "wait_for_quorum_s": None if r.started_s is None else r.started_s - r.opened_s,
+            "round_time_s": closed_s - r.core.opened_s,
+            "wait_for_quorum_s": None if r.core.started_s is None else r.core.started_s - r.core.opened_s,
             "aggregate_time_s": aggregate_s,
-            "deadline_s": r.deadline_in_force_s,
+            "deadline_s": outcome.deadline_s,
             "deadline_hit": deadline_hit,
-            "next_deadline_s": self._deadline.current_s(),
-            "arrival_s": dict(r.arrivals),
+            "next_deadline_s": self.policy.deadline_s(),
+            "arrival_s": dict(outcome.arrivals_s),
             "inner_steps": {
                 site: int(r.uploads[site].upload.inner_steps) for site in contributors if site in r.uploads
             },
-            "folded_late": dict(r.stale_contributed),
+            "folded_late": dict(outcome.folded),
             "update_norm": update_norm,
             "eval_loss": eval_loss,
             "site_metrics": r.site_metrics,
@@ -1394,7 +1392,7 @@ class RoundStateMachine:
                 str(t): sorted(sites) for t, sites in {**self._folded_history, last - 1: folded}.items()
                 if t > last - 1 - CONTRIBUTOR_HISTORY and sites
             },
-            "deadline": self._deadline.state(),
+            "deadline": self.policy.state(),
         }
         tensors = {WEIGHTS_KEY: weights}
         tensors.update({STRATEGY_PREFIX + k: v for k, v in self.strategy.state_tensors().items()})

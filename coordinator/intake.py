@@ -483,8 +483,11 @@ class SecureIntake:
             return privacy.upload_progress(upload)
 
     def status(self, site: str, round_number: int, fragment: int) -> UploadProgress:
-        if round_number == self.ctx.round.number:
+        ctx = self.ctx
+        if round_number == ctx.round.number:
             return self.privacy.upload_status(site, round_number)
+        if round_number < ctx.round.number or ctx.phase is RoundPhase.FINISHED:
+            ctx.check_upload_round(round_number)
         return UploadProgress(known=False)
 
     def decide(self, now: float) -> CloseDecision:

@@ -135,9 +135,10 @@ class WaitResult:
 
 @dataclass(frozen=True, slots=True)
 class UploadSpec:
-    """An upload's manifest as the coordinator checks it (``site`` is the caller's identity)."""
+    """An upload's manifest as the coordinator checks it. Two specs are equal when their
+    manifests are, once both name the caller (a resumed upload resends the identical one)."""
 
-    site: str
+    site: str = field(compare=False)
     """The site the manifest names (may be empty; the caller's identity is what counts)."""
     session_id: str
     round: int
@@ -147,10 +148,13 @@ class UploadSpec:
     shape: tuple[int, ...]
     total_bytes: int
     chunk_size: int
+    num_chunks: int
+    checksum: tuple[int, str]
+    """(algorithm, hex digest) of the encoded update's bytes."""
     sample_weight: float
     inner_steps: int
     metrics: dict[str, float]
-    nbytes: int
+    nbytes: int = field(compare=False)
     """Serialized size of the manifest message (counted as received bytes)."""
     wire: Any = field(compare=False, repr=False)
     """The manifest normalized to name the caller: what the wire-level assembler keeps and
@@ -192,7 +196,7 @@ class CoordinatorRound:
     departed: set[str] = field(default_factory=set)
     """Sites that left or were dropped during the round without contributing."""
     uploads: dict[str, Any] = field(default_factory=dict)
-    """site -> its upload's assembler (``geoloco.coordinator.intake``)."""
+    """site -> its upload (``geoloco.coordinator.intake.PlainUpload``)."""
     stale_uploads: dict[str, Any] = field(default_factory=dict)
     """Uploads for the previous round, to be folded into this one (``late_updates = "fold"``)."""
     bytes_up: dict[str, int] = field(default_factory=dict)

@@ -21,11 +21,14 @@ import math
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.round import CloseDecision
+from geoloco.algorithms.strategy import RoundPlan, RoundUpdate
 from geoloco.algorithms.weighting import site_weight
 from geoloco.compression import CodecError, Encoded, decode
 from geoloco.coordinator import events as ev
@@ -41,7 +44,7 @@ from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.protos.wire import MAX_CHUNK_SIZE, ManifestTooLargeError, UploadAssembler
 
-__all__ = ["Chunks", "PlainIntake", "SecureIntake", "UploadIntake"]
+__all__ = ["Chunks", "PlainIntake", "PlainUpload", "RoundSum", "SecureIntake", "UploadIntake"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,18 @@ Chunks = Iterable[tuple[Any, int]]
 _CLOSED = CloseDecision(close=False)
 
 
+@dataclass(slots=True)
+class RoundSum:
+    """A closed round's aggregate, applied: the new weights and downlink, who counted."""
+
+    update: RoundUpdate
+    contributors: list[str]
+    update_norm: float
+    """L2 norm of the mean update (0 for a round that changed nothing)."""
+    privacy: dict[str, Any] = field(default_factory=dict)
+    """Privacy metrics of the round (secure aggregation survivors, epsilon...); empty without."""
+
+
 def _discarded(site: str, round_number: int) -> NotAMemberError:
     return NotAMemberError(
         f"site {site!r}'s upload for round {round_number} was discarded (the site was dropped, "
@@ -58,14 +73,23 @@ def _discarded(site: str, round_number: int) -> NotAMemberError:
     )
 
 
-def _progress(assembler: UploadAssembler, *, complete: bool | None = None, folded: bool = False) -> UploadProgress:
+class PlainUpload(UploadAssembler):
+    """One site's upload for one round: the wire-level chunk buffer, kept across streams, and
+    the spec it was opened with (what the intake reads; the buffer keeps the wire manifest)."""
+
+    def __init__(self, spec: UploadSpec, *, max_total_bytes: int) -> None:
+        super().__init__(spec.wire, max_total_bytes=max_total_bytes, max_chunk_size=MAX_CHUNK_SIZE)
+        self.spec = spec
+
+
+def _progress(assembler: PlainUpload, *, complete: bool | None = None, folded: bool = False) -> UploadProgress:
     return UploadProgress(
         complete=assembler.verified if complete is None else complete,
         folded_late=folded,
         received=tuple(assembler.received()),
         missing=tuple(assembler.missing()),
         received_bytes=assembler.received_bytes,
-        manifest=assembler.upload,
+        manifest=assembler.spec.wire,
     )
 
 
@@ -82,6 +106,10 @@ class UploadIntake(Protocol):
         """UploadStatus; called with the lock held, membership checked."""
         ...
 
+    def start_round(self, now: float) -> None:
+        """The open round's quorum is there and its clock started (lock held)."""
+        ...
+
     def decide(self, now: float) -> CloseDecision:
         """Whether the open round closes now; called with the lock held, phase open."""
         ...
@@ -92,6 +120,12 @@ class UploadIntake(Protocol):
 
     def ready(self, now: float) -> bool:
         """The closed round's sum can be aggregated (lock held)."""
+        ...
+
+    def aggregate(
+        self, global_flat: torch.Tensor, aggregation: RunningSum, plan: RoundPlan, contributors: list[str]
+    ) -> RoundSum:
+        """The closed round's outer step (outside the lock; the round is frozen)."""
         ...
 
     def stage(
@@ -160,6 +194,9 @@ class PlainIntake:
             return UploadProgress(known=False)
         return _progress(assembler, complete=site in r.contributed)
 
+    def start_round(self, now: float) -> None:
+        pass
+
     def decide(self, now: float) -> CloseDecision:
         return self.ctx.round.core.decide(self.ctx.policy, now=now, expected=self.ctx.members)
 
@@ -168,6 +205,16 @@ class PlainIntake:
 
     def ready(self, now: float) -> bool:
         return True
+
+    def aggregate(
+        self, global_flat: torch.Tensor, aggregation: RunningSum, plan: RoundPlan, contributors: list[str]
+    ) -> RoundSum:
+        strategy = self.ctx.strategy
+        if self.privacy is not None:  # central DP: noise on the sum of the clipped updates
+            return RoundSum(*self.privacy.finish_round(strategy, global_flat, aggregation, plan, contributors))
+        update_norm = float(torch.linalg.vector_norm(aggregation.result()))
+        update = strategy.aggregate_round(global_flat, aggregation, plan)
+        return RoundSum(update, contributors, update_norm)
 
     def stage(
         self, site: str, session_id: str, round_number: int, stage: str, payload: bytes, *, wait_s: float
@@ -228,7 +275,7 @@ class PlainIntake:
                 "this coordinator accepts for this model"
             )
 
-    def open(self, site: str, spec: UploadSpec) -> UploadAssembler:
+    def open(self, site: str, spec: UploadSpec) -> PlainUpload:
         """Check an Upload stream's manifest and return the (new or resumed) assembler."""
         ctx = self.ctx
         with ctx.cond:
@@ -245,13 +292,13 @@ class PlainIntake:
             self.validate(site, spec)
             existing = r.uploads.get(site)
             if existing is not None:
-                if site in r.contributed or existing.upload == spec.wire:
+                if site in r.contributed or existing.spec == spec:
                     existing.check_same_manifest(spec.wire)  # MANIFEST_CONFLICT if it differs
                     return existing
                 # A different update for the same round before the first completed: the site
                 # restarted and recomputed it. The newest one wins; the partial one is dropped.
                 logger.info("round %d: %s replaced its partial upload", r.number, site)
-            assembler = UploadAssembler(spec.wire, max_total_bytes=self.max_upload_bytes, max_chunk_size=MAX_CHUNK_SIZE)
+            assembler = PlainUpload(spec, max_total_bytes=self.max_upload_bytes)
             r.uploads[site] = assembler
             r.inner_steps[site] = spec.inner_steps
             ctx.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)
@@ -259,11 +306,11 @@ class PlainIntake:
             ctx.count_up(site, spec.nbytes)
             return assembler
 
-    def live_chunks(self, site: str, assembler: UploadAssembler, chunks: Chunks) -> Iterator[Any]:
+    def live_chunks(self, site: str, assembler: PlainUpload, chunks: Chunks) -> Iterator[Any]:
         """The chunks of an Upload stream, counted as received bytes; stops the stream with
         WRONG_ROUND as soon as its round closes, so a straggler stops wasting its link."""
         ctx = self.ctx
-        round_number = assembler.upload.round
+        round_number = assembler.spec.round
         for chunk, nbytes in chunks:
             with ctx.cond:
                 ctx.count_up(site, nbytes)
@@ -276,7 +323,7 @@ class PlainIntake:
                     raise _discarded(site, round_number)
             yield chunk
 
-    def finish(self, site: str, assembler: UploadAssembler) -> UploadProgress:
+    def finish(self, site: str, assembler: PlainUpload) -> UploadProgress:
         """After a stream ended: if every chunk is there, verify and aggregate the update.
 
         Verification runs on the one verifier thread, so at most one decoded update exists
@@ -301,13 +348,11 @@ class PlainIntake:
 
     # -- verification --
 
-    def _upload_weight(self, assembler: UploadAssembler) -> float:
+    def _upload_weight(self, assembler: PlainUpload) -> float:
         """``w_k`` of an upload under the run's weighting (``geoloco.algorithms.weighting``)."""
-        upload = assembler.upload
+        spec = assembler.spec
         return site_weight(
-            self.ctx.config.algorithm.weighting,
-            samples=float(upload.sample_weight),
-            inner_steps=int(upload.inner_steps),
+            self.ctx.config.algorithm.weighting, samples=float(spec.sample_weight), inner_steps=int(spec.inner_steps)
         )
 
     def _decode(self, site: str, round_number: int, data: memoryview) -> torch.Tensor:
@@ -337,9 +382,9 @@ class PlainIntake:
             )
         return decoded
 
-    def _verify_and_add(self, site: str, assembler: UploadAssembler) -> UploadProgress:
+    def _verify_and_add(self, site: str, assembler: PlainUpload) -> UploadProgress:
         ctx = self.ctx
-        round_number = assembler.upload.round
+        round_number = assembler.spec.round
         with self._verify_lock:
             with ctx.cond:
                 if site in ctx.round.contributed and ctx.round.number == round_number:
@@ -389,26 +434,26 @@ class PlainIntake:
             and site not in ctx.contributor_history.get(round_number, frozenset())
         )
 
-    def _open_late(self, site: str, spec: UploadSpec) -> UploadAssembler:
+    def _open_late(self, site: str, spec: UploadSpec) -> PlainUpload:
         """The (new or resumed) assembler of a late update; called with the lock held."""
         ctx = self.ctx
         r = ctx.round
         self.validate(site, spec)
         existing = r.stale_uploads.get(site)
-        if existing is not None and (site in r.folded or existing.upload == spec.wire):
+        if existing is not None and (site in r.folded or existing.spec == spec):
             existing.check_same_manifest(spec.wire)
             return existing
-        assembler = UploadAssembler(spec.wire, max_total_bytes=self.max_upload_bytes, max_chunk_size=MAX_CHUNK_SIZE)
+        assembler = PlainUpload(spec, max_total_bytes=self.max_upload_bytes)
         r.stale_uploads[site] = assembler
         ctx.count_up(site, spec.nbytes)
         logger.info("round %d: %s is sending its late update of round %d", r.number, site, spec.round)
         return assembler
 
-    def _verify_and_fold(self, site: str, assembler: UploadAssembler) -> UploadProgress:
+    def _verify_and_fold(self, site: str, assembler: PlainUpload) -> UploadProgress:
         """Verify a complete late update and add it to the open round with the staleness
         discount; it does not count towards the quorum (``contributed``)."""
         ctx = self.ctx
-        round_number = assembler.upload.round
+        round_number = assembler.spec.round
         with self._verify_lock:
             with ctx.cond:
                 if site in ctx.round.folded:
@@ -490,6 +535,12 @@ class SecureIntake:
             ctx.check_upload_round(round_number)
         return UploadProgress(known=False)
 
+    def start_round(self, now: float) -> None:
+        # Open the key-advertisement stage over the fragment the round synchronises.
+        ctx = self.ctx
+        number = ctx.round.number
+        self.privacy.start_round(number, ctx.round_seed(number), now, numel=ctx.update_numel(number))
+
     def decide(self, now: float) -> CloseDecision:
         # Secure rounds have no deadline (the config refuses one) and never close before their
         # quorum started them: the protocol decides once key sharing ran.
@@ -509,6 +560,12 @@ class SecureIntake:
         self.privacy.advance(set(self.ctx.members), now)
         self.ctx.cond.notify_all()
         return self.privacy.unmasked
+
+    def aggregate(
+        self, global_flat: torch.Tensor, aggregation: RunningSum, plan: RoundPlan, contributors: list[str]
+    ) -> RoundSum:
+        # The unmasked sum of the survivors (or no change if the round was aborted).
+        return RoundSum(*self.privacy.finish_round(self.ctx.strategy, global_flat, aggregation, plan, contributors))
 
     def stage(
         self, site: str, session_id: str, round_number: int, stage: str, payload: bytes, *, wait_s: float

@@ -117,10 +117,7 @@ class RoundPhases:
         if ctx.phase is RoundPhase.WAITING_FOR_QUORUM and len(ctx.members) >= ctx.config.min_sites:
             r.core.start(now, ctx.policy)
             ctx.phase = RoundPhase.RUNNING
-            if self.privacy is not None:
-                self.privacy.start_round(
-                    r.number, ctx.round_seed(r.number), now, numel=ctx.update_numel(r.number)
-                )
+            self.intake.start_round(now)
             ctx.events.emit(ev.ROUND_STARTED, round=r.number, members=len(ctx.members))
             logger.info(
                 "round %d started with %d sites%s", r.number, len(ctx.members),
@@ -177,15 +174,12 @@ class RoundPhases:
         ctx.policy.observe(outcome)
         aggregation = r.core.aggregation
         plan = ctx.strategy.configure_round(r.number, contributors)
-        privacy_record: dict[str, Any] = {}
-        if self.privacy is not None:
-            update, contributors, update_norm, privacy_record = self.privacy.finish_round(
-                ctx.strategy, self.weights.flat, aggregation, plan, contributors
-            )
-        else:
-            update_norm = float(torch.linalg.vector_norm(aggregation.result()))
-            update = ctx.strategy.aggregate_round(self.weights.flat, aggregation, plan)
+        result = self.intake.aggregate(self.weights.flat, aggregation, plan, contributors)
         del aggregation
+        update, contributors, update_norm, privacy_record = (
+            result.update, result.contributors, result.update_norm, result.privacy
+        )
+        del result
         delta_bytes = update.downlink.to_bytes()
         codec, shape = update.downlink.spec, tuple(update.downlink.shape)
         new_weights, new_digest = update.global_flat, update.digest

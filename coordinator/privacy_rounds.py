@@ -38,7 +38,6 @@ import torch
 
 from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES, clip_l2
-from geoloco.algorithms.params import weights_digest
 from geoloco.algorithms.privacy import (
     SECURE_UPLOAD_CODEC,
     PrivacyAccountant,

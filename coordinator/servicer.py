@@ -17,18 +17,15 @@ from collections.abc import Iterator
 import grpc
 
 from geoloco.coordinator import translate
-from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.rounds import SECURE_STAGE_WAIT_S, RoundStateMachine
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos.transport import resolve_site
 from geoloco.protos.wire import (
-    RAW_CODEC,
     ChunkRef,
     broadcast_responses,
     message_nbytes,
     model_responses,
-    num_chunks_for,
     read_upload_manifest,
 )
 
@@ -80,24 +77,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ) -> Iterator[pb.FetchModelResponse | ChunkRef]:
         site = self._site(context, request.site)
         snapshot = self.rounds.model_snapshot(site, request.session_id)
-        digest = translate.checksum(snapshot.digest)
-        total = snapshot.weights.numel() * snapshot.weights.element_size()
-        blob = pb.BlobManifest(
-            total_bytes=total,
-            chunk_size=self.chunk_size,
-            num_chunks=num_chunks_for(total, self.chunk_size),
-            checksum=digest,
-            codec=RAW_CODEC,
-            shape=[snapshot.weights.numel()],
-            dtype="float32",
-        )
-        same_weights = request.HasField("expect_digest") and request.expect_digest == digest
-        start = request.start_chunk if same_weights else 0
-        if start > blob.num_chunks:
-            raise InvalidUpdateError(
-                f"start_chunk {start} is past the model's {blob.num_chunks} chunks"
-            )
-        manifest = pb.ModelManifest(round=snapshot.round, layout=self._layout, blob=blob, start_chunk=start)
+        manifest = translate.model_manifest(snapshot, request, layout=self._layout, chunk_size=self.chunk_size)
         for response in model_responses(manifest, snapshot.weights):
             self.rounds.count_bytes_down(site, message_nbytes(response))
             yield response

@@ -20,19 +20,23 @@ from geoloco.coordinator.domain import (
     BroadcastRecord,
     HeartbeatResult,
     JoinResult,
+    ModelSnapshot,
     RoundInfo,
     RoundProgress,
     StageAnswer,
     UploadProgress,
     UploadSpec,
 )
+from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.wire import (
     PROTOCOL_VERSION,
+    RAW_CODEC,
     ChunkRef,
     ManifestError,
     blob_manifest,
     message_nbytes,
+    num_chunks_for,
     to_index_ranges,
 )
 
@@ -44,6 +48,7 @@ __all__ = [
     "heartbeat_response",
     "join_response",
     "model_layout",
+    "model_manifest",
     "round_info",
     "round_progress",
     "run_config",
@@ -146,6 +151,32 @@ def heartbeat_response(result: HeartbeatResult) -> pb.HeartbeatResponse:
     )
 
 
+# -- FetchModel --
+
+
+def model_manifest(
+    snapshot: ModelSnapshot, request: pb.FetchModelRequest, *, layout: pb.ModelLayout, chunk_size: int
+) -> pb.ModelManifest:
+    """The manifest of a FetchModel stream: the raw fp32 weights, resumed at the requested
+    chunk only if the site still expects the same weights."""
+    digest = checksum(snapshot.digest)
+    total = snapshot.weights.numel() * snapshot.weights.element_size()
+    blob = pb.BlobManifest(
+        total_bytes=total,
+        chunk_size=chunk_size,
+        num_chunks=num_chunks_for(total, chunk_size),
+        checksum=digest,
+        codec=RAW_CODEC,
+        shape=[snapshot.weights.numel()],
+        dtype="float32",
+    )
+    same_weights = request.HasField("expect_digest") and request.expect_digest == digest
+    start = request.start_chunk if same_weights else 0
+    if start > blob.num_chunks:
+        raise InvalidUpdateError(f"start_chunk {start} is past the model's {blob.num_chunks} chunks")
+    return pb.ModelManifest(round=snapshot.round, layout=layout, blob=blob, start_chunk=start)
+
+
 # -- uploads --
 
 
@@ -165,6 +196,8 @@ def upload_spec(manifest: pb.UploadManifest, site: str) -> UploadSpec:
         shape=tuple(blob.shape),
         total_bytes=blob.total_bytes,
         chunk_size=blob.chunk_size,
+        num_chunks=blob.num_chunks,
+        checksum=(blob.checksum.algorithm, blob.checksum.digest.hex()),
         sample_weight=manifest.sample_weight,
         inner_steps=manifest.inner_steps,
         metrics=dict(manifest.metrics),

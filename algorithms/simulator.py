@@ -32,6 +32,7 @@ from geoloco.algorithms.clock import (
 )
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
+from geoloco.algorithms.device import resolve_device as _resolve_device
 from geoloco.algorithms.diloco import (
     UpdateEncoder,
     batch_size,
@@ -307,14 +308,8 @@ class RoundRecord:
 
 
 def resolve_device(device: str) -> torch.device:
-    """``"auto"`` -> CUDA if available else CPU; ``"cuda"`` without CUDA is an error."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "simulation.device", "\"cuda\" requested but CUDA is not available; use \"auto\" or \"cpu\""
-        )
-    return torch.device(device)
+    """``geoloco.algorithms.device.resolve_device`` for ``simulation.device``."""
+    return _resolve_device(device, "simulation.device")
 
 
 @dataclass(slots=True)

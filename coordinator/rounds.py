@@ -62,10 +62,11 @@ from geoloco.coordinator.domain import (
     WaitResult,
 )
 from geoloco.coordinator.errors import RunFinishedError, ShuttingDownError, WrongRoundError
-from geoloco.coordinator.intake import Chunks, PlainIntake, SecureIntake, UploadIntake
+from geoloco.coordinator.intake import Chunks, PlainIntake, UploadIntake
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.phases import EvalFn, GlobalWeights, RoundPhases
 from geoloco.coordinator.privacy_rounds import PrivateRounds
+from geoloco.coordinator.secure_intake import SecureIntake
 
 __all__ = [
     "EvalFn",

@@ -196,6 +196,13 @@ class Round:
         start = self.started_s if self.started_s is not None else self.opened_s
         self.arrivals_s[site] = now - start
 
+    def count(self, site: str, weight: float, *, now: float) -> None:
+        """A site whose update entered a sum kept outside ``aggregation`` (secure aggregation's
+        masked sum): it counts towards the quorum and the outcome exactly like ``add``."""
+        self.contributed[site] = weight
+        start = self.started_s if self.started_s is not None else self.opened_s
+        self.arrivals_s[site] = now - start
+
     def fold(self, update: Encoded | torch.Tensor, weight: float, *, site: str, policy: RoundPolicy) -> float:
         """A site's previous-round update that missed its deadline, folded in with the
         policy's staleness discount; returns the weight it entered with."""

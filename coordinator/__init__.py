@@ -1,10 +1,17 @@
 """geoloco.coordinator: the coordinator process as a Python API.
 
-- ``config``: ``CoordinatorConfig`` (one dataclass, validated, TOML-mappable).
-- ``rounds``: ``RoundStateMachine``, the pure, lock-protected round logic (quorum, deadlines,
-  stragglers, membership, verification and streaming aggregation, checkpoints, metrics records).
-- ``servicer``: the thin gRPC servicer; ``server``: ``CoordinatorServer`` (start, wait, stop).
-- ``checkpoint``: crash-safe safetensors + JSON checkpoints; ``metrics``: JSON-lines records.
+- ``config``: ``CoordinatorConfig`` (one dataclass, validated, TOML-mappable); ``http_config``
+  its ``[http]`` table.
+- ``rounds``: ``RoundStateMachine``, the pure, lock-protected session the servicer calls. It
+  composes ``membership`` (join, leave, heartbeats, silent sites), ``intake`` (plain or masked
+  uploads behind one interface, late updates, the close rule) and ``phases`` (start, close,
+  aggregate, checkpoint, broadcast record) over the round core (``geoloco.algorithms.round``);
+  they share a ``context.RoundContext`` and speak ``domain`` objects.
+- ``translate``: protobuf <-> domain objects (the only module below the servicer that touches
+  ``pb``); ``servicer``: the thin gRPC servicer; ``server``: ``CoordinatorServer``.
+- ``privacy_rounds`` / ``secure_round``: secure aggregation, DP and accounting.
+- ``checkpoint``: crash-safe safetensors + JSON checkpoints; ``metrics``: JSON-lines records;
+  ``events``, ``prometheus``, ``status_board``, ``http_status``: observers and the status page.
 
 Typical use::
 

@@ -21,7 +21,7 @@ from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerCo
 from geoloco.algorithms.privacy import PrivacyConfig, check_aggregation, check_composition
 from geoloco.algorithms.secagg import MIN_SITES
 from geoloco.algorithms.strategy import AlgorithmConfig
-from geoloco.coordinator.http_status import HTTPStatusConfig
+from geoloco.coordinator.http_config import HTTPStatusConfig
 from geoloco.protos.identity import validate_site_name
 from geoloco.protos.transport import TLSFiles
 from geoloco.protos.wire import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE

@@ -38,7 +38,6 @@ import torch
 
 from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES, clip_l2
-from geoloco.algorithms.params import weights_digest
 from geoloco.algorithms.privacy import (
     SECURE_UPLOAD_CODEC,
     PrivacyAccountant,
@@ -56,10 +55,9 @@ from geoloco.algorithms.secagg import (
     site_index,
 )
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate, Strategy
+from geoloco.coordinator.domain import UploadProgress, UploadSpec
 from geoloco.coordinator.errors import InvalidUpdateError, WrongRoundError
 from geoloco.coordinator.secure_round import SecureRound, StageReply
-from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.wire import to_index_ranges
 
 __all__ = ["PrivateRounds", "SecureUpload", "epsilon_text"]
 
@@ -69,7 +67,7 @@ logger = logging.getLogger(__name__)
 class SecureUpload:
     """What the coordinator keeps of one site's masked upload: its manifest, never its values."""
 
-    manifest: pb.UploadManifest
+    spec: UploadSpec
     num_chunks: int
     received: set[int]
 
@@ -172,33 +170,32 @@ class PrivateRounds:
         if self.current is not None:
             self.current.advance(live, now)
 
-    def open_upload(self, site: str, manifest: pb.UploadManifest) -> SecureUpload:
+    def open_upload(self, site: str, spec: UploadSpec) -> SecureUpload:
         """Check a masked upload's manifest; only sites that shared keys in time may upload."""
-        blob = manifest.blob
-        if blob.codec != SECURE_UPLOAD_CODEC:
+        if spec.codec != SECURE_UPLOAD_CODEC:
             raise InvalidUpdateError(
                 f"secure aggregation is on: uploads must be masked (codec {SECURE_UPLOAD_CODEC!r}), got "
-                f"{blob.codec!r}; the site must run with the coordinator's [privacy] settings"
+                f"{spec.codec!r}; the site must run with the coordinator's [privacy] settings"
             )
         dtype = MODULUS_DTYPES[self.privacy.modulus_bits]
-        current = self._round(manifest.round)
+        current = self._round(spec.round)
         if current is None:
             # No key stage ran for this round here (e.g. this coordinator restarted): there is no
             # size to check against, and nothing it could unmask.
             raise WrongRoundError(
-                f"site {site!r} cannot upload to secure round {manifest.round} (no secure round "
+                f"site {site!r} cannot upload to secure round {spec.round} (no secure round "
                 "with that number is open here); its update stays out of this round: wait for "
                 "the broadcast"
             )
         sent_values = current.context.numel
         upload_bytes = sent_values * (self.privacy.modulus_bits // 8)
-        if blob.dtype != dtype.name or list(blob.shape) != [sent_values]:
+        if spec.dtype != dtype.name or list(spec.shape) != [sent_values]:
             raise InvalidUpdateError(
-                f"masked upload of {blob.dtype} {list(blob.shape)}; expected {dtype.name} [{sent_values}]"
+                f"masked upload of {spec.dtype} {list(spec.shape)}; expected {dtype.name} [{sent_values}]"
             )
-        if blob.total_bytes != upload_bytes or blob.chunk_size != self.wire_chunk_bytes:
+        if spec.total_bytes != upload_bytes or spec.chunk_size != self.wire_chunk_bytes:
             raise InvalidUpdateError(
-                f"masked upload of {blob.total_bytes} bytes in chunks of {blob.chunk_size}; expected "
+                f"masked upload of {spec.total_bytes} bytes in chunks of {spec.chunk_size}; expected "
                 f"{upload_bytes} bytes in chunks of {self.wire_chunk_bytes} (one protocol chunk each)"
             )
         if not current.aborted and not current.may_upload(site):
@@ -206,23 +203,23 @@ class PrivateRounds:
         if current.aborted or not current.may_upload(site):
             why = current.aborted or "the site did not share keys before the key stage closed"
             raise WrongRoundError(
-                f"site {site!r} cannot upload to secure round {manifest.round} ({why}); its update "
+                f"site {site!r} cannot upload to secure round {spec.round} ({why}); its update "
                 "stays out of this round: wait for the broadcast"
             )
         existing = self._uploads.get(site)
         if existing is not None:
-            if existing.manifest.blob.total_bytes != blob.total_bytes:
+            if existing.spec.total_bytes != spec.total_bytes:
                 raise InvalidUpdateError(f"site {site!r} re-opened its masked upload with another size")
             return existing
-        upload = SecureUpload(manifest=manifest, num_chunks=num_chunks(sent_values, self.privacy.chunk_size), received=set())
+        upload = SecureUpload(spec=spec, num_chunks=num_chunks(sent_values, self.privacy.chunk_size), received=set())
         self._uploads[site] = upload
         return upload
 
     def add_chunk(self, site: str, upload: SecureUpload, index: int, data: bytes) -> None:
         """Add one masked chunk into the protocol's sum (a resent identical chunk is a no-op)."""
-        current = self._round(upload.manifest.round)
+        current = self._round(upload.spec.round)
         if current is None or current.aborted:
-            raise WrongRoundError(f"secure round {upload.manifest.round} is over or aborted; upload refused")
+            raise WrongRoundError(f"secure round {upload.spec.round} is over or aborted; upload refused")
         if not 0 <= index < upload.num_chunks:
             raise InvalidUpdateError(f"masked chunk {index} is outside the upload's {upload.num_chunks} chunks")
         try:
@@ -231,19 +228,19 @@ class PrivateRounds:
             raise InvalidUpdateError(f"site {site!r}: {err}") from None
         upload.received.add(index)
 
-    def upload_status(self, site: str, round_number: int) -> pb.UploadStatusResponse:
+    def upload_status(self, site: str, round_number: int) -> UploadProgress:
         upload = self._uploads.get(site)
-        if upload is None or upload.manifest.round != round_number:
-            return pb.UploadStatusResponse(known=False)
+        if upload is None or upload.spec.round != round_number:
+            return UploadProgress(known=False)
         done = sorted(upload.received)
-        return pb.UploadStatusResponse(
-            known=True, manifest=upload.manifest, received=to_index_ranges((i, i + 1) for i in done),
-            missing=to_index_ranges(upload.missing()), complete=upload.complete,
+        return UploadProgress(
+            manifest=upload.spec.raw, received=tuple((i, i + 1) for i in done),
+            missing=tuple(upload.missing()), complete=upload.complete,
         )
 
-    def upload_response(self, upload: SecureUpload) -> pb.UploadResponse:
-        return pb.UploadResponse(
-            complete=upload.complete, missing=to_index_ranges(upload.missing()),
+    def upload_progress(self, upload: SecureUpload) -> UploadProgress:
+        return UploadProgress(
+            complete=upload.complete, missing=tuple(upload.missing()),
             received_bytes=len(upload.received) * self.wire_chunk_bytes,
         )
 

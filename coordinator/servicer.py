@@ -1,6 +1,7 @@
 """The gRPC servicer: proto in -> one round-state-machine call -> proto out.
 
-No decision is taken here. Identity comes from ``geoloco.protos.transport.resolve_site`` (the
+No decision is taken here; ``geoloco.coordinator.translate`` turns requests into domain objects
+and answers into responses. Identity comes from ``geoloco.protos.transport.resolve_site`` (the
 client certificate with TLS), errors are ``StatusError`` exceptions that
 ``ErrorStatusInterceptor`` turns into a status code plus the ``geoloco-error-reason`` trailing
 metadata, and big buffers go through the chunking helpers of ``geoloco.protos.wire``. Every
@@ -15,19 +16,17 @@ from collections.abc import Iterator
 
 import grpc
 
-from geoloco.coordinator.errors import InvalidUpdateError
+from geoloco.coordinator import translate
 from geoloco.coordinator.rounds import SECURE_STAGE_WAIT_S, RoundStateMachine
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos import secagg_wire
 from geoloco.protos.transport import resolve_site
 from geoloco.protos.wire import (
-    RAW_CODEC,
     ChunkRef,
     broadcast_responses,
     message_nbytes,
     model_responses,
-    num_chunks_for,
     read_upload_manifest,
 )
 
@@ -51,44 +50,35 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.insecure = insecure
         self.chunk_size = chunk_size
         self.progress_interval_s = progress_interval_s
+        self._run_config = translate.run_config(
+            rounds.config,
+            inner_steps=rounds.strategy.inner_steps,
+            uplink_codec=rounds.uplink_codec,
+            downlink_codec=rounds.downlink_codec,
+        )
+        self._layout = translate.model_layout(rounds.layout)
+        self._blobs = translate.BlobCache()
 
     def _site(self, context: grpc.ServicerContext, claimed: str) -> str:
         return resolve_site(context, claimed, insecure=self.insecure)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
         site = self._site(context, request.site)
-        return self.rounds.join(
+        result = self.rounds.join(
             site,
             protocol_version=request.protocol_version,
             has_weights=request.has_weights,
-            weights_digest=request.weights_digest if request.HasField("weights_digest") else None,
+            weights_digest=translate.digest_hex(request.weights_digest) if request.HasField("weights_digest") else None,
             software_version=request.software_version,
         )
+        return translate.join_response(result, config=self._run_config, layout=self._layout)
 
     def FetchModel(
         self, request: pb.FetchModelRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.FetchModelResponse | ChunkRef]:
         site = self._site(context, request.site)
         snapshot = self.rounds.model_snapshot(site, request.session_id)
-        total = snapshot.weights.numel() * snapshot.weights.element_size()
-        blob = pb.BlobManifest(
-            total_bytes=total,
-            chunk_size=self.chunk_size,
-            num_chunks=num_chunks_for(total, self.chunk_size),
-            checksum=snapshot.digest,
-            codec=RAW_CODEC,
-            shape=[snapshot.weights.numel()],
-            dtype="float32",
-        )
-        same_weights = request.HasField("expect_digest") and request.expect_digest == snapshot.digest
-        start = request.start_chunk if same_weights else 0
-        if start > blob.num_chunks:
-            raise InvalidUpdateError(
-                f"start_chunk {start} is past the model's {blob.num_chunks} chunks"
-            )
-        manifest = pb.ModelManifest(
-            round=snapshot.round, layout=self.rounds.model_layout(), blob=blob, start_chunk=start
-        )
+        manifest = translate.model_manifest(snapshot, request, layout=self._layout, chunk_size=self.chunk_size)
         for response in model_responses(manifest, snapshot.weights):
             self.rounds.count_bytes_down(site, message_nbytes(response))
             yield response
@@ -98,27 +88,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ) -> pb.UploadResponse:
         manifest = read_upload_manifest(request_iterator)
         site = self._site(context, manifest.site)
-        if self.rounds.secure:
-            try:
-                return self.rounds.secure_upload(site, manifest, request_iterator)
-            except grpc.RpcError:
-                logger.info("masked upload stream of %s broke", site)
-                return pb.UploadResponse()
-        assembler = self.rounds.open_upload(site, manifest)
         try:
-            assembler.consume(self.rounds.live_chunks(site, assembler, request_iterator))
+            progress = self.rounds.receive_upload(
+                site, translate.upload_spec(manifest, site), translate.upload_chunks(request_iterator)
+            )
         except grpc.RpcError:
             # The site's stream broke (cancelled, connection lost): what arrived is kept for
             # UploadStatus; nobody is left to read a response.
-            logger.info("upload stream of %s broke after %d chunks", site, assembler.received_count)
-            return assembler.upload_response()
-        return self.rounds.finish_upload(site, assembler)
+            logger.info("upload stream of %s for round %d broke", site, manifest.round)
+            return pb.UploadResponse()
+        return translate.upload_response(progress)
 
     def UploadStatus(
         self, request: pb.UploadStatusRequest, context: grpc.ServicerContext
     ) -> pb.UploadStatusResponse:
         site = self._site(context, request.site)
-        return self.rounds.upload_status(site, request.session_id, request.round, request.fragment)
+        progress = self.rounds.upload_status(site, request.session_id, request.round, request.fragment)
+        return translate.upload_status_response(progress)
 
     def AwaitBroadcast(
         self, request: pb.AwaitBroadcastRequest, context: grpc.ServicerContext
@@ -138,12 +124,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if result.progress is not None:
                 if not context.is_active():
                     return
-                response = pb.AwaitBroadcastResponse(progress=result.progress)
+                response = pb.AwaitBroadcastResponse(progress=translate.round_progress(result.progress))
                 self.rounds.count_bytes_down(site, message_nbytes(response))
                 yield response
                 continue
             assert result.header is not None
-            for response in broadcast_responses(result.header, result.data):
+            header = translate.broadcast_header(result.header, self._blobs)
+            data = result.header.record.data if result.header.record is not None else None
+            for response in broadcast_responses(header, data):
                 self.rounds.count_bytes_down(site, message_nbytes(response))
                 yield response
             return
@@ -152,13 +140,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
         site = self._site(context, request.site)
-        return self.rounds.heartbeat(
+        result = self.rounds.heartbeat(
             site,
             request.session_id,
             round_number=request.round,
-            phase=request.phase,
+            phase=translate.site_phase(request.phase),
             inner_steps_done=request.inner_steps_done,
         )
+        return translate.heartbeat_response(result)
 
     def SecureStage(
         self, request: pb.SecureStageRequest, context: grpc.ServicerContext

@@ -10,7 +10,8 @@ from torch import nn
 
 from geoloco.algorithms.params import ParamLayout
 from geoloco.compression import Encoded, parse_codec
-from geoloco.coordinator.rounds import RoundStateMachine
+from geoloco.coordinator import translate
+from geoloco.coordinator.rounds import RoundStateMachine, WaitResult
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.wire import PROTOCOL_VERSION, blob_manifest, upload_requests
 
@@ -101,10 +102,56 @@ def upload(
         site=site,
         sample_weight=sample_weight,
     )
-    assembler = rounds.open_upload(site, manifest)
-    assembler.consume(rounds.live_chunks(site, assembler, chunk_requests(manifest, data)))
-    return rounds.finish_upload(site, assembler)
+    return send(rounds, site, manifest, data)
 
 
-def join(rounds: RoundStateMachine, site: str, **kwargs: object) -> pb.JoinResponse:
-    return rounds.join(site, protocol_version=PROTOCOL_VERSION, **kwargs)  # type: ignore[arg-type]
+def send(rounds: RoundStateMachine, site: str, manifest: pb.UploadManifest, data: bytes) -> pb.UploadResponse:
+    """One complete Upload stream of ``data`` under ``manifest``, as the servicer runs it."""
+    progress = rounds.receive_upload(
+        site, translate.upload_spec(manifest, site), translate.upload_chunks(chunk_requests(manifest, data))
+    )
+    return translate.upload_response(progress)
+
+
+def join(
+    rounds: RoundStateMachine, site: str, *, weights_digest: pb.Checksum | None = None, **kwargs: object
+) -> pb.JoinResponse:
+    """Join as the servicer does, answered with the wire's ``JoinResponse``."""
+    result = rounds.join(
+        site, protocol_version=PROTOCOL_VERSION, weights_digest=translate.digest_hex(weights_digest),
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return translate.join_response(
+        result,
+        config=translate.run_config(
+            rounds.config, inner_steps=rounds.strategy.inner_steps, uplink_codec=rounds.uplink_codec,
+            downlink_codec=rounds.downlink_codec,
+        ),
+        layout=translate.model_layout(rounds.layout),
+    )
+
+
+def heartbeat(rounds: RoundStateMachine, site: str, session_id: str, **kwargs: object) -> pb.HeartbeatResponse:
+    return translate.heartbeat_response(rounds.heartbeat(site, session_id, **kwargs))  # type: ignore[arg-type]
+
+
+@dataclass
+class WireWait:
+    """``WaitResult`` as the wire carries it."""
+
+    header: pb.BroadcastHeader | None
+    progress: pb.RoundProgress | None
+
+
+def wait_broadcast(rounds: RoundStateMachine, site: str, session_id: str, round_number: int, **kwargs: object) -> WireWait:
+    result: WaitResult = rounds.wait_broadcast(site, session_id, round_number, **kwargs)  # type: ignore[arg-type]
+    return WireWait(
+        header=None if result.header is None else translate.broadcast_header(result.header),
+        progress=None if result.progress is None else translate.round_progress(result.progress),
+    )
+
+
+def upload_status(
+    rounds: RoundStateMachine, site: str, session_id: str, round_number: int, fragment: int
+) -> pb.UploadStatusResponse:
+    return translate.upload_status_response(rounds.upload_status(site, session_id, round_number, fragment))

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from _round_helpers import FakeClock, join, tiny_weights, upload
+from _round_helpers import FakeClock, heartbeat, join, tiny_weights, upload, wait_broadcast
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.errors import (
@@ -77,7 +77,7 @@ def test_round_waits_for_quorum_then_closes_when_every_expected_site_uploaded() 
     assert rounds.round == 1 and rounds.phase is RoundPhase.RUNNING
     assert torch.equal(rounds.weights, expected_weights(rounds, theta0, [a, b]))
     for site in ("a", "b"):
-        result = rounds.wait_broadcast(site, rounds.session_id, 0, timeout_s=0)
+        result = wait_broadcast(rounds, site, rounds.session_id, 0, timeout_s=0)
         assert result.header is not None
         assert result.header.action == pb.BROADCAST_ACTION_APPLY_DELTA
         assert result.header.included and result.header.num_contributors == 2
@@ -110,7 +110,7 @@ def test_deadline_excludes_straggler_and_refuses_its_late_upload() -> None:
     assert torch.equal(rounds.weights, after), "a late upload changed the global weights"
     assert rounds.status()["contributed"] == []
     # The straggler still holds theta_0 and can catch up with round 0's delta.
-    result = rounds.wait_broadcast("slow", rounds.session_id, 0, timeout_s=0)
+    result = wait_broadcast(rounds, "slow", rounds.session_id, 0, timeout_s=0)
     assert result.header is not None and result.header.action == pb.BROADCAST_ACTION_APPLY_DELTA
     assert not result.header.included
 
@@ -163,13 +163,13 @@ def test_silent_site_is_dropped_and_the_round_closes_without_it() -> None:
     upload(rounds, "alive", update(1, rounds.numel))
     assert rounds.poll() is None
     clock.advance(3.0)
-    assert not rounds.heartbeat("alive", session).rejoin_required
+    assert not heartbeat(rounds, "alive", session).rejoin_required
     clock.advance(3.0)
     metrics = rounds.poll()  # silent for 6 s > 5 s: dropped, nothing left to wait for
     assert rounds.members == ["alive"]
     assert metrics is not None and metrics["participants"] == ["alive"]
     assert metrics["departed"] == ["silent"] and metrics["excluded"] == []
-    assert rounds.heartbeat("silent", session).rejoin_required
+    assert heartbeat(rounds, "silent", session).rejoin_required
     with pytest.raises(NotAMemberError) as err:
         upload(rounds, "silent", update(2, rounds.numel))
     assert err.value.reason == pb.ERROR_REASON_NOT_A_MEMBER
@@ -192,7 +192,7 @@ def test_stale_session_is_refused_with_its_reason() -> None:
         rounds.model_snapshot("a", "an-old-session")
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert err.value.reason == pb.ERROR_REASON_STALE_SESSION
-    assert rounds.heartbeat("a", "an-old-session").rejoin_required
+    assert heartbeat(rounds, "a", "an-old-session").rejoin_required
 
 
 def test_non_finite_update_is_rejected_for_the_round_and_changes_nothing() -> None:
@@ -235,13 +235,13 @@ def test_site_more_than_one_round_behind_is_told_to_resync() -> None:
     for r in range(2):
         upload(rounds, "a", update(r, rounds.numel))
         assert rounds.poll() is not None
-    old = rounds.wait_broadcast("a", session, 0, timeout_s=0)
+    old = wait_broadcast(rounds, "a", session, 0, timeout_s=0)
     assert old.header is not None and old.header.action == pb.BROADCAST_ACTION_RESYNC
     assert old.header.included  # the contributor history still knows
     assert old.header.next_round.round == 2
     with pytest.raises(WrongRoundError):
-        rounds.wait_broadcast("a", session, 5, timeout_s=0)
-    waiting = rounds.wait_broadcast("a", session, 2, timeout_s=0)
+        wait_broadcast(rounds, "a", session, 5, timeout_s=0)
+    waiting = wait_broadcast(rounds, "a", session, 2, timeout_s=0)
     assert waiting.progress is not None and waiting.progress.round == 2
 
 
@@ -252,7 +252,7 @@ def test_run_finishes_after_total_rounds_and_drains_when_sites_leave() -> None:
     metrics = rounds.poll()
     assert metrics is not None and metrics["run_finished"]
     assert rounds.finished and rounds.round == 1
-    final = rounds.wait_broadcast("a", session, 0, timeout_s=0)
+    final = wait_broadcast(rounds, "a", session, 0, timeout_s=0)
     assert final.header is not None and final.header.run_finished
     with pytest.raises(RunFinishedError):
         upload(rounds, "a", update(2, rounds.numel))
@@ -286,7 +286,7 @@ def test_restart_resumes_from_checkpoint_with_a_new_session(tmp_path: Path) -> N
     # The restarted coordinator still knows who counted in the rounds before it: a site that
     # asks for round 1's broadcast is told it was included (else it would resend the update).
     join(second, "a")
-    assert second.wait_broadcast("a", second.session_id, 1, timeout_s=0).header.included
+    assert wait_broadcast(second, "a", second.session_id, 1, timeout_s=0).header.included
     # Both continue identically from here.
     for rounds in (first, second):
         upload(rounds, "a", update(7, rounds.numel))

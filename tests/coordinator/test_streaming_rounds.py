@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _round_helpers import FakeClock, chunk_requests, encode_update, join, tiny_weights, upload_manifest
+from _round_helpers import FakeClock, encode_update, join, send as send_upload, tiny_weights, upload_manifest, upload_status, wait_broadcast
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.coordinator.config import CoordinatorConfig
@@ -33,15 +33,13 @@ def send(rounds: RoundStateMachine, site: str, values: torch.Tensor, *, fragment
         rounds.session_id, rounds.round, data, codec=spec, numel=values.numel(), site=site
     )
     manifest.fragment = fragment
-    assembler = rounds.open_upload(site, manifest)
-    assembler.consume(rounds.live_chunks(site, assembler, chunk_requests(manifest, data)))
-    return rounds.finish_upload(site, assembler)
+    return send_upload(rounds, site, manifest, data)
 
 
 def test_each_round_aggregates_its_fragment_only() -> None:
     rounds = make()
     partition = rounds.strategy.partition
-    assert rounds.run_config().inner_steps == 2  # H / P steps per round
+    assert rounds.strategy.inner_steps == 2  # H / P steps per round
     join(rounds, "a")
     for round_number in range(4):
         fragment = partition[round_number % 2]
@@ -49,14 +47,14 @@ def test_each_round_aggregates_its_fragment_only() -> None:
         before = rounds.weights.clone()
         values = torch.randn(fragment.numel, generator=torch.Generator().manual_seed(round_number))
         assert send(rounds, "a", values, fragment=fragment.index).complete
-        status = rounds.upload_status("a", rounds.session_id, round_number, fragment.index)
+        status = upload_status(rounds, "a", rounds.session_id, round_number, fragment.index)
         assert status.known and status.complete
         metrics = rounds.poll()
         assert metrics is not None and metrics["fragment"] == fragment.index
         other = partition[1 - fragment.index]
         assert torch.equal(other.gather(rounds.weights), other.gather(before))
         assert not torch.equal(fragment.gather(rounds.weights), fragment.gather(before))
-        header = rounds.wait_broadcast("a", rounds.session_id, round_number, timeout_s=0).header
+        header = wait_broadcast(rounds, "a", rounds.session_id, round_number, timeout_s=0).header
         assert header is not None and list(header.delta.shape) == [fragment.numel]
 
 
@@ -68,4 +66,4 @@ def test_upload_for_the_wrong_fragment_or_size_is_refused() -> None:
         send(rounds, "a", torch.zeros(f1.numel), fragment=1)
     with pytest.raises(InvalidUpdateError, match=rf"expected \[{f0.numel}\].*of fragment 0"):
         send(rounds, "a", torch.zeros(rounds.numel), fragment=0)
-    assert not rounds.upload_status("a", rounds.session_id, 0, 1).known
+    assert not upload_status(rounds, "a", rounds.session_id, 0, 1).known

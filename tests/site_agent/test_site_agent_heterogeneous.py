@@ -171,7 +171,7 @@ def test_a_late_update_arriving_while_its_round_aggregates_is_folded_once_the_ne
         clock=clock,
     )
     rounds = server.rounds
-    save = rounds._save_checkpoint
+    save = rounds.phases.save_checkpoint
     in_checkpoint, leave_checkpoint = threading.Event(), threading.Event()
 
     def slow_save(round_number: int, *args: Any) -> None:
@@ -180,7 +180,7 @@ def test_a_late_update_arriving_while_its_round_aggregates_is_folded_once_the_ne
             leave_checkpoint.wait(60)
         save(round_number, *args)
 
-    rounds._save_checkpoint = slow_save  # type: ignore[method-assign]
+    rounds.phases.save_checkpoint = slow_save  # type: ignore[method-assign]
     release = threading.Event()
 
     def slow_loss(model: nn.Module, batch: Any) -> torch.Tensor:

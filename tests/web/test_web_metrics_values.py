@@ -15,11 +15,11 @@ from _round_helpers import FakeClock, chunk_requests, encode_update, join, tiny_
 from prometheus_client.parser import text_string_to_metric_families
 
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.coordinator import translate
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.http_status import STATE_DOWN, CoordinatorStatus, HTTPStatusConfig
 from geoloco.coordinator.rounds import RoundStateMachine
-from geoloco.protos import geoloco_pb2 as pb
 
 HEARTBEAT_S = 1.0
 TIMEOUT_S = 20.0
@@ -72,10 +72,12 @@ def scripted(tmp_path: Path) -> tuple[RoundStateMachine, CoordinatorStatus, Fake
     upload(rounds, "a", update(1, n))
     data, spec = encode_update(update(2, n))
     manifest = upload_manifest(rounds.session_id, 0, data, codec=spec, numel=n, site="b")
-    assembler = rounds.open_upload("b", manifest)
-    clock.advance(2.5)
-    assembler.consume(rounds.live_chunks("b", assembler, chunk_requests(manifest, data)))
-    rounds.finish_upload("b", assembler)
+
+    def slow_chunks():  # opened, then 2.5 s until the chunks arrive
+        clock.advance(2.5)
+        yield from translate.upload_chunks(chunk_requests(manifest, data))
+
+    rounds.receive_upload("b", translate.upload_spec(manifest, "b"), slow_chunks())
     upload(rounds, "c", update(3, n))
     records.append(rounds.poll())
 
@@ -86,14 +88,14 @@ def scripted(tmp_path: Path) -> tuple[RoundStateMachine, CoordinatorStatus, Fake
     for _ in range(3):
         clock.advance(DEADLINE_S / 3 + 0.1)
         for site in ("a", "b", "c"):
-            rounds.heartbeat(site, rounds.session_id, round_number=1, phase=pb.SITE_PHASE_TRAINING)
+            rounds.heartbeat(site, rounds.session_id, round_number=1, phase="training")
     records.append(rounds.poll())
 
     # Round 2: c goes silent and is dropped; a and b finish the round.
     for _ in range(2):
         clock.advance(TIMEOUT_S / 2 + 1)
         for site in ("a", "b"):
-            rounds.heartbeat(site, rounds.session_id, round_number=2, phase=pb.SITE_PHASE_WAITING)
+            rounds.heartbeat(site, rounds.session_id, round_number=2, phase="waiting")
     upload(rounds, "a", update(5, n))
     upload(rounds, "b", update(6, n))
     records.append(rounds.poll())
@@ -178,7 +180,7 @@ def test_status_board_tracks_states_events_and_rounds(scripted) -> None:
 
     # c comes back: a recovery, and its state follows its heartbeats again.
     join(rounds, "c")
-    rounds.heartbeat("c", rounds.session_id, round_number=3, phase=pb.SITE_PHASE_TRAINING)
+    rounds.heartbeat("c", rounds.session_id, round_number=3, phase="training")
     snap = status.status()
     assert {s["name"]: s["state"] for s in snap["sites"]}["c"] == "training"
     assert snap["events"][0]["kind"] == "recovery" and "c is back" in snap["events"][0]["text"]
@@ -186,12 +188,12 @@ def test_status_board_tracks_states_events_and_rounds(scripted) -> None:
     # A member that stops heartbeating is shown down before the coordinator drops it...
     clock.advance(3 * HEARTBEAT_S + 0.5)
     for site in ("a", "b"):
-        rounds.heartbeat(site, rounds.session_id, round_number=3, phase=pb.SITE_PHASE_TRAINING)
+        rounds.heartbeat(site, rounds.session_id, round_number=3, phase="training")
     snap = status.status()
     assert {s["name"]: s["state"] for s in snap["sites"]} == {"a": "training", "b": "training", "c": STATE_DOWN}
     assert snap["events"][0]["kind"] == "fault" and "c silent for" in snap["events"][0]["text"]
     # ...and up again at its next heartbeat.
-    rounds.heartbeat("c", rounds.session_id, round_number=3, phase=pb.SITE_PHASE_UPLOADING)
+    rounds.heartbeat("c", rounds.session_id, round_number=3, phase="uploading")
     snap = status.status()
     assert {s["name"]: s["state"] for s in snap["sites"]}["c"] == "uploading"
     assert snap["events"][0]["kind"] == "recovery"
@@ -204,7 +206,7 @@ def test_silence_before_the_first_heartbeat_is_not_a_fault(scripted) -> None:
     join(rounds, "d")
     clock.advance(10 * HEARTBEAT_S)
     for site in ("a", "b"):
-        rounds.heartbeat(site, rounds.session_id, round_number=3, phase=pb.SITE_PHASE_TRAINING)
+        rounds.heartbeat(site, rounds.session_id, round_number=3, phase="training")
     snap = status.status()
     assert {s["name"]: s["state"] for s in snap["sites"]}["d"] == "joined"
     assert not any(e["site"] == "d" and e["kind"] == "fault" for e in snap["events"])

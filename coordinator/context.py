@@ -1,0 +1,140 @@
+"""The state one coordinator session's parts share: members, the open round, its phase, history.
+
+``RoundStateMachine`` owns one ``RoundContext`` and hands it to membership, upload intake and
+round phases; they read and change it only while holding ``cond`` (except where a docstring says
+otherwise). It knows no protobuf and does no I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from geoloco.algorithms.round import Round, RoundPolicy
+from geoloco.algorithms.strategy import Strategy
+from geoloco.coordinator import events as ev
+from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.coordinator.domain import CoordinatorRound, RoundInfo, RoundPhase
+from geoloco.coordinator.errors import RunFinishedError, ShuttingDownError, WrongRoundError
+
+__all__ = ["CONTRIBUTOR_HISTORY", "Member", "RoundContext"]
+
+CONTRIBUTOR_HISTORY = 64
+"""Rounds whose contributor sets are kept, so a late site learns whether its update counted."""
+
+
+@dataclass(slots=True)
+class Member:
+    name: str
+    joined_s: float
+    last_seen_s: float
+    reported_round: int = 0
+    reported_phase: str = ""
+    inner_steps_done: int = 0
+
+
+class RoundContext:
+    """Shared, lock-guarded state of a coordinator session (see module doc)."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        strategy: Strategy,
+        policy: RoundPolicy,
+        *,
+        session_id: str,
+        clock: Callable[[], float],
+        events: ev.EventHub,
+    ) -> None:
+        self.config = config
+        self.strategy = strategy
+        self.policy = policy
+        self.session_id = session_id
+        self.clock = clock
+        self.events = events
+        self.cond = threading.Condition(threading.RLock())
+        self.closing = False
+        self.members: dict[str, Member] = {}
+        self.phase = RoundPhase.WAITING_FOR_QUORUM
+        self.round = self.new_round(0, clock())
+        self.contributor_history: dict[int, frozenset[str]] = {}
+        """round t -> sites whose update counted in round t."""
+        self.folded_history: dict[int, frozenset[str]] = {}
+        """round t -> sites whose round-t update was folded into round t + 1."""
+        self.bytes_up_total = 0
+        self.bytes_down_total = 0
+
+    def new_round(self, number: int, now: float) -> CoordinatorRound:
+        """Round ``number``, opened at ``now`` (its buffer allocates on the first add, sized for
+        its Streaming DiLoCo fragment)."""
+        return CoordinatorRound(
+            core=Round(number=number, aggregation=self.strategy.new_aggregator(number), opened_s=now)
+        )
+
+    # -- the strategy's view of rounds --
+
+    def fragment_of(self, round_number: int) -> int:
+        """Fragment round ``round_number`` synchronises (0 without streaming)."""
+        return self.strategy.fragment_for_round(round_number)
+
+    def update_numel(self, round_number: int) -> int:
+        """Elements of round ``round_number``'s uploads (its fragment's, or the model's)."""
+        return self.strategy.update_numel(round_number)
+
+    def round_seed(self, round_number: int) -> int:
+        """Seed shared by every site for round ``round_number``."""
+        return self.strategy.configure_round(round_number, ()).seed
+
+    def round_info(self, now: float) -> RoundInfo:
+        """The open round: its seed, and the time left before its deadline (the deadline the
+        next round will run under while this one waits for its quorum)."""
+        r = self.round.core
+        if (deadline_at := r.deadline_at) is not None:
+            remaining = max(0.0, deadline_at - now)
+        elif (upcoming := self.policy.deadline_s()) is not None:
+            remaining = upcoming
+        else:
+            remaining = 0.0
+        return RoundInfo(round=r.number, round_seed=self.round_seed(r.number), deadline_remaining_s=remaining)
+
+    # -- checks shared by several calls --
+
+    def check_open(self) -> None:
+        if self.closing:
+            raise ShuttingDownError("the coordinator is shutting down; retry to reach its successor")
+
+    def check_upload_round(self, round_number: int) -> None:
+        """Refuse an upload (or stage call) for a round that is not the open one."""
+        current = self.round.number
+        if self.phase is RoundPhase.FINISHED:
+            raise RunFinishedError(
+                f"the run finished after round {current - 1}; no more uploads are accepted"
+            )
+        if round_number < current or (
+            round_number == current and self.phase is RoundPhase.AGGREGATING
+        ):
+            raise WrongRoundError(
+                f"round {round_number} is closed (the coordinator is at round {current}"
+                f"{', aggregating' if self.phase is RoundPhase.AGGREGATING else ''}); this update "
+                "is not applied: keep it in the error-feedback residual and apply the round's "
+                "broadcast (AwaitBroadcast)"
+            )
+        if round_number > current:
+            raise WrongRoundError(
+                f"round {round_number} is not open yet; the coordinator is at round {current}"
+            )
+
+    # -- byte accounting --
+
+    def count_up(self, site: str, nbytes: int) -> None:
+        d = self.round.bytes_up
+        d[site] = d.get(site, 0) + nbytes
+        self.bytes_up_total += nbytes
+        self.events.emit(ev.BYTES_RECEIVED, site=site, nbytes=nbytes)
+
+    def count_down(self, site: str, nbytes: int) -> None:
+        d = self.round.bytes_down
+        d[site] = d.get(site, 0) + nbytes
+        self.bytes_down_total += nbytes
+        self.events.emit(ev.BYTES_SENT, site=site, nbytes=nbytes)

@@ -1,0 +1,481 @@
+"""Upload intake: how updates get into the open round, plain or masked, behind one interface.
+
+``UploadIntake`` is what ``RoundStateMachine`` calls; two implementations:
+
+* ``PlainIntake``: every complete upload is verified (checksum, codec, shape, dtype, finite
+  values) and added to the round's single aggregation buffer at once. Non-finite values reject
+  the site's update for the round (INVALID_ARGUMENT) without touching the buffer. With
+  ``late_updates = "fold"`` an update one round late is folded into the open round with the
+  round policy's staleness discount. The round closes by the round policy.
+* ``SecureIntake`` (``geoloco.coordinator.secure_intake``): masked chunks go straight into the
+  secure-aggregation protocol's sum; the protocol decides when uploads close and the round
+  waits for the survivors to unmask the sum before it is aggregated.
+
+Chunks arrive as ``(chunk, nbytes)`` pairs (``chunk.index``, ``chunk.data``); no protobuf here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.round import CloseDecision
+from geoloco.algorithms.strategy import RoundPlan, RoundUpdate
+from geoloco.algorithms.weighting import site_weight
+from geoloco.compression import CodecError, Encoded, decode
+from geoloco.coordinator import events as ev
+from geoloco.coordinator.context import RoundContext
+from geoloco.algorithms.secagg import StageMessage, StageReply
+from geoloco.coordinator.domain import OPEN_PHASES, RoundPhase, UploadProgress, UploadSpec
+from geoloco.coordinator.errors import (
+    InvalidUpdateError,
+    NotAMemberError,
+    ShuttingDownError,
+    UpdateRejectedError,
+)
+from geoloco.coordinator.membership import Membership
+from geoloco.coordinator.privacy_rounds import PrivateRounds
+from geoloco.protos.wire import MAX_CHUNK_SIZE, ManifestTooLargeError, UploadAssembler
+
+__all__ = ["Chunks", "PlainIntake", "PlainUpload", "RoundSum", "UploadIntake"]
+
+logger = logging.getLogger(__name__)
+
+Chunks = Iterable[tuple[Any, int]]
+"""An Upload stream's chunks after its manifest: (chunk with ``.index``/``.data``, message bytes)."""
+
+@dataclass(slots=True)
+class RoundSum:
+    """A closed round's aggregate, applied: the new weights and downlink, who counted."""
+
+    update: RoundUpdate
+    contributors: list[str]
+    update_norm: float
+    """L2 norm of the mean update (0 for a round that changed nothing)."""
+    privacy: dict[str, Any] = field(default_factory=dict)
+    """Privacy metrics of the round (secure aggregation survivors, epsilon...); empty without."""
+
+
+def _discarded(site: str, round_number: int) -> NotAMemberError:
+    return NotAMemberError(
+        f"site {site!r}'s upload for round {round_number} was discarded (the site was dropped, "
+        "or a newer upload replaced it); call Join again"
+    )
+
+
+class PlainUpload(UploadAssembler):
+    """One site's upload for one round: the wire-level chunk buffer, kept across streams, and
+    the spec it was opened with (what the intake reads; the buffer keeps the wire manifest)."""
+
+    def __init__(self, spec: UploadSpec, *, max_total_bytes: int) -> None:
+        super().__init__(spec.wire, max_total_bytes=max_total_bytes, max_chunk_size=MAX_CHUNK_SIZE)
+        self.spec = spec
+
+
+def _progress(assembler: PlainUpload, *, complete: bool | None = None, folded: bool = False) -> UploadProgress:
+    return UploadProgress(
+        complete=assembler.verified if complete is None else complete,
+        folded_late=folded,
+        received=tuple(assembler.received()),
+        missing=tuple(assembler.missing()),
+        received_bytes=assembler.received_bytes,
+        manifest=assembler.spec.wire,
+    )
+
+
+class UploadIntake(Protocol):
+    """Uploads into the open round, and when that round may close."""
+
+    secure: bool
+
+    def receive(self, site: str, spec: UploadSpec, chunks: Chunks) -> UploadProgress:
+        """One Upload stream (membership checked inside)."""
+        ...
+
+    def status(self, site: str, round_number: int, fragment: int) -> UploadProgress:
+        """UploadStatus; called with the lock held, membership checked."""
+        ...
+
+    def start_round(self, now: float) -> None:
+        """The open round's quorum is there and its clock started (lock held)."""
+        ...
+
+    def decide(self, now: float) -> CloseDecision:
+        """Whether the open round closes now; called with the lock held, phase open."""
+        ...
+
+    def begin_close(self, now: float) -> None:
+        """The round closed to uploads (lock held)."""
+        ...
+
+    def ready(self, now: float) -> bool:
+        """The closed round's sum can be aggregated (lock held)."""
+        ...
+
+    def aggregate(
+        self, global_flat: torch.Tensor, aggregation: RunningSum, plan: RoundPlan, contributors: list[str]
+    ) -> RoundSum:
+        """The closed round's outer step (outside the lock; the round is frozen)."""
+        ...
+
+    def stage(
+        self, site: str, session_id: str, round_number: int, stage: str, message: StageMessage, *, wait_s: float
+    ) -> StageReply:
+        """One SecureStage call (refused without secure aggregation)."""
+        ...
+
+    def withdraw(self, site: str, round_number: int) -> None:
+        """``site`` waits for round ``round_number``'s broadcast (lock held)."""
+        ...
+
+    def shutdown(self) -> None:
+        ...
+
+
+class PlainIntake:
+    """Verified, decoded updates into the round's aggregation buffer (module doc)."""
+
+    secure = False
+
+    def __init__(
+        self,
+        ctx: RoundContext,
+        membership: Membership,
+        *,
+        uplink_codec: str,
+        numel: int,
+        max_upload_bytes: int,
+        device: torch.device,
+        privacy: PrivateRounds | None,
+    ) -> None:
+        self.ctx = ctx
+        self.uplink_codec = uplink_codec
+        self.numel = numel
+        self.max_upload_bytes = max_upload_bytes
+        self.device = device
+        self.privacy = privacy
+        """Central DP without secure aggregation: the trusted coordinator clips each update."""
+        self.membership = membership
+        self._verify_lock = threading.Lock()
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geoloco-verify")
+
+    # -- the interface --
+
+    def receive(self, site: str, spec: UploadSpec, chunks: Chunks) -> UploadProgress:
+        assembler = self.open(site, spec)
+        assembler.consume(self.live_chunks(site, assembler, chunks))
+        return self.finish(site, assembler)
+
+    def status(self, site: str, round_number: int, fragment: int) -> UploadProgress:
+        ctx = self.ctx
+        r = ctx.round
+        assembler = (
+            r.uploads.get(site)
+            if round_number == r.number and fragment == ctx.fragment_of(round_number)
+            else None
+        )
+        late = round_number + 1 == r.number and fragment == ctx.fragment_of(round_number)
+        if late and site in r.stale_uploads:
+            complete = site in r.folded
+            return _progress(r.stale_uploads[site], complete=complete, folded=complete)
+        if assembler is None:
+            if round_number < r.number or ctx.phase is RoundPhase.FINISHED:
+                ctx.check_upload_round(round_number)
+            return UploadProgress(known=False)
+        return _progress(assembler, complete=site in r.contributed)
+
+    def start_round(self, now: float) -> None:
+        pass
+
+    def decide(self, now: float) -> CloseDecision:
+        return self.ctx.round.core.decide(self.ctx.policy, now=now, expected=self.ctx.members)
+
+    def begin_close(self, now: float) -> None:
+        pass
+
+    def ready(self, now: float) -> bool:
+        return True
+
+    def aggregate(
+        self, global_flat: torch.Tensor, aggregation: RunningSum, plan: RoundPlan, contributors: list[str]
+    ) -> RoundSum:
+        strategy = self.ctx.strategy
+        if self.privacy is not None:  # central DP: noise on the sum of the clipped updates
+            return RoundSum(*self.privacy.finish_round(strategy, global_flat, aggregation, plan, contributors))
+        update_norm = float(torch.linalg.vector_norm(aggregation.result()))
+        update = strategy.aggregate_round(global_flat, aggregation, plan)
+        return RoundSum(update, contributors, update_norm)
+
+    def stage(
+        self, site: str, session_id: str, round_number: int, stage: str, message: StageMessage, *, wait_s: float
+    ) -> StageReply:
+        raise InvalidUpdateError(
+            "secure aggregation is off in this run ([privacy] secure_aggregation = false); "
+            "upload plain updates"
+        )
+
+    def withdraw(self, site: str, round_number: int) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self._verifier.shutdown(wait=False)
+
+    # -- opening an upload --
+
+    def validate(self, site: str, spec: UploadSpec) -> None:
+        ctx = self.ctx
+        if spec.site and spec.site != site:
+            raise InvalidUpdateError(f"upload manifest names site {spec.site!r} but the caller is {site!r}")
+        fragment = ctx.fragment_of(spec.round)
+        if spec.fragment != fragment:
+            raise InvalidUpdateError(
+                f"upload for round {spec.round} names fragment {spec.fragment}; that round "
+                f"synchronises fragment {fragment} (fragment = round mod fragments)"
+            )
+        numel = ctx.update_numel(spec.round)
+        if spec.codec != self.uplink_codec:
+            raise InvalidUpdateError(
+                f"upload codec {spec.codec!r} is not the run's uplink codec {self.uplink_codec!r}; "
+                "encode with RunConfig.uplink_codec"
+            )
+        if spec.dtype != "float32":
+            raise InvalidUpdateError(
+                f"upload dtype {spec.dtype!r} is not allowed; pseudo-gradients are 'float32'"
+            )
+        if list(spec.shape) != [numel]:
+            what = "" if numel == self.numel else f" of fragment {fragment}"
+            raise InvalidUpdateError(
+                f"upload shape {list(spec.shape)} does not match the model: expected "
+                f"[{numel}] (the flat parameter vector{what})"
+            )
+        if ctx.config.algorithm.weighting == "steps" and spec.inner_steps < 1:
+            raise InvalidUpdateError(
+                "this run weights updates by inner steps (weighting = 'steps'); the manifest must "
+                f"carry inner_steps >= 1, got {spec.inner_steps}"
+            )
+        weight = spec.sample_weight
+        if not (math.isfinite(weight) and weight > 0):
+            raise InvalidUpdateError(
+                f"sample_weight {weight} is not allowed; send the samples (or tokens) trained on "
+                "this round, a finite number > 0"
+            )
+        if spec.total_bytes > self.max_upload_bytes:
+            raise ManifestTooLargeError(
+                f"upload announces {spec.total_bytes} bytes, more than the {self.max_upload_bytes} "
+                "this coordinator accepts for this model"
+            )
+
+    def open(self, site: str, spec: UploadSpec) -> PlainUpload:
+        """Check an Upload stream's manifest and return the (new or resumed) assembler."""
+        ctx = self.ctx
+        with ctx.cond:
+            self.membership.member(site, spec.session_id)
+            if self._folds_late(site, spec.round):
+                return self._open_late(site, spec)
+            ctx.check_upload_round(spec.round)
+            r = ctx.round
+            if site in r.rejected:
+                raise UpdateRejectedError(
+                    f"site {site!r}'s update for round {r.number} was rejected (non-finite values) "
+                    "and is dropped for this round; wait for the broadcast (AwaitBroadcast)"
+                )
+            self.validate(site, spec)
+            existing = r.uploads.get(site)
+            if existing is not None:
+                if site in r.contributed or existing.spec == spec:
+                    existing.check_same_manifest(spec.wire)  # MANIFEST_CONFLICT if it differs
+                    return existing
+                # A different update for the same round before the first completed: the site
+                # restarted and recomputed it. The newest one wins; the partial one is dropped.
+                logger.info("round %d: %s replaced its partial upload", r.number, site)
+            assembler = PlainUpload(spec, max_total_bytes=self.max_upload_bytes)
+            r.uploads[site] = assembler
+            r.inner_steps[site] = spec.inner_steps
+            ctx.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)
+            r.site_metrics[site] = dict(spec.metrics)
+            ctx.count_up(site, spec.nbytes)
+            return assembler
+
+    def live_chunks(self, site: str, assembler: PlainUpload, chunks: Chunks) -> Iterator[Any]:
+        """The chunks of an Upload stream, counted as received bytes; stops the stream with
+        WRONG_ROUND as soon as its round closes, so a straggler stops wasting its link."""
+        ctx = self.ctx
+        round_number = assembler.spec.round
+        for chunk, nbytes in chunks:
+            with ctx.cond:
+                ctx.count_up(site, nbytes)
+                if ctx.round.stale_uploads.get(site) is assembler and ctx.phase in OPEN_PHASES:
+                    yield chunk
+                    continue
+                if ctx.round.number != round_number or ctx.phase not in OPEN_PHASES:
+                    ctx.check_upload_round(round_number)
+                if ctx.round.uploads.get(site) is not assembler:
+                    raise _discarded(site, round_number)
+            yield chunk
+
+    def finish(self, site: str, assembler: PlainUpload) -> UploadProgress:
+        """After a stream ended: if every chunk is there, verify and aggregate the update.
+
+        Verification runs on the one verifier thread, so at most one decoded update exists
+        besides the buffer whatever the number of sites (the memory bound of the aggregation),
+        and the decoder's temporary buffers always come from the same malloc arena. Run on the
+        gRPC thread that received the upload, each of dozens of threads would keep its own
+        arena's worth of freed decoder memory (glibc arenas are per thread and, with the
+        transport's trim threshold, rarely shrink): tens of MB per thread for a 50M-parameter
+        model.
+        """
+        if not assembler.complete:
+            return _progress(assembler)
+        with self.ctx.cond:
+            late = self.ctx.round.stale_uploads.get(site) is assembler
+        try:
+            future = self._verifier.submit(self._verify_and_fold if late else self._verify_and_add, site, assembler)
+        except RuntimeError:  # the executor is shut down: close() was called
+            raise ShuttingDownError(
+                "the coordinator is shutting down; retry to reach its successor"
+            ) from None
+        return future.result()
+
+    # -- verification --
+
+    def _upload_weight(self, assembler: PlainUpload) -> float:
+        """``w_k`` of an upload under the run's weighting (``geoloco.algorithms.weighting``)."""
+        spec = assembler.spec
+        return site_weight(
+            self.ctx.config.algorithm.weighting, samples=float(spec.sample_weight), inner_steps=int(spec.inner_steps)
+        )
+
+    def _decode(self, site: str, round_number: int, data: memoryview) -> torch.Tensor:
+        what = f"site {site!r}'s update for round {round_number}"
+        numel = self.ctx.update_numel(round_number)
+        try:
+            encoded = Encoded.from_bytes(data)
+        except CodecError as err:
+            raise InvalidUpdateError(f"{what} is not a valid encoded tensor: {err}") from None
+        if encoded.spec != self.uplink_codec:
+            raise InvalidUpdateError(
+                f"{what} was encoded with {encoded.spec!r}; the run's uplink codec is "
+                f"{self.uplink_codec!r}"
+            )
+        if encoded.shape != (numel,) or encoded.dtype != torch.float32:
+            raise InvalidUpdateError(
+                f"{what} decodes to {encoded.dtype} {list(encoded.shape)}; expected float32 "
+                f"[{numel}]"
+            )
+        try:
+            decoded = decode(encoded, device=self.device)
+        except CodecError as err:
+            raise InvalidUpdateError(f"{what} cannot be decoded: {err}") from None
+        if decoded.shape != (numel,) or decoded.dtype != torch.float32:
+            raise InvalidUpdateError(
+                f"{what} decoded to {decoded.dtype} {list(decoded.shape)}; expected float32 [{numel}]"
+            )
+        return decoded
+
+    def _verify_and_add(self, site: str, assembler: PlainUpload) -> UploadProgress:
+        ctx = self.ctx
+        round_number = assembler.spec.round
+        with self._verify_lock:
+            with ctx.cond:
+                if site in ctx.round.contributed and ctx.round.number == round_number:
+                    return _progress(assembler)
+                ctx.check_upload_round(round_number)
+            data = assembler.finish()  # checksum; a mismatch resets the assembler (DATA_LOSS)
+            decoded = self._decode(site, round_number, data)
+            if not bool(torch.isfinite(decoded).all()):
+                with ctx.cond:
+                    if ctx.round.number == round_number:
+                        ctx.round.core.reject(site)
+                        ctx.round.uploads.pop(site, None)
+                        ctx.cond.notify_all()
+                ctx.events.emit(ev.UPDATE_REJECTED, site=site, round=round_number, why="NaN or Inf values")
+                raise InvalidUpdateError(
+                    f"site {site!r}'s update for round {round_number} contains NaN or Inf values; "
+                    "it is dropped for this round (check the site's loss and learning rate)"
+                )
+            weight = self._upload_weight(assembler)
+            if self.privacy is not None:  # central DP: the trusted coordinator clips each update
+                decoded = self.privacy.clip(decoded)
+            with ctx.cond:
+                ctx.check_upload_round(round_number)
+                r = ctx.round
+                if r.uploads.get(site) is not assembler:
+                    raise _discarded(site, round_number)
+                r.core.add(decoded, weight, site=site, now=ctx.clock())
+                ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
+                logger.debug(
+                    "round %d: update of %s aggregated (%d of %d members)",
+                    round_number, site, len(r.contributed), len(ctx.members),
+                )
+                ctx.cond.notify_all()
+            del decoded
+        return _progress(assembler)
+
+    # -- late updates (``late_updates = "fold"``) --
+
+    def _folds_late(self, site: str, round_number: int) -> bool:
+        """Whether an upload for ``round_number`` is a late update to fold into the open round:
+        exactly one round late, folding on, and the site's update did not count in its round."""
+        ctx = self.ctx
+        return (
+            ctx.policy.folds_late_updates
+            and round_number + 1 == ctx.round.number
+            and ctx.phase in OPEN_PHASES
+            and site not in ctx.contributor_history.get(round_number, frozenset())
+        )
+
+    def _open_late(self, site: str, spec: UploadSpec) -> PlainUpload:
+        """The (new or resumed) assembler of a late update; called with the lock held."""
+        ctx = self.ctx
+        r = ctx.round
+        self.validate(site, spec)
+        existing = r.stale_uploads.get(site)
+        if existing is not None and (site in r.folded or existing.spec == spec):
+            existing.check_same_manifest(spec.wire)
+            return existing
+        assembler = PlainUpload(spec, max_total_bytes=self.max_upload_bytes)
+        r.stale_uploads[site] = assembler
+        ctx.count_up(site, spec.nbytes)
+        logger.info("round %d: %s is sending its late update of round %d", r.number, site, spec.round)
+        return assembler
+
+    def _verify_and_fold(self, site: str, assembler: PlainUpload) -> UploadProgress:
+        """Verify a complete late update and add it to the open round with the staleness
+        discount; it does not count towards the quorum (``contributed``)."""
+        ctx = self.ctx
+        round_number = assembler.spec.round
+        with self._verify_lock:
+            with ctx.cond:
+                if site in ctx.round.folded:
+                    return _progress(assembler, folded=True)
+            data = assembler.finish()
+            decoded = self._decode(site, round_number, data)
+            if not bool(torch.isfinite(decoded).all()):
+                raise InvalidUpdateError(
+                    f"site {site!r}'s late update for round {round_number} contains NaN or Inf "
+                    "values; it is dropped"
+                )
+            weight = self._upload_weight(assembler)
+            with ctx.cond:
+                r = ctx.round
+                if r.number != round_number + 1 or ctx.phase not in OPEN_PHASES:
+                    ctx.check_upload_round(round_number)  # raises WRONG_ROUND: it is too late
+                if r.stale_uploads.get(site) is not assembler:
+                    raise _discarded(site, round_number)
+                weight = r.core.fold(decoded, weight, site=site, policy=ctx.policy)
+                ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight, late=True)
+                logger.info(
+                    "round %d: late update of %s (round %d) folded in with weight %.4g",
+                    r.number, site, round_number, weight,
+                )
+                ctx.cond.notify_all()
+            del decoded
+        return _progress(assembler, folded=True)

@@ -1,0 +1,397 @@
+"""Round phases: start a round, close it, aggregate it, checkpoint, and record the broadcast.
+
+Phases of a round::
+
+    WAITING_FOR_QUORUM --(min_sites members)--> RUNNING --(close)--> AGGREGATING --> next round
+                                                                                 \\-> FINISHED
+
+The round itself is the round core's ``Round`` (``geoloco.algorithms.round``) under the run's
+``RoundPolicy``; the upload intake says when it closes (the policy's rule, or the secure
+aggregation protocol's). Aggregation (outer step, downlink encoding, checkpoint) runs outside
+the lock while the phase is AGGREGATING, so heartbeats and waiting sites are served meanwhile.
+A checkpoint is written *before* the new weights are broadcast: no site ever holds weights newer
+than the newest checkpoint (with ``checkpoint_every = 1``), so after a coordinator restart sites
+find their own digest and simply re-send the update they already computed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from geoloco.algorithms.params import ParamLayout, weights_digest
+from geoloco.algorithms.round import RoundOutcome
+from geoloco.coordinator import events as ev
+from geoloco.coordinator.checkpoint import save_checkpoint
+from geoloco.coordinator.context import CONTRIBUTOR_HISTORY, RoundContext
+from geoloco.coordinator.domain import (
+    BroadcastHeader,
+    BroadcastRecord,
+    CoordinatorRound,
+    OPEN_PHASES,
+    RoundPhase,
+)
+from geoloco.coordinator.errors import InvalidUpdateError
+from geoloco.coordinator.intake import UploadIntake
+from geoloco.coordinator.privacy_rounds import PrivateRounds
+from geoloco.protos.wire import num_chunks_for
+
+__all__ = ["EvalFn", "GlobalWeights", "RoundPhases", "HISTORY_KEY", "PRIVACY_KEY", "STRATEGY_PREFIX", "WEIGHTS_KEY"]
+
+logger = logging.getLogger(__name__)
+
+EvalFn = Callable[[torch.Tensor], float]
+"""Held-out loss of flat fp32 global weights (on the CPU)."""
+
+WEIGHTS_KEY = "weights"
+"""Name of the global weights in a checkpoint's tensor file."""
+STRATEGY_PREFIX = "strategy."
+"""Prefix of the outer optimizer / downlink residual tensors in a checkpoint."""
+PRIVACY_KEY = "privacy"
+"""Checkpoint metadata key of the privacy accountant's state."""
+HISTORY_KEY = "history"
+"""Checkpoint metadata: recent rounds' contributors and folded late updates, and the adaptive
+deadline's observations (``RoundPolicy.state()``)."""
+
+
+@dataclass(slots=True)
+class GlobalWeights:
+    """``θ_round``: on the run's device, a CPU copy (never modified in place) and its digest."""
+
+    flat: torch.Tensor
+    """On the run's device."""
+    cpu: torch.Tensor
+    digest: str
+
+    @classmethod
+    def of(cls, weights: torch.Tensor) -> GlobalWeights:
+        cpu = weights.detach().to("cpu").contiguous()
+        return cls(flat=weights, cpu=cpu, digest=weights_digest(cpu))
+
+
+@dataclass(slots=True)
+class _Closed:
+    """A round closed to uploads, waiting to be aggregated."""
+
+    round: CoordinatorRound
+    closed_s: float
+    deadline_hit: bool
+    outcome: RoundOutcome
+    partial: list[str]
+
+
+class RoundPhases:
+    """Starts, closes and aggregates the rounds of one session (module doc)."""
+
+    def __init__(
+        self,
+        ctx: RoundContext,
+        intake: UploadIntake,
+        *,
+        layout: ParamLayout,
+        weights: GlobalWeights,
+        privacy: PrivateRounds | None,
+        eval_fn: EvalFn | None,
+    ) -> None:
+        self.ctx = ctx
+        self.intake = intake
+        self.layout = layout
+        self.weights = weights
+        self.privacy = privacy
+        self.eval_fn = eval_fn
+        self.broadcast: BroadcastRecord | None = None
+        self.finished_s: float | None = None
+        self._closed: _Closed | None = None
+
+    # -- start --
+
+    def maybe_start(self, now: float) -> None:
+        """Start the open round's clock once ``min_sites`` sites are members (lock held)."""
+        ctx = self.ctx
+        r = ctx.round
+        if ctx.phase is RoundPhase.WAITING_FOR_QUORUM and len(ctx.members) >= ctx.config.min_sites:
+            r.core.start(now, ctx.policy)
+            ctx.phase = RoundPhase.RUNNING
+            self.intake.start_round(now)
+            ctx.events.emit(ev.ROUND_STARTED, round=r.number, members=len(ctx.members))
+            logger.info(
+                "round %d started with %d sites%s", r.number, len(ctx.members),
+                "" if r.core.deadline_s is None else
+                f", {'adaptive ' if ctx.policy.deadline.is_adaptive else ''}deadline in "
+                f"{r.core.deadline_s:.3g} s",
+            )
+
+    def finish_run(self, now: float) -> None:
+        self.ctx.phase = RoundPhase.FINISHED
+        self.finished_s = now
+
+    # -- close --
+
+    def close_if_due(self, now: float) -> bool:
+        """Close the open round if the intake says so, and say whether a closed round is ready
+        to aggregate (lock held)."""
+        ctx = self.ctx
+        if self._closed is None:
+            if ctx.phase not in OPEN_PHASES:
+                return False
+            decision = self.intake.decide(now)
+            if not decision.close:
+                return False
+            ctx.phase = RoundPhase.AGGREGATING
+            r = ctx.round
+            self._closed = _Closed(
+                round=r,
+                closed_s=now,
+                deadline_hit=decision.deadline_hit,
+                outcome=r.core.close(now=now, expected=ctx.members),
+                partial=sorted(set(r.uploads) - set(r.contributed)),
+            )
+            ctx.cond.notify_all()
+            self.intake.begin_close(now)
+        return self.intake.ready(now)
+
+    # -- aggregate --
+
+    def aggregate(self) -> dict[str, Any]:
+        """Aggregate the closed round (outside the lock; ``close_if_due`` said it is ready):
+        outer step, downlink, checkpoint, then install the new weights and open the next round.
+        Returns the round's metrics record."""
+        # Memory: the aggregation buffer and the encoded downlink are released as soon as they
+        # are used (no caller frame holds them), so neither is alive while the checkpoint is
+        # written. The weights and the aggregation cannot change meanwhile: the phase is
+        # AGGREGATING (uploads are refused) and the state machine's poll lock is held.
+        ctx = self.ctx
+        assert self._closed is not None
+        closed, self._closed = self._closed, None
+        r, outcome = closed.round, closed.outcome
+        t0 = time.perf_counter()
+        contributors = list(outcome.contributors)
+        ctx.policy.observe(outcome)
+        aggregation = r.core.aggregation
+        plan = ctx.strategy.configure_round(r.number, contributors)
+        result = self.intake.aggregate(self.weights.flat, aggregation, plan, contributors)
+        del aggregation
+        update, contributors, update_norm, privacy_record = (
+            result.update, result.contributors, result.update_norm, result.privacy
+        )
+        del result
+        delta_bytes = update.downlink.to_bytes()
+        codec, shape = update.downlink.spec, tuple(update.downlink.shape)
+        new_weights, new_digest = update.global_flat, update.digest
+        del update
+        next_round = r.number + 1
+        finished = bool(ctx.config.total_rounds) and next_round >= ctx.config.total_rounds
+        if privacy_record.get("budget_exhausted") and not finished:
+            logger.info(
+                "stopping after round %d: one more round would push epsilon above the budget %g",
+                r.number, ctx.config.privacy.epsilon_budget,
+            )
+            finished = True
+        aggregate_s = time.perf_counter() - t0
+        if ctx.config.checkpoint_dir is not None and (
+            finished or next_round % ctx.config.checkpoint_every == 0
+        ):
+            self.save_checkpoint(next_round, new_weights, frozenset(contributors), frozenset(outcome.folded))
+            ctx.events.emit(ev.CHECKPOINT_SAVED, round=next_round)
+        record = BroadcastRecord(
+            round=r.number,
+            data=delta_bytes,
+            codec=codec,
+            shape=shape,
+            chunk_size=ctx.config.chunk_size,
+            weights_digest=new_digest,
+            contributors=frozenset(contributors),
+            run_finished=finished,
+        )
+        with ctx.cond:
+            self.weights = GlobalWeights.of(new_weights)
+            self.broadcast = record
+            ctx.contributor_history[r.number] = record.contributors
+            ctx.contributor_history.pop(r.number - CONTRIBUTOR_HISTORY, None)
+            ctx.folded_history[r.number - 1] = frozenset(outcome.folded)
+            ctx.folded_history.pop(r.number - 1 - CONTRIBUTOR_HISTORY, None)
+            now = ctx.clock()
+            ctx.round = ctx.new_round(next_round, now)
+            if finished:
+                self.finish_run(now)
+            else:
+                ctx.phase = RoundPhase.WAITING_FOR_QUORUM
+                self.maybe_start(now)
+            members = sorted(ctx.members)
+            bytes_up_total, bytes_down_total = ctx.bytes_up_total, ctx.bytes_down_total
+            ctx.cond.notify_all()
+        logger.info(
+            "round %d aggregated: %d sites (%s)%s%s, |update| %.4g, delta %d bytes, deadline %s",
+            r.number, len(contributors), ", ".join(contributors),
+            f", excluded {', '.join(outcome.excluded)}" if outcome.excluded else "",
+            f", folded late {', '.join(outcome.folded)}" if outcome.folded else "",
+            update_norm, len(delta_bytes),
+            "none" if outcome.deadline_s is None else f"{outcome.deadline_s:.3g} s",
+        )
+        eval_loss = None
+        if self.eval_fn is not None and (finished or next_round % ctx.config.eval_every == 0):
+            try:
+                eval_loss = float(self.eval_fn(self.weights.cpu))
+            except Exception:
+                # A broken evaluation must not stop the training of every site.
+                logger.exception("eval_fn failed after round %d; training continues", r.number)
+        metrics = {
+            "session_id": ctx.session_id,
+            "round": r.number,
+            "fragment": ctx.fragment_of(r.number),
+            "participants": contributors,
+            "sample_weights": dict(outcome.weights),
+            "excluded": list(outcome.excluded),
+            "rejected": list(outcome.rejected),
+            "departed": sorted(r.departed),
+            "partial_uploads": closed.partial,
+            "members": members,
+            "bytes_up": dict(r.bytes_up),
+            "bytes_down": dict(r.bytes_down),
+            "bytes_up_total": bytes_up_total,
+            "bytes_down_total": bytes_down_total,
+            "downlink_bytes": len(delta_bytes),
+            "round_time_s": closed.closed_s - r.core.opened_s,
+            "wait_for_quorum_s": None if r.core.started_s is None else r.core.started_s - r.core.opened_s,
+            "aggregate_time_s": aggregate_s,
+            "deadline_s": outcome.deadline_s,
+            "deadline_hit": closed.deadline_hit,
+            "next_deadline_s": ctx.policy.deadline_s(),
+            "arrival_s": dict(outcome.arrivals_s),
+            "inner_steps": {site: r.inner_steps[site] for site in contributors if site in r.uploads},
+            "folded_late": dict(outcome.folded),
+            "update_norm": update_norm,
+            "eval_loss": eval_loss,
+            "site_metrics": r.site_metrics,
+            "weights_digest": new_digest,
+            "run_finished": finished,
+        }
+        if privacy_record:
+            metrics["privacy"] = privacy_record
+            if "epsilon" in privacy_record:
+                metrics["epsilon"] = privacy_record["epsilon"]
+                metrics["privacy_delta"] = privacy_record["delta"]
+        ctx.events.emit(ev.ROUND_AGGREGATED, round=r.number, data=metrics)
+        return metrics
+
+    # -- broadcast --
+
+    def was_folded(self, site: str, round_number: int) -> bool:
+        """Whether ``site``'s update of ``round_number`` entered the next round (late)."""
+        ctx = self.ctx
+        if site in ctx.folded_history.get(round_number, frozenset()):
+            return True
+        return round_number + 1 == ctx.round.number and site in ctx.round.folded
+
+    def header_for(self, site: str, round_number: int, now: float, start_chunk: int) -> BroadcastHeader:
+        """What a site waiting for round ``round_number`` gets once it closed: the delta, or
+        for an older round a resync to the current weights (lock held)."""
+        ctx = self.ctx
+        record = self.broadcast
+        next_round = ctx.round_info(now)
+        if record is not None and record.round == round_number:
+            num_chunks = num_chunks_for(len(record.data), record.chunk_size)
+            if start_chunk > num_chunks:
+                raise InvalidUpdateError(f"start_chunk {start_chunk} is past the delta's {num_chunks} chunks")
+            return BroadcastHeader(
+                round=round_number,
+                included=site in record.contributors or self.was_folded(site, round_number),
+                num_contributors=len(record.contributors),
+                next_round=next_round,
+                run_finished=record.run_finished,
+                weights_digest=record.weights_digest,
+                record=record,
+                start_chunk=start_chunk,
+            )
+        contributors = ctx.contributor_history.get(round_number, frozenset())
+        return BroadcastHeader(
+            round=round_number,
+            included=site in contributors or self.was_folded(site, round_number),
+            num_contributors=len(contributors),
+            next_round=next_round,
+            run_finished=ctx.phase is RoundPhase.FINISHED,
+            weights_digest=self.weights.digest,
+        )
+
+    # -- checkpoints --
+
+    def restore(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any], round_number: int) -> torch.Tensor:
+        """Load a checkpoint's strategy, privacy and round history; returns its weights."""
+        ctx = self.ctx
+        config = ctx.config
+        if WEIGHTS_KEY not in tensors:
+            raise ValueError(f"checkpoint in {config.checkpoint_dir} holds no {WEIGHTS_KEY!r} tensor")
+        weights = tensors[WEIGHTS_KEY]
+        if weights.dim() != 1 or weights.numel() != self.layout.numel:
+            raise ValueError(
+                f"checkpoint in {config.checkpoint_dir} holds {weights.numel()} weights but the "
+                f"model has {self.layout.numel}; point checkpoint_dir at this model's run or delete it"
+            )
+        saved = metadata.get("config", {}).get("algorithm")
+        if saved is not None and saved != config.algorithm.to_dict():
+            logger.warning(
+                "checkpoint was written with algorithm settings %s; resuming with %s",
+                saved, config.algorithm.to_dict(),
+            )
+        device = self.weights.flat.device
+        strategy_tensors = {
+            k.removeprefix(STRATEGY_PREFIX): v.to(device)
+            for k, v in tensors.items()
+            if k.startswith(STRATEGY_PREFIX)
+        }
+        ctx.strategy.load_state(strategy_tensors, metadata["strategy"])
+        if self.privacy is not None:
+            self.privacy.load_state(metadata.get(PRIVACY_KEY, {}))
+        history = metadata.get(HISTORY_KEY, {})
+        ctx.contributor_history = {
+            int(t): frozenset(sites) for t, sites in history.get("contributors", {}).items()
+        }
+        ctx.folded_history = {int(t): frozenset(sites) for t, sites in history.get("folded", {}).items()}
+        ctx.policy.load_state(history.get("deadline", []))
+        logger.info("resumed from checkpoint in %s at round %d", config.checkpoint_dir, round_number)
+        return weights.to(device, torch.float32).contiguous()
+
+    def save_checkpoint(
+        self,
+        round_number: int,
+        weights: torch.Tensor,
+        contributors: frozenset[str],
+        folded: frozenset[str],
+    ) -> None:
+        """``contributors``/``folded``: of round ``round_number - 1``, just aggregated (the
+        history does not hold it yet). The history lets a restarted coordinator still tell a
+        site whether its update counted, so it neither loses nor resends it."""
+        ctx = self.ctx
+        assert ctx.config.checkpoint_dir is not None
+        last = round_number - 1
+        history = {
+            "contributors": {
+                str(t): sorted(sites) for t, sites in {**ctx.contributor_history, last: contributors}.items()
+                if t > last - CONTRIBUTOR_HISTORY
+            },
+            "folded": {
+                str(t): sorted(sites) for t, sites in {**ctx.folded_history, last - 1: folded}.items()
+                if t > last - 1 - CONTRIBUTOR_HISTORY and sites
+            },
+            "deadline": ctx.policy.state(),
+        }
+        tensors = {WEIGHTS_KEY: weights}
+        tensors.update({STRATEGY_PREFIX + k: v for k, v in ctx.strategy.state_tensors().items()})
+        metadata = {
+            "config": ctx.config.to_dict(),
+            "strategy": ctx.strategy.state_meta(),
+            "layout": self.layout.to_dict(),
+            "weights_digest": weights_digest(weights.detach().to("cpu")),
+            "session_id": ctx.session_id,
+            HISTORY_KEY: history,
+        }
+        if self.privacy is not None:
+            metadata[PRIVACY_KEY] = self.privacy.state()
+        save_checkpoint(
+            ctx.config.checkpoint_dir, round_number, tensors, metadata, keep=ctx.config.checkpoint_keep
+        )

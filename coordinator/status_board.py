@@ -1,0 +1,288 @@
+"""What the status page shows: the live state of sites and rounds, fed by coordinator events.
+
+``StatusBoard`` listens to the state machine's ``EventHub`` and answers ``/api/status``
+(``geoloco.coordinator.http_status`` serves it); ``config_summary`` is the run card.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from geoloco.coordinator import events as ev
+from geoloco.coordinator.domain import SITE_PHASES
+
+if TYPE_CHECKING:
+    from geoloco.coordinator.config import CoordinatorConfig
+    from geoloco.coordinator.rounds import RoundStateMachine
+
+__all__ = [
+    "STATE_DONE",
+    "STATE_DOWN",
+    "STATE_JOINED",
+    "STATE_LEFT",
+    "StatusBoard",
+    "config_summary",
+]
+
+STATE_DOWN = "down"
+"""A member silent for ``DOWN_AFTER_HEARTBEATS`` heartbeat intervals (after its first
+heartbeat), or dropped."""
+STATE_LEFT = "left"
+STATE_DONE = "done"
+STATE_JOINED = "joined"
+PHASE_STATES = frozenset(SITE_PHASES)
+"""Site states shown for what a member reports doing in its heartbeats."""
+DOWN_AFTER_HEARTBEATS = 3.0
+"""A member is shown down after this many heartbeat intervals without a sign of life: it is
+still in the run (its upload may still count) until ``heartbeat_timeout_s`` drops it."""
+RATE_WINDOW_S = 5.0
+"""Link rates are bytes over the last this many seconds."""
+MAX_EVENTS = 200
+MAX_ROUNDS = 5000
+def _finite(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+@dataclass(slots=True)
+class _Site:
+    name: str
+    first_seen_s: float
+    last_seen_s: float
+    member: bool = True
+    state: str = STATE_JOINED
+    down_reported: bool = False
+    heard: bool = False
+    """A heartbeat arrived since the last join. Silence only counts after one: the site CLI
+    joins once to learn the run's settings and again when its model is built."""
+    rounds_joined: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    joins: int = 0
+    recent: deque[tuple[float, int, int]] = field(default_factory=deque)
+    """(time, bytes up, bytes down) transfers within ``RATE_WINDOW_S``."""
+
+
+class StatusBoard:
+    """The live state behind ``/api/status``: an ``EventHub`` listener (``on_event``)."""
+
+    def __init__(
+        self,
+        config_summary: dict[str, Any],
+        *,
+        heartbeat_interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config_summary = config_summary
+        self.down_after_s = DOWN_AFTER_HEARTBEATS * heartbeat_interval_s
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self._lock = threading.Lock()
+        self._sites: dict[str, _Site] = {}
+        self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
+        self._rounds: deque[dict[str, Any]] = deque(maxlen=MAX_ROUNDS)
+        self._run_finished = False
+        self._started_wall = wall_clock()
+        self._rejected_total = 0
+
+    def _event(self, kind: str, text: str, site: str | None = None) -> None:
+        self._events.append({"time": self.wall_clock(), "kind": kind, "site": site, "text": text})
+
+    def _site(self, name: str, now: float) -> _Site:
+        site = self._sites.get(name)
+        if site is None:
+            site = self._sites[name] = _Site(name=name, first_seen_s=now, last_seen_s=now)
+        return site
+
+    def on_event(self, event: ev.RoundEvent) -> None:
+        with self._lock:
+            self._apply(event)
+
+    def _apply(self, event: ev.RoundEvent) -> None:
+        kind, name, data, now = event.kind, event.site, event.data, event.time_s
+        if kind == ev.ROUND_AGGREGATED:
+            self._on_round(data)
+            return
+        if kind == ev.REQUEST_REJECTED:
+            self._rejected_total += 1
+            who = f" from {name}" if name else ""
+            self._event(
+                "rejected",
+                f"{data['method']}{who} refused: {data['code']} ({data['reason']}): {data['message']}",
+            )
+            return
+        if kind in (ev.ROUND_STARTED, ev.CHECKPOINT_SAVED) or name is None:
+            # Round starts are in the round chart; the event list keeps what needs attention.
+            return
+        site = self._site(name, now)
+        site.last_seen_s = max(site.last_seen_s, now)
+        if kind == ev.SITE_JOINED:
+            was_down = site.state == STATE_DOWN or site.down_reported or not site.member
+            site.joins += 1
+            site.member, site.state, site.down_reported, site.heard = True, STATE_JOINED, False, False
+            if site.joins == 1:
+                self._event("join", f"{name} joined at round {event.round}", name)
+            elif was_down:
+                self._event("recovery", f"{name} is back (re-joined at round {event.round})", name)
+            else:
+                self._event("join", f"{name} re-joined at round {event.round}", name)
+        elif kind == ev.SITE_LEFT:
+            site.member = False
+            site.state = STATE_DONE if self._run_finished else STATE_LEFT
+            self._event("leave", f"{name} left ({data.get('reason') or 'no reason given'})", name)
+        elif kind == ev.SITE_DROPPED:
+            site.member, site.state = False, STATE_DOWN
+            if not site.down_reported:
+                site.down_reported = True
+            self._event("fault", f"{name} dropped after {data['silent_s']:.1f} s without a heartbeat", name)
+        elif kind == ev.HEARTBEAT:
+            site.heard = True
+            if site.down_reported and site.member:
+                site.down_reported = False
+                self._event("recovery", f"{name} is heard from again", name)
+            phase = data.get("phase", "")
+            if phase in PHASE_STATES:
+                site.state = phase
+        elif kind in (ev.BYTES_RECEIVED, ev.BYTES_SENT):
+            up = data["nbytes"] if kind == ev.BYTES_RECEIVED else 0
+            down = data["nbytes"] if kind == ev.BYTES_SENT else 0
+            site.bytes_up += up
+            site.bytes_down += down
+            site.recent.append((now, up, down))
+            self._prune(site, now)
+        elif kind == ev.UPDATE_AGGREGATED:
+            site.rounds_joined += 1
+        elif kind == ev.UPDATE_REJECTED:
+            self._event("rejected", f"{name}'s update for round {event.round} was rejected: {data['why']}", name)
+
+    @staticmethod
+    def _prune(site: _Site, now: float) -> None:
+        while site.recent and site.recent[0][0] < now - RATE_WINDOW_S:
+            site.recent.popleft()
+
+    def _on_round(self, record: Any) -> None:
+        site_metrics = record.get("site_metrics") or {}
+        losses = [m["train_loss"] for m in site_metrics.values() if _finite(m.get("train_loss")) is not None]
+        self._rounds.append(
+            {
+                "round": record["round"],
+                "eval_loss": _finite(record.get("eval_loss")),
+                "train_loss": sum(losses) / len(losses) if losses else None,
+                "bytes_up": int(sum(record.get("bytes_up", {}).values())),
+                "bytes_down": int(sum(record.get("bytes_down", {}).values())),
+                "participants": len(record["participants"]),
+                "excluded": list(record["excluded"]),
+                "round_time_s": _finite(record.get("round_time_s")),
+                "deadline_s": _finite(record.get("deadline_s")),
+                "update_norm": _finite(record.get("update_norm")),
+                "epsilon": _finite(record.get("epsilon")),
+                "fragment": record.get("fragment"),
+                "time": self.wall_clock(),
+            }
+        )
+        if record["excluded"]:
+            self._event(
+                "fault",
+                f"round {record['round']} closed without {', '.join(record['excluded'])} (stragglers)",
+            )
+        if record.get("run_finished"):
+            self._run_finished = True
+            self._event("round", f"run finished after round {record['round']}")
+
+    def snapshot(self, *, round_number: int, phase: str, session_id: str) -> dict[str, Any]:
+        """The JSON document of ``/api/status``."""
+        with self._lock:
+            now = self.clock()
+            sites = []
+            for site in sorted(self._sites.values(), key=lambda s: s.name):
+                silent = now - site.last_seen_s
+                state = site.state
+                if site.member and site.heard and silent > self.down_after_s and not self._run_finished:
+                    state = STATE_DOWN
+                    if not site.down_reported:
+                        site.down_reported = True
+                        self._event("fault", f"{site.name} silent for {silent:.1f} s", site.name)
+                self._prune(site, now)
+                window = min(RATE_WINDOW_S, max(now - site.first_seen_s, 1e-3))
+                sites.append(
+                    {
+                        "name": site.name,
+                        "state": state,
+                        "member": site.member,
+                        "last_seen_s": round(max(0.0, silent), 3),
+                        "rounds_joined": site.rounds_joined,
+                        "bytes_up": site.bytes_up,
+                        "bytes_down": site.bytes_down,
+                        "rate_up_bps": 8 * sum(x[1] for x in site.recent) / window,
+                        "rate_down_bps": 8 * sum(x[2] for x in site.recent) / window,
+                    }
+                )
+            return {
+                "session_id": session_id,
+                "time": self.wall_clock(),
+                "started": self._started_wall,
+                "round": round_number,
+                "phase": phase,
+                "run_finished": self._run_finished,
+                "config": self.config_summary,
+                "sites": sites,
+                "rounds": list(self._rounds),
+                "events": list(self._events)[::-1],
+                "rejected_total": self._rejected_total,
+            }
+
+
+def config_summary(config: CoordinatorConfig, rounds: RoundStateMachine) -> dict[str, Any]:
+    """What the page shows about the run: the headline settings plus the whole config."""
+    algorithm = config.algorithm
+    return {
+        "algorithm": algorithm.name,
+        "inner_steps": rounds.strategy.inner_steps,
+        "uplink_codec": rounds.uplink_codec,
+        "downlink_codec": algorithm.downlink_codec,
+        "outer_optimizer": config.outer_optimizer.to_dict(),
+        "total_rounds": config.total_rounds,
+        "min_sites": config.min_sites,
+        "round_deadline_s": config.round_deadline_s,
+        "adaptive_deadline": (
+            {"min_s": config.adaptive_deadline.min_s, "max_s": config.adaptive_deadline.max_s}
+            if config.adaptive_deadline.enabled else None
+        ),
+        "round_time_budget_s": algorithm.round_time_budget_s,
+        "weighting": algorithm.weighting,
+        "late_updates": algorithm.late_updates,
+        "streaming": (
+            {
+                "fragments": algorithm.streaming.fragments,
+                "overlap_steps": algorithm.streaming.overlap_steps,
+                "mix": algorithm.streaming.mix,
+            }
+            if algorithm.streaming.enabled else None
+        ),
+        "privacy": (
+            {
+                "secure_aggregation": config.privacy.secure_aggregation,
+                "dp": config.privacy.dp,
+                "noise_multiplier": config.privacy.noise_multiplier,
+                "delta": config.privacy.delta,
+                "epsilon_budget": config.privacy.epsilon_budget,
+            }
+            if config.privacy.enabled else None
+        ),
+        "heartbeat_interval_s": config.heartbeat_interval_s,
+        "heartbeat_timeout_s": config.heartbeat_timeout_s,
+        "parameters": rounds.numel,
+        "transport": "insecure (plain text)" if config.insecure else "mutual TLS",
+        "allowed_sites": config.allowed_sites,
+        "workload": config.workload,
+        "full": config.to_dict(),
+    }

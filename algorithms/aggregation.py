@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
 from geoloco.algorithms.fixed_point import clip_l2, secure_generator
 from geoloco.compression import Encoded, decode
 

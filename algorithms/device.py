@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from geoloco.algorithms.config import ConfigError
 
 __all__ = ["DEVICES", "resolve_device"]

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.workload import Batch
 from geoloco.compression import Codec, Encoded, ErrorFeedback, decode, parse_codec
-from torch import nn
 
 __all__ = [
     "InnerResult",

@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable
 
 import torch
+
 from geoloco.algorithms.config import ConfigError
 
 __all__ = [

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
 from geoloco.algorithms.lr_schedule import LR_SCHEDULES, InnerLRSchedule, resolve_decay_steps
 

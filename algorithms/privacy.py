@@ -61,6 +61,7 @@ from geoloco.compression.sparsify import RandK, random_indices
 
 __all__ = [
     "DP_MODES",
+    "SECURE_INDEX_SEED_PURPOSE",
     "SECURE_UPLOAD_CODEC",
     "PrivacyAccountant",
     "PrivacyConfig",
@@ -69,15 +70,14 @@ __all__ = [
     "check_composition",
     "check_privacy_setup",
     "decode_secure_sum",
-    "plan_secure_round",
-    "secure_context",
-    "secure_fixed_point",
-    "private_round_in_memory",
     "effective_noise_multiplier",
     "noise_generator",
-    "skellam_noise",
-    "SECURE_INDEX_SEED_PURPOSE",
+    "plan_secure_round",
+    "private_round_in_memory",
+    "secure_context",
+    "secure_fixed_point",
     "secure_index_seed",
+    "skellam_noise",
 ]
 
 DP_MODES = ("off", "central", "distributed")

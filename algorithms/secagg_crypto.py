@@ -80,7 +80,9 @@ def hkdf(material: bytes, *info: bytes | int | str) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info_bytes).derive(material)
 
 
-def mask_key(material: bytes, session: str, round_index: int, *, pair: tuple[int, int] | None = None, site: int | None = None) -> bytes:
+def mask_key(
+    material: bytes, session: str, round_index: int, *, pair: tuple[int, int] | None = None, site: int | None = None
+) -> bytes:
     """The 256-bit ChaCha20 key of one mask: a pairwise mask (``pair``) or a self-mask (``site``).
 
     ``material`` is the X25519 shared secret (pairwise) or the self-mask seed ``b_u``; HKDF binds

@@ -24,6 +24,7 @@ from geoloco.algorithms.secagg_crypto import DOMAIN, NeighbourMode, default_thre
 
 __all__ = [
     "MIN_SITES",
+    "STAGES",
     "STAGE_ADVERTISE_KEYS",
     "STAGE_CONSISTENCY",
     "STAGE_DONE",
@@ -31,7 +32,6 @@ __all__ = [
     "STAGE_SHARE_KEYS",
     "STAGE_UNMASK",
     "STAGE_UNMASK_RESPONSE",
-    "STAGES",
     "EncryptedShare",
     "KeyAdvertisement",
     "RoundContext",
@@ -130,21 +130,21 @@ class KeyAdvertisement:
     signature: bytes
 
     def signed_bytes(self) -> bytes:
-        return advert_signed_bytes(self.session, self.round_index, self.site, self.cipher_public_key, self.mask_public_key)
+        return advert_signed_bytes(
+            self.session, self.round_index, self.site, self.cipher_public_key, self.mask_public_key
+        )
 
 
 def advert_signed_bytes(session: str, round_index: int, site: int, cpk: bytes, spk: bytes) -> bytes:
     """What a key advertisement's Ed25519 signature covers (built from the fields, never an encoding)."""
-    return b"|".join(
-        [DOMAIN, STAGE_ADVERTISE_KEYS.encode(), session.encode(), str(round_index).encode(), str(site).encode(), cpk, spk]
-    )
+    fields = [session.encode(), str(round_index).encode(), str(site).encode(), cpk, spk]
+    return b"|".join([DOMAIN, STAGE_ADVERTISE_KEYS.encode(), *fields])
 
 
 def survivors_signed_bytes(session: str, round_index: int, survivors: Sequence[int]) -> bytes:
     """What a survivor-list signature (``STAGE_CONSISTENCY``) covers: the sorted list, session, round."""
-    return b"|".join(
-        [DOMAIN, STAGE_CONSISTENCY.encode(), session.encode(), str(round_index).encode(), ",".join(map(str, sorted(survivors))).encode()]
-    )
+    survivor_list = ",".join(map(str, sorted(survivors))).encode()
+    return b"|".join([DOMAIN, STAGE_CONSISTENCY.encode(), session.encode(), str(round_index).encode(), survivor_list])
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from geoloco.algorithms.secagg_messages import (
     KeyAdvertisement,
     RoundContext,
     SecAggAbort,
+    SecAggViolation,
     UnmaskRequest,
     UnmaskResponse,
 )
@@ -192,7 +193,6 @@ class SecAggServer:
         assert self._aggregate is not None
         c = self.context
         total = self._aggregate
-        dtype = total.dtype
         pair_keys: list[tuple[bytes, int]] = []
         self_keys: list[bytes] = []
         for u in self._survivors:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, add_central_noise, private_round_in_memory
 from geoloco.compression import Encoded
 

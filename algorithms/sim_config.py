@@ -12,10 +12,19 @@ from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
-from geoloco.algorithms.privacy import PrivacyConfig, check_privacy_setup
+from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.training import TrainingConfig, TrainingKeys
 
-__all__ = ["MEASURE", "RoundRecord", "SimulationConfig", "SimulatorConfig"]
+__all__ = ["MEASURE", "SIMULATOR_KEYS", "RoundRecord", "SimulationConfig", "SimulatorConfig"]
+
+SIMULATOR_KEYS = TrainingKeys(
+    min_sites="simulation.min_sites",
+    round_deadline_s="simulation.round_deadline_s",
+    adaptive_deadline="simulation.adaptive_deadline",
+    rounds="simulation.rounds",
+)
+"""Where a simulator file keeps the round policy and the run length."""
 
 MEASURE = "measure"
 """``step_time_s`` value that uses the measured wall time of the real inner steps."""
@@ -107,52 +116,22 @@ class SimulatorConfig:
 
     def validate(self) -> None:
         require(len(self.sites) >= 1, "sites", "at least one site is needed")
-        try:
-            self.inner_optimizer.resolved_decay_steps(
-                total_rounds=self.simulation.rounds, inner_steps=self.algorithm.inner_steps
-            )
-        except ConfigError as err:
-            raise err.under("inner_optimizer") from None
-        require(
-            self.simulation.min_sites <= len(self.sites),
-            "simulation.min_sites",
-            f"must be <= the number of sites ({len(self.sites)}), got {self.simulation.min_sites}",
-        )
-        require(
-            not (self.algorithm.name == "ddp" and self.simulation.round_deadline_s is not None),
-            "simulation.round_deadline_s",
-            "the ddp baseline waits for every site each step; unset round_deadline_s",
-        )
-        require(
-            not (self.algorithm.name == "ddp" and self.simulation.adaptive_deadline.enabled),
-            "simulation.adaptive_deadline.enabled",
-            "the ddp baseline waits for every site each step; set enabled = false",
-        )
-        if self.privacy.enabled:
-            require(
-                self.algorithm.name != "ddp" and self.algorithm.warmup_steps == 0,
-                "privacy",
-                "privacy applies to pseudo-gradient rounds; use diloco, fedavg or fedopt with "
-                "warmup_steps = 0",
-            )
-            require(
-                self.simulation.round_deadline_s is None,
-                "simulation.round_deadline_s",
-                "with privacy on, every site's update enters the round; unset round_deadline_s",
-            )
-            require(
-                not self.simulation.adaptive_deadline.enabled,
-                "simulation.adaptive_deadline.enabled",
-                "with privacy on, every site's update enters the round; set enabled = false",
-            )
-        check_privacy_setup(
-            self.privacy,
-            weighting=self.algorithm.weighting,
-            late_updates=self.algorithm.late_updates,
-            uplink_codec=self.algorithm.uplink_codec,
-            num_sites=len(self.sites),
-            quorum=len(self.sites),
-            quorum_key="sites",
+        self.training.validate(SIMULATOR_KEYS, num_sites=len(self.sites), every_site_reports=True)
+
+    @property
+    def training(self) -> TrainingConfig:
+        """What is trained and how, as the coordinator and the emulator describe it too."""
+        sim = self.simulation
+        return TrainingConfig(
+            algorithm=self.algorithm,
+            inner_optimizer=self.inner_optimizer,
+            outer_optimizer=self.outer_optimizer,
+            privacy=self.privacy,
+            seed=sim.seed,
+            rounds=sim.rounds,
+            min_sites=sim.min_sites,
+            round_deadline_s=sim.round_deadline_s,
+            adaptive_deadline=sim.adaptive_deadline,
         )
 
     @classmethod

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.diloco import InnerResult, run_inner_steps
 from geoloco.algorithms.lr_schedule import InnerLRSchedule
@@ -28,7 +30,6 @@ from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within, steps_in_budget
 from geoloco.algorithms.workload import Workload
 from geoloco.compression import Encoded
-from torch import nn
 
 __all__ = ["SimSite", "SimTrainer"]
 

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from geoloco.algorithms.aggregation import Aggregation, CentralDPSum
 from geoloco.algorithms.privacy import (
     PrivacyConfig,

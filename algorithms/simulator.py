@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
 from geoloco.algorithms.clock import download_ends, upload_arrivals
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.diloco import batch_size, compute_gradient, pseudo_gradient
@@ -113,13 +114,7 @@ class Simulator:
         if self.data_parallel:
             self.ddp_lr_schedule = config.inner_optimizer.build_schedule(self.strategy.outer.optimizer, **horizon)
         self.accountant = PrivacyAccountant(config.privacy.delta) if config.privacy.dp != "off" else None
-        self.policy = RoundPolicy(
-            min_sites=sim.min_sites,
-            round_deadline_s=sim.round_deadline_s,
-            adaptive_deadline=sim.adaptive_deadline,
-            late_updates=algo.late_updates,
-            staleness_discount=algo.staleness_discount,
-        )
+        self.policy: RoundPolicy = config.training.round_policy(num_sites)
         self.clock_s = 0.0
         self.open_s = 0.0
         self.bytes_up_total = 0

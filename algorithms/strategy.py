@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
+
 from geoloco.algorithms.aggregation import Aggregation, RunningSum
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
 from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, encode_downlink

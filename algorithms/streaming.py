@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
 from geoloco.algorithms.config import config_to_dict, require
 from geoloco.algorithms.diloco import UpdateEncoder
 from geoloco.algorithms.params import ParamEntry, ParamLayout

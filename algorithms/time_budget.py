@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
+
 from geoloco.algorithms.diloco import InnerResult, LossFn, run_inner_steps
 from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.workload import Batch
-from torch import nn
 
 __all__ = ["TimeBudget", "run_inner_steps_within", "steps_in_budget"]
 

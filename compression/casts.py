@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
 from geoloco.compression import _memory
 from geoloco.compression.bitpack import view_as
 from geoloco.compression.stages import ValueCodec

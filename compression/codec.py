@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 import torch
+
 from geoloco.compression import _memory
 from geoloco.compression.casts import Cast, Lossless
 from geoloco.compression.encoded import DTYPE_CODES, CodecError, Encoded

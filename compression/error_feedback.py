@@ -15,6 +15,7 @@ decode.
 from __future__ import annotations
 
 import torch
+
 from geoloco.compression.codec import Codec
 from geoloco.compression.encoded import Encoded
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Final
 
 import torch
+
 from geoloco.compression import _memory
 from geoloco.compression.bitpack import view_as
 from geoloco.compression.encoded import CodecError

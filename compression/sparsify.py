@@ -32,6 +32,7 @@ from fractions import Fraction
 from typing import ClassVar, Final
 
 import torch
+
 from geoloco.compression import _memory
 from geoloco.compression.bitpack import pack_uint, packed_nbytes, unpack_uint
 from geoloco.compression.encoded import CodecError

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+
 from geoloco.compression.encoded import CodecError
 
 

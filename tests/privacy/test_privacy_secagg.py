@@ -318,3 +318,14 @@ def test_traffic_counts_the_masked_upload_at_the_modulus_width() -> None:
         for s in range(n):
             # Masked values at b/8 bytes each, plus a few kilobytes of keys, shares and signatures.
             assert payload < traffic[s] < payload + 4096, traffic
+
+
+def test_server_refuses_an_advertisement_for_another_round_or_session() -> None:
+    """A replayed or misrouted key advertisement is a protocol violation the coordinator can turn
+    into INVALID_ARGUMENT, not an error of its own."""
+    context, clients, server = _prepared(4, seed=3)
+    ad = clients[0].advertise()
+    for changed in ({"round_index": context.round_index + 1}, {"session": context.session + "-old"}):
+        with pytest.raises(SecAggViolation, match="another round or session"):
+            server.receive_advertisement(dataclasses.replace(ad, **changed))
+    server.receive_advertisement(ad)

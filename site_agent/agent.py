@@ -155,7 +155,7 @@ class SiteAgent:
             model, inner_optimizer, data, loss_fn, site=self.site, config=self.config,
             device=device, group=group, lr_schedule=lr_schedule, stop=self._stop,
         )
-        self.state = SiteState(self.trainer.layout.numel, device)
+        self.state = SiteState()
         self._coordinator = coordinator
         self._tls = tls
         self._insecure = insecure
@@ -183,10 +183,6 @@ class SiteAgent:
     @property
     def layout(self) -> ParamLayout:
         return self.trainer.layout
-
-    @property
-    def device(self) -> torch.device:
-        return self.trainer.device
 
     @property
     def global_weights(self) -> torch.Tensor | None:
@@ -318,6 +314,13 @@ class SiteAgent:
         if response.must_fetch_model and not has_pending and not chase:
             runner.fetch()
             fetched = True
+            if state.held_round > coordinator_round:
+                # The coordinator closed a round between the join and the fetch: the join's
+                # round info (its seed) is for an earlier round than the weights it sent.
+                raise RejoinRequired(
+                    f"fetched the weights of round {state.held_round}, past the joined round "
+                    f"{coordinator_round}"
+                )
         if state.at_end and not has_pending:
             state.mark_finished()
         logger.info(

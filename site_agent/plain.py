@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 import torch
 
@@ -27,12 +27,12 @@ __all__ = ["PendingUpdate", "PlainRounds"]
 
 logger = logging.getLogger(__name__)
 
-PENDING_NEW = "new"
+PENDING_NEW: Final = "new"
 """Not uploaded yet (or to be sent again after a re-join: the coordinator deduplicates)."""
-PENDING_UPLOADED = "uploaded"
-PENDING_LATE = "late"
+PENDING_UPLOADED: Final = "uploaded"
+PENDING_LATE: Final = "late"
 """Its round closed before the upload completed: the round's broadcast resolves it."""
-PENDING_DROPPED = "dropped"
+PENDING_DROPPED: Final = "dropped"
 """Nothing to send (non-finite, refused, not in the secure round): only the broadcast is taken."""
 
 PendingState = Literal["new", "uploaded", "late", "dropped"]

@@ -52,10 +52,6 @@ class TrainedUpdate:
     started_s: float
     """``time.monotonic()`` when the round's training began."""
 
-    @property
-    def fragment(self) -> int:
-        return 0 if self.update is None else self.update.fragment
-
     def metrics(self) -> dict[str, float]:
         """The training metrics sent with the upload."""
         return {
@@ -176,7 +172,9 @@ class RoundRunner:
         self._apply_broadcast(round_number, header, data)
         self.state.take_broadcast_header(header)
 
-    def _encode(self, update: torch.Tensor, round_number: int, fragment: int, samples: int) -> UplinkUpdate | None:
+    def _encode(
+        self, update: torch.Tensor, round_number: int, fragment: int, samples: int
+    ) -> UplinkUpdate | None:
         """``update`` (the round's pseudo-gradient) for the wire; None for a non-finite update
         (not sent; the fragment's residual is reset) or one the secure sum cannot take."""
         if not bool(torch.isfinite(update).all()):

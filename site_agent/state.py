@@ -46,9 +46,7 @@ class SiteState:
     ``held_round`` and ``phase``.
     """
 
-    def __init__(self, numel: int, device: torch.device) -> None:
-        self.numel = numel
-        self.device = device
+    def __init__(self) -> None:
         self._global: torch.Tensor | None = None
         self._digest: str | None = None
         self._held_round = 0

@@ -81,6 +81,8 @@ class SiteUplink(Protocol):
 
     def reset(self, fragment: int) -> None: ...
 
+    def residual(self, fragment: int = 0) -> torch.Tensor | None: ...
+
 
 def _upload(
     client: CoordinatorClient, update: UplinkUpdate, *, round_number: int, inner_steps: int,
@@ -182,7 +184,7 @@ class MaskedUplink:
         self.secure.restore()
 
     def reset(self, fragment: int) -> None:
-        self.secure.encoders.pop(fragment, None)
+        self.secure.reset(fragment)
 
     def residual(self, fragment: int = 0) -> torch.Tensor | None:
         encoder = self.secure.encoders.get(fragment)

@@ -75,7 +75,9 @@ def test_a_broadcast_header_moves_the_coordinators_round_and_ends_the_run() -> N
 
 
 @pytest.mark.parametrize("fragments", [1, 2])
-def test_the_strategy_uplink_sends_the_simulators_bytes_and_keeps_what_missed_its_round(fragments: int) -> None:
+def test_the_strategy_uplink_sends_the_simulators_bytes_and_keeps_what_missed_its_round(
+    fragments: int,
+) -> None:
     """Seeds from ``plan.uplink_seed(site)`` (what the simulator uses) and one residual per
     fragment: a restored update comes back whole in that fragment's next encoding."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 4))

@@ -1,7 +1,13 @@
 """geoloco.site_agent: one site of a run, as a Python API around the user's own training.
 
 - ``agent``: ``SiteAgent(model, inner_optimizer, data, loss_fn, coordinator=..., site=..., tls=...)``
-  with ``run(max_rounds=None)`` and ``stop()``.
+  with ``run(max_rounds=None)`` and ``stop()``: membership (join, heartbeats, leave) over the
+  parts below.
+- ``state``: ``SiteState``, the global weights the site holds, its rounds and the run config.
+- ``trainer``: ``SiteTrainer``, inner steps, lr schedule, batches, loss, follower ranks.
+- ``runner`` / ``plain`` / ``streaming``: the round runners (shared mechanics, synchronous DiLoCo
+  rounds, Streaming DiLoCo rounds), over an ``uplink`` (the strategy's encoders, or secure
+  aggregation's masking from ``secure_site``).
 - ``config``: ``SiteAgentConfig`` (device, bf16 autocast, clipping, retries), ``SiteHooks``,
   ``RoundResult``, ``JoinInfo``.
 - ``client``: ``CoordinatorClient`` (retries with backoff and jitter, resumable transfers) and the

@@ -122,9 +122,9 @@ class UpdateRejected(SiteAgentError):
 
 @dataclass(slots=True)
 class TransferStats:
-    """Serialized message bytes sent and received, for the round's metrics."""
+    """Serialized message bytes received, for the round's metrics (bytes sent are the
+    uploads' own sizes)."""
 
-    sent: int = 0
     received: int = 0
 
 
@@ -191,9 +191,14 @@ class CoordinatorClient:
         if self._stop.wait(seconds):
             raise AgentStopped()
 
+    def _backoff(self, what: str) -> _Backoff:
+        return _Backoff(
+            what, config=self.config, target=self.target, classify=self._classify, sleep=self._sleep
+        )
+
     def _call(self, what: str, attempt: Callable[[], T], backoff: _Backoff | None = None) -> T:
         """Run ``attempt`` until it succeeds, retrying transient failures with backoff."""
-        backoff = backoff or _Backoff(self, what)
+        backoff = backoff or self._backoff(what)
         while True:
             if self._stop.is_set():
                 raise AgentStopped()
@@ -346,18 +351,13 @@ class CoordinatorClient:
         )
         timeout = transfer_timeout(len(data), min_bytes_per_s=self.config.min_transfer_rate)
         missing: list[tuple[int, int]] | None = None
-        backoff = _Backoff(self, f"Upload for round {round_number}")
+        backoff = self._backoff(f"Upload for round {round_number}")
         for attempt_index in range(self.config.max_upload_attempts):
             if self._stop.is_set():
                 raise AgentStopped()
-
-            def requests(missing: list[tuple[int, int]] | None = missing) -> Iterator[pb.UploadRequest]:
-                for request in upload_requests(manifest, data, missing=missing):
-                    self.stats.sent += message_nbytes(request)
-                    yield request
-
             try:
-                response = self._stub.Upload(requests(), timeout=timeout)
+                requests = upload_requests(manifest, data, missing=missing)
+                response = self._stub.Upload(requests, timeout=timeout)
                 if response.complete:
                     return response
             except grpc.RpcError as error:
@@ -404,12 +404,11 @@ class CoordinatorClient:
             stage, message, site=self.site, session_id=self.session_id, round_number=round_number,
             wait_ms=wait_ms,
         )
-        backoff = _Backoff(self, f"SecureStage {stage} of round {round_number}")
+        backoff = self._backoff(f"SecureStage {stage} of round {round_number}")
         while True:
             response: pb.SecureStageResponse = self._call(
                 "SecureStage", lambda: self._stub.SecureStage(request, timeout=SECURE_STAGE_TIMEOUT_S), backoff
             )
-            self.stats.sent += message_nbytes(request)
             self.stats.received += message_nbytes(response)
             backoff.alive()
             if response.aborted:
@@ -434,7 +433,7 @@ class CoordinatorClient:
         its upload's response would have reached it. Pass the result to ``await_broadcast``, or
         ``cancel`` it when the upload fails.
         """
-        return OpenBroadcast(self, round_number, self._await_call(round_number, 0))
+        return OpenBroadcast(round_number, self._await_call(round_number, 0), release=self._untrack)
 
     def await_broadcast(
         self,
@@ -453,7 +452,7 @@ class CoordinatorClient:
                 f"the open broadcast wait is for round {opened.round}, not round {round_number}"
             )
         download = Download()
-        backoff = _Backoff(self, f"AwaitBroadcast for round {round_number}")
+        backoff = self._backoff(f"AwaitBroadcast for round {round_number}")
         first = opened.take() if opened is not None else None
 
         def progress(message: pb.RoundProgress) -> None:
@@ -491,10 +490,11 @@ class CoordinatorClient:
 class OpenBroadcast:
     """An AwaitBroadcast call started ahead of the upload it waits on (see ``open_broadcast``)."""
 
-    def __init__(self, client: CoordinatorClient, round_number: int, call: Any) -> None:
+    def __init__(self, round_number: int, call: Any, *, release: Callable[[Any], None]) -> None:
         self.round = round_number
-        self._client = client
         self._call: Any = call
+        self._release = release
+        """Forget the call in the client's list of active calls."""
 
     def take(self) -> Any:
         """The call, handed over once to ``await_broadcast``."""
@@ -508,45 +508,57 @@ class OpenBroadcast:
         call, self._call = self._call, None
         if call is not None:
             call.cancel()
-            self._client._untrack(call)
+            self._release(call)
 
 
 class _Backoff:
     """Exponential backoff with jitter for one logical operation, and its give-up clock."""
 
-    def __init__(self, client: CoordinatorClient, what: str) -> None:
-        self.client = client
+    def __init__(
+        self,
+        what: str,
+        *,
+        config: SiteAgentConfig,
+        target: str,
+        classify: Callable[[grpc.RpcError], Exception | None],
+        sleep: Callable[[float], None],
+    ) -> None:
         self.what = what
+        self.config = config
+        self.target = target
+        self._classify = classify
+        """The exception for an error retrying cannot fix, or None."""
+        self._sleep = sleep
+        """Sleep, or raise ``AgentStopped`` when the agent is asked to stop meanwhile."""
         self.started = time.monotonic()
-        self.delay = client.config.backoff_initial_s
+        self.delay = config.backoff_initial_s
         self.failures = 0
 
     def alive(self) -> None:
         """The coordinator answered: restart the give-up clock and the backoff delay."""
         self.started = time.monotonic()
-        self.delay = self.client.config.backoff_initial_s
+        self.delay = self.config.backoff_initial_s
 
     def failed(self, error: grpc.RpcError) -> None:
         """Raise what retrying cannot fix (or when it is time to give up); else sleep."""
-        client = self.client
-        classified = client._classify(error)
+        classified = self._classify(error)
         if classified is not None:
             raise classified from None
         self.failures += 1
         elapsed = time.monotonic() - self.started
-        give_up = client.config.give_up_after_s
+        give_up = self.config.give_up_after_s
         if elapsed >= give_up:
             raise CoordinatorUnreachableError(
-                f"{self.what}: no successful answer from the coordinator at {client.target} for "
+                f"{self.what}: no successful answer from the coordinator at {self.target} for "
                 f"{elapsed:.0f} s ({self.failures} attempts, last error {_describe(error)}); check "
                 "that it is running and reachable, or raise give_up_after_s"
             ) from None
-        pause = min(self.delay, client.config.backoff_max_s) * random.uniform(0.5, 1.0)
+        pause = min(self.delay, self.config.backoff_max_s) * random.uniform(0.5, 1.0)
         logger.log(
             logging.INFO if self.failures in (1, 5, 20) else logging.DEBUG,
             "%s failed (%s); retry %d in %.2f s", self.what, _describe(error), self.failures, pause,
         )
-        client._sleep(min(pause, give_up - elapsed + 0.01))
+        self._sleep(min(pause, give_up - elapsed + 0.01))
         self.delay *= 2
 
 

@@ -26,7 +26,7 @@ import math
 import threading
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from geoloco.site_agent.config import JoinInfo, RoundResult, SiteHooks
 
@@ -100,9 +100,6 @@ class SiteMetrics:
         self.bytes_sent.inc(result.bytes_up)
         self.bytes_received.inc(result.bytes_down)
         self.train_loss.set(result.train_loss)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve ``/metrics`` on ``host:port`` (0 = a free port, returned). Loopback by default:

@@ -224,17 +224,15 @@ class _Client(Protocol):
         self, round_number: int, stage: str, message: StageMessage
     ) -> tuple[StageMessage, str]: ...
 
-    def upload(self, **kwargs: Any) -> Any: ...
-
 
 class SecureUplink:
-    """A site agent's secure-aggregation state across rounds (what ``SiteAgent`` calls).
+    """A site's secure-aggregation state across rounds (behind ``geoloco.site_agent.uplink.MaskedUplink``).
 
     Per round: ``begin_round`` starts the key stages on a background thread (they overlap the
-    inner steps: advertisement closes once every live site advertised); ``upload`` waits for
-    them, encodes (error feedback with this site's own residual, the round's shared random-k
-    coordinates, clip, fixed point, distributed noise), masks chunk by chunk and uploads with
-    wire chunks equal to the protocol's chunks; ``unmask`` answers the survivor list and the
+    inner steps: advertisement closes once every live site advertised); ``masked_update`` waits
+    for them, encodes (error feedback with this site's own residual, the round's shared random-k
+    coordinates, clip, fixed point, distributed noise), masks chunk by chunk for an upload whose
+    wire chunks equal the protocol's chunks (``upload_kwargs``); ``unmask`` answers the survivor list and the
     unmask request. Misbehaviour detected by the protocol (a substituted key, a replayed
     message, a request for both shares of one site) is refused and logged with the reason: the
     site then sits the round out (its update is not unmasked) and waits for the broadcast.
@@ -266,16 +264,15 @@ class SecureUplink:
         self.refusals: list[str] = []
         """Reasons this site refused a round (substitution, replay, double-share request)."""
 
-    @property
-    def encoder(self) -> PrivateUpdateEncoder:
-        """The encoder of plain (unfragmented) rounds."""
-        return self.encoders[0]
-
     def encoder_for(self, fragment: int) -> PrivateUpdateEncoder:
         """Fragment ``fragment``'s encoder (Streaming DiLoCo: error feedback per fragment)."""
         if fragment not in self.encoders:
             self.encoders[fragment] = PrivateUpdateEncoder(self.privacy, self.uplink_codec)
         return self.encoders[fragment]
+
+    def reset(self, fragment: int) -> None:
+        """Drop ``fragment``'s residual (after a non-finite update): a fresh encoder next time."""
+        self.encoders.pop(fragment, None)
 
     def begin_round(self, client: _Client, *, session: str, round_number: int, round_seed: int, numel: int) -> None:
         """Start this round's key stages beside the training (``numel``: the round's update

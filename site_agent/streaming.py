@@ -1,9 +1,9 @@
 """Streaming DiLoCo on a real site: upload a fragment in the background and keep training.
 
-The plain agent (``geoloco.site_agent.agent``) stops at the end of each round until the
-broadcast is back. With ``[algorithm.streaming]`` enabled in the coordinator's config, the agent
-hands each round to ``StreamingSite.step`` instead, which follows the schedule and merge of
-``geoloco.algorithms.streaming`` (the simulator's functions):
+Plain rounds (``geoloco.site_agent.plain``) stop at the end of each round until the broadcast
+is back. With ``[algorithm.streaming]`` enabled in the coordinator's config, the agent runs its
+rounds with ``StreamingRounds`` instead, which follows the strategy's fragments, schedule and
+merge (``geoloco.algorithms.streaming``, the simulator's functions):
 
 1. run the round's remaining inner steps on the site's *own* weights (the model is never reset to
    the global weights as a whole);
@@ -31,51 +31,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
+from dataclasses import dataclass, field
 import torch
 
-from geoloco.algorithms.diloco import pseudo_gradient, run_inner_steps
-from geoloco.algorithms.params import derive_seed, weights_digest
-from geoloco.algorithms.strategy import UPLINK_SEED_PURPOSE, AlgorithmConfig, build_strategy
-from geoloco.algorithms.streaming import (
-    FragmentUplink,
-    StreamingSchedule,
-    merge_fragment_,
-)
-from geoloco.compression import Encoded
+from geoloco.algorithms.diloco import pseudo_gradient
+from geoloco.algorithms.streaming import merge_fragment_
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.site_agent.client import (
-    RejoinRequired,
-    RoundClosed,
-    RunFinished,
-    SiteAgentError,
-    UpdateRejected,
-)
-from geoloco.site_agent.config import RoundResult
+from geoloco.site_agent.client import RoundClosed, RunFinished, SiteAgentError, UpdateRejected
+from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
 
-if TYPE_CHECKING:
-    from geoloco.site_agent.agent import SiteAgent
-
-__all__ = ["StreamingSite"]
+__all__ = ["StreamingRounds"]
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(slots=True)
 class _InFlight:
     """One round's fragment on its way: the upload, then the broadcast, in a background thread."""
 
-    round: int
+    trained: TrainedUpdate
     fragment: int
-    encoded: Encoded | None
-    loss: float
-    samples: int
-    inner_steps: int
-    inner_time_s: float
-    started_s: float
     bytes_down_before: int
     thread: threading.Thread | None = None
     uploaded: bool = False
@@ -84,290 +59,192 @@ class _InFlight:
     error: BaseException | None = None
     finished: bool = False
     skip_upload: bool = False
-    masked: bytes | None = None
-    """Secure aggregation: the masked fragment upload (``encoded`` is then None)."""
+
+    @property
+    def round(self) -> int:
+        return self.trained.round
 
 
-class StreamingSite:
-    """Runs a ``SiteAgent``'s rounds as Streaming DiLoCo (see the module docstring)."""
+@dataclass(slots=True)
+class _Overlap:
+    """Inner steps already run for the held round while the previous fragment travelled."""
 
-    def __init__(self, agent: SiteAgent, algorithm: AlgorithmConfig) -> None:
-        if agent.group is not None and agent.group.is_distributed:
+    steps: int = 0
+    seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    samples: int = 0
+
+
+class StreamingRounds(RoundRunner):
+    """Streaming DiLoCo rounds (see the module docstring)."""
+
+    def _setup(self) -> None:
+        if self.trainer.is_distributed:
             raise SiteAgentError(
                 "the coordinator runs Streaming DiLoCo ([algorithm.streaming] enabled), which "
                 "multi-rank (torchrun) sites do not support yet; run this site with one process "
                 "or disable streaming"
             )
-        strategy = build_strategy(algorithm, numel=agent.layout.numel, layout=agent.layout)
-        self.agent = agent
-        self.algorithm = algorithm
-        self.strategy = strategy
-        self.uplink: FragmentUplink = strategy.build_uplink()
-        self.overlap_done = 0
-        """Inner steps already run for the held round while the previous fragment travelled."""
-        self.overlap_time_s = 0.0
-        self.overlap_losses: list[float] = []
-        self.overlap_samples = 0
-        self.pending: _InFlight | None = None
+        self.schedule = self.strategy.schedule
+        self._overlap = _Overlap()
+        self._pending: _InFlight | None = None
         """A round whose upload or broadcast wait failed (coordinator restart, dropped site):
         finished after the re-join with the same encoded bytes (uploads are idempotent)."""
-
-    @property
-    def schedule(self) -> StreamingSchedule:
-        return self.strategy.schedule
 
     # ---------------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One round: train, send the fragment, overlap, merge. Called by ``SiteAgent._step``."""
-        a = self.agent
-        pending, self.pending = self.pending, None
-        if pending is not None and pending.round == a._held_round:
+        """One round: train, send the fragment, overlap, merge."""
+        state = self.state
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.round == state.held_round:
             # Same bytes again; if the round already closed, only its broadcast is fetched.
-            pending.skip_upload = a._coordinator_round > pending.round
+            pending.skip_upload = state.coordinator_round > pending.round
             self._send_and_wait(pending)
             if pending.error is not None:
-                self.pending = pending
+                self._pending = pending
                 raise pending.error
             self._finish(pending)
             return
-        if pending is not None and pending.encoded is not None and not pending.uploaded:
+        update = None if pending is None else pending.trained.update
+        if pending is not None and update is not None and not update.masked and not pending.uploaded:
             # The site moved to another round (it re-joined and fetched) before this fragment
             # reached its round: what it carried goes back into the fragment's residual, as for
             # any update that missed its round.
-            self.uplink.restore(pending.encoded, fragment=pending.fragment)
-        a._refresh_round_info()
-        if a._held_round < a._coordinator_round:
-            self.overlap_done, self.overlap_losses, self.overlap_samples = 0, [], 0
+            self.uplink.restore(update)
+        if state.is_behind:
+            self._overlap = _Overlap()
             self._chase()
             return
-        total = a._run_config.total_rounds
-        if total and a._held_round >= total:
-            a._finished = True
+        if state.at_end:
+            state.mark_finished()
             return
-        round_number = a._held_round
-        last = bool(total) and round_number + 1 >= total
+        self._check_round_info()
+        round_number = state.held_round
         flight = self._train_and_encode(round_number)
         flight.thread = threading.Thread(
-            target=self._send_and_wait, args=(flight,), name=f"geoloco-stream-{a.site}", daemon=True
+            target=self._send_and_wait, args=(flight,), name=f"geoloco-stream-{self.site}", daemon=True
         )
         flight.thread.start()
         tau = self.schedule.overlap_steps
-        self.overlap_done, self.overlap_time_s = 0, 0.0
-        self.overlap_losses, self.overlap_samples = [], 0
+        self._overlap = _Overlap()
         try:
-            if tau > 0 and not last:
-                losses, samples, seconds = self._train(tau)
-                self.overlap_done, self.overlap_time_s = tau, seconds
-                self.overlap_losses, self.overlap_samples = losses, samples
+            if tau > 0 and not state.is_last_round(round_number):
+                state.phase = pb.SITE_PHASE_TRAINING
+                result = self.trainer.train_steps(tau)
+                self._overlap = _Overlap(tau, result.seconds, result.losses, result.samples)
         finally:
-            a._phase = pb.SITE_PHASE_WAITING
+            state.phase = pb.SITE_PHASE_WAITING
             flight.thread.join()
         if flight.error is not None:
-            self.pending = flight
+            self._pending = flight
             raise flight.error
         self._finish(flight)
 
-    def _train(self, steps: int) -> tuple[list[float], int, float]:
-        """``steps`` inner steps on the model as it is (the site's own weights):
-        (losses, samples, seconds)."""
-        a = self.agent
-        a._phase = pb.SITE_PHASE_TRAINING
-        t0 = time.perf_counter()
-        result = run_inner_steps(
-            a.train_model, a.optimizer, a._batches(), steps, a._loss,
-            grad_clip_norm=a.config.grad_clip_norm, lr_schedule=a.lr_schedule,
-        )
-        if a.device.type == "cuda":
-            torch.cuda.synchronize(a.device)
-        return result.losses, result.samples, time.perf_counter() - t0
-
     def _train_and_encode(self, round_number: int) -> _InFlight:
-        a = self.agent
-        assert a._global is not None
+        state, trainer = self.state, self.trainer
         started = time.monotonic()
-        steps = self.schedule.interval - self.overlap_done
+        steps = self.schedule.interval - self._overlap.steps
         fragment_index = self.strategy.fragment_for_round(round_number)
         fragment = self.strategy.partition[fragment_index]
-        secure = a._secure
-        if secure is not None:
-            # The round's secure sum is over its fragment; key stages overlap the steps below.
-            self._check_round_info(round_number)
-            secure.begin_round(
-                a.client, session=a.client.session_id, round_number=round_number,
-                round_seed=a._round_info.round_seed, numel=fragment.numel,
-            )
-        a._position_lr_schedule(self.schedule.interval)
-        losses, samples, seconds = self._train(steps)
-        a._lr_round = round_number + 1  # the overlap steps count towards the next round
+        # Secure aggregation: the round's secure sum is over its fragment; the key stages
+        # overlap the steps below.
+        self.uplink.begin_round(
+            self.client, round_number=round_number, round_seed=state.round_seed(round_number),
+            numel=fragment.numel,
+        )
+        trainer.position_lr_schedule(round_number, self.schedule.interval)
+        state.phase = pb.SITE_PHASE_TRAINING
+        result = trainer.train_steps(steps)
+        trainer.lr_schedule_reached(round_number + 1)  # the overlap steps count towards the next round
         # The round's steps: the overlap steps run while the previous fragment travelled, then these.
-        losses = self.overlap_losses + losses
-        samples += self.overlap_samples
+        losses = self._overlap.losses + result.losses
+        samples = result.samples + self._overlap.samples
         loss = sum(losses) / len(losses) if losses else float("nan")
-        local = a.layout.flatten(a.module)
-        update = pseudo_gradient(fragment.gather(a._global), fragment.gather(local))
+        local = trainer.flatten()
+        update = pseudo_gradient(fragment.gather(state.global_weights), fragment.gather(local))
         del local
-        flight = _InFlight(
-            round=round_number, fragment=fragment_index, encoded=None, loss=loss,
-            samples=samples, inner_steps=self.schedule.interval,
-            inner_time_s=seconds + self.overlap_time_s, started_s=started,
-            bytes_down_before=a.client.stats.received,
+        bytes_down_before = self.client.stats.received
+        encoded = self._encode(update, round_number, fragment_index, samples)
+        trained = TrainedUpdate(
+            round=round_number, update=encoded, loss=loss, samples=samples,
+            inner_steps=self.schedule.interval, inner_time_s=result.seconds + self._overlap.seconds,
+            started_s=started,
         )
-        if not bool(torch.isfinite(update).all()):
-            logger.error(
-                "site %s: fragment %d's pseudo-gradient of round %d has NaN/Inf values; not "
-                "uploading it and resetting that fragment's residual", a.site, fragment_index,
-                round_number,
-            )
-            self.uplink.encoders[fragment_index] = self.strategy.uplink_encoder()
-            if secure is not None:
-                secure.encoders.pop(fragment_index, None)
-            return flight
-        self._check_round_info(round_number)
-        if secure is not None:
-            flight.masked = secure.masked_update(update, fragment=fragment_index)
-            return flight
-        seed = derive_seed(a._round_info.round_seed, UPLINK_SEED_PURPOSE, a.site)
-        flight.encoded = self.uplink.encode(update, seed=seed, fragment=fragment_index)
-        return flight
-
-    def _check_round_info(self, round_number: int) -> None:
-        a = self.agent
-        if a._round_info.round != round_number:
-            raise SiteAgentError(
-                f"internal error: training round {round_number} without its round seed "
-                f"(latest round info is for round {a._round_info.round})"
-            )
-
-    def _upload(self, flight: _InFlight) -> None:
-        """Upload the round's fragment: plain encoded bytes, or the masked secure-sum input
-        followed by the unmask stages (before the broadcast exists)."""
-        client = self.agent.client
-        secure = self.agent._secure
-        metrics = {
-            "train_loss": flight.loss, "samples": float(flight.samples),
-            "inner_steps": float(flight.inner_steps),
-            "inner_time_s": flight.inner_time_s, "fragment": float(flight.fragment),
-        }
-        if flight.masked is not None:
-            assert secure is not None
-            client.upload(
-                round_number=flight.round, data=flight.masked, **secure.upload_kwargs(),
-                sample_weight=1.0, inner_steps=flight.inner_steps, metrics=metrics,
-                fragment=flight.fragment,
-            )
-            flight.uploaded = True
-            secure.unmask()
-            return
-        assert flight.encoded is not None
-        client.upload(
-            round_number=flight.round, data=flight.encoded.to_bytes(), codec=flight.encoded.spec,
-            shape=list(flight.encoded.shape), sample_weight=float(max(flight.samples, 1)),
-            inner_steps=flight.inner_steps, metrics=metrics, fragment=flight.fragment,
-        )
-        flight.uploaded = True
+        return _InFlight(trained=trained, fragment=fragment_index, bytes_down_before=bytes_down_before)
 
     def _send_and_wait(self, flight: _InFlight) -> None:
         """Background thread: upload the fragment (if any), then wait for the round's broadcast."""
-        client = self.agent.client
+        client = self.client
         flight.error = None
+        trained = flight.trained
         try:
-            has_update = flight.encoded is not None or flight.masked is not None
-            if has_update and not flight.skip_upload and not flight.uploaded:
+            if trained.update is not None and not flight.skip_upload and not flight.uploaded:
                 try:
-                    self._upload(flight)
+                    # A masked fragment is followed by the unmask stages (before the broadcast).
+                    self.uplink.upload(
+                        client, trained.update, round_number=trained.round,
+                        inner_steps=trained.inner_steps,
+                        metrics={**trained.metrics(), "fragment": float(flight.fragment)},
+                    )
+                    flight.uploaded = True
+                    self.uplink.uploaded()
                 except (RoundClosed, RunFinished) as why:
                     logger.info("site %s: fragment upload for round %d is late (%s)",
-                                self.agent.site, flight.round, why)
+                                self.site, trained.round, why)
                 except UpdateRejected as why:
                     logger.error("site %s: the coordinator rejected round %d's fragment: %s",
-                                 self.agent.site, flight.round, why)
+                                 self.site, trained.round, why)
             try:
-                flight.header, flight.data = client.await_broadcast(flight.round)
+                flight.header, flight.data = client.await_broadcast(trained.round)
             except RunFinished:
                 flight.finished = True
         except BaseException as error:  # re-raised in the training thread
             flight.error = error
 
     def _finish(self, flight: _InFlight) -> None:
-        a = self.agent
+        state = self.state
         if flight.finished:
-            a._finished = True
+            state.mark_finished()
             return
         header = flight.header
-        assert header is not None and a._global is not None
-        if not header.included and flight.encoded is not None:
-            self.uplink.restore(flight.encoded, fragment=flight.fragment)
-        elif not header.included and flight.masked is not None and a._secure is not None:
-            # The fragment's secure sum did not include it (aborted, refused): keep it.
-            a._secure.restore()
-        resynced = self._apply(flight.round, header, flight.data)
-        a._coordinator_round = max(header.next_round.round, a._held_round)
-        if header.next_round.round == a._held_round:
-            a._round_info = header.next_round
-        total = a._run_config.total_rounds
-        if header.run_finished or (total and a._held_round >= total):
-            a._finished = True
-        a._rounds_trained += 1
-        a._rounds_included += int(header.included)
-        logger.info(
-            "site %s round %d (fragment %d): loss %.4f, %s (%d sites), now at round %d",
-            a.site, flight.round, flight.fragment, flight.loss,
-            "included" if header.included else "NOT included", header.num_contributors,
-            a._held_round,
+        trained = flight.trained
+        assert header is not None
+        if not header.included and trained.update is not None:
+            # Its fragment's (secure) sum did not include it: keep it in the residual.
+            self.uplink.restore(trained.update)
+        resynced = self._apply_broadcast(trained.round, header, flight.data)
+        state.take_broadcast_header(header)
+        self._report(
+            trained, header, included=bool(header.included), resynced=resynced,
+            bytes_up=len(trained.update.data) if flight.uploaded and trained.update is not None else 0,
+            bytes_down=self.client.stats.received - flight.bytes_down_before,
+            fragment=flight.fragment,
         )
-        if a.hooks.on_round_end is not None:
-            a.hooks.on_round_end(
-                RoundResult(
-                    round=flight.round, train_loss=flight.loss, samples=flight.samples,
-                    inner_steps=flight.inner_steps, included=bool(header.included),
-                    num_contributors=header.num_contributors, resynced=resynced,
-                    bytes_up=(
-                        0 if not flight.uploaded
-                        else len(flight.masked) if flight.masked is not None
-                        else len(flight.encoded.to_bytes()) if flight.encoded is not None else 0
-                    ),
-                    bytes_down=a.client.stats.received - flight.bytes_down_before,
-                    inner_time_s=flight.inner_time_s,
-                    round_time_s=time.monotonic() - flight.started_s,
-                    weights_digest=a._global_digest or "", next_round=a._held_round,
-                )
-            )
 
-    def _apply(self, round_number: int, header: pb.BroadcastHeader, data: bytes | None) -> bool:
-        """Apply round ``round_number``'s fragment delta to ``θ_g`` and merge it into the model;
-        True when the full weights had to be fetched instead."""
-        a = self.agent
-        assert a._global is not None
-        if header.action == pb.BROADCAST_ACTION_APPLY_DELTA and data is not None:
-            new = self.strategy.apply_downlink(a._global, Encoded.from_bytes(data), round_number)
-            digest = weights_digest(new)
-            if digest == header.weights_digest.digest.hex():
-                a._global, a._global_digest, a._held_round = new, digest, round_number + 1
-                fragment = self.strategy.fragment(round_number)
-                local = a.layout.flatten(a.module)
-                merge_fragment_(local, new, fragment, self.strategy.streaming.mix)
-                a.layout.load_(a.module, local)
-                return False
-            logger.warning(
-                "site %s: weights digest after round %d differs from the coordinator's; fetching "
-                "the full weights", a.site, round_number,
-            )
-        a._fetch()  # through ``fetched``: merges what the site missed
-        return True
+    def _load_broadcast(self, round_number: int) -> None:
+        """Merge round ``round_number``'s fragment of the new ``θ_g`` into the model:
+        ``θ_k[p] ← α·θ_k[p] + (1 − α)·θ_g[p]``."""
+        local = self.trainer.flatten()
+        merge_fragment_(
+            local, self.state.global_weights, self.strategy.fragment(round_number),
+            self.strategy.streaming.mix,
+        )
+        self.trainer.load_(local)
 
-    def fetched(self, weights: torch.Tensor, round_number: int) -> None:
-        """The agent fetched the full ``θ_round_number`` while holding ``θ_g`` of an earlier round.
+    def _load_fetched(self, weights: torch.Tensor, held_before: int | None, round_number: int) -> None:
+        """The site fetched the full ``θ_round_number`` while holding ``θ_g`` of ``held_before``.
 
         The site keeps its own weights and merges the fragments of the rounds it missed (their
         merge is due now: the overlap steps after them are done), exactly what applying their
         broadcasts would have done. If it missed more than P rounds, or the coordinator went back
         (a restart from an older checkpoint), the global weights replace the site's.
         """
-        a = self.agent
-        held = a._held_round
-        missed = range(held, round_number)
-        local = a.layout.flatten(a.module)
+        if held_before is None:
+            self.trainer.load_(weights)
+            return
+        missed = range(held_before, round_number)
+        local = self.trainer.flatten()
         if 0 < len(missed) <= self.schedule.fragments:
             for missed_round in missed:
                 merge_fragment_(
@@ -375,27 +252,5 @@ class StreamingSite:
                 )
         else:
             local = weights.clone()
-            self.overlap_done, self.overlap_losses, self.overlap_samples = 0, [], 0
-        a.layout.load_(a.module, local)
-        a._global, a._global_digest, a._held_round = weights, weights_digest(weights), round_number
-
-    def _chase(self) -> None:
-        """Behind the coordinator (after a re-join): apply broadcasts without training."""
-        a = self.agent
-        a._phase = pb.SITE_PHASE_WAITING
-        round_number = a._held_round
-        try:
-            header, data = a.client.await_broadcast(round_number)
-        except RunFinished:
-            a._finished = True
-            return
-        except RoundClosed as why:
-            # The coordinator went back to an earlier round (restart): join again.
-            raise RejoinRequired(str(why)) from None
-        self._apply(round_number, header, data)
-        a._coordinator_round = max(header.next_round.round, a._held_round)
-        if header.next_round.round == a._held_round:
-            a._round_info = header.next_round
-        total = a._run_config.total_rounds
-        if header.run_finished or (total and a._held_round >= total):
-            a._finished = True
+            self._overlap = _Overlap()
+        self.trainer.load_(local)

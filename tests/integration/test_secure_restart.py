@@ -63,7 +63,7 @@ def test_restarted_coordinator_aborts_the_interrupted_secure_round_at_once(
     agents = [run.agent(certs, first.port, k) for k in range(3)]
     for agent in agents:
         def record(result: RoundResult, agent: Any = agent) -> None:
-            residual = agent._secure.encoder.residual
+            residual = agent.uplink_residual()
             residual_norms[(agent.site, result.round)] = float(torch.linalg.vector_norm(residual))
             assert result.included == (result.round != 1), result
         agent.hooks.on_round_end = record

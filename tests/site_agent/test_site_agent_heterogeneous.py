@@ -18,6 +18,7 @@ from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.scenarios.throttle import ComputeThrottle
 from geoloco.scenarios.workloads import build_workload
+from geoloco.site_agent.client import CoordinatorClient, RoundClosed
 from geoloco.site_agent.config import RoundResult, SiteHooks
 
 SITES = ["fast", "slow"]
@@ -149,7 +150,7 @@ def test_late_update_is_folded_into_the_next_round(certs: Path, mlp: Any, tmp_pa
 
 
 def test_a_late_update_arriving_while_its_round_aggregates_is_folded_once_the_next_opens(
-    certs: Path, mlp: Any, tmp_path: Path
+    certs: Path, mlp: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The usual straggler finishes while the coordinator is still aggregating the round it
     missed (here held inside the checkpoint write): refused then, it is offered again once that
@@ -182,6 +183,20 @@ def test_a_late_update_arriving_while_its_round_aggregates_is_folded_once_the_ne
 
     rounds.phases.save_checkpoint = slow_save  # type: ignore[method-assign]
     release = threading.Event()
+    # "slow"'s upload refused as too late: it keeps the update to fold in once round 0's
+    # broadcast (held in the checkpoint write) shows round 1 open.
+    refused_late = threading.Event()
+    upload = CoordinatorClient.upload
+
+    def watched_upload(self: CoordinatorClient, **kwargs: Any) -> Any:
+        try:
+            return upload(self, **kwargs)
+        except RoundClosed:
+            if self.site == "slow":
+                refused_late.set()
+            raise
+
+    monkeypatch.setattr(CoordinatorClient, "upload", watched_upload)
 
     def slow_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         release.wait(60)
@@ -205,8 +220,7 @@ def test_a_late_update_arriving_while_its_round_aggregates_is_folded_once_the_ne
         rounds.wake()
         assert in_checkpoint.wait(30), "round 0 never reached its checkpoint"
         release.set()  # "slow" finishes and uploads while round 0 is still aggregating
-        slow = agents["slow"]
-        wait_until(lambda: slow._pending is not None and slow._pending.fold_late, server)
+        assert refused_late.wait(30), "\"slow\"'s upload was never refused as late"
         leave_checkpoint.set()
         summaries = {t.agent.site: t.finish() for t in threads}
         assert server.wait_until_finished(30)

@@ -1,0 +1,217 @@
+"""Synchronous DiLoCo rounds on a real site: train from ``θ_t``, upload, wait, apply.
+
+Per round the site trains H inner steps from the global weights it holds (every rank of a
+multi-rank site), computes the pseudo-gradient ``θ_t − θ_k``, encodes it with the strategy's
+uplink (one fragment: the whole model) or masks it (secure aggregation), opens the wait for the
+round's broadcast, uploads, and applies the broadcast with ``strategy.apply_downlink``; the
+model then starts the next round from the new ``θ_{t+1}``. The rules for stragglers, restarts,
+drops and non-finite updates are in ``geoloco.site_agent.agent``'s docstring; this module keeps
+the update a site trained until its round's broadcast resolves it (``PendingUpdate``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import torch
+
+from geoloco.algorithms.diloco import pseudo_gradient
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.site_agent.client import OpenBroadcast, RoundClosed, RunFinished, UpdateRejected
+from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
+
+__all__ = ["PendingUpdate", "PlainRounds"]
+
+logger = logging.getLogger(__name__)
+
+PENDING_NEW: Final = "new"
+"""Not uploaded yet (or to be sent again after a re-join: the coordinator deduplicates)."""
+PENDING_UPLOADED: Final = "uploaded"
+PENDING_LATE: Final = "late"
+"""Its round closed before the upload completed: the round's broadcast resolves it."""
+PENDING_DROPPED: Final = "dropped"
+"""Nothing to send (non-finite, refused, not in the secure round): only the broadcast is taken."""
+
+PendingState = Literal["new", "uploaded", "late", "dropped"]
+
+
+@dataclass(slots=True)
+class PendingUpdate:
+    """An update the site trained, kept until its round's broadcast says what became of it."""
+
+    trained: TrainedUpdate
+    state: PendingState = PENDING_NEW
+    fold_late: bool = False
+    """Missed its round with ``late_updates = "fold"``: offered to the next round once the
+    missed round's broadcast shows the next one is open."""
+
+    @property
+    def round(self) -> int:
+        return self.trained.round
+
+
+class PlainRounds(RoundRunner):
+    """Synchronous DiLoCo rounds (see the module docstring)."""
+
+    pending: PendingUpdate | None = None
+    """The update trained for ``pending.round``, until that round's broadcast resolves it."""
+
+    def step(self) -> None:
+        state = self.state
+        pending = self.pending
+        if pending is None:
+            if state.is_behind:
+                self._chase()
+                return
+            if state.at_end:
+                state.mark_finished()
+                return
+            self._check_round_info()
+            pending = self.pending = self._train_round()
+        opened = None
+        if pending.state == PENDING_NEW:
+            opened = self.client.open_broadcast(pending.round)
+            try:
+                on_time = self._upload(pending)
+            except BaseException:
+                opened.cancel()
+                raise
+            if not on_time:
+                # The round had closed: the early wait may already hold a header written before
+                # a late update was folded in, so ask again.
+                opened.cancel()
+                opened = None
+        self._resolve(pending, opened)
+
+    def rejoined(self, *, coordinator_round: int, new_session: bool, must_fetch: bool) -> bool:
+        pending = self.pending
+        if pending is None:
+            return False
+        if pending.round == coordinator_round and not must_fetch:
+            if pending.state != PENDING_DROPPED:
+                pending.state = PENDING_NEW  # re-send; the coordinator deduplicates
+        elif not new_session and pending.round < coordinator_round:
+            # Same session, the round moved on: its broadcast says whether we counted.
+            if pending.state == PENDING_NEW:
+                pending.state = PENDING_LATE
+        else:
+            logger.info(
+                "site %s: dropping its update for round %d (the coordinator is at round %d%s)",
+                self.site, pending.round, coordinator_round, " in a new session" if new_session else "",
+            )
+            self.pending = None
+            return False
+        return True
+
+    def _load_fetched(self, weights: torch.Tensor, held_before: int | None, round_number: int) -> None:
+        self.trainer.load_(weights)
+
+    def _load_broadcast(self, round_number: int) -> None:
+        self.trainer.load_(self.state.global_weights)
+
+    # ---------------------------------------------------------------------------------------
+
+    def _train_round(self) -> PendingUpdate:
+        state, trainer = self.state, self.trainer
+        round_number = state.held_round
+        inner_steps = int(state.run_config.inner_steps)
+        budget_s = state.algorithm.round_time_budget_s
+        round_seed = state.round_seed(round_number)
+        started = time.monotonic()
+        trainer.tell_followers_to_train(round_number, inner_steps, budget_s)
+        # Secure aggregation: the key stages run beside the inner steps.
+        self.uplink.begin_round(
+            self.client, round_number=round_number, round_seed=round_seed,
+            numel=self.strategy.update_numel(round_number),
+        )
+        state.phase = pb.SITE_PHASE_TRAINING
+        result = trainer.train_round(state.global_weights, round_number, inner_steps, budget_s)
+        local = trainer.flatten()
+        update = pseudo_gradient(state.global_weights, local)
+        del local
+        encoded = self._encode(update, round_number, 0, result.samples)
+        del update
+        trained = TrainedUpdate(
+            round=round_number, update=encoded, loss=result.loss, samples=result.samples,
+            inner_steps=result.steps, inner_time_s=result.seconds, started_s=started,
+        )
+        return PendingUpdate(trained, state=PENDING_NEW if encoded is not None else PENDING_DROPPED)
+
+    def _upload(self, pending: PendingUpdate) -> bool:
+        """Upload ``pending``; True when it reached its own round before that round closed."""
+        trained = pending.trained
+        assert trained.update is not None
+        self.state.phase = pb.SITE_PHASE_UPLOADING
+        try:
+            response = self.uplink.upload(
+                self.client, trained.update, round_number=trained.round,
+                inner_steps=trained.inner_steps, metrics=trained.metrics(),
+            )
+            pending.state = PENDING_UPLOADED
+            self.state.phase = pb.SITE_PHASE_WAITING
+            self.uplink.uploaded()  # secure: survivor list and unmask answer, before the broadcast
+            return not response.folded_late
+        except RoundClosed as why:
+            logger.info("site %s: update for round %d is late (%s)", self.site, trained.round, why)
+            pending.state = PENDING_LATE
+            # A masked update belongs to its own round's sum. The missed round may still be
+            # aggregating: the update is offered once its broadcast is here (the next round is
+            # open by then), not on a timer that a slow aggregation would outlast.
+            pending.fold_late = self.state.algorithm.late_updates == "fold" and self.uplink.folds_late
+        except RunFinished as why:
+            logger.info("site %s: update for round %d is late (%s)", self.site, trained.round, why)
+            pending.state = PENDING_LATE
+        except UpdateRejected as why:
+            logger.error("site %s: the coordinator rejected the update for round %d: %s",
+                         self.site, trained.round, why)
+            pending.state = PENDING_DROPPED
+        return False
+
+    def _upload_late(self, pending: PendingUpdate) -> bool:
+        """``late_updates = "fold"``: offer the update that missed its round to the next one,
+        which the coordinator opened before it broadcast the missed round. True when it was
+        folded in (discounted); otherwise (two rounds late by now, the run over) it goes back to
+        the residual like any update that missed its round."""
+        trained = pending.trained
+        assert trained.update is not None
+        try:
+            self.uplink.upload(
+                self.client, trained.update, round_number=trained.round,
+                inner_steps=trained.inner_steps, metrics={"train_loss": trained.loss, "late": 1.0},
+            )
+        except (RoundClosed, RunFinished, UpdateRejected) as why:
+            logger.info("site %s: late update for round %d not folded in (%s)",
+                        self.site, trained.round, why)
+            return False
+        pending.state = PENDING_UPLOADED
+        logger.info("site %s: late update for round %d folded into the next round",
+                    self.site, trained.round)
+        return True
+
+    def _resolve(self, pending: PendingUpdate, opened: OpenBroadcast | None) -> None:
+        """Wait for ``pending``'s round's broadcast and apply it; the update goes back into
+        the residual when the round did not aggregate it."""
+        bytes_down_before = self.client.stats.received
+        answer = self._await_broadcast(pending.round, opened)
+        if answer is None:
+            self.pending = None
+            return
+        header, data = answer
+        trained = pending.trained
+        included = bool(header.included)
+        if pending.fold_late and not included:
+            included = self._upload_late(pending)
+        if not included and trained.update is not None:
+            self.uplink.restore(trained.update)
+        resynced = self._apply_broadcast(pending.round, header, data)
+        self.pending = None
+        self.state.take_broadcast_header(header)
+        uploaded = pending.state == PENDING_UPLOADED and trained.update is not None
+        self._report(
+            trained, header, included=included, resynced=resynced,
+            bytes_up=len(trained.update.data) if uploaded and trained.update is not None else 0,
+            bytes_down=self.client.stats.received - bytes_down_before,
+        )

@@ -1,0 +1,236 @@
+"""What every round runner does the same way: fetch, apply a broadcast, chase, report.
+
+A round runner drives a site's rounds against the coordinator through the public methods of
+the site's parts: ``SiteState`` (the global weights and rounds), ``SiteTrainer`` (inner steps,
+the model) and a ``SiteUplink`` (plain or masked encoding), with the run's ``Strategy`` for the
+math the simulator shares (downlink application, fragments, schedule). ``PlainRounds``
+(``geoloco.site_agent.plain``) runs synchronous DiLoCo rounds, ``StreamingRounds``
+(``geoloco.site_agent.streaming``) Streaming DiLoCo's overlapped fragment syncs; what differs
+is only what the model does with new global weights, and when training and transfers happen.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from geoloco.algorithms.strategy import Strategy
+from geoloco.compression import Encoded
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.site_agent.client import (
+    CoordinatorClient,
+    OpenBroadcast,
+    RejoinRequired,
+    RoundClosed,
+    RunFinished,
+)
+from geoloco.site_agent.config import RoundResult, SiteHooks
+from geoloco.site_agent.state import SiteState
+from geoloco.site_agent.trainer import SiteTrainer
+from geoloco.site_agent.uplink import SiteUplink, UplinkUpdate
+
+__all__ = ["RoundRunner", "TrainedUpdate"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TrainedUpdate:
+    """One round's training and its encoded update (None: nothing to send — non-finite, or the
+    site is not part of the round's secure sum)."""
+
+    round: int
+    update: UplinkUpdate | None
+    loss: float
+    samples: int
+    inner_steps: int
+    inner_time_s: float
+    started_s: float
+    """``time.monotonic()`` when the round's training began."""
+
+    def metrics(self) -> dict[str, float]:
+        """The training metrics sent with the upload."""
+        return {
+            "train_loss": self.loss,
+            "samples": float(self.samples),
+            "inner_steps": float(self.inner_steps),
+            "inner_time_s": self.inner_time_s,
+        }
+
+
+class RoundRunner:
+    """Shared round mechanics (see the module docstring); subclasses run the rounds."""
+
+    def __init__(
+        self,
+        *,
+        site: str,
+        state: SiteState,
+        trainer: SiteTrainer,
+        client: Callable[[], CoordinatorClient],
+        hooks: SiteHooks,
+        strategy: Strategy,
+        uplink: SiteUplink,
+    ) -> None:
+        self.site = site
+        self.state = state
+        self.trainer = trainer
+        self.hooks = hooks
+        self.strategy = strategy
+        self.uplink = uplink
+        self._client = client
+        self._setup()
+
+    @property
+    def client(self) -> CoordinatorClient:
+        """The leader's coordinator client (one per ``SiteAgent.run``)."""
+        return self._client()
+
+    # ---------------------------------------------------------------------------------------
+    # What a runner does
+
+    def _setup(self) -> None:
+        """Check the site can run these rounds and set up the runner's own state."""
+
+    def step(self) -> None:
+        """Run, chase or finish one round (one turn of ``SiteAgent.run``'s loop)."""
+        raise NotImplementedError
+
+    def rejoined(self, *, coordinator_round: int, new_session: bool, must_fetch: bool) -> bool:
+        """The site joined again (coordinator at ``coordinator_round``, ``new_session`` after
+        a coordinator restart); True while an update it trained is still to be resolved (so
+        the join does not fetch weights over it)."""
+        return False
+
+    def _load_fetched(self, weights: torch.Tensor, held_before: int | None, round_number: int) -> None:
+        """Bring the model in line with fetched global weights (``held_before``: the round the
+        site held before, None when it held none)."""
+        raise NotImplementedError
+
+    def _load_broadcast(self, round_number: int) -> None:
+        """Bring the model in line with round ``round_number``'s applied broadcast."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------------------------------
+    # Shared mechanics
+
+    def fetch(self) -> None:
+        """Fetch the coordinator's full global weights and hold them."""
+        self.state.phase = pb.SITE_PHASE_FETCHING
+        manifest, weights = self.client.fetch_model(self.trainer.layout.numel)
+        weights = weights.to(self.trainer.device)
+        before = self.state.adopt_weights(weights, manifest.round)
+        self._load_fetched(weights, before, manifest.round)
+        logger.info("site %s fetched the weights of round %d", self.site, manifest.round)
+
+    def _apply_broadcast(self, round_number: int, header: pb.BroadcastHeader, data: bytes | None) -> bool:
+        """Apply round ``round_number``'s broadcast (digest-checked); True when the full
+        weights had to be fetched instead."""
+        if header.action == pb.BROADCAST_ACTION_APPLY_DELTA and data is not None:
+            if self.state.apply_broadcast(
+                self.strategy, round_number, Encoded.from_bytes(data),
+                header.weights_digest.digest.hex(),
+            ):
+                self._load_broadcast(round_number)
+                return False
+            logger.warning(
+                "site %s: weights digest after round %d differs from the coordinator's; "
+                "fetching the full weights", self.site, round_number,
+            )
+        self.fetch()
+        return True
+
+    def _await_broadcast(
+        self, round_number: int, opened: OpenBroadcast | None = None
+    ) -> tuple[pb.BroadcastHeader, bytes | None] | None:
+        """Round ``round_number``'s broadcast (through ``opened`` when the wait was opened
+        before the upload); None when the run finished instead."""
+        self.state.phase = pb.SITE_PHASE_WAITING
+        try:
+            return self.client.await_broadcast(
+                round_number, on_progress=self._on_progress, opened=opened
+            )
+        except RunFinished:
+            self.state.mark_finished()
+            return None
+        except RoundClosed as why:
+            # The coordinator is at an earlier round than this site (it restarted from an older
+            # checkpoint): join again and take the weights it names.
+            raise RejoinRequired(str(why)) from None
+
+    def _check_round_info(self) -> None:
+        """Before training the held round: a straggler that fetched newer weights knows their
+        round but not its seed (the broadcast it applied carried an older one); a join answers
+        with the coordinator's current round, or tells it to chase."""
+        held = self.state.held_round
+        if not self.state.knows_round(held):
+            raise RejoinRequired(f"holding the weights of round {held} without that round's info")
+
+    def _chase(self) -> None:
+        """Behind the coordinator (after a re-join): apply its broadcasts without training."""
+        round_number = self.state.held_round
+        answer = self._await_broadcast(round_number)
+        if answer is None:
+            return
+        header, data = answer
+        self._apply_broadcast(round_number, header, data)
+        self.state.take_broadcast_header(header)
+
+    def _encode(
+        self, update: torch.Tensor, round_number: int, fragment: int, samples: int
+    ) -> UplinkUpdate | None:
+        """``update`` (the round's pseudo-gradient) for the wire; None for a non-finite update
+        (not sent; the fragment's residual is reset) or one the secure sum cannot take."""
+        if not bool(torch.isfinite(update).all()):
+            logger.error(
+                "site %s: the pseudo-gradient of round %d (fragment %d) has NaN/Inf values; not "
+                "uploading it and resetting the error-feedback residual", self.site, round_number,
+                fragment,
+            )
+            self.uplink.reset(fragment)
+            return None
+        return self.uplink.encode(
+            update, round_seed=self.state.round_seed(round_number), fragment=fragment, samples=samples
+        )
+
+    def _report(
+        self, trained: TrainedUpdate, header: pb.BroadcastHeader, *, included: bool, resynced: bool,
+        bytes_up: int, bytes_down: int, fragment: int | None = None,
+    ) -> None:
+        """Count the round, log it and call ``hooks.on_round_end``."""
+        state = self.state
+        state.count_round(included=included)
+        logger.info(
+            "site %s round %d%s: loss %.4f, %s (%d sites), now at round %d",
+            self.site, trained.round, "" if fragment is None else f" (fragment {fragment})",
+            trained.loss, "included" if included else "NOT included", header.num_contributors,
+            state.held_round,
+        )
+        if self.hooks.on_round_end is not None:
+            self.hooks.on_round_end(
+                RoundResult(
+                    round=trained.round,
+                    train_loss=trained.loss,
+                    samples=trained.samples,
+                    inner_steps=trained.inner_steps,
+                    included=included,
+                    num_contributors=header.num_contributors,
+                    resynced=resynced,
+                    bytes_up=bytes_up,
+                    bytes_down=bytes_down,
+                    inner_time_s=trained.inner_time_s,
+                    round_time_s=time.monotonic() - trained.started_s,
+                    weights_digest=state.digest or "",
+                    next_round=state.held_round,
+                )
+            )
+
+    def _on_progress(self, progress: pb.RoundProgress) -> None:
+        logger.debug(
+            "site %s waiting for round %d: %d uploads complete (quorum %d)",
+            self.site, progress.round, progress.uploads_complete, progress.quorum,
+        )

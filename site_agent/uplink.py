@@ -1,0 +1,191 @@
+"""A site's uplink: how one round's pseudo-gradient becomes upload bytes, and back on failure.
+
+Two kinds behind one interface, used by every round runner (``geoloco.site_agent.rounds``):
+
+* ``StrategyUplink`` — the strategy's own encoders (``strategy.build_uplink()``: one
+  ``UpdateEncoder`` with its error-feedback residual per fragment; plain DiLoCo has one), seeded
+  per site and round with ``derive_seed(round_seed, UPLINK_SEED_PURPOSE, site)`` as in the
+  simulator, so the bytes are the simulator's bit for bit.
+* ``MaskedUplink`` — secure aggregation (``geoloco.site_agent.secure_site.SecureUplink``): key
+  stages beside the inner steps, the update masked with this site's private encoder (its own
+  residual per fragment), unmask stages after the upload.
+
+Per round a runner calls ``begin_round`` before training, ``encode`` after it, ``upload`` and
+then ``uploaded`` (secure: the unmask stages, before the broadcast exists); ``restore`` puts an
+update that the round did not aggregate back into its residual, ``reset`` drops a fragment's
+residual (after a non-finite update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from geoloco.algorithms.params import derive_seed
+from geoloco.algorithms.strategy import UPLINK_SEED_PURPOSE, Strategy
+from geoloco.algorithms.streaming import FragmentUplink
+from geoloco.compression import Encoded
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.site_agent.client import CoordinatorClient
+from geoloco.site_agent.secure_site import SecureUplink
+
+__all__ = ["MaskedUplink", "SiteUplink", "StrategyUplink", "UplinkUpdate"]
+
+
+@dataclass(slots=True)
+class UplinkUpdate:
+    """One round's encoded update, ready for ``CoordinatorClient.upload``."""
+
+    fragment: int
+    """The Streaming DiLoCo fragment it covers (0: the whole model)."""
+    data: bytes
+    """The upload bytes."""
+    sample_weight: float
+    """``w_k`` sent with it."""
+    wire: dict[str, Any] = field(default_factory=dict)
+    """How the bytes are read: ``codec`` and ``shape`` (and, masked, ``dtype`` and ``chunk_size``)."""
+    encoded: Encoded | None = None
+    """The plain encoding (what ``restore`` gives back to its residual); None when masked."""
+
+    @property
+    def masked(self) -> bool:
+        """A secure-aggregation input: it belongs to its own round's secure sum."""
+        return self.encoded is None
+
+
+class SiteUplink(Protocol):
+    """What a round runner needs from an uplink (see the module docstring)."""
+
+    folds_late: bool
+    """An update that missed its round may be offered to the next one (``late_updates =
+    "fold"``); a masked update belongs to its own round's sum and never is."""
+
+    def begin_round(
+        self, client: CoordinatorClient, *, round_number: int, round_seed: int, numel: int
+    ) -> None: ...
+
+    def encode(
+        self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: int
+    ) -> UplinkUpdate | None: ...
+
+    def upload(
+        self, client: CoordinatorClient, update: UplinkUpdate, *, round_number: int,
+        inner_steps: int, metrics: dict[str, float],
+    ) -> pb.UploadResponse: ...
+
+    def uploaded(self) -> None: ...
+
+    def restore(self, update: UplinkUpdate) -> None: ...
+
+    def reset(self, fragment: int) -> None: ...
+
+    def residual(self, fragment: int = 0) -> torch.Tensor | None: ...
+
+
+def _upload(
+    client: CoordinatorClient, update: UplinkUpdate, *, round_number: int, inner_steps: int,
+    metrics: dict[str, float],
+) -> pb.UploadResponse:
+    return client.upload(
+        round_number=round_number, data=update.data, **update.wire,
+        sample_weight=update.sample_weight, inner_steps=inner_steps, metrics=metrics,
+        fragment=update.fragment,
+    )
+
+
+class StrategyUplink:
+    """The strategy's per-fragment encoders with error feedback (see the module docstring)."""
+
+    folds_late = True
+
+    def __init__(self, strategy: Strategy, site: str) -> None:
+        self.strategy = strategy
+        self.site = site
+        self.encoders: FragmentUplink = strategy.build_uplink()
+
+    def begin_round(
+        self, client: CoordinatorClient, *, round_number: int, round_seed: int, numel: int
+    ) -> None:
+        """Nothing to prepare: plain updates need no key exchange."""
+
+    def encode(
+        self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: int
+    ) -> UplinkUpdate:
+        seed = derive_seed(round_seed, UPLINK_SEED_PURPOSE, self.site)
+        encoded = self.encoders.encode(update, seed=seed, fragment=fragment)
+        return UplinkUpdate(
+            fragment=fragment, data=encoded.to_bytes(), sample_weight=float(max(samples, 1)),
+            wire={"codec": encoded.spec, "shape": list(encoded.shape)}, encoded=encoded,
+        )
+
+    def upload(
+        self, client: CoordinatorClient, update: UplinkUpdate, *, round_number: int,
+        inner_steps: int, metrics: dict[str, float],
+    ) -> pb.UploadResponse:
+        return _upload(client, update, round_number=round_number, inner_steps=inner_steps, metrics=metrics)
+
+    def uploaded(self) -> None:
+        """Nothing follows a plain upload until the broadcast."""
+
+    def restore(self, update: UplinkUpdate) -> None:
+        assert update.encoded is not None
+        self.encoders.restore(update.encoded, fragment=update.fragment)
+
+    def reset(self, fragment: int) -> None:
+        self.encoders.encoders[fragment] = self.strategy.uplink_encoder()
+
+    def residual(self, fragment: int = 0) -> torch.Tensor | None:
+        return self.encoders.encoders[fragment].residual
+
+
+class MaskedUplink:
+    """Secure aggregation's uplink over ``SecureUplink`` (see the module docstring)."""
+
+    folds_late = False
+
+    def __init__(self, secure: SecureUplink) -> None:
+        self.secure = secure
+
+    def begin_round(
+        self, client: CoordinatorClient, *, round_number: int, round_seed: int, numel: int
+    ) -> None:
+        """Start the key stages; they overlap the inner steps."""
+        self.secure.begin_round(
+            client, session=client.session_id, round_number=round_number, round_seed=round_seed,
+            numel=numel,
+        )
+
+    def encode(
+        self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: int
+    ) -> UplinkUpdate | None:
+        """The masked update (None: the site is not part of this round's secure sum; the
+        update then went whole into the fragment's residual)."""
+        masked = self.secure.masked_update(update, fragment=fragment)
+        if masked is None:
+            return None
+        return UplinkUpdate(
+            fragment=fragment, data=masked, sample_weight=1.0, wire=self.secure.upload_kwargs()
+        )
+
+    def upload(
+        self, client: CoordinatorClient, update: UplinkUpdate, *, round_number: int,
+        inner_steps: int, metrics: dict[str, float],
+    ) -> pb.UploadResponse:
+        return _upload(client, update, round_number=round_number, inner_steps=inner_steps, metrics=metrics)
+
+    def uploaded(self) -> None:
+        """The survivor list and the unmask answer, before the broadcast."""
+        self.secure.unmask()
+
+    def restore(self, update: UplinkUpdate) -> None:
+        """The masked update was not in the sum (aborted, refused): back into the residual."""
+        self.secure.restore()
+
+    def reset(self, fragment: int) -> None:
+        self.secure.reset(fragment)
+
+    def residual(self, fragment: int = 0) -> torch.Tensor | None:
+        encoder = self.secure.encoders.get(fragment)
+        return None if encoder is None else encoder.residual

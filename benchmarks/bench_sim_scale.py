@@ -43,7 +43,7 @@ def child(sites: int, rounds: int, inner_steps: int, size: str, codec: str) -> d
     import torch
 
     from geoloco.algorithms.clock import SiteConfig
-    from geoloco.algorithms.simulator import Simulator, SimulationConfig, SimulatorConfig
+    from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
     from geoloco.algorithms.strategy import AlgorithmConfig
     from geoloco.scenarios.workloads import build_workload
 

@@ -265,7 +265,7 @@ def _print_profile(path: str, title: str, limit: int = 14) -> None:
     print("```")
 
 
-def main() -> None:  # noqa: C901 - a flat driver reads best
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

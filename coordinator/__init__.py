@@ -40,7 +40,7 @@ _EXPORTS: dict[str, str] = {
     "save_checkpoint": "geoloco.coordinator.checkpoint",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 (built from the lazy export table)
 
 
 def __getattr__(name: str) -> Any:

@@ -26,7 +26,7 @@ from geoloco.protos.identity import validate_site_name
 from geoloco.protos.transport import TLSFiles
 from geoloco.protos.wire import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 
-__all__ = ["CoordinatorConfig", "SUPPORTED_ALGORITHMS"]
+__all__ = ["SUPPORTED_ALGORITHMS", "CoordinatorConfig"]
 
 SUPPORTED_ALGORITHMS = ("diloco", "fedavg", "fedopt")
 """Algorithms the real coordinator runs. The ``ddp`` baseline synchronises every step and lives in

@@ -15,17 +15,17 @@ import torch
 from geoloco.algorithms.round import Round
 
 __all__ = [
+    "OPEN_PHASES",
+    "SITE_PHASES",
     "BroadcastHeader",
     "BroadcastRecord",
     "CoordinatorRound",
     "HeartbeatResult",
     "JoinResult",
     "ModelSnapshot",
-    "OPEN_PHASES",
     "RoundInfo",
     "RoundPhase",
     "RoundProgress",
-    "SITE_PHASES",
     "UploadProgress",
     "UploadSpec",
     "WaitResult",

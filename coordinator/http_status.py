@@ -56,12 +56,12 @@ if TYPE_CHECKING:
     from geoloco.coordinator.rounds import RoundStateMachine
 
 __all__ = [
-    "CoordinatorStatus",
     "DEFAULT_HTTP_PORT",
-    "HTTPStatusConfig",
     "STATE_DONE",
     "STATE_DOWN",
     "STATE_LEFT",
+    "CoordinatorStatus",
+    "HTTPStatusConfig",
     "StatusBoard",
     "StatusHTTPServer",
     "config_summary",
@@ -105,7 +105,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.request.do_handshake()
         super().setup()
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's signature
+    def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
 
     def _send(self, status: HTTPStatus, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
@@ -133,10 +133,10 @@ class _Handler(BaseHTTPRequestHandler):
         # A certificate is only there if it verified against the run's CA.
         return isinstance(self.request, ssl.SSLSocket) and bool(self.request.getpeercert())
 
-    def do_HEAD(self) -> None:  # noqa: N802 - http.server's naming
+    def do_HEAD(self) -> None:
         self.do_GET()
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         owner = self.server.owner
         if path in STATIC_FILES:
@@ -178,7 +178,7 @@ class _Server(ThreadingHTTPServer):
         super().__init__(address, _Handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        logger.debug("HTTP request from %s failed", client_address, exc_info=True)
+        logger.debug("HTTP request from %s failed", client_address, exc_info=True)  # noqa: LOG014 (called from the handler)
 
 
 class StatusHTTPServer:

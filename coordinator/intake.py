@@ -28,12 +28,12 @@ import torch
 
 from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.round import CloseDecision
+from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate
 from geoloco.algorithms.weighting import site_weight
 from geoloco.compression import CodecError, Encoded, decode
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext
-from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.coordinator.domain import OPEN_PHASES, RoundPhase, UploadProgress, UploadSpec
 from geoloco.coordinator.errors import (
     InvalidUpdateError,

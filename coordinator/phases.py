@@ -30,10 +30,10 @@ from geoloco.coordinator import events as ev
 from geoloco.coordinator.checkpoint import save_checkpoint
 from geoloco.coordinator.context import CONTRIBUTOR_HISTORY, RoundContext
 from geoloco.coordinator.domain import (
+    OPEN_PHASES,
     BroadcastHeader,
     BroadcastRecord,
     CoordinatorRound,
-    OPEN_PHASES,
     RoundPhase,
 )
 from geoloco.coordinator.errors import InvalidUpdateError
@@ -41,7 +41,7 @@ from geoloco.coordinator.intake import UploadIntake
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.protos.wire import num_chunks_for
 
-__all__ = ["EvalFn", "GlobalWeights", "RoundPhases", "HISTORY_KEY", "PRIVACY_KEY", "STRATEGY_PREFIX", "WEIGHTS_KEY"]
+__all__ = ["HISTORY_KEY", "PRIVACY_KEY", "STRATEGY_PREFIX", "WEIGHTS_KEY", "EvalFn", "GlobalWeights", "RoundPhases"]
 
 logger = logging.getLogger(__name__)
 

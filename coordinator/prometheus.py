@@ -47,7 +47,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from geoloco.coordinator import events as ev
 
-__all__ = ["CONTENT_TYPE_LATEST", "CoordinatorMetrics", "METRIC_PREFIX"]
+__all__ = ["CONTENT_TYPE_LATEST", "METRIC_PREFIX", "CoordinatorMetrics"]
 
 METRIC_PREFIX = "geoloco_coordinator"
 

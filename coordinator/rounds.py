@@ -44,9 +44,9 @@ import torch
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.round import RoundPolicy
+from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.algorithms.strategy import build_strategy
 from geoloco.compression import parse_codec
-from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.checkpoint import load_latest_checkpoint
 from geoloco.coordinator.config import CoordinatorConfig
@@ -69,11 +69,11 @@ from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.secure_intake import SecureIntake
 
 __all__ = [
+    "SECURE_STAGE_WAIT_S",
     "EvalFn",
     "ModelSnapshot",
     "RoundPhase",
     "RoundStateMachine",
-    "SECURE_STAGE_WAIT_S",
     "WaitResult",
     "canonical_codec",
 ]

@@ -14,10 +14,10 @@ import torch
 
 from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.round import CloseDecision
+from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext
-from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.coordinator.domain import OPEN_PHASES, RoundPhase, UploadProgress, UploadSpec
 from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.intake import Chunks, RoundSum

@@ -214,7 +214,7 @@ class SecureRound:
             self._withdrawn.add(site)
 
     def _due(self, stage: _Stage, expected: set[str], now: float) -> bool:
-        return bool(expected) and expected <= set(stage.answered) or now - stage.opened_s >= self.stage_timeout_s
+        return (bool(expected) and expected <= set(stage.answered)) or now - stage.opened_s >= self.stage_timeout_s
 
     def _advance(self, live: set[str], now: float) -> None:
         ads = self._stages[STAGE_ADVERTISE_KEYS]

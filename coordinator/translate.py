@@ -52,7 +52,6 @@ __all__ = [
     "round_progress",
     "run_config",
     "site_phase",
-    "stage_response",
     "upload_chunks",
     "upload_response",
     "upload_spec",

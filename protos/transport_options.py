@@ -76,7 +76,7 @@ _COMMON_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_permit_without_calls", 1),
 )
 
-SERVER_OPTIONS: tuple[tuple[str, Any], ...] = _COMMON_OPTIONS + (
+SERVER_OPTIONS: tuple[tuple[str, Any], ...] = _COMMON_OPTIONS + (  # noqa: RUF005
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     # A second coordinator on the same port must fail to bind, not silently share the traffic.
@@ -87,7 +87,7 @@ compressed (or are fp32 noise that gzip barely shrinks), so gzip would only burn
 flow control keeps its default BDP probing, which sizes windows to each link's
 bandwidth-delay product on long WAN paths."""
 
-CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = _COMMON_OPTIONS + (
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = _COMMON_OPTIONS + (  # noqa: RUF005
     ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_INITIAL_MS),
     ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
     ("grpc.enable_retries", 1),

@@ -21,7 +21,6 @@ from geoloco.protos.wire_buffers import (
     ranges_to_indices,
 )
 
-
 # ---------------------------------------------------------------------------------------------
 # Chunks without protobuf copies
 # ---------------------------------------------------------------------------------------------
@@ -43,7 +42,7 @@ class ChunkRef:
     copies the payload once per side.
     """
 
-    __slots__ = ("index", "data")
+    __slots__ = ("data", "index")
 
     def __init__(self, index: int, data: bytes | memoryview) -> None:
         self.index = index

@@ -300,7 +300,7 @@ class Emulation:
             self._create_kernel_links(shapes)
         self._issue_certificates()
         self.hub = RelayHub()
-        for index, (site, (up, down)) in enumerate(zip(s.sites, shapes)):
+        for index, (site, (up, down)) in enumerate(zip(s.sites, shapes, strict=True)):
             link = self.kernel_links.links[index] if self.kernel_links else None
             self.relays[site.name] = self.hub.add(
                 site.name,

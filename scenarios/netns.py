@@ -313,7 +313,7 @@ def plan_links(
     tokens = iter(tokens) if tokens is not None else iter(_next_token, None)
     blocks = free_blocks(used, len(shapes), start=pid * 7)
     links = []
-    for (up, down), block in zip(shapes, blocks):
+    for (up, down), block in zip(shapes, blocks, strict=True):
         namespace, host_if, site_if = names_for(pid, next(tokens))
         host, site = list(block.hosts())
         links.append(SiteLink(namespace, host_if, site_if, str(host), str(site), up, down))

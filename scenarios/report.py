@@ -174,7 +174,7 @@ def site_timeline(result: EmulationResult, name: str) -> list[tuple[str, float, 
         state = IDLE  # joining until the first download
         for burst in bursts:
             b0, b1 = max(burst["start_s"], start), min(burst["end_s"], stop)
-            if b1 <= b0 or b0 < cursor - 1e-9 and b1 <= cursor:
+            if b1 <= b0 or (b0 < cursor - 1e-9 and b1 <= cursor):
                 continue
             b0 = max(b0, cursor)
             if b0 > cursor:
@@ -329,7 +329,7 @@ def write_plots(result: EmulationResult, out: Path) -> list[Path]:
                                     ("train_loss", "train loss (mean over sites)", ".--")):
             points = [(p[x_key], p[y_key]) for p in series if p[y_key] is not None]
             if points:
-                xs, ys = zip(*points)
+                xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, style, label=label)
         ax.set_xlabel(x_label)
         ax.set_ylabel("loss")
@@ -479,7 +479,7 @@ def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fi
         "| down | final train loss |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for site, r in zip(s.sites, reports):
+    for site, r in zip(s.sites, reports, strict=True):
         lines.append(
             f"| {r.name} | {site.uplink_bps / 1e6:g}/{site.downlink_bps / 1e6:g} Mbit/s, "
             f"{site.latency_s * 1000:g} ms | {site.speed_factor:g}x | {human_bytes(r.payload_up)} / "

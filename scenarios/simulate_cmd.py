@@ -196,7 +196,7 @@ def _run(args: argparse.Namespace) -> int:
             metrics.write(json.dumps(record.to_dict()) + "\n")
             metrics.flush()
             last = record
-            compute_total = [c + r for c, r in zip(compute_total, record.compute_s)]
+            compute_total = [c + r for c, r in zip(compute_total, record.compute_s, strict=True)]
             peak_in_flight = max([peak_in_flight, *(record.peak_bytes_in_flight or [])])
             if record.eval_loss is not None:
                 last_eval = record.eval_loss

@@ -36,7 +36,7 @@ _EXPORTS: dict[str, str] = {
     "init_from_env": "geoloco.site_agent.distributed",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 (built from the lazy export table)
 
 
 def __getattr__(name: str) -> Any:

@@ -347,7 +347,7 @@ class SiteAgent:
         theirs = [(t.name, tuple(t.shape)) for t in layout.tensors]
         if ours != theirs:
             first = next(
-                (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs))
+                (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs))
             )
             mine = ours[first] if first < len(ours) else "nothing"
             other = theirs[first] if first < len(theirs) else "nothing"

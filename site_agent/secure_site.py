@@ -43,10 +43,10 @@ from geoloco.algorithms.privacy import (
 from geoloco.algorithms.secagg import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
+    STAGE_REPLIES,
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
-    STAGE_REPLIES,
     AdvertiseKeys,
     Advertisements,
     IdentityBinding,
@@ -289,7 +289,7 @@ class SecureUplink:
         def share_keys() -> None:
             try:
                 secure.share_keys()
-            except BaseException as err:  # reported by upload(), on the agent's thread
+            except BaseException as err:  # noqa: BLE001 (reported by upload(), on the agent's thread)
                 self._keys_error = err
 
         self._keys = threading.Thread(target=share_keys, name=f"geoloco-secagg-keys-{self.site}", daemon=True)

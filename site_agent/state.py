@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+
 import torch
 
 from geoloco.algorithms.config import config_from_dict

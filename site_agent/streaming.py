@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+
 import torch
 
 from geoloco.algorithms.diloco import pseudo_gradient
@@ -199,7 +200,7 @@ class StreamingRounds(RoundRunner):
                 flight.header, flight.data = client.await_broadcast(trained.round)
             except RunFinished:
                 flight.finished = True
-        except BaseException as error:  # re-raised in the training thread
+        except BaseException as error:  # noqa: BLE001 (re-raised in the training thread)
             flight.error = error
 
     def _finish(self, flight: _InFlight) -> None:

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.clock import transfer_time
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig, RoundDeadline, quantile
-from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.diloco import run_inner_steps
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.simulator import Simulator, SimulatorConfig, simulate

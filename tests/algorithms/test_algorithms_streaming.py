@@ -22,7 +22,6 @@ from geoloco.algorithms.streaming import (
 )
 
 
-
 def _deep_model(dim: int, seed: int) -> nn.Module:
     """A 4-layer MLP, so the model has several layer groups to split into fragments."""
     g = torch.Generator().manual_seed(seed)

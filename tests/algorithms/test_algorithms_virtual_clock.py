@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from geoloco.algorithms.clock import SiteConfig, download_ends, transfer_time, upload_arrivals
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.round import RoundPolicy, close_time

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import config_from_dict
 from geoloco.algorithms.simulator import Simulator, SimulatorConfig
 from geoloco.scenarios.workloads import build_workload

@@ -15,12 +15,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from _round_helpers import chunk_requests, encode_update, tiny_weights, upload_manifest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from _round_helpers import chunk_requests, encode_update, tiny_weights, upload_manifest
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer

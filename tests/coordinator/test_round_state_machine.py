@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-
 from _round_helpers import FakeClock, heartbeat, join, tiny_weights, upload, wait_broadcast
+
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.errors import (

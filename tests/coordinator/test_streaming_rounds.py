@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _round_helpers import FakeClock, encode_update, join, tiny_weights, upload_manifest, upload_status, wait_broadcast
+from _round_helpers import send as send_upload
 
-from _round_helpers import FakeClock, encode_update, join, send as send_upload, tiny_weights, upload_manifest, upload_status, wait_broadcast
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.coordinator.config import CoordinatorConfig

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.scenarios.emulation import Emulation, to_toml

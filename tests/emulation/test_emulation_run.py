@@ -131,7 +131,7 @@ def _start_cli(tmp_path: Path, *, sigint_ignored: bool = False) -> tuple[subproc
     # Wait until the coordinator and both sites are up and training.
     wait_for(
         lambda: process.poll() is not None
-        or (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size > 0,
+        or ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size > 0),
         90,
         what="the first aggregated round",
     )

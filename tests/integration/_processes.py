@@ -175,7 +175,7 @@ class Processes:
     def describe(self) -> str:
         return "\n".join(p.describe() for p in self.started)
 
-    def __enter__(self) -> Processes:  # noqa: PYI034 - no subclasses
+    def __enter__(self) -> Processes:
         return self
 
     def __exit__(

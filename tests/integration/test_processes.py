@@ -31,7 +31,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _cluster import make_certs
 from _processes import (
     COORDINATOR_END,
@@ -45,6 +44,7 @@ from _processes import (
     Processes,
     names,
 )
+
 from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig

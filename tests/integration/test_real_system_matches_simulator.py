@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _cluster import AgentThread, Run, make_certs, on_round, relative_difference, wait_for
+
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from _cluster import AgentThread, Run, make_certs
 from _processes import SITE_JOINED, Processes
+
 from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.privacy import PrivacyAccountant, PrivacyConfig, PrivateUpdateEncoder
 from geoloco.algorithms.strategy import AlgorithmConfig

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from _cluster import AgentThread, Run, make_certs, wait_for
+
 from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics

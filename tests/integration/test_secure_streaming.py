@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from _cluster import AgentThread, Run, make_certs
+
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _cluster import AgentThread, Run, make_certs, on_round, wait_for
 from _processes import COORDINATOR_END, COORDINATOR_ROUND, LISTENING, SITE_END, SITE_ROUND, Processes, names
+
 from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.params import ParamLayout

@@ -12,7 +12,13 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, SECURE_UPLOAD_CODEC
+from geoloco.algorithms.privacy import (
+    SECURE_UPLOAD_CODEC,
+    PrivacyConfig,
+    PrivateUpdateEncoder,
+    secure_context,
+    secure_fixed_point,
+)
 from geoloco.algorithms.secagg import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
@@ -29,7 +35,6 @@ from geoloco.algorithms.secagg import (
     UnmaskRequest,
     site_index,
 )
-from geoloco.algorithms.privacy import secure_context, secure_fixed_point
 from geoloco.coordinator.secure_round import SecureRound
 
 NAMES = ["alpha", "beta", "gamma", "delta"]

@@ -112,7 +112,7 @@ def test_four_sites_one_killed_after_upload(certs: Path) -> None:
                     coordinator.secure.close_upload(coordinator.now)
                     coordinator.cond.notify_all()
             site.unmask()
-        except BaseException as err:  # noqa: BLE001 - reported below
+        except BaseException as err:
             errors.append(err)
 
     threads = [threading.Thread(target=run, args=(n,)) for n in NAMES]
@@ -167,7 +167,7 @@ def test_site_refuses_a_round_with_a_substituted_identity(certs: Path, tmp_path:
     def run(name: str) -> None:
         try:
             _site(certs, name, privacy, coordinator).share_keys()
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors[name] = err
         finally:
             coordinator.kill(name)

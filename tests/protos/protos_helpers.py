@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+
 import grpc
+
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos import transport, wire

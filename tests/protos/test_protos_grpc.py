@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import datetime
 import os
-from pathlib import Path
 import subprocess
 import sys
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _agent_helpers import make_certs, start_coordinator
+
 from geoloco.algorithms.lr_schedule import lr_multiplier
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics

@@ -15,9 +15,9 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from _agent_helpers import AgentThread, FakeClock, make_agent, make_certs, start_coordinator, wait_until
 from torch import nn
 
-from _agent_helpers import AgentThread, FakeClock, make_agent, make_certs, start_coordinator, wait_until
 from geoloco.algorithms.params import load_flat_
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics

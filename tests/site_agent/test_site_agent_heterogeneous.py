@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from _agent_helpers import AgentThread, FakeClock, make_agent, make_certs, start_coordinator, wait_until
 from torch import nn
 
-from _agent_helpers import AgentThread, FakeClock, make_agent, make_certs, start_coordinator, wait_until
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics

@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-
 from _agent_helpers import AgentThread, make_agent, make_certs, start_coordinator, wait_until
+
 from geoloco.algorithms.lr_schedule import lr_multiplier
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
-from geoloco.scenarios.site_cmd import SiteCommandError, _build_lr_schedule
 from geoloco.protos.transport import TLSFiles
+from geoloco.scenarios.site_cmd import SiteCommandError, _build_lr_schedule
 from geoloco.scenarios.workloads import build_workload
 from geoloco.site_agent.agent import SiteAgent
 from geoloco.site_agent.config import SiteAgentConfig

@@ -33,6 +33,8 @@ class TrainingKeys:
     round_deadline_s: str = "round_deadline_s"
     adaptive_deadline: str = "adaptive_deadline"
     rounds: str = "rounds"
+    sites: str = "sites"
+    """What the config calls its list of sites (``allowed_sites`` for a coordinator)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,7 +69,7 @@ class TrainingConfig:
         require(self.rounds >= 0, keys.rounds, f"must be >= 0, got {self.rounds}")
         try:  # a decaying inner lr schedule needs a horizon: decay_steps or a fixed run length
             self.inner_optimizer.resolved_decay_steps(
-                total_rounds=self.rounds or None, inner_steps=self.algorithm.inner_steps
+                total_rounds=self.rounds, inner_steps=self.algorithm.inner_steps
             )
         except ConfigError as err:
             raise err.under("inner_optimizer") from None
@@ -77,7 +79,7 @@ class TrainingConfig:
                 require(
                     self.min_sites <= num_sites,
                     keys.min_sites,
-                    f"must be <= the number of sites ({num_sites}), got {self.min_sites}",
+                    f"must be <= the number of {keys.sites} ({num_sites}), got {self.min_sites}",
                 )
         require(
             self.round_deadline_s is None or (math.isfinite(self.round_deadline_s) and self.round_deadline_s > 0),

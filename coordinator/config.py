@@ -9,7 +9,6 @@ to change.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,15 +17,18 @@ from typing import Any, Literal
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
-from geoloco.algorithms.privacy import PrivacyConfig, check_aggregation, check_composition
-from geoloco.algorithms.secagg import MIN_SITES
+from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.training import TrainingConfig, TrainingKeys
 from geoloco.coordinator.http_config import HTTPStatusConfig
 from geoloco.protos.identity import validate_site_name
 from geoloco.protos.transport import TLSFiles
 from geoloco.protos.wire import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 
-__all__ = ["SUPPORTED_ALGORITHMS", "CoordinatorConfig"]
+__all__ = ["COORDINATOR_KEYS", "SUPPORTED_ALGORITHMS", "CoordinatorConfig"]
+
+COORDINATOR_KEYS = TrainingKeys(rounds="total_rounds", sites="allowed_sites")
+"""Where a coordinator file keeps the round policy (top level) and the run length."""
 
 SUPPORTED_ALGORITHMS = ("diloco", "fedavg", "fedopt")
 """Algorithms the real coordinator runs. The ``ddp`` baseline synchronises every step and lives in
@@ -135,20 +137,8 @@ class CoordinatorConfig:
             "algorithm.warmup_steps",
             "a data-parallel warm-up is only available in the simulator; set warmup_steps = 0",
         )
-        require(self.total_rounds >= 0, "total_rounds", f"must be >= 0, got {self.total_rounds}")
-        try:  # a decaying inner lr schedule needs a horizon: decay_steps or a fixed run length
-            self.inner_optimizer.resolved_decay_steps(
-                total_rounds=self.total_rounds, inner_steps=self.algorithm.inner_steps
-            )
-        except ConfigError as err:
-            raise err.under("inner_optimizer") from None
-        require(self.min_sites >= 1, "min_sites", f"must be >= 1, got {self.min_sites}")
-        require(
-            self.round_deadline_s is None
-            or (math.isfinite(self.round_deadline_s) and self.round_deadline_s > 0),
-            "round_deadline_s",
-            f"must be > 0 seconds or unset, got {self.round_deadline_s}",
-        )
+        num_sites = len(self.allowed_sites) if self.allowed_sites is not None else None
+        self.training.validate(COORDINATOR_KEYS, num_sites=num_sites)
         require(
             self.heartbeat_interval_s > 0,
             "heartbeat_interval_s",
@@ -180,11 +170,6 @@ class CoordinatorConfig:
                     validate_site_name(name)
                 except ValueError as err:
                     raise ConfigError(f"allowed_sites[{i}]", str(err)) from None
-            require(
-                self.min_sites <= len(self.allowed_sites),
-                "min_sites",
-                f"must be <= the number of allowed_sites ({len(self.allowed_sites)}), got {self.min_sites}",
-            )
         require(
             self.checkpoint_every >= 1, "checkpoint_every", f"must be >= 1, got {self.checkpoint_every}"
         )
@@ -216,30 +201,10 @@ class CoordinatorConfig:
         self._validate_privacy()
 
     def _validate_privacy(self) -> None:
+        """What only the coordinator adds to ``TrainingConfig.validate``: wire limits."""
         privacy = self.privacy
-        if not privacy.enabled:
-            return
-        check_aggregation(
-            privacy,
-            weighting=self.algorithm.weighting,
-            late_updates=self.algorithm.late_updates,
-            deadline_key=(
-                "adaptive_deadline.enabled" if self.adaptive_deadline.enabled
-                else "round_deadline_s" if self.round_deadline_s is not None
-                else None
-            ),
-        )
-        num_sites = len(self.allowed_sites) if self.allowed_sites is not None else None
-        check_composition(privacy, self.algorithm.uplink_codec, num_sites)
         if not privacy.secure_aggregation:
             return
-        require(
-            self.min_sites >= MIN_SITES,
-            "min_sites",
-            f"must be >= {MIN_SITES} with privacy.secure_aggregation (got {self.min_sites}): with 2 "
-            "sites the sum reveals each site's update to the other, so a secure round never "
-            "starts with fewer",
-        )
         width = privacy.modulus_bits // 8
         require(
             privacy.chunk_size * width <= MAX_CHUNK_SIZE,
@@ -252,6 +217,21 @@ class CoordinatorConfig:
             self.secure_stage_timeout_s > 0,
             "secure_stage_timeout_s",
             f"must be > 0 seconds, got {self.secure_stage_timeout_s}",
+        )
+
+    @property
+    def training(self) -> TrainingConfig:
+        """What is trained and how, as the simulator and the emulator describe it too."""
+        return TrainingConfig(
+            algorithm=self.algorithm,
+            inner_optimizer=self.inner_optimizer,
+            outer_optimizer=self.outer_optimizer,
+            privacy=self.privacy,
+            seed=self.seed,
+            rounds=self.total_rounds,
+            min_sites=self.min_sites,
+            round_deadline_s=self.round_deadline_s,
+            adaptive_deadline=self.adaptive_deadline,
         )
 
     @property

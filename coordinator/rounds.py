@@ -134,14 +134,7 @@ class RoundStateMachine:
             device=self.device,
             layout=layout,
         )
-        algo = config.algorithm
-        self.policy = RoundPolicy(
-            min_sites=config.min_sites,
-            round_deadline_s=config.round_deadline_s,
-            adaptive_deadline=config.adaptive_deadline,
-            late_updates=algo.late_updates,
-            staleness_discount=algo.staleness_discount,
-        )
+        self.policy: RoundPolicy = config.training.round_policy()
         """Quorum, deadline in force (fixed or adaptive) and the late-update rule."""
         self.max_upload_bytes = config.max_upload_bytes or (2 * 4 * self.numel + (1 << 20))
         self.privacy: PrivateRounds | None = (

@@ -31,8 +31,9 @@ from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
-from geoloco.algorithms.privacy import PrivacyConfig, check_privacy_setup
+from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.training import TrainingConfig, TrainingKeys
 from geoloco.protos.identity import validate_site_name
 from geoloco.scenarios.config_file import ConfigFileError, read_toml
 from geoloco.scenarios.workloads import WorkloadSpec, parse_workload
@@ -48,6 +49,14 @@ __all__ = [
     "load_scenario",
     "parse_scenario",
 ]
+
+SCENARIO_KEYS = TrainingKeys(
+    min_sites="run.min_sites",
+    round_deadline_s="run.round_deadline_s",
+    adaptive_deadline="run.adaptive_deadline",
+    rounds="run.rounds",
+)
+"""Where a scenario file keeps the round policy and the run length."""
 
 ScenarioError = ConfigFileError
 """A problem in a scenario file: ``ScenarioError(source, key, message)``, printed as
@@ -186,16 +195,6 @@ class RunSettings:
         )
         require(self.eval_every >= 1, "eval_every", f"must be >= 1, got {self.eval_every}")
         require(
-            self.min_sites is None or self.min_sites >= 1,
-            "min_sites",
-            f"must be >= 1 or unset, got {self.min_sites}",
-        )
-        require(
-            self.round_deadline_s is None or self.round_deadline_s > 0,
-            "round_deadline_s",
-            f"must be > 0 seconds or unset, got {self.round_deadline_s}",
-        )
-        require(
             self.heartbeat_interval_s > 0,
             "heartbeat_interval_s",
             f"must be > 0 seconds, got {self.heartbeat_interval_s}",
@@ -318,12 +317,6 @@ class Scenario:
             "algorithm.warmup_steps",
             "a data-parallel warm-up exists only in the simulator; set warmup_steps = 0",
         )
-        try:  # a decaying inner lr schedule needs a horizon (the coordinator checks it too)
-            self.inner_optimizer.resolved_decay_steps(
-                total_rounds=self.run.rounds, inner_steps=self.algorithm.inner_steps
-            )
-        except ConfigError as err:
-            raise err.under("inner_optimizer") from None
         names = [s.name for s in self.sites]
         for i, name in enumerate(names):
             require(
@@ -342,26 +335,7 @@ class Scenario:
                 f"sites[{i}].data_shard",
                 f"must be in 0..{len(self.sites) - 1} (one shard per site), got {site.data_shard}",
             )
-        quorum = self.run.min_sites
-        require(
-            quorum is None or quorum <= len(self.sites),
-            "run.min_sites",
-            f"must be <= the number of sites ({len(self.sites)}), got {quorum}",
-        )
-        check_privacy_setup(
-            self.privacy,
-            weighting=self.algorithm.weighting,
-            late_updates=self.algorithm.late_updates,
-            uplink_codec=self.algorithm.uplink_codec,
-            num_sites=len(self.sites),
-            quorum=self.quorum,
-            quorum_key="run.min_sites",
-            deadline_key=(
-                "run.adaptive_deadline.enabled" if self.run.adaptive_deadline.enabled
-                else "run.round_deadline_s" if self.run.round_deadline_s is not None
-                else None
-            ),
-        )
+        self.training.validate(SCENARIO_KEYS, num_sites=len(self.sites))
         for i, fault in enumerate(self.faults):
             key = f"faults[{i}]"
             if fault.site is not None:
@@ -382,6 +356,22 @@ class Scenario:
                     f"{key}.kind",
                     "kill_coordinator needs a fixed number of rounds (run.rounds >= 1)",
                 )
+
+    @property
+    def training(self) -> TrainingConfig:
+        """What is trained and how, as the simulator and the coordinator describe it too."""
+        run = self.run
+        return TrainingConfig(
+            algorithm=self.algorithm,
+            inner_optimizer=self.inner_optimizer,
+            outer_optimizer=self.outer_optimizer,
+            privacy=self.privacy,
+            seed=run.seed,
+            rounds=run.rounds,
+            min_sites=run.min_sites,
+            round_deadline_s=run.round_deadline_s,
+            adaptive_deadline=run.adaptive_deadline,
+        )
 
     @property
     def workload_name(self) -> str:

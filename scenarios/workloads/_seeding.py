@@ -1,9 +1,8 @@
-"""Seed derivation shared by the built-in workloads.
+"""Seeding helpers of the built-in workloads.
 
-Seeds are derived by hashing their parts (SHA-256) rather than by arithmetic such as
-``seed * 1000 + site``: arithmetic mixing makes distinct (seed, site) pairs collide
-(seed 0 / site 1000 vs seed 1 / site 0), and hashing is stable across Python and torch versions,
-so a run is reproducible on any machine.
+Seeds come from ``geoloco.algorithms.params.derive_seed``, the one derivation of the project
+(SHA-256 of the parts, so distinct (seed, site) pairs never collide and runs reproduce on any
+machine); ``stable_rank`` orders items pseudo-randomly but identically everywhere.
 """
 
 from __future__ import annotations
@@ -13,12 +12,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed that depends on every part (by ``str``); usable by ``torch.Generator``."""
-    digest = hashlib.sha256("\x1f".join(str(part) for part in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def stable_rank(*parts: object) -> str:

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from geoloco.scenarios.workloads._seeding import derive_seed, seeded_cpu_rng
+from geoloco.algorithms.params import derive_seed
+from geoloco.scenarios.workloads._seeding import seeded_cpu_rng
 from geoloco.scenarios.workloads.corpus import (
     CorpusSplit,
     held_out_corpus,

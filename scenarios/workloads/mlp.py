@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from geoloco.scenarios.workloads._seeding import derive_seed, seeded_cpu_rng
+from geoloco.algorithms.params import derive_seed
+from geoloco.scenarios.workloads._seeding import seeded_cpu_rng
 
 TensorPair = tuple[torch.Tensor, torch.Tensor]
 """A batch: ``(inputs, labels)``."""

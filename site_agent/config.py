@@ -12,9 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
-
 from geoloco.algorithms.config import config_from_dict, config_to_dict, require
+from geoloco.algorithms.device import resolve_device
 from geoloco.protos.transport import DEFAULT_MIN_TRANSFER_RATE
 from geoloco.protos.wire import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 
@@ -97,15 +96,6 @@ class SiteAgentConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
-
-
-def resolve_device(device: str) -> torch.device:
-    """``"auto"`` -> CUDA if available else CPU; ``"cuda"`` without CUDA is an error."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available; use 'auto' or 'cpu'")
-    return torch.device(device)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 One synchronous round ``t`` on the clock (all times in seconds, ``k`` a site):
 
 - ``s_k``: site ``k`` holds ``θ_t`` (0 for the first round; else its previous download end).
-- ``c_k = s_k + H · step_time_s · step_time_factor_k``: it has finished its inner steps.
+- ``c_k = s_k + H · step_time_s / speed_factor_k``: it has finished its inner steps.
 - ``a_k = c_k + latency_k + 8 · upload_bytes_k / uplink_bps_k``: its upload has fully arrived.
 - ``O_t``: the coordinator opened the round (sent ``θ_t``); ``O_1 = 0``, ``O_{t+1} = A_t``.
 - Participants and ``A_t`` (aggregation): the round closes by the same ``RoundPolicy`` as the real
@@ -22,6 +22,7 @@ site (no shared bottleneck at the coordinator).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +49,10 @@ class SiteConfig:
     """Coordinator -> site bandwidth in bits per second."""
     latency_s: float = 0.05
     """One-way latency in seconds, paid once per transfer in each direction."""
-    step_time_factor: float = 1.0
-    """Multiplier on the inner-step compute time: 2.0 is a site twice as slow as the reference."""
+    speed_factor: float = 1.0
+    """Compute speed relative to the reference site: 0.5 is half as fast (each inner step takes
+    ``step_time_s / speed_factor``), 2.0 twice as fast; the same name and meaning as a scenario
+    site's ``speed_factor``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,9 +64,9 @@ class SiteConfig:
         )
         require(self.latency_s >= 0, "latency_s", f"must be >= 0 seconds, got {self.latency_s}")
         require(
-            self.step_time_factor > 0,
-            "step_time_factor",
-            f"must be > 0, got {self.step_time_factor}",
+            math.isfinite(self.speed_factor) and self.speed_factor > 0,
+            "speed_factor",
+            f"must be > 0 (1.0 = the reference site's speed), got {self.speed_factor}",
         )
 
     def to_dict(self) -> dict[str, Any]:

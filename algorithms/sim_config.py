@@ -143,6 +143,13 @@ class SimulatorConfig:
         """
         data = dict(data)
         sites = data.get("sites")
+        for key, table in _site_tables(sites):
+            if isinstance(table, Mapping) and "step_time_factor" in table:
+                raise ConfigError(
+                    f"{key}.step_time_factor",
+                    "was renamed: use speed_factor = 1 / step_time_factor (compute speed relative to "
+                    "the reference site, 0.5 = half as fast), the name scenario files use",
+                )
         if isinstance(sites, Mapping):
             shared = dict(sites)
             count = shared.pop("count", 4)
@@ -217,3 +224,11 @@ class RoundRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
+
+
+def _site_tables(sites: Any) -> list[tuple[str, Any]]:
+    if isinstance(sites, Mapping):
+        return [("sites", sites)]
+    if isinstance(sites, list):
+        return [(f"sites[{i}]", table) for i, table in enumerate(sites)]
+    return []

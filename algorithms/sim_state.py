@@ -7,7 +7,7 @@ uplink error-feedback residual and its data stream. Sites run one after another 
 so memory is ``model + N × (optimizer state + residual)``.
 
 ``SimTrainer`` runs a site's inner steps on that model and converts them to virtual seconds
-(``step_time_s × step_time_factor`` per step, or the measured wall time with
+(``step_time_s / speed_factor`` per step, or the measured wall time with
 ``step_time_s = "measure"``); plain and streaming rounds both use it.
 """
 
@@ -90,7 +90,7 @@ class SimTrainer:
     def step_seconds(self, site: SimSite, steps: int, measured_s: float) -> float:
         """Virtual seconds of ``steps`` inner steps of ``site``."""
         base = measured_s if self.step_time_s == MEASURE else steps * float(self.step_time_s)
-        return base * site.config.step_time_factor
+        return base / site.config.speed_factor
 
     def steps(self, site: SimSite, steps: int) -> tuple[InnerResult | None, float]:
         """``steps`` inner steps of ``site`` on the model as loaded: the result (None for zero
@@ -114,9 +114,9 @@ class SimTrainer:
             return run_inner_steps_within(
                 self.model, site.optimizer, site.batches, TimeBudget(budget_s),
                 self.workload.loss, grad_clip_norm=self.grad_clip_norm, lr_schedule=site.lr_schedule,
-                time_scale=site.config.step_time_factor, sync=self.sync_device,
+                time_scale=1.0 / site.config.speed_factor, sync=self.sync_device,
             )
-        step_s = float(self.step_time_s) * site.config.step_time_factor
+        step_s = float(self.step_time_s) / site.config.speed_factor
         count = steps_in_budget(budget_s, step_s, max_steps=None if step_s > 0 else 1)
         result, seconds = self.steps(site, count)
         assert result is not None

@@ -6,7 +6,7 @@ are encoded and aggregated through one interface whatever the privacy settings
 (``geoloco.algorithms.sim_uplinks``), and Streaming DiLoCo rounds run in
 ``geoloco.algorithms.streaming_sim``.
 
-Time is virtual (``geoloco.algorithms.clock``): compute is ``step_time_s × step_time_factor`` per
+Time is virtual (``geoloco.algorithms.clock``): compute is ``step_time_s / speed_factor`` per
 step (or the measured wall time of the real steps with ``step_time_s = "measure"``) and every
 transfer costs ``latency + 8 · nbytes / bandwidth``, from the bytes really produced by the codecs
 (or the secure aggregation protocol).

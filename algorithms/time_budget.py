@@ -82,7 +82,7 @@ def run_inner_steps_within(
 ) -> tuple[InnerResult, float]:
     """Inner steps until the budget is spent; returns the result and the seconds it counted.
 
-    ``time_scale`` multiplies measured time (the simulator's ``step_time_factor`` in ``measure``
+    ``time_scale`` multiplies measured time (``1 / speed_factor`` of a simulated site in ``measure``
     mode). ``agree(elapsed) -> elapsed`` makes every rank of a multi-GPU site take the same
     decision (an all-reduce ``max``), since they must run the same number of DDP steps. ``sync``
     waits for the device (CUDA is asynchronous: without it a step would seem to take no time).

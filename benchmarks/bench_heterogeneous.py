@@ -4,7 +4,7 @@
 
 Three sites train the byte-level GPT of ``geoloco.scenarios.workloads`` (non-IID: each on its own
 top-level modules of the standard library) in the simulator, at 1x, 0.5x and 0.25x compute speed
-(``step_time_factor`` 1, 2, 4; a 1x step is ``STEP_TIME_S`` virtual seconds), each on a
+(``speed_factor`` 1, 0.5, 0.25; a 1x step is ``STEP_TIME_S`` virtual seconds), each on a
 100 Mbit/s link with 40 ms one-way latency, int8 uplink with error feedback. Variants:
 
     (a) fixed H: every site runs H steps per round; the round waits for the 0.25x site
@@ -38,7 +38,7 @@ from geoloco.scenarios.workloads import build_workload
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SPEEDS = (1.0, 0.5, 0.25)
-"""Compute speed of each site relative to the reference (``step_time_factor = 1 / speed``)."""
+"""Compute speed of each site relative to the reference (``speed_factor``)."""
 STEP_TIME_S = 0.1
 """Virtual seconds per inner step of the 1x site."""
 LINK_BPS = 100e6
@@ -90,7 +90,7 @@ def run(variant: Variant, *, size: str, wall_s: float, seed: int) -> Outcome:
         "algorithm": variant.algorithm,
         "inner_optimizer": {"name": "adamw", "lr": 3e-3, "grad_clip_norm": 1.0},
         "sites": [
-            {"name": f"{speed:g}x", "step_time_factor": 1.0 / speed, "uplink_bps": LINK_BPS,
+            {"name": f"{speed:g}x", "speed_factor": speed, "uplink_bps": LINK_BPS,
              "downlink_bps": LINK_BPS, "latency_s": LATENCY_S}
             for speed in SPEEDS
         ],

@@ -62,7 +62,7 @@ TRANSATLANTIC = [
 ]
 HETEROGENEOUS = [
     SiteConfig(name=f"{speed}x", uplink_bps=1e8, downlink_bps=1e8, latency_s=0.03,
-               step_time_factor=factor)
+               speed_factor=1.0 / factor)
     for speed, factor in (("1", 1.0), ("0.5", 2.0), ("0.25", 4.0))
 ]
 

@@ -138,13 +138,13 @@ class EmulatedSite:
         )
 
     def clock_site(self) -> SiteConfig:
-        """The simulator's view of this site (same link; ``step_time_factor = 1 / speed``)."""
+        """The simulator's view of this site (same link, same speed factor)."""
         return SiteConfig(
             name=self.name,
             uplink_bps=self.uplink_bps,
             downlink_bps=self.downlink_bps,
             latency_s=self.latency_s,
-            step_time_factor=1.0 / self.speed_factor,
+            speed_factor=self.speed_factor,
         )
 
     def to_dict(self) -> dict[str, Any]:

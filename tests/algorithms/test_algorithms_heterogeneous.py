@@ -180,7 +180,7 @@ def test_time_budget_round_weights_by_steps_exactly(make_workload) -> None:
     from the same per-site optimizers and data streams."""
     config = _config(
         algorithm={"name": "fedavg", "weighting": "steps", "round_time_budget_s": 0.8},
-        sites=[{"step_time_factor": 1.0}, {"step_time_factor": 2.0}, {"step_time_factor": 4.0}],
+        sites=[{"speed_factor": 1.0}, {"speed_factor": 0.5}, {"speed_factor": 0.25}],
         simulation={"rounds": 1},
     )
     workload = make_workload(hidden=4)
@@ -202,7 +202,7 @@ def test_time_budget_round_weights_by_steps_exactly(make_workload) -> None:
     assert torch.allclose(sim.global_flat, expected, atol=1e-6)
     uniform = Simulator(
         _config(algorithm={"name": "fedavg", "weighting": "uniform", "round_time_budget_s": 0.8},
-                sites=[{"step_time_factor": 1.0}, {"step_time_factor": 2.0}, {"step_time_factor": 4.0}],
+                sites=[{"speed_factor": 1.0}, {"speed_factor": 0.5}, {"speed_factor": 0.25}],
                 simulation={"rounds": 1}),
         workload,
     )
@@ -212,7 +212,7 @@ def test_time_budget_round_weights_by_steps_exactly(make_workload) -> None:
 
 def test_time_budget_keeps_every_site_busy(make_workload) -> None:
     """Fixed H: the 1x site idles while the 0.25x site computes; a budget evens it out."""
-    sites = [{"step_time_factor": 1.0}, {"step_time_factor": 2.0}, {"step_time_factor": 4.0}]
+    sites = [{"speed_factor": 1.0}, {"speed_factor": 0.5}, {"speed_factor": 0.25}]
     fixed = list(simulate(_config(sites=sites, algorithm={"inner_steps": 8}), make_workload()))
     budget = list(simulate(
         _config(sites=sites, algorithm={"round_time_budget_s": 0.8, "weighting": "steps"}),
@@ -257,7 +257,7 @@ def test_late_update_is_folded_with_discount_or_dropped(make_workload, late_upda
     round with weight 0.25 (uniform weight 1 x discount); "drop": it goes to its residual."""
     config = _config(
         algorithm={"late_updates": late_updates, "staleness_discount": 0.25, "uplink_codec": "int8"},
-        sites=[{}, {}, {"step_time_factor": 2.5}],
+        sites=[{}, {}, {"speed_factor": 0.4}],
         simulation={"round_deadline_s": 0.8, "min_sites": 2},
     )
     sim = Simulator(config, make_workload())

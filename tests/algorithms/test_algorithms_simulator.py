@@ -46,7 +46,7 @@ def test_records_have_every_field_and_are_json(make_workload) -> None:
 def test_two_runs_are_identical(make_workload) -> None:
     config = _config(
         algorithm={"uplink_codec": "randk:0.3|int4:block=16,stochastic", "downlink_codec": "int8"},
-        sites=[{"step_time_factor": 1.0}, {"step_time_factor": 3.0}, {}],
+        sites=[{"speed_factor": 1.0}, {"speed_factor": 1 / 3}, {}],
         simulation={"round_deadline_s": 1.5},
     )
     a, b = Simulator(config, make_workload(hidden=8)), Simulator(config, make_workload(hidden=8))
@@ -57,7 +57,7 @@ def test_two_runs_are_identical(make_workload) -> None:
     assert len({r["weights_digest"] for r in ra}) == len(ra), "weights must change every round"
     other = _config(
         algorithm={"uplink_codec": "randk:0.3|int4:block=16,stochastic", "downlink_codec": "int8"},
-        sites=[{"step_time_factor": 1.0}, {"step_time_factor": 3.0}, {}],
+        sites=[{"speed_factor": 1.0}, {"speed_factor": 1 / 3}, {}],
         simulation={"round_deadline_s": 1.5, "seed": 1},
     )
     assert [r.to_dict() for r in simulate(other, make_workload(hidden=8))][-1]["weights_digest"] != ra[-1]["weights_digest"]
@@ -67,7 +67,7 @@ def test_clock_matches_hand_formula(make_workload) -> None:
     """Two sites, H=4 steps of 0.25 s, lossless codecs: round 1 ends at compute + up + down."""
     sites = [
         {"uplink_bps": 1e6, "downlink_bps": 2e6, "latency_s": 0.1},
-        {"uplink_bps": 5e5, "downlink_bps": 2e6, "latency_s": 0.2, "step_time_factor": 2.0},
+        {"uplink_bps": 5e5, "downlink_bps": 2e6, "latency_s": 0.2, "speed_factor": 0.5},
     ]
     config = _config(algorithm={"uplink_codec": "none"}, sites=sites,
                      simulation={"rounds": 2, "step_time_s": 0.25})
@@ -92,7 +92,7 @@ def test_clock_matches_hand_formula(make_workload) -> None:
 
 def test_deadline_leaves_out_the_straggler_and_keeps_its_update(make_workload) -> None:
     config = _config(
-        sites=[{}, {}, {"step_time_factor": 10.0}],
+        sites=[{}, {}, {"speed_factor": 0.1}],
         simulation={"round_deadline_s": 2.0, "rounds": 2},
     )
     sim = Simulator(config, make_workload(hidden=8))
@@ -163,6 +163,6 @@ def test_simulator_config_errors_name_the_key(data, key) -> None:
 
 
 def test_config_to_dict_roundtrips() -> None:
-    config = _config(sites=[{"name": "eu"}, {"step_time_factor": 2.0}])
+    config = _config(sites=[{"name": "eu"}, {"speed_factor": 0.5}])
     again = SimulatorConfig.from_dict(json.loads(json.dumps(config.to_dict())))
     assert again == config

@@ -286,7 +286,7 @@ def _sim_config(streaming: dict[str, Any] | None = None, **sections: Any) -> Sim
     base: dict[str, Any] = {
         "algorithm": {"inner_steps": 4, "uplink_codec": "int8", "downlink_codec": "int8"},
         "inner_optimizer": {"lr": 0.02},
-        "sites": [{"step_time_factor": 1.0}, {"step_time_factor": 2.5}, {}],
+        "sites": [{"speed_factor": 1.0}, {"speed_factor": 0.4}, {}],
         "simulation": {"rounds": 4, "eval_every": 2, "device": "cpu", "step_time_s": 0.1},
     }
     for name, values in sections.items():

@@ -36,12 +36,12 @@ def test_round_hand_checked() -> None:
     """
     sites = [
         SiteConfig(uplink_bps=8e7, downlink_bps=1.6e8, latency_s=0.01),
-        SiteConfig(uplink_bps=4e7, downlink_bps=8e6, latency_s=0.02, step_time_factor=2.0),
+        SiteConfig(uplink_bps=4e7, downlink_bps=8e6, latency_s=0.02, speed_factor=0.5),
     ]
     included, arrivals, closed, ends, utilization = _round(
         open_s=0.0,
         starts=[0.0, 0.0],
-        compute_s=[10 * 0.1 * s.step_time_factor for s in sites],
+        compute_s=[10 * 0.1 / s.speed_factor for s in sites],
         upload_bytes=[1_000_000, 1_000_000],
         download_bytes=500_000,
         sites=sites,
@@ -92,9 +92,18 @@ def test_straggler_downloads_after_its_late_upload() -> None:
 @pytest.mark.parametrize(
     ("data", "key"),
     [({"uplink_bps": 0}, "sites[1].uplink_bps"), ({"latency_s": -1.0}, "sites[1].latency_s"),
-     ({"speed": 2}, "sites[1].speed"), ({"step_time_factor": "slow"}, "sites[1].step_time_factor")],
+     ({"speed": 2}, "sites[1].speed"), ({"speed_factor": "slow"}, "sites[1].speed_factor"), ({"speed_factor": 0.0}, "sites[1].speed_factor")],
 )
 def test_site_config_errors(data, key) -> None:
     with pytest.raises(ConfigError) as info:
         config_from_dict(SiteConfig, data, prefix="sites[1]")
     assert info.value.key == key
+
+
+def test_the_old_step_time_factor_key_says_what_replaced_it() -> None:
+    from geoloco.algorithms.simulator import SimulatorConfig
+
+    with pytest.raises(ConfigError) as err:
+        SimulatorConfig.from_dict({"sites": [{}, {"step_time_factor": 2.0}]})
+    assert err.value.key == "sites[1].step_time_factor"
+    assert "speed_factor = 1 / step_time_factor" in str(err.value)

@@ -91,7 +91,7 @@ def _config(case: dict[str, Any]) -> SimulatorConfig:
         data.setdefault(section, {}).update(values)
     sites = [{"latency_s": 0.01, "uplink_bps": 2e6, "downlink_bps": 4e6} for _ in range(3)]
     if slow is not None:
-        sites[-1]["step_time_factor"] = slow
+        sites[-1]["speed_factor"] = 1 / slow
     data["sites"] = sites
     return config_from_dict(SimulatorConfig, data)
 

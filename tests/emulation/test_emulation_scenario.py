@@ -53,7 +53,7 @@ def test_defaults_and_derived_values(tmp_path: Path) -> None:
     assert scenario.quorum == 2
     assert [scenario.shard_of(i) for i in range(2)] == [0, 1]
     clock = scenario.sites[0].clock_site()
-    assert clock.step_time_factor == 1.0 and clock.name == "a"
+    assert clock.speed_factor == 1.0 and clock.name == "a"
 
 
 @pytest.mark.parametrize(

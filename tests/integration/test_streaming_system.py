@@ -281,7 +281,7 @@ def test_streaming_adaptive_deadline_straggler_agrees_with_the_simulator(
     sim_config = SimulatorConfig(
         algorithm=algorithm,
         inner_optimizer=run.inner,
-        sites=[SiteConfig(), SiteConfig(), SiteConfig(step_time_factor=1e4)],
+        sites=[SiteConfig(), SiteConfig(), SiteConfig(speed_factor=1e-4)],
         simulation=SimulationConfig(
             rounds=rounds, seed=run.seed, device="cpu", eval_every=10**6, step_time_s=0.01,
             min_sites=2, round_deadline_s=1.0, adaptive_deadline=adaptive,

@@ -91,8 +91,13 @@ def test_straggler_downloads_after_its_late_upload() -> None:
 
 @pytest.mark.parametrize(
     ("data", "key"),
-    [({"uplink_bps": 0}, "sites[1].uplink_bps"), ({"latency_s": -1.0}, "sites[1].latency_s"),
-     ({"speed": 2}, "sites[1].speed"), ({"speed_factor": "slow"}, "sites[1].speed_factor"), ({"speed_factor": 0.0}, "sites[1].speed_factor")],
+    [
+        ({"uplink_bps": 0}, "sites[1].uplink_bps"),
+        ({"latency_s": -1.0}, "sites[1].latency_s"),
+        ({"speed": 2}, "sites[1].speed"),
+        ({"speed_factor": "slow"}, "sites[1].speed_factor"),
+        ({"speed_factor": 0.0}, "sites[1].speed_factor"),
+    ],
 )
 def test_site_config_errors(data, key) -> None:
     with pytest.raises(ConfigError) as info:

@@ -77,13 +77,6 @@ class ProtocolVersionError(StatusError):
     reason = pb.ERROR_REASON_PROTOCOL_VERSION
 
 
-class ResyncRequiredError(StatusError):
-    """The site's weights are not the coordinator's: it must call FetchModel."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = pb.ERROR_REASON_RESYNC_REQUIRED
-
-
 class RunFinishedError(StatusError):
     """The run is over: the site should leave."""
 

@@ -85,7 +85,6 @@ from geoloco.protos.transport_options import (
     SHUTDOWN_GRACE_S,
     TRANSFER_BASE_S,
     UPLOAD_STATUS_TIMEOUT_S,
-    await_broadcast_timeout,
     server_workers,
     transfer_timeout,
 )
@@ -136,7 +135,6 @@ __all__ = [
     "abort",
     "abort_with",
     "add_coordinator_servicer",
-    "await_broadcast_timeout",
     "build_server",
     "client_channel",
     "coordinator_stub",

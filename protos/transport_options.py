@@ -128,16 +128,6 @@ def transfer_timeout(nbytes: int, *, min_bytes_per_s: float = DEFAULT_MIN_TRANSF
     return TRANSFER_BASE_S + nbytes / min_bytes_per_s
 
 
-def await_broadcast_timeout(
-    round_deadline_s: float,
-    delta_bytes: int,
-    *,
-    min_bytes_per_s: float = DEFAULT_MIN_TRANSFER_RATE,
-) -> float:
-    """Deadline for AwaitBroadcast: the rest of the round, then the delta's transfer."""
-    return round_deadline_s + transfer_timeout(delta_bytes, min_bytes_per_s=min_bytes_per_s)
-
-
 def server_workers(max_sites: int) -> int:
     """Thread-pool size for a coordinator expecting up to ``max_sites`` sites.
 

@@ -19,15 +19,14 @@ AdamW state) to the averaged gradient: exactly one DDP step, whose delta every r
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from geoloco.algorithms.aggregation import Aggregation, RunningSum
-from geoloco.algorithms.config import ConfigError, config_to_dict, require
+from geoloco.algorithms.algorithm_config import ALGORITHM_NAMES, AlgorithmConfig
 from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, encode_downlink
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, OuterOptimizerConfig
 from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
@@ -39,9 +38,8 @@ from geoloco.algorithms.streaming import (
     StreamingConfig,
     StreamingSchedule,
 )
-from geoloco.algorithms.weighting import LATE_UPDATE_POLICIES, WEIGHTINGS
 from geoloco.algorithms.weighting import site_weight as weighting_site_weight
-from geoloco.compression import CodecError, Encoded, parse_codec
+from geoloco.compression import Encoded
 
 __all__ = [
     "ALGORITHMS",
@@ -70,122 +68,6 @@ UpdateKind = Literal["pseudo_gradient", "gradient"]
 UPLINK_SEED_PURPOSE = "uplink"
 """Domain tag of a site's per-round uplink codec seed, ``derive_seed(round_seed, tag, site)``:
 the simulator, the site agent and a streaming site derive the same seed from it."""
-
-
-@dataclass(kw_only=True, slots=True)
-class AlgorithmConfig:
-    """Which algorithm, how often sites synchronise, and how updates are compressed and weighted."""
-
-    name: str = "diloco"
-    """One of ``ALGORITHMS``: ``"diloco"``, ``"fedavg"``, ``"fedopt"`` or ``"ddp"`` (baseline)."""
-    inner_steps: int = 50
-    """H: inner steps per round (for ``"ddp"``: synchronous steps per reported round)."""
-    uplink_codec: str = "none"
-    """Codec spec for site -> coordinator updates, e.g. ``"int8"``, ``"topk:0.01|int4"``."""
-    downlink_codec: str = "none"
-    """Codec spec for the coordinator -> site delta ``θ' − θ_t``."""
-    error_feedback: bool = True
-    """Keep what a lossy codec dropped and add it to the next update (uplink and downlink)."""
-    error_feedback_decay: float = 1.0
-    """Factor on the kept residual (1 = keep all; < 1 forgets old errors)."""
-    weighting: Literal["uniform", "steps", "samples"] = "uniform"
-    """Average site updates uniformly, or weighted by the inner steps each site ran (for
-    time-budget rounds), or by the samples it trained on (``geoloco.algorithms.weighting``)."""
-    warmup_steps: int = 0
-    """Synchronous data-parallel steps before the first round (their bytes are counted)."""
-    # -- heterogeneous sites (geoloco.algorithms.time_budget / weighting) --
-    round_time_budget_s: float | None = None
-    """Time-budget rounds: each site runs as many inner steps as fit in this many seconds of
-    training (at least one) instead of ``inner_steps``; unset = ``inner_steps`` per round."""
-    late_updates: Literal["drop", "fold"] = "drop"
-    """An update that misses its round's deadline: ``"drop"`` (the site keeps it in its
-    error-feedback residual) or ``"fold"`` (arriving one round late, it enters the next round's
-    average with weight ``w_k · staleness_discount``)."""
-    staleness_discount: float = 0.5
-    """Factor on the weight of an update folded in one round late (``late_updates = "fold"``)."""
-    streaming: StreamingConfig = field(default_factory=StreamingConfig)
-    """Streaming DiLoCo (``[algorithm.streaming]``): fragments on a staggered schedule, transfers
-    overlapped with training; see ``geoloco.algorithms.streaming``."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        require(
-            self.name in ALGORITHMS,
-            "name",
-            f"unknown algorithm {self.name!r}; valid names: {', '.join(ALGORITHMS)}",
-        )
-        require(self.inner_steps >= 1, "inner_steps", f"must be >= 1, got {self.inner_steps}")
-        for key in ("uplink_codec", "downlink_codec"):
-            try:
-                parse_codec(getattr(self, key))
-            except (CodecError, ValueError) as err:
-                raise ConfigError(key, str(err)) from None
-        require(
-            0 < self.error_feedback_decay <= 1,
-            "error_feedback_decay",
-            f"must be in (0, 1], got {self.error_feedback_decay}",
-        )
-        require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        require(
-            self.weighting in WEIGHTINGS,
-            "weighting",
-            f"got {self.weighting!r}; allowed values: {', '.join(WEIGHTINGS)}",
-        )
-        require(
-            self.round_time_budget_s is None
-            or (math.isfinite(self.round_time_budget_s) and self.round_time_budget_s > 0),
-            "round_time_budget_s",
-            f"must be > 0 seconds or unset, got {self.round_time_budget_s}",
-        )
-        require(
-            self.late_updates in LATE_UPDATE_POLICIES,
-            "late_updates",
-            f"got {self.late_updates!r}; allowed values: {', '.join(LATE_UPDATE_POLICIES)}",
-        )
-        require(
-            0 < self.staleness_discount <= 1,
-            "staleness_discount",
-            f"must be in (0, 1], got {self.staleness_discount}",
-        )
-        require(
-            not (self.name == "ddp" and self.round_time_budget_s is not None),
-            "round_time_budget_s",
-            "the ddp baseline synchronises every step; unset round_time_budget_s",
-        )
-        require(
-            not (self.name == "ddp" and self.warmup_steps > 0),
-            "warmup_steps",
-            "the ddp baseline is data-parallel throughout; set warmup_steps = 0",
-        )
-        # Streaming DiLoCo: checks that need H and the algorithm.
-        if self.streaming.enabled:
-            require(
-                self.name != "ddp",
-                "streaming.enabled",
-                "the ddp baseline synchronises every step; streaming needs diloco, fedavg or fedopt",
-            )
-            require(
-                self.round_time_budget_s is None,
-                "round_time_budget_s",
-                "streaming rounds are H/P inner steps on a schedule every site derives from the "
-                "step counter, so they cannot be time budgets; unset round_time_budget_s or "
-                "disable algorithm.streaming",
-            )
-            require(
-                self.late_updates == "drop",
-                "late_updates",
-                "with streaming the next round syncs a different fragment, so a late update cannot "
-                "be folded into it; set late_updates = \"drop\" (the site keeps it in its residual)",
-            )
-            try:
-                self.streaming.check_inner_steps(self.inner_steps)
-            except ConfigError as err:
-                raise err.under("streaming") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        return config_to_dict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -566,7 +448,8 @@ ALGORITHMS: dict[str, type[Strategy]] = {
     "fedopt": FedOpt,
     "ddp": DataParallel,
 }
-"""Algorithm name -> strategy class."""
+"""Algorithm name -> strategy class (the names of ``ALGORITHM_NAMES``)."""
+assert tuple(ALGORITHMS) == ALGORITHM_NAMES
 
 
 def build_strategy(

@@ -69,9 +69,11 @@ class GlobalWeights:
     digest: str
 
     @classmethod
-    def of(cls, weights: torch.Tensor) -> GlobalWeights:
+    def of(cls, weights: torch.Tensor, digest: str | None = None) -> GlobalWeights:
+        """``digest``: the strategy's ``RoundUpdate.digest`` when the weights come from a round,
+        so the new global weights are hashed once per round, not once per use."""
         cpu = weights.detach().to("cpu").contiguous()
-        return cls(flat=weights, cpu=cpu, digest=weights_digest(cpu))
+        return cls(flat=weights, cpu=cpu, digest=digest if digest is not None else weights_digest(cpu))
 
 
 @dataclass(slots=True)
@@ -196,7 +198,9 @@ class RoundPhases:
         if ctx.config.checkpoint_dir is not None and (
             finished or next_round % ctx.config.checkpoint_every == 0
         ):
-            self.save_checkpoint(next_round, new_weights, frozenset(contributors), frozenset(outcome.folded))
+            self.save_checkpoint(
+                next_round, new_weights, new_digest, frozenset(contributors), frozenset(outcome.folded)
+            )
             ctx.events.emit(ev.CHECKPOINT_SAVED, round=next_round)
         record = BroadcastRecord(
             round=r.number,
@@ -209,7 +213,7 @@ class RoundPhases:
             run_finished=finished,
         )
         with ctx.cond:
-            self.weights = GlobalWeights.of(new_weights)
+            self.weights = GlobalWeights.of(new_weights, new_digest)
             self.broadcast = record
             ctx.contributor_history[r.number] = record.contributors
             ctx.contributor_history.pop(r.number - CONTRIBUTOR_HISTORY, None)
@@ -360,10 +364,12 @@ class RoundPhases:
         self,
         round_number: int,
         weights: torch.Tensor,
+        digest: str,
         contributors: frozenset[str],
         folded: frozenset[str],
     ) -> None:
-        """``contributors``/``folded``: of round ``round_number - 1``, just aggregated (the
+        """``digest``: of ``weights`` (computed once, by the strategy).
+        ``contributors``/``folded``: of round ``round_number - 1``, just aggregated (the
         history does not hold it yet). The history lets a restarted coordinator still tell a
         site whether its update counted, so it neither loses nor resends it."""
         ctx = self.ctx
@@ -386,7 +392,7 @@ class RoundPhases:
             "config": ctx.config.to_dict(),
             "strategy": ctx.strategy.state_meta(),
             "layout": self.layout.to_dict(),
-            "weights_digest": weights_digest(weights.detach().to("cpu")),
+            "weights_digest": digest,
             "session_id": ctx.session_id,
             HISTORY_KEY: history,
         }

@@ -108,3 +108,28 @@ def test_resolve_device_names_the_key_and_the_allowed_values() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+def test_new_global_weights_are_hashed_once_per_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The strategy hashes θ_{t+1} once; the checkpoint, the broadcast and the served weights reuse
+    that digest (a billion-parameter model must not be hashed three times a round)."""
+    import geoloco.algorithms.params as params
+    import geoloco.algorithms.strategy as strategy
+    import geoloco.coordinator.phases as phases
+
+    rounds = make(FakeClock(), checkpoint_dir=str(tmp_path))
+    join(rounds, "a")
+    upload(rounds, "a", update(1, rounds.numel))
+    calls: list[str] = []
+
+    def counting(flat: torch.Tensor) -> str:
+        calls.append("digest")
+        return params.weights_digest(flat)
+
+    monkeypatch.setattr(strategy, "weights_digest", counting)
+    monkeypatch.setattr(phases, "weights_digest", counting)
+    record = rounds.poll()
+    assert record is not None
+    assert any(tmp_path.iterdir()), "the round wrote no checkpoint"
+    assert calls == ["digest"]
+    assert record["weights_digest"] == rounds.digest_hex == params.weights_digest(rounds.weights)

@@ -261,6 +261,7 @@ class Simulator:
             "deadline_s": outcome.deadline_s,
             "folded_late": dict(outcome.folded),
             "peak_bytes_in_flight": [max(up, update.downlink.nbytes) for up in upload_sizes],
+            "weights_digest": update.digest,
         }
 
     def _inner_steps(self, site: SimSite, inner_steps: int) -> tuple[Any, float]:
@@ -324,7 +325,7 @@ class Simulator:
             wall_clock_s=end,
             compute_s=stats["compute_s"],
             utilization=stats["utilization"],
-            weights_digest=weights_digest(self.global_flat),
+            weights_digest=stats.get("weights_digest") or weights_digest(self.global_flat),
             epsilon=None if self.accountant is None else self.accountant.epsilon(),
             site_inner_steps=stats.get("site_inner_steps", [steps] * len(self.sites)),
             deadline_s=stats.get("deadline_s"),

@@ -201,4 +201,5 @@ class StreamingRounds:
             "peak_bytes_in_flight": [max(up, down) for up in upload_sizes],
             "fragment": p,
             "deadline_s": outcome.deadline_s,
+            "weights_digest": update.digest,
         }

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -241,11 +241,3 @@ class Round:
             arrivals_s=dict(self.arrivals_s),
             closed_after_s=now - start,
         )
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "round": self.number,
-            "contributed": list(self.contributed),
-            "rejected": sorted(self.rejected),
-            "folded": dict(self.folded),
-        }

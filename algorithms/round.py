@@ -29,7 +29,7 @@ from geoloco.algorithms.deadline import AdaptiveDeadlineConfig, RoundDeadline
 from geoloco.algorithms.weighting import stale_weight
 from geoloco.compression import Encoded
 
-__all__ = ["CloseDecision", "Round", "RoundOutcome", "RoundPolicy", "close_time"]
+__all__ = ["CloseDecision", "Round", "RoundOutcome", "RoundPolicy", "admit_arrivals", "close_time"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +132,28 @@ def close_time(
     return max(arrivals)  # unreachable: with every arrival in, nobody is pending
 
 
+def admit_arrivals(
+    round_: Round,
+    policy: RoundPolicy,
+    *,
+    sites: Sequence[str],
+    arrivals: Sequence[float],
+    payloads: Sequence[Encoded | torch.Tensor],
+    weights: Sequence[float],
+) -> float:
+    """A round on a virtual clock, where every site's arrival time is known up front: when the
+    policy closes it, and every update in by then added, in site order (those before the deadline
+    first, then those the quorum rule pulled in after it). Returns the close time."""
+    start = round_.started_s if round_.started_s is not None else round_.opened_s
+    closed = close_time(policy, arrivals, start_s=start, deadline_s=round_.deadline_s)
+    deadline = round_.deadline_at
+    on_time = [k for k, a in enumerate(arrivals) if deadline is None or a <= deadline]
+    pulled_in = [k for k, a in enumerate(arrivals) if k not in on_time and a <= closed]
+    for k in on_time + pulled_in:
+        round_.add(payloads[k], weights[k], site=sites[k], now=arrivals[k])
+    return closed
+
+
 @dataclass(frozen=True, slots=True)
 class RoundOutcome:
     """How a round closed."""
@@ -193,16 +215,18 @@ class Round:
     def add(self, update: Encoded | torch.Tensor, weight: float, *, site: str, now: float) -> None:
         """A site's verified update for this round, arriving at ``now``."""
         self.aggregation.add(update, weight, site=site)
+        self._arrived(site, weight, now)
+
+    def _arrived(self, site: str, weight: float, now: float) -> None:
         self.contributed[site] = weight
-        start = self.started_s if self.started_s is not None else self.opened_s
-        self.arrivals_s[site] = now - start
+        # An update in before the round's clock started took no time of the deadline's.
+        start = self.started_s if self.started_s is not None else now
+        self.arrivals_s[site] = max(0.0, now - start)
 
     def count(self, site: str, weight: float, *, now: float) -> None:
         """A site whose update entered a sum kept outside ``aggregation`` (secure aggregation's
         masked sum): it counts towards the quorum and the outcome exactly like ``add``."""
-        self.contributed[site] = weight
-        start = self.started_s if self.started_s is not None else self.opened_s
-        self.arrivals_s[site] = now - start
+        self._arrived(site, weight, now)
 
     def fold(self, update: Encoded | torch.Tensor, weight: float, *, site: str, policy: RoundPolicy) -> float:
         """A site's previous-round update that missed its deadline, folded in with the

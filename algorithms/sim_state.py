@@ -52,9 +52,9 @@ class SimSite:
     """The inner lr schedule over ``optimizer``, positioned by this site's cumulative inner steps."""
     ready_s: float = 0.0
     """Virtual time at which this site holds the current global weights."""
-    late: tuple[Encoded, float, float] | None = None
-    """Its last round's update that missed the deadline, its weight and its arrival time, kept
-    to be folded into the next round (``late_updates = "fold"``)."""
+    late: tuple[Encoded, float, float, int] | None = None
+    """Its last round's update that missed the deadline, its weight, its arrival time and its
+    fragment, kept to be folded into the next round (``late_updates = "fold"``)."""
 
 
 class SimTrainer:

@@ -32,7 +32,7 @@ from geoloco.algorithms.optimizers import (
 )
 from geoloco.algorithms.params import ParamLayout, weights_digest
 from geoloco.algorithms.privacy import PrivacyAccountant
-from geoloco.algorithms.round import Round, RoundPolicy, close_time
+from geoloco.algorithms.round import Round, RoundPolicy, admit_arrivals
 from geoloco.algorithms.sim_config import MEASURE, RoundRecord, SimulationConfig, SimulatorConfig
 from geoloco.algorithms.sim_state import SimSite, SimTrainer
 from geoloco.algorithms.sim_uplinks import build_uplinks, round_noise_multiplier
@@ -119,7 +119,10 @@ class Simulator:
         self.open_s = 0.0
         self.bytes_up_total = 0
         self.bytes_down_total = 0
-        self.streaming: StreamingRounds | None = StreamingRounds(self) if algo.streaming.enabled else None
+        self.streaming: StreamingRounds | None = (
+            StreamingRounds(self.strategy, self.trainer, self.uplinks, self.policy, self.sites)
+            if algo.streaming.enabled else None
+        )
         """Streaming DiLoCo (``geoloco.algorithms.streaming_sim``): per-site weights and overlap."""
 
     def _evaluate(self) -> float:
@@ -225,15 +228,12 @@ class Simulator:
         arrivals = upload_arrivals(
             [s.ready_s for s in self.sites], compute, upload_sizes, [s.config for s in self.sites]
         )
-        aggregate_s = close_time(self.policy, arrivals, start_s=self.open_s, deadline_s=round_.deadline_s)
-        # On-time uploads in site order, then those the quorum rule pulled in after the deadline.
-        deadline = round_.deadline_at
-        on_time = [k for k, a in enumerate(arrivals) if deadline is None or a <= deadline]
-        pulled_in = [k for k, a in enumerate(arrivals) if k not in on_time and a <= aggregate_s]
-        for k in on_time + pulled_in:
-            round_.add(payloads[k], weights[k], site=self.sites[k].name, now=arrivals[k])
+        names = [s.name for s in self.sites]
+        aggregate_s = admit_arrivals(
+            round_, self.policy, sites=names, arrivals=arrivals, payloads=payloads, weights=weights
+        )
         self._fold_late_updates(round_, aggregate_s)
-        outcome = round_.close(now=aggregate_s, expected=[s.name for s in self.sites])
+        outcome = round_.close(now=aggregate_s, expected=names)
         self.policy.observe(outcome)
         # The others go back to the sites' residuals (with error feedback) so their work arrives
         # next round, or wait to be folded into the next round's average.
@@ -243,7 +243,7 @@ class Simulator:
             payload = payloads[k]
             if self.policy.folds_late_updates:
                 assert isinstance(payload, Encoded)  # privacy rounds never fold
-                site.late = (payload, weights[k], arrivals[k])
+                site.late = (payload, weights[k], arrivals[k], plan.fragment)
             else:
                 self.uplinks.keep(site.name, payload, plan.fragment)
         update = strategy.aggregate_round(self.global_flat, round_.aggregation, plan)
@@ -281,12 +281,12 @@ class Simulator:
         for site in self.sites:
             if site.late is None:
                 continue
-            encoded, weight, arrival = site.late
+            encoded, weight, arrival, fragment = site.late
             site.late = None
             if arrival <= aggregate_s:
                 round_.fold(encoded, weight, site=site.name, policy=self.policy)
             else:
-                self.uplinks.keep(site.name, encoded, 0)
+                self.uplinks.keep(site.name, encoded, fragment)
 
     def _close_round_clock(
         self, aggregate_s: float, arrivals: list[float], downlink_bytes: int, compute: list[float]
@@ -373,11 +373,12 @@ class Simulator:
                         self.config.privacy.epsilon_budget,
                     )
                     return
-                stats = (
-                    self.streaming.round(round_number)
-                    if self.streaming is not None
-                    else self._diloco_round(round_number)
-                )
+                if self.streaming is not None:
+                    self.global_flat, self.open_s, stats = self.streaming.round(
+                        round_number, self.global_flat, self.open_s
+                    )
+                else:
+                    stats = self._diloco_round(round_number)
                 if self.accountant is not None:
                     self.accountant.step(z)
             last = round_number == sim.rounds - 1

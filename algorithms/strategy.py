@@ -239,8 +239,7 @@ class Strategy:
         return self.fragment(round_index).numel
 
     def configure_round(self, round_index: int, sites: Sequence[str]) -> RoundPlan:
-        """The plan of round ``round_index`` (from 0). Seeds hash ``round_index + 1``, the
-        numbering the first releases used, so recorded runs keep their seeds."""
+        """The plan of round ``round_index`` (from 0, as on the wire)."""
         return RoundPlan(
             round=round_index,
             fragment=self.fragment_for_round(round_index),
@@ -248,7 +247,7 @@ class Strategy:
             sites=tuple(sites),
             update_kind=self.update_kind,
             uplink_codec=self.config.uplink_codec,
-            seed=derive_seed(self.seed, self.name, round_index + 1),
+            seed=derive_seed(self.seed, self.name, round_index),
         )
 
     def build_uplink(self) -> FragmentUplink:

@@ -5,9 +5,9 @@ because in plain DiLoCo every site starts a round from ``θ_t``. In Streaming Di
 weights never reset as a whole (only one fragment is merged per round), so each site keeps its own
 flat fp32 copy (``N × model`` memory) that is loaded into the shared model for its steps.
 
-Round ``r`` of site ``k`` (``s = H/P`` steps, ``τ`` = overlap, fragment ``p = (r − 1) mod P``):
+Round ``r`` of site ``k`` (from 0; ``s = H/P`` steps, ``τ`` = overlap, fragment ``p = r mod P``):
 
-1. ``τ`` steps while the broadcast of round ``r − 1`` travels (none in round 1),
+1. ``τ`` steps while the broadcast of round ``r − 1`` travels (none in round 0),
 2. merge round ``r − 1``'s fragment (``merge_fragment_``),
 3. ``s − τ`` steps,
 4. upload ``Δ = θ_g[p] − θ_k[p]`` through fragment ``p``'s uplink encoder.
@@ -22,13 +22,13 @@ broadcast): one fragment, not the whole model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from geoloco.algorithms.clock import SiteConfig, download_ends, transfer_time
 from geoloco.algorithms.diloco import pseudo_gradient
-from geoloco.algorithms.round import Round, RoundPolicy, close_time
+from geoloco.algorithms.round import Round, RoundPolicy, admit_arrivals
 from geoloco.algorithms.sim_state import SimSite, SimTrainer
 from geoloco.algorithms.sim_uplinks import SimUplinks
 from geoloco.algorithms.strategy import Strategy
@@ -94,105 +94,101 @@ class _SiteStream:
     """When the site finished its last step (its last upload started)."""
 
 
-class SimulatorState(Protocol):
-    """What a streaming round reads and advances of its simulator (``Simulator`` has it all)."""
-
-    strategy: Strategy
-    trainer: SimTrainer
-    uplinks: SimUplinks
-    policy: RoundPolicy
-    sites: list[SimSite]
-    global_flat: torch.Tensor
-    open_s: float
-
-
 class StreamingRounds:
-    """Runs Streaming DiLoCo rounds for a simulator (same workload, sites, clock, records)."""
+    """Runs Streaming DiLoCo rounds for the simulator: it owns the sites' own weights and streams;
+    the global weights and the round clock go in and come back out of ``round``."""
 
-    def __init__(self, simulator: SimulatorState) -> None:
-        self.sim = simulator
-        self.streams = [_SiteStream() for _ in simulator.sites]
+    def __init__(
+        self, strategy: Strategy, trainer: SimTrainer, uplinks: SimUplinks, policy: RoundPolicy,
+        sites: list[SimSite],
+    ) -> None:
+        self.strategy = strategy
+        self.trainer = trainer
+        self.uplinks = uplinks
+        self.policy = policy
+        self.sites = sites
+        self.streams = [_SiteStream() for _ in sites]
 
     def _steps(self, site: SimSite, steps: int) -> tuple[list[float], int, float]:
         """``steps`` inner steps of ``site`` on the shared model: (losses, samples, virtual s)."""
-        result, seconds = self.sim.trainer.steps(site, steps)
+        result, seconds = self.trainer.steps(site, steps)
         return ([], 0, seconds) if result is None else (result.losses, result.samples, seconds)
 
-    def round(self, round_number: int) -> dict[str, Any]:
-        sim = self.sim
-        strategy = sim.strategy
-        trainer = sim.trainer
+    def round(
+        self, round_number: int, global_flat: torch.Tensor, open_s: float
+    ) -> tuple[torch.Tensor, float, dict[str, Any]]:
+        """Round ``round_number`` from the global weights ``global_flat``, opened at ``open_s``:
+        the new global weights, when the round closed (the next one opens), and its stats."""
+        strategy = self.strategy
+        trainer = self.trainer
+        uplinks = self.uplinks
+        sites = self.sites
+        names = [s.name for s in sites]
         schedule = strategy.schedule
-        plan = strategy.configure_round(round_number, [s.name for s in sim.sites])
+        plan = strategy.configure_round(round_number, names)
         p = plan.fragment
         fragment = strategy.partition[p]
-        round_ = Round(number=plan.round, aggregation=sim.uplinks.begin(plan), opened_s=sim.open_s)
-        round_.start(sim.open_s, sim.policy)
-        global_fragment = fragment.gather(sim.global_flat)
+        round_ = Round(number=plan.round, aggregation=uplinks.begin(plan), opened_s=open_s)
+        round_.start(open_s, self.policy)
+        global_fragment = fragment.gather(global_flat)
         payloads = []
         weights: list[float] = []
         computed: list[tuple[float, float, float | None, float]] = []
         losses: list[float] = []
-        for site, stream in zip(sim.sites, self.streams, strict=True):
+        for site, stream in zip(sites, self.streams, strict=True):
             if stream.local is None:
-                stream.local = sim.global_flat.clone()
+                stream.local = global_flat.clone()
                 stream.upload_s = site.ready_s
             trainer.load(stream.local)
             overlap = schedule.overlap_before_merge(plan.round)
             first_losses, first_samples, first_s = self._steps(site, overlap)
             if stream.merge_round is not None:
                 local = trainer.flatten()
-                merge_fragment_(local, sim.global_flat, strategy.fragment(stream.merge_round), strategy.streaming.mix)
+                merge_fragment_(local, global_flat, strategy.fragment(stream.merge_round), strategy.streaming.mix)
                 trainer.load(local)
                 del local
             rest_losses, rest_samples, rest_s = self._steps(site, schedule.interval - overlap)
             stream.local = trainer.flatten()
             pseudo = pseudo_gradient(global_fragment, fragment.gather(stream.local))
             losses.extend(first_losses + rest_losses)
-            payloads.append(sim.uplinks.encode(site.name, pseudo, plan, round_.aggregation))
+            payloads.append(uplinks.encode(site.name, pseudo, plan, round_.aggregation))
             del pseudo
-            weights.append(strategy.site_weight(first_samples + rest_samples))
+            # Weighted like the real site's upload: one round of H/P inner steps.
+            weights.append(strategy.site_weight(first_samples + rest_samples, schedule.interval))
             previous = stream.broadcast_s if stream.merge_round is not None else None
             computed.append((stream.upload_s, first_s, previous, rest_s))
         # Sizes are known once every site has encoded (the secure protocol's messages).
-        upload_sizes = [
-            sim.uplinks.nbytes(s.name, pl, round_.aggregation) for s, pl in zip(sim.sites, payloads, strict=True)
-        ]
+        upload_sizes = [uplinks.nbytes(s.name, pl, round_.aggregation) for s, pl in zip(sites, payloads, strict=True)]
         times = [
             streaming_site_time(
                 start_s=start, overlap_compute_s=first_s, rest_compute_s=rest_s,
                 previous_broadcast_s=previous, upload_bytes=size, site=site.config,
             )
-            for (start, first_s, previous, rest_s), size, site in zip(computed, upload_sizes, sim.sites, strict=True)
+            for (start, first_s, previous, rest_s), size, site in zip(computed, upload_sizes, sites, strict=True)
         ]
         arrivals = [t.arrival_s for t in times]
-        aggregate_s = close_time(sim.policy, arrivals, start_s=sim.open_s, deadline_s=round_.deadline_s)
-        deadline = round_.deadline_at
-        on_time = [k for k, a in enumerate(arrivals) if deadline is None or a <= deadline]
-        pulled_in = [k for k, a in enumerate(arrivals) if k not in on_time and a <= aggregate_s]
-        for k in on_time + pulled_in:
-            round_.add(payloads[k], weights[k], site=sim.sites[k].name, now=arrivals[k])
-        outcome = round_.close(now=aggregate_s, expected=[s.name for s in sim.sites])
-        sim.policy.observe(outcome)
+        aggregate_s = admit_arrivals(
+            round_, self.policy, sites=names, arrivals=arrivals, payloads=payloads, weights=weights
+        )
+        outcome = round_.close(now=aggregate_s, expected=names)
+        self.policy.observe(outcome)
         # Streaming never folds (the next round syncs another fragment): late work stays in the
         # fragment's residual.
-        for k, site in enumerate(sim.sites):
+        for k, site in enumerate(sites):
             if site.name in outcome.excluded:
-                sim.uplinks.keep(site.name, payloads[k], p)
-        update = strategy.aggregate_round(sim.global_flat, round_.aggregation, plan)
-        sim.global_flat = update.global_flat
-        ends = download_ends(aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in sim.sites])
-        for site, stream, timing, end in zip(sim.sites, self.streams, times, ends, strict=True):
+                uplinks.keep(site.name, payloads[k], p)
+        update = strategy.aggregate_round(global_flat, round_.aggregation, plan)
+        ends = download_ends(aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in sites])
+        for site, stream, timing, end in zip(sites, self.streams, times, ends, strict=True):
             stream.merge_round = plan.round
             stream.broadcast_s = end
             stream.upload_s = timing.upload_s
             site.ready_s = timing.upload_s
-        sim.open_s = aggregate_s
         down = update.downlink.nbytes
-        return {
+        return update.global_flat, aggregate_s, {
             "train_loss": sum(losses) / len(losses),
             "bytes_up": upload_sizes,
-            "bytes_down": [down] * len(sim.sites),
+            "bytes_down": [down] * len(sites),
             "compute_s": [t.compute_s for t in times],
             "utilization": [t.utilization for t in times],
             "excluded": list(outcome.excluded),

@@ -274,7 +274,7 @@ def test_central_dp_without_secure_aggregation_stops_at_the_epsilon_budget(certs
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"min_sites": 2}, "at least 3 sites \(with 2 the sum reveals"),
+        ({"min_sites": 2}, r"at least 3 sites \(with 2 the sum reveals"),
         ({"min_sites": 3, "algorithm": {"uplink_codec": "topk:0.01"}}, "use 'randk:F'"),
         ({"min_sites": 3, "algorithm": {"weighting": "samples"}}, "uniform"),
         ({"min_sites": 3, "allowed_sites": ["a", "b"]}, "min_sites"),

@@ -326,7 +326,7 @@ class PrivateRounds:
             mean = mean.to(global_flat.device, torch.float32)
             norm = float(torch.linalg.vector_norm(mean))
             update = strategy.apply_mean_update(
-                global_flat, mean, tuple(range(len(contributors))), plan, consume_mean=True
+                global_flat, mean, tuple(contributors), plan, consume_mean=True
             )
             del mean
             if self.accountant is not None:

@@ -249,7 +249,7 @@ class CoordinatorClient:
         self.session_id = response.session_id
         return response
 
-    def heartbeat(self, *, round_number: int, phase: int, inner_steps_done: int) -> pb.HeartbeatResponse:
+    def heartbeat(self, *, round_number: int, phase: pb.SitePhase, inner_steps_done: int) -> pb.HeartbeatResponse:
         """One attempt (the heartbeat thread simply tries again at its next tick)."""
         return self._stub.Heartbeat(
             pb.HeartbeatRequest(

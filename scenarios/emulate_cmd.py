@@ -53,7 +53,7 @@ def _shipped_scenarios() -> str:
     return ", ".join(sorted(p.name for p in SCENARIO_DIR.glob("*.toml") if p.name not in NOT_SCENARIOS))
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "emulate",
         help="run a scenario: coordinator + sites as real processes over shaped links, with a report",

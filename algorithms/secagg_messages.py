@@ -17,7 +17,7 @@ import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeAlias
 
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES
 from geoloco.algorithms.secagg_crypto import DOMAIN, NeighbourMode, default_threshold, num_chunks
@@ -34,6 +34,7 @@ __all__ = [
     "STAGE_UNMASK_RESPONSE",
     "EncryptedShare",
     "KeyAdvertisement",
+    "ProtocolMessage",
     "RoundContext",
     "SecAggAbort",
     "SecAggViolation",
@@ -178,6 +179,9 @@ class UnmaskResponse:
     mask_key_shares: Mapping[int, bytes]
 
 
+ProtocolMessage: TypeAlias = KeyAdvertisement | EncryptedShare | UnmaskRequest | UnmaskResponse
+"""A message of the in-memory protocol (``message_to_bytes`` / ``message_from_bytes``)."""
+
 _MESSAGE_TYPES: dict[str, type] = {}
 
 
@@ -188,7 +192,7 @@ def _message_types() -> dict[str, type]:
     return _MESSAGE_TYPES
 
 
-def message_to_bytes(message: KeyAdvertisement | EncryptedShare | UnmaskRequest | UnmaskResponse) -> bytes:
+def message_to_bytes(message: ProtocolMessage) -> bytes:
     """A protocol message as self-describing JSON bytes.
 
     Not the wire format (the real system sends the ``SecAgg*`` protobuf messages, see
@@ -200,7 +204,7 @@ def message_to_bytes(message: KeyAdvertisement | EncryptedShare | UnmaskRequest 
     if name not in _message_types():
         raise TypeError(f"not a secure-aggregation message: {name}; allowed: {', '.join(_message_types())}")
     body: dict[str, object] = {}
-    for f in dataclasses.fields(message):  # type: ignore[arg-type]
+    for f in dataclasses.fields(message):
         value = getattr(message, f.name)
         if isinstance(value, bytes):
             value = {"b64": base64.b64encode(value).decode()}
@@ -212,7 +216,7 @@ def message_to_bytes(message: KeyAdvertisement | EncryptedShare | UnmaskRequest 
     return json.dumps({"type": name, "body": body}, sort_keys=True).encode()
 
 
-def message_from_bytes(data: bytes) -> KeyAdvertisement | EncryptedShare | UnmaskRequest | UnmaskResponse:
+def message_from_bytes(data: bytes) -> ProtocolMessage:
     """Inverse of ``message_to_bytes``; raises ``ValueError`` naming what is malformed."""
     try:
         raw = json.loads(data)
@@ -227,22 +231,22 @@ def message_from_bytes(data: bytes) -> KeyAdvertisement | EncryptedShare | Unmas
             elif isinstance(value, list):
                 value = tuple(int(v) for v in value)
             kwargs[f.name] = value
-        return cls(**kwargs)  # type: ignore[no-any-return]
+        return cls(**kwargs)
     except (KeyError, TypeError, ValueError, binascii.Error) as err:
         raise ValueError(f"malformed secure-aggregation message: {err!r}") from None
 
 
-def pack_messages(messages: Iterable[object]) -> bytes:
+def pack_messages(messages: Iterable[ProtocolMessage | bytes]) -> bytes:
     """Several protocol messages (or raw bytes, e.g. signatures) as one JSON payload (the wire
     format before protocol version 2; kept for callers of the old API, not sent any more)."""
     items = []
     for m in messages:
-        data = m if isinstance(m, bytes) else message_to_bytes(m)  # type: ignore[arg-type]
+        data = m if isinstance(m, bytes) else message_to_bytes(m)
         items.append(base64.b64encode(data).decode())
     return json.dumps(items).encode()
 
 
-def unpack_messages(data: bytes, *, raw: bool = False) -> list:  # type: ignore[type-arg]
+def unpack_messages(data: bytes, *, raw: bool = False) -> list[bytes] | list[ProtocolMessage]:
     """Inverse of ``pack_messages``; ``raw`` returns the bytes without decoding messages."""
     try:
         items = [base64.b64decode(x, validate=True) for x in json.loads(data or b"[]")]

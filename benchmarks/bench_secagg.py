@@ -98,7 +98,8 @@ def mask_table(n: int, numel: int, chunk: int, repeats: int) -> list[str]:
         f"| what ({n} sites: {masks} keystreams of {numel:,} x 4 B) | seconds | MB/s of keystream | ratio |",
         "|---|---:|---:|---:|",
         f"| raw ChaCha20 keystream (cryptography) | {t_raw:.3f} | {mb / t_raw:,.0f} | 1.00 |",
-        f"| SecAggClient.mask_chunk (keystream + Z_2^32 add) | {t_mask:.3f} | {mb / t_mask:,.0f} | {t_raw / t_mask:.2f} |",
+        f"| SecAggClient.mask_chunk (keystream + Z_2^32 add) | {t_mask:.3f} | {mb / t_mask:,.0f} "
+        f"| {t_raw / t_mask:.2f} |",
     ]
 
 
@@ -162,7 +163,8 @@ def round_table(n: int, numel: int, chunk: int) -> list[str]:
         "|---|---:|---:|---:|",
         f"| plain (none codec) | {plain[0]:.2f} | {crit_plain:.2f} | {plain[2]:.2f} |",
         f"| secure aggregation | {secure[0]:.2f} | {crit_secure:.2f} | {secure[2]:.2f} |",
-        f"| ratio secure / plain | {secure[0] / plain[0]:.1f}x | {crit_secure / crit_plain:.1f}x | {secure[2] / plain[2]:.1f}x |",
+        f"| ratio secure / plain | {secure[0] / plain[0]:.1f}x | {crit_secure / crit_plain:.1f}x "
+        f"| {secure[2] / plain[2]:.1f}x |",
         "",
         f"key setup (advertise + share keys, all sites): {t_setup:.2f} s; "
         f"max |secure mean - plain mean| = {err:.2e} (fixed-point bound {1 / fixed.scale:.2e})",
@@ -227,7 +229,9 @@ def grpc_round_table(n: int, params: int, chunk: int, rounds: int, warmup: int) 
                 "privacy": privacy, "max_sites": 2 * n + 4,
             })
             stamps: list[float] = []
-            server = CoordinatorServer(config, layout.flatten(model), layout, on_round_end=lambda r: stamps.append(time.perf_counter()))
+            server = CoordinatorServer(
+                config, layout.flatten(model), layout, on_round_end=lambda r: stamps.append(time.perf_counter())
+            )
             port = server.start()
             context = multiprocessing.get_context("spawn")
             sites = [context.Process(target=_site_main, args=(port, name, certs, params)) for name in names]

@@ -80,8 +80,9 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write_with(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write ``path`` through a temporary file, fsync, rename, fsync the folder."""
+def _atomic_write_with(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write ``path`` through a temporary file, fsync, rename, fsync the folder (what ``write``
+    returns, e.g. a byte count, is ignored)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         write(f)
@@ -135,7 +136,7 @@ def _write_safetensors(f: IO[bytes], tensors: dict[str, torch.Tensor], digest: A
     for tensor in ordered:
         if tensor.numel() == 0:
             continue
-        view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        view = tensor.reshape(-1).view(torch.uint8).numpy().data  # a memoryview of the tensor's bytes
         f.write(view)
         digest.update(view)
 

@@ -54,6 +54,7 @@ from geoloco.coordinator.status_board import (
 if TYPE_CHECKING:
     from geoloco.coordinator.config import CoordinatorConfig
     from geoloco.coordinator.rounds import RoundStateMachine
+    from geoloco.protos.transport import TLSFiles
 
 __all__ = [
     "DEFAULT_HTTP_PORT",
@@ -190,7 +191,7 @@ class StatusHTTPServer:
         *,
         metrics: CoordinatorMetrics,
         status: Callable[[], dict[str, Any]],
-        tls: Any | None = None,
+        tls: TLSFiles | None = None,
     ) -> None:
         """``tls``: the coordinator's ``TLSFiles`` (CA, certificate, key), or None."""
         self.config = config
@@ -228,11 +229,12 @@ class StatusHTTPServer:
                 f"cannot serve the status page on {host}:{self.config.port}: {err}; set [http] port "
                 "to a free port (0 = any), or enabled = false"
             ) from None
-        if self._use_tls:
+        tls = self.tls if self._use_tls else None
+        if tls is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.minimum_version = ssl.TLSVersion.TLSv1_2
-            context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
-            context.load_verify_locations(cafile=str(self.tls.ca))
+            context.load_cert_chain(str(tls.cert), str(tls.key))
+            context.load_verify_locations(cafile=str(tls.ca))
             # With a token, browsers without a client certificate may use the token instead.
             context.verify_mode = ssl.CERT_OPTIONAL if self.token is not None else ssl.CERT_REQUIRED
             server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.aggregation import Aggregation
 from geoloco.algorithms.round import CloseDecision
 from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate
@@ -121,7 +121,7 @@ class UploadIntake(Protocol):
         ...
 
     def aggregate(
-        self, global_flat: torch.Tensor, aggregation: RunningSum, plan: RoundPlan, contributors: list[str]
+        self, global_flat: torch.Tensor, aggregation: Aggregation, plan: RoundPlan, contributors: list[str]
     ) -> RoundSum:
         """The closed round's outer step (outside the lock; the round is frozen)."""
         ...
@@ -205,13 +205,19 @@ class PlainIntake:
         return True
 
     def aggregate(
-        self, global_flat: torch.Tensor, aggregation: RunningSum, plan: RoundPlan, contributors: list[str]
+        self, global_flat: torch.Tensor, aggregation: Aggregation, plan: RoundPlan, contributors: list[str]
     ) -> RoundSum:
         strategy = self.ctx.strategy
         if self.privacy is not None:  # central DP: noise on the sum of the clipped updates
             return RoundSum(*self.privacy.finish_round(strategy, global_flat, aggregation, plan, contributors))
-        update_norm = float(torch.linalg.vector_norm(aggregation.result()))
-        update = strategy.aggregate_round(global_flat, aggregation, plan)
+        # The norm of the mean before the outer step, which may overwrite it (consume_mean):
+        # the step is handed the only reference (popped from the list in the call), so the mean
+        # is freed before the downlink is built.
+        mean = [aggregation.take_result()]
+        update_norm = float(torch.linalg.vector_norm(mean[0]))
+        update = strategy.apply_mean_update(
+            global_flat, mean.pop(), tuple(aggregation.sites), plan, consume_mean=True
+        )
         return RoundSum(update, contributors, update_norm)
 
     def stage(

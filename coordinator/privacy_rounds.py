@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.aggregation import Aggregation
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES, clip_l2
 from geoloco.algorithms.privacy import (
     SECURE_UPLOAD_CODEC,
@@ -283,7 +283,7 @@ class PrivateRounds:
         self,
         strategy: Strategy,
         global_flat: torch.Tensor,
-        aggregator: RunningSum,
+        aggregator: Aggregation,
         plan: RoundPlan,
         contributors: list[str],
     ) -> tuple[RoundUpdate, list[str], float, dict[str, Any]]:
@@ -326,7 +326,7 @@ class PrivateRounds:
             mean = mean.to(global_flat.device, torch.float32)
             norm = float(torch.linalg.vector_norm(mean))
             update = strategy.apply_mean_update(
-                global_flat, mean, tuple(range(len(contributors))), plan, consume_mean=True
+                global_flat, mean, tuple(contributors), plan, consume_mean=True
             )
             del mean
             if self.accountant is not None:

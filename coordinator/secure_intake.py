@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.aggregation import Aggregation
 from geoloco.algorithms.round import CloseDecision
 from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan
@@ -108,7 +108,7 @@ class SecureIntake:
         return self.privacy.unmasked
 
     def aggregate(
-        self, global_flat: torch.Tensor, aggregation: RunningSum, plan: RoundPlan, contributors: list[str]
+        self, global_flat: torch.Tensor, aggregation: Aggregation, plan: RoundPlan, contributors: list[str]
     ) -> RoundSum:
         # The unmasked sum of the survivors (or no change if the round was aborted).
         return RoundSum(*self.privacy.finish_round(self.ctx.strategy, global_flat, aggregation, plan, contributors))

@@ -131,9 +131,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             assert result.header is not None
             header = translate.broadcast_header(result.header, self._blobs)
             data = result.header.record.data if result.header.record is not None else None
-            for response in broadcast_responses(header, data):
-                self.rounds.count_bytes_down(site, message_nbytes(response))
-                yield response
+            for message in broadcast_responses(header, data):
+                self.rounds.count_bytes_down(site, message_nbytes(message))
+                yield message
             return
 
     def Heartbeat(

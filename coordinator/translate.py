@@ -136,7 +136,7 @@ def join_response(result: JoinResult, *, config: pb.RunConfig, layout: pb.ModelL
     )
 
 
-def site_phase(phase: int) -> str:
+def site_phase(phase: pb.SitePhase) -> str:
     """A reported ``SitePhase`` as its domain name (``""`` when unspecified or unknown)."""
     return _SITE_PHASES.get(phase, "")
 

@@ -238,7 +238,7 @@ def request_message(request: pb.SecureStageRequest) -> StageMessage:
     if kind is None:
         return None
     try:
-        return from_pb(getattr(request, kind))  # type: ignore[no-any-return]
+        return from_pb(getattr(request, kind))
     except ValueError as err:
         raise StageMessageError(f"SecureStage {stage!r}: {err}") from None
 

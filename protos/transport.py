@@ -41,6 +41,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
@@ -160,7 +161,7 @@ __all__ = [
 # Stub and servicer registration with the chunk fast path
 # ---------------------------------------------------------------------------------------------
 
-_METHODS: dict[str, tuple[str, type, type]] = {
+_METHODS: dict[str, tuple[str, type[Message], type[Message]]] = {
     # name: (grpc cardinality, request type, response type)
     "Join": ("unary_unary", pb.JoinRequest, pb.JoinResponse),
     "FetchModel": ("unary_stream", pb.FetchModelRequest, pb.FetchModelResponse),
@@ -171,19 +172,19 @@ _METHODS: dict[str, tuple[str, type, type]] = {
     "Leave": ("unary_unary", pb.LeaveRequest, pb.LeaveResponse),
     "SecureStage": ("unary_unary", pb.SecureStageRequest, pb.SecureStageResponse),
 }
-_CODECS: dict[type, wire.MessageCodec] = {
+_CODECS: dict[type[Message], wire.MessageCodec] = {
     pb.UploadRequest: wire.UPLOAD_REQUEST_CODEC,
     pb.FetchModelResponse: wire.FETCH_MODEL_RESPONSE_CODEC,
     pb.AwaitBroadcastResponse: wire.AWAIT_BROADCAST_RESPONSE_CODEC,
 }
 
 
-def _serializer(message_type: type) -> Callable[[Any], bytes]:
+def _serializer(message_type: type[Message]) -> Callable[[Any], bytes]:
     codec = _CODECS.get(message_type)
     return codec.serialize if codec else message_type.SerializeToString
 
 
-def _deserializer(message_type: type) -> Callable[[bytes], Any]:
+def _deserializer(message_type: type[Message]) -> Callable[[bytes], Any]:
     codec = _CODECS.get(message_type)
     return codec.deserialize if codec else message_type.FromString
 

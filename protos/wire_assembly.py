@@ -292,7 +292,7 @@ def read_upload_manifest(requests: Iterator[pb.UploadRequest | ChunkRef]) -> pb.
     first = next(requests, None)
     if first is None:
         raise ManifestError("empty Upload stream: the first message must be a manifest")
-    if first.WhichOneof("kind") != "manifest":
+    if isinstance(first, ChunkRef) or first.WhichOneof("kind") != "manifest":
         raise ManifestError(
             f"Upload stream starts with {first.WhichOneof('kind')!r}; the first message must be "
             "a manifest"

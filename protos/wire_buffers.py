@@ -168,7 +168,7 @@ def as_byte_view(data: Buffer, *, writable: bool = False) -> memoryview:
     return view
 
 
-def compute_checksum(data: Buffer, algorithm: int = DEFAULT_CHECKSUM) -> pb.Checksum:
+def compute_checksum(data: Buffer, algorithm: pb.ChecksumAlgorithm = DEFAULT_CHECKSUM) -> pb.Checksum:
     """Checksum of ``data``'s bytes (CRC-32 digest as 4 big-endian bytes, or SHA-256)."""
     view = as_byte_view(data)
     if algorithm == pb.CHECKSUM_ALGORITHM_CRC32:

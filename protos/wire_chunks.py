@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from google.protobuf.message import Message
+
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.wire_buffers import (
     DEFAULT_CHUNK_SIZE,
@@ -136,7 +138,8 @@ def decode_chunk_message(buf: bytes, field_number: int) -> ChunkRef | None:
         inner_len, pos = _read_varint(buf, pos, end)
         if pos + inner_len != end:
             return None
-        index, data = 0, b""
+        index = 0
+        data: bytes | memoryview = b""
         seen_index = seen_data = False
         while pos < end:
             tag, pos = _read_varint(buf, pos, end)
@@ -164,7 +167,7 @@ class MessageCodec:
     ``ChunkRef`` goes through the hand-written fast path, everything else through protobuf.
     The bytes on the wire are the same either way, so peers need not use it."""
 
-    def __init__(self, message_type: type, chunk_field: str = "chunk") -> None:
+    def __init__(self, message_type: type[Message], chunk_field: str = "chunk") -> None:
         self.message_type = message_type
         self.field_number = message_type.DESCRIPTOR.fields_by_name[chunk_field].number
 

@@ -35,7 +35,7 @@ def blob_manifest(
     shape: Sequence[int] = (),
     dtype: object = "uint8",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    checksum_algorithm: int = DEFAULT_CHECKSUM,
+    checksum_algorithm: pb.ChecksumAlgorithm = DEFAULT_CHECKSUM,
 ) -> pb.BlobManifest:
     """Describe ``data`` for streaming: size, chunking, checksum, and what the bytes encode."""
     if not 0 < chunk_size <= MAX_CHUNK_SIZE:

@@ -27,7 +27,7 @@ import ipaddress
 import logging
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,7 +182,11 @@ def load_ca(directory: str | os.PathLike[str]) -> Authority:
     key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"{key_path} is not an EC private key; re-create the CA with init_ca")
-    if cert.public_key().public_numbers() != key.public_key().public_numbers():
+    cert_key = cert.public_key()
+    if (
+        not isinstance(cert_key, ec.EllipticCurvePublicKey)
+        or cert_key.public_numbers() != key.public_key().public_numbers()
+    ):
         raise ValueError(f"{key_path} does not belong to {cert_path}; the CA files are mixed up")
     return Authority(cert=cert, key=key, directory=directory)
 
@@ -205,7 +209,7 @@ def _leaf_key_usage() -> x509.KeyUsage:
 def _issue(
     authority: Authority,
     name: str,
-    sans: list[x509.GeneralName],
+    sans: Sequence[x509.GeneralName],
     usage: x509.ObjectIdentifier,
     valid_days: int,
     force: bool,
@@ -303,7 +307,7 @@ def issue_coordinator(
     """
     _check_name(name)
     authority = load_ca(directory)
-    sans = [x509.UniformResourceIdentifier(COORDINATOR_URI)]
+    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(COORDINATOR_URI)]
     sans += _host_names([*DEFAULT_COORDINATOR_HOSTS, *hosts])
     return _issue(authority, name, sans, ExtendedKeyUsageOID.SERVER_AUTH, valid_days, force)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError, report_config_error
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "certs",
         help="create the certificate authority and TLS certificates for a multi-site run",

@@ -108,7 +108,7 @@ class GracefulStop:
             threading.Thread(target=self.on_stop, name="geoloco-stop", daemon=True).start()
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "coordinator",
         help="run the coordinator of a multi-site run (one per run)",

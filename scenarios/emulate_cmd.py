@@ -45,9 +45,15 @@ dispositions this process inherited."""
 SHAPING_RELAY = "relay"
 SHAPING_KERNEL = "kernel"
 SCENARIO_DIR = Path(__file__).parent
+NOT_SCENARIOS = ("simulate.toml", "coordinator.toml")
+"""TOML files shipped next to the scenarios that configure other commands."""
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _shipped_scenarios() -> str:
+    return ", ".join(sorted(p.name for p in SCENARIO_DIR.glob("*.toml") if p.name not in NOT_SCENARIOS))
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "emulate",
         help="run a scenario: coordinator + sites as real processes over shaped links, with a report",
@@ -56,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
             "site talk real gRPC with mutual TLS through per-site shaped links (bandwidth, "
             "latency, jitter, loss); faults fire on schedule; progress is shown live; metrics, "
             "summary.md and PNG plots go to the output folder. Shipped scenarios: "
-            f"{', '.join(sorted(p.name for p in SCENARIO_DIR.glob('*.toml') if p.name not in ('simulate.toml', 'coordinator.toml')))} "
+            f"{_shipped_scenarios()} "
             f"in {SCENARIO_DIR}."
         ),
     )

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 from geoloco.scenarios.scenario import Fault
 
 __all__ = ["RESTORE_COORDINATOR", "RESTORE_LINK", "RESTORE_SITE", "FaultEvent", "FaultSchedule", "Restore"]
 
-RESTORE_SITE = "site"
-RESTORE_COORDINATOR = "coordinator"
-RESTORE_LINK = "link"
 Restore = Literal["site", "coordinator", "link"]
 """What a restoration brings back: a site process, the coordinator process, a site's link."""
+RESTORE_SITE: Final = "site"
+RESTORE_COORDINATOR: Final = "coordinator"
+RESTORE_LINK: Final = "link"
 
 
 @dataclass(slots=True)

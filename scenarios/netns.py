@@ -451,7 +451,11 @@ def detect_support(runner: Runner = run_command) -> KernelSupport:
             runner(["ip", "link", "del", host_if])  # normally gone with the namespace
         _active.difference_update((namespace, host_if))
     return KernelSupport(
-        *(found.get(what, False) for what in ("netns", "veth", "tbf", "netem")), detail
+        netns=found.get("netns", False),
+        veth=found.get("veth", False),
+        tbf=found.get("tbf", False),
+        netem=found.get("netem", False),
+        detail=detail,
     )
 
 

@@ -439,7 +439,9 @@ def _privacy_lines(result: EmulationResult) -> list[str]:
     aborted = [r["round"] for r in private if r["privacy"].get("aborted")]
     parts = [
         f"secure aggregation {'on' if privacy.secure_aggregation else 'off'}",
-        f"DP {privacy.dp}" + ("" if privacy.dp == "off" else f" (noise multiplier {privacy.noise_multiplier:g}, clip {privacy.clip_norm:g})"),
+        f"DP {privacy.dp}"
+        + ("" if privacy.dp == "off"
+           else f" (noise multiplier {privacy.noise_multiplier:g}, clip {privacy.clip_norm:g})"),
     ]
     if eps is not None:
         parts.append(f"**epsilon = {eps:.4g}** at delta = {privacy.delta:g} after {len(private)} rounds")

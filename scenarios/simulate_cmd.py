@@ -40,7 +40,7 @@ SECTIONS = ("workload", "algorithm", "inner_optimizer", "outer_optimizer", "site
 EXAMPLE_CONFIG = Path(__file__).with_name("simulate.toml")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "simulate",
         help="run sites in one process on a virtual network clock (algorithm research)",

@@ -108,7 +108,7 @@ def _option(text: str) -> tuple[str, Any]:
     return key, parsed
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "site",
         help="run one site of a multi-site run (one per data center; torchrun for several GPUs)",

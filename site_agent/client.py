@@ -249,7 +249,7 @@ class CoordinatorClient:
         self.session_id = response.session_id
         return response
 
-    def heartbeat(self, *, round_number: int, phase: int, inner_steps_done: int) -> pb.HeartbeatResponse:
+    def heartbeat(self, *, round_number: int, phase: pb.SitePhase, inner_steps_done: int) -> pb.HeartbeatResponse:
         """One attempt (the heartbeat thread simply tries again at its next tick)."""
         return self._stub.Heartbeat(
             pb.HeartbeatRequest(
@@ -294,9 +294,8 @@ class CoordinatorClient:
             request = pb.FetchModelRequest(site=self.site, session_id=self.session_id, start_chunk=start)
             if digest is not None:
                 request.expect_digest.CopyFrom(digest)
-            call = self._track(
-                self._stub.FetchModel(request, timeout=transfer_timeout(numel * 4, min_bytes_per_s=self.config.min_transfer_rate))
-            )
+            timeout = transfer_timeout(numel * 4, min_bytes_per_s=self.config.min_transfer_rate)
+            call = self._track(self._stub.FetchModel(request, timeout=timeout))
             try:
                 manifest = read_model_stream(self._counted(call), download)
                 try:

@@ -120,7 +120,9 @@ def verify_bindings(bindings: Sequence[IdentityBinding], ca_pem: bytes | None) -
                 uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
                 names = {site_from_uri(u) for u in uris.get_values_for_type(x509.UniformResourceIdentifier)}
                 if name not in names:
-                    raise SecAggViolation(f"the certificate in site {name!r}'s binding names {sorted(n for n in names if n)}")
+                    raise SecAggViolation(
+                        f"the certificate in site {name!r}'s binding names {sorted(n for n in names if n)}"
+                    )
                 cert_key = cert.public_key()
                 if not isinstance(cert_key, ec.EllipticCurvePublicKey):
                     raise SecAggViolation(f"site {name!r}'s certificate has no EC key")
@@ -321,7 +323,9 @@ class SecureUplink:
             return None
         if error is not None:
             # E.g. the site joined after key advertisement closed: it sits this round out.
-            logger.warning("site %s: not part of secure round %d (%s)", self.site, self._round.context.round_index, error)
+            logger.warning(
+                "site %s: not part of secure round %d (%s)", self.site, self._round.context.round_index, error
+            )
             if not isinstance(error, Exception):
                 raise error
             return None
@@ -361,5 +365,7 @@ class SecureUplink:
         except (RoundClosed, UpdateRejected) as why:
             # E.g. the coordinator says this site is not among the survivors: it waits for the
             # broadcast, which says whether its update counted.
-            logger.warning("site %s: unmasking of round %d refused: %s", self.site, self._round.context.round_index, why)
+            logger.warning(
+                "site %s: unmasking of round %d refused: %s", self.site, self._round.context.round_index, why
+            )
         return False

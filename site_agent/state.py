@@ -59,7 +59,7 @@ class SiteState:
         self._finished = False
         self._rounds_trained = 0
         self._rounds_included = 0
-        self.phase: int = pb.SITE_PHASE_UNSPECIFIED
+        self.phase: pb.SitePhase = pb.SITE_PHASE_UNSPECIFIED
         """What the site is doing (``pb.SITE_PHASE_*``), reported with each heartbeat."""
 
     # ---------------------------------------------------------------------------------------

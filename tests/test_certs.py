@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import ipaddress
 import stat
 from pathlib import Path
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from geoloco.protos.identity import COORDINATOR_URI, site_from_uri, validate_site_name
@@ -117,6 +119,26 @@ def test_mismatched_ca_files_are_detected(ca_dir: Path, tmp_path: Path):
     other = tmp_path / "other"
     certs.init_ca(other)
     (ca_dir / "ca.key").write_bytes((other / "ca.key").read_bytes())
+    with pytest.raises(ValueError, match="does not belong"):
+        certs.load_ca(ca_dir)
+
+
+def test_a_ca_certificate_without_an_ec_key_is_refused_as_mixed_up(ca_dir: Path):
+    # It used to fail with AttributeError: an Ed25519 public key has no public_numbers().
+    key = ed25519.Ed25519PrivateKey.generate()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "not the CA")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .sign(key, None)
+    )
+    (ca_dir / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     with pytest.raises(ValueError, match="does not belong"):
         certs.load_ca(ca_dir)
 

@@ -17,7 +17,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, Union
+from typing import Any, Protocol, Union
 
 from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.workload import Workload
@@ -55,7 +55,10 @@ __all__ = [
 class WorkloadFactory(Protocol):
     """A workload class: knows its config dataclass and builds itself from one."""
 
-    config_class: ClassVar[type[Any]]
+    @property
+    def config_class(self) -> type[Any]:
+        """The workload's config dataclass (read from the class, which sets it as a ClassVar)."""
+        ...
 
     def __call__(self, config: Any) -> Workload: ...
 

@@ -143,7 +143,9 @@ class WireWait:
     progress: pb.RoundProgress | None
 
 
-def wait_broadcast(rounds: RoundStateMachine, site: str, session_id: str, round_number: int, **kwargs: object) -> WireWait:
+def wait_broadcast(
+    rounds: RoundStateMachine, site: str, session_id: str, round_number: int, **kwargs: object
+) -> WireWait:
     result: WaitResult = rounds.wait_broadcast(site, session_id, round_number, **kwargs)  # type: ignore[arg-type]
     return WireWait(
         header=None if result.header is None else translate.broadcast_header(result.header),

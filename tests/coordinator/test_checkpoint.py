@@ -79,7 +79,8 @@ def test_missing_tensor_file_and_bad_pointer_are_refused(tmp_path: Path) -> None
     (tmp_path / POINTER_NAME).write_text("{not json")
     with pytest.raises(CheckpointError, match="not a valid"):
         load_latest_checkpoint(tmp_path)
-    (tmp_path / POINTER_NAME).write_text(json.dumps({"format_version": 99, "round": 1, "tensor_file": "x", "sha256": "0"}))
+    pointer = {"format_version": 99, "round": 1, "tensor_file": "x", "sha256": "0"}
+    (tmp_path / POINTER_NAME).write_text(json.dumps(pointer))
     with pytest.raises(CheckpointError, match="format_version"):
         load_latest_checkpoint(tmp_path)
 

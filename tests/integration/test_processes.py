@@ -62,7 +62,9 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _coordinator(
     processes: Processes, label: str, config: Path, certs: Path, *extra: str
 ) -> tuple[Process, int]:
-    process = processes.start(label, "coordinator", "--config", str(config), "--certs", str(certs), "--http-port", "0", *extra)
+    process = processes.start(
+        label, "coordinator", "--config", str(config), "--certs", str(certs), "--http-port", "0", *extra
+    )
     _, match = process.wait_line(LISTENING, what="the listening line")
     return process, int(match["port"])
 

@@ -128,7 +128,8 @@ def _reachable_arrays(root: object) -> list[np.ndarray]:
         elif isinstance(obj, (list, tuple, set, frozenset)):
             stack.extend(obj)
         elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
-            if type(obj).__module__.startswith(("geoloco", "_thread", "threading")) or hasattr(obj, "__dataclass_fields__"):
+            ours = type(obj).__module__.startswith(("geoloco", "_thread", "threading"))
+            if ours or hasattr(obj, "__dataclass_fields__"):
                 stack.extend(getattr(obj, "__dict__", {}).values())
                 for name in getattr(type(obj), "__slots__", ()):
                     if hasattr(obj, name):

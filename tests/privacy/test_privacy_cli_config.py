@@ -1,8 +1,8 @@
 """The ``[privacy]`` table from the CLI: ``geoloco coordinator`` configs and emulation scenarios.
 
 The shipped ``secure.toml`` loads; configurations secure aggregation cannot serve (top-k, a quorum
-below 3, per-site weights, folded late updates, round deadlines) are refused before anything starts, naming the key and what
-to use instead; ``after_upload`` is only for ``kill_site``.
+below 3, per-site weights, folded late updates, round deadlines) are refused before anything
+starts, naming the key and what to use instead; ``after_upload`` is only for ``kill_site``.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def test_distributed_dp_reports_epsilon_and_stops_at_the_budget() -> None:
 
 
 def test_central_dp_with_any_codec_and_randk_with_secure_aggregation() -> None:
-    central = list(simulate(_config({"dp": "central", "clip_norm": 1.0}, rounds=2, uplink_codec="topk:0.1"), MLPWorkload()))
+    central = list(simulate(_config({"dp": "central", "clip_norm": 1.0}, rounds=2, uplink_codec="topk:0.1"),
+                            MLPWorkload()))
     assert central[-1].epsilon > 0
     secure = list(simulate(_config({"secure_aggregation": True, "clip_norm": 10.0}, rounds=2,
                                    uplink_codec="randk:0.5"), MLPWorkload()))

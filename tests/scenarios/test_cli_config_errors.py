@@ -199,7 +199,10 @@ def _spec_through_every_command(tmp_path: Path, workload_table: str) -> dict[str
 @pytest.mark.parametrize(
     ("table", "expected"),
     [
-        ('[workload]\nname = "mlp"\nhidden_dim = 8\nbatch_size = 4\n', WorkloadSpec(name="mlp", options={"hidden_dim": 8, "batch_size": 4})),
+        (
+            '[workload]\nname = "mlp"\nhidden_dim = 8\nbatch_size = 4\n',
+            WorkloadSpec(name="mlp", options={"hidden_dim": 8, "batch_size": 4}),
+        ),
         ('[workload]\nsize = "tiny"\n', WorkloadSpec(name="gpt", options={"size": "tiny"})),
         ("", WorkloadSpec()),
     ],

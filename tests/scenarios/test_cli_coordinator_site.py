@@ -327,7 +327,11 @@ def test_site_flags_override_what_the_coordinator_advertises() -> None:
         ({"name": "3"}, ADVERTISED, "site index 3 is outside the 3 data shards"),
         ({"name": "0"}, {**ADVERTISED, "workload": {}}, "names no workload"),
         ({"workload_option": [("hidden_dim", "x")]}, ADVERTISED, "command line: workload.hidden_dim: "),
-        ({}, {**ADVERTISED, "workload": {"name": "mlp", "hidden_dims": 3}}, "the coordinator's config: workload.hidden_dims"),
+        (
+            {},
+            {**ADVERTISED, "workload": {"name": "mlp", "hidden_dims": 3}},
+            "the coordinator's config: workload.hidden_dims",
+        ),
         ({"workload": "resnet"}, ADVERTISED, "command line: workload.name: got 'resnet'"),
     ],
 )

@@ -60,7 +60,8 @@ def scripted(tmp_path: Path) -> tuple[RoundStateMachine, CoordinatorStatus, Fake
         checkpoint_dir=str(tmp_path / "ckpt"),
         http=HTTPStatusConfig(enabled=True, port=0),
     )
-    rounds = RoundStateMachine(config, weights, layout, clock=clock, eval_fn=lambda w, losses=iter(EVAL_LOSSES): next(losses))
+    losses = iter(EVAL_LOSSES)
+    rounds = RoundStateMachine(config, weights, layout, clock=clock, eval_fn=lambda w: next(losses))
     status = CoordinatorStatus(config, rounds)
     records: list[dict] = []
     n = rounds.numel

@@ -21,7 +21,7 @@ import torch
 from geoloco.algorithms.fixed_point import clip_l2, secure_generator
 from geoloco.compression import Encoded, decode
 
-__all__ = ["Aggregation", "CentralDPSum", "RunningSum"]
+__all__ = ["Aggregation", "CentralDPSum", "RunningSum", "new_aggregation"]
 
 
 class Aggregation(Protocol):
@@ -188,4 +188,19 @@ class CentralDPSum:
         noise = torch.randn(self._total.shape, generator=generator, dtype=self._total.dtype)
         total, self._total = self._total, None
         return (total + std * noise.to(total.device)) / len(self._sites)
+
+
+def new_aggregation(
+    numel: int,
+    *,
+    central_dp: tuple[float, float] | None = None,
+    device: torch.device | str | None = None,
+) -> Aggregation:
+    """The aggregation of a round whose updates the aggregator sees one by one (not masked):
+    a ``RunningSum``, or with ``central_dp = (clip_norm, noise_multiplier)`` a ``CentralDPSum``.
+    The coordinator's plain intake and the simulator both build their rounds' sums here."""
+    if central_dp is None:
+        return RunningSum(numel=numel, device=device)
+    clip_norm, noise_multiplier = central_dp
+    return CentralDPSum(numel, clip_norm=clip_norm, noise_multiplier=noise_multiplier, device=device)
 

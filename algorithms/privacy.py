@@ -158,6 +158,15 @@ class PrivacyConfig:
     def enabled(self) -> bool:
         return self.secure_aggregation or self.dp != "off"
 
+    @property
+    def unmasked_central_dp(self) -> tuple[float, float] | None:
+        """``(clip_norm, noise_multiplier)`` when a trusted aggregator clips and noises updates it
+        sees one by one (central DP without secure aggregation); else None."""
+        if self.dp != "central" or self.secure_aggregation:
+            return None
+        assert self.clip_norm is not None  # validate() requires it for DP
+        return self.clip_norm, self.noise_multiplier
+
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
 

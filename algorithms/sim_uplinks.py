@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from geoloco.algorithms.aggregation import Aggregation, CentralDPSum
+from geoloco.algorithms.aggregation import Aggregation, new_aggregation
 from geoloco.algorithms.privacy import (
     PrivacyConfig,
     PrivateUpdateEncoder,
@@ -70,13 +70,10 @@ class PlainUplinks:
         self.privacy = privacy
 
     def begin(self, plan: RoundPlan) -> Aggregation:
-        if self.privacy.dp == "central":
-            assert self.privacy.clip_norm is not None
-            return CentralDPSum(
-                self.strategy.update_numel(plan.round), clip_norm=self.privacy.clip_norm,
-                noise_multiplier=self.privacy.noise_multiplier, device=self.strategy.device,
-            )
-        return self.strategy.new_aggregator(plan.round)
+        return new_aggregation(
+            self.strategy.update_numel(plan.round), central_dp=self.privacy.unmasked_central_dp,
+            device=self.strategy.device,
+        )
 
     def encode(self, site: str, update: torch.Tensor, plan: RoundPlan, aggregation: Aggregation) -> Payload:
         return self.uplinks[site].encode(update, seed=plan.uplink_seed(site), fragment=plan.fragment)

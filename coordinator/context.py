@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from geoloco.algorithms.aggregation import new_aggregation
 from geoloco.algorithms.round import Round, RoundPolicy
 from geoloco.algorithms.strategy import Strategy
 from geoloco.coordinator import events as ev
@@ -68,9 +69,12 @@ class RoundContext:
     def new_round(self, number: int, now: float) -> CoordinatorRound:
         """Round ``number``, opened at ``now`` (its buffer allocates on the first add, sized for
         its Streaming DiLoCo fragment)."""
-        return CoordinatorRound(
-            core=Round(number=number, aggregation=self.strategy.new_aggregator(number), opened_s=now)
+        aggregation = new_aggregation(
+            self.strategy.update_numel(number),
+            central_dp=self.config.privacy.unmasked_central_dp,
+            device=self.strategy.device,
         )
+        return CoordinatorRound(core=Round(number=number, aggregation=aggregation, opened_s=now))
 
     # -- the strategy's view of rounds --
 

@@ -408,8 +408,6 @@ class PlainIntake:
                     "it is dropped for this round (check the site's loss and learning rate)"
                 )
             weight = self._upload_weight(assembler)
-            if self.privacy is not None:  # central DP: the trusted coordinator clips each update
-                decoded = self.privacy.clip(decoded)
             with ctx.cond:
                 ctx.check_upload_round(round_number)
                 r = ctx.round

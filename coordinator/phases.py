@@ -116,7 +116,7 @@ class RoundPhases:
         """Start the open round's clock once ``min_sites`` sites are members (lock held)."""
         ctx = self.ctx
         r = ctx.round
-        if ctx.phase is RoundPhase.WAITING_FOR_QUORUM and len(ctx.members) >= ctx.config.min_sites:
+        if ctx.phase is RoundPhase.WAITING_FOR_QUORUM and len(ctx.members) >= ctx.policy.min_sites:
             r.core.start(now, ctx.policy)
             ctx.phase = RoundPhase.RUNNING
             self.intake.start_round(now)

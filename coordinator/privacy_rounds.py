@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from geoloco.algorithms.aggregation import Aggregation
-from geoloco.algorithms.fixed_point import MODULUS_DTYPES, clip_l2
+from geoloco.algorithms.fixed_point import MODULUS_DTYPES
 from geoloco.algorithms.privacy import (
     SECURE_UPLOAD_CODEC,
     PrivacyAccountant,
@@ -269,14 +269,6 @@ class PrivateRounds:
         return self.current is None or self.current.done
 
     # ------------------------------------------------------------------------------------------
-    # Central DP without secure aggregation
-
-    def clip(self, decoded: torch.Tensor) -> torch.Tensor:
-        """Central DP without secure aggregation: the trusted coordinator clips each update."""
-        assert self.privacy.clip_norm is not None
-        return clip_l2(decoded, self.privacy.clip_norm)[0]
-
-    # ------------------------------------------------------------------------------------------
     # Aggregation (outside the lock; the round is frozen)
 
     def finish_round(
@@ -312,11 +304,9 @@ class PrivateRounds:
             if mean is not None and p.dp == "central":
                 mean = add_central_noise(mean * len(survivors), p) / len(survivors)
         elif contributors:
-            # Uniform weights (enforced by the config): the sum of the clipped updates is
-            # mean * count; central DP adds its noise to that sum.
+            # Central DP without secure aggregation: the round's CentralDPSum clipped each update
+            # and noises the sum as it hands the mean over.
             mean = aggregator.take_result()
-            if p.dp == "central":
-                mean = add_central_noise(mean * len(contributors), p) / len(contributors)
         else:
             mean = None
         if mean is None:

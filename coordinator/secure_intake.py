@@ -95,7 +95,7 @@ class SecureIntake:
             return _CLOSED
         members = set(self.ctx.members)
         return CloseDecision(
-            close=self.privacy.close_decision(members, set(r.contributed), self.ctx.config.min_sites, False)
+            close=self.privacy.close_decision(members, set(r.contributed), self.ctx.policy.min_sites, False)
         )
 
     def begin_close(self, now: float) -> None:

@@ -245,8 +245,8 @@ def _recording(sim: Simulator) -> list[tuple[str, float, bool]]:
             adds.append((site, weight, stale))
             super().add(update, weight, site=site, stale=stale)
 
-    sim.strategy.new_aggregator = (  # type: ignore[method-assign]
-        lambda round_index: Recording(numel=sim.strategy.numel, device=sim.strategy.device)
+    sim.uplinks.begin = (  # type: ignore[method-assign]
+        lambda plan: Recording(numel=sim.strategy.update_numel(plan.round), device=sim.strategy.device)
     )
     return adds
 

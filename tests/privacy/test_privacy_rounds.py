@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from geoloco.algorithms.aggregation import CentralDPSum, new_aggregation
 from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy
 from geoloco.coordinator.privacy_rounds import PrivateRounds
@@ -18,14 +19,16 @@ def test_a_central_dp_round_reports_the_names_of_the_sites_it_aggregated() -> No
     strategy = build_strategy(AlgorithmConfig(inner_steps=1), numel=NUMEL)
     contributors = ["beta", "alpha"]
     plan = strategy.configure_round(0, contributors)
-    aggregation = strategy.new_aggregator(0)
+    aggregation = new_aggregation(NUMEL, central_dp=privacy.unmasked_central_dp)
     for site in contributors:
-        aggregation.add(rounds.clip(torch.randn(NUMEL)), site=site)
+        aggregation.add(torch.randn(NUMEL) * 10, site=site)
 
     update, counted, norm, info = rounds.finish_round(
         strategy, torch.zeros(NUMEL), aggregation, plan, contributors
     )
 
+    assert isinstance(aggregation, CentralDPSum)
+    assert all(n > 1.0 for n in aggregation.norms.values()), "updates above clip_norm were clipped"
     assert update.sites == ("beta", "alpha")
     assert counted == contributors
     assert norm > 0 and info["dp"] == "central" and info["epsilon"] > 0

@@ -171,8 +171,9 @@ class SimulatorConfig:
 class RoundRecord:
     """What one round (or the warm-up, ``round = -1``) cost and achieved.
 
-    The keys are those of the coordinator's ``metrics.jsonl`` records for the same facts
-    (``participants``, ``excluded``, ``folded_late``, ``weights_digest``, rounds from 0)."""
+    The keys and types are those of the coordinator's ``metrics.jsonl`` records for the same
+    facts (rounds from 0; ``participants``, ``excluded``, ``folded_late``, ``weights_digest``;
+    per-site values as ``{site: value}`` tables, e.g. ``bytes_up``)."""
 
     round: int
     """Round number from 0, as on the wire; -1 is the data-parallel warm-up before round 0."""
@@ -188,10 +189,10 @@ class RoundRecord:
     """Sites whose updates entered the aggregate, by name (for ddp/warm-up: every site)."""
     excluded: list[str]
     """Sites left out by the round deadline (stragglers), by name."""
-    bytes_up: list[int]
-    """Bytes each site uploaded in this record (``Encoded.nbytes``)."""
-    bytes_down: list[int]
-    """Bytes each site downloaded in this record."""
+    bytes_up: dict[str, int]
+    """site -> bytes it uploaded in this record (``Encoded.nbytes``), in site order."""
+    bytes_down: dict[str, int]
+    """site -> bytes it downloaded in this record."""
     bytes_up_total: int
     """Cumulative upload bytes of all sites since the start."""
     bytes_down_total: int
@@ -200,23 +201,23 @@ class RoundRecord:
     """Virtual seconds from the previous record's end to this one's."""
     wall_clock_s: float
     """Virtual time when every site held the new weights."""
-    compute_s: list[float]
-    """Per site, virtual seconds spent computing in this record."""
-    utilization: list[float]
-    """Per site, the share of its round spent computing (``compute_s`` / its round span)."""
+    compute_s: dict[str, float]
+    """site -> virtual seconds it spent computing in this record."""
+    utilization: dict[str, float]
+    """site -> the share of its round spent computing (``compute_s`` / its round span)."""
     weights_digest: str
     """``weights_digest`` of the global weights after the round."""
     epsilon: float | None = None
     """Accounted epsilon (at ``privacy.delta``) after this round; ``None`` without DP."""
-    site_inner_steps: list[int] = field(default_factory=list)
-    """Per site, inner steps run in this record (they differ with ``round_time_budget_s``;
+    site_inner_steps: dict[str, int] = field(default_factory=dict)
+    """site -> inner steps it ran in this record (they differ with ``round_time_budget_s``;
     ``inner_steps`` is then the most any site ran)."""
     deadline_s: float | None = None
     """The round deadline in force (seconds after the round opened); ``None``: none."""
     folded_late: dict[str, float] = field(default_factory=dict)
     """site -> discounted weight of its previous round's late update folded into this round."""
-    peak_bytes_in_flight: list[int] | None = None
-    """Per site, the largest single transfer of this record (one upload or one broadcast): the
+    peak_bytes_in_flight: dict[str, int] | None = None
+    """site -> the largest single transfer of this record (one upload or one broadcast): the
     whole model's update in plain DiLoCo, one fragment's with streaming; ``None`` where not
     tracked (the ddp baseline and the warm-up)."""
     fragment: int | None = None

@@ -308,6 +308,11 @@ class Simulator:
                 eval_loss: float | None) -> RoundRecord:
         self.bytes_up_total += sum(stats["bytes_up"])
         self.bytes_down_total += sum(stats["bytes_down"])
+        names = [s.name for s in self.sites]
+
+        def by_site(values: list[Any] | None) -> dict[str, Any] | None:
+            return None if values is None else dict(zip(names, values, strict=True))
+
         end = stats.get("end_s", max(s.ready_s for s in self.sites))
         record = RoundRecord(
             round=round_number,
@@ -317,20 +322,20 @@ class Simulator:
             eval_loss=eval_loss,
             participants=stats["participants"],
             excluded=stats["excluded"],
-            bytes_up=stats["bytes_up"],
-            bytes_down=stats["bytes_down"],
+            bytes_up=by_site(stats["bytes_up"]) or {},
+            bytes_down=by_site(stats["bytes_down"]) or {},
             bytes_up_total=self.bytes_up_total,
             bytes_down_total=self.bytes_down_total,
             round_time_s=end - self.clock_s,
             wall_clock_s=end,
-            compute_s=stats["compute_s"],
-            utilization=stats["utilization"],
+            compute_s=by_site(stats["compute_s"]) or {},
+            utilization=by_site(stats["utilization"]) or {},
             weights_digest=stats.get("weights_digest") or weights_digest(self.global_flat),
             epsilon=None if self.accountant is None else self.accountant.epsilon(),
-            site_inner_steps=stats.get("site_inner_steps", [steps] * len(self.sites)),
+            site_inner_steps=by_site(stats.get("site_inner_steps", [steps] * len(self.sites))) or {},
             deadline_s=stats.get("deadline_s"),
             folded_late=stats.get("folded_late", {}),
-            peak_bytes_in_flight=stats.get("peak_bytes_in_flight"),
+            peak_bytes_in_flight=by_site(stats.get("peak_bytes_in_flight")),
             fragment=stats.get("fragment"),
         )
         self.clock_s = end

@@ -108,8 +108,8 @@ def run(variant: Variant, *, size: str, wall_s: float, seed: int) -> Outcome:
         rounds += 1
         wall = record.wall_clock_s
         for k in range(len(SPEEDS)):
-            compute[k] += record.compute_s[k]
-            steps[k] += record.site_inner_steps[k]
+            compute[k] += list(record.compute_s.values())[k]
+            steps[k] += list(record.site_inner_steps.values())[k]
         folded += len(record.folded_late)
         stragglers += len(record.excluded)
         deadlines.append(record.deadline_s)

@@ -114,8 +114,8 @@ def run_case(case: Case, *, steps: int, step_time_s: float, workload: Any, seed:
     last = None
     done_steps = 0
     for record in Simulator(config, workload).run():
-        compute = [c + r for c, r in zip(compute, record.compute_s)]
-        peak = max([peak, *(record.peak_bytes_in_flight or [])])
+        compute = [c + r for c, r in zip(compute, record.compute_s.values())]
+        peak = max([peak, *(record.peak_bytes_in_flight or {}).values()])
         done_steps += record.inner_steps
         if record.eval_loss is not None:
             evals.append((done_steps, record.wall_clock_s, record.eval_loss))

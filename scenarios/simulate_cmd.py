@@ -196,8 +196,8 @@ def _run(args: argparse.Namespace) -> int:
             metrics.write(json.dumps(record.to_dict()) + "\n")
             metrics.flush()
             last = record
-            compute_total = [c + r for c, r in zip(compute_total, record.compute_s, strict=True)]
-            peak_in_flight = max([peak_in_flight, *(record.peak_bytes_in_flight or [])])
+            compute_total = [c + r for c, r in zip(compute_total, record.compute_s.values(), strict=True)]
+            peak_in_flight = max([peak_in_flight, *(record.peak_bytes_in_flight or {}).values()])
             if record.eval_loss is not None:
                 last_eval = record.eval_loss
             if record.phase == "train":

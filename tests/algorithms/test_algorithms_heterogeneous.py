@@ -187,8 +187,8 @@ def test_time_budget_round_weights_by_steps_exactly(make_workload) -> None:
     sim = Simulator(config, workload)
     theta0 = sim.global_flat.clone()
     (record,) = list(sim.run())
-    assert record.site_inner_steps == [8, 4, 2] and record.inner_steps == 8
-    assert record.compute_s == pytest.approx([0.8, 0.8, 0.8])
+    assert record.site_inner_steps == {"0": 8, "1": 4, "2": 2} and record.inner_steps == 8
+    assert list(record.compute_s.values()) == pytest.approx([0.8, 0.8, 0.8])
 
     model = workload.build_model(0)
     layout = ParamLayout.from_model(model)
@@ -218,7 +218,7 @@ def test_time_budget_keeps_every_site_busy(make_workload) -> None:
         _config(sites=sites, algorithm={"round_time_budget_s": 0.8, "weighting": "steps"}),
         make_workload(),
     ))
-    assert fixed[-1].utilization[0] < 0.3 < 0.85 < min(budget[-1].utilization)
+    assert fixed[-1].utilization["0"] < 0.3 < 0.85 < min(budget[-1].utilization.values())
     assert budget[-1].round_time_s < 0.5 * fixed[-1].round_time_s
 
 
@@ -230,7 +230,7 @@ def test_adaptive_deadline_in_the_simulator(make_workload) -> None:
                                           "min_s": 0.1, "max_s": 100.0}},
     )
     records = list(simulate(config, make_workload()))
-    arrival = 0.4 + transfer_time(records[0].bytes_up[0], 1e6, 0.05)
+    arrival = 0.4 + transfer_time(records[0].bytes_up["0"], 1e6, 0.05)
     assert records[0].deadline_s == 100.0
     assert records[1].deadline_s == pytest.approx(2.0 * arrival)
     assert all(r.excluded == [] for r in records)

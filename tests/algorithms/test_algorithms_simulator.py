@@ -36,9 +36,9 @@ def test_records_have_every_field_and_are_json(make_workload) -> None:
                 "bytes_down_total", "wall_clock_s", "utilization", "compute_s", "weights_digest",
                 "participants", "excluded", "folded_late"):
         assert key in last
-    assert len(last["bytes_up"]) == 3 and len(last["utilization"]) == 3
-    assert records[-1].bytes_up_total == sum(sum(r.bytes_up) for r in records)
-    assert all(0 < u <= 1 for r in records for u in r.utilization)
+    assert list(last["bytes_up"]) == ["0", "1", "2"] and len(last["utilization"]) == 3
+    assert records[-1].bytes_up_total == sum(sum(r.bytes_up.values()) for r in records)
+    assert all(0 < u <= 1 for r in records for u in r.utilization.values())
     initial = workload.eval_loss(workload.build_model(0))
     assert records[1].eval_loss < initial and records[-1].eval_loss < initial
     assert [r.wall_clock_s for r in records] == sorted(r.wall_clock_s for r in records)
@@ -77,14 +77,14 @@ def test_clock_matches_hand_formula(make_workload) -> None:
     records = list(simulate(config, workload))
     numel = sum(p.numel() for p in workload.build_model(0).parameters())
     nbytes = parse_codec("none").encode(torch.zeros(numel)).nbytes
-    assert records[0].bytes_up == [nbytes, nbytes] and records[0].bytes_down == [nbytes, nbytes]
+    assert records[0].bytes_up == {"0": nbytes, "1": nbytes} and records[0].bytes_down == {"0": nbytes, "1": nbytes}
     a0 = 1.0 + transfer_time(nbytes, 1e6, 0.1)
     a1 = 2.0 + transfer_time(nbytes, 5e5, 0.2)
     r0 = max(a0, a1) + transfer_time(nbytes, 2e6, 0.1)
     r1 = max(a0, a1) + transfer_time(nbytes, 2e6, 0.2)
     assert records[0].wall_clock_s == pytest.approx(max(r0, r1))
-    assert records[0].compute_s == pytest.approx([1.0, 2.0])
-    assert records[0].utilization == pytest.approx([1.0 / r0, 2.0 / r1])
+    assert list(records[0].compute_s.values()) == pytest.approx([1.0, 2.0])
+    assert list(records[0].utilization.values()) == pytest.approx([1.0 / r0, 2.0 / r1])
     # Round 2: each site starts from its own download end; aggregation waits for the later one.
     a0b, a1b = r0 + 1.0 + transfer_time(nbytes, 1e6, 0.1), r1 + 2.0 + transfer_time(nbytes, 5e5, 0.2)
     end2 = max(a0b, a1b) + transfer_time(nbytes, 2e6, 0.2)
@@ -100,7 +100,7 @@ def test_deadline_leaves_out_the_straggler_and_keeps_its_update(make_workload) -
     sim = Simulator(config, make_workload(hidden=8))
     records = list(sim.run())
     assert records[0].excluded == ["2"] and records[0].participants == ["0", "1"]
-    assert records[0].bytes_up[2] > 0, "a straggler's upload was still sent"
+    assert records[0].bytes_up["2"] > 0, "a straggler's upload was still sent"
     # Its residual now holds its whole (unsent) update, far larger than an int8 rounding error.
     straggler = sim.sites[2].uplink.encoders[0].residual.abs().max()
     on_time = sim.sites[0].uplink.encoders[0].residual.abs().max()
@@ -115,7 +115,8 @@ def test_warmup_is_round_zero_and_counts_ddp_bytes(make_workload) -> None:
     assert [(r.round, r.phase) for r in records] == [(-1, "warmup"), (0, "train")]
     warm = records[0]
     grad_bytes = parse_codec("none").encode(torch.zeros(sim.layout.numel)).nbytes
-    assert warm.bytes_up == [3 * grad_bytes] * 3 and warm.bytes_down == [3 * grad_bytes] * 3
+    assert list(warm.bytes_up.values()) == [3 * grad_bytes] * 3
+    assert list(warm.bytes_down.values()) == [3 * grad_bytes] * 3
     assert warm.eval_loss is not None and warm.inner_steps == 3
     # Every site's AdamW continues from the warm-up's shared state (3 warm-up + 4 inner steps).
     for site in sim.sites:
@@ -138,7 +139,7 @@ def test_samples_weighting_runs_and_fedopt_runs(make_workload) -> None:
 def test_measured_step_time_advances_the_clock(make_workload) -> None:
     config = _config(simulation={"rounds": 1, "step_time_s": "measure"})
     (record,) = simulate(config, make_workload())
-    assert all(c > 0 for c in record.compute_s)
+    assert all(c > 0 for c in record.compute_s.values())
 
 
 @pytest.mark.parametrize(

@@ -124,9 +124,9 @@ def test_ddp_is_one_shared_adamw_step_not_averaged_site_steps(make_workload) -> 
     expected = theta - 0.01 * mean / (mean.abs() + 1e-8)
     torch.testing.assert_close(sim.global_flat, expected, rtol=0, atol=1e-6)
     numel = layout.numel
-    assert records[0].bytes_up == [records[0].bytes_up[0]] * 2
-    assert 4 * numel < records[0].bytes_up[0] < 4 * numel + 64  # fp32 gradient + small header
-    assert records[0].bytes_down[0] == records[0].bytes_up[0]
+    assert records[0].bytes_up == {"0": records[0].bytes_up["0"], "1": records[0].bytes_up["0"]}
+    assert 4 * numel < records[0].bytes_up["0"] < 4 * numel + 64  # fp32 gradient + small header
+    assert records[0].bytes_down["0"] == records[0].bytes_up["0"]
 
 
 def test_strategy_state_roundtrip_continues_identically(tmp_path) -> None:

@@ -114,8 +114,8 @@ def _canonical(record: Any) -> dict[str, Any]:
         "participants": len(d["participants"]),
         "excluded": d["excluded"],
         "folded_late": sorted(d["folded_late"]),
-        "bytes_up": d["bytes_up"],
-        "bytes_down": d["bytes_down"],
+        "bytes_up": list(d["bytes_up"].values()),  # in site order
+        "bytes_down": list(d["bytes_down"].values()),
         "deadline_s": _rounded(d["deadline_s"]),
         "wall_clock_s": _rounded(d["wall_clock_s"]),
         "epsilon": _rounded(d["epsilon"]),

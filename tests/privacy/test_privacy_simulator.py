@@ -26,7 +26,7 @@ def test_secure_aggregation_in_the_simulator_matches_plain_training() -> None:
     assert secure[-1].eval_loss == pytest.approx(plain[-1].eval_loss, abs=1e-4)
     assert secure[-1].epsilon is None
     # Masked values at 4 bytes each, plus key agreement: a bit more than the fp32 upload.
-    assert plain[-1].bytes_up[0] < secure[-1].bytes_up[0] < plain[-1].bytes_up[0] + 4096
+    assert plain[-1].bytes_up["0"] < secure[-1].bytes_up["0"] < plain[-1].bytes_up["0"] + 4096
 
 
 def test_distributed_dp_reports_epsilon_and_stops_at_the_budget() -> None:

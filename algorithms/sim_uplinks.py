@@ -1,10 +1,10 @@
 """How the simulator's sites upload and how their uploads are aggregated, for each kind of round.
 
-One interface, three implementations, chosen once per run by ``build_uplinks``:
+One interface, two implementations, chosen once per run by ``build_uplinks``:
 
 - ``PlainUplinks``: each site encodes with its own uplink (error feedback per fragment) and the
-  round adds the decoded update into a ``RunningSum``.
-- central DP: the same uplinks, aggregated by a ``CentralDPSum`` (clip each, noise the sum).
+  round adds the decoded update into the sum ``new_aggregation`` builds: a ``RunningSum``, or
+  with central DP a ``CentralDPSum`` (clip each, noise the sum), as the coordinator does.
 - ``SecureUplinks``: each site's update is clipped, fixed-point encoded and masked by the secure
   aggregation protocol (``InMemorySecureSum``: every party in this process); the upload sizes are
   those of the protocol's messages, known once every site has encoded.

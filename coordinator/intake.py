@@ -193,13 +193,13 @@ class PlainIntake:
         return _progress(assembler, complete=site in r.contributed)
 
     def start_round(self, now: float) -> None:
-        pass
+        """Nothing to set up: plain uploads need no per-round protocol state."""
 
     def decide(self, now: float) -> CloseDecision:
         return self.ctx.round.core.decide(self.ctx.policy, now=now, expected=self.ctx.members)
 
     def begin_close(self, now: float) -> None:
-        pass
+        """Nothing to finish: the sum is complete the moment the round closes."""
 
     def ready(self, now: float) -> bool:
         return True
@@ -229,7 +229,7 @@ class PlainIntake:
         )
 
     def withdraw(self, site: str, round_number: int) -> None:
-        pass
+        """Nothing to withdraw from: only secure rounds wait for a site's key stages."""
 
     def shutdown(self) -> None:
         self._verifier.shutdown(wait=False)

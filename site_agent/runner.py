@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,7 +63,7 @@ class TrainedUpdate:
         }
 
 
-class RoundRunner:
+class RoundRunner(ABC):
     """Shared round mechanics (see the module docstring); subclasses run the rounds."""
 
     def __init__(
@@ -93,12 +94,12 @@ class RoundRunner:
     # ---------------------------------------------------------------------------------------
     # What a runner does
 
-    def _setup(self) -> None:
+    def _setup(self) -> None:  # noqa: B027 (an optional hook: a runner may need no setup)
         """Check the site can run these rounds and set up the runner's own state."""
 
+    @abstractmethod
     def step(self) -> None:
         """Run, chase or finish one round (one turn of ``SiteAgent.run``'s loop)."""
-        raise NotImplementedError
 
     def rejoined(self, *, coordinator_round: int, new_session: bool, must_fetch: bool) -> bool:
         """The site joined again (coordinator at ``coordinator_round``, ``new_session`` after
@@ -106,14 +107,14 @@ class RoundRunner:
         the join does not fetch weights over it)."""
         return False
 
+    @abstractmethod
     def _load_fetched(self, weights: torch.Tensor, held_before: int | None, round_number: int) -> None:
         """Bring the model in line with fetched global weights (``held_before``: the round the
         site held before, None when it held none)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _load_broadcast(self, round_number: int) -> None:
         """Bring the model in line with round ``round_number``'s applied broadcast."""
-        raise NotImplementedError
 
     # ---------------------------------------------------------------------------------------
     # Shared mechanics

@@ -21,7 +21,7 @@ import torch
 from geoloco.algorithms.fixed_point import clip_l2, secure_generator
 from geoloco.compression import Encoded, decode
 
-__all__ = ["Aggregation", "CentralDPSum", "RunningSum", "new_aggregation"]
+__all__ = ["Aggregation", "CentralDPSum", "RunningSum", "add_gaussian_noise", "new_aggregation"]
 
 
 class Aggregation(Protocol):
@@ -183,11 +183,17 @@ class CentralDPSum:
     def take_result(self) -> torch.Tensor:
         if self._total is None:
             raise ValueError("no uploads were aggregated this round; cannot take a mean of nothing")
-        generator = self.generator if self.generator is not None else secure_generator()
-        std = self.noise_multiplier * self.clip_norm
-        noise = torch.randn(self._total.shape, generator=generator, dtype=self._total.dtype)
         total, self._total = self._total, None
-        return (total + std * noise.to(total.device)) / len(self._sites)
+        return add_gaussian_noise(total, self.noise_multiplier * self.clip_norm, self.generator) / len(self._sites)
+
+
+def add_gaussian_noise(total: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``total + N(0, std²)`` per coordinate, as a new tensor on ``total``'s device. The noise
+    comes from a CSPRNG-seeded CPU generator unless one is given (DP noise must be
+    unpredictable, so never from the shared round seeds)."""
+    generator = generator if generator is not None else secure_generator()
+    noise = torch.randn(total.shape, generator=generator, dtype=total.dtype)
+    return total + std * noise.to(total.device)
 
 
 def new_aggregation(

@@ -53,6 +53,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from geoloco.algorithms.aggregation import add_gaussian_noise
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
 from geoloco.algorithms.fixed_point import FixedPoint, plan_fixed_point, secure_generator, stochastic_round
 from geoloco.algorithms.secagg import MIN_SITES, RoundContext, default_threshold
@@ -67,6 +68,7 @@ __all__ = [
     "PrivacyConfig",
     "PrivateUpdateEncoder",
     "add_central_noise",
+    "central_dp_mean",
     "check_composition",
     "check_privacy_setup",
     "decode_secure_sum",
@@ -480,11 +482,16 @@ def decode_secure_sum(
 def add_central_noise(
     total: torch.Tensor, privacy: PrivacyConfig, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """Central DP: ``sum + N(0, (noise_multiplier · clip)^2)`` per coordinate (a new tensor)."""
+    """Central DP: ``sum + N(0, (noise_multiplier · clip)^2)`` per coordinate (a new tensor on
+    ``total``'s device)."""
     assert privacy.clip_norm is not None
-    generator = generator if generator is not None else secure_generator()
-    std = privacy.noise_multiplier * privacy.clip_norm
-    return total + std * torch.randn(total.shape, generator=generator, dtype=total.dtype)
+    return add_gaussian_noise(total, privacy.noise_multiplier * privacy.clip_norm, generator)
+
+
+def central_dp_mean(mean: torch.Tensor, count: int, privacy: PrivacyConfig) -> torch.Tensor:
+    """The mean of ``count`` clipped updates with central DP's noise added to their sum (what a
+    secure round with ``dp = "central"`` releases once the sum is unmasked)."""
+    return add_central_noise(mean * count, privacy) / count
 
 
 def effective_noise_multiplier(privacy: PrivacyConfig, fixed: FixedPoint | None, count: int) -> float:

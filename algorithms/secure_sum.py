@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, add_central_noise, private_round_in_memory
+from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, central_dp_mean, private_round_in_memory
 from geoloco.compression import Encoded
 
 __all__ = ["InMemorySecureSum"]
@@ -74,7 +74,7 @@ class InMemorySecureSum:
             traffic=traffic,
         )
         if self.privacy.dp == "central":
-            mean = add_central_noise(mean * len(survivors), self.privacy) / len(survivors)
+            mean = central_dp_mean(mean, len(survivors), self.privacy)
         self._mean = mean
         self._updates.clear()
         self.survivors = tuple(self.expected[k] for k in survivors)

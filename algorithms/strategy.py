@@ -110,6 +110,8 @@ class RoundUpdate:
     """``weights_digest(global_flat)``, sent with the broadcast: computed once, here."""
     sites: tuple[str, ...]
     """Sites whose uploads were aggregated."""
+    mean_norm: float = 0.0
+    """L2 norm of the mean update the outer step took (0 for a round that changed nothing)."""
 
 
 @dataclass(slots=True)
@@ -301,6 +303,8 @@ class Strategy:
         fragment = self.partition[plan.fragment]
         whole = self.partition.is_whole
         mean_update = mean_update.to(global_flat.device)  # a secure or DP mean may come from the CPU
+        # Taken before the outer step, which may overwrite the mean (consume_mean).
+        mean_norm = float(torch.linalg.vector_norm(mean_update))
         downlink, next_part = self.fragments[plan.fragment].step(
             global_flat if whole else fragment.gather(global_flat), mean_update,
             plan.downlink_seed, consume_mean=consume_mean,
@@ -308,7 +312,8 @@ class Strategy:
         del mean_update
         next_flat = next_part if whole else fragment.scatter_(global_flat.clone(), next_part)
         return RoundUpdate(
-            global_flat=next_flat, downlink=downlink, digest=weights_digest(next_flat), sites=sites
+            global_flat=next_flat, downlink=downlink, digest=weights_digest(next_flat), sites=sites,
+            mean_norm=mean_norm,
         )
 
     def no_change(self, global_flat: torch.Tensor, plan: RoundPlan) -> RoundUpdate:

@@ -210,15 +210,8 @@ class PlainIntake:
         strategy = self.ctx.strategy
         if self.privacy is not None:  # central DP: noise on the sum of the clipped updates
             return RoundSum(*self.privacy.finish_round(strategy, global_flat, aggregation, plan, contributors))
-        # The norm of the mean before the outer step, which may overwrite it (consume_mean):
-        # the step is handed the only reference (popped from the list in the call), so the mean
-        # is freed before the downlink is built.
-        mean = [aggregation.take_result()]
-        update_norm = float(torch.linalg.vector_norm(mean[0]))
-        update = strategy.apply_mean_update(
-            global_flat, mean.pop(), tuple(aggregation.sites), plan, consume_mean=True
-        )
-        return RoundSum(update, contributors, update_norm)
+        update = strategy.aggregate_round(global_flat, aggregation, plan)
+        return RoundSum(update, contributors, update.mean_norm)
 
     def stage(
         self, site: str, session_id: str, round_number: int, stage: str, message: StageMessage, *, wait_s: float

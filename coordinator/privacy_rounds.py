@@ -42,7 +42,7 @@ from geoloco.algorithms.privacy import (
     SECURE_UPLOAD_CODEC,
     PrivacyAccountant,
     PrivacyConfig,
-    add_central_noise,
+    central_dp_mean,
     secure_context,
     secure_index_seed,
 )
@@ -302,7 +302,7 @@ class PrivateRounds:
             self._uploads = {}
             contributors = survivors
             if mean is not None and p.dp == "central":
-                mean = add_central_noise(mean * len(survivors), p) / len(survivors)
+                mean = central_dp_mean(mean, len(survivors), p)
         elif contributors:
             # Central DP without secure aggregation: the round's CentralDPSum clipped each update
             # and noises the sum as it hands the mean over.
@@ -313,12 +313,11 @@ class PrivateRounds:
             update = strategy.no_change(global_flat, plan)
             norm = 0.0
         else:
-            mean = mean.to(global_flat.device, torch.float32)
-            norm = float(torch.linalg.vector_norm(mean))
             update = strategy.apply_mean_update(
-                global_flat, mean, tuple(contributors), plan, consume_mean=True
+                global_flat, mean.to(torch.float32), tuple(contributors), plan, consume_mean=True
             )
             del mean
+            norm = update.mean_norm
             if self.accountant is not None:
                 self.accountant.step(noise_multiplier)
         if self.accountant is not None:

@@ -314,13 +314,9 @@ class SiteAgent:
         if response.must_fetch_model and not has_pending and not chase:
             runner.fetch()
             fetched = True
-            if state.held_round > coordinator_round:
-                # The coordinator closed a round between the join and the fetch: the join's
-                # round info (its seed) is for an earlier round than the weights it sent.
-                raise RejoinRequired(
-                    f"fetched the weights of round {state.held_round}, past the joined round "
-                    f"{coordinator_round}"
-                )
+            # If the coordinator closed a round between the join and the fetch, the weights are
+            # newer than the join's round info: the runner asks again before it trains
+            # (``RoundRunner._check_round_info``), as after any fetch past the info it holds.
         if state.at_end and not has_pending:
             state.mark_finished()
         logger.info(

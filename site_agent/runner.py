@@ -164,9 +164,10 @@ class RoundRunner(ABC):
             raise RejoinRequired(str(why)) from None
 
     def _check_round_info(self) -> None:
-        """Before training the held round: a straggler that fetched newer weights knows their
-        round but not its seed (the broadcast it applied carried an older one); a join answers
-        with the coordinator's current round, or tells it to chase."""
+        """Before training the held round: a site that fetched weights newer than its round info
+        (a straggler whose last broadcast carried an older round, or a round that closed between
+        a join and its fetch) knows their round but not its seed; a join answers with the
+        coordinator's current round, or tells it to chase."""
         held = self.state.held_round
         if not self.state.knows_round(held):
             raise RejoinRequired(f"holding the weights of round {held} without that round's info")

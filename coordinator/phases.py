@@ -82,7 +82,6 @@ class _Closed:
 
     round: CoordinatorRound
     closed_s: float
-    deadline_hit: bool
     outcome: RoundOutcome
     partial: list[str]
 
@@ -149,7 +148,6 @@ class RoundPhases:
             self._closed = _Closed(
                 round=r,
                 closed_s=now,
-                deadline_hit=decision.deadline_hit,
                 outcome=r.core.close(now=now, expected=ctx.members),
                 partial=sorted(set(r.uploads) - set(r.contributed)),
             )
@@ -264,7 +262,7 @@ class RoundPhases:
             "wait_for_quorum_s": None if r.core.started_s is None else r.core.started_s - r.core.opened_s,
             "aggregate_time_s": aggregate_s,
             "deadline_s": outcome.deadline_s,
-            "deadline_hit": closed.deadline_hit,
+            "deadline_hit": outcome.deadline_hit,
             "next_deadline_s": ctx.policy.deadline_s(),
             "arrival_s": dict(outcome.arrivals_s),
             "inner_steps": {site: r.inner_steps[site] for site in contributors if site in r.uploads},

@@ -138,19 +138,24 @@ def admit_arrivals(
     *,
     sites: Sequence[str],
     arrivals: Sequence[float],
-    payloads: Sequence[Encoded | torch.Tensor],
+    payloads: Sequence[Encoded | torch.Tensor | None],
     weights: Sequence[float],
 ) -> float:
     """A round on a virtual clock, where every site's arrival time is known up front: when the
     policy closes it, and every update in by then added, in site order (those before the deadline
-    first, then those the quorum rule pulled in after it). Returns the close time."""
+    first, then those the quorum rule pulled in after it). Returns the close time.
+
+    A ``None`` payload is an update already added when it arrived before the deadline (a caller
+    that knew its size at once need not hold every site's update until the close)."""
     start = round_.started_s if round_.started_s is not None else round_.opened_s
     closed = close_time(policy, arrivals, start_s=start, deadline_s=round_.deadline_s)
     deadline = round_.deadline_at
     on_time = [k for k, a in enumerate(arrivals) if deadline is None or a <= deadline]
     pulled_in = [k for k, a in enumerate(arrivals) if k not in on_time and a <= closed]
     for k in on_time + pulled_in:
-        round_.add(payloads[k], weights[k], site=sites[k], now=arrivals[k])
+        payload = payloads[k]
+        if payload is not None:
+            round_.add(payload, weights[k], site=sites[k], now=arrivals[k])
     return closed
 
 

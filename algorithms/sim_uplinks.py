@@ -35,7 +35,7 @@ from geoloco.algorithms.strategy import RoundPlan, Strategy
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.compression import Encoded
 
-__all__ = ["PlainUplinks", "SecureUplinks", "SimUplinks", "build_uplinks", "round_noise_multiplier"]
+__all__ = ["Payload", "PlainUplinks", "SecureUplinks", "SimUplinks", "build_uplinks", "round_noise_multiplier"]
 
 Payload = Encoded | torch.Tensor
 
@@ -53,6 +53,11 @@ class SimUplinks(Protocol):
 
     def nbytes(self, site: str, payload: Payload, aggregation: Aggregation) -> int:
         """Bytes site ``site`` sent this round (available once every site has encoded)."""
+        ...
+
+    def nbytes_now(self, payload: Payload) -> int | None:
+        """The upload's size as soon as it is encoded, or None when only the round's protocol
+        tells it (then the round holds every update until all sites have encoded)."""
         ...
 
     def keep(self, site: str, payload: Payload, fragment: int) -> None:
@@ -79,6 +84,10 @@ class PlainUplinks:
         return self.uplinks[site].encode(update, seed=plan.uplink_seed(site), fragment=plan.fragment)
 
     def nbytes(self, site: str, payload: Payload, aggregation: Aggregation) -> int:
+        assert isinstance(payload, Encoded)
+        return payload.nbytes
+
+    def nbytes_now(self, payload: Payload) -> int | None:
         assert isinstance(payload, Encoded)
         return payload.nbytes
 
@@ -123,6 +132,9 @@ class SecureUplinks:
     def nbytes(self, site: str, payload: Payload, aggregation: Aggregation) -> int:
         assert isinstance(aggregation, InMemorySecureSum)
         return aggregation.traffic[site]
+
+    def nbytes_now(self, payload: Payload) -> int | None:
+        return None
 
     def keep(self, site: str, payload: Payload, fragment: int) -> None:
         raise ValueError("a secure round waits for every site (no deadline): nothing can miss it")

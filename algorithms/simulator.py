@@ -35,7 +35,7 @@ from geoloco.algorithms.privacy import PrivacyAccountant
 from geoloco.algorithms.round import Round, RoundPolicy, admit_arrivals
 from geoloco.algorithms.sim_config import MEASURE, RoundRecord, SimulationConfig, SimulatorConfig
 from geoloco.algorithms.sim_state import SimSite, SimTrainer
-from geoloco.algorithms.sim_uplinks import build_uplinks, round_noise_multiplier
+from geoloco.algorithms.sim_uplinks import Payload, build_uplinks, round_noise_multiplier
 from geoloco.algorithms.strategy import UPDATE_GRADIENT, AlgorithmConfig, DataParallel, Strategy, build_strategy
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.algorithms.streaming_sim import StreamingRounds
@@ -205,26 +205,42 @@ class Simulator:
         plan = strategy.configure_round(round_number, [s.name for s in self.sites])
         round_ = Round(number=plan.round, aggregation=self.uplinks.begin(plan), opened_s=self.open_s)
         round_.start(self.open_s, self.policy)
-        payloads = []
+        payloads: list[Payload | None] = []
         weights: list[float] = []
         site_steps: list[int] = []
         compute: list[float] = []
         losses: list[float] = []
-        for site in self.sites:
+        known: dict[int, int] = {}
+        for k, site in enumerate(self.sites):
             self.trainer.load(self.global_flat)
             result, seconds = self._inner_steps(site, plan.inner_steps)
             steps = len(result.losses)
             pseudo = pseudo_gradient(self.global_flat, self.trainer.flatten())
-            payloads.append(self.uplinks.encode(site.name, pseudo, plan, round_.aggregation))
+            encoded = self.uplinks.encode(site.name, pseudo, plan, round_.aggregation)
             del pseudo
             weights.append(strategy.site_weight(result.samples, steps))
             site_steps.append(steps)
             compute.append(seconds)
             losses.extend(result.losses)
-        # Sizes are known once every site has encoded (the secure protocol's messages).
-        upload_sizes = [
-            self.uplinks.nbytes(s.name, p, round_.aggregation) for s, p in zip(self.sites, payloads, strict=True)
-        ]
+            size = self.uplinks.nbytes_now(encoded)
+            held: Payload | None = encoded
+            if size is not None:
+                known[k] = size
+                (arrival,) = upload_arrivals([site.ready_s], [seconds], [size], [site.config])
+                if round_.deadline_at is None or arrival <= round_.deadline_at:
+                    # Surely in the round: added now, so no site's update waits for the close.
+                    round_.add(encoded, weights[k], site=site.name, now=arrival)
+                    held = None
+            del encoded
+            payloads.append(held)
+        # The other sizes are known once every site has encoded (the secure protocol's messages).
+        upload_sizes = []
+        for k, (s, p) in enumerate(zip(self.sites, payloads, strict=True)):
+            if k in known:
+                upload_sizes.append(known[k])
+            else:
+                assert p is not None  # an update whose size was not known is still held
+                upload_sizes.append(self.uplinks.nbytes(s.name, p, round_.aggregation))
         arrivals = upload_arrivals(
             [s.ready_s for s in self.sites], compute, upload_sizes, [s.config for s in self.sites]
         )
@@ -241,6 +257,7 @@ class Simulator:
             if site.name not in outcome.excluded:
                 continue
             payload = payloads[k]
+            assert payload is not None  # only updates in the round were added early
             if self.policy.folds_late_updates:
                 assert isinstance(payload, Encoded)  # privacy rounds never fold
                 site.late = (payload, weights[k], arrivals[k], plan.fragment)

@@ -30,7 +30,7 @@ from geoloco.algorithms.clock import SiteConfig, download_ends, transfer_time
 from geoloco.algorithms.diloco import pseudo_gradient
 from geoloco.algorithms.round import Round, RoundPolicy, admit_arrivals
 from geoloco.algorithms.sim_state import SimSite, SimTrainer
-from geoloco.algorithms.sim_uplinks import SimUplinks
+from geoloco.algorithms.sim_uplinks import Payload, SimUplinks
 from geoloco.algorithms.strategy import Strategy
 from geoloco.algorithms.streaming import merge_fragment_
 
@@ -131,11 +131,12 @@ class StreamingRounds:
         round_ = Round(number=plan.round, aggregation=uplinks.begin(plan), opened_s=open_s)
         round_.start(open_s, self.policy)
         global_fragment = fragment.gather(global_flat)
-        payloads = []
+        payloads: list[Payload | None] = []
         weights: list[float] = []
         computed: list[tuple[float, float, float | None, float]] = []
+        known: dict[int, int] = {}
         losses: list[float] = []
-        for site, stream in zip(sites, self.streams, strict=True):
+        for k, (site, stream) in enumerate(zip(sites, self.streams, strict=True)):
             if stream.local is None:
                 stream.local = global_flat.clone()
                 stream.upload_s = site.ready_s
@@ -151,14 +152,34 @@ class StreamingRounds:
             stream.local = trainer.flatten()
             pseudo = pseudo_gradient(global_fragment, fragment.gather(stream.local))
             losses.extend(first_losses + rest_losses)
-            payloads.append(uplinks.encode(site.name, pseudo, plan, round_.aggregation))
+            encoded = uplinks.encode(site.name, pseudo, plan, round_.aggregation)
             del pseudo
             # Weighted like the real site's upload: one round of H/P inner steps.
             weights.append(strategy.site_weight(first_samples + rest_samples, schedule.interval))
             previous = stream.broadcast_s if stream.merge_round is not None else None
             computed.append((stream.upload_s, first_s, previous, rest_s))
-        # Sizes are known once every site has encoded (the secure protocol's messages).
-        upload_sizes = [uplinks.nbytes(s.name, pl, round_.aggregation) for s, pl in zip(sites, payloads, strict=True)]
+            size = uplinks.nbytes_now(encoded)
+            held: Payload | None = encoded
+            if size is not None:
+                known[k] = size
+                arrival = streaming_site_time(
+                    start_s=stream.upload_s, overlap_compute_s=first_s, rest_compute_s=rest_s,
+                    previous_broadcast_s=previous, upload_bytes=size, site=site.config,
+                ).arrival_s
+                if round_.deadline_at is None or arrival <= round_.deadline_at:
+                    # Surely in the round: added now, so no site's update waits for the close.
+                    round_.add(encoded, weights[k], site=site.name, now=arrival)
+                    held = None
+            del encoded
+            payloads.append(held)
+        # The other sizes are known once every site has encoded (the secure protocol's messages).
+        upload_sizes = []
+        for k, (s, pl) in enumerate(zip(sites, payloads, strict=True)):
+            if k in known:
+                upload_sizes.append(known[k])
+            else:
+                assert pl is not None  # an update whose size was not known is still held
+                upload_sizes.append(uplinks.nbytes(s.name, pl, round_.aggregation))
         times = [
             streaming_site_time(
                 start_s=start, overlap_compute_s=first_s, rest_compute_s=rest_s,
@@ -175,8 +196,9 @@ class StreamingRounds:
         # Streaming never folds (the next round syncs another fragment): late work stays in the
         # fragment's residual.
         for k, site in enumerate(sites):
-            if site.name in outcome.excluded:
-                uplinks.keep(site.name, payloads[k], p)
+            payload = payloads[k]
+            if site.name in outcome.excluded and payload is not None:
+                uplinks.keep(site.name, payload, p)
         update = strategy.aggregate_round(global_flat, round_.aggregation, plan)
         ends = download_ends(aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in sites])
         for site, stream, timing, end in zip(sites, self.streams, times, ends, strict=True):

@@ -136,6 +136,14 @@ def config_from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "")
     """
     if not isinstance(data, Mapping):
         raise ConfigError(prefix, f"expected a table, got {data!r}")
+    # A schema whose file form is richer than its fields (``[sites]`` with ``count``) says how to
+    # read it, so every way of building it (file, dict, sweep grid) accepts the same input.
+    prepare = getattr(cls, "prepare_config_dict", None)
+    if prepare is not None:
+        try:
+            data = prepare(data)
+        except ConfigError as err:
+            raise err.under(prefix) from None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))

@@ -139,8 +139,13 @@ class SimulatorConfig:
         """Build from a parsed TOML/JSON dict; errors name the dotted key and what is allowed.
 
         ``sites`` may be a list of site tables, or one table with ``count`` (default 4) and the
-        fields all sites share.
+        fields all sites share. The same as ``config_from_dict(SimulatorConfig, data)``.
         """
+        return config_from_dict(cls, data)
+
+    @classmethod
+    def prepare_config_dict(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """The file form as fields: a ``[sites]`` table with ``count`` becomes the site list."""
         data = dict(data)
         sites = data.get("sites")
         for key, table in _site_tables(sites):
@@ -161,7 +166,7 @@ class SimulatorConfig:
             raise ConfigError(
                 "sites", "expected a list of [[sites]] tables or a [sites] table with count"
             )
-        return config_from_dict(cls, data)
+        return data
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)

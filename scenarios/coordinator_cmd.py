@@ -54,6 +54,7 @@ from geoloco.scenarios.config_file import (
     read_toml,
     report_config_error,
 )
+from geoloco.scenarios.overrides import add_set_argument, apply_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     parser.add_argument("--config", type=Path, required=True, metavar="FILE", help="TOML config file")
+    add_set_argument(parser)
     parser.add_argument("--host", help="address to listen on, overrides `host` (0.0.0.0: every interface)")
     parser.add_argument("--port", type=port_number, help="port to listen on, overrides `port` (0: a free one)")
     parser.add_argument(
@@ -202,6 +204,7 @@ def load_config(args: argparse.Namespace) -> tuple[Any, Any]:
 
     source = str(args.config)
     raw = read_toml(args.config)
+    apply_overrides(raw, getattr(args, "overrides", []), source, CoordinatorConfig)
     _apply_flags(raw, args, source)
     try:
         workload = parse_workload(raw.get(WORKLOAD_TABLE))

@@ -32,6 +32,7 @@ from geoloco.scenarios.config_file import (
     ConfigFileError,
     report_config_error,
 )
+from geoloco.scenarios.overrides import add_set_argument, apply_overrides
 
 if TYPE_CHECKING:
     from geoloco.scenarios.netns import ShapingPlan
@@ -68,6 +69,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("scenario", type=Path, metavar="SCENARIO.toml", help="scenario file")
     parser.add_argument("--out", type=Path, help="output folder (default: runs/emulate-<name>-<UTC time>)")
+    add_set_argument(parser)
     parser.add_argument(
         "--shaping",
         choices=[SHAPING_RELAY, SHAPING_KERNEL],
@@ -117,10 +119,12 @@ def describe(scenario: object) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from geoloco.scenarios.scenario import load_scenario
+    from geoloco.scenarios.config_file import read_toml
+    from geoloco.scenarios.scenario import Scenario, parse_scenario
 
     try:
-        scenario = load_scenario(args.scenario)
+        raw = apply_overrides(read_toml(args.scenario), args.overrides, str(args.scenario), Scenario)
+        scenario = parse_scenario(raw, str(args.scenario))
     except ConfigFileError as err:
         return report_config_error("emulate", err)
     print(f"geoloco emulate: {args.scenario}")

@@ -31,6 +31,7 @@ from geoloco.scenarios.config_file import (
     read_toml,
     report_config_error,
 )
+from geoloco.scenarios.overrides import add_set_argument, apply_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--sites", type=positive_int, help="number of identical sites, overrides [sites] count")
     parser.add_argument("--seed", type=int, help="overrides [simulation] seed")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="overrides [simulation] device")
+    add_set_argument(parser)
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the fully resolved config (every default filled in) as JSON and exit",
+    )
     parser.add_argument(
         "--out", type=Path, help="output folder (default: runs/simulate-<UTC time>)"
     )
@@ -103,6 +110,7 @@ def load_config(args: argparse.Namespace) -> tuple[Any, Any]:
 
     source = str(args.config) if args.config is not None else COMMAND_LINE
     raw = read_toml(args.config) if args.config is not None else {}
+    apply_overrides(raw, getattr(args, "overrides", []), source, SimulatorConfig)
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
         raise ConfigFileError(
@@ -168,6 +176,15 @@ def _run(args: argparse.Namespace) -> int:
         workload = spec.build()
     except ValueError as err:  # e.g. the GPT corpus is missing
         raise ConfigFileError(source, "workload", str(err)) from None
+    if args.print_config:
+        from geoloco.algorithms.device import resolve_device
+
+        try:
+            device = resolve_device(config.simulation.device, "simulation.device")
+        except ConfigError as err:
+            raise from_config_error(source, err) from None
+        print(json.dumps(resolved_config(name, workload, config, str(device)), indent=2))
+        return 0
     try:
         simulator = Simulator(config, workload)
     except ConfigError as err:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from geoloco.algorithms.adaptive_outer import ReddiAdaptive
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
 from geoloco.algorithms.lr_schedule import LR_SCHEDULES, InnerLRSchedule, resolve_decay_steps
 
@@ -222,12 +223,27 @@ def _build_adam(config: OuterOptimizerConfig, params: Params) -> torch.optim.Opt
     return torch.optim.Adam(params, lr=lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
 
 
+def _build_fedadam(config: OuterOptimizerConfig, params: Params) -> torch.optim.Optimizer:
+    lr, _ = _resolved_lr_momentum(config)
+    return ReddiAdaptive(params, lr=lr, betas=config.betas, tau=config.tau, weight_decay=config.weight_decay)
+
+
+def _build_fedyogi(config: OuterOptimizerConfig, params: Params) -> torch.optim.Optimizer:
+    lr, _ = _resolved_lr_momentum(config)
+    return ReddiAdaptive(
+        params, lr=lr, betas=config.betas, tau=config.tau, yogi=True, weight_decay=config.weight_decay
+    )
+
+
 OUTER_OPTIMIZERS: dict[str, _OuterSpec] = {
     # DiLoCo (Douillard et al. 2023): Nesterov momentum, lr 0.7, momentum 0.9.
     "nesterov": _OuterSpec(_build_nesterov, lr=0.7, momentum=0.9),
     # lr 1, no momentum: the average of the sites' weights, i.e. FedAvg / Local SGD.
     "sgd": _OuterSpec(_build_outer_sgd, lr=1.0, momentum=0.0),
-    # FedOpt / FedAdam (Reddi et al. 2021): Adam on the pseudo-gradient.
+    # FedAdam / FedYogi as Reddi et al. 2021 define them: no bias correction, tau instead of eps.
+    "fedadam": _OuterSpec(_build_fedadam, lr=1e-2, momentum=0.0),
+    "fedyogi": _OuterSpec(_build_fedyogi, lr=1e-2, momentum=0.0),
+    # torch's Adam on the pseudo-gradient: bias-corrected, eps 1e-8 (not the paper's FedAdam).
     "adam": _OuterSpec(_build_adam, lr=1e-2, momentum=0.0),
 }
 """Outer optimizer name -> factory and its default lr / momentum."""
@@ -238,19 +254,23 @@ class OuterOptimizerConfig:
     """The optimizer the coordinator applies to the averaged pseudo-gradient.
 
     ``name``, ``lr`` and ``momentum`` left unset take the algorithm's and the optimizer's defaults
-    (``resolved()``): DiLoCo -> Nesterov lr 0.7 momentum 0.9, FedAvg -> SGD lr 1, FedOpt -> Adam.
+    (``resolved()``): DiLoCo -> Nesterov lr 0.7 momentum 0.9, FedAvg -> SGD lr 1, FedOpt -> FedAdam.
     """
 
     name: str | None = None
-    """One of ``OUTER_OPTIMIZERS`` (``"nesterov"``, ``"sgd"``, ``"adam"``); unset = the algorithm's default."""
+    """One of ``OUTER_OPTIMIZERS``: ``"nesterov"``, ``"sgd"``, ``"fedadam"`` / ``"fedyogi"``
+    (Reddi et al.: no bias correction, ``tau``) or ``"adam"`` (torch's bias-corrected Adam with
+    ``eps``); unset = the algorithm's default."""
     lr: float | None = None
-    """Outer learning rate; unset = the optimizer's default (nesterov 0.7, sgd 1.0, adam 0.01)."""
+    """Outer learning rate; unset = the optimizer's default (nesterov 0.7, sgd 1.0, the Adam family 0.01)."""
     momentum: float | None = None
     """SGD/Nesterov momentum; unset = the optimizer's default (nesterov 0.9, sgd 0)."""
     betas: tuple[float, float] = (0.9, 0.99)
     """Adam's moment decay rates."""
     eps: float = 1e-8
-    """Adam's denominator epsilon (FedOpt often uses a larger value such as 1e-3)."""
+    """``"adam"``'s denominator epsilon."""
+    tau: float = 1e-3
+    """``"fedadam"`` / ``"fedyogi"``'s adaptivity floor (Reddi et al. tune it in 1e-5..1e-1)."""
     weight_decay: float = 0.0
     """L2 penalty added by the outer optimizer (rarely wanted)."""
 
@@ -279,6 +299,7 @@ class OuterOptimizerConfig:
             all(0 <= b < 1 for b in self.betas), "betas", f"each must be in [0, 1), got {self.betas}"
         )
         require(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
+        require(self.tau > 0, "tau", f"must be > 0, got {self.tau}")
         require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
 
     def resolved(self, default_name: str = "nesterov") -> OuterOptimizerConfig:
@@ -291,6 +312,7 @@ class OuterOptimizerConfig:
             momentum=spec.momentum if self.momentum is None else self.momentum,
             betas=self.betas,
             eps=self.eps,
+            tau=self.tau,
             weight_decay=self.weight_decay,
         )
 

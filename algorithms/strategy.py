@@ -419,10 +419,11 @@ class FedAvg(Strategy):
 
 
 class FedOpt(FedAvg):
-    """FedOpt / FedAdam (Reddi et al. 2021): an adaptive outer optimizer on the pseudo-gradient."""
+    """FedOpt (Reddi et al. 2021): an adaptive outer optimizer on the pseudo-gradient, FedAdam unless
+    ``outer_optimizer.name`` picks ``fedyogi`` or torch's bias-corrected ``adam``."""
 
     name = "fedopt"
-    default_outer_optimizer = "adam"
+    default_outer_optimizer = "fedadam"
 
 
 class DataParallel(Strategy):

@@ -58,7 +58,51 @@ def test_adam_first_step_is_lr_times_sign() -> None:
     torch.testing.assert_close(out, torch.tensor([-0.01, 0.01, -0.01]), rtol=1e-3, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["nesterov", "adam"])
+def _reddi_reference(grads: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, tau: float, yogi: bool) -> torch.Tensor:
+    """Reddi et al. 2021, Algorithm 2 (server side), in float64: x ← x + lr·m/(√v + τ) with
+    Δ = −g, m from 0, v from τ², no bias correction."""
+    x = torch.zeros_like(grads[0], dtype=torch.float64)
+    m = torch.zeros_like(x)
+    v = torch.full_like(x, tau * tau)
+    for g in grads:
+        delta = -g.double()
+        m = beta1 * m + (1 - beta1) * delta
+        if yogi:
+            v = v - (1 - beta2) * delta**2 * torch.sign(v - delta**2)
+        else:
+            v = beta2 * v + (1 - beta2) * delta**2
+        x = x + lr * m / (v.sqrt() + tau)
+    return x
+
+
+@pytest.mark.parametrize("yogi", [False, True])
+def test_fedadam_and_fedyogi_follow_reddi_et_al(yogi: bool) -> None:
+    name = "fedyogi" if yogi else "fedadam"
+    config = OuterOptimizerConfig(name=name, lr=0.05, betas=(0.9, 0.99), tau=1e-3)
+    outer = OuterOptimizer(config, 4)
+    grads = [torch.tensor([0.5, -2.0, 1e-3, 0.0]), torch.tensor([0.1, 0.3, -1e-3, 2.0]), torch.tensor([-0.4, 0.1, 0.0, 0.5])]
+    theta = torch.zeros(4)
+    for g in grads:
+        theta = outer.step(theta, g)
+    expected = _reddi_reference(grads, lr=0.05, beta1=0.9, beta2=0.99, tau=1e-3, yogi=yogi)
+    torch.testing.assert_close(theta.double(), expected, rtol=1e-5, atol=1e-7)
+    # Unlike torch's bias-corrected Adam, the first step is not lr·sign(g): it is damped by 1 − β1
+    # over √(1 − β2) (about 1 for large g), and tau keeps a tiny g from taking a full step.
+    first = OuterOptimizer(config, 4).step(torch.zeros(4), grads[0])
+    assert abs(first[2].item()) < 0.05 * 0.5
+
+
+def test_fedopt_defaults_to_fedadam_and_adam_keeps_its_name() -> None:
+    from geoloco.algorithms.strategy import ALGORITHMS
+
+    assert ALGORITHMS["fedopt"].default_outer_optimizer == "fedadam"
+    resolved = OuterOptimizerConfig(name="adam").resolved()
+    assert resolved.name == "adam" and resolved.eps == 1e-8
+    with pytest.raises(ConfigError, match="tau: must be > 0"):
+        OuterOptimizerConfig(name="fedadam", tau=0.0)
+
+
+@pytest.mark.parametrize("name", ["nesterov", "adam", "fedadam", "fedyogi"])
 def test_state_roundtrip_through_safetensors_and_json_continues_identically(tmp_path, name) -> None:
     torch.manual_seed(0)
     grads = [torch.randn(10) for _ in range(5)]
@@ -128,7 +172,7 @@ def test_ddp_outer_from_inner_config_clips_global_norm() -> None:
 @pytest.mark.parametrize(
     ("data", "key", "fragment"),
     [
-        ({"name": "rmsprop"}, "outer_optimizer.name", "valid names: nesterov, sgd, adam"),
+        ({"name": "rmsprop"}, "outer_optimizer.name", "valid names: nesterov, sgd, fedadam, fedyogi, adam"),
         ({"lr": -1}, "outer_optimizer.lr", "must be > 0"),
         ({"lr": "fast"}, "outer_optimizer.lr", "expected float | None"),
         ({"name": "nesterov", "momentum": 0.0}, "outer_optimizer.momentum", "Nesterov needs momentum > 0"),

@@ -25,7 +25,7 @@ from geoloco.algorithms.strategy import (
 
 def test_registry_and_default_outer_optimizers() -> None:
     assert set(ALGORITHMS) == {"diloco", "fedavg", "fedopt", "ddp"}
-    cases = {"diloco": ("nesterov", 0.7, 0.9), "fedavg": ("sgd", 1.0, 0.0), "fedopt": ("adam", 0.01, 0.0)}
+    cases = {"diloco": ("nesterov", 0.7, 0.9), "fedavg": ("sgd", 1.0, 0.0), "fedopt": ("fedadam", 0.01, 0.0)}
     for name, (opt, lr, momentum) in cases.items():
         s = build_strategy(AlgorithmConfig(name=name), numel=4)
         assert (s.outer_optimizer_config.name, s.outer_optimizer_config.lr,

@@ -58,7 +58,9 @@ def test_adam_first_step_is_lr_times_sign() -> None:
     torch.testing.assert_close(out, torch.tensor([-0.01, 0.01, -0.01]), rtol=1e-3, atol=1e-6)
 
 
-def _reddi_reference(grads: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, tau: float, yogi: bool) -> torch.Tensor:
+def _reddi_reference(
+    grads: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, tau: float, yogi: bool
+) -> torch.Tensor:
     """Reddi et al. 2021, Algorithm 2 (server side), in float64: x ← x + lr·m/(√v + τ) with
     Δ = −g, m from 0, v from τ², no bias correction."""
     x = torch.zeros_like(grads[0], dtype=torch.float64)
@@ -80,7 +82,11 @@ def test_fedadam_and_fedyogi_follow_reddi_et_al(yogi: bool) -> None:
     name = "fedyogi" if yogi else "fedadam"
     config = OuterOptimizerConfig(name=name, lr=0.05, betas=(0.9, 0.99), tau=1e-3)
     outer = OuterOptimizer(config, 4)
-    grads = [torch.tensor([0.5, -2.0, 1e-3, 0.0]), torch.tensor([0.1, 0.3, -1e-3, 2.0]), torch.tensor([-0.4, 0.1, 0.0, 0.5])]
+    grads = [
+        torch.tensor([0.5, -2.0, 1e-3, 0.0]),
+        torch.tensor([0.1, 0.3, -1e-3, 2.0]),
+        torch.tensor([-0.4, 0.1, 0.0, 0.5]),
+    ]
     theta = torch.zeros(4)
     for g in grads:
         theta = outer.step(theta, g)

@@ -21,6 +21,7 @@ from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.training import TrainingConfig, TrainingKeys
 from geoloco.coordinator.http_config import HTTPStatusConfig
+from geoloco.coordinator.update_guard import UpdateGuardConfig
 from geoloco.protos.identity import validate_site_name
 from geoloco.protos.transport import TLSFiles
 from geoloco.protos.wire import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
@@ -120,6 +121,10 @@ class CoordinatorConfig:
     """With secure aggregation: a protocol stage (key advertisement, key shares, unmasking)
     closes when every live member answered or after this long; a site that vanished is waited
     for no longer than this, or than ``heartbeat_timeout_s`` (which drops it)."""
+    update_guard: UpdateGuardConfig = field(default_factory=UpdateGuardConfig)
+    """``[update_guard]``: bounds on each update's norm and weight and on the global weights;
+    an update beyond them is rejected, a round whose aggregate goes beyond them is aborted with
+    the model unchanged (``geoloco.coordinator.update_guard``)."""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -194,6 +194,11 @@ class CoordinatorRound:
     site_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     inner_steps: dict[str, int] = field(default_factory=dict)
     """site -> inner steps its upload reports."""
+    rejected_why: dict[str, str] = field(default_factory=dict)
+    """site -> why its update was rejected (``core.rejected`` holds the sites)."""
+    aborted: str = ""
+    """Non-empty: adding an update failed midway, the aggregate cannot be trusted and the round
+    is aborted at its close with the model unchanged (the reason)."""
 
     @property
     def number(self) -> int:

@@ -3,8 +3,9 @@
 ``UploadIntake`` is what ``RoundStateMachine`` calls; two implementations:
 
 * ``PlainIntake``: every complete upload is verified (checksum, codec, shape, dtype, finite
-  values) and added to the round's single aggregation buffer at once. Non-finite values reject
-  the site's update for the round (INVALID_ARGUMENT) without touching the buffer. With
+  values, norm and weight within ``[update_guard]``) and added to the round's single aggregation
+  buffer at once. Non-finite values or an absurd norm reject the site's update for the round
+  (INVALID_ARGUMENT, the reason in the round's metrics) without touching the buffer. With
   ``late_updates = "fold"`` an update one round late is folded into the open round with the
   round policy's staleness discount. The round closes by the round policy.
 * ``SecureIntake`` (``geoloco.coordinator.secure_intake``): masked chunks go straight into the
@@ -43,14 +44,29 @@ from geoloco.coordinator.errors import (
 )
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds
+from geoloco.coordinator.update_guard import UpdateGuard
+from geoloco.protos.errors import quoted
 from geoloco.protos.wire import MAX_CHUNK_SIZE, ManifestTooLargeError, UploadAssembler
 
-__all__ = ["Chunks", "PlainIntake", "PlainUpload", "RoundSum", "UploadIntake"]
+__all__ = [
+    "MAX_METRIC_NAME_CHARS",
+    "MAX_SITE_METRICS",
+    "Chunks",
+    "PlainIntake",
+    "PlainUpload",
+    "RoundSum",
+    "UploadIntake",
+]
 
 logger = logging.getLogger(__name__)
 
 Chunks = Iterable[tuple[Any, int]]
 """An Upload stream's chunks after its manifest: (chunk with ``.index``/``.data``, message bytes)."""
+
+MAX_SITE_METRICS = 32
+"""Entries an upload's ``metrics`` map may have (they go into every round's record)."""
+MAX_METRIC_NAME_CHARS = 64
+"""Characters of one metric's name."""
 
 @dataclass(slots=True)
 class RoundSum:
@@ -155,8 +171,11 @@ class PlainIntake:
         max_upload_bytes: int,
         device: torch.device,
         privacy: PrivateRounds | None,
+        guard: UpdateGuard,
     ) -> None:
         self.ctx = ctx
+        self.guard = guard
+        """Norm and weight bounds (``[update_guard]``), shared with the round phases."""
         self.uplink_codec = uplink_codec
         self.numel = numel
         self.max_upload_bytes = max_upload_bytes
@@ -232,7 +251,9 @@ class PlainIntake:
     def validate(self, site: str, spec: UploadSpec) -> None:
         ctx = self.ctx
         if spec.site and spec.site != site:
-            raise InvalidUpdateError(f"upload manifest names site {spec.site!r} but the caller is {site!r}")
+            raise InvalidUpdateError(
+                f"upload manifest names site {quoted(spec.site)} but the caller is {site!r}"
+            )
         fragment = ctx.fragment_of(spec.round)
         if spec.fragment != fragment:
             raise InvalidUpdateError(
@@ -242,17 +263,17 @@ class PlainIntake:
         numel = ctx.update_numel(spec.round)
         if spec.codec != self.uplink_codec:
             raise InvalidUpdateError(
-                f"upload codec {spec.codec!r} is not the run's uplink codec {self.uplink_codec!r}; "
+                f"upload codec {quoted(spec.codec)} is not the run's uplink codec {self.uplink_codec!r}; "
                 "encode with RunConfig.uplink_codec"
             )
         if spec.dtype != "float32":
             raise InvalidUpdateError(
-                f"upload dtype {spec.dtype!r} is not allowed; pseudo-gradients are 'float32'"
+                f"upload dtype {quoted(spec.dtype)} is not allowed; pseudo-gradients are 'float32'"
             )
         if list(spec.shape) != [numel]:
             what = "" if numel == self.numel else f" of fragment {fragment}"
             raise InvalidUpdateError(
-                f"upload shape {list(spec.shape)} does not match the model: expected "
+                f"upload shape {quoted(list(spec.shape))} does not match the model: expected "
                 f"[{numel}] (the flat parameter vector{what})"
             )
         if ctx.config.algorithm.weighting == "steps" and spec.inner_steps < 1:
@@ -266,11 +287,32 @@ class PlainIntake:
                 f"sample_weight {weight} is not allowed; send the samples (or tokens) trained on "
                 "this round, a finite number > 0"
             )
+        why = self.guard.check_weight("sample_weight", weight) or self.guard.check_weight(
+            f"the update's weight under weighting {ctx.config.algorithm.weighting!r}",
+            self._upload_weight(spec),
+        )
+        if why is not None:
+            raise InvalidUpdateError(f"upload refused: {why}")
+        self._check_metrics(spec.metrics)
         if spec.total_bytes > self.max_upload_bytes:
             raise ManifestTooLargeError(
                 f"upload announces {spec.total_bytes} bytes, more than the {self.max_upload_bytes} "
                 "this coordinator accepts for this model"
             )
+
+    @staticmethod
+    def _check_metrics(metrics: dict[str, float]) -> None:
+        """The ``metrics`` map goes into the round's record and the status page: keep it small."""
+        if len(metrics) > MAX_SITE_METRICS:
+            raise InvalidUpdateError(
+                f"upload metrics has {len(metrics)} entries; at most {MAX_SITE_METRICS} are allowed"
+            )
+        for name in metrics:
+            if len(name) > MAX_METRIC_NAME_CHARS:
+                raise InvalidUpdateError(
+                    f"upload metrics name {quoted(name)} has {len(name)} characters; at most "
+                    f"{MAX_METRIC_NAME_CHARS} are allowed"
+                )
 
     def open(self, site: str, spec: UploadSpec) -> PlainUpload:
         """Check an Upload stream's manifest and return the (new or resumed) assembler."""
@@ -282,8 +324,9 @@ class PlainIntake:
             ctx.check_upload_round(spec.round)
             r = ctx.round
             if site in r.rejected:
+                why = r.rejected_why.get(site, "bad values")
                 raise UpdateRejectedError(
-                    f"site {site!r}'s update for round {r.number} was rejected (non-finite values) "
+                    f"site {site!r}'s update for round {r.number} was rejected ({why}) "
                     "and is dropped for this round; wait for the broadcast (AwaitBroadcast)"
                 )
             self.validate(site, spec)
@@ -299,7 +342,6 @@ class PlainIntake:
             r.uploads[site] = assembler
             r.inner_steps[site] = spec.inner_steps
             ctx.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)
-            r.site_metrics[site] = dict(spec.metrics)
             ctx.count_up(site, spec.nbytes)
             return assembler
 
@@ -345,9 +387,8 @@ class PlainIntake:
 
     # -- verification --
 
-    def _upload_weight(self, assembler: PlainUpload) -> float:
+    def _upload_weight(self, spec: UploadSpec) -> float:
         """``w_k`` of an upload under the run's weighting (``geoloco.algorithms.weighting``)."""
-        spec = assembler.spec
         return site_weight(
             self.ctx.config.algorithm.weighting, samples=float(spec.sample_weight), inner_steps=int(spec.inner_steps)
         )
@@ -390,23 +431,37 @@ class PlainIntake:
             data = assembler.finish()  # checksum; a mismatch resets the assembler (DATA_LOSS)
             decoded = self._decode(site, round_number, data)
             if not bool(torch.isfinite(decoded).all()):
-                with ctx.cond:
-                    if ctx.round.number == round_number:
-                        ctx.round.core.reject(site)
-                        ctx.round.uploads.pop(site, None)
-                        ctx.cond.notify_all()
-                ctx.events.emit(ev.UPDATE_REJECTED, site=site, round=round_number, why="NaN or Inf values")
+                self._reject(site, round_number, "NaN or Inf values")
                 raise InvalidUpdateError(
                     f"site {site!r}'s update for round {round_number} contains NaN or Inf values; "
                     "it is dropped for this round (check the site's loss and learning rate)"
                 )
-            weight = self._upload_weight(assembler)
+            norm, why = self.guard.check_update(decoded)
+            if why is not None:
+                self._reject(site, round_number, why)
+                raise InvalidUpdateError(
+                    f"site {site!r}'s update for round {round_number} is refused: {why}; it is "
+                    "dropped for this round (check the site's loss and learning rate)"
+                )
+            weight = self._upload_weight(assembler.spec)
             with ctx.cond:
                 ctx.check_upload_round(round_number)
                 r = ctx.round
                 if r.uploads.get(site) is not assembler:
                     raise _discarded(site, round_number)
-                r.core.add(decoded, weight, site=site, now=ctx.clock())
+                try:
+                    r.core.add(decoded, weight, site=site, now=ctx.clock())
+                except Exception as err:
+                    # The sum may hold part of this update: the round cannot be trusted.
+                    logger.exception("round %d: adding the update of %s failed", round_number, site)
+                    r.aborted = r.aborted or f"adding the update of {site} failed ({type(err).__name__})"
+                    self._reject(site, round_number, f"it could not be added to the aggregate ({type(err).__name__})")
+                    raise InvalidUpdateError(
+                        f"site {site!r}'s update for round {round_number} could not be added to the "
+                        "aggregate; the round is aborted with the model unchanged"
+                    ) from None
+                self.guard.accepted(round_number, site, norm)
+                r.site_metrics[site] = dict(assembler.spec.metrics)
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
                 logger.debug(
                     "round %d: update of %s aggregated (%d of %d members)",
@@ -415,6 +470,19 @@ class PlainIntake:
                 ctx.cond.notify_all()
             del decoded
         return _progress(assembler)
+
+    def _reject(self, site: str, round_number: int, why: str) -> None:
+        """Drop ``site``'s update of the open round ``round_number`` for that round, saying why
+        (in the round's metrics, on the status page, to the site's next upload)."""
+        ctx = self.ctx
+        with ctx.cond:
+            r = ctx.round
+            if r.number == round_number:
+                r.core.reject(site)
+                r.rejected_why[site] = why
+                r.uploads.pop(site, None)
+                ctx.cond.notify_all()
+        ctx.events.emit(ev.UPDATE_REJECTED, site=site, round=round_number, why=why)
 
     # -- late updates (``late_updates = "fold"``) --
 
@@ -460,14 +528,26 @@ class PlainIntake:
                     f"site {site!r}'s late update for round {round_number} contains NaN or Inf "
                     "values; it is dropped"
                 )
-            weight = self._upload_weight(assembler)
+            _, why = self.guard.check_update(decoded)
+            if why is not None:
+                ctx.events.emit(ev.UPDATE_REJECTED, site=site, round=round_number, why=why)
+                raise InvalidUpdateError(f"site {site!r}'s late update for round {round_number} is refused: {why}")
+            weight = self._upload_weight(assembler.spec)
             with ctx.cond:
                 r = ctx.round
                 if r.number != round_number + 1 or ctx.phase not in OPEN_PHASES:
                     ctx.check_upload_round(round_number)  # raises WRONG_ROUND: it is too late
                 if r.stale_uploads.get(site) is not assembler:
                     raise _discarded(site, round_number)
-                weight = r.core.fold(decoded, weight, site=site, policy=ctx.policy)
+                try:
+                    weight = r.core.fold(decoded, weight, site=site, policy=ctx.policy)
+                except Exception as err:
+                    logger.exception("round %d: folding the late update of %s failed", r.number, site)
+                    r.aborted = r.aborted or f"folding the late update of {site} failed ({type(err).__name__})"
+                    raise InvalidUpdateError(
+                        f"site {site!r}'s late update for round {round_number} could not be added to "
+                        "the aggregate; the open round is aborted with the model unchanged"
+                    ) from None
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight, late=True)
                 logger.info(
                     "round %d: late update of %s (round %d) folded in with weight %.4g",

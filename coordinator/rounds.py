@@ -67,6 +67,7 @@ from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.phases import EvalFn, GlobalWeights, RoundPhases
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.secure_intake import SecureIntake
+from geoloco.coordinator.update_guard import UpdateGuard
 
 __all__ = [
     "SECURE_STAGE_WAIT_S",
@@ -152,18 +153,20 @@ class RoundStateMachine:
         self._cond = ctx.cond
         self._poll_lock = threading.Lock()
         self.membership = Membership(ctx)
+        guard = UpdateGuard(config.update_guard)
         self.intake: UploadIntake = (
             SecureIntake(ctx, self.membership, self.privacy)
             if self.privacy is not None and self.privacy.secure
             else PlainIntake(
                 ctx, self.membership, uplink_codec=self.uplink_codec, numel=self.numel,
                 max_upload_bytes=self.max_upload_bytes, device=self.device, privacy=self.privacy,
+                guard=guard,
             )
         )
         weights = initial_weights.detach().to(self.device, torch.float32).clone()
         self.phases = RoundPhases(
             ctx, self.intake, layout=layout, weights=GlobalWeights.of(weights), privacy=self.privacy,
-            eval_fn=eval_fn,
+            eval_fn=eval_fn, guard=guard,
         )
         start_round = 0
         if config.checkpoint_dir is not None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.domain import SITE_PHASES
+from geoloco.protos.errors import clip
 
 if TYPE_CHECKING:
     from geoloco.coordinator.config import CoordinatorConfig
@@ -45,6 +46,10 @@ RATE_WINDOW_S = 5.0
 """Link rates are bytes over the last this many seconds."""
 MAX_EVENTS = 200
 MAX_ROUNDS = 5000
+MAX_EVENT_TEXT = 400
+"""Characters of one event's text: it may quote what a request carried."""
+
+
 def _finite(value: Any) -> float | None:
     if value is None:
         return None
@@ -93,9 +98,30 @@ class StatusBoard:
         self._run_finished = False
         self._started_wall = wall_clock()
         self._rejected_total = 0
+        self._repeats: dict[tuple[str, ...], dict[str, Any]] = {}
+        """Key of a kind of refusal -> its entry in ``_events`` (counted, not stored again)."""
 
-    def _event(self, kind: str, text: str, site: str | None = None) -> None:
-        self._events.append({"time": self.wall_clock(), "kind": kind, "site": site, "text": text})
+    def _event(self, kind: str, text: str, site: str | None = None) -> dict[str, Any]:
+        entry = {"time": self.wall_clock(), "kind": kind, "site": site, "text": clip(text, MAX_EVENT_TEXT), "count": 1}
+        self._events.append(entry)
+        return entry
+
+    def _repeated_event(self, key: tuple[str, ...], kind: str, text: str) -> None:
+        """An event that may repeat without end (refused requests): while the entry of the same
+        ``key`` is still in the list, it is moved to the top with its count raised and the
+        latest text; the list keeps one entry per key however many arrive."""
+        entry = self._repeats.get(key)
+        if entry is not None:
+            try:
+                self._events.remove(entry)
+            except ValueError:
+                entry = None
+        if entry is None:
+            self._repeats = {k: e for k, e in self._repeats.items() if any(e is x for x in self._events)}
+            self._repeats[key] = self._event(kind, text)
+            return
+        entry.update(time=self.wall_clock(), text=clip(text, MAX_EVENT_TEXT), count=entry["count"] + 1)
+        self._events.append(entry)
 
     def _site(self, name: str, now: float) -> _Site:
         site = self._sites.get(name)
@@ -115,9 +141,11 @@ class StatusBoard:
         if kind == ev.REQUEST_REJECTED:
             self._rejected_total += 1
             who = f" from {name}" if name else ""
-            self._event(
+            method, code, reason = (clip(str(data[k]), 64) for k in ("method", "code", "reason"))
+            self._repeated_event(
+                ("rejected", method, code, reason, name or ""),
                 "rejected",
-                f"{data['method']}{who} refused: {data['code']} ({data['reason']}): {data['message']}",
+                f"{method}{who} refused: {code} ({reason}): {data['message']}",
             )
             return
         if kind in (ev.ROUND_STARTED, ev.CHECKPOINT_SAVED) or name is None:
@@ -170,8 +198,11 @@ class StatusBoard:
             site.recent.popleft()
 
     def _on_round(self, record: Any) -> None:
+        # Only the losses of updates that went into the aggregate: a refused site's claims are
+        # not the round's.
         site_metrics = record.get("site_metrics") or {}
-        losses = [m["train_loss"] for m in site_metrics.values() if _finite(m.get("train_loss")) is not None]
+        reported = [site_metrics.get(site) or {} for site in record["participants"]]
+        losses = [m["train_loss"] for m in reported if _finite(m.get("train_loss")) is not None]
         self._rounds.append(
             {
                 "round": record["round"],
@@ -186,9 +217,14 @@ class StatusBoard:
                 "update_norm": _finite(record.get("update_norm")),
                 "epsilon": _finite(record.get("epsilon")),
                 "fragment": record.get("fragment"),
+                "aborted": bool(record.get("aborted")),
                 "time": self.wall_clock(),
             }
         )
+        if record.get("aborted"):
+            self._event(
+                "fault", f"round {record['round']} aborted, the model is unchanged: {record['aborted']}"
+            )
         if record["excluded"]:
             self._event(
                 "fault",

@@ -13,6 +13,39 @@ import grpc
 
 from geoloco.protos import geoloco_pb2 as pb
 
+MAX_QUOTED_CHARS = 80
+"""Characters of a request's string (a claimed name, a codec, a session id) echoed in a message."""
+MAX_MESSAGE_CHARS = 1024
+"""Longest ``StatusError`` message: whatever a message quotes, a peer cannot make the status
+detail, the log line or the status page's event text it becomes any longer."""
+
+
+def clip(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut. Anything a request
+    carries goes through this (or ``quoted``) before it is echoed, logged or stored."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...[{len(text) - limit} more characters]"
+
+
+def quoted(value: object, limit: int = MAX_QUOTED_CHARS) -> str:
+    """``repr(value)`` for a message, at most about ``limit`` characters (``clip``)."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}...[{len(text) - limit} more characters]"
+
+
+def _bounded_message(message: str) -> str:
+    """The message with its middle cut past ``MAX_MESSAGE_CHARS``: the start says what is
+    wrong, the end usually what to do."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    tail = MAX_MESSAGE_CHARS // 4
+    head = MAX_MESSAGE_CHARS - tail
+    cut = len(message) - head - tail
+    return f"{message[:head]}...[{cut} characters cut]...{message[-tail:]}"
+
 
 class StatusError(Exception):
     """An error with the gRPC status code and ``ErrorReason`` a peer should see.
@@ -30,7 +63,7 @@ class StatusError(Exception):
         code: grpc.StatusCode | None = None,
         reason: int | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(_bounded_message(message))
         if code is not None:
             self.code = code
         if reason is not None:

@@ -339,6 +339,7 @@ METRICS_KEYS = {
     # Keys of a round's record in metrics.jsonl (coordinator/rounds.py writes them) that the README
     # explains; they are not config fields.
     "deadline_s", "next_deadline_s", "arrival_s", "folded_late", "privacy_delta", "epsilon",
+    "rejected_reasons",
 }
 NOT_KEYS = {"register_step_post_hook"}
 """Backticked words that are not config keys (``optimizer.register_step_post_hook``: torch's API)."""

@@ -110,7 +110,8 @@ function renderEvents(events) {
   const list = document.getElementById("events");
   list.replaceChildren(...events.slice(0, 100).map((e) => {
     const li = el("li", null, { "data-kind": e.kind });
-    li.append(el("time", fmtClock(e.time)), el("span", e.kind, { class: "kind" }), el("span", e.text));
+    const text = e.count > 1 ? e.text + " (x" + e.count + ")" : e.text;
+    li.append(el("time", fmtClock(e.time)), el("span", e.kind, { class: "kind" }), el("span", text));
     return li;
   }));
 }

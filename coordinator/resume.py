@@ -6,7 +6,7 @@ previous run's files means:
 * resume on, a checkpoint there: it is verified (``load_latest_checkpoint``: pointer, file, round,
   SHA-256, metadata keys), restored, and the restored weights must have the digest the metadata
   records; the round record the checkpoint carries is replayed into ``metrics_path`` when the
-  previous process died before writing it;
+  previous process, writing to the same file, died before writing it;
 * resume on, files there that cannot be resumed (tensor files without a pointer, a bad pointer or
   file): ``CheckpointError``, one line saying what is wrong and what to do; a run is never
   silently started over beside them;
@@ -17,6 +17,7 @@ previous run's files means:
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from geoloco.coordinator.checkpoint import (
@@ -70,9 +71,14 @@ def start_round(config: CoordinatorConfig, phases: RoundPhases) -> int:
 
 
 def _replay_round_record(config: CoordinatorConfig, phases: RoundPhases, checkpoint: Checkpoint) -> None:
-    """Write the checkpointed round's metrics record if the previous process did not."""
+    """Write the checkpointed round's metrics record if the previous process did not, into the
+    file it was writing to (a session that kept no metrics, or kept them elsewhere, is left so)."""
     record: Any = checkpoint.metadata.get(ROUND_RECORD_KEY)
-    if config.metrics_path is None or not isinstance(record, dict):
+    saved = checkpoint.metadata.get("config")
+    previous = saved.get("metrics_path") if isinstance(saved, dict) else None
+    if config.metrics_path is None or not isinstance(record, dict) or not isinstance(previous, str):
+        return
+    if Path(previous).resolve() != Path(config.metrics_path).resolve():
         return
     record = dict(record)
     next_round = checkpoint.round

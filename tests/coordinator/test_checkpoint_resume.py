@@ -38,7 +38,7 @@ def _make(tmp_path: Path, **overrides: object) -> RoundStateMachine:
 
 
 def _two_rounds(tmp_path: Path, metrics: MetricsWriter | None = None) -> RoundStateMachine:
-    rounds = _make(tmp_path)
+    rounds = _make(tmp_path) if metrics is None else _make(tmp_path, metrics_path=str(metrics.path))
     join(rounds, "a")
     for r in range(2):
         upload(rounds, "a", torch.randn(rounds.numel, generator=torch.Generator().manual_seed(r)))
@@ -111,3 +111,7 @@ def test_a_round_record_lost_after_its_checkpoint_is_replayed_once(tmp_path: Pat
     # Another restart finds the record there and writes nothing.
     _make(tmp_path, metrics_path=str(metrics_path))
     assert [r["round"] for r in read_metrics(metrics_path)] == [0, 1]
+    # A session that wrote its metrics elsewhere (or none) gets nothing replayed into this file.
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    _make(tmp_path, metrics_path=str(elsewhere))
+    assert not elsewhere.exists() or read_metrics(elsewhere) == []

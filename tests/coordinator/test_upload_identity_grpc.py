@@ -92,7 +92,6 @@ def test_a_second_different_update_of_the_same_size_is_refused_at_its_manifest(
     manifest_1 = upload_manifest(session, 0, first, codec="none", numel=numel)
     manifest_2 = upload_manifest(session, 0, second, codec="none", numel=numel)
     assert manifest_1.blob.total_bytes == manifest_2.blob.total_bytes
-    assert manifest_1.blob.checksum != manifest_2.blob.checksum
 
     done = client.Upload(_stream(manifest_1, chunk_requests(manifest_1, first)), timeout=10)  # type: ignore[attr-defined]
     assert done.complete

@@ -30,12 +30,13 @@ BLAKE2b 0.7, MD5 0.8 GB/s; 256 MiB buffer, one core) cannot: every encoded updat
 with its own CRC-32, and the CRC-32 of such a buffer is one constant (``CRC32_RESIDUE``) whatever
 its content, so two different updates of the same size had equal manifests (a second update was
 answered "complete", two concurrent ones were merged chunk by chunk). CRC-32 stays accepted for
-other buffers; a CRC-32 manifest equal to the residue is refused. The digest costs the
-coordinator about 1.7x what CRC-32 did per received byte (CRC-32 was a fifth to a quarter of its
-CPU per byte, perf), so receivers compute it while chunks arrive (in order) instead of in a pass
-at the end. It guards against bugs (wrong reassembly, stale buffers, mixed-up rounds or updates)
-and storage faults, not against an attacker: mutual TLS already authenticates and
-integrity-protects every byte in transit. Both functions release the GIL on large buffers.
+other buffers; a CRC-32 manifest equal to the residue is refused. Assembling and verifying
+costs the coordinator 1.34x the CPU per received byte that it did with CRC-32, hashing an update
+costs a site 2.35x (``benchmarks/bench_manifest_checksum.py``), so receivers compute the digest
+while chunks arrive (in order) instead of in a pass at the end. It guards against bugs (wrong
+reassembly, stale buffers, mixed-up rounds or updates) and storage faults, not against an
+attacker: mutual TLS already authenticates and integrity-protects every byte in transit. Both
+functions release the GIL on large buffers.
 
 Copies. Senders yield ``ChunkRef`` (a memoryview of the caller's buffer, no copy) instead of
 protobuf ``Chunk`` messages, and ``MessageCodec`` writes/reads chunk messages by hand: one copy

@@ -17,6 +17,13 @@ byte copies of ``safetensors.torch.save`` made the checkpoint the coordinator's 
 The tensor file is written before the pointer; a crash between the two leaves an
 orphan tensor file that the next save removes. The last ``keep`` tensor files are kept so an
 operator can roll back by hand.
+
+Loading trusts nothing in the pointer: the tensor file it names must be a plain
+``round-NNNNNN.safetensors`` name inside the folder, of the pointer's own round, with the SHA-256
+the pointer records; the metadata must hold the keys the caller needs. A folder with tensor files
+but no pointer is refused too (the pointer holds the optimizer's scalar state, so those files
+cannot be resumed, and starting over beside them would silently discard a run):
+``archive_previous_run`` moves such files aside when the operator asks for a new run.
 """
 
 from __future__ import annotations
@@ -27,12 +34,13 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 logger = logging.getLogger(__name__)
@@ -40,6 +48,10 @@ logger = logging.getLogger(__name__)
 POINTER_NAME = "checkpoint.json"
 FORMAT_VERSION = 1
 _TENSOR_FILE = re.compile(r"^round-(\d{6,})\.safetensors$")
+ARCHIVE_PREFIX = "previous-run-"
+"""Sub-folders where ``archive_previous_run`` moves the files of a run that is not resumed."""
+FRESH_HINT = "or start a new run with `--fresh` (`resume = false`), which moves the old files aside"
+"""How every refusal ends: what the operator can do besides repairing the checkpoint."""
 _HASH_BLOCK = 16 << 20
 """Bytes read at a time when verifying a tensor file's checksum."""
 
@@ -199,35 +211,108 @@ def _prune(folder: Path, *, keep: int, current: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def load_latest_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint | None:
-    """The newest checkpoint in ``directory``, or ``None`` when there is none yet.
+def previous_run_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The pointer and tensor files of a run in ``directory`` (empty when there are none)."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.name == POINTER_NAME or _round_of(p.name) is not None)
 
-    Raises :class:`CheckpointError` when a pointer exists but its tensor file is missing or does
-    not match its checksum: resuming from silently corrupted weights would be worse than stopping.
+
+def archive_previous_run(directory: str | os.PathLike[str]) -> Path | None:
+    """Move a previous run's checkpoint files into a new ``previous-run-N`` sub-folder so a new
+    run starts beside them without deleting them; the sub-folder, or None when there was nothing."""
+    files = previous_run_files(directory)
+    if not files:
+        return None
+    folder = Path(directory)
+    n = 1
+    while (folder / f"{ARCHIVE_PREFIX}{n}").exists():
+        n += 1
+    archive = folder / f"{ARCHIVE_PREFIX}{n}"
+    archive.mkdir()
+    for path in files:
+        os.replace(path, archive / path.name)
+    _fsync_dir(folder)
+    logger.warning("moved the previous run's checkpoint files (%d) to %s", len(files), archive)
+    return archive
+
+
+def _read_pointer(pointer_path: Path) -> tuple[int, str, str, dict[str, Any]]:
+    """(round, tensor file name, sha256 hex, metadata) of a pointer file, each checked for type."""
+    try:
+        pointer = json.loads(pointer_path.read_text())
+        if not isinstance(pointer, dict):
+            raise TypeError(f"expected a JSON object, got {type(pointer).__name__}")
+        version = pointer.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{pointer_path} has format_version {version!r}; this geoloco reads version "
+                f"{FORMAT_VERSION}; resume it with the geoloco that wrote it, {FRESH_HINT}"
+            )
+        round_number, name, sha256 = pointer["round"], pointer["tensor_file"], pointer["sha256"]
+        metadata = pointer.get("metadata", {})
+        if isinstance(round_number, bool) or not isinstance(round_number, int) or round_number < 0:
+            raise TypeError(f"round must be an integer >= 0, got {round_number!r}")
+        if not isinstance(name, str) or not isinstance(sha256, str):
+            raise TypeError("tensor_file and sha256 must be strings")
+        if not isinstance(metadata, dict):
+            raise TypeError(f"metadata must be a JSON object, got {type(metadata).__name__}")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{pointer_path} is not a valid geoloco checkpoint pointer ({type(exc).__name__}: {exc}); "
+            f"restore it from a backup, {FRESH_HINT}"
+        ) from exc
+    return round_number, name, sha256, metadata
+
+
+def load_latest_checkpoint(
+    directory: str | os.PathLike[str], *, required_metadata: Sequence[str] = ()
+) -> Checkpoint | None:
+    """The newest checkpoint in ``directory``, or ``None`` when the folder holds no run at all.
+
+    Raises :class:`CheckpointError` (one line: what is wrong and what to do) when the pointer is
+    missing beside tensor files, names a file outside the folder or of another round, when that
+    file is missing or fails its checksum, or when the metadata lacks a ``required_metadata``
+    key: resuming from untrusted state, or silently starting over, would be worse than stopping.
     """
     folder = Path(directory)
     pointer_path = folder / POINTER_NAME
     if not pointer_path.exists():
+        orphans = [p.name for p in previous_run_files(folder)]
+        if orphans:
+            raise CheckpointError(
+                f"{folder} holds tensor files of a previous run ({', '.join(orphans[:3])}"
+                f"{', ...' if len(orphans) > 3 else ''}) but no {POINTER_NAME}, so it cannot be "
+                f"resumed; restore {POINTER_NAME} from a backup, {FRESH_HINT}"
+            )
         return None
-    try:
-        pointer = json.loads(pointer_path.read_text())
-        tensor_path = folder / pointer["tensor_file"]
-        round_number = int(pointer["round"])
-        expected = str(pointer["sha256"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{pointer_path} is not a valid geoloco checkpoint pointer: {exc}") from exc
-    if pointer.get("format_version") != FORMAT_VERSION:
+    round_number, name, expected, metadata = _read_pointer(pointer_path)
+    if _round_of(name) != round_number or Path(name).name != name:
         raise CheckpointError(
-            f"{pointer_path} has format_version {pointer.get('format_version')!r}; "
-            f"this geoloco reads version {FORMAT_VERSION}"
+            f"{pointer_path} is for round {round_number} but names tensor file {name!r}; it must "
+            f"name round-{round_number:06d}.safetensors in {folder}; restore the pointer from a "
+            f"backup, {FRESH_HINT}"
         )
-    if not tensor_path.exists():
-        raise CheckpointError(f"{pointer_path} names {tensor_path.name}, which does not exist")
+    tensor_path = folder / name
+    if not tensor_path.is_file():
+        raise CheckpointError(
+            f"{pointer_path} names {name}, which does not exist; restore it from a backup, {FRESH_HINT}"
+        )
     actual = _file_sha256(tensor_path)
     if actual != expected:
         raise CheckpointError(
             f"{tensor_path} fails its checksum (sha256 {actual[:16]}..., expected {expected[:16]}...); "
-            "restore it from a backup or delete the checkpoint folder to start over"
+            f"restore it from a backup, {FRESH_HINT}"
         )
-    tensors = load_file(str(tensor_path))
-    return Checkpoint(round=round_number, tensors=tensors, metadata=pointer.get("metadata", {}), path=tensor_path)
+    missing = [key for key in required_metadata if key not in metadata]
+    if missing:
+        raise CheckpointError(
+            f"{pointer_path} metadata lacks {', '.join(repr(k) for k in missing)}; it was not written "
+            f"by this geoloco's coordinator; restore it from a backup, {FRESH_HINT}"
+        )
+    try:
+        tensors = load_file(str(tensor_path))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{tensor_path} cannot be read ({exc}); restore it from a backup, {FRESH_HINT}") from exc
+    return Checkpoint(round=round_number, tensors=tensors, metadata=metadata, path=tensor_path)

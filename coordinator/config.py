@@ -93,6 +93,12 @@ class CoordinatorConfig:
     """Write a checkpoint after every this many rounds (and after the last round)."""
     checkpoint_keep: int = 2
     """Tensor files kept in ``checkpoint_dir`` (older ones are deleted)."""
+    resume: bool = True
+    """Resume from the checkpoint in ``checkpoint_dir``; previous-run files there that cannot be
+    resumed (tensor files without ``checkpoint.json``, a pointer that fails its checks) stop the
+    start with an error instead of a silent new run. False (``geoloco coordinator --fresh``)
+    starts a new run at round 0 and moves the previous run's files into
+    ``checkpoint_dir/previous-run-N``."""
     metrics_path: str | None = None
     """JSON-lines file receiving one record per round (appended across restarts)."""
     eval_every: int = 1

@@ -3,6 +3,12 @@
 JSON lines survive crashes (a torn last line is the only possible damage), can be appended to
 across coordinator restarts, and are read by ``pandas.read_json(path, lines=True)`` or a few lines
 of Python. Every record carries the ``session_id`` so a restart is visible in the file.
+
+A session writes one record per round, so (``session_id``, ``round``) identifies a record:
+``append_missing_record`` uses it to replay, after a restart, the record of a round whose
+checkpoint was written but whose record was not (the process died in between) without ever
+writing one twice. A torn last line, the only damage a crash can leave, is cut off before
+anything is appended, so it never ends up in the middle of the file.
 """
 
 from __future__ import annotations
@@ -17,7 +23,13 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MetricsWriter", "read_metrics"]
+__all__ = ["MetricsWriter", "append_missing_record", "plain_record", "read_metrics"]
+
+
+def plain_record(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` as the file holds it: string keys, lists for tuples, null for NaN/Inf."""
+    plain: dict[str, Any] = _plain(record)
+    return plain
 
 
 def _plain(value: Any) -> Any:
@@ -37,6 +49,7 @@ class MetricsWriter:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _cut_torn_tail(self.path)
         self._lock = threading.Lock()
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
@@ -53,6 +66,48 @@ class MetricsWriter:
         with self._lock:
             if not self._file.closed:
                 self._file.close()
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Truncate a last line without its newline (a write cut short by a crash)."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            block = min(size, 1 << 20)
+            while True:
+                f.seek(size - block)
+                tail = f.read(block)
+                cut = tail.rfind(b"\n")
+                if cut >= 0 or block == size:
+                    break
+                block = min(size, block * 2)
+            keep = size - block + cut + 1 if cut >= 0 else 0
+            logger.warning("cutting a torn last line (%d bytes) off %s", size - keep, path)
+            f.truncate(keep)
+    except FileNotFoundError:
+        return
+
+
+def append_missing_record(path: str | os.PathLike[str], record: dict[str, Any]) -> bool:
+    """Append ``record`` unless the file already holds one of the same session and round;
+    True when it was written (flushed and fsync'ed: it replays a record a crash lost)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _cut_torn_tail(target)
+    key = (record.get("session_id"), record.get("round"))
+    if target.exists() and any((r.get("session_id"), r.get("round")) == key for r in read_metrics(target)):
+        return False
+    line = json.dumps(_plain(record), sort_keys=True, allow_nan=False)
+    with open(target, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return True
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -45,6 +45,7 @@ from geoloco.coordinator.domain import (
 )
 from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.intake import RoundSum, UploadIntake
+from geoloco.coordinator.metrics import plain_record
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.update_guard import GuardedAggregation, RoundAbortedError, UpdateGuard
 from geoloco.protos.errors import clip
@@ -66,6 +67,8 @@ PRIVACY_KEY = "privacy"
 HISTORY_KEY = "history"
 """Checkpoint metadata: recent rounds' contributors and folded late updates, and the adaptive
 deadline's observations (``RoundPolicy.state()``)."""
+ROUND_RECORD_KEY = "round_record"
+"""Checkpoint metadata: the metrics record of the round the checkpoint follows (replayed)."""
 
 
 @dataclass(slots=True)
@@ -206,11 +209,51 @@ class RoundPhases:
             )
             finished = True
         aggregate_s = time.perf_counter() - t0
+        metrics: dict[str, Any] = {
+            "session_id": ctx.session_id,
+            "round": r.number,
+            "fragment": ctx.fragment_of(r.number),
+            "participants": contributors,
+            "sample_weights": dict(outcome.weights),
+            "excluded": list(outcome.excluded),
+            "rejected": list(outcome.rejected),
+            "departed": sorted(r.departed),
+            "partial_uploads": closed.partial,
+            "bytes_up": dict(r.bytes_up),
+            "bytes_down": dict(r.bytes_down),
+            "downlink_bytes": len(delta_bytes),
+            "round_time_s": closed.closed_s - r.core.opened_s,
+            "wait_for_quorum_s": None if r.core.started_s is None else r.core.started_s - r.core.opened_s,
+            "aggregate_time_s": aggregate_s,
+            "deadline_s": outcome.deadline_s,
+            "deadline_hit": outcome.deadline_hit,
+            "next_deadline_s": ctx.policy.deadline_s(),
+            "arrival_s": dict(outcome.arrivals_s),
+            "inner_steps": {site: r.inner_steps[site] for site in contributors if site in r.uploads},
+            "folded_late": dict(outcome.folded),
+            "update_norm": update_norm,
+            "aborted": aborted,
+            "rejected_reasons": dict(r.rejected_why),
+            "site_metrics": {site: m for site, m in r.site_metrics.items() if site in contributors},
+            "weights_digest": new_digest,
+            "run_finished": finished,
+        }
+        if privacy_record:
+            metrics["privacy"] = privacy_record
+            if "epsilon" in privacy_record:
+                metrics["epsilon"] = privacy_record["epsilon"]
+                metrics["privacy_delta"] = privacy_record["delta"]
         if ctx.config.checkpoint_dir is not None and (
             finished or next_round % ctx.config.checkpoint_every == 0
         ):
+            # The round's record goes into the checkpoint, so a restart replays it when the
+            # process dies before writing it (members and totals as of now; eval recomputed).
+            with ctx.cond:
+                replay = {**metrics, "members": sorted(ctx.members), "bytes_up_total": ctx.bytes_up_total,
+                          "bytes_down_total": ctx.bytes_down_total, "eval_loss": None, "replayed": True}
             self.save_checkpoint(
-                next_round, new_weights, new_digest, frozenset(contributors), frozenset(outcome.folded)
+                next_round, new_weights, new_digest, frozenset(contributors), frozenset(outcome.folded),
+                record=replay,
             )
             ctx.events.emit(ev.CHECKPOINT_SAVED, round=next_round)
         record = BroadcastRecord(
@@ -255,44 +298,9 @@ class RoundPhases:
             except Exception:
                 # A broken evaluation must not stop the training of every site.
                 logger.exception("eval_fn failed after round %d; training continues", r.number)
-        metrics = {
-            "session_id": ctx.session_id,
-            "round": r.number,
-            "fragment": ctx.fragment_of(r.number),
-            "participants": contributors,
-            "sample_weights": dict(outcome.weights),
-            "excluded": list(outcome.excluded),
-            "rejected": list(outcome.rejected),
-            "departed": sorted(r.departed),
-            "partial_uploads": closed.partial,
-            "members": members,
-            "bytes_up": dict(r.bytes_up),
-            "bytes_down": dict(r.bytes_down),
-            "bytes_up_total": bytes_up_total,
-            "bytes_down_total": bytes_down_total,
-            "downlink_bytes": len(delta_bytes),
-            "round_time_s": closed.closed_s - r.core.opened_s,
-            "wait_for_quorum_s": None if r.core.started_s is None else r.core.started_s - r.core.opened_s,
-            "aggregate_time_s": aggregate_s,
-            "deadline_s": outcome.deadline_s,
-            "deadline_hit": outcome.deadline_hit,
-            "next_deadline_s": ctx.policy.deadline_s(),
-            "arrival_s": dict(outcome.arrivals_s),
-            "inner_steps": {site: r.inner_steps[site] for site in contributors if site in r.uploads},
-            "folded_late": dict(outcome.folded),
-            "update_norm": update_norm,
-            "aborted": aborted,
-            "rejected_reasons": dict(r.rejected_why),
-            "eval_loss": eval_loss,
-            "site_metrics": {site: m for site, m in r.site_metrics.items() if site in contributors},
-            "weights_digest": new_digest,
-            "run_finished": finished,
-        }
-        if privacy_record:
-            metrics["privacy"] = privacy_record
-            if "epsilon" in privacy_record:
-                metrics["epsilon"] = privacy_record["epsilon"]
-                metrics["privacy_delta"] = privacy_record["delta"]
+        metrics.update(
+            members=members, bytes_up_total=bytes_up_total, bytes_down_total=bytes_down_total, eval_loss=eval_loss
+        )
         ctx.events.emit(ev.ROUND_AGGREGATED, round=r.number, data=metrics)
         return metrics
 
@@ -444,6 +452,7 @@ class RoundPhases:
         digest: str,
         contributors: frozenset[str],
         folded: frozenset[str],
+        record: dict[str, Any] | None = None,
     ) -> None:
         """``digest``: of ``weights`` (computed once, by the strategy).
         ``contributors``/``folded``: of round ``round_number - 1``, just aggregated (the
@@ -476,6 +485,8 @@ class RoundPhases:
         }
         if self.privacy is not None:
             metadata[PRIVACY_KEY] = self.privacy.state()
+        if record is not None:
+            metadata[ROUND_RECORD_KEY] = plain_record(record)
         save_checkpoint(
             ctx.config.checkpoint_dir, round_number, tensors, metadata, keep=ctx.config.checkpoint_keep
         )

@@ -48,7 +48,6 @@ from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.algorithms.strategy import build_strategy
 from geoloco.compression import parse_codec
 from geoloco.coordinator import events as ev
-from geoloco.coordinator.checkpoint import load_latest_checkpoint
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.context import RoundContext
 from geoloco.coordinator.domain import (
@@ -66,6 +65,7 @@ from geoloco.coordinator.intake import Chunks, PlainIntake, UploadIntake
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.phases import EvalFn, GlobalWeights, RoundPhases
 from geoloco.coordinator.privacy_rounds import PrivateRounds
+from geoloco.coordinator.resume import start_round as start_round_of
 from geoloco.coordinator.secure_intake import SecureIntake
 from geoloco.coordinator.update_guard import UpdateGuard
 
@@ -168,13 +168,7 @@ class RoundStateMachine:
             ctx, self.intake, layout=layout, weights=GlobalWeights.of(weights), privacy=self.privacy,
             eval_fn=eval_fn, guard=guard,
         )
-        start_round = 0
-        if config.checkpoint_dir is not None:
-            checkpoint = load_latest_checkpoint(config.checkpoint_dir)
-            if checkpoint is not None:
-                weights = self.phases.restore(checkpoint.tensors, checkpoint.metadata, checkpoint.round)
-                start_round = checkpoint.round
-                self.phases.weights = GlobalWeights.of(weights)
+        start_round = start_round_of(config, self.phases)
         now = self.clock()
         ctx.round = ctx.new_round(start_round, now)
         if config.total_rounds and start_round >= config.total_rounds:

@@ -22,16 +22,21 @@ gain nothing, make a broken-and-resumed transfer repeat more bytes, and only fit
 raised gRPC's 4 MiB default receive limit. ``MAX_CHUNK_SIZE`` (4 MiB) is what a receiver
 accepts from a peer.
 
-Checksum. CRC-32 (``zlib.crc32``) by default: ~3.1 GB/s here against SHA-256 1.8 GB/s (with SHA
-extensions), SHA-1 1.9, BLAKE2b 0.7, MD5 0.8 GB/s (256 MiB buffer, one core). Even so it is
-a fifth to a quarter of the coordinator's CPU per received byte (perf), so receivers compute it
-while chunks arrive (in order) instead of in a pass at the end. The checksum
-guards against bugs (wrong reassembly, stale buffers, mixed-up rounds) and storage faults, not
-against an attacker: mutual TLS already authenticates and integrity-protects every byte in
-transit. For the replica check (every site's weights equal the coordinator's) an undetected
-random mismatch has probability 2**-32 per comparison, which is acceptable; SHA-256 is available
-(``CHECKSUM_ALGORITHM_SHA256``) for users who want a cryptographic digest. Both functions release
-the GIL on large buffers.
+Checksum. SHA-256 by default, because a manifest's checksum must identify its bytes: the
+coordinator resumes an upload whose manifest equals the stored one and refuses a different one
+as MANIFEST_CONFLICT, and a client keeps a partial download only for an equal manifest. CRC-32
+(``zlib.crc32``, ~3.1 GB/s here against SHA-256 1.8 GB/s with SHA extensions, SHA-1 1.9,
+BLAKE2b 0.7, MD5 0.8 GB/s; 256 MiB buffer, one core) cannot: every encoded update and delta ends
+with its own CRC-32, and the CRC-32 of such a buffer is one constant (``CRC32_RESIDUE``) whatever
+its content, so two different updates of the same size had equal manifests (a second update was
+answered "complete", two concurrent ones were merged chunk by chunk). CRC-32 stays accepted for
+other buffers; a CRC-32 manifest equal to the residue is refused. Assembling and verifying
+costs the coordinator 1.34x the CPU per received byte that it did with CRC-32, hashing an update
+costs a site 2.35x (``benchmarks/bench_manifest_checksum.py``), so receivers compute the digest
+while chunks arrive (in order) instead of in a pass at the end. It guards against bugs (wrong
+reassembly, stale buffers, mixed-up rounds or updates) and storage faults, not against an
+attacker: mutual TLS already authenticates and integrity-protects every byte in transit. Both
+functions release the GIL on large buffers.
 
 Copies. Senders yield ``ChunkRef`` (a memoryview of the caller's buffer, no copy) instead of
 protobuf ``Chunk`` messages, and ``MessageCodec`` writes/reads chunk messages by hand: one copy
@@ -71,6 +76,7 @@ from geoloco.protos.wire_assembly import (
     upload_chunks,
 )
 from geoloco.protos.wire_buffers import (
+    CRC32_RESIDUE,
     DEFAULT_CHECKSUM,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_BLOB_BYTES,
@@ -122,15 +128,18 @@ from geoloco.protos.wire_manifests import (
     validate_blob_manifest,
 )
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Sent in Join; bump on incompatible changes to the meaning of geoloco.proto.
 
 2: SecureStage carries typed ``SecAgg*`` messages in oneofs instead of JSON in a ``payload``
 field (now reserved), so a version-1 peer cannot take part in a secure round.
+3: Blob manifests carry SHA-256 by default and a CRC-32 equal to ``CRC32_RESIDUE`` (what every
+version-2 upload and delta carried) is refused, so a version-2 peer's uploads would fail.
 """
 
 __all__ = [
     "AWAIT_BROADCAST_RESPONSE_CODEC",
+    "CRC32_RESIDUE",
     "DEFAULT_CHECKSUM",
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_MAX_BLOB_BYTES",

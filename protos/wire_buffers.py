@@ -35,7 +35,14 @@ DEFAULT_MAX_BLOB_BYTES = 16 * GiB
 """Largest blob an assembler allocates unless told otherwise. Receivers that know better (the
 coordinator knows the model size) should pass a tighter ``max_total_bytes``."""
 
-DEFAULT_CHECKSUM = pb.CHECKSUM_ALGORITHM_CRC32
+DEFAULT_CHECKSUM = pb.CHECKSUM_ALGORITHM_SHA256
+"""SHA-256: a checksum must tell two buffers of the same size apart (an upload resumes, or is
+refused as MANIFEST_CONFLICT, by comparing manifests). CRC-32 cannot for the buffers geoloco
+streams: every encoded update and delta ends with its own CRC-32 (``compression.encoded``), and
+the CRC-32 of any buffer that ends with its own CRC-32 is the same constant, ``CRC32_RESIDUE``."""
+
+CRC32_RESIDUE = bytes.fromhex("2144df1c")
+"""The CRC-32 digest (big-endian) of every buffer that ends with its own little-endian CRC-32."""
 
 RAW_CODEC = "none"
 """Codec name of uncompressed bytes, e.g. the fp32 weights in FetchModel."""

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.wire_buffers import (
+    CRC32_RESIDUE,
     DEFAULT_CHECKSUM,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_BLOB_BYTES,
@@ -37,19 +38,38 @@ def blob_manifest(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     checksum_algorithm: pb.ChecksumAlgorithm = DEFAULT_CHECKSUM,
 ) -> pb.BlobManifest:
-    """Describe ``data`` for streaming: size, chunking, checksum, and what the bytes encode."""
+    """Describe ``data`` for streaming: size, chunking, checksum, and what the bytes encode.
+
+    The checksum identifies the bytes (SHA-256 by default): receivers resume, or refuse as a
+    conflict, by comparing manifests. CRC-32 is refused for a buffer that ends with its own CRC-32
+    (an encoded update), whose CRC-32 is the same for every such buffer.
+    """
     if not 0 < chunk_size <= MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK_SIZE} bytes, got {chunk_size}")
     view = as_byte_view(data)
+    checksum = compute_checksum(view, checksum_algorithm)
+    if _ambiguous(checksum):
+        raise ValueError(_AMBIGUOUS_CRC)
     return pb.BlobManifest(
         total_bytes=len(view),
         chunk_size=chunk_size,
         num_chunks=num_chunks_for(len(view), chunk_size),
-        checksum=compute_checksum(view, checksum_algorithm),
+        checksum=checksum,
         codec=codec,
         shape=list(shape),
         dtype=dtype_name(dtype),
     )
+
+
+_AMBIGUOUS_CRC = (
+    f"CRC-32 {CRC32_RESIDUE.hex()} is the CRC-32 of every buffer that ends with its own CRC-32 (as "
+    "every encoded update does), so it cannot tell two such buffers apart; use "
+    "CHECKSUM_ALGORITHM_SHA256 (the default)"
+)
+
+
+def _ambiguous(checksum: pb.Checksum) -> bool:
+    return checksum.algorithm == pb.CHECKSUM_ALGORITHM_CRC32 and checksum.digest == CRC32_RESIDUE
 
 
 def validate_blob_manifest(
@@ -88,6 +108,8 @@ def validate_blob_manifest(
             f"manifest {pb.ChecksumAlgorithm.Name(algorithm)} digest has "
             f"{len(manifest.checksum.digest)} bytes, expected {DIGEST_SIZES[algorithm]}"
         )
+    if _ambiguous(manifest.checksum):
+        raise ManifestError(f"manifest {_AMBIGUOUS_CRC}")
 
 
 def model_layout(

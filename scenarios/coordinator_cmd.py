@@ -159,6 +159,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--checkpoint-dir", type=Path, metavar="DIR", help="checkpoint folder, overrides `checkpoint_dir`"
     )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start a new run at round 0 even when checkpoint_dir holds a previous run (its files "
+        "move into checkpoint_dir/previous-run-N); sets `resume = false`. Without it the "
+        "coordinator resumes, and refuses to start beside files it cannot resume",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -184,6 +191,8 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
         http.setdefault("enabled", True)  # the library's default is off; the command's is on
         if getattr(args, "http_port", None) is not None:
             http["port"] = args.http_port
+    if getattr(args, "fresh", False):
+        raw["resume"] = False
     for flag, key in (
         ("host", "host"),
         ("port", "port"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from geoloco.coordinator.checkpoint import (
     POINTER_NAME,
     CheckpointError,
+    archive_previous_run,
     load_latest_checkpoint,
     save_checkpoint,
 )
@@ -97,3 +99,61 @@ def test_bad_arguments(tmp_path: Path) -> None:
         save_checkpoint(tmp_path, -1, _tensors(0))
     with pytest.raises(ValueError, match="keep"):
         save_checkpoint(tmp_path, 0, _tensors(0), keep=0)
+
+
+def _rewrite_pointer(folder: Path, **changes: object) -> None:
+    pointer = json.loads((folder / POINTER_NAME).read_text())
+    pointer.update(changes)
+    (folder / POINTER_NAME).write_text(json.dumps(pointer))
+
+
+def test_pointer_naming_a_file_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    save_checkpoint(elsewhere, 3, _tensors(3))
+    folder = tmp_path / "run"
+    save_checkpoint(folder, 3, _tensors(0))
+    outside = json.loads((elsewhere / POINTER_NAME).read_text())
+    for name in ("../elsewhere/round-000003.safetensors", str(elsewhere / "round-000003.safetensors")):
+        _rewrite_pointer(folder, tensor_file=name, sha256=outside["sha256"])
+        with pytest.raises(CheckpointError, match="must name round-000003.safetensors in"):
+            load_latest_checkpoint(folder)
+
+
+def test_pointer_naming_a_file_of_another_round_is_refused(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 3, _tensors(3), keep=3)
+    save_checkpoint(tmp_path, 4, _tensors(4), keep=3)
+    # A pointer that says round 4 but names round 3's (intact) file: resuming it would replay
+    # round 3 under round 4's number.
+    sha3 = hashlib.sha256((tmp_path / "round-000003.safetensors").read_bytes()).hexdigest()
+    _rewrite_pointer(tmp_path, tensor_file="round-000003.safetensors", sha256=sha3)
+    with pytest.raises(CheckpointError, match="is for round 4 but names tensor file 'round-000003"):
+        load_latest_checkpoint(tmp_path)
+
+
+def test_tensor_files_without_a_pointer_are_not_a_new_run(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 5, _tensors(5))
+    (tmp_path / POINTER_NAME).unlink()
+    with pytest.raises(CheckpointError, match=r"no checkpoint.json.*--fresh"):
+        load_latest_checkpoint(tmp_path)
+
+
+def test_missing_metadata_keys_are_named(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 2, _tensors(2), {"strategy": {}})
+    with pytest.raises(CheckpointError, match="metadata lacks 'weights_digest'"):
+        load_latest_checkpoint(tmp_path, required_metadata=("strategy", "weights_digest"))
+    _rewrite_pointer(tmp_path, metadata=[1, 2])
+    with pytest.raises(CheckpointError, match="metadata must be a JSON object"):
+        load_latest_checkpoint(tmp_path)
+
+
+def test_archive_moves_a_previous_run_aside(tmp_path: Path) -> None:
+    assert archive_previous_run(tmp_path / "none") is None
+    save_checkpoint(tmp_path, 1, _tensors(1))
+    save_checkpoint(tmp_path, 2, _tensors(2))
+    archive = archive_previous_run(tmp_path)
+    assert archive is not None and archive.name == "previous-run-1"
+    assert load_latest_checkpoint(tmp_path) is None
+    kept = load_latest_checkpoint(archive)
+    assert kept is not None and kept.round == 2
+    save_checkpoint(tmp_path, 0, _tensors(0))
+    assert archive_previous_run(tmp_path) == tmp_path / "previous-run-2"

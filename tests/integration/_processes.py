@@ -66,13 +66,14 @@ def process_env() -> dict[str, str]:
 class Process:
     """One CLI process: its stdout lines, waits on them, signals to its process group."""
 
-    def __init__(self, label: str, args: list[str], log_dir: Path) -> None:
+    def __init__(self, label: str, args: list[str], log_dir: Path, command: list[str] | None = None) -> None:
+        """``command``: what runs with ``args`` (default the CLI, ``python -m geoloco.scenarios.cli``)."""
         self.label = label
         self.args = args
         self.stderr_path = log_dir / f"{label}.stderr.log"
         self._stderr = open(self.stderr_path, "w")  # noqa: SIM115 - closed in reap()
         self.popen = subprocess.Popen(
-            [*CLI, *args],
+            [*(CLI if command is None else command), *args],
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             stdin=subprocess.DEVNULL,
@@ -167,8 +168,8 @@ class Processes:
         self.log_dir = log_dir
         self.started: list[Process] = []
 
-    def start(self, label: str, *args: str) -> Process:
-        process = Process(label, list(args), self.log_dir)
+    def start(self, label: str, *args: str, command: list[str] | None = None) -> Process:
+        process = Process(label, list(args), self.log_dir, command)
         self.started.append(process)
         return process
 

@@ -18,6 +18,12 @@ back from stdout; temporary certificates and folders; the tiny MLP workload). Fa
   sites reconnect, re-join and re-send by themselves. With two sites the final weights equal the
   uninterrupted simulator's bitwise (a sum of two updates does not depend on their order; see
   test_real_system_matches_simulator.py).
+* ``test_coordinator_killed_between_checkpoint_and_metrics_replays_the_lost_record``: the
+  coordinator kills itself (SIGKILL, from a listener on its own round events, so at exactly that
+  moment) right after the checkpoint that follows round 3 is on disk, before round 3's metrics
+  record is written or its broadcast installed. The same command resumes; metrics.jsonl ends with
+  every round exactly once (round 3 replayed from the checkpoint) and the final weights equal the
+  uninterrupted simulator's bitwise.
 
 Waits are on stdout lines (conditions with timeouts). Where a fault is injected right after a line
 (site "1" killed after round 2), the run has many rounds left, so the test reacting late changes
@@ -27,6 +33,7 @@ which round is hit, never whether the scenario happens.
 from __future__ import annotations
 
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,11 +66,17 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_certs(tmp_path_factory.mktemp("certs"), ["0", "1", "2"])
 
 
+KILLED_AT = [sys.executable, str(Path(__file__).with_name("_coordinator_killed_at.py"))]
+"""``geoloco coordinator`` that SIGKILLs itself at a round event (EVENT ROUND before its args)."""
+
+
 def _coordinator(
-    processes: Processes, label: str, config: Path, certs: Path, *extra: str
+    processes: Processes, label: str, config: Path, certs: Path, *extra: str, kill_at: tuple[str, int] | None = None
 ) -> tuple[Process, int]:
+    moment = [] if kill_at is None else [kill_at[0], str(kill_at[1])]
     process = processes.start(
-        label, "coordinator", "--config", str(config), "--certs", str(certs), "--http-port", "0", *extra
+        label, *moment, "coordinator", "--config", str(config), "--certs", str(certs), "--http-port", "0", *extra,
+        command=None if kill_at is None else KILLED_AT,
     )
     _, match = process.wait_line(LISTENING, what="the listening line")
     return process, int(match["port"])
@@ -255,3 +268,46 @@ def test_coordinator_killed_mid_round_restarts_from_its_checkpoint_and_matches_t
     records = read_metrics(metrics)
     assert records[-1]["round"] == rounds - 1 and records[-1]["run_finished"]
     assert len({r["session_id"] for r in records}) == 2
+
+
+def test_coordinator_killed_between_checkpoint_and_metrics_replays_the_lost_record(
+    certs: Path, tmp_path: Path
+) -> None:
+    rounds, seed, inner_steps, lr, lost = 6, 5, 3, 3e-3, 3
+    checkpoints = tmp_path / "checkpoints"
+    metrics = tmp_path / "metrics.jsonl"
+    config = tmp_path / "coordinator.toml"
+    config.write_text(
+        KILLED_COORDINATOR_CONFIG.format(
+            rounds=rounds, seed=seed, inner_steps=inner_steps, lr=lr,
+            checkpoints=checkpoints, metrics=metrics,
+        )
+    )
+    with Processes(tmp_path) as processes:
+        # The checkpoint written after round `lost` is for round `lost + 1`.
+        first, port = _coordinator(processes, "coordinator", config, certs, kill_at=("checkpoint_saved", lost + 1))
+        sites = [_site(processes, f"site-{k}", str(k), port, certs) for k in range(2)]
+        assert first.wait_exit() == -signal.SIGKILL, first.describe()
+        # Killed at the chosen moment: round `lost` is checkpointed, its record is not written.
+        checkpoint = load_latest_checkpoint(checkpoints)
+        assert checkpoint is not None and checkpoint.round == lost + 1
+        assert [r["round"] for r in read_metrics(metrics)] == list(range(lost))
+
+        second, _ = _coordinator(processes, "coordinator-again", config, certs, "--port", str(port))
+        _, starting = second.wait_line(STARTING, what="the starting line")
+        assert starting["round"] == str(lost + 1) and "resumed from checkpoint" in starting["how"]
+        assert second.wait_exit() == 0, second.describe()
+        _, end = second.wait_line(COORDINATOR_END, what="the coordinator's final line")
+        assert end["how"] == "finished" and end["round"] == str(rounds)
+        digests = [_finished_digest(site) for site in sites]
+        assert set(digests) == {end["digest"]}, f"replicas differ: {digests} vs {end['digest']}"
+
+    records = read_metrics(metrics)
+    assert [r["round"] for r in records] == list(range(rounds)), "every round exactly once"
+    replayed = records[lost]
+    assert replayed.get("replayed") is True and replayed["session_id"] == records[0]["session_id"]
+    assert set(replayed["participants"]) == {"0", "1"} and replayed["eval_loss"] is not None
+    assert all("replayed" not in r for i, r in enumerate(records) if i != lost)
+    checkpoint = load_latest_checkpoint(checkpoints)
+    assert checkpoint is not None and checkpoint.round == rounds
+    assert torch.equal(checkpoint.tensors["weights"], _simulate(rounds, seed, inner_steps, lr))

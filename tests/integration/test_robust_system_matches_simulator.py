@@ -28,7 +28,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     ("num_sites", "options"),
     [
-        (3, {"clip_to_median_norm": 1.2}),
+        (3, {"clip_to_median_norm": 1.0}),
         (4, {"aggregation": "trimmed_mean", "trim_fraction": 0.25, "clip_to_median_norm": 2.0}),
     ],
     ids=["clipped-mean-3-sites", "clipped-trimmed-mean-4-sites"],

@@ -61,8 +61,7 @@ def parse_attack(spec: str) -> Attack:
         except ValueError:
             raise ValueError(f"attack {spec!r}: {name} needs a number after ':'; {allowed}") from None
         if not math.isfinite(value) or (name == "noise" and value <= 0):
-            raise ValueError(
-                f"attack {spec!r}: {'the standard deviation must be > 0' if name == 'noise' else 'the factor must be finite'}; {allowed}"
-            )
+            what = "the standard deviation must be > 0" if name == "noise" else "the factor must be finite"
+            raise ValueError(f"attack {spec!r}: {what}; {allowed}")
         return Attack(name, value)  # type: ignore[arg-type]
     raise ValueError(f"unknown attack {spec!r}; {allowed}")

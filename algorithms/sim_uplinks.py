@@ -39,7 +39,15 @@ from geoloco.algorithms.strategy import RoundPlan, Strategy
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.compression import Encoded
 
-__all__ = ["AttackedUplinks", "Payload", "PlainUplinks", "SecureUplinks", "SimUplinks", "build_uplinks", "round_noise_multiplier"]
+__all__ = [
+    "AttackedUplinks",
+    "Payload",
+    "PlainUplinks",
+    "SecureUplinks",
+    "SimUplinks",
+    "build_uplinks",
+    "round_noise_multiplier",
+]
 
 Payload = Encoded | torch.Tensor
 

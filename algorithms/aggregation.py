@@ -7,6 +7,8 @@ as updates arrive and ``take_result()`` once at the close, so the round above it
 - ``RunningSum``: the plain weighted mean, one fp32 buffer however many sites report.
 - ``CentralDPSum``: central differential privacy with a trusted aggregator: each update clipped
   to ``clip_norm``, Gaussian noise added once to the sum.
+- ``RobustAggregation`` (``geoloco.algorithms.robust``): clipping to a multiple of the median
+  norm, coordinate-wise trimmed mean or median; holds the round's updates until the close.
 - the secure (masked) sum, ``geoloco.algorithms.secure_sum.InMemorySecureSum`` in the simulator;
   the coordinator runs the same protocol over gRPC.
 """
@@ -19,6 +21,7 @@ from typing import Protocol
 import torch
 
 from geoloco.algorithms.fixed_point import clip_l2, secure_generator
+from geoloco.algorithms.robust import RobustAggregation, RobustRule
 from geoloco.compression import Encoded, decode
 
 __all__ = ["Aggregation", "CentralDPSum", "RunningSum", "add_gaussian_noise", "new_aggregation"]
@@ -200,11 +203,20 @@ def new_aggregation(
     numel: int,
     *,
     central_dp: tuple[float, float] | None = None,
+    robust: RobustRule | None = None,
     device: torch.device | str | None = None,
 ) -> Aggregation:
     """The aggregation of a round whose updates the aggregator sees one by one (not masked):
-    a ``RunningSum``, or with ``central_dp = (clip_norm, noise_multiplier)`` a ``CentralDPSum``.
-    The coordinator's plain intake and the simulator both build their rounds' sums here."""
+    a ``RunningSum``, with ``central_dp = (clip_norm, noise_multiplier)`` a ``CentralDPSum``, or
+    with an enabled ``robust`` rule a ``RobustAggregation``. The coordinator's plain intake and
+    the simulator both build their rounds' sums here."""
+    if robust is not None and robust.enabled:
+        if central_dp is not None:
+            raise ValueError(
+                "robust aggregation does not compose with central DP (configuration refuses it: "
+                "see geoloco.algorithms.robust.check_robust_privacy)"
+            )
+        return RobustAggregation(numel=numel, rule=robust, device=device)
     if central_dp is None:
         return RunningSum(numel=numel, device=device)
     clip_norm, noise_multiplier = central_dp

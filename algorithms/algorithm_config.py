@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
+from geoloco.algorithms.robust import RobustRule, check_robust_config
 from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.algorithms.weighting import LATE_UPDATE_POLICIES, WEIGHTINGS
 from geoloco.compression import CodecError, parse_codec
@@ -51,6 +52,18 @@ class AlgorithmConfig:
     average with weight ``w_k · staleness_discount``)."""
     staleness_discount: float = 0.5
     """Factor on the weight of an update folded in one round late (``late_updates = "fold"``)."""
+    # -- robust aggregation (geoloco.algorithms.robust; only without secure aggregation and DP) --
+    aggregation: Literal["mean", "trimmed_mean", "median"] = "mean"
+    """How a round's updates are combined: ``"mean"`` (the weighted mean, one running buffer),
+    ``"trimmed_mean"`` (per coordinate, drop the ``trim_fraction`` largest and smallest values)
+    or ``"median"`` (per coordinate). The last two are unweighted and hold every update of the
+    round (``N × model`` memory at the coordinator)."""
+    trim_fraction: float = 0.25
+    """``"trimmed_mean"``: share of the round's updates dropped at each end, in [0, 0.5)."""
+    clip_to_median_norm: float | None = None
+    """Scale every update whose L2 norm exceeds this multiple (>= 1) of the round's median
+    update norm down to it, before combining; unset = no clipping. Holds every update of the
+    round (the median needs all norms first)."""
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     """Streaming DiLoCo (``[algorithm.streaming]``): fragments on a staggered schedule, transfers
     overlapped with training; see ``geoloco.algorithms.streaming``."""
@@ -107,6 +120,9 @@ class AlgorithmConfig:
             "warmup_steps",
             "the ddp baseline is data-parallel throughout; set warmup_steps = 0",
         )
+        check_robust_config(
+            self.robust_rule, algorithm=self.name, weighting=self.weighting, late_updates=self.late_updates
+        )
         # Streaming DiLoCo: checks that need H and the algorithm.
         if self.streaming.enabled:
             require(
@@ -131,6 +147,16 @@ class AlgorithmConfig:
                 self.streaming.check_inner_steps(self.inner_steps)
             except ConfigError as err:
                 raise err.under("streaming") from None
+
+    @property
+    def robust_rule(self) -> RobustRule:
+        """The round aggregation rule these keys describe (``RobustRule.enabled`` is False for
+        the plain mean)."""
+        return RobustRule(
+            aggregation=self.aggregation,
+            trim_fraction=self.trim_fraction,
+            clip_to_median_norm=self.clip_to_median_norm,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)

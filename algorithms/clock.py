@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from geoloco.algorithms.config import config_to_dict, require
+from geoloco.algorithms.config import ConfigError, config_to_dict, require
+from geoloco.algorithms.robust_attack import parse_attack
 
 __all__ = [
     "SiteConfig",
@@ -53,6 +54,10 @@ class SiteConfig:
     """Compute speed relative to the reference site: 0.5 is half as fast (each inner step takes
     ``step_time_s / speed_factor``), 2.0 twice as fast; the same name and meaning as a scenario
     site's ``speed_factor``."""
+    attack: str | None = None
+    """Research hook (simulator only): upload a poisoned update instead of the honest one,
+    ``"scale:F"``, ``"sign_flip"`` or ``"noise:S"`` (``geoloco.algorithms.robust_attack``);
+    unset = an honest site."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,6 +73,11 @@ class SiteConfig:
             "speed_factor",
             f"must be > 0 (1.0 = the reference site's speed), got {self.speed_factor}",
         )
+        if self.attack is not None:
+            try:
+                parse_attack(self.attack)
+            except ValueError as err:
+                raise ConfigError("attack", str(err)) from None
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)

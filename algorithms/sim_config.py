@@ -116,6 +116,13 @@ class SimulatorConfig:
 
     def validate(self) -> None:
         require(len(self.sites) >= 1, "sites", "at least one site is needed")
+        for k, site in enumerate(self.sites):
+            require(
+                site.attack is None or self.algorithm.name != "ddp",
+                f"sites[{k}].attack",
+                "poisoned sites replace a round's pseudo-gradient; the ddp baseline uploads plain "
+                "gradients every step: use diloco, fedavg or fedopt, or unset attack",
+            )
         self.training.validate(SIMULATOR_KEYS, num_sites=len(self.sites), every_site_reports=True)
 
     @property

@@ -3,11 +3,14 @@
 One interface, two implementations, chosen once per run by ``build_uplinks``:
 
 - ``PlainUplinks``: each site encodes with its own uplink (error feedback per fragment) and the
-  round adds the decoded update into the sum ``new_aggregation`` builds: a ``RunningSum``, or
-  with central DP a ``CentralDPSum`` (clip each, noise the sum), as the coordinator does.
+  round adds the decoded update into the sum ``new_aggregation`` builds: a ``RunningSum``, with
+  central DP a ``CentralDPSum`` (clip each, noise the sum), or with a robust rule in
+  ``[algorithm]`` a ``RobustAggregation`` (``geoloco.algorithms.robust``), as the coordinator does.
 - ``SecureUplinks``: each site's update is clipped, fixed-point encoded and masked by the secure
   aggregation protocol (``InMemorySecureSum``: every party in this process); the upload sizes are
   those of the protocol's messages, known once every site has encoded.
+
+``AttackedUplinks`` wraps either for poisoned sites (a research hook, ``SiteConfig.attack``).
 
 The simulator's round asks ``begin`` for the round's aggregation, ``encode`` for each site's
 payload, ``nbytes`` for its size on the wire, and ``keep`` for an update that missed its round;
@@ -16,7 +19,7 @@ it never asks which kind of round it runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -30,12 +33,21 @@ from geoloco.algorithms.privacy import (
     plan_secure_round,
     secure_index_seed,
 )
+from geoloco.algorithms.robust_attack import Attack
 from geoloco.algorithms.secure_sum import InMemorySecureSum
 from geoloco.algorithms.strategy import RoundPlan, Strategy
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.compression import Encoded
 
-__all__ = ["Payload", "PlainUplinks", "SecureUplinks", "SimUplinks", "build_uplinks", "round_noise_multiplier"]
+__all__ = [
+    "AttackedUplinks",
+    "Payload",
+    "PlainUplinks",
+    "SecureUplinks",
+    "SimUplinks",
+    "build_uplinks",
+    "round_noise_multiplier",
+]
 
 Payload = Encoded | torch.Tensor
 
@@ -77,7 +89,7 @@ class PlainUplinks:
     def begin(self, plan: RoundPlan) -> Aggregation:
         return new_aggregation(
             self.strategy.update_numel(plan.round), central_dp=self.privacy.unmasked_central_dp,
-            device=self.strategy.device,
+            robust=self.strategy.config.robust_rule, device=self.strategy.device,
         )
 
     def encode(self, site: str, update: torch.Tensor, plan: RoundPlan, aggregation: Aggregation) -> Payload:
@@ -140,18 +152,51 @@ class SecureUplinks:
         raise ValueError("a secure round waits for every site (no deadline): nothing can miss it")
 
 
+class AttackedUplinks:
+    """Poisoned sites (``SiteConfig.attack``, ``geoloco.algorithms.robust_attack``): their
+    honest update is replaced before it reaches the wrapped uplinks' encoder; everything else
+    is the wrapped kind of round's."""
+
+    def __init__(self, inner: SimUplinks, attacks: Mapping[str, Attack]) -> None:
+        self.inner = inner
+        self.attacks = dict(attacks)
+
+    def begin(self, plan: RoundPlan) -> Aggregation:
+        return self.inner.begin(plan)
+
+    def encode(self, site: str, update: torch.Tensor, plan: RoundPlan, aggregation: Aggregation) -> Payload:
+        attack = self.attacks.get(site)
+        if attack is not None:
+            update = attack.apply(update, round_seed=plan.seed, site=site)
+        return self.inner.encode(site, update, plan, aggregation)
+
+    def nbytes(self, site: str, payload: Payload, aggregation: Aggregation) -> int:
+        return self.inner.nbytes(site, payload, aggregation)
+
+    def nbytes_now(self, payload: Payload) -> int | None:
+        return self.inner.nbytes_now(payload)
+
+    def keep(self, site: str, payload: Payload, fragment: int) -> None:
+        self.inner.keep(site, payload, fragment)
+
+
 def build_uplinks(
     strategy: Strategy, privacy: PrivacyConfig, sites: Sequence[str], *, uplink_codec: str,
-    error_feedback: bool, session: str,
+    error_feedback: bool, session: str, attacks: Mapping[str, Attack] | None = None,
 ) -> tuple[SimUplinks, dict[str, FragmentUplink]]:
-    """The run's uplinks and, for plain and central-DP rounds, each site's own encoders."""
+    """The run's uplinks and, for plain and central-DP rounds, each site's own encoders;
+    ``attacks``: site -> the poisoned update it uploads instead of its own."""
+    uplinks: dict[str, FragmentUplink] = {}
+    kind: SimUplinks
     if privacy.secure_aggregation:
-        return SecureUplinks(
+        kind = SecureUplinks(
             privacy, uplink_codec, error_feedback=error_feedback, sites=sites,
             fragments=len(strategy.partition), session=session,
-        ), {}
-    uplinks = {site: strategy.build_uplink() for site in sites}
-    return PlainUplinks(strategy, uplinks, privacy), uplinks
+        )
+    else:
+        uplinks = {site: strategy.build_uplink() for site in sites}
+        kind = PlainUplinks(strategy, uplinks, privacy)
+    return (AttackedUplinks(kind, attacks) if attacks else kind), uplinks
 
 
 def round_noise_multiplier(privacy: PrivacyConfig, uplink_codec: str, *, numel: int, num_sites: int) -> float:

@@ -32,6 +32,7 @@ from geoloco.algorithms.optimizers import (
 )
 from geoloco.algorithms.params import ParamLayout, weights_digest
 from geoloco.algorithms.privacy import PrivacyAccountant
+from geoloco.algorithms.robust_attack import parse_attack
 from geoloco.algorithms.round import Round, RoundPolicy, admit_arrivals
 from geoloco.algorithms.sim_config import MEASURE, RoundRecord, SimulationConfig, SimulatorConfig
 from geoloco.algorithms.sim_state import SimSite, SimTrainer
@@ -86,6 +87,10 @@ class Simulator:
         self.uplinks, site_uplinks = build_uplinks(
             self.strategy, config.privacy, names, uplink_codec=algo.uplink_codec,
             error_feedback=algo.error_feedback, session=f"simulation-{sim.seed}",
+            attacks={
+                names[k]: parse_attack(site.attack)
+                for k, site in enumerate(config.sites) if site.attack is not None
+            },
         )
         self.sites = [
             SimSite(

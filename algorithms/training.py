@@ -19,6 +19,7 @@ from geoloco.algorithms.config import ConfigError, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
 from geoloco.algorithms.privacy import PrivacyConfig, check_privacy_setup
+from geoloco.algorithms.robust import check_robust_privacy
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.strategy import AlgorithmConfig
 
@@ -98,6 +99,10 @@ class TrainingConfig:
                 "privacy",
                 "privacy applies to pseudo-gradient rounds; use diloco, fedavg or fedopt with warmup_steps = 0",
             )
+        check_robust_privacy(
+            self.algorithm.robust_rule, secure_aggregation=self.privacy.secure_aggregation,
+            dp=self.privacy.dp, num_sites=num_sites,
+        )
         quorum = (
             num_sites if every_site_reports and not self.deadline_enabled
             else self.min_sites if self.min_sites is not None

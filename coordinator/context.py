@@ -68,10 +68,11 @@ class RoundContext:
 
     def new_round(self, number: int, now: float) -> CoordinatorRound:
         """Round ``number``, opened at ``now`` (its buffer allocates on the first add, sized for
-        its Streaming DiLoCo fragment)."""
+        its Streaming DiLoCo fragment; a robust rule holds the round's updates instead)."""
         aggregation = new_aggregation(
             self.strategy.update_numel(number),
             central_dp=self.config.privacy.unmasked_central_dp,
+            robust=self.config.algorithm.robust_rule,
             device=self.strategy.device,
         )
         return CoordinatorRound(core=Round(number=number, aggregation=aggregation, opened_s=now))

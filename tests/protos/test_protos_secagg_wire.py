@@ -235,7 +235,9 @@ def test_an_unmask_request_changed_on_the_wire_is_refused(change: str) -> None:
     elif change == "dropped":
         wire.dropped.append(wire.survivors[0])  # both shares of one site: would unmask it
     else:
+        # Altered signatures do not count; with fewer than t = 3 valid ones left, refused.
         wire.signatures[r.survivors[1]] = bytes(64)
+        wire.signatures[r.survivors[2]] = bytes(64)
     tampered = from_pb(pb.SecAggUnmaskRequest.FromString(wire.SerializeToString()))
     with pytest.raises(SecAggViolation):
         r.clients[0].unmask(tampered)

@@ -103,9 +103,8 @@ def seed_commitment(seed: bytes, session: str, round_index: int, site: int) -> b
     the sum (shares beyond the first ``t`` are not needed to detect it). The seed is 256 random
     bits, so the hash reveals nothing usable about it.
     """
-    return hashlib.sha256(
-        b"|".join([DOMAIN, PURPOSE_SEED_COMMITMENT, session.encode(), str(round_index).encode(), str(site).encode(), seed])
-    ).digest()
+    fields = [DOMAIN, PURPOSE_SEED_COMMITMENT, session.encode(), str(round_index).encode(), str(site).encode(), seed]
+    return hashlib.sha256(b"|".join(fields)).digest()
 
 
 def public_bytes(key: X25519PublicKey | Ed25519PublicKey) -> bytes:

@@ -50,7 +50,8 @@ def verify_binding(binding: IdentityBinding, ca: x509.Certificate | None) -> Ed2
             uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
             names = {site_from_uri(u) for u in uris.get_values_for_type(x509.UniformResourceIdentifier)}
             if name not in names:
-                raise SecAggViolation(f"the certificate in site {name!r}'s binding names {sorted(n for n in names if n)}")
+                named = sorted(n for n in names if n)
+                raise SecAggViolation(f"the certificate in site {name!r}'s binding names {named}")
             cert_key = cert.public_key()
             if not isinstance(cert_key, ec.EllipticCurvePublicKey):
                 raise SecAggViolation(f"site {name!r}'s certificate has no EC key")

@@ -6,9 +6,10 @@
   identity key and signs ``(site name, identity public key)`` with its TLS private key; the
   binding carries its TLS certificate. Other sites check that the certificate was issued by the
   run's CA, names the site (URI SAN ``geoloco:site:NAME``) and signed the binding, so a
-  coordinator cannot substitute an identity key (and hence advertised keys) without the CA's key. Without TLS (``--insecure``)
-  bindings are unsigned and identities are taken on the coordinator's word: the protocol still
-  hides updates from a coordinator that follows it, but substitution can no longer be detected.
+  coordinator cannot substitute an identity key (and hence advertised keys) without the CA's key.
+  Without TLS (``--insecure``) bindings are unsigned and identities are taken on the
+  coordinator's word: the protocol still hides updates from a coordinator that follows it, but
+  substitution can no longer be detected.
 * **Stage calls.** ``StageCall(stage, message) -> (reply, aborted)`` is the transport (the gRPC
   client, retrying until the stage is ready; it translates the ``geoloco.algorithms.secagg_stages``
   dataclasses with ``geoloco.protos.secagg_wire``); ``SecureSite`` runs the key stages before

@@ -56,7 +56,7 @@ import torch
 from geoloco.algorithms.aggregation import add_gaussian_noise
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
 from geoloco.algorithms.fixed_point import FixedPoint, plan_fixed_point, secure_generator, stochastic_round
-from geoloco.algorithms.secagg import MIN_SITES, RoundContext, default_threshold
+from geoloco.algorithms.secagg import MIN_SITES, RoundContext, check_threshold, neighbour_graph, secure_threshold
 from geoloco.compression import parse_codec
 from geoloco.compression.sparsify import RandK, random_indices
 
@@ -71,6 +71,7 @@ __all__ = [
     "central_dp_mean",
     "check_composition",
     "check_privacy_setup",
+    "check_threshold_bound",
     "decode_secure_sum",
     "effective_noise_multiplier",
     "noise_generator",
@@ -109,7 +110,12 @@ class PrivacyConfig:
     secure_aggregation: bool = False
     """Mask uploads so the coordinator learns only the sum (Bonawitz et al. 2017)."""
     threshold: int | None = None
-    """Shares needed to unmask (sites that must answer); unset: ceil(2/3) of the share holders."""
+    """Shares needed to unmask (sites that must answer); unset: ceil(2/3) of the share holders, or
+    more if ``2 t > holders + colluding_sites`` needs it. A set threshold must satisfy that bound
+    (else a hostile coordinator can show two groups of sites different survivor lists and unmask
+    every update): checked here against the configured sites and by every site each round."""
+    colluding_sites: int = 0
+    """Sites assumed to collude with a hostile coordinator (0: the coordinator acts alone)."""
     neighbours: Literal["full", "secagg+"] = "full"
     """Pairwise masks with every site, or the SecAgg+ graph of O(log n) neighbours (Bell et al. 2020)."""
     modulus_bits: Literal[8, 16, 32] = 32
@@ -132,6 +138,7 @@ class PrivacyConfig:
 
     def validate(self) -> None:
         require(self.threshold is None or self.threshold >= 2, "threshold", f"must be >= 2, got {self.threshold}")
+        require(self.colluding_sites >= 0, "colluding_sites", f"must be >= 0, got {self.colluding_sites}")
         require(self.chunk_size >= 1, "chunk_size", f"must be >= 1, got {self.chunk_size}")
         require(self.dp in DP_MODES, "dp", f"got {self.dp!r}; allowed: {', '.join(DP_MODES)}")
         require(
@@ -245,6 +252,26 @@ def check_composition(privacy: PrivacyConfig, uplink_codec: str, num_sites: int 
         raise ConfigError(
             "privacy.threshold", f"threshold {privacy.threshold} exceeds the {num_sites} sites"
         )
+    if num_sites is not None and num_sites >= MIN_SITES:
+        check_threshold_bound(privacy, num_sites)
+
+
+def _holders(privacy: PrivacyConfig, num_sites: int) -> int:
+    """Share holders of each secret in a round of ``num_sites`` (all sites, or a SecAgg+ neighbourhood)."""
+    graph = neighbour_graph(range(num_sites), privacy.neighbours, session="", round_index=0)
+    return min(len(v) for v in graph.values()) + 1
+
+
+def check_threshold_bound(privacy: PrivacyConfig, num_sites: int, *, key: str = "privacy.threshold") -> None:
+    """Refuse a threshold that lets a hostile coordinator split the sites' views (``2 t <= h + c``,
+    ``split_view_bound``) in a round of ``num_sites``; ``key`` names the setting to change."""
+    holders = _holders(privacy, num_sites)
+    t = secure_threshold(privacy.threshold, holders, privacy.colluding_sites)
+    unsafe = check_threshold(t, holders, privacy.colluding_sites)
+    if unsafe:
+        if privacy.threshold is None:
+            key = "privacy.colluding_sites"
+        raise ConfigError(key, f"with {num_sites} sites: {unsafe}; sites refuse such a round")
 
 
 def check_privacy_setup(
@@ -276,6 +303,9 @@ def check_privacy_setup(
             f"secure aggregation needs rounds of at least {MIN_SITES} sites (with 2 the sum "
             f"reveals each site's update to the other); got a quorum of {quorum}",
         )
+        if num_sites is None and privacy.threshold is not None:
+            # The rounds will have at least the quorum: a threshold unsafe there is unsafe always.
+            check_threshold_bound(privacy, quorum)
 
 
 def _randk(uplink_codec: str) -> RandK | None:
@@ -289,7 +319,7 @@ def _sent_count(uplink_codec: str, numel: int) -> int:
 
 
 def _threshold(privacy: PrivacyConfig, num_sites: int) -> int:
-    return privacy.threshold if privacy.threshold is not None else default_threshold(num_sites)
+    return secure_threshold(privacy.threshold, num_sites, privacy.colluding_sites)
 
 
 def secure_context(
@@ -305,6 +335,7 @@ def secure_context(
         chunk_size=privacy.chunk_size,
         neighbours=privacy.neighbours,
         threshold=privacy.threshold,
+        colluding_sites=privacy.colluding_sites,
     )
 
 

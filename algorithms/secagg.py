@@ -20,9 +20,11 @@ Modules (this one re-exports their public names and runs a whole round in memory
 One round, for sites ``U``:
 
 1. ``STAGE_ADVERTISE_KEYS`` — each site makes two X25519 key pairs (``c`` to encrypt shares,
-   ``s`` for pairwise masks) and signs ``(session, round, site, c_pk, s_pk)`` with its Ed25519
-   identity key. The coordinator relays all advertisements; a site refuses the round if any
-   signature fails (key substitution), names another session or round (replay), or its own
+   ``s`` for pairwise masks), draws its self-mask seed ``b_u`` and signs ``(session, round,
+   site, c_pk, s_pk, H(b_u))`` with its Ed25519 identity key (``seed_commitment``). The
+   coordinator checks each signature against the sender's identity key and leaves a badly
+   signed one out; it relays the rest. A site refuses the round if any relayed signature fails
+   (key substitution by the coordinator), names another session or round (replay), or its own
    advertisement was altered.
 2. ``STAGE_SHARE_KEYS`` — each site draws a self-mask seed ``b_u`` and Shamir-shares ``b_u`` and
    its ``s`` private key among its holders (its neighbours and itself, threshold ``t``); each share
@@ -34,13 +36,17 @@ One round, for sites ``U``:
    with domain separation by session, round, pair (or site for the self-mask) and chunk (nonce).
    The coordinator adds each arriving chunk into one aggregate buffer and keeps no site's vector.
 4. ``STAGE_CONSISTENCY`` — the coordinator tells the sites which of them uploaded (``survivors``);
-   each signs that list. An unmask request must carry at least ``t`` such signatures, so the
+   each signs that list. An unmask request must carry at least ``t`` valid such signatures
+   (invalid ones are not counted), and every threshold satisfies ``2 t > h + c`` (``h`` share
+   holders, ``c`` = ``colluding_sites`` assumed; ``split_view_bound``, checked by every site
+   before it shares keys), so two disjoint groups of honest sites can never both reach ``t``: the
    coordinator cannot tell different sites different survivor sets.
 5. ``STAGE_UNMASK`` — a site returns, for every survivor, its share of ``b_u`` and for every
    dropped site its share of ``s_u`` — never both for one site, and only once per round. With
    ``t`` answers the coordinator removes the self-masks of survivors and the pairwise masks the
    survivors shared with dropped sites: the exact integer sum is left. Fewer than ``t`` answers:
-   ``SecAggAbort``, nothing is revealed.
+   ``SecAggAbort``, nothing is revealed. A malformed answer is refused; a rebuilt seed that
+   misses its commitment (or mask key that misses its public key) aborts the round.
 
 Honest sites raise ``SecAggViolation`` (with the reason) on any detected misbehaviour. With fewer
 than 3 sites a sum reveals the other site's input to each of them, so a round needs at least
@@ -59,6 +65,7 @@ from geoloco.algorithms.secagg_client import SecAggClient
 from geoloco.algorithms.secagg_crypto import (
     NeighbourMode,
     RandomBytes,
+    check_threshold,
     default_threshold,
     keystream,
     keystream_into,
@@ -66,7 +73,10 @@ from geoloco.algorithms.secagg_crypto import (
     neighbour_graph,
     num_chunks,
     public_bytes,
+    secure_threshold,
+    seed_commitment,
     site_index,
+    split_view_bound,
 )
 from geoloco.algorithms.secagg_messages import (
     MIN_SITES,
@@ -76,6 +86,7 @@ from geoloco.algorithms.secagg_messages import (
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
+    STAGE_WITHDRAW,
     STAGES,
     EncryptedShare,
     KeyAdvertisement,
@@ -116,6 +127,7 @@ __all__ = [
     "STAGE_SHARE_KEYS",
     "STAGE_UNMASK",
     "STAGE_UNMASK_RESPONSE",
+    "STAGE_WITHDRAW",
     "AdvertiseKeys",
     "Advertisements",
     "EncryptedShare",
@@ -137,6 +149,7 @@ __all__ = [
     "UnmaskRequest",
     "UnmaskResponse",
     "check_stage_message",
+    "check_threshold",
     "default_threshold",
     "keystream",
     "keystream_into",
@@ -148,7 +161,10 @@ __all__ = [
     "pack_messages",
     "public_bytes",
     "run_round_in_memory",
+    "secure_threshold",
+    "seed_commitment",
     "site_index",
+    "split_view_bound",
     "unpack_messages",
 ]
 
@@ -179,7 +195,7 @@ def run_round_in_memory(
     for site, client in clients.items():
         ad = client.advertise()
         sent[site] += len(message_to_bytes(ad))
-        server.receive_advertisement(ad)
+        server.receive_advertisement(ad, identities[site])
     ads = server.advertisements()
     for site, client in clients.items():
         shares = client.share_keys(ads)

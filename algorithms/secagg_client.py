@@ -28,12 +28,14 @@ from geoloco.algorithms.secagg_crypto import (
     PURPOSE_SHARE_KEY,
     RandomBytes,
     add_masks,
+    check_threshold,
     hkdf,
     mask_key,
     neighbour_graph,
     num_chunks,
     private_bytes,
     public_bytes,
+    seed_commitment,
 )
 from geoloco.algorithms.secagg_messages import (
     MIN_SITES,
@@ -134,8 +136,9 @@ class SecAggClient:
         c = self.context
         cpk = public_bytes(self._cipher_key.public_key())
         spk = public_bytes(self._mask_key.public_key())
-        signature = self._identity.sign(advert_signed_bytes(c.session, c.round_index, self.site, cpk, spk))
-        self._advertisement = KeyAdvertisement(self.site, c.session, c.round_index, cpk, spk, signature)
+        commitment = seed_commitment(self._self_seed, c.session, c.round_index, self.site)
+        signature = self._identity.sign(advert_signed_bytes(c.session, c.round_index, self.site, cpk, spk, commitment))
+        self._advertisement = KeyAdvertisement(self.site, c.session, c.round_index, cpk, spk, signature, commitment)
         self.stage = STAGE_SHARE_KEYS
         return self._advertisement
 
@@ -181,6 +184,9 @@ class SecAggClient:
         t = c.threshold_for(len(holders))
         if len(holders) < t:
             raise SecAggAbort(f"only {len(holders)} share holders for threshold {t}")
+        unsafe = check_threshold(t, len(holders), c.colluding_sites)
+        if unsafe:
+            raise SecAggViolation(f"site {self.site}: refusing to share keys: {unsafe}")
         b_shares = shamir.split(self._self_seed, holders, t)
         s_shares = shamir.split(private_bytes(self._mask_key), holders, t)
         self._own_shares = (b_shares[self.site], s_shares[self.site])
@@ -323,22 +329,24 @@ class SecAggClient:
                 f"signed {list(self._survivors or ())}; refusing"
             )
         message = survivors_signed_bytes(c.session, c.round_index, self._survivors)
-        valid = 0
+        valid, invalid = 0, []
         for signer, signature in request.signatures.items():
-            if signer not in survivors:
+            # An invalid signature only fails to count: refusing over it would let one hostile
+            # site abort every round. What protects the sites is that t valid ones are needed.
+            identity = self._identities.get(signer)
+            if signer not in survivors or identity is None:
+                invalid.append(signer)
                 continue
             try:
-                self._identities[signer].verify(signature, message)
+                identity.verify(signature, message)
                 valid += 1
-            except (InvalidSignature, KeyError):
-                raise SecAggViolation(
-                    f"site {self.site}: survivor-list signature of site {signer} is invalid"
-                ) from None
+            except InvalidSignature:
+                invalid.append(signer)
         t = c.threshold_for(len(self._graph[self.site]) + 1)
         if valid < t:
             raise SecAggViolation(
-                f"site {self.site}: the unmask request carries {valid} valid survivor signatures, "
-                f"fewer than the threshold {t}; refusing"
+                f"site {self.site}: the unmask request carries {valid} valid survivor signatures "
+                f"(invalid or foreign: {sorted(invalid)}), fewer than the threshold {t}; refusing"
             )
         if not dropped <= set(self._peers):
             raise SecAggViolation(f"site {self.site}: unknown dropped sites {sorted(dropped - set(self._peers))}")

@@ -26,6 +26,7 @@ __all__ = [
     "NeighbourMode",
     "RandomBytes",
     "add_masks",
+    "check_threshold",
     "default_threshold",
     "hkdf",
     "keystream",
@@ -35,7 +36,10 @@ __all__ = [
     "num_chunks",
     "private_bytes",
     "public_bytes",
+    "secure_threshold",
+    "seed_commitment",
     "site_index",
+    "split_view_bound",
 ]
 
 NeighbourMode = Literal["full", "secagg+"]
@@ -45,6 +49,7 @@ DOMAIN: Final = b"geoloco-secagg/v1"
 PURPOSE_PAIR_MASK: Final = b"pair-mask"
 PURPOSE_SELF_MASK: Final = b"self-mask"
 PURPOSE_SHARE_KEY: Final = b"share-encryption"
+PURPOSE_SEED_COMMITMENT: Final = b"self-mask-commitment"
 
 RandomBytes = Callable[[int], bytes]
 
@@ -52,6 +57,54 @@ RandomBytes = Callable[[int], bytes]
 def default_threshold(num_holders: int) -> int:
     """About two thirds of the share holders (at least 2): ``ceil(2 n / 3)``."""
     return max(2, math.ceil(2 * num_holders / 3))
+
+
+def split_view_bound(num_holders: int, colluding_sites: int = 0) -> int:
+    """The smallest threshold that stops a coordinator from splitting the sites' views.
+
+    A hostile coordinator can tell one group of honest sites "these survived, those dropped" and
+    another group the opposite; each honest site answers (and signs) one view only, while the
+    ``c`` colluding sites answer both. It then holds, for some site, ``t`` shares of its
+    self-mask seed *and* ``t`` of its mask key (its update in the clear) exactly when two
+    disjoint groups of honest holders of ``t - c`` each exist: ``2 (t - c) <= h - c``. So
+    ``2 t > h + c`` makes the attack impossible; the least such ``t`` is ``floor((h + c) / 2) + 1``.
+    """
+    return (num_holders + colluding_sites) // 2 + 1
+
+
+def secure_threshold(threshold: int | None, num_holders: int, colluding_sites: int = 0) -> int:
+    """The Shamir threshold of a secret shared among ``num_holders`` sites: the configured one,
+    else the larger of ``default_threshold`` and ``split_view_bound`` (checked by ``check_threshold``)."""
+    if threshold is not None:
+        return threshold
+    return max(default_threshold(num_holders), split_view_bound(num_holders, colluding_sites))
+
+
+def check_threshold(threshold: int, num_holders: int, colluding_sites: int = 0) -> str:
+    """Why ``threshold`` is unsafe or unusable for ``num_holders`` holders, or "" when it is fine."""
+    bound = split_view_bound(num_holders, colluding_sites)
+    if threshold < bound:
+        return (
+            f"threshold {threshold} of {num_holders} share holders with {colluding_sites} colluding "
+            f"sites assumed lets a hostile coordinator show two groups of sites different survivor "
+            f"lists and unmask every update; it must satisfy 2 t > holders + colluding_sites, i.e. "
+            f"t >= {bound}"
+        )
+    if threshold > num_holders:
+        return f"threshold {threshold} exceeds the {num_holders} share holders: no secret could be rebuilt"
+    return ""
+
+
+def seed_commitment(seed: bytes, session: str, round_index: int, site: int) -> bytes:
+    """SHA-256 commitment to a self-mask seed, signed in the site's advertisement.
+
+    The coordinator checks the seed it rebuilds from unmask answers against it, so a site that
+    lies about its share of another site's seed aborts the round instead of silently corrupting
+    the sum (shares beyond the first ``t`` are not needed to detect it). The seed is 256 random
+    bits, so the hash reveals nothing usable about it.
+    """
+    fields = [DOMAIN, PURPOSE_SEED_COMMITMENT, session.encode(), str(round_index).encode(), str(site).encode(), seed]
+    return hashlib.sha256(b"|".join(fields)).digest()
 
 
 def public_bytes(key: X25519PublicKey | Ed25519PublicKey) -> bytes:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Final, TypeAlias
 
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES
-from geoloco.algorithms.secagg_crypto import DOMAIN, NeighbourMode, default_threshold, num_chunks
+from geoloco.algorithms.secagg_crypto import DOMAIN, NeighbourMode, num_chunks, secure_threshold
 
 __all__ = [
     "MIN_SITES",
@@ -32,6 +32,7 @@ __all__ = [
     "STAGE_SHARE_KEYS",
     "STAGE_UNMASK",
     "STAGE_UNMASK_RESPONSE",
+    "STAGE_WITHDRAW",
     "EncryptedShare",
     "KeyAdvertisement",
     "ProtocolMessage",
@@ -57,6 +58,9 @@ STAGE_DONE: Final = "done"
 """A state machine's stage after its last message (nothing more is accepted)."""
 STAGE_UNMASK_RESPONSE: Final = "unmask_response"
 """Wire-only stage: a site hands in its ``UnmaskResponse`` (the answer to ``STAGE_UNMASK``)."""
+STAGE_WITHDRAW: Final = "withdraw"
+"""Wire-only call, at any stage: the site refused the round (it detected misbehaviour or was left
+out) and takes no further part, so the coordinator stops waiting for it."""
 STAGES: Final = (
     STAGE_ADVERTISE_KEYS,
     STAGE_SHARE_KEYS,
@@ -64,6 +68,7 @@ STAGES: Final = (
     STAGE_CONSISTENCY,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
+    STAGE_WITHDRAW,
 )
 
 MIN_SITES: Final = 3
@@ -95,7 +100,10 @@ class RoundContext:
     neighbours: NeighbourMode = "full"
     """Pairwise masks with every site, or the SecAgg+ sparse graph."""
     threshold: int | None = None
-    """Shares needed to reconstruct a secret; ``None``: ``default_threshold`` of the holders."""
+    """Shares needed to reconstruct a secret; ``None``: ``secure_threshold`` of the holders."""
+    colluding_sites: int = 0
+    """Sites assumed to collude with a hostile coordinator; every threshold must satisfy
+    ``2 t > holders + colluding_sites`` (``split_view_bound``), which both sides check per round."""
 
     def __post_init__(self) -> None:
         if self.modulus_bits not in MODULUS_DTYPES:
@@ -104,10 +112,12 @@ class RoundContext:
             raise ValueError(f"numel ({self.numel}) and chunk_size ({self.chunk_size}) must be >= 1")
         if self.threshold is not None and self.threshold < 2:
             raise ValueError(f"threshold must be >= 2 (or unset for about 2/3), got {self.threshold}")
+        if self.colluding_sites < 0:
+            raise ValueError(f"colluding_sites must be >= 0, got {self.colluding_sites}")
 
     def threshold_for(self, num_holders: int) -> int:
         """The Shamir threshold for a secret shared among ``num_holders`` sites."""
-        return self.threshold if self.threshold is not None else default_threshold(num_holders)
+        return secure_threshold(self.threshold, num_holders, self.colluding_sites)
 
     def chunk_bounds(self, chunk_index: int) -> tuple[int, int]:
         start = chunk_index * self.chunk_size
@@ -121,7 +131,8 @@ class RoundContext:
 
 @dataclass(frozen=True, slots=True)
 class KeyAdvertisement:
-    """A site's two X25519 public keys for one round, signed with its Ed25519 identity key."""
+    """A site's two X25519 public keys for one round and its self-mask seed commitment, signed
+    with its Ed25519 identity key."""
 
     site: int
     session: str
@@ -129,16 +140,27 @@ class KeyAdvertisement:
     cipher_public_key: bytes
     mask_public_key: bytes
     signature: bytes
+    seed_commitment: bytes = b""
+    """``seed_commitment`` of the site's self-mask seed (32 bytes; refused when missing)."""
 
     def signed_bytes(self) -> bytes:
         return advert_signed_bytes(
-            self.session, self.round_index, self.site, self.cipher_public_key, self.mask_public_key
+            self.session, self.round_index, self.site, self.cipher_public_key, self.mask_public_key,
+            self.seed_commitment,
         )
 
 
-def advert_signed_bytes(session: str, round_index: int, site: int, cpk: bytes, spk: bytes) -> bytes:
-    """What a key advertisement's Ed25519 signature covers (built from the fields, never an encoding)."""
+def advert_signed_bytes(
+    session: str, round_index: int, site: int, cpk: bytes, spk: bytes, seed_commitment: bytes = b""
+) -> bytes:
+    """What a key advertisement's Ed25519 signature covers (built from the fields, never an encoding).
+
+    The seed commitment is appended as a last field when present; both sides refuse an
+    advertisement without one, so the shorter form never verifies in a round.
+    """
     fields = [session.encode(), str(round_index).encode(), str(site).encode(), cpk, spk]
+    if seed_commitment:
+        fields.append(seed_commitment)
     return b"|".join([DOMAIN, STAGE_ADVERTISE_KEYS.encode(), *fields])
 
 

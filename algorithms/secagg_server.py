@@ -5,20 +5,37 @@ encrypted shares, adds masked chunks into one aggregate buffer in ``Z_{2^b}`` (k
 chunks, never a site's vector), freezes the survivor list, and with ``t`` unmask answers removes
 the survivors' self-masks and the pairwise masks shared with dropped sites. Too few sites at any
 stage raises ``SecAggAbort``: nothing is revealed.
+
+Against hostile sites: a message that cannot be right (a badly signed advertisement or survivor
+signature when the sender's identity key is known, an unmask answer with missing, extra,
+truncated or out-of-field shares) raises ``SecAggViolation`` and is not recorded, so its sender is
+left out instead of every site refusing the round; a share that is well formed but wrong (a
+consistent lie) is caught when the rebuilt seed misses the commitment its owner signed, or the
+rebuilt mask key misses its advertised public key: ``SecAggAbort``, the model stays unchanged.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from geoloco.algorithms import shamir
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES
-from geoloco.algorithms.secagg_crypto import add_masks, mask_key, neighbour_graph, num_chunks, public_bytes
+from geoloco.algorithms.secagg_crypto import (
+    add_masks,
+    check_threshold,
+    mask_key,
+    neighbour_graph,
+    num_chunks,
+    public_bytes,
+    seed_commitment,
+)
 from geoloco.algorithms.secagg_messages import (
     MIN_SITES,
     STAGE_ADVERTISE_KEYS,
@@ -34,9 +51,13 @@ from geoloco.algorithms.secagg_messages import (
     SecAggViolation,
     UnmaskRequest,
     UnmaskResponse,
+    survivors_signed_bytes,
 )
 
 __all__ = ["SecAggServer"]
+
+_KEY_NBYTES = 32
+"""Raw X25519 public keys and seed commitments (SHA-256) are 32 bytes."""
 
 
 @dataclass(slots=True)
@@ -65,6 +86,7 @@ class SecAggServer:
         self._dropped: tuple[int, ...] = ()
         self._signatures: dict[int, bytes] = {}
         self._responses: dict[int, UnmaskResponse] = {}
+        self._identities: dict[int, Ed25519PublicKey] = {}
         self._chunks = num_chunks(context.numel, context.chunk_size)
 
     def _expect(self, *stages: str) -> None:
@@ -72,10 +94,27 @@ class SecAggServer:
             raise ValueError(f"secure aggregation: expected stage {' or '.join(stages)}, at {self.stage}")
 
     # stage 1
-    def receive_advertisement(self, ad: KeyAdvertisement) -> None:
+    def receive_advertisement(self, ad: KeyAdvertisement, identity: Ed25519PublicKey | None = None) -> None:
+        """Record a site's keys; with its ``identity`` key, a badly signed advertisement is refused
+        here (``SecAggViolation``) rather than relayed for every honest site to refuse the round."""
         self._expect(STAGE_ADVERTISE_KEYS)
         if ad.round_index != self.context.round_index or ad.session != self.context.session:
             raise SecAggViolation(f"advertisement of site {ad.site} is for another round or session")
+        for what, value in (
+            ("cipher public key", ad.cipher_public_key),
+            ("mask public key", ad.mask_public_key),
+            ("seed commitment", ad.seed_commitment),
+        ):
+            if len(value) != _KEY_NBYTES:
+                raise SecAggViolation(f"advertisement of site {ad.site}: its {what} has {len(value)} bytes, not 32")
+        if identity is not None:
+            try:
+                identity.verify(ad.signature, ad.signed_bytes())
+            except InvalidSignature:
+                raise SecAggViolation(
+                    f"advertisement of site {ad.site} is not signed by its identity key; it is left out"
+                ) from None
+            self._identities[ad.site] = identity
         self._ads[ad.site] = ad
 
     def advertisements(self) -> list[KeyAdvertisement]:
@@ -87,7 +126,12 @@ class SecAggServer:
                     f"least {MIN_SITES}, skipping the round"
                 )
             c = self.context
-            self._graph = neighbour_graph(self._ads, c.neighbours, session=c.session, round_index=c.round_index)
+            graph = neighbour_graph(self._ads, c.neighbours, session=c.session, round_index=c.round_index)
+            for holders in sorted({len(v) + 1 for v in graph.values()}):
+                unsafe = check_threshold(c.threshold_for(holders), holders, c.colluding_sites)
+                if unsafe:
+                    raise SecAggAbort(f"{len(self._ads)} sites advertised keys, but {unsafe}; skipping the round")
+            self._graph = graph
             self.stage = STAGE_SHARE_KEYS
         return [self._ads[s] for s in sorted(self._ads)]
 
@@ -169,9 +213,18 @@ class SecAggServer:
 
     # stage 4
     def receive_signature(self, site: int, signature: bytes) -> None:
+        """Record a survivor's signature over the list; one that fails against the site's known
+        identity key is refused (the honest sites would only not count it)."""
         self._expect(STAGE_CONSISTENCY)
         if site not in self._survivors:
             raise ValueError(f"site {site} is not a survivor")
+        identity = self._identities.get(site)
+        if identity is not None:
+            c = self.context
+            try:
+                identity.verify(signature, survivors_signed_bytes(c.session, c.round_index, self._survivors))
+            except InvalidSignature:
+                raise SecAggViolation(f"site {site}'s survivor-list signature is invalid; it is left out") from None
         self._signatures[site] = signature
 
     def unmask_request(self) -> UnmaskRequest:
@@ -182,10 +235,29 @@ class SecAggServer:
 
     # stage 5
     def receive_unmask(self, response: UnmaskResponse) -> None:
+        """Record an unmask answer after checking every share in it (``SecAggViolation`` names
+        what is wrong; a refused answer is not recorded, so unmasking goes on without it)."""
         self._expect(STAGE_UNMASK)
         if response.round_index != self.context.round_index or response.site not in self._survivors:
             raise ValueError(f"unexpected unmask response from site {response.site}")
-        self._responses[response.site] = response
+        v = response.site
+        held = {u for u in self._shared if u == v or v in self._graph[u]}
+        for what, table, owners in (
+            ("self-mask seed", response.self_mask_shares, held & set(self._survivors)),
+            ("mask key", response.mask_key_shares, held & set(self._dropped)),
+        ):
+            if not isinstance(table, Mapping) or set(table) != owners:
+                got = sorted(table) if isinstance(table, Mapping) else type(table).__name__
+                raise SecAggViolation(
+                    f"the unmask answer of site {v} must carry its {what} shares of sites {sorted(owners)}, got {got}"
+                )
+            for u, share in table.items():
+                if not shamir.is_share(share):
+                    raise SecAggViolation(
+                        f"the unmask answer of site {v} carries a malformed {what} share of site {u}: "
+                        f"{shamir.SHARE_NBYTES} bytes below the field prime are allowed"
+                    )
+        self._responses[v] = response
 
     def result(self) -> np.ndarray:
         """The exact sum of the survivors' inputs in ``Z_{2^b}`` (lift it to signed values)."""
@@ -196,13 +268,21 @@ class SecAggServer:
         pair_keys: list[tuple[bytes, int]] = []
         self_keys: list[bytes] = []
         for u in self._survivors:
-            seed = shamir.reconstruct(self._collect(u, self_mask=True), self._threshold(u))
+            seed = self._rebuild(u, self_mask=True)
+            if seed_commitment(seed, c.session, c.round_index, u) != self._ads[u].seed_commitment:
+                raise SecAggAbort(
+                    f"the self-mask seed of site {u} rebuilt from the unmask answers does not match the "
+                    "commitment it signed: a site lied about its share; the round is aborted and the "
+                    "model is unchanged"
+                )
             self_keys.append(mask_key(seed, c.session, c.round_index, site=u))
         for u in self._dropped:
-            private = shamir.reconstruct(self._collect(u, self_mask=False), self._threshold(u))
-            key = X25519PrivateKey.from_private_bytes(private)
+            key = X25519PrivateKey.from_private_bytes(self._rebuild(u, self_mask=False))
             if public_bytes(key.public_key()) != self._ads[u].mask_public_key:
-                raise SecAggAbort(f"reconstructed mask key of site {u} does not match its advertisement")
+                raise SecAggAbort(
+                    f"reconstructed mask key of site {u} does not match its advertisement: a site lied "
+                    "about its share; the round is aborted and the model is unchanged"
+                )
             for v in sorted(self._graph[u] & set(self._survivors)):
                 secret = key.exchange(X25519PublicKey.from_public_bytes(self._ads[v].mask_public_key))
                 # Survivor v added sign(v, u) * PRG(s_uv): + when v < u.
@@ -214,6 +294,13 @@ class SecAggServer:
         self.stage = STAGE_DONE
         self._aggregate = None
         return total
+
+    def _rebuild(self, u: int, *, self_mask: bool) -> bytes:
+        try:
+            return shamir.reconstruct(self._collect(u, self_mask=self_mask), self._threshold(u))
+        except ValueError as err:
+            what = "self-mask seed" if self_mask else "mask key"
+            raise SecAggAbort(f"the {what} of site {u} cannot be rebuilt ({err}); the round is aborted") from None
 
     def _threshold(self, u: int) -> int:
         return self.context.threshold_for(len(self._graph[u]) + 1)

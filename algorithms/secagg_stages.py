@@ -14,6 +14,7 @@ share_keys           ``ShareBundle``              ``ShareBundle``
 consistency          nothing (a wait)             ``SurvivorList``
 unmask               ``SurvivorSignature``        ``UnmaskRequest``
 unmask_response      ``UnmaskResponse``           nothing (an acknowledgement)
+withdraw             nothing (the site is out)    nothing (an acknowledgement)
 ===================  ===========================  =================================
 """
 
@@ -29,6 +30,7 @@ from geoloco.algorithms.secagg_messages import (
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
+    STAGE_WITHDRAW,
     EncryptedShare,
     KeyAdvertisement,
     SecAggViolation,
@@ -118,6 +120,7 @@ STAGE_REQUESTS: Final[Mapping[str, type | None]] = {
     STAGE_CONSISTENCY: None,
     STAGE_UNMASK: SurvivorSignature,
     STAGE_UNMASK_RESPONSE: UnmaskResponse,
+    STAGE_WITHDRAW: None,
 }
 """Stage name -> what a site sends with that stage call (None: nothing)."""
 
@@ -127,6 +130,7 @@ STAGE_REPLIES: Final[Mapping[str, type | None]] = {
     STAGE_CONSISTENCY: SurvivorList,
     STAGE_UNMASK: UnmaskRequest,
     STAGE_UNMASK_RESPONSE: None,
+    STAGE_WITHDRAW: None,
 }
 """Stage name -> what the coordinator answers once that stage closed (None: nothing)."""
 

@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Iterable, Mapping
 from typing import Final
 
-__all__ = ["PRIME", "SECRET_NBYTES", "SHARE_NBYTES", "reconstruct", "split"]
+__all__ = ["PRIME", "SECRET_NBYTES", "SHARE_NBYTES", "is_share", "reconstruct", "split"]
 
 PRIME: Final = (1 << 521) - 1
 """The field modulus, a Mersenne prime (so every 256-bit secret is a field element)."""
@@ -50,6 +50,13 @@ def split(secret: bytes, holders: Iterable[int], threshold: int) -> dict[int, by
             y = (y * x + c) % PRIME
         shares[holder] = y.to_bytes(SHARE_NBYTES, "big")
     return shares
+
+
+def is_share(value: object) -> bool:
+    """Whether ``value`` can be a share: ``SHARE_NBYTES`` bytes encoding a field element."""
+    return (
+        isinstance(value, bytes) and len(value) == SHARE_NBYTES and int.from_bytes(value, "big") < PRIME
+    )
 
 
 def reconstruct(shares: Mapping[int, bytes], threshold: int) -> bytes:

@@ -47,7 +47,6 @@ from geoloco.algorithms.privacy import (
     secure_index_seed,
 )
 from geoloco.algorithms.secagg import (
-    MIN_SITES,
     SecAggAbort,
     SecAggViolation,
     StageMessage,
@@ -118,19 +117,22 @@ class PrivateRounds:
     # ------------------------------------------------------------------------------------------
     # Secure rounds (called under the state machine's lock)
 
-    def start_round(self, round_number: int, round_seed: int, now: float, *, numel: int | None = None) -> None:
+    def start_round(
+        self, round_number: int, round_seed: int, now: float, *, numel: int | None = None, ca_pem: bytes | None = None
+    ) -> None:
         """The round's quorum is there: open its key-advertisement stage.
 
         ``numel``: elements of the round's update; with Streaming DiLoCo the size of the
         fragment the round synchronises (each fragment sync is its own secure sum), else the
-        model's.
+        model's. ``ca_pem``: the run's CA, against which sites' identity bindings are checked
+        before they are relayed (None: --insecure).
         """
         if not self.secure or (self.current is not None and self.current.round_number == round_number):
             return
         self.current = SecureRound(
             self.privacy, self.uplink_codec, numel=self.numel if numel is None else numel, session=self.session,
             round_number=round_number, index_seed=secure_index_seed(round_seed),
-            stage_timeout_s=self.stage_timeout_s, now=now,
+            stage_timeout_s=self.stage_timeout_s, now=now, ca_pem=ca_pem,
         )
         self._uploads = {}
         self._unmasking = False
@@ -244,18 +246,11 @@ class PrivateRounds:
             received_bytes=len(upload.received) * self.wire_chunk_bytes,
         )
 
-    def close_decision(self, members: set[str], contributed: set[str], min_sites: int, deadline_passed: bool) -> bool:
-        """Whether uploads of the current secure round close now."""
+    def close_decision(self, members: set[str], contributed: set[str], min_sites: int, now: float) -> bool:
+        """Whether uploads of the current secure round close now (``SecureRound.uploads_close``:
+        also when a key stage timed out or the quorum can no longer upload, aborting the round)."""
         current = self.current
-        if current is None:
-            return False
-        if current.aborted:
-            return True
-        if not current.keys_shared:
-            return deadline_passed
-        expected = {m for m in members if current.may_upload(m)}
-        enough = len(contributed) >= max(min_sites, MIN_SITES)
-        return (enough and expected <= contributed) or deadline_passed
+        return current is not None and current.uploads_close(members, contributed, min_sites, now)
 
     def close_upload(self, now: float) -> None:
         """Uploads closed: freeze the survivors; the consistency and unmask stages begin."""

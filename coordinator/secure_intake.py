@@ -38,6 +38,9 @@ class SecureIntake:
         self.ctx = ctx
         self.privacy = privacy
         self.membership = membership
+        tls = ctx.config.tls_files
+        self._ca_pem: bytes | None = tls.read()[0] if tls is not None else None
+        """The run's CA: sites' identity bindings are checked against it before they are relayed."""
 
     def receive(self, site: str, spec: UploadSpec, chunks: Chunks) -> UploadProgress:
         ctx, privacy = self.ctx, self.privacy
@@ -85,17 +88,21 @@ class SecureIntake:
         # Open the key-advertisement stage over the fragment the round synchronises.
         ctx = self.ctx
         number = ctx.round.number
-        self.privacy.start_round(number, ctx.round_seed(number), now, numel=ctx.update_numel(number))
+        self.privacy.start_round(
+            number, ctx.round_seed(number), now, numel=ctx.update_numel(number), ca_pem=self._ca_pem
+        )
 
     def decide(self, now: float) -> CloseDecision:
         # Secure rounds have no deadline (the config refuses one) and never close before their
-        # quorum started them: the protocol decides once key sharing ran.
+        # quorum started them: the protocol decides once key sharing ran. The poll calls this,
+        # so the key stages' deadlines hold even when no site calls, and a round whose quorum
+        # can no longer upload aborts (closing with "no change") instead of waiting forever.
         r = self.ctx.round.core
         if not r.started:
             return _CLOSED
         members = set(self.ctx.members)
         return CloseDecision(
-            close=self.privacy.close_decision(members, set(r.contributed), self.ctx.policy.min_sites, False)
+            close=self.privacy.close_decision(members, set(r.contributed), self.ctx.policy.min_sites, now)
         )
 
     def begin_close(self, now: float) -> None:

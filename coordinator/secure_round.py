@@ -18,7 +18,18 @@ Stage calls of a site, in order (``stage`` names from ``geoloco.algorithms.secag
 5. ``unmask`` with its ``SurvivorSignature`` over that list -> the ``UnmaskRequest``.
 6. ``unmask_response`` with its ``UnmaskResponse`` -> acknowledged (no message).
 
+At any point, ``withdraw`` (no message) -> acknowledged: the site refused the round.
+
 No method stores a site's update: masked chunks go straight into the protocol's sum.
+
+Hostile sites. A stage message that cannot be right (an advertisement not signed by the key its
+identity binding carries, a binding that fails the run's CA, a survivor signature that does not
+verify, an unmask answer with missing, extra or malformed shares) is refused with the reason and
+its sender is left out of the stages still to come, so no honest site refuses the round over it
+and no stage waits for it. A site that refuses the round says so (``withdraw``) and is no
+longer waited for; as soon as fewer sites than the quorum
+can still upload, the round aborts with "no change". Key and unmask stages close after
+``stage_timeout_s`` whether or not a site calls (``advance`` runs from the coordinator's poll).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from geoloco.algorithms.fixed_point import FixedPoint, lift
 from geoloco.algorithms.privacy import (
@@ -43,6 +55,7 @@ from geoloco.algorithms.secagg import (
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
+    STAGE_WITHDRAW,
     AdvertiseKeys,
     Advertisements,
     IdentityBinding,
@@ -59,6 +72,7 @@ from geoloco.algorithms.secagg import (
     check_stage_message,
     site_index,
 )
+from geoloco.protos.secagg_identity import load_ca, verify_binding
 
 __all__ = ["SecureRound", "StageReply"]
 
@@ -86,7 +100,10 @@ class SecureRound:
         index_seed: int,
         stage_timeout_s: float,
         now: float,
+        ca_pem: bytes | None = None,
     ) -> None:
+        """``ca_pem``: the run's CA; with it every identity binding is required and checked
+        against it before it is relayed (None: --insecure, bindings are relayed when offered)."""
         self.privacy = privacy
         self.uplink_codec = uplink_codec
         self.numel = numel
@@ -108,6 +125,9 @@ class SecureRound:
         self._uploaded: list[str] = []
         self._withdrawn: set[str] = set()
         """Live sites known not to advertise keys in this round (see ``withdraw``)."""
+        self._left_out: dict[str, str] = {}
+        """Site -> why it takes no further part (a refused message, or it gave up the round)."""
+        self._ca = load_ca(ca_pem)
 
     # ------------------------------------------------------------------------------------------
     # Stage calls
@@ -120,6 +140,9 @@ class SecureRound:
         """
         check_stage_message(stage, message)
         if self.aborted:
+            return
+        if stage == STAGE_WITHDRAW:
+            self._give_up(site)
             return
         if stage == STAGE_CONSISTENCY:
             # A pure wait for the survivor list; sites may call it before uploads close.
@@ -135,6 +158,34 @@ class SecureRound:
             return
         if current.closed:
             raise SecAggViolation(f"site {site}: stage {stage} of round {self.round_number} is closed")
+        if site in self._left_out:
+            raise SecAggViolation(f"site {site} was left out of round {self.round_number}: {self._left_out[site]}")
+        try:
+            self._record(site, message)
+        except ValueError as why:  # SecAggViolation included
+            # Its sender takes no further part; the stages stop waiting for it.
+            self._leave_out(site, str(why))
+            raise
+        current.answered[site] = message
+
+    def _leave_out(self, site: str, why: str) -> None:
+        if site not in self._left_out:
+            logger.warning("round %d: site %s left out of secure aggregation: %s", self.round_number, site, why)
+            self._left_out[site] = why
+        if not self._stages[STAGE_ADVERTISE_KEYS].closed:
+            self._withdrawn.add(site)
+
+    def _identity(self, site: str, binding: IdentityBinding | None) -> Ed25519PublicKey | None:
+        """The identity key ``site``'s binding vouches for (None: no binding, --insecure only)."""
+        if binding is None:
+            if self._ca is not None:
+                raise SecAggViolation(f"site {site} advertised keys without an identity binding")
+            return None
+        if binding.name != site:
+            raise SecAggViolation(f"site {site} offered the identity binding of site {binding.name!r}")
+        return verify_binding(binding, self._ca)
+
+    def _record(self, site: str, message: StageMessage) -> None:
         index = site_index(site)
         if isinstance(message, AdvertiseKeys):
             ad = message.advertisement
@@ -145,7 +196,7 @@ class SecureRound:
                 raise SecAggViolation(
                     f"sites {other!r} and {site!r} map to the same protocol id; rename one of them"
                 )
-            self.server.receive_advertisement(ad)
+            self.server.receive_advertisement(ad, self._identity(site, message.binding))
             self._names[index] = site
             if message.binding is not None:
                 self._bindings[site] = message.binding
@@ -157,12 +208,13 @@ class SecureRound:
             if message.site != index:
                 raise SecAggViolation(f"site {site} sent an unmask response for another site")
             self.server.receive_unmask(message)
-        current.answered[site] = message
 
     def reply(self, site: str, stage: str) -> StageReply:
         """The reply to ``site``'s ``stage`` call if the stage has closed."""
         if self.aborted:
             return StageReply(ready=True, aborted=self.aborted)
+        if stage == STAGE_WITHDRAW:
+            return StageReply(ready=True)
         current = self._stages.get(stage)
         if stage == STAGE_CONSISTENCY and self._survivors:
             return StageReply(ready=True, message=SurvivorList(tuple(self._survivors)))
@@ -213,7 +265,14 @@ class SecureRound:
         if not ads.closed and site not in self._names.values():
             self._withdrawn.add(site)
 
+    def _give_up(self, site: str) -> None:
+        """A ``withdraw`` stage call: ``site`` refused the round and takes no further part; no
+        stage waits for it, it may not upload, and ``uploads_close`` aborts the round as soon as
+        too few sites can still upload. An upload it already completed stays in the sum."""
+        self._leave_out(site, "it withdrew from the round")
+
     def _due(self, stage: _Stage, expected: set[str], now: float) -> bool:
+        expected = expected - set(self._left_out)
         return (bool(expected) and expected <= set(stage.answered)) or now - stage.opened_s >= self.stage_timeout_s
 
     def _advance(self, live: set[str], now: float) -> None:
@@ -261,6 +320,29 @@ class SecureRound:
         ):
             responses.closed = True
 
+    def uploads_close(self, live: set[str], contributed: set[str], quorum: int, now: float) -> bool:
+        """Whether uploads close now: every live site that may upload did, with at least the
+        quorum; or the round aborted (a key stage timed out, too few sites can still upload).
+
+        ``contributed``: sites whose masked upload is complete. Also advances the key stages, so
+        their deadlines hold when no site calls (the coordinator's poll calls this).
+        """
+        self.advance(live, now)
+        if self.aborted:
+            return True
+        if not self.keys_shared:
+            return False
+        need = max(quorum, MIN_SITES)
+        can_upload = {s for s in self._stages[STAGE_SHARE_KEYS].answered if s not in self._left_out}
+        if len(can_upload | contributed) < need:
+            self.abort(
+                f"only {len(can_upload | contributed)} sites can still upload "
+                f"({sorted(can_upload | contributed)}); the round needs {need}: no change this round"
+            )
+            return True
+        expected = {s for s in live if s in can_upload}
+        return len(contributed) >= need and expected <= contributed
+
     @property
     def keys_shared(self) -> bool:
         """Whether uploads may start (the share-keys stage closed)."""
@@ -268,8 +350,9 @@ class SecureRound:
         return stage is not None and stage.closed
 
     def may_upload(self, site: str) -> bool:
-        """Only sites that shared keys in time can be unmasked, so only they may upload."""
-        return self.keys_shared and site in self._stages[STAGE_SHARE_KEYS].answered
+        """Only sites that shared keys in time can be unmasked, so only they may upload (and not
+        once they were left out)."""
+        return self.keys_shared and site in self._stages[STAGE_SHARE_KEYS].answered and site not in self._left_out
 
     def close_upload(self, now: float) -> list[str]:
         """Freeze the survivors (complete uploads); opens the consistency and unmask stages."""
@@ -308,7 +391,15 @@ class SecureRound:
         """The mean update of the survivors (fp32, full length); raises ``SecAggAbort``."""
         if self.aborted:
             raise SecAggAbort(self.aborted)
-        total = self.server.result()
+        try:
+            total = self.server.result()
+        except SecAggAbort as why:
+            self.abort(str(why))
+            raise
+        except (ValueError, TypeError) as err:
+            # Unmask answers were checked on arrival; whatever still fails costs the round only.
+            self.abort(f"unmasking failed: {err}")
+            raise SecAggAbort(self.aborted) from None
         assert self.fixed is not None
         return decode_secure_sum(
             lift(total, self.context.modulus_bits), self.fixed, count=len(self._survivors),

@@ -415,20 +415,22 @@ class AwaitBroadcastResponse(_message.Message):
     def __init__(self, progress: _Optional[_Union[RoundProgress, _Mapping]] = ..., header: _Optional[_Union[BroadcastHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class SecAggKeyAdvert(_message.Message):
-    __slots__ = ("site", "session", "round", "cipher_public_key", "mask_public_key", "signature")
+    __slots__ = ("site", "session", "round", "cipher_public_key", "mask_public_key", "signature", "seed_commitment")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CIPHER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     MASK_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SEED_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     site: int
     session: str
     round: int
     cipher_public_key: bytes
     mask_public_key: bytes
     signature: bytes
-    def __init__(self, site: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., cipher_public_key: _Optional[bytes] = ..., mask_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    seed_commitment: bytes
+    def __init__(self, site: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., cipher_public_key: _Optional[bytes] = ..., mask_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., seed_commitment: _Optional[bytes] = ...) -> None: ...
 
 class SecAggIdentityBinding(_message.Message):
     __slots__ = ("name", "identity_key", "certificate_pem", "signature")

@@ -30,6 +30,7 @@ from geoloco.algorithms.secagg_messages import (
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
+    STAGE_WITHDRAW,
     EncryptedShare,
     KeyAdvertisement,
     SecAggViolation,
@@ -68,6 +69,7 @@ REQUEST_FIELDS: Final[Mapping[str, str | None]] = {
     STAGE_CONSISTENCY: None,
     STAGE_UNMASK: "survivor_signature",
     STAGE_UNMASK_RESPONSE: "unmask_response",
+    STAGE_WITHDRAW: None,
 }
 """Stage -> the ``SecureStageRequest.message`` oneof field it takes (None: no message)."""
 
@@ -77,6 +79,7 @@ REPLY_FIELDS: Final[Mapping[str, str | None]] = {
     STAGE_CONSISTENCY: "survivors",
     STAGE_UNMASK: "unmask_request",
     STAGE_UNMASK_RESPONSE: None,
+    STAGE_WITHDRAW: None,
 }
 """Stage -> the ``SecureStageResponse.message`` oneof field it answers with (None: no message)."""
 
@@ -95,12 +98,14 @@ class StageMessageError(StatusError):
 def _advert_to_pb(ad: KeyAdvertisement) -> pb.SecAggKeyAdvert:
     return pb.SecAggKeyAdvert(
         site=ad.site, session=ad.session, round=ad.round_index, cipher_public_key=ad.cipher_public_key,
-        mask_public_key=ad.mask_public_key, signature=ad.signature,
+        mask_public_key=ad.mask_public_key, signature=ad.signature, seed_commitment=ad.seed_commitment,
     )
 
 
 def _advert_from_pb(m: pb.SecAggKeyAdvert) -> KeyAdvertisement:
-    return KeyAdvertisement(m.site, m.session, m.round, m.cipher_public_key, m.mask_public_key, m.signature)
+    return KeyAdvertisement(
+        m.site, m.session, m.round, m.cipher_public_key, m.mask_public_key, m.signature, m.seed_commitment
+    )
 
 
 def _binding_to_pb(b: IdentityBinding) -> pb.SecAggIdentityBinding:

@@ -2,13 +2,14 @@
 
 ``geoloco.algorithms.secagg.SecAggClient`` is the protocol; this adapts it to the real system:
 
-* **Identity binding.** Each site process makes an Ed25519 identity key and signs
-  ``(site name, identity public key)`` with its TLS private key; the binding carries its TLS
-  certificate. Other sites check that the certificate was issued by the run's CA, names the
-  site (URI SAN ``geoloco:site:NAME``) and signed the binding, so a coordinator cannot substitute
-  an identity key (and hence advertised keys) without the CA's key. Without TLS (``--insecure``)
-  bindings are unsigned and identities are taken on the coordinator's word: the protocol still
-  hides updates from a coordinator that follows it, but substitution can no longer be detected.
+* **Identity binding** (``geoloco.protos.secagg_identity``). Each site process makes an Ed25519
+  identity key and signs ``(site name, identity public key)`` with its TLS private key; the
+  binding carries its TLS certificate. Other sites check that the certificate was issued by the
+  run's CA, names the site (URI SAN ``geoloco:site:NAME``) and signed the binding, so a
+  coordinator cannot substitute an identity key (and hence advertised keys) without the CA's key.
+  Without TLS (``--insecure``) bindings are unsigned and identities are taken on the
+  coordinator's word: the protocol still hides updates from a coordinator that follows it, but
+  substitution can no longer be detected.
 * **Stage calls.** ``StageCall(stage, message) -> (reply, aborted)`` is the transport (the gRPC
   client, retrying until the stage is ready; it translates the ``geoloco.algorithms.secagg_stages``
   dataclasses with ``geoloco.protos.secagg_wire``); ``SecureSite`` runs the key stages before
@@ -20,13 +21,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
-from cryptography import x509
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -47,6 +46,7 @@ from geoloco.algorithms.secagg import (
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
+    STAGE_WITHDRAW,
     AdvertiseKeys,
     Advertisements,
     IdentityBinding,
@@ -62,15 +62,13 @@ from geoloco.algorithms.secagg import (
     public_bytes,
     site_index,
 )
-from geoloco.protos.identity import site_from_uri
+from geoloco.protos.secagg_identity import IDENTITY_DOMAIN, binding_bytes, verify_bindings
 from geoloco.protos.transport import TLSFiles
 from geoloco.site_agent.client import RoundClosed, UpdateRejected
 
 __all__ = ["IDENTITY_DOMAIN", "SecureSite", "SecureUplink", "SiteIdentity", "StageCall", "verify_bindings"]
 
 logger = logging.getLogger(__name__)
-
-IDENTITY_DOMAIN = b"geoloco-secagg/identity/v1"
 
 StageCall = Callable[[str, StageMessage], tuple[StageMessage, str]]
 """``(stage, message) -> (reply, abort reason or "")``, blocking until the stage closes."""
@@ -96,54 +94,8 @@ class SiteIdentity:
         tls_key = serialization.load_pem_private_key(tls_key_pem, password=None)
         if not isinstance(tls_key, ec.EllipticCurvePrivateKey):
             raise ValueError("the site's TLS key must be an EC key (as `geoloco certs` issues)")
-        signature = tls_key.sign(_binding_bytes(name, public), ec.ECDSA(hashes.SHA256()))
+        signature = tls_key.sign(binding_bytes(name, public), ec.ECDSA(hashes.SHA256()))
         return cls(name=name, key=key, binding=IdentityBinding(name, public, tls_cert_pem, signature))
-
-
-def _binding_bytes(name: str, identity_key: bytes) -> bytes:
-    """What the TLS key signs: built from the fields, so the encoding that carries them is irrelevant."""
-    return IDENTITY_DOMAIN + b"|" + name.encode() + b"|" + identity_key
-
-
-def verify_bindings(bindings: Sequence[IdentityBinding], ca_pem: bytes | None) -> dict[str, Ed25519PublicKey]:
-    """Site name -> identity key, each checked against the CA (``ca_pem``; None: --insecure)."""
-    ca = x509.load_pem_x509_certificate(ca_pem) if ca_pem is not None else None
-    out: dict[str, Ed25519PublicKey] = {}
-    for binding in bindings:
-        name, public = binding.name, binding.identity_key
-        if ca is not None:
-            if not binding.certificate or not binding.signature:
-                raise SecAggViolation(f"the identity of site {name!r} is not signed with its TLS key")
-            try:
-                cert = x509.load_pem_x509_certificate(binding.certificate)
-                cert.verify_directly_issued_by(ca)
-                uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-                names = {site_from_uri(u) for u in uris.get_values_for_type(x509.UniformResourceIdentifier)}
-                if name not in names:
-                    raise SecAggViolation(
-                        f"the certificate in site {name!r}'s binding names {sorted(n for n in names if n)}"
-                    )
-                cert_key = cert.public_key()
-                if not isinstance(cert_key, ec.EllipticCurvePublicKey):
-                    raise SecAggViolation(f"site {name!r}'s certificate has no EC key")
-                cert_key.verify(
-                    binding.signature,
-                    _binding_bytes(name, public),
-                    ec.ECDSA(hashes.SHA256()),
-                )
-            except (InvalidSignature, ValueError, TypeError, x509.ExtensionNotFound) as err:
-                raise SecAggViolation(
-                    f"the identity key offered for site {name!r} is not bound to a certificate of "
-                    f"this run's CA ({type(err).__name__}); the coordinator substituted it or the "
-                    "sites use different CAs"
-                ) from None
-        if name in out:
-            raise SecAggViolation(f"two identity bindings for site {name!r}")
-        try:
-            out[name] = Ed25519PublicKey.from_public_bytes(public)
-        except ValueError as err:
-            raise SecAggViolation(f"malformed identity key for site {name!r}: {err}") from None
-    return out
 
 
 class SecureSite:
@@ -217,6 +169,16 @@ class SecureSite:
         signature = self.client.sign_survivors(self.context.round_index, sorted(site_index(n) for n in survivors))
         request = self._stage(STAGE_UNMASK, SurvivorSignature(signature), UnmaskRequest)
         self._stage(STAGE_UNMASK_RESPONSE, self.client.unmask(request), type(None))
+
+    def withdraw(self) -> None:
+        """Tell the coordinator this site takes no further part in the round, so no stage and no
+        upload waits for it (best effort: a coordinator that cannot be told finds out at its
+        stage deadlines)."""
+        try:
+            self._call(STAGE_WITHDRAW, None)
+        except Exception as err:  # noqa: BLE001 (the round goes on without this site either way)
+            logger.warning("site %s: could not withdraw from secure round %d: %s", self.identity.name,
+                           self.context.round_index, err)
 
 
 class _Client(Protocol):
@@ -301,6 +263,8 @@ class SecureUplink:
         text = f"site {self.site}: refusing secure round: {why}"
         logger.error("%s", text)
         self.refusals.append(str(why))
+        assert self._round is not None
+        self._round.withdraw()
 
     def masked_update(self, update: torch.Tensor, *, fragment: int = 0) -> bytes | None:
         """Wait for the key stages, then the masked upload bytes (None: not in this round).
@@ -328,6 +292,7 @@ class SecureUplink:
             )
             if not isinstance(error, Exception):
                 raise error
+            self._round.withdraw()
             return None
         self._last = encoder
         return self._round.masked_upload(update, encoder)

@@ -30,6 +30,7 @@ from geoloco.algorithms.secagg import (
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
+    STAGE_WITHDRAW,
     AdvertiseKeys,
     Advertisements,
     EncryptedShare,
@@ -235,7 +236,9 @@ def test_an_unmask_request_changed_on_the_wire_is_refused(change: str) -> None:
     elif change == "dropped":
         wire.dropped.append(wire.survivors[0])  # both shares of one site: would unmask it
     else:
+        # Altered signatures do not count; with fewer than t = 3 valid ones left, refused.
         wire.signatures[r.survivors[1]] = bytes(64)
+        wire.signatures[r.survivors[2]] = bytes(64)
     tampered = from_pb(pb.SecAggUnmaskRequest.FromString(wire.SerializeToString()))
     with pytest.raises(SecAggViolation):
         r.clients[0].unmask(tampered)
@@ -347,5 +350,33 @@ def test_a_mistyped_stage_call_over_grpc_is_invalid_argument(secure_coordinator:
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert error_reason(caught.value) == pb.ERROR_REASON_BAD_STAGE_MESSAGE
         assert "that stage takes survivor_signature" in (caught.value.details() or "")
+    finally:
+        channel.close()
+
+
+_WRONG_MESSAGE = {
+    STAGE_ADVERTISE_KEYS: {"share_keys": pb.SecAggShareBundle()},
+    STAGE_SHARE_KEYS: {"advertise_keys": pb.SecAggAdvertiseKeys(advert=pb.SecAggKeyAdvert(site=1))},
+    STAGE_CONSISTENCY: {"survivor_signature": pb.SecAggSurvivorSignature()},
+    STAGE_UNMASK: {"unmask_response": pb.SecAggUnmaskResponse()},
+    STAGE_UNMASK_RESPONSE: {"survivor_signature": pb.SecAggSurvivorSignature()},
+    STAGE_WITHDRAW: {"share_keys": pb.SecAggShareBundle()},
+}
+
+
+@pytest.mark.parametrize("stage", sorted(_WRONG_MESSAGE))
+def test_every_stage_refuses_another_stages_message_over_grpc_with_invalid_argument(
+    secure_coordinator: int, stage: str
+) -> None:
+    from geoloco.protos.transport import client_channel, coordinator_stub, error_reason
+
+    assert set(_WRONG_MESSAGE) == set(STAGE_REQUESTS)  # every stage call is covered
+    channel = client_channel(f"127.0.0.1:{secure_coordinator}", tls=None, insecure=True)
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            coordinator_stub(channel).SecureStage(_request(stage, **_WRONG_MESSAGE[stage]), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error_reason(caught.value) == pb.ERROR_REASON_BAD_STAGE_MESSAGE
+        assert f"SecureStage {stage!r} carries" in (caught.value.details() or "")
     finally:
         channel.close()

@@ -1,0 +1,294 @@
+"""Secure aggregation under attack, in process: a hostile coordinator or a hostile site.
+
+* Thresholds at or below about half the sites let a coordinator alone show two groups of sites
+  different survivor lists and unmask every update (shown below with the check switched off);
+  the config, every site and the coordinator refuse them (``2 t > holders + colluding_sites``).
+* A malformed unmask answer (random, truncated, wrongly typed, missing or extra shares) is
+  refused and left out; unmasking goes on with the others and the sum is exact.
+* A consistent lie about a self-mask seed share aborts the round (the rebuilt seed misses the
+  commitment its owner signed) instead of silently changing the sum.
+* A badly signed advertisement or survivor signature leaves its sender out, not the round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from _privacy_helpers import identity_keys
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+
+from geoloco.algorithms import secagg_client, shamir
+from geoloco.algorithms.config import ConfigError
+from geoloco.algorithms.fixed_point import lift
+from geoloco.algorithms.secagg import (
+    EncryptedShare,
+    KeyAdvertisement,
+    RoundContext,
+    SecAggAbort,
+    SecAggClient,
+    SecAggServer,
+    SecAggViolation,
+    UnmaskRequest,
+    UnmaskResponse,
+    num_chunks,
+    secure_threshold,
+    split_view_bound,
+)
+from geoloco.algorithms.secagg_crypto import add_masks, mask_key
+from geoloco.algorithms.secagg_messages import survivors_signed_bytes
+from geoloco.coordinator.config import CoordinatorConfig
+
+NUMEL, CHUNK = 60, 25
+
+
+def _clients(n: int, context: RoundContext) -> dict[int, SecAggClient]:
+    keys = identity_keys(n)
+    identities = {s: k.public_key() for s, k in keys.items()}
+    return {s: SecAggClient(s, context, keys[s], identities) for s in range(n)}
+
+
+def _inputs(n: int) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {s: rng.integers(-1000, 1000, NUMEL) for s in range(n)}
+
+
+def _chunks(values: np.ndarray) -> list[np.ndarray]:
+    return [values[i * CHUNK : (i + 1) * CHUNK] for i in range(num_chunks(NUMEL, CHUNK))]
+
+
+def _to_unmask(n: int, context: RoundContext) -> tuple[SecAggServer, dict[int, SecAggClient], UnmaskRequest]:
+    """A round with every site honest up to the unmask request (all survive)."""
+    clients = _clients(n, context)
+    server = SecAggServer(context)
+    for s, c in clients.items():
+        server.receive_advertisement(c.advertise(), c._identities[s])
+    ads = server.advertisements()
+    for s, c in clients.items():
+        server.receive_shares(s, c.share_keys(ads))
+    server.close_share_keys()
+    for s, c in clients.items():
+        c.receive_shares(server.shares_for(s))
+        for index, data in c.masked_chunks(_chunks(_inputs(n)[s])):
+            server.receive_masked_chunk(s, index, data)
+    survivors = server.close_upload()
+    for s in survivors:
+        server.receive_signature(s, clients[s].sign_survivors(context.round_index, survivors))
+    return server, clients, server.unmask_request()
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Thresholds that let a coordinator split the sites' views
+
+
+def _split_view_attack(n: int, t: int) -> np.ndarray:
+    """A hostile coordinator alone: group A = the first half sees "A survived, B dropped", group
+    B the opposite. Each honest site signs and answers one view only, yet the coordinator ends
+    with t shares of site 0's self-mask seed (from A) and of its mask key (from B): site 0's
+    update in the clear. Returns what it recovers."""
+    context = RoundContext(session="s", round_index=1, numel=NUMEL, chunk_size=CHUNK, threshold=t)
+    clients = _clients(n, context)
+    ads = [c.advertise() for c in clients.values()]
+    shares: dict[int, list[EncryptedShare]] = {s: [] for s in clients}
+    for c in clients.values():
+        for share in c.share_keys(ads):
+            shares[share.recipient].append(share)
+    masked: dict[int, bytes] = {}
+    for s, c in clients.items():
+        c.receive_shares(shares[s])
+        masked[s] = b"".join(data for _, data in c.masked_chunks(_chunks(_inputs(n)[s])))
+    half = n // 2
+    views = [(tuple(range(half)), tuple(range(half, n))), (tuple(range(half, n)), tuple(range(half)))]
+    answers: list[UnmaskResponse] = []
+    for survivors, dropped in views:
+        signatures = {s: clients[s].sign_survivors(1, survivors) for s in survivors}
+        request = UnmaskRequest(1, survivors, dropped, signatures)
+        answers += [clients[s].unmask(request) for s in survivors]
+    seed_shares = {a.site: a.self_mask_shares[0] for a in answers if 0 in a.self_mask_shares}
+    key_shares = {a.site: a.mask_key_shares[0] for a in answers if 0 in a.mask_key_shares}
+    seed = shamir.reconstruct(seed_shares, t)
+    mask_private = X25519PrivateKey.from_private_bytes(shamir.reconstruct(key_shares, t))
+    keys = [(mask_key(seed, "s", 1, site=0), 1)]
+    for ad in ads[1:]:
+        secret = mask_private.exchange(X25519PublicKey.from_public_bytes(ad.mask_public_key))
+        keys.append((mask_key(secret, "s", 1, pair=(0, ad.site)), 1))
+    values = np.frombuffer(masked[0], dtype=np.uint32).copy()
+    for index in range(num_chunks(NUMEL, CHUNK)):
+        add_masks(keys, index, values[index * CHUNK : (index + 1) * CHUNK], subtract=True)
+    return lift(values, 32).numpy()
+
+
+def test_a_threshold_at_half_the_sites_lets_a_coordinator_split_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the bound switched off, 2 of 4 hands the coordinator site 0's update in the clear.
+    monkeypatch.setattr(secagg_client, "check_threshold", lambda *args: "")
+    np.testing.assert_array_equal(_split_view_attack(4, 2), _inputs(4)[0])
+    # 3 of 4 (2 t > n): each half is below the threshold, so no honest site signs its view.
+    with pytest.raises(SecAggViolation, match="below the threshold"):
+        _split_view_attack(4, 3)
+
+
+@pytest.mark.parametrize(("n", "t", "c"), [(4, 2, 0), (6, 3, 0), (5, 3, 1), (7, 5, 3)])
+def test_sites_and_coordinator_refuse_a_threshold_below_the_bound(n: int, t: int, c: int) -> None:
+    assert 2 * t <= n + c  # below the bound
+    context = RoundContext(session="s", round_index=1, numel=NUMEL, chunk_size=CHUNK, threshold=t, colluding_sites=c)
+    clients = _clients(n, context)
+    ads = [cl.advertise() for cl in clients.values()]
+    with pytest.raises(SecAggViolation, match=r"2 t > holders \+ colluding_sites"):
+        clients[0].share_keys(ads)
+    server = SecAggServer(context)
+    for ad in ads:
+        server.receive_advertisement(ad)
+    with pytest.raises(SecAggAbort, match=f"t >= {split_view_bound(n, c)}"):
+        server.advertisements()
+
+
+def _coordinator(n: int, t: int | None, c: int, *, allowed: bool) -> CoordinatorConfig:
+    privacy: dict[str, Any] = {"secure_aggregation": True, "clip_norm": 1.0, "colluding_sites": c}
+    if t is not None:
+        privacy["threshold"] = t
+    data: dict[str, Any] = {"insecure": True, "min_sites": n, "privacy": privacy}
+    if allowed:
+        data["allowed_sites"] = [f"s{i}" for i in range(n)]
+    return CoordinatorConfig.from_dict(data)
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+@pytest.mark.parametrize(("n", "t", "c"), [(4, 2, 0), (6, 3, 0), (5, 3, 1)])
+def test_config_refuses_a_threshold_below_the_bound(n: int, t: int, c: int, allowed: bool) -> None:
+    with pytest.raises(ConfigError, match=r"privacy\.threshold.*2 t > holders \+ colluding_sites"):
+        _coordinator(n, t, c, allowed=allowed)
+    _coordinator(n, split_view_bound(n, c), c, allowed=allowed)  # the least safe threshold passes
+
+
+def test_default_threshold_rises_with_colluding_sites_and_refuses_what_cannot_hold() -> None:
+    assert [secure_threshold(None, 6, c) for c in range(5)] == [4, 4, 5, 5, 6]
+    _coordinator(6, None, 5, allowed=True)  # t = 6: every site must answer
+    with pytest.raises(ConfigError, match="colluding_sites"):
+        _coordinator(6, None, 6, allowed=True)  # t = 7 would be needed, above the 6 holders
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Malformed unmask answers
+
+
+def _corrupt(response: UnmaskResponse, how: str) -> UnmaskResponse:
+    table = dict(response.self_mask_shares)
+    owner = min(table)
+    if how == "random":
+        table[owner] = b"\xff" * shamir.SHARE_NBYTES  # above the field prime
+    elif how == "truncated":
+        table[owner] = table[owner][:-1]
+    elif how == "wrong type":
+        table[owner] = table[owner].hex()  # type: ignore[assignment]
+    elif how == "missing":
+        del table[owner]
+    elif how == "extra":
+        table[10**6] = table[owner]
+    elif how == "not a mapping":
+        return UnmaskResponse(response.site, response.round_index, [owner], response.mask_key_shares)  # type: ignore[arg-type]
+    return UnmaskResponse(response.site, response.round_index, table, response.mask_key_shares)
+
+
+@pytest.mark.parametrize("how", ["random", "truncated", "wrong type", "missing", "extra", "not a mapping"])
+def test_a_malformed_unmask_answer_is_refused_and_the_sum_stays_exact(how: str) -> None:
+    n = 4
+    context = RoundContext(session="s", round_index=1, numel=NUMEL, chunk_size=CHUNK)
+    server, clients, request = _to_unmask(n, context)
+    responses = [clients[s].unmask(request) for s in range(n)]
+    with pytest.raises(SecAggViolation, match="unmask answer of site 3"):
+        server.receive_unmask(_corrupt(responses[3], how))
+    for response in responses[:3]:  # t = 3 honest answers
+        server.receive_unmask(response)
+    np.testing.assert_array_equal(lift(server.result(), 32).numpy(), sum(_inputs(n).values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. A consistent lie about a seed share
+
+
+def _lie(response: UnmaskResponse, owner: int) -> UnmaskResponse:
+    """A well-formed share that is simply wrong (another field element)."""
+    table = dict(response.self_mask_shares)
+    value = (int.from_bytes(table[owner], "big") + 1) % shamir.PRIME
+    table[owner] = value.to_bytes(shamir.SHARE_NBYTES, "big")
+    return UnmaskResponse(response.site, response.round_index, table, response.mask_key_shares)
+
+
+def test_a_lied_seed_share_aborts_the_round_instead_of_changing_the_sum() -> None:
+    n = 4
+    context = RoundContext(session="s", round_index=1, numel=NUMEL, chunk_size=CHUNK)
+    server, clients, request = _to_unmask(n, context)
+    responses = [clients[s].unmask(request) for s in range(n)]
+    server.receive_unmask(_lie(responses[0], owner=2))  # site 0's share is among the first t used
+    for response in responses[1:]:
+        server.receive_unmask(response)
+    with pytest.raises(SecAggAbort, match="site 2 .*does not match the commitment"):
+        server.result()
+
+
+def test_an_advertisement_without_a_seed_commitment_is_refused() -> None:
+    context = RoundContext(session="s", round_index=1, numel=NUMEL, chunk_size=CHUNK)
+    ad = _clients(3, context)[0].advertise()
+    bare = KeyAdvertisement(ad.site, ad.session, ad.round_index, ad.cipher_public_key, ad.mask_public_key, ad.signature)
+    with pytest.raises(SecAggViolation, match="seed commitment has 0 bytes"):
+        SecAggServer(context).receive_advertisement(bare)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. One bad signature leaves its sender out, not the round
+
+
+def test_a_badly_signed_advertisement_is_refused_by_the_coordinator() -> None:
+    context = RoundContext(session="s", round_index=1, numel=NUMEL, chunk_size=CHUNK)
+    clients = _clients(4, context)
+    server = SecAggServer(context)
+    impostor = Ed25519PrivateKey.generate()
+    for s, c in clients.items():
+        ad = c.advertise()
+        if s == 3:
+            ad = KeyAdvertisement(
+                ad.site, ad.session, ad.round_index, ad.cipher_public_key, ad.mask_public_key,
+                impostor.sign(ad.signed_bytes()), ad.seed_commitment,
+            )
+            with pytest.raises(SecAggViolation, match="not signed by its identity key"):
+                server.receive_advertisement(ad, c._identities[s])
+            continue
+        server.receive_advertisement(ad, c._identities[s])
+    ads = server.advertisements()
+    assert [a.site for a in ads] == [0, 1, 2]
+    for s in range(3):
+        clients[s].share_keys(ads)  # the honest sites go on without site 3
+
+
+def test_an_invalid_survivor_signature_is_not_counted_and_not_relayed() -> None:
+    n = 4
+    context = RoundContext(session="s", round_index=1, numel=NUMEL, chunk_size=CHUNK)
+    _, clients, request = _to_unmask(n, context)
+    # The site: an extra invalid signature among t valid ones does not count, nor stop it.
+    forged = dict(request.signatures)
+    forged[3] = bytes(64)
+    response = clients[0].unmask(UnmaskRequest(request.round_index, request.survivors, request.dropped, forged))
+    assert set(response.self_mask_shares) == set(range(n))
+    # The coordinator refuses a bad signature on arrival, with the sender's identity known.
+    context2 = RoundContext(session="s2", round_index=1, numel=NUMEL, chunk_size=CHUNK)
+    clients2 = _clients(n, context2)
+    server2 = SecAggServer(context2)
+    for s, c in clients2.items():
+        server2.receive_advertisement(c.advertise(), c._identities[s])
+    ads = server2.advertisements()
+    for s, c in clients2.items():
+        server2.receive_shares(s, c.share_keys(ads))
+    server2.close_share_keys()
+    for s, c in clients2.items():
+        c.receive_shares(server2.shares_for(s))
+        for index, data in c.masked_chunks(_chunks(_inputs(n)[s])):
+            server2.receive_masked_chunk(s, index, data)
+    survivors = server2.close_upload()
+    wrong = clients2[3]._identity.sign(survivors_signed_bytes("s2", 1, survivors[:3]))
+    with pytest.raises(SecAggViolation, match="site 3's survivor-list signature is invalid"):
+        server2.receive_signature(3, wrong)
+    for s in range(3):
+        server2.receive_signature(s, clients2[s].sign_survivors(1, survivors))
+    assert set(server2.unmask_request().signatures) == {0, 1, 2}

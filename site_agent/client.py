@@ -52,6 +52,7 @@ from geoloco.protos.wire import (
     upload_requests,
 )
 from geoloco.site_agent.config import SiteAgentConfig
+from geoloco.site_agent.connectivity import ConnectivityWatch, RoundTimer, backoff_cap, reconnect_options
 
 __all__ = [
     "AgentStopped",
@@ -154,7 +155,10 @@ class CoordinatorClient:
         self.site = site
         self.config = config
         self._stop = stop_event
-        channel = client_channel(target, tls=tls, insecure=insecure, server_name=server_name)
+        channel = client_channel(
+            target, tls=tls, insecure=insecure, server_name=server_name,
+            extra_options=reconnect_options(config),
+        )
         interceptors = list(interceptors)
         self._channel = grpc.intercept_channel(channel, *interceptors) if interceptors else channel
         self._raw_channel = channel
@@ -163,6 +167,10 @@ class CoordinatorClient:
         self.stats = TransferStats()
         self._active_calls: set[Any] = set()
         self._lock = threading.Lock()
+        self.connectivity = ConnectivityWatch(channel, stop_event)
+        """Wakes retry sleeps when the path to the coordinator comes back."""
+        self.round_timer = RoundTimer()
+        """The round time seen (between broadcasts): retries are a fraction of it apart."""
 
     # ---------------------------------------------------------------------------------------
     # Error handling and retries
@@ -187,13 +195,19 @@ class CoordinatorClient:
             return UpdateRejected(_describe(error))
         return SiteAgentError(f"the coordinator at {self.target} refused the request: {_describe(error)}")
 
-    def _sleep(self, seconds: float) -> None:
-        if self._stop.wait(seconds):
+    def _sleep(self, seconds: float, since: int | None) -> None:
+        self.connectivity.sleep(seconds, since=since)
+        if self._stop.is_set():
             raise AgentStopped()
+
+    def backoff_cap(self) -> float:
+        """The longest pause between retries now (``connectivity.backoff_cap``)."""
+        return backoff_cap(self.config, self.round_timer.round_time_s)
 
     def _backoff(self, what: str) -> _Backoff:
         return _Backoff(
-            what, config=self.config, target=self.target, classify=self._classify, sleep=self._sleep
+            what, config=self.config, target=self.target, classify=self._classify, sleep=self._sleep,
+            cap=self.backoff_cap, ready_mark=lambda: self.connectivity.ready_count,
         )
 
     def _call(self, what: str, attempt: Callable[[], T], backoff: _Backoff | None = None) -> T:
@@ -202,6 +216,7 @@ class CoordinatorClient:
         while True:
             if self._stop.is_set():
                 raise AgentStopped()
+            backoff.attempting()
             try:
                 return attempt()
             except grpc.RpcError as error:
@@ -354,6 +369,7 @@ class CoordinatorClient:
         for attempt_index in range(self.config.max_upload_attempts):
             if self._stop.is_set():
                 raise AgentStopped()
+            backoff.attempting()
             try:
                 requests = upload_requests(manifest, data, missing=missing)
                 response = self._stub.Upload(requests, timeout=timeout)
@@ -479,10 +495,13 @@ class CoordinatorClient:
                 raise _TransientWireError(error) from None
             return header, data
 
-        return self._call("AwaitBroadcast", _wire_retrying(attempt), backoff)
+        answer = self._call("AwaitBroadcast", _wire_retrying(attempt), backoff)
+        self.round_timer.broadcast_received()
+        return answer
 
     def close(self) -> None:
         self.cancel_active_calls()
+        self.connectivity.close()
         self._raw_channel.close()
 
 
@@ -520,7 +539,9 @@ class _Backoff:
         config: SiteAgentConfig,
         target: str,
         classify: Callable[[grpc.RpcError], Exception | None],
-        sleep: Callable[[float], None],
+        sleep: Callable[[float, int | None], None],
+        cap: Callable[[], float] | None = None,
+        ready_mark: Callable[[], int] | None = None,
     ) -> None:
         self.what = what
         self.config = config
@@ -528,10 +549,19 @@ class _Backoff:
         self._classify = classify
         """The exception for an error retrying cannot fix, or None."""
         self._sleep = sleep
-        """Sleep, or raise ``AgentStopped`` when the agent is asked to stop meanwhile."""
+        """Sleep (cut short when the channel became READY after the mark it is given), or
+        raise ``AgentStopped`` when the agent is asked to stop meanwhile."""
+        self._cap = cap or (lambda: config.backoff_max_s)
+        """The longest pause now (a fraction of the round time, ``backoff_cap``)."""
+        self._ready_mark = ready_mark
+        self._mark: int | None = None
         self.started = time.monotonic()
         self.delay = config.backoff_initial_s
         self.failures = 0
+
+    def attempting(self) -> None:
+        """A call is about to go out: a connection made from now on means the path is up."""
+        self._mark = None if self._ready_mark is None else self._ready_mark()
 
     def alive(self) -> None:
         """The coordinator answered: restart the give-up clock and the backoff delay."""
@@ -552,13 +582,13 @@ class _Backoff:
                 f"{elapsed:.0f} s ({self.failures} attempts, last error {_describe(error)}); check "
                 "that it is running and reachable, or raise give_up_after_s"
             ) from None
-        pause = min(self.delay, self.config.backoff_max_s) * random.uniform(0.5, 1.0)
+        pause = min(self.delay, self._cap()) * random.uniform(0.5, 1.0)
         logger.log(
             logging.INFO if self.failures in (1, 5, 20) else logging.DEBUG,
             "%s failed (%s); retry %d in %.2f s", self.what, _describe(error), self.failures, pause,
         )
-        self._sleep(min(pause, give_up - elapsed + 0.01))
-        self.delay *= 2
+        self._sleep(min(pause, give_up - elapsed + 0.01), self._mark)
+        self.delay = min(self.delay * 2, self.config.backoff_max_s)
 
 
 class _TransientWireError(grpc.RpcError):

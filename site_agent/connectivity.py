@@ -105,18 +105,33 @@ class ConnectivityWatch:
         path that came back while the call failed is retried at once. Returns False when
         ``stop`` is set (the caller checks)."""
         deadline = time.monotonic() + seconds
-        with self._cond:
-            seen = self._ready_count if since is None else since
-            while not self._stop.is_set():
-                if self._ready_count != seen:
-                    self.wakeups += 1
-                    logger.info("the channel to the coordinator is ready again: retrying now")
-                    return True
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(min(remaining, _STOP_POLL_S))
-        return False
+        # A channel left IDLE by a dropped connection dials again only when asked: the ready
+        # future asks (and gRPC's own reconnect backoff, capped by ``reconnect_options``, then
+        # keeps dialling); it is cancelled when the sleep ends.
+        nudge = None if self._state is grpc.ChannelConnectivity.READY else grpc.channel_ready_future(self._channel)
+        try:
+            with self._cond:
+                seen = self._ready_count if since is None else since
+                while not self._stop.is_set():
+                    if self._ready_count != seen:
+                        self.wakeups += 1
+                        logger.info("the channel to the coordinator is ready again: retrying now")
+                        return True
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._cond.wait(min(remaining, _STOP_POLL_S))
+            return False
+        finally:
+            if nudge is not None:
+                nudge.cancel()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop watching; call before closing the channel. gRPC's polling thread looks at its
+        subscribers every 0.2 s and fails noisily ("Channel closed!") when the channel closes
+        under it, so this waits (bounded) for that thread to stop."""
         self._channel.unsubscribe(self._changed)
+        state = getattr(self._channel, "_connectivity_state", None)
+        deadline = time.monotonic() + timeout_s
+        while state is not None and getattr(state, "polling", False) and time.monotonic() < deadline:
+            time.sleep(_STOP_POLL_S)

@@ -448,7 +448,10 @@ class CoordinatorClient:
         its upload's response would have reached it. Pass the result to ``await_broadcast``, or
         ``cancel`` it when the upload fails.
         """
-        return OpenBroadcast(round_number, self._await_call(round_number, 0), release=self._untrack)
+        mark = self.connectivity.ready_count
+        return OpenBroadcast(
+            round_number, self._await_call(round_number, 0), release=self._untrack, ready_mark=mark
+        )
 
     def await_broadcast(
         self,
@@ -469,6 +472,7 @@ class CoordinatorClient:
         download = Download()
         backoff = self._backoff(f"AwaitBroadcast for round {round_number}")
         first = opened.take() if opened is not None else None
+        first_mark = opened.ready_mark if opened is not None else None
 
         def progress(message: pb.RoundProgress) -> None:
             backoff.alive()  # a round may take longer than give_up_after_s; progress is contact
@@ -478,7 +482,9 @@ class CoordinatorClient:
         def attempt() -> tuple[pb.BroadcastHeader, bytes | None]:
             nonlocal first
             if first is not None:
+                # Opened before the upload: a path that came back since then must count.
                 call, first = first, None
+                backoff.attempting(since=first_mark)
             else:
                 start, _ = download.resume_point()
                 call = self._await_call(round_number, start)
@@ -508,8 +514,12 @@ class CoordinatorClient:
 class OpenBroadcast:
     """An AwaitBroadcast call started ahead of the upload it waits on (see ``open_broadcast``)."""
 
-    def __init__(self, round_number: int, call: Any, *, release: Callable[[Any], None]) -> None:
+    def __init__(
+        self, round_number: int, call: Any, *, release: Callable[[Any], None], ready_mark: int | None = None
+    ) -> None:
         self.round = round_number
+        self.ready_mark = ready_mark
+        """The channel's ``ready_count`` when the call went out (``ConnectivityWatch``)."""
         self._call: Any = call
         self._release = release
         """Forget the call in the client's list of active calls."""
@@ -559,9 +569,14 @@ class _Backoff:
         self.delay = config.backoff_initial_s
         self.failures = 0
 
-    def attempting(self) -> None:
-        """A call is about to go out: a connection made from now on means the path is up."""
-        self._mark = None if self._ready_mark is None else self._ready_mark()
+    def attempting(self, since: int | None = None) -> None:
+        """A call is about to go out (or went out when the channel's ready count was
+        ``since``): a connection made after that means the path is up, so a failed call is
+        retried at once instead of after its pause."""
+        if since is not None:
+            self._mark = since
+        else:
+            self._mark = None if self._ready_mark is None else self._ready_mark()
 
     def alive(self) -> None:
         """The coordinator answered: restart the give-up clock and the backoff delay."""

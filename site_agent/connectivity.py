@@ -72,9 +72,11 @@ class RoundTimer:
 class ConnectivityWatch:
     """Follows a channel's connectivity and wakes retry sleeps when it becomes READY."""
 
-    def __init__(self, channel: grpc.Channel, stop: threading.Event) -> None:
+    def __init__(self, channel: grpc.Channel, stop: threading.Event, *, nudge_s: float = 0.5) -> None:
         self._channel = channel
         self._stop = stop
+        self._nudge_s = nudge_s
+        """How often a sleep asks a channel that is not READY to dial again."""
         self._cond = threading.Condition()
         self._state: grpc.ChannelConnectivity | None = None
         self._ready_count = 0
@@ -104,11 +106,10 @@ class ConnectivityWatch:
         mark ``since`` (a ``ready_count`` taken before the failed call; default: now), so a
         path that came back while the call failed is retried at once. Returns False when
         ``stop`` is set (the caller checks)."""
-        deadline = time.monotonic() + seconds
-        # A channel left IDLE by a dropped connection dials again only when asked: the ready
-        # future asks (and gRPC's own reconnect backoff, capped by ``reconnect_options``, then
-        # keeps dialling); it is cancelled when the sleep ends.
-        nudge = None if self._state is grpc.ChannelConnectivity.READY else grpc.channel_ready_future(self._channel)
+        now = time.monotonic()
+        deadline = now + seconds
+        nudge: grpc.Future | None = None
+        nudged_s = -float("inf")
         try:
             with self._cond:
                 seen = self._ready_count if since is None else since
@@ -117,9 +118,17 @@ class ConnectivityWatch:
                         self.wakeups += 1
                         logger.info("the channel to the coordinator is ready again: retrying now")
                         return True
-                    remaining = deadline - time.monotonic()
+                    now = time.monotonic()
+                    remaining = deadline - now
                     if remaining <= 0:
                         return False
+                    if self._state is not grpc.ChannelConnectivity.READY and now - nudged_s >= self._nudge_s:
+                        # A channel left IDLE by a dropped connection dials again only when
+                        # asked; a ready future asks once (gRPC's own reconnect backoff, capped
+                        # by ``reconnect_options``, covers failures in between).
+                        if nudge is not None:
+                            nudge.cancel()
+                        nudge, nudged_s = grpc.channel_ready_future(self._channel), now
                     self._cond.wait(min(remaining, _STOP_POLL_S))
             return False
         finally:

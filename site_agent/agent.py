@@ -35,6 +35,14 @@ Rules the loop follows (the coordinator's side is in ``geoloco.coordinator.round
 * **Dropped by the coordinator** (missed heartbeats, same session): the site re-joins and carries
   on with its pending update (re-sent when its round is still open, otherwise resolved by the
   round's broadcast as above).
+* **Site restart** (``config.state_dir``; ``geoloco.site_agent.persist``). The state saved at
+  the last round boundary is taken back before the first join, with the coordinator session it
+  belonged to: the same session at the join means only this process restarted, so a saved update
+  is re-sent (its round still open; the coordinator recognises it) or resolved by its round's
+  broadcast (the round closed meanwhile), exactly as after a drop. A state of another site,
+  model or run is refused.
+* **Link cut.** Retries sleep with backoff capped by a fraction of the round time, and wake the
+  moment the channel is READY again (``geoloco.site_agent.connectivity``).
 * **Non-finite update.** Not sent; logged, the residual is reset, and the site takes the
   broadcast like a straggler.
 
@@ -71,9 +79,6 @@ from geoloco.site_agent.client import (
 )
 from geoloco.site_agent.config import JoinInfo, SiteAgentConfig, SiteHooks, resolve_device
 from geoloco.site_agent.distributed import IntraSiteGroup
-from geoloco.site_agent.plain import PlainRounds
-from geoloco.site_agent.runner import RoundRunner
-from geoloco.site_agent.secure_site import SecureUplink
 from geoloco.site_agent.persist import (
     SiteSnapshot,
     SiteStateError,
@@ -84,6 +89,9 @@ from geoloco.site_agent.persist import (
     run_fingerprint,
     unprefixed,
 )
+from geoloco.site_agent.plain import PlainRounds
+from geoloco.site_agent.runner import RoundRunner
+from geoloco.site_agent.secure_site import SecureUplink
 from geoloco.site_agent.state import RunConfigChange, SiteState
 from geoloco.site_agent.streaming import StreamingRounds
 from geoloco.site_agent.trainer import LossFn, SiteTrainer

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import random
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -51,8 +49,18 @@ from geoloco.protos.wire import (
     read_model_stream,
     upload_requests,
 )
+from geoloco.site_agent.backoff import Backoff, describe_error
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.connectivity import ConnectivityWatch, RoundTimer, backoff_cap, reconnect_options
+from geoloco.site_agent.errors import (
+    AgentStopped,
+    CoordinatorUnreachableError,
+    RejoinRequired,
+    RoundClosed,
+    RunFinished,
+    SiteAgentError,
+    UpdateRejected,
+)
 
 __all__ = [
     "AgentStopped",
@@ -93,46 +101,12 @@ SOFTWARE_VERSION = _software_version()
 """Sent in Join, for the coordinator's log."""
 
 
-class SiteAgentError(RuntimeError):
-    """The coordinator refused a request for a reason retrying cannot fix."""
-
-
-class CoordinatorUnreachableError(SiteAgentError):
-    """No successful call for ``give_up_after_s`` seconds."""
-
-
-class AgentStopped(Exception):
-    """``SiteAgent.stop()`` was called while the agent waited."""
-
-
-class RejoinRequired(Exception):
-    """The coordinator restarted (stale session) or dropped this site: call Join again."""
-
-
-class RoundClosed(Exception):
-    """The round the site uploads for is closed (too late) or not open."""
-
-
-class RunFinished(Exception):
-    """The run is over."""
-
-
-class UpdateRejected(SiteAgentError):
-    """The coordinator rejected the update's content (e.g. non-finite values) for this round."""
-
-
 @dataclass(slots=True)
 class TransferStats:
     """Serialized message bytes received, for the round's metrics (bytes sent are the
     uploads' own sizes)."""
 
     received: int = 0
-
-
-def _describe(error: grpc.RpcError) -> str:
-    code = error.code() if hasattr(error, "code") else None
-    details = error.details() if hasattr(error, "details") else str(error)
-    return f"{code.name if code else 'UNKNOWN'}: {details}"
 
 
 class CoordinatorClient:
@@ -182,18 +156,18 @@ class CoordinatorClient:
             return AgentStopped()
         reason = error_reason(error)
         if reason in (pb.ERROR_REASON_STALE_SESSION, pb.ERROR_REASON_NOT_A_MEMBER):
-            return RejoinRequired(_describe(error))
+            return RejoinRequired(describe_error(error))
         if reason == pb.ERROR_REASON_RUN_FINISHED:
-            return RunFinished(_describe(error))
+            return RunFinished(describe_error(error))
         if reason in (pb.ERROR_REASON_WRONG_ROUND, pb.ERROR_REASON_MANIFEST_CONFLICT):
             # Too late, or the round already holds another update from this site (sent before
             # a restart of this process): either way the round's broadcast settles it.
-            return RoundClosed(_describe(error))
+            return RoundClosed(describe_error(error))
         if code in TRANSIENT_CODES:
             return None
         if code == grpc.StatusCode.INVALID_ARGUMENT and reason == pb.ERROR_REASON_BAD_MANIFEST:
-            return UpdateRejected(_describe(error))
-        return SiteAgentError(f"the coordinator at {self.target} refused the request: {_describe(error)}")
+            return UpdateRejected(describe_error(error))
+        return SiteAgentError(f"the coordinator at {self.target} refused the request: {describe_error(error)}")
 
     def _sleep(self, seconds: float, since: int | None) -> None:
         self.connectivity.sleep(seconds, since=since)
@@ -204,13 +178,13 @@ class CoordinatorClient:
         """The longest pause between retries now (``connectivity.backoff_cap``)."""
         return backoff_cap(self.config, self.round_timer.round_time_s)
 
-    def _backoff(self, what: str) -> _Backoff:
-        return _Backoff(
+    def _backoff(self, what: str) -> Backoff:
+        return Backoff(
             what, config=self.config, target=self.target, classify=self._classify, sleep=self._sleep,
             cap=self.backoff_cap, ready_mark=lambda: self.connectivity.ready_count,
         )
 
-    def _call(self, what: str, attempt: Callable[[], T], backoff: _Backoff | None = None) -> T:
+    def _call(self, what: str, attempt: Callable[[], T], backoff: Backoff | None = None) -> T:
         """Run ``attempt`` until it succeeds, retrying transient failures with backoff."""
         backoff = backoff or self._backoff(what)
         while True:
@@ -285,7 +259,7 @@ class CoordinatorClient:
                 timeout=LEAVE_TIMEOUT_S,
             )
         except grpc.RpcError as error:
-            logger.info("Leave failed (%s); the coordinator will time this site out", _describe(error))
+            logger.info("Leave failed (%s); the coordinator will time this site out", describe_error(error))
 
     # ---------------------------------------------------------------------------------------
     # FetchModel
@@ -537,73 +511,6 @@ class OpenBroadcast:
         if call is not None:
             call.cancel()
             self._release(call)
-
-
-class _Backoff:
-    """Exponential backoff with jitter for one logical operation, and its give-up clock."""
-
-    def __init__(
-        self,
-        what: str,
-        *,
-        config: SiteAgentConfig,
-        target: str,
-        classify: Callable[[grpc.RpcError], Exception | None],
-        sleep: Callable[[float, int | None], None],
-        cap: Callable[[], float] | None = None,
-        ready_mark: Callable[[], int] | None = None,
-    ) -> None:
-        self.what = what
-        self.config = config
-        self.target = target
-        self._classify = classify
-        """The exception for an error retrying cannot fix, or None."""
-        self._sleep = sleep
-        """Sleep (cut short when the channel became READY after the mark it is given), or
-        raise ``AgentStopped`` when the agent is asked to stop meanwhile."""
-        self._cap = cap or (lambda: config.backoff_max_s)
-        """The longest pause now (a fraction of the round time, ``backoff_cap``)."""
-        self._ready_mark = ready_mark
-        self._mark: int | None = None
-        self.started = time.monotonic()
-        self.delay = config.backoff_initial_s
-        self.failures = 0
-
-    def attempting(self, since: int | None = None) -> None:
-        """A call is about to go out (or went out when the channel's ready count was
-        ``since``): a connection made after that means the path is up, so a failed call is
-        retried at once instead of after its pause."""
-        if since is not None:
-            self._mark = since
-        else:
-            self._mark = None if self._ready_mark is None else self._ready_mark()
-
-    def alive(self) -> None:
-        """The coordinator answered: restart the give-up clock and the backoff delay."""
-        self.started = time.monotonic()
-        self.delay = self.config.backoff_initial_s
-
-    def failed(self, error: grpc.RpcError) -> None:
-        """Raise what retrying cannot fix (or when it is time to give up); else sleep."""
-        classified = self._classify(error)
-        if classified is not None:
-            raise classified from None
-        self.failures += 1
-        elapsed = time.monotonic() - self.started
-        give_up = self.config.give_up_after_s
-        if elapsed >= give_up:
-            raise CoordinatorUnreachableError(
-                f"{self.what}: no successful answer from the coordinator at {self.target} for "
-                f"{elapsed:.0f} s ({self.failures} attempts, last error {_describe(error)}); check "
-                "that it is running and reachable, or raise give_up_after_s"
-            ) from None
-        pause = min(self.delay, self._cap()) * random.uniform(0.5, 1.0)
-        logger.log(
-            logging.INFO if self.failures in (1, 5, 20) else logging.DEBUG,
-            "%s failed (%s); retry %d in %.2f s", self.what, _describe(error), self.failures, pause,
-        )
-        self._sleep(min(pause, give_up - elapsed + 0.01), self._mark)
-        self.delay = min(self.delay * 2, self.config.backoff_max_s)
 
 
 class _TransientWireError(grpc.RpcError):

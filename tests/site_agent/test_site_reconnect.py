@@ -26,7 +26,7 @@ from geoloco.protos.transport import TLSFiles
 from geoloco.scenarios.shaping import LinkShape, RelayHub
 from geoloco.scenarios.workloads import MLPWorkload
 from geoloco.site_agent.agent import SiteAgent
-from geoloco.site_agent.client import _Backoff
+from geoloco.site_agent.backoff import Backoff
 from geoloco.site_agent.config import SiteAgentConfig, SiteHooks
 from geoloco.site_agent.connectivity import RoundTimer, backoff_cap
 
@@ -116,7 +116,7 @@ def test_retry_pauses_are_capped_by_a_fraction_of_the_round_time() -> None:
     assert timer.round_time_s == 2.0
 
     pauses: list[float] = []
-    backoff = _Backoff(
+    backoff = Backoff(
         "Upload", config=config, target="coordinator:1", classify=lambda _: None,
         sleep=lambda seconds, _mark: pauses.append(seconds),
         cap=lambda: backoff_cap(config, timer.round_time_s),

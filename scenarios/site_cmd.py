@@ -18,6 +18,9 @@ named with a number ("3") takes that number and ``num_sites`` = the coordinator'
 ``--site-index`` / ``--num-sites`` set them explicitly. Sites named "0".."N-1" with
 ``min_sites = N`` read exactly the streams ``geoloco simulate`` gives its sites.
 
+``--state-dir DIR`` saves the site's state at every round boundary and resumes from it when the
+same command runs again after a crash (``geoloco.site_agent.persist``).
+
 Multi-GPU sites run under ``torchrun`` (``torchrun --nproc_per_node=G -m geoloco.scenarios.cli
 site ...``): every rank trains with DDP, only rank 0 talks to the coordinator.
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from _agent_helpers import AgentThread, make_agent, make_certs, start_coordinator
 
+from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.scenarios.workloads import MLPWorkload, MLPWorkloadConfig
 from geoloco.site_agent.agent import SiteAgent, SiteRunSummary
@@ -29,6 +31,7 @@ from geoloco.site_agent.persist import (
     load_optimizer_state,
     optimizer_state,
 )
+from geoloco.site_agent.trainer import SiteTrainer
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +188,37 @@ def test_the_data_stream_is_replayed_to_the_saved_position(certs: Path, tmp_path
         assert all(torch.equal(x, y) for x, y in zip(actual, expected, strict=True))
     finally:
         server.stop(grace=0)
+
+
+def _trainer(workload: MLPWorkload) -> SiteTrainer:
+    inner = InnerOptimizerConfig(lr=1e-2, schedule="cosine", warmup_steps=3, decay_steps=40)
+    model = workload.build_model(0)
+    optimizer = inner.build(model.parameters())
+    return SiteTrainer(
+        model, optimizer, workload.site_batches(0, 1, 0), workload.loss, site="a",
+        config=SiteAgentConfig(device="cpu"), device=torch.device("cpu"), group=None,
+        lr_schedule=inner.build_schedule(optimizer), stop=threading.Event(),
+    )
+
+
+def test_trainer_state_round_trips_the_lr_step_data_position_and_next_steps_exactly(tmp_path: Path) -> None:
+    """Seven steps, saved, restored into a fresh trainer: the lr schedule stands at step 7 (not
+    at a round's nominal start), and both trainers' next steps give the same weights."""
+    mlp = MLPWorkload()
+    first = _trainer(mlp)
+    first.train_steps(7)
+    tensors, meta = first.snapshot()
+    store = SiteStateStore(tmp_path)
+    store.save(SiteSnapshot(tensors=tensors, meta=meta))
+    saved = SiteStateStore(tmp_path).load()
+    assert saved is not None
+
+    second = _trainer(mlp)
+    second.load_(first.flatten())
+    second.restore(saved.tensors, saved.meta)
+    assert second.lr_schedule is not None and second.lr_schedule.step_count == 7
+    assert second.optimizer.param_groups[0]["lr"] == first.optimizer.param_groups[0]["lr"]
+    assert second.steps_done == first.steps_done == 7
+    first.train_steps(5)
+    second.train_steps(5)
+    assert torch.equal(first.flatten(), second.flatten())

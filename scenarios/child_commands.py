@@ -21,6 +21,7 @@ __all__ = [
     "coordinator_table",
     "geoloco_command",
     "site_command",
+    "site_state_dir",
     "to_toml",
 ]
 
@@ -105,6 +106,12 @@ def coordinator_table(
     }
 
 
+def site_state_dir(certs_dir: Path, site: str) -> Path:
+    """Where an emulated site keeps its state: ``OUT/site-state/NAME``, next to the run's
+    certificates in ``OUT/certs``, so a killed site restarts from its own saved state."""
+    return certs_dir.resolve().parent / "site-state" / site
+
+
 def site_command(
     scenario: Scenario, index: int, *, coordinator: str, certs_dir: Path, log_level: str
 ) -> list[str]:
@@ -120,5 +127,6 @@ def site_command(
         "--site-index", str(scenario.shard_of(index)),
         "--num-sites", str(len(scenario.sites)),
         "--backoff-max", repr(SITE_BACKOFF_MAX_S),
+        "--state-dir", str(site_state_dir(certs_dir, site.name)),
         *(["--speed-factor", repr(site.speed_factor)] if site.speed_factor != 1.0 else []),
     )

@@ -159,6 +159,7 @@ def emulate(
     if out.exists() and any(out.iterdir()):
         # A previous run's checkpoints would make the coordinator resume instead of start.
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        shutil.rmtree(out / "site-state", ignore_errors=True)  # the sites' too (site_state_dir)
     progress = Progress()
     emulation = Emulation(
         scenario, out, progress=progress, log_level=log_level, shaping=shaping  # type: ignore[arg-type]

@@ -18,6 +18,9 @@ named with a number ("3") takes that number and ``num_sites`` = the coordinator'
 ``--site-index`` / ``--num-sites`` set them explicitly. Sites named "0".."N-1" with
 ``min_sites = N`` read exactly the streams ``geoloco simulate`` gives its sites.
 
+``--state-dir DIR`` saves the site's state at every round boundary and resumes from it when the
+same command runs again after a crash (``geoloco.site_agent.persist``).
+
 Multi-GPU sites run under ``torchrun`` (``torchrun --nproc_per_node=G -m geoloco.scenarios.cli
 site ...``): every rank trains with DDP, only rank 0 talks to the coordinator.
 
@@ -205,6 +208,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=DEFAULT_BACKOFF_MAX_S,
         metavar="SECONDS",
         help="longest pause between reconnection attempts (default: %(default)g)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="save this site's state here at every round boundary (weights, inner optimizer, "
+        "error-feedback residuals, data position) and resume from it when restarted with the "
+        "same folder; one folder per site and run (default: not saved)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -430,6 +441,7 @@ def _run(args: argparse.Namespace) -> int:
             give_up_after_s=args.give_up_after,
             backoff_initial_s=min(0.2, args.backoff_max),
             backoff_max_s=args.backoff_max,
+            state_dir=None if args.state_dir is None else str(args.state_dir),
         )
         probe_stop = threading.Event()
         stop.on_stop = probe_stop.set
@@ -523,6 +535,11 @@ def _run(args: argparse.Namespace) -> int:
                 if probe_client is not None:
                     probe_client.leave(f"site could not start: {err}")
                 raise
+            except SiteAgentError as err:  # e.g. a saved state of another run in --state-dir
+                if probe_client is not None:
+                    probe_client.leave(f"site could not start: {err}")
+                print(f"geoloco site: error: {err}", file=sys.stderr)
+                return EXIT_RUNTIME_ERROR
             finally:
                 if probe_client is not None:
                     probe_client.close()

@@ -13,6 +13,9 @@
 - ``client``: ``CoordinatorClient`` (retries with backoff and jitter, resumable transfers) and the
   errors the agent raises (``SiteAgentError``, ``CoordinatorUnreachableError``).
 - ``distributed``: intra-site ``torch.distributed`` groups for multi-GPU sites (``init_from_env``).
+- ``connectivity``: prompt reconnection when the path to the coordinator comes back.
+- ``persist`` / ``atomic_files``: the site's state saved under ``state_dir`` at every round
+  boundary, so a killed and restarted site goes on as if it never stopped.
 """
 
 from __future__ import annotations

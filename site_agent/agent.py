@@ -35,6 +35,14 @@ Rules the loop follows (the coordinator's side is in ``geoloco.coordinator.round
 * **Dropped by the coordinator** (missed heartbeats, same session): the site re-joins and carries
   on with its pending update (re-sent when its round is still open, otherwise resolved by the
   round's broadcast as above).
+* **Site restart** (``config.state_dir``; ``geoloco.site_agent.persist``). The state saved at
+  the last round boundary is taken back before the first join, with the coordinator session it
+  belonged to: the same session at the join means only this process restarted, so a saved update
+  is re-sent (its round still open; the coordinator recognises it) or resolved by its round's
+  broadcast (the round closed meanwhile), exactly as after a drop. A state of another site,
+  model or run is refused.
+* **Link cut.** Retries sleep with backoff capped by a fraction of the round time, and wake the
+  moment the channel is READY again (``geoloco.site_agent.connectivity``).
 * **Non-finite update.** Not sent; logged, the residual is reset, and the site takes the
   broadcast like a straggler.
 
@@ -71,6 +79,16 @@ from geoloco.site_agent.client import (
 )
 from geoloco.site_agent.config import JoinInfo, SiteAgentConfig, SiteHooks, resolve_device
 from geoloco.site_agent.distributed import IntraSiteGroup
+from geoloco.site_agent.persist import (
+    SiteSnapshot,
+    SiteStateError,
+    SiteStateStore,
+    check_layout,
+    layout_fingerprint,
+    prefixed,
+    run_fingerprint,
+    unprefixed,
+)
 from geoloco.site_agent.plain import PlainRounds
 from geoloco.site_agent.runner import RoundRunner
 from geoloco.site_agent.secure_site import SecureUplink
@@ -166,6 +184,18 @@ class SiteAgent:
         self._heartbeat_thread: threading.Thread | None = None
         self._rounds: RoundRunner | None = None
         """Runs the rounds the coordinator's run config asks for (built at the first join)."""
+        self._store: SiteStateStore | None = None
+        """Where the site's state is saved at every round boundary (``config.state_dir``)."""
+        self._restored: SiteSnapshot | None = None
+        """A saved state being taken back: its run and runner parts wait for the first join."""
+        self._not_saved_warned = False
+        if self.config.state_dir is not None:
+            if group is not None and group.is_distributed:
+                raise SiteAgentError(
+                    "state_dir is not supported for multi-rank (torchrun) sites yet; leave it unset"
+                )
+            self._store = SiteStateStore(self.config.state_dir)
+            self._restore()
 
     # ---------------------------------------------------------------------------------------
     # Public surface
@@ -227,6 +257,10 @@ class SiteAgent:
             server_name=self._server_name,
             interceptors=self._interceptors,
         )
+        if self._restored is not None:
+            # The coordinator's session the saved site belonged to: the same session after the
+            # join means this process restarted, not the coordinator (``rejoined``).
+            self._client.session_id = str(self._restored.meta.get("session_id", ""))
         state = self.state
         reason = "run finished"
         needs_join = True
@@ -300,6 +334,7 @@ class SiteAgent:
             digest_hex=state.digest,
         )
         self._check_layout(response.layout)
+        self._check_restored_run(response.config)
         new_session = response.session_id != previous_session
         self._configure_rounds(state.adopt_run_config(response.config))
         coordinator_round = response.round.round
@@ -373,7 +408,94 @@ class SiteAgent:
         self._rounds = runner(
             site=self.site, state=state, trainer=self.trainer, client=lambda: self.client,
             hooks=self.hooks, strategy=strategy, uplink=uplink,
+            on_boundary=self._save_state if self._store is not None else None,
         )
+        restored, self._restored = self._restored, None
+        if restored is not None and restored.meta.get("runner") is not None:
+            self._rounds.restore(unprefixed("runner.", restored.tensors), restored.meta["runner"])
+
+    # ---------------------------------------------------------------------------------------
+    # Saved state (``geoloco.site_agent.persist``)
+
+    def _restore(self) -> None:
+        """Take back the state a previous process of this site saved, if any: the weights,
+        rounds, optimizer, data position and RNG now; the runner's part at the first join."""
+        assert self._store is not None
+        snapshot = self._store.load()
+        if snapshot is None:
+            return
+        where = self._store.directory
+        meta = snapshot.meta
+        if meta.get("site") != self.site:
+            raise SiteStateError(
+                f"the site state in {where} belongs to site {meta.get('site')!r}, not {self.site!r}; "
+                "give every site its own state_dir"
+            )
+        check_layout(meta.get("layout"), self.layout, where)
+        tensors = snapshot.tensors
+        self.state.restore(unprefixed("state.", tensors), meta["state"], self.trainer.device)
+        self.trainer.restore(unprefixed("trainer.", tensors), meta["trainer"])
+        if self.state.has_weights:
+            self.trainer.load_(self.state.global_weights)
+        self._restored = snapshot
+        logger.info(
+            "site %s: restored its state from %s (holding round %d, %d rounds trained%s)",
+            self.site, where, self.state.held_round, self.state.rounds_trained,
+            ", with an update awaiting its broadcast" if (meta.get("runner") or {}).get("pending") else "",
+        )
+
+    def _check_restored_run(self, config: pb.RunConfig) -> None:
+        """Refuse to go on from a state saved in another run (other seed, algorithm, optimizers,
+        workload or privacy settings): its optimizer, residuals and data position are not this
+        run's."""
+        if self._restored is None:
+            return
+        saved = self._restored.meta.get("run")
+        theirs = run_fingerprint(config.config_json)
+        if saved != theirs:
+            differ = sorted(k for k in set(saved or {}) | set(theirs) if (saved or {}).get(k) != theirs.get(k))
+            raise SiteStateError(
+                f"the site state in {self.config.state_dir} was saved in another run (the "
+                f"coordinator's {', '.join(differ)} differ); delete that folder to join this run "
+                "afresh, or point state_dir elsewhere"
+            )
+
+    def _save_state(self) -> None:
+        """Save the site's state (a round boundary). A failed save is logged, not fatal: the
+        previous state stays on disk, and training goes on."""
+        store, runner = self._store, self._rounds
+        assert store is not None and runner is not None
+        runner_part = runner.snapshot()
+        if runner_part is None:
+            if not self._not_saved_warned:
+                logger.warning(
+                    "site %s: state_dir is set but %s rounds are not saved (only plain DiLoCo "
+                    "rounds without secure aggregation are); a restart starts this site afresh",
+                    self.site, type(runner).__name__,
+                )
+                self._not_saved_warned = True
+            return
+        state_tensors, state_meta = self.state.snapshot()
+        trainer_tensors, trainer_meta = self.trainer.snapshot()
+        runner_tensors, runner_meta = runner_part
+        tensors = {
+            **prefixed("state.", state_tensors),
+            **prefixed("trainer.", trainer_tensors),
+            **prefixed("runner.", runner_tensors),
+        }
+        meta = {
+            "site": self.site,
+            "layout": layout_fingerprint(self.layout),
+            "run": run_fingerprint(self.state.run_config.config_json),
+            "session_id": self.client.session_id,
+            "state": state_meta,
+            "trainer": trainer_meta,
+            "runner": runner_meta,
+        }
+        try:
+            store.save(SiteSnapshot(tensors=tensors, meta=meta))
+        except (OSError, ValueError) as err:
+            logger.error("site %s: could not save its state in %s: %s", self.site, store.directory, err)
 
     # ---------------------------------------------------------------------------------------
     # Heartbeats

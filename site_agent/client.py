@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import random
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -51,7 +49,18 @@ from geoloco.protos.wire import (
     read_model_stream,
     upload_requests,
 )
+from geoloco.site_agent.backoff import Backoff, describe_error
 from geoloco.site_agent.config import SiteAgentConfig
+from geoloco.site_agent.connectivity import ConnectivityWatch, RoundTimer, backoff_cap, reconnect_options
+from geoloco.site_agent.errors import (
+    AgentStopped,
+    CoordinatorUnreachableError,
+    RejoinRequired,
+    RoundClosed,
+    RunFinished,
+    SiteAgentError,
+    UpdateRejected,
+)
 
 __all__ = [
     "AgentStopped",
@@ -92,46 +101,12 @@ SOFTWARE_VERSION = _software_version()
 """Sent in Join, for the coordinator's log."""
 
 
-class SiteAgentError(RuntimeError):
-    """The coordinator refused a request for a reason retrying cannot fix."""
-
-
-class CoordinatorUnreachableError(SiteAgentError):
-    """No successful call for ``give_up_after_s`` seconds."""
-
-
-class AgentStopped(Exception):
-    """``SiteAgent.stop()`` was called while the agent waited."""
-
-
-class RejoinRequired(Exception):
-    """The coordinator restarted (stale session) or dropped this site: call Join again."""
-
-
-class RoundClosed(Exception):
-    """The round the site uploads for is closed (too late) or not open."""
-
-
-class RunFinished(Exception):
-    """The run is over."""
-
-
-class UpdateRejected(SiteAgentError):
-    """The coordinator rejected the update's content (e.g. non-finite values) for this round."""
-
-
 @dataclass(slots=True)
 class TransferStats:
     """Serialized message bytes received, for the round's metrics (bytes sent are the
     uploads' own sizes)."""
 
     received: int = 0
-
-
-def _describe(error: grpc.RpcError) -> str:
-    code = error.code() if hasattr(error, "code") else None
-    details = error.details() if hasattr(error, "details") else str(error)
-    return f"{code.name if code else 'UNKNOWN'}: {details}"
 
 
 class CoordinatorClient:
@@ -154,7 +129,10 @@ class CoordinatorClient:
         self.site = site
         self.config = config
         self._stop = stop_event
-        channel = client_channel(target, tls=tls, insecure=insecure, server_name=server_name)
+        channel = client_channel(
+            target, tls=tls, insecure=insecure, server_name=server_name,
+            extra_options=reconnect_options(config),
+        )
         interceptors = list(interceptors)
         self._channel = grpc.intercept_channel(channel, *interceptors) if interceptors else channel
         self._raw_channel = channel
@@ -163,6 +141,10 @@ class CoordinatorClient:
         self.stats = TransferStats()
         self._active_calls: set[Any] = set()
         self._lock = threading.Lock()
+        self.connectivity = ConnectivityWatch(channel, stop_event)
+        """Wakes retry sleeps when the path to the coordinator comes back."""
+        self.round_timer = RoundTimer()
+        """The round time seen (between broadcasts): retries are a fraction of it apart."""
 
     # ---------------------------------------------------------------------------------------
     # Error handling and retries
@@ -174,34 +156,41 @@ class CoordinatorClient:
             return AgentStopped()
         reason = error_reason(error)
         if reason in (pb.ERROR_REASON_STALE_SESSION, pb.ERROR_REASON_NOT_A_MEMBER):
-            return RejoinRequired(_describe(error))
+            return RejoinRequired(describe_error(error))
         if reason == pb.ERROR_REASON_RUN_FINISHED:
-            return RunFinished(_describe(error))
+            return RunFinished(describe_error(error))
         if reason in (pb.ERROR_REASON_WRONG_ROUND, pb.ERROR_REASON_MANIFEST_CONFLICT):
             # Too late, or the round already holds another update from this site (sent before
             # a restart of this process): either way the round's broadcast settles it.
-            return RoundClosed(_describe(error))
+            return RoundClosed(describe_error(error))
         if code in TRANSIENT_CODES:
             return None
         if code == grpc.StatusCode.INVALID_ARGUMENT and reason == pb.ERROR_REASON_BAD_MANIFEST:
-            return UpdateRejected(_describe(error))
-        return SiteAgentError(f"the coordinator at {self.target} refused the request: {_describe(error)}")
+            return UpdateRejected(describe_error(error))
+        return SiteAgentError(f"the coordinator at {self.target} refused the request: {describe_error(error)}")
 
-    def _sleep(self, seconds: float) -> None:
-        if self._stop.wait(seconds):
+    def _sleep(self, seconds: float, since: int | None) -> None:
+        self.connectivity.sleep(seconds, since=since)
+        if self._stop.is_set():
             raise AgentStopped()
 
-    def _backoff(self, what: str) -> _Backoff:
-        return _Backoff(
-            what, config=self.config, target=self.target, classify=self._classify, sleep=self._sleep
+    def backoff_cap(self) -> float:
+        """The longest pause between retries now (``connectivity.backoff_cap``)."""
+        return backoff_cap(self.config, self.round_timer.round_time_s)
+
+    def _backoff(self, what: str) -> Backoff:
+        return Backoff(
+            what, config=self.config, target=self.target, classify=self._classify, sleep=self._sleep,
+            cap=self.backoff_cap, ready_mark=lambda: self.connectivity.ready_count,
         )
 
-    def _call(self, what: str, attempt: Callable[[], T], backoff: _Backoff | None = None) -> T:
+    def _call(self, what: str, attempt: Callable[[], T], backoff: Backoff | None = None) -> T:
         """Run ``attempt`` until it succeeds, retrying transient failures with backoff."""
         backoff = backoff or self._backoff(what)
         while True:
             if self._stop.is_set():
                 raise AgentStopped()
+            backoff.attempting()
             try:
                 return attempt()
             except grpc.RpcError as error:
@@ -270,7 +259,7 @@ class CoordinatorClient:
                 timeout=LEAVE_TIMEOUT_S,
             )
         except grpc.RpcError as error:
-            logger.info("Leave failed (%s); the coordinator will time this site out", _describe(error))
+            logger.info("Leave failed (%s); the coordinator will time this site out", describe_error(error))
 
     # ---------------------------------------------------------------------------------------
     # FetchModel
@@ -354,6 +343,7 @@ class CoordinatorClient:
         for attempt_index in range(self.config.max_upload_attempts):
             if self._stop.is_set():
                 raise AgentStopped()
+            backoff.attempting()
             try:
                 requests = upload_requests(manifest, data, missing=missing)
                 response = self._stub.Upload(requests, timeout=timeout)
@@ -432,7 +422,10 @@ class CoordinatorClient:
         its upload's response would have reached it. Pass the result to ``await_broadcast``, or
         ``cancel`` it when the upload fails.
         """
-        return OpenBroadcast(round_number, self._await_call(round_number, 0), release=self._untrack)
+        mark = self.connectivity.ready_count
+        return OpenBroadcast(
+            round_number, self._await_call(round_number, 0), release=self._untrack, ready_mark=mark
+        )
 
     def await_broadcast(
         self,
@@ -453,6 +446,7 @@ class CoordinatorClient:
         download = Download()
         backoff = self._backoff(f"AwaitBroadcast for round {round_number}")
         first = opened.take() if opened is not None else None
+        first_mark = opened.ready_mark if opened is not None else None
 
         def progress(message: pb.RoundProgress) -> None:
             backoff.alive()  # a round may take longer than give_up_after_s; progress is contact
@@ -462,7 +456,9 @@ class CoordinatorClient:
         def attempt() -> tuple[pb.BroadcastHeader, bytes | None]:
             nonlocal first
             if first is not None:
+                # Opened before the upload: a path that came back since then must count.
                 call, first = first, None
+                backoff.attempting(since=first_mark)
             else:
                 start, _ = download.resume_point()
                 call = self._await_call(round_number, start)
@@ -479,18 +475,25 @@ class CoordinatorClient:
                 raise _TransientWireError(error) from None
             return header, data
 
-        return self._call("AwaitBroadcast", _wire_retrying(attempt), backoff)
+        answer = self._call("AwaitBroadcast", _wire_retrying(attempt), backoff)
+        self.round_timer.broadcast_received()
+        return answer
 
     def close(self) -> None:
         self.cancel_active_calls()
+        self.connectivity.close()
         self._raw_channel.close()
 
 
 class OpenBroadcast:
     """An AwaitBroadcast call started ahead of the upload it waits on (see ``open_broadcast``)."""
 
-    def __init__(self, round_number: int, call: Any, *, release: Callable[[Any], None]) -> None:
+    def __init__(
+        self, round_number: int, call: Any, *, release: Callable[[Any], None], ready_mark: int | None = None
+    ) -> None:
         self.round = round_number
+        self.ready_mark = ready_mark
+        """The channel's ``ready_count`` when the call went out (``ConnectivityWatch``)."""
         self._call: Any = call
         self._release = release
         """Forget the call in the client's list of active calls."""
@@ -508,57 +511,6 @@ class OpenBroadcast:
         if call is not None:
             call.cancel()
             self._release(call)
-
-
-class _Backoff:
-    """Exponential backoff with jitter for one logical operation, and its give-up clock."""
-
-    def __init__(
-        self,
-        what: str,
-        *,
-        config: SiteAgentConfig,
-        target: str,
-        classify: Callable[[grpc.RpcError], Exception | None],
-        sleep: Callable[[float], None],
-    ) -> None:
-        self.what = what
-        self.config = config
-        self.target = target
-        self._classify = classify
-        """The exception for an error retrying cannot fix, or None."""
-        self._sleep = sleep
-        """Sleep, or raise ``AgentStopped`` when the agent is asked to stop meanwhile."""
-        self.started = time.monotonic()
-        self.delay = config.backoff_initial_s
-        self.failures = 0
-
-    def alive(self) -> None:
-        """The coordinator answered: restart the give-up clock and the backoff delay."""
-        self.started = time.monotonic()
-        self.delay = self.config.backoff_initial_s
-
-    def failed(self, error: grpc.RpcError) -> None:
-        """Raise what retrying cannot fix (or when it is time to give up); else sleep."""
-        classified = self._classify(error)
-        if classified is not None:
-            raise classified from None
-        self.failures += 1
-        elapsed = time.monotonic() - self.started
-        give_up = self.config.give_up_after_s
-        if elapsed >= give_up:
-            raise CoordinatorUnreachableError(
-                f"{self.what}: no successful answer from the coordinator at {self.target} for "
-                f"{elapsed:.0f} s ({self.failures} attempts, last error {_describe(error)}); check "
-                "that it is running and reachable, or raise give_up_after_s"
-            ) from None
-        pause = min(self.delay, self.config.backoff_max_s) * random.uniform(0.5, 1.0)
-        logger.log(
-            logging.INFO if self.failures in (1, 5, 20) else logging.DEBUG,
-            "%s failed (%s); retry %d in %.2f s", self.what, _describe(error), self.failures, pause,
-        )
-        self._sleep(min(pause, give_up - elapsed + 0.01))
-        self.delay *= 2
 
 
 class _TransientWireError(grpc.RpcError):

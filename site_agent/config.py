@@ -40,6 +40,13 @@ class SiteAgentConfig:
     that many sites do not reconnect in lockstep."""
     backoff_max_s: float = 10.0
     """Longest delay between two retries."""
+    backoff_round_fraction: float = 0.25
+    """Once the site has seen a round's duration, retries are at most this fraction of it apart
+    (never less than ``backoff_initial_s``): a short link cut then costs a fraction of a round,
+    not several rounds."""
+    reconnect_max_s: float = 1.0
+    """Longest gRPC waits between two connection attempts while the coordinator is unreachable;
+    a retry sleeping meanwhile is woken the moment a connection succeeds."""
     chunk_size: int = DEFAULT_CHUNK_SIZE
     """Bytes per upload chunk."""
     min_transfer_rate: float = DEFAULT_MIN_TRANSFER_RATE
@@ -48,6 +55,12 @@ class SiteAgentConfig:
     """Deadline of one AwaitBroadcast call; a round that takes longer is simply waited for again."""
     max_upload_attempts: int = 20
     """Upload streams tried for one update before giving up (each resumes where the last broke)."""
+    state_dir: str | None = None
+    """Folder where the site saves its state at every round boundary (global weights, inner
+    optimizer, error-feedback residuals, data position, lr schedule, the update awaiting its
+    broadcast), so a site killed and restarted with the same folder goes on as if it never
+    stopped (``geoloco.site_agent.persist``). One folder per site and run; unset: not saved
+    (a restarted site fetches the weights and starts its optimizer and data afresh)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +87,16 @@ class SiteAgentConfig:
             f"must be > 0 and <= backoff_max_s ({self.backoff_max_s}), got {self.backoff_initial_s}",
         )
         require(
+            0 < self.backoff_round_fraction <= 1,
+            "backoff_round_fraction",
+            f"must be in (0, 1], got {self.backoff_round_fraction}",
+        )
+        require(
+            math.isfinite(self.reconnect_max_s) and self.reconnect_max_s > 0,
+            "reconnect_max_s",
+            f"must be > 0 seconds, got {self.reconnect_max_s}",
+        )
+        require(
             0 < self.chunk_size <= MAX_CHUNK_SIZE,
             "chunk_size",
             f"must be in 1..{MAX_CHUNK_SIZE} bytes, got {self.chunk_size}",
@@ -84,6 +107,11 @@ class SiteAgentConfig:
             f"must be > 0 bytes/s, got {self.min_transfer_rate}",
         )
         require(self.await_timeout_s > 0, "await_timeout_s", f"must be > 0, got {self.await_timeout_s}")
+        require(
+            self.state_dir is None or bool(str(self.state_dir).strip()),
+            "state_dir",
+            "must be a folder path or unset, got an empty string",
+        )
         require(
             self.max_upload_attempts >= 1,
             "max_upload_attempts",

@@ -14,14 +14,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import torch
 
 from geoloco.algorithms.diloco import pseudo_gradient
+from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import OpenBroadcast, RoundClosed, RunFinished, UpdateRejected
+from geoloco.site_agent.persist import prefixed, unprefixed
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
+from geoloco.site_agent.uplink import StrategyUplink, UplinkUpdate
 
 __all__ = ["PendingUpdate", "PlainRounds"]
 
@@ -71,6 +74,8 @@ class PlainRounds(RoundRunner):
                 return
             self._check_round_info()
             pending = self.pending = self._train_round()
+            # Saved before the upload: a site killed after it re-sends the very same bytes.
+            self._boundary()
         opened = None
         if pending.state == PENDING_NEW:
             opened = self.client.open_broadcast(pending.round)
@@ -105,6 +110,60 @@ class PlainRounds(RoundRunner):
             self.pending = None
             return False
         return True
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The uplink's residuals and the update awaiting its round's broadcast; None with
+        secure aggregation, whose masks and key stages belong to one process's round."""
+        uplink = self.uplink
+        if not isinstance(uplink, StrategyUplink):
+            return None
+        uplink_tensors, uplink_meta = uplink.state()
+        tensors = prefixed("uplink.", uplink_tensors)
+        meta: dict[str, Any] = {"uplink": uplink_meta, "pending": None}
+        pending = self.pending
+        if pending is not None:
+            trained = pending.trained
+            update = trained.update
+            meta["pending"] = {
+                "round": trained.round, "state": pending.state, "fold_late": pending.fold_late,
+                "loss": trained.loss, "samples": trained.samples, "inner_steps": trained.inner_steps,
+                "inner_time_s": trained.inner_time_s,
+                "update": None if update is None else {
+                    "fragment": update.fragment, "sample_weight": update.sample_weight,
+                    "wire": update.wire,
+                },
+            }
+            if update is not None:
+                data = bytearray(update.data)
+                tensors["pending.data"] = (
+                    torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+                )
+        return tensors, meta
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        uplink = self.uplink
+        if not isinstance(uplink, StrategyUplink):
+            return
+        uplink.load_state(unprefixed("uplink.", tensors), meta["uplink"], self.trainer.device)
+        saved = meta.get("pending")
+        if saved is None:
+            return
+        update = None
+        if saved["update"] is not None:
+            data = tensors["pending.data"].numpy().tobytes()
+            encoded = Encoded.from_bytes(data)
+            update = UplinkUpdate(
+                fragment=int(saved["update"]["fragment"]), data=data,
+                sample_weight=float(saved["update"]["sample_weight"]),
+                wire=dict(saved["update"]["wire"]), encoded=encoded,
+            )
+        trained = TrainedUpdate(
+            round=int(saved["round"]), update=update, loss=float(saved["loss"]),
+            samples=int(saved["samples"]), inner_steps=int(saved["inner_steps"]),
+            inner_time_s=float(saved["inner_time_s"]), started_s=time.monotonic(),
+        )
+        self.pending = PendingUpdate(trained, state=saved["state"], fold_late=bool(saved["fold_late"]))
+        logger.info("site %s: restored its update for round %d (%s)", self.site, trained.round, saved["state"])
 
     def _load_fetched(self, weights: torch.Tensor, held_before: int | None, round_number: int) -> None:
         self.trainer.load_(weights)
@@ -215,3 +274,4 @@ class PlainRounds(RoundRunner):
             bytes_up=len(trained.update.data) if uploaded and trained.update is not None else 0,
             bytes_down=self.client.stats.received - bytes_down_before,
         )
+        self._boundary()

@@ -16,6 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,6 +77,7 @@ class RoundRunner(ABC):
         hooks: SiteHooks,
         strategy: Strategy,
         uplink: SiteUplink,
+        on_boundary: Callable[[], None] | None = None,
     ) -> None:
         self.site = site
         self.state = state
@@ -84,6 +86,8 @@ class RoundRunner(ABC):
         self.strategy = strategy
         self.uplink = uplink
         self._client = client
+        self._on_boundary = on_boundary
+        """Called at every round boundary (the agent saves the site's state there)."""
         self._setup()
 
     @property
@@ -106,6 +110,20 @@ class RoundRunner(ABC):
         a coordinator restart); True while an update it trained is still to be resolved (so
         the join does not fetch weights over it)."""
         return False
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The runner's part of the site's saved state (``geoloco.site_agent.persist``); None
+        when this runner's rounds are not saved (the default)."""
+        return None
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Take a ``snapshot`` back, right after the runner was built at a restarted site's
+        first join."""
+        raise NotImplementedError(f"{type(self).__name__} does not restore saved state")
+
+    def _boundary(self) -> None:
+        if self._on_boundary is not None:
+            self._on_boundary()
 
     @abstractmethod
     def _load_fetched(self, weights: torch.Tensor, held_before: int | None, round_number: int) -> None:
@@ -181,6 +199,7 @@ class RoundRunner(ABC):
         header, data = answer
         self._apply_broadcast(round_number, header, data)
         self.state.take_broadcast_header(header)
+        self._boundary()
 
     def _encode(
         self, update: torch.Tensor, round_number: int, fragment: int, samples: int

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from geoloco.algorithms.strategy import AlgorithmConfig, Strategy
 from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import SiteAgentError
+from geoloco.site_agent.persist import b64decode, b64encode
 
 __all__ = ["RunConfigChange", "SiteState"]
 
@@ -217,6 +219,46 @@ class SiteState:
         """One more round trained; ``included``: the coordinator aggregated its update."""
         self._rounds_trained += 1
         self._rounds_included += int(included)
+
+    # ---------------------------------------------------------------------------------------
+    # Saving and restoring (``geoloco.site_agent.persist``)
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What a restarted site needs to hold the same weights, rounds and run config."""
+        tensors = {} if self._global is None else {"global": self._global}
+        meta = {
+            "held_round": self._held_round,
+            "coordinator_round": self._coordinator_round,
+            "digest": self._digest,
+            "round_info": b64encode(self._round_info.SerializeToString()),
+            "run_config": b64encode(self._run_config.SerializeToString()),
+            "rounds_trained": self._rounds_trained,
+            "rounds_included": self._rounds_included,
+        }
+        return tensors, meta
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], device: torch.device) -> None:
+        """Take a ``snapshot`` back (a restarted site, before its first join)."""
+        run_config = pb.RunConfig()
+        run_config.ParseFromString(b64decode(meta["run_config"]))
+        if run_config.config_json:
+            self.adopt_run_config(run_config)
+        round_info = pb.RoundInfo()
+        round_info.ParseFromString(b64decode(meta["round_info"]))
+        self._round_info = round_info
+        flat = tensors.get("global")
+        if flat is not None:
+            digest = weights_digest(flat)
+            if digest != meta["digest"]:
+                raise SiteAgentError(
+                    f"the saved global weights have digest {digest[:16]}..., their record says "
+                    f"{str(meta['digest'])[:16]}...; the site state is damaged"
+                )
+            self._global, self._digest = flat.to(device), digest
+        self._held_round = int(meta["held_round"])
+        self._coordinator_round = int(meta["coordinator_round"])
+        self._rounds_trained = int(meta["rounds_trained"])
+        self._rounds_included = int(meta["rounds_included"])
 
     def take_leader_tally(self, *, finished: bool, rounds_trained: int, rounds_included: int) -> None:
         """A follower rank's end: the rounds it trained, and the leader's verdict on the run

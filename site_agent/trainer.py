@@ -30,6 +30,7 @@ from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within
 from geoloco.site_agent.client import AgentStopped, SiteAgentError
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.distributed import IntraSiteGroup, unwrap_model
+from geoloco.site_agent.persist import load_optimizer_state, optimizer_state, prefixed, unprefixed
 
 __all__ = ["ACTION_STOP", "ACTION_TRAIN", "FollowerOutcome", "LossFn", "RoundTraining", "SiteTrainer"]
 
@@ -248,6 +249,55 @@ class SiteTrainer:
             with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
                 return self.loss_fn(model, batch)
         return self.loss_fn(model, batch)
+
+    # ---------------------------------------------------------------------------------------
+    # Saving and restoring (``geoloco.site_agent.persist``)
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What the site's next inner steps depend on besides the global weights: the inner
+        optimizer, the model's buffers, the data position, the lr schedule and torch's RNG."""
+        optimizer_tensors, optimizer_meta = optimizer_state(self.optimizer)
+        tensors = prefixed("optimizer.", optimizer_tensors)
+        tensors.update(prefixed("buffer.", dict(self.module.named_buffers())))
+        tensors["rng.cpu"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
+        meta = {
+            "optimizer": optimizer_meta,
+            "batches_drawn": self._steps_done,
+            "lr_schedule": None if self.lr_schedule is None else {
+                "step": self.lr_schedule.step_count, "round": self._lr_round,
+            },
+        }
+        return tensors, meta
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Take a ``snapshot`` back: the data stream is replayed to the batches drawn (a
+        deterministic iterator then continues exactly where the saved site was)."""
+        load_optimizer_state(self.optimizer, unprefixed("optimizer.", tensors), meta["optimizer"])
+        buffers = dict(self.module.named_buffers())
+        for name, saved in unprefixed("buffer.", tensors).items():
+            if name in buffers:
+                buffers[name].copy_(saved)
+        torch.set_rng_state(tensors["rng.cpu"])
+        if self.device.type == "cuda" and "rng.cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng.cuda"], self.device)
+        schedule = meta.get("lr_schedule")
+        if self.lr_schedule is not None and schedule is not None:
+            self.lr_schedule.seek(int(schedule["step"]))
+            self._lr_round = None if schedule["round"] is None else int(schedule["round"])
+        drawn = int(meta["batches_drawn"])
+        for index in range(drawn):
+            try:
+                next(self._data)
+            except StopIteration:
+                raise SiteAgentError(
+                    f"the site's data iterator ended after {index} batches while replaying it to the "
+                    f"saved position ({drawn} batches); pass the same endless iterator as the run "
+                    "that saved the state"
+                ) from None
+        self._steps_done = drawn
+        logger.info("site %s: data stream replayed to batch %d", self.site, drawn)
 
     # ---------------------------------------------------------------------------------------
     # Follower ranks of a multi-rank site

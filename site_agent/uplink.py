@@ -29,6 +29,7 @@ from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import CoordinatorClient
+from geoloco.site_agent.persist import SiteStateError, prefixed, unprefixed
 from geoloco.site_agent.secure_site import SecureUplink
 
 __all__ = ["MaskedUplink", "SiteUplink", "StrategyUplink", "UplinkUpdate"]
@@ -138,6 +139,34 @@ class StrategyUplink:
 
     def residual(self, fragment: int = 0) -> torch.Tensor | None:
         return self.encoders.encoders[fragment].residual
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Every fragment's error-feedback state (for ``geoloco.site_agent.persist``)."""
+        tensors: dict[str, torch.Tensor] = {}
+        meta: dict[str, Any] = {}
+        for fragment, encoder in enumerate(self.encoders.encoders):
+            tensors.update(prefixed(f"{fragment}.", encoder.state_tensors()))
+            meta[str(fragment)] = encoder.state_meta()
+        return tensors, meta
+
+    def load_state(
+        self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], device: torch.device
+    ) -> None:
+        """Take a ``state`` back (its tensors moved to ``device``, where updates are encoded)."""
+        encoders = self.encoders.encoders
+        if len(meta) != len(encoders):
+            raise SiteStateError(
+                f"the saved uplink has {len(meta)} fragments, this run's has {len(encoders)}"
+            )
+        for fragment, encoder in enumerate(encoders):
+            saved = meta[str(fragment)]
+            if saved.get("codec") != encoder.spec:
+                raise SiteStateError(
+                    f"the saved uplink of fragment {fragment} used codec {saved.get('codec')!r}, "
+                    f"this run uses {encoder.spec!r}"
+                )
+            own = {k: v.to(device) for k, v in unprefixed(f"{fragment}.", tensors).items()}
+            encoder.load_state(own, saved)
 
 
 class MaskedUplink:

@@ -28,7 +28,7 @@ class ReddiAdaptive(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[torch.nn.Parameter],
+        params: Iterable[torch.Tensor],
         *,
         lr: float,
         betas: tuple[float, float] = (0.9, 0.99),

@@ -93,7 +93,8 @@ def test_four_sites_secure_dp_one_site_killed_after_uploading(certs: Path, tmp_p
             server.stop()
     records = read_metrics(metrics_path)
     assert [r["round"] for r in records] == [0, 1, 2]
-    assert sorted(records[0]["participants"]) == SITES
+    # Round 0 may start before a slow in-process site joins (min_sites = 3 on a loaded machine).
+    assert "3" in records[0]["participants"] and len(records[0]["participants"]) >= 3
     assert sorted(records[1]["participants"]) == SITES  # its upload is in the sum
     assert records[1]["privacy"]["dropped_after_upload"] == ["3"]
     assert sorted(records[2]["participants"]) == ["0", "1", "2"]

@@ -50,13 +50,19 @@ from geoloco.protos.errors import IdentityError, StatusError
 from geoloco.protos.identity import site_from_uri, validate_site_name
 from geoloco.protos.transport_errors import (
     ERROR_REASON_KEY,
+    THREAD_POOL_ATTRIBUTE,
     ErrorStatusInterceptor,
+    MalformedRequest,
+    MalformedRequestError,
     RequireSiteCertificateInterceptor,
     abort,
     abort_with,
+    check_request,
+    checked_requests,
     default_interceptors,
     error_reason,
     rebuild_handler,
+    tolerant_deserializer,
 )
 from geoloco.protos.transport_malloc import (
     MALLOC_TUNABLES,
@@ -129,14 +135,19 @@ __all__ = [
     "UPLOAD_STATUS_TIMEOUT_S",
     "ErrorStatusInterceptor",
     "IdentityError",
+    "MalformedRequest",
+    "MalformedRequestError",
     "MiB",
     "RequireSiteCertificateInterceptor",
     "StatusError",
+    "THREAD_POOL_ATTRIBUTE",
     "TLSFiles",
     "abort",
     "abort_with",
     "add_coordinator_servicer",
     "build_server",
+    "check_request",
+    "checked_requests",
     "client_channel",
     "coordinator_stub",
     "default_interceptors",
@@ -151,6 +162,7 @@ __all__ = [
     "site_from_auth_context",
     "site_from_uri",
     "stop_server",
+    "tolerant_deserializer",
     "transfer_timeout",
     "validate_site_name",
     "wait_for_channel",
@@ -213,11 +225,26 @@ def add_coordinator_servicer(servicer: pb_grpc.CoordinatorServicer, server: grpc
     for name, (cardinality, request_type, response_type) in _METHODS.items():
         factory = getattr(grpc, f"{cardinality}_rpc_method_handler")
         handlers[name] = factory(
-            getattr(servicer, name),
-            request_deserializer=_deserializer(request_type),
+            _checking(getattr(servicer, name), name, streaming=cardinality.startswith("stream")),
+            request_deserializer=tolerant_deserializer(_deserializer(request_type), request_type.DESCRIPTOR.full_name),
             response_serializer=_serializer(response_type),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def _checking(behavior: Callable[..., Any], method: str, *, streaming: bool) -> Callable[..., Any]:
+    """``behavior`` refusing unparsable request bytes with ``MalformedRequestError``
+    (INVALID_ARGUMENT, counted like every refused call) before the servicer sees them."""
+    if streaming:
+        def call_with_stream(requests: Any, context: grpc.ServicerContext) -> Any:
+            return behavior(checked_requests(requests, method), context)
+
+        return call_with_stream
+
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        return behavior(check_request(request, method), context)
+
+    return call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,13 +261,15 @@ def build_server(
     max_workers: int = 32,
     interceptors: Sequence[grpc.ServerInterceptor] | None = None,
     extra_options: Sequence[tuple[str, Any]] = (),
+    maximum_concurrent_rpcs: int | None = None,
 ) -> tuple[grpc.Server, int]:
     """A not-yet-started gRPC server bound to ``host:port`` (0 = any free port) and the bound
     port. Register the servicer (``add_coordinator_servicer``), then ``server.start()``.
 
     With TLS, clients must present a certificate signed by ``tls.ca``, and the default
     interceptors also refuse certificates that name no site. Without explicit ``interceptors``
-    the server gets ``default_interceptors(insecure)``.
+    the server gets ``default_interceptors(insecure)``. ``maximum_concurrent_rpcs``: gRPC's own
+    bound on calls in progress (beyond it, RESOURCE_EXHAUSTED before any handler runs).
     """
     check_mode(tls, insecure)
     if interceptors is None:
@@ -249,6 +278,7 @@ def build_server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="geoloco-grpc"),
         options=list(SERVER_OPTIONS) + list(extra_options),
         interceptors=list(interceptors),
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if tls is None:

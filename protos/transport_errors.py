@@ -168,7 +168,7 @@ def tolerant_deserializer(parse: Callable[[bytes], Any], message_type: str) -> C
     def deserialize(buf: bytes) -> Any:
         try:
             return parse(buf)
-        except Exception as error:  # DecodeError, or whatever a hand-written parser raises
+        except Exception as error:  # noqa: BLE001 (DecodeError, or whatever a hand-written parser raises)
             return MalformedRequest(message_type, len(buf), error)
 
     return deserialize

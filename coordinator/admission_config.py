@@ -53,8 +53,10 @@ class AdmissionConfig:
     with UploadStatus). Long enough for one 4 MiB chunk on a link well below 1 Mbit/s."""
     silent_join_grace_s: float | None = None
     """A site that joined but made no other call (no heartbeat, no fetch, no upload) for this
-    long is dropped, so that a join with a made-up name cannot hold a round open until
-    ``heartbeat_timeout_s``. Unset: three heartbeat intervals, at most ``heartbeat_timeout_s``."""
+    long is dropped, so that a join with a made-up name (anyone may claim any name with
+    ``insecure``) cannot hold a round open until ``heartbeat_timeout_s``. Unset: no shorter grace,
+    such a site is dropped after ``heartbeat_timeout_s`` like any silent one. Three heartbeat
+    intervals is a good value: a live site heartbeats once per interval from its join on."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,10 +98,7 @@ class AdmissionConfig:
             f"must exceed max_streams ({max_streams}) so that heartbeats still get in when the "
             f"streams are all taken; got {total}",
         )
-        grace = (
-            min(3 * heartbeat_interval_s, heartbeat_timeout_s)
-            if self.silent_join_grace_s is None else self.silent_join_grace_s
-        )
+        grace = heartbeat_timeout_s if self.silent_join_grace_s is None else self.silent_join_grace_s
         require(
             heartbeat_interval_s < grace <= heartbeat_timeout_s,
             "admission.silent_join_grace_s",

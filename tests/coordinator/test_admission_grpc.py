@@ -330,4 +330,4 @@ def test_admission_defaults_follow_max_sites_and_the_heartbeat() -> None:
     limits = CoordinatorConfig(insecure=True, max_sites=10, heartbeat_interval_s=2.0).admission_limits
     assert limits.workers == server_workers(10)
     assert limits.max_streams < limits.workers < limits.max_concurrent_rpcs
-    assert limits.silent_join_grace_s == 6.0
+    assert limits.silent_join_grace_s == 15.0  # unset: no shorter grace than heartbeat_timeout_s

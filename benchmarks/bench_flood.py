@@ -196,7 +196,10 @@ def main(argv: list[str] | None = None) -> None:
         issue_coordinator(certs)
         for name in (*SITES, "intruder"):
             issue_site(certs, name)
-        kw = {"rounds": args.rounds, "inner_steps": args.inner_steps, "reopen_s": args.reopen_s, "timeout_s": args.timeout}
+        kw = {
+            "rounds": args.rounds, "inner_steps": args.inner_steps, "reopen_s": args.reopen_s,
+            "timeout_s": args.timeout,
+        }
         quiet = run(certs, flood=0, **kw)
         flooded = run(certs, flood=args.flood, **kw)
 
@@ -215,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"median | {_fmt(q_med):>7} | {_fmt(f_med):>9} | {ratio:>13}")
     for label, result in (("quiet", quiet), ("flooded", flooded)):
         print(
-            f"{label}: finished={result['finished']} in {result['elapsed_s']:.1f} s, rounds={len(result['round_times_s'])}, "
+            f"{label}: finished={result['finished']} in {result['elapsed_s']:.1f} s, "
+            f"rounds={len(result['round_times_s'])}, "
             f"contributors per round={result['contributors']}, sites dropped={result['sites_dropped']}, "
             f"heartbeats={result['heartbeats']}, rejected={result['rejected'] or 0}"
         )

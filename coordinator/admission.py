@@ -8,8 +8,12 @@ used to fill the pool, and heartbeats queued behind them until the sites were dr
 * **Allow-list first.** With TLS, a peer whose certificate names a site outside
   ``allowed_sites`` is refused PERMISSION_DENIED on every method before its first message is
   read (the servicer would only find out after the manifest).
-* **Per peer.** A peer (the site its certificate names; one connection in insecure mode) may
-  have ``max_rpcs_per_peer`` calls open; more are refused RESOURCE_EXHAUSTED.
+* **Per peer.** With TLS, a peer (the site its certificate names) may have
+  ``max_rpcs_per_peer`` calls open; more are refused RESOURCE_EXHAUSTED. In insecure mode peers
+  cannot be told apart: anyone may claim any name, and gRPC clients in one process share one
+  connection whatever site they speak for (so a per-connection bound would refuse legitimate
+  sites run side by side, while a flooder just opens more connections); only the total bound
+  and the idle timeout apply there.
 * **In total.** Long-lived calls (Upload, FetchModel, AwaitBroadcast, SecureStage) from
   everyone together are bounded by ``max_streams``, below the main pool's size, so a thread
   always remains to answer or refuse; more are refused UNAVAILABLE (a site retries).
@@ -135,6 +139,11 @@ class Admission:
                 return site
         return str(context.peer())
 
+    @property
+    def per_peer_limit(self) -> int | None:
+        """``max_rpcs_per_peer``, or None in insecure mode (see the module doc)."""
+        return None if self.insecure else self.limits.max_rpcs_per_peer
+
     def admit(self, method: str, context: grpc.ServicerContext) -> _Ticket:
         """Count the call in, or raise the ``StatusError`` that refuses it (nothing read yet)."""
         peer = self.peer_of(context)
@@ -145,12 +154,13 @@ class Admission:
             )
         long_lived = method in STREAM_METHODS
         limits = self.limits
+        per_peer = self.per_peer_limit
         with self._lock:
             open_calls = self._per_peer.get(peer, 0)
-            if open_calls >= limits.max_rpcs_per_peer:
+            if per_peer is not None and open_calls >= per_peer:
                 raise PeerLimitError(
-                    f"{peer} already has {open_calls} calls open, the most admission.max_rpcs_per_peer "
-                    f"allows ({limits.max_rpcs_per_peer}); finish or cancel some first"
+                    f"site {peer!r} already has {open_calls} calls open, the most "
+                    f"admission.max_rpcs_per_peer allows ({per_peer}); finish or cancel some first"
                 )
             if long_lived and self._streams >= limits.max_streams:
                 raise ServerBusyError(

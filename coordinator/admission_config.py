@@ -37,9 +37,10 @@ class AdmissionConfig:
     """``[admission]``: bounds that keep a flood of calls from starving the run's own sites."""
 
     max_rpcs_per_peer: int = 16
-    """Calls one peer may have open at once (a site certificate's name with TLS, one connection
-    in insecure mode). A site needs at most a handful (an AwaitBroadcast, an Upload, a
-    Heartbeat, an UploadStatus); more are refused with RESOURCE_EXHAUSTED."""
+    """Calls one site may have open at once, the site being the name its TLS certificate gives
+    (not applied with ``insecure``, where callers cannot be told apart). A site needs at most a
+    handful (an AwaitBroadcast, an Upload, a Heartbeat, an UploadStatus); more are refused with
+    RESOURCE_EXHAUSTED."""
     max_streams: int | None = None
     """Long-lived calls (Upload, FetchModel, AwaitBroadcast, SecureStage) open at once, from
     everyone; more are refused with UNAVAILABLE (retry later). Unset: the main thread pool's size

@@ -122,6 +122,14 @@ class IdleStreams:
         self._gate = threading.Event()
         self.calls = [site.stub.Upload.future(self._idle(), timeout=120) for _ in range(count)]
 
+    @classmethod
+    def on(cls, stub: object, count: int) -> IdleStreams:
+        """The same streams through a bare stub (an insecure client claiming no name yet)."""
+        streams = cls.__new__(cls)
+        streams._gate = threading.Event()
+        streams.calls = [stub.Upload.future(streams._idle(), timeout=120) for _ in range(count)]  # type: ignore[attr-defined]
+        return streams
+
     def _idle(self) -> Iterator[pb.UploadRequest]:
         self._gate.wait()
         yield from ()
@@ -210,6 +218,36 @@ def test_a_listed_site_gets_its_per_peer_share_and_idle_reads_are_cut(certs: Pat
         flood.release()
         for site in (a, b, c):
             site.close()
+        server.stop(grace=0)
+
+
+def test_insecure_idle_streams_are_bounded_in_total_and_cut_when_idle(certs: Path) -> None:
+    """With ``--insecure`` callers cannot be told apart: idle streams beyond ``max_streams`` are
+    refused UNAVAILABLE, the admitted ones are cancelled DEADLINE_EXCEEDED once idle, and a site
+    joins and heartbeats throughout (its calls run on the control pool)."""
+    weights, layout = tiny_weights()
+    config = CoordinatorConfig(
+        algorithm=AlgorithmConfig(inner_steps=1), insecure=True, min_sites=1, total_rounds=3, max_sites=2,
+        admission=_admission(max_streams=4, stream_idle_timeout_s=1.0),  # type: ignore[arg-type]
+    )
+    server = CoordinatorServer(config, weights, layout)
+    server.start()
+    rejections = Rejections(server)
+    channel = client_channel(server.address, tls=None, insecure=True)
+    stub = coordinator_stub(channel)
+    flood = IdleStreams.on(stub, 12)
+    try:
+        assert flood.refused(grpc.StatusCode.UNAVAILABLE, 8) == 8
+        session = stub.Join(pb.JoinRequest(site="a", protocol_version=PROTOCOL_VERSION), timeout=HANG_S).session_id
+        beat = stub.Heartbeat(pb.HeartbeatRequest(site="a", session_id=session), timeout=HANG_S)
+        assert not beat.rejoin_required
+        assert flood.refused(grpc.StatusCode.DEADLINE_EXCEEDED, 4) == 4
+        assert rejections.count("Upload", grpc.StatusCode.UNAVAILABLE) == 8
+        assert _wait(lambda: rejections.count("Upload", grpc.StatusCode.DEADLINE_EXCEEDED) == 4, server)
+        assert server.admission.open_calls() == 0
+    finally:
+        flood.release()
+        channel.close()
         server.stop(grace=0)
 
 

@@ -19,10 +19,13 @@ used to fill the pool, and heartbeats queued behind them until the sites were dr
   always remains to answer or refuse; more are refused UNAVAILABLE (a site retries).
   ``max_concurrent_rpcs`` is gRPC's own bound behind it.
 * **A pool of their own for the control calls.** Join, Heartbeat, Leave and UploadStatus run
-  on a small separate pool, so they are answered whatever the main pool is doing.
-* **Idle reads.** An Upload stream that delivers no message for ``stream_idle_timeout_s`` is
-  cancelled with DEADLINE_EXCEEDED by a watchdog thread (its partial upload is kept for
-  UploadStatus, as for any broken stream).
+  on a separate pool of ``max_rpcs_per_peer + 8`` threads, so they are answered whatever the
+  main pool is doing, and one site holding all its calls open there still leaves threads over.
+* **Idle reads.** A call whose next request message takes longer than
+  ``stream_idle_timeout_s`` is cancelled with DEADLINE_EXCEEDED by a watchdog thread: an Upload
+  stream between chunks (its partial upload is kept for UploadStatus, as for any broken
+  stream), or a unary call that sent its headers and never its message (every method is
+  registered request-streaming, see ``add_coordinator_servicer``, so that read is ours too).
 
 Every refusal is a ``StatusError`` raised inside ``RejectedRequestInterceptor``, so it is
 counted (``rejected_requests_total``, the status page) like any other refused call; the
@@ -92,7 +95,8 @@ class _Ticket:
 
 @dataclass(slots=True, eq=False)
 class _Read:
-    """An Upload stream being read: since when it waits for its next message (None: not waiting)."""
+    """A call's request stream being read: since when it waits for its next message (None: not
+    waiting)."""
 
     method: str
     peer: str
@@ -196,8 +200,8 @@ class Admission:
     # -- idle reads --
 
     def watched(self, requests: Iterator[Any], method: str, peer: str, context: grpc.ServicerContext) -> Iterator[Any]:
-        """``requests``, cancelled by the watchdog when a message takes longer than
-        ``stream_idle_timeout_s`` to arrive."""
+        """``requests``, the call cancelled by the watchdog when a message takes longer than
+        ``stream_idle_timeout_s`` to arrive (every method's requests arrive as a stream)."""
         read = _Read(method=method, peer=peer, context=context)
         with self._lock:
             self._reads.add(read)
@@ -228,8 +232,8 @@ class Admission:
                 read.expired = True
         for read in expired:
             message = (
-                f"no message for {timeout:g} s (admission.stream_idle_timeout_s); the stream is "
-                "cancelled, resume it with UploadStatus"
+                f"no request message for {timeout:g} s (admission.stream_idle_timeout_s); the call "
+                "is cancelled" + (", resume the upload with UploadStatus" if read.method == "Upload" else "")
             )
             logger.info("%s of %s: %s", read.method, read.peer, message)
             _cancel(read.context, grpc.StatusCode.DEADLINE_EXCEEDED, message)

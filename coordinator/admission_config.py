@@ -15,8 +15,9 @@ from geoloco.protos.transport import server_workers
 
 __all__ = ["AdmissionConfig", "AdmissionLimits"]
 
-CONTROL_WORKERS = 8
-"""Threads of the separate pool serving Join, Heartbeat, Leave and UploadStatus."""
+CONTROL_HEADROOM = 8
+"""Threads of the control pool beyond one site's ``max_rpcs_per_peer``: a listed site that
+holds all its calls open on control methods still leaves these to the others."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +49,11 @@ class AdmissionConfig:
     max_concurrent_rpcs: int | None = None
     """gRPC's own bound on calls in progress or queued, all methods together (beyond it gRPC
     answers RESOURCE_EXHAUSTED before any of our code runs). Unset: twice the main pool plus the
-    control pool."""
+    control pool (``max_rpcs_per_peer + 8`` threads for Join, Heartbeat, Leave, UploadStatus)."""
     stream_idle_timeout_s: float = 60.0
-    """An Upload stream that delivers no message for this long is cancelled (the site resumes
-    with UploadStatus). Long enough for one 4 MiB chunk on a link well below 1 Mbit/s."""
+    """A call whose next request message takes longer than this to arrive is cancelled: an
+    Upload stream between chunks (the site resumes with UploadStatus), or any call that sent its
+    headers but not its request. Long enough for one 4 MiB chunk on a link well below 1 Mbit/s."""
     silent_join_grace_s: float | None = None
     """A site that joined but made no other call (no heartbeat, no fetch, no upload) for this
     long is dropped, so that a join with a made-up name (anyone may claim any name with
@@ -92,7 +94,8 @@ class AdmissionConfig:
             f"must be below the server's {workers} worker threads (4 x max_sites + 8) so that a "
             f"thread stays free to refuse calls; got {max_streams}; raise max_sites or lower it",
         )
-        total = 2 * workers + CONTROL_WORKERS if self.max_concurrent_rpcs is None else self.max_concurrent_rpcs
+        control_workers = self.max_rpcs_per_peer + CONTROL_HEADROOM
+        total = 2 * workers + control_workers if self.max_concurrent_rpcs is None else self.max_concurrent_rpcs
         require(
             total > max_streams,
             "admission.max_concurrent_rpcs",
@@ -109,7 +112,7 @@ class AdmissionConfig:
         )
         return AdmissionLimits(
             workers=workers,
-            control_workers=CONTROL_WORKERS,
+            control_workers=control_workers,
             max_concurrent_rpcs=total,
             max_streams=max_streams,
             max_rpcs_per_peer=self.max_rpcs_per_peer,

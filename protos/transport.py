@@ -62,6 +62,7 @@ from geoloco.protos.transport_errors import (
     default_interceptors,
     error_reason,
     rebuild_handler,
+    single_request,
     tolerant_deserializer,
 )
 from geoloco.protos.transport_malloc import (
@@ -160,6 +161,7 @@ __all__ = [
     "resolve_site",
     "server_workers",
     "site_from_auth_context",
+    "single_request",
     "site_from_uri",
     "stop_server",
     "tolerant_deserializer",
@@ -220,29 +222,38 @@ def coordinator_stub(channel: grpc.Channel) -> pb_grpc.CoordinatorStub:
 def add_coordinator_servicer(servicer: pb_grpc.CoordinatorServicer, server: grpc.Server) -> None:
     """Register ``servicer`` like the generated ``add_CoordinatorServicer_to_server``, with the
     chunk fast path (Upload chunks arrive as ``wire.ChunkRef``; FetchModel/AwaitBroadcast
-    handlers may yield ``ChunkRef``, as the ``wire`` senders do)."""
+    handlers may yield ``ChunkRef``, as the ``wire`` senders do).
+
+    Every method is registered as request-streaming, whatever its cardinality in the schema (the
+    wire does not tell them apart: a unary call is a stream of one message). grpc's sync server
+    reads a unary request on a worker thread *before* any interceptor or handler code runs, so a
+    call that sends its headers and never its message would hold that thread unseen; as a
+    stream, the handler's wrappers (the admission checks, the idle-read deadline) run first and
+    read the one message themselves. Unparsable request bytes become ``MalformedRequestError``.
+    """
     handlers = {}
     for name, (cardinality, request_type, response_type) in _METHODS.items():
-        factory = getattr(grpc, f"{cardinality}_rpc_method_handler")
+        response_streaming = cardinality.endswith("stream")
+        factory = grpc.stream_stream_rpc_method_handler if response_streaming else grpc.stream_unary_rpc_method_handler
         handlers[name] = factory(
-            _checking(getattr(servicer, name), name, streaming=cardinality.startswith("stream")),
+            _reading(getattr(servicer, name), name, request_streaming=cardinality.startswith("stream")),
             request_deserializer=tolerant_deserializer(_deserializer(request_type), request_type.DESCRIPTOR.full_name),
             response_serializer=_serializer(response_type),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-def _checking(behavior: Callable[..., Any], method: str, *, streaming: bool) -> Callable[..., Any]:
-    """``behavior`` refusing unparsable request bytes with ``MalformedRequestError``
-    (INVALID_ARGUMENT, counted like every refused call) before the servicer sees them."""
-    if streaming:
+def _reading(behavior: Callable[..., Any], method: str, *, request_streaming: bool) -> Callable[..., Any]:
+    """``behavior`` fed from the call's request stream: checked message by message, or, for a
+    unary method, its one message."""
+    if request_streaming:
         def call_with_stream(requests: Any, context: grpc.ServicerContext) -> Any:
             return behavior(checked_requests(requests, method), context)
 
         return call_with_stream
 
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
-        return behavior(check_request(request, method), context)
+    def call(requests: Any, context: grpc.ServicerContext) -> Any:
+        return behavior(single_request(requests, method), context)
 
     return call
 

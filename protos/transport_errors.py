@@ -181,6 +181,15 @@ def check_request(request: Any, method: str) -> Any:
     return request
 
 
+def single_request(requests: Iterator[Any], method: str) -> Any:
+    """The one message of a unary method's request stream (``MalformedRequestError`` when the
+    client half-closed without sending it, or it did not parse)."""
+    request = next(requests, None)
+    if request is None:
+        raise MalformedRequestError(f"{method}: the call ended without its request message (exactly one is required)")
+    return check_request(request, method)
+
+
 def checked_requests(requests: Iterator[Any], method: str) -> Iterator[Any]:
     """A request stream that raises ``MalformedRequestError`` at the first unparsable message."""
     for request in requests:

@@ -221,6 +221,34 @@ def test_a_listed_site_gets_its_per_peer_share_and_idle_reads_are_cut(certs: Pat
         server.stop(grace=0)
 
 
+def test_unary_calls_that_never_send_their_request_do_not_starve_heartbeats(certs: Path) -> None:
+    """A listed site opens Heartbeat calls whose request message never comes (headers only),
+    twice its per-peer share: the extra ones are refused RESOURCE_EXHAUSTED, the admitted ones
+    are cancelled DEADLINE_EXCEEDED once idle, and "a" joins and heartbeats meanwhile. (grpc reads
+    a unary request on a worker thread before any handler code runs; these used to hold a
+    thread each, unseen, for as long as the client liked.)"""
+    share = 6
+    server = _start(certs, admission=_admission(max_rpcs_per_peer=share, stream_idle_timeout_s=1.0))
+    rejections = Rejections(server)
+    a, c = Site(certs, server.port, "a"), Site(certs, server.port, "c")
+    half_open = c.channel.stream_unary(f"/{SERVICE_NAME}/Heartbeat")
+    flood = IdleStreams.on(type("Stub", (), {"Upload": half_open})(), 2 * share)
+    try:
+        assert flood.refused(grpc.StatusCode.RESOURCE_EXHAUSTED, share) == share
+        a.join()
+        assert not a.heartbeat().rejoin_required
+        assert flood.refused(grpc.StatusCode.DEADLINE_EXCEEDED, share) == share
+        assert rejections.count("Heartbeat", grpc.StatusCode.RESOURCE_EXHAUSTED) == share
+        assert _wait(lambda: rejections.count("Heartbeat", grpc.StatusCode.DEADLINE_EXCEEDED) == share, server)
+        assert server.admission.open_calls("c") == 0
+        assert server.rounds.members == ["a"]
+    finally:
+        flood.release()
+        a.close()
+        c.close()
+        server.stop(grace=0)
+
+
 def test_insecure_idle_streams_are_bounded_in_total_and_cut_when_idle(certs: Path) -> None:
     """With ``--insecure`` callers cannot be told apart: idle streams beyond ``max_streams`` are
     refused UNAVAILABLE, the admitted ones are cancelled DEADLINE_EXCEEDED once idle, and a site

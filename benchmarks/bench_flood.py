@@ -28,7 +28,6 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,39 +36,64 @@ SITES = ("0", "1", "2")
 
 
 def flood_worker(port: int, certs: Path, count: int, reopen_s: float, connections: int) -> None:
-    """The flooding process: ``count`` idle Upload streams, re-opened as they end, until stdin closes."""
+    """The flooding process: ``count`` idle Upload streams, re-opened as they end, until stdin
+    closes. asyncio gRPC, so the flood costs this process no thread per stream: on a shared
+    machine its own CPU use would otherwise weigh on the coordinator's round times."""
+    import asyncio
+
     import grpc
+    import grpc.aio
 
     from geoloco.protos import geoloco_pb2 as pb
-    from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub
+    from geoloco.protos.transport import CHANNEL_OPTIONS, SERVICE_NAME, TLSFiles
 
-    gate = threading.Event()
-
-    def idle() -> Iterator[pb.UploadRequest]:
-        gate.wait()
-        yield from ()
-
-    tls = TLSFiles.from_dir(certs, "intruder")
-    stubs = [coordinator_stub(client_channel(f"localhost:{port}", tls=tls)) for _ in range(connections)]
+    ca, cert, key = TLSFiles.from_dir(certs, "intruder").read()
     ended: Counter[str] = Counter()
-    slots: list[Any] = [None] * count
-    ended_at: list[float] = [0.0] * count
     opened = 0
-    threading.Thread(target=lambda: (sys.stdin.read(), gate.set()), daemon=True).start()
-    print("flooding", flush=True)
-    while not gate.is_set():
-        now = time.monotonic()
-        for i, call in enumerate(slots):
-            if call is not None and call.done():
-                error = call.exception()
-                ended[error.code().name if isinstance(error, grpc.RpcError) else "OK"] += 1
-                slots[i], ended_at[i] = None, now
-            if slots[i] is None and now - ended_at[i] >= reopen_s:
-                slots[i] = stubs[i % connections].Upload.future(idle(), timeout=3600)
+
+    async def flood() -> None:
+        nonlocal opened
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(stop.set)), daemon=True).start()
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        channels = [
+            grpc.aio.secure_channel(f"localhost:{port}", credentials, options=list(CHANNEL_OPTIONS))
+            for _ in range(connections)
+        ]
+        uploads = [
+            channel.stream_unary(
+                f"/{SERVICE_NAME}/Upload",
+                request_serializer=pb.UploadRequest.SerializeToString,
+                response_deserializer=pb.UploadResponse.FromString,
+            )
+            for channel in channels
+        ]
+
+        async def idle() -> Any:
+            await stop.wait()
+            return
+            yield
+
+        async def slot(i: int) -> None:
+            nonlocal opened
+            while not stop.is_set():
                 opened += 1
-        gate.wait(0.05)
-    open_now = sum(1 for call in slots if call is not None and not call.done())
-    print(json.dumps({"opened": opened, "ended": dict(ended), "open_at_end": open_now}), flush=True)
+                try:  # the idle stream half-closes once ``stop`` is set, so every call ends
+                    await uploads[i % connections](idle(), timeout=3600)
+                    ended["OK"] += 1
+                except grpc.RpcError as error:
+                    ended[error.code().name] += 1
+                if not stop.is_set():
+                    await asyncio.sleep(reopen_s)
+
+        print("flooding", flush=True)
+        await asyncio.gather(*(slot(i) for i in range(count)))
+        for channel in channels:
+            await channel.close()
+
+    asyncio.run(flood())
+    print(json.dumps({"opened": opened, "ended": dict(ended)}), flush=True)
 
 
 def run(certs: Path, *, flood: int, rounds: int, inner_steps: int, reopen_s: float, timeout_s: float) -> dict[str, Any]:

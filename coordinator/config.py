@@ -20,6 +20,7 @@ from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerCo
 from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.training import TrainingConfig, TrainingKeys
+from geoloco.coordinator.admission_config import AdmissionConfig, AdmissionLimits
 from geoloco.coordinator.http_config import HTTPStatusConfig
 from geoloco.coordinator.update_guard import UpdateGuardConfig
 from geoloco.protos.identity import validate_site_name
@@ -132,6 +133,10 @@ class CoordinatorConfig:
     an update beyond them is rejected, a round whose aggregate goes beyond them is aborted with
     the model unchanged (``geoloco.coordinator.update_guard``)."""
 
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    """``[admission]``: bounds on the calls the gRPC server takes on (per peer, in total, idle
+    stream reads) and how long a joined site may stay silent before it is dropped."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -209,6 +214,7 @@ class CoordinatorConfig:
             f"got {self.device!r}; allowed values: 'cpu', 'cuda', 'auto'",
         )
         self.http.check_exposure(has_certificates=self.certs_dir is not None)
+        _ = self.admission_limits
         self._validate_privacy()
 
     def _validate_privacy(self) -> None:
@@ -243,6 +249,15 @@ class CoordinatorConfig:
             min_sites=self.min_sites,
             round_deadline_s=self.round_deadline_s,
             adaptive_deadline=self.adaptive_deadline,
+        )
+
+    @property
+    def admission_limits(self) -> AdmissionLimits:
+        """``admission`` with its defaults derived from ``max_sites`` and the heartbeat settings."""
+        return self.admission.resolve(
+            max_sites=self.max_sites,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
         )
 
     @property

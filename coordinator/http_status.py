@@ -40,7 +40,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from geoloco.coordinator import events as ev
 from geoloco.coordinator.http_config import DEFAULT_HTTP_PORT, HTTPStatusConfig, is_loopback
 from geoloco.coordinator.prometheus import CONTENT_TYPE_LATEST, CoordinatorMetrics
 from geoloco.coordinator.status_board import (
@@ -67,6 +66,7 @@ __all__ = [
     "StatusHTTPServer",
     "config_summary",
     "is_loopback",
+    "without_local_paths",
 ]
 """(``HTTPStatusConfig``, ``StatusBoard`` and the states are defined in ``http_config`` and
 ``status_board`` and re-exported here.)"""
@@ -87,6 +87,25 @@ CONTENT_SECURITY_POLICY = (
 """The page may load nothing from anywhere else (and cannot be framed)."""
 
 HANDSHAKE_TIMEOUT_S = 10.0
+
+LOCAL_PATH_SUFFIXES = ("_dir", "_path", "_file")
+"""Config keys naming files or folders on the coordinator's machine (``certs_dir``,
+``checkpoint_dir``, ``metrics_path``, ``http.token_file``, and any a workload table adds): the
+status page leaves them out, since on loopback anyone on the machine may read it without
+credentials, and they tell where the run's keys are."""
+
+
+def without_local_paths(value: Any) -> Any:
+    """``value`` (the page's config summary) without the keys that name local paths, at any depth."""
+    if isinstance(value, dict):
+        return {
+            key: without_local_paths(item)
+            for key, item in value.items()
+            if not (isinstance(key, str) and key.endswith(LOCAL_PATH_SUFFIXES))
+        }
+    if isinstance(value, list):
+        return [without_local_paths(item) for item in value]
+    return value
 
 
 
@@ -273,20 +292,20 @@ class StatusHTTPServer:
 
 class CoordinatorStatus:
     """Prometheus metrics, the status board and their HTTP server, listening to one
-    ``RoundStateMachine``; ``interceptor`` goes into the gRPC server to count refused calls."""
+    ``RoundStateMachine`` (refused calls reach them as ``REQUEST_REJECTED`` events, which the
+    server's ``RejectedRequestInterceptor`` emits)."""
 
     def __init__(self, config: CoordinatorConfig, rounds: RoundStateMachine) -> None:
         self.rounds = rounds
         self.metrics = CoordinatorMetrics(clock=rounds.clock)
         self.metrics.watch(lambda: len(rounds.members), lambda: rounds.round)
         self.board = StatusBoard(
-            config_summary(config, rounds),
+            without_local_paths(config_summary(config, rounds)),
             heartbeat_interval_s=config.heartbeat_interval_s,
             clock=rounds.clock,
         )
         rounds.events.add_listener(self.metrics.on_event)
         rounds.events.add_listener(self.board.on_event)
-        self.interceptor = ev.RejectedRequestInterceptor(rounds.events)
         self.http = StatusHTTPServer(
             config.http, metrics=self.metrics, status=self.status, tls=config.tls_files
         )

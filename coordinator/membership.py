@@ -30,6 +30,10 @@ class Membership:
 
     def __init__(self, ctx: RoundContext) -> None:
         self.ctx = ctx
+        self.join_grace_s = ctx.config.admission_limits.silent_join_grace_s
+        """How long a member may stay silent after its join before it is dropped."""
+        self._heard: set[str] = set()
+        """Members that made a call since they joined (a heartbeat, a fetch, an upload)."""
 
     def check_allowed(self, site: str) -> None:
         allowed = self.ctx.config.allowed_sites
@@ -65,6 +69,7 @@ class Membership:
                 f"{self.ctx.config.heartbeat_timeout_s:g} s without a heartbeat); call Join again"
             )
         member.last_seen_s = self.ctx.clock()
+        self._heard.add(site)
         return member
 
     def join(self, site: str, now: float, *, software_version: str = "") -> None:
@@ -97,6 +102,7 @@ class Membership:
         rejoin = session_id != self.ctx.session_id or member is None
         if member is not None and not rejoin:
             member.last_seen_s = now
+            self._heard.add(site)
             member.reported_round = round_number
             member.reported_phase = phase
             member.inner_steps_done = inner_steps_done
@@ -106,10 +112,13 @@ class Membership:
         return rejoin
 
     def drop_silent(self, now: float) -> None:
-        """Drop members silent longer than ``heartbeat_timeout_s``."""
+        """Drop members silent longer than ``heartbeat_timeout_s``, and those that never made a
+        call after joining for longer than ``admission.silent_join_grace_s`` (a join with a
+        made-up name must not hold the round open until the heartbeat timeout)."""
         ctx = self.ctx
-        limit = ctx.config.heartbeat_timeout_s
+        timeout = ctx.config.heartbeat_timeout_s
         for name, member in list(ctx.members.items()):
+            limit = timeout if name in self._heard else min(timeout, self.join_grace_s)
             if now - member.last_seen_s > limit:
                 ctx.events.emit(
                     ev.SITE_DROPPED, site=name, round=ctx.round.number, silent_s=now - member.last_seen_s
@@ -119,6 +128,7 @@ class Membership:
     def remove(self, site: str, why: str) -> None:
         ctx = self.ctx
         ctx.members.pop(site, None)
+        self._heard.discard(site)
         r = ctx.round
         if site not in r.contributed:
             r.uploads.pop(site, None)

@@ -399,7 +399,7 @@ class RoundStateMachine:
         """Seconds until ``poll`` has time-driven work (a deadline, a heartbeat check)."""
         with self._cond:
             now = self.clock()
-            wait = self.config.heartbeat_timeout_s / 4
+            wait = min(self.config.heartbeat_timeout_s, self.membership.join_grace_s) / 4
             deadline_at = self._ctx.round.core.deadline_at
             if deadline_at is not None and self._ctx.phase is RoundPhase.RUNNING:
                 wait = min(wait, max(0.0, deadline_at - now))

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from geoloco.algorithms.params import ParamLayout
+from geoloco.coordinator import events as ev
+from geoloco.coordinator.admission import Admission
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.http_status import CoordinatorStatus
 from geoloco.coordinator.metrics import MetricsWriter
@@ -33,7 +35,6 @@ from geoloco.protos.transport import (
     add_coordinator_servicer,
     build_server,
     default_interceptors,
-    server_workers,
     stop_server,
 )
 
@@ -71,6 +72,13 @@ class CoordinatorServer:
         self._driver_error: BaseException | None = None
         self.http_status = CoordinatorStatus(config, self.rounds) if config.http.enabled else None
         """``/metrics`` and the status page (``config.http``), or None when disabled."""
+        self.admission = Admission(
+            config.admission_limits,
+            allowed_sites=config.allowed_sites,
+            insecure=config.insecure,
+            events=self.rounds.events,
+        )
+        """Bounds on the calls the gRPC server takes on (``config.admission``)."""
 
     @classmethod
     def from_model(
@@ -112,15 +120,21 @@ class CoordinatorServer:
         if self._server is not None:
             raise RuntimeError("the server is already started")
         config = self.config
+        limits = self.admission.limits
         server, port = build_server(
             tls=config.tls_files,
             insecure=config.insecure,
             host=config.host,
             port=config.port,
-            max_workers=server_workers(config.max_sites),
-            interceptors=None if self.http_status is None else [
-                *default_interceptors(insecure=config.insecure), self.http_status.interceptor
+            max_workers=limits.workers,
+            # gRPC nests later interceptors inside earlier ones: admission refusals are raised
+            # inside the rejection counter and the error mapping, so they are counted and mapped.
+            interceptors=[
+                *default_interceptors(insecure=config.insecure),
+                ev.RejectedRequestInterceptor(self.rounds.events),
+                self.admission.interceptor,
             ],
+            maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
         )
         add_coordinator_servicer(
             CoordinatorServicer(
@@ -134,6 +148,7 @@ class CoordinatorServer:
         if self.http_status is not None:
             self.http_status.start()  # before gRPC: a busy HTTP port fails the start cleanly
         server.start()
+        self.admission.start()
         self._server, self._port = server, port
         self._driver = threading.Thread(target=self._drive, name="geoloco-round-driver", daemon=True)
         self._driver.start()
@@ -187,6 +202,7 @@ class CoordinatorServer:
             self._driver.join(timeout=30)
         if self._server is not None:
             stop_server(self._server, grace)
+        self.admission.stop()
         if self._metrics is not None:
             self._metrics.close()
         if self.http_status is not None:

@@ -86,15 +86,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Upload(
         self, request_iterator: Iterator[pb.UploadRequest | ChunkRef], context: grpc.ServicerContext
     ) -> pb.UploadResponse:
-        manifest = read_upload_manifest(request_iterator)
+        try:
+            manifest = read_upload_manifest(request_iterator)
+        except grpc.RpcError:
+            # Cancelled before its manifest (the peer went away, or the admission's idle-read
+            # watchdog ended it): nothing arrived, nobody is left to read a response.
+            logger.info("upload stream from %s broke before its manifest", context.peer())
+            return pb.UploadResponse()
         site = self._site(context, manifest.site)
         try:
             progress = self.rounds.receive_upload(
                 site, translate.upload_spec(manifest, site), translate.upload_chunks(request_iterator)
             )
         except grpc.RpcError:
-            # The site's stream broke (cancelled, connection lost): what arrived is kept for
-            # UploadStatus; nobody is left to read a response.
+            # The site's stream broke (cancelled, connection lost, idle too long): what arrived
+            # is kept for UploadStatus; nobody is left to read a response.
             logger.info("upload stream of %s for round %d broke", site, manifest.round)
             return pb.UploadResponse()
         return translate.upload_response(progress)

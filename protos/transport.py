@@ -50,13 +50,20 @@ from geoloco.protos.errors import IdentityError, StatusError
 from geoloco.protos.identity import site_from_uri, validate_site_name
 from geoloco.protos.transport_errors import (
     ERROR_REASON_KEY,
+    THREAD_POOL_ATTRIBUTE,
     ErrorStatusInterceptor,
+    MalformedRequest,
+    MalformedRequestError,
     RequireSiteCertificateInterceptor,
     abort,
     abort_with,
+    check_request,
+    checked_requests,
     default_interceptors,
     error_reason,
     rebuild_handler,
+    single_request,
+    tolerant_deserializer,
 )
 from geoloco.protos.transport_malloc import (
     MALLOC_TUNABLES,
@@ -125,10 +132,13 @@ __all__ = [
     "SERVICE_CONFIG",
     "SERVICE_NAME",
     "SHUTDOWN_GRACE_S",
+    "THREAD_POOL_ATTRIBUTE",
     "TRANSFER_BASE_S",
     "UPLOAD_STATUS_TIMEOUT_S",
     "ErrorStatusInterceptor",
     "IdentityError",
+    "MalformedRequest",
+    "MalformedRequestError",
     "MiB",
     "RequireSiteCertificateInterceptor",
     "StatusError",
@@ -137,6 +147,8 @@ __all__ = [
     "abort_with",
     "add_coordinator_servicer",
     "build_server",
+    "check_request",
+    "checked_requests",
     "client_channel",
     "coordinator_stub",
     "default_interceptors",
@@ -148,9 +160,11 @@ __all__ = [
     "reexec_with_malloc_tunables",
     "resolve_site",
     "server_workers",
+    "single_request",
     "site_from_auth_context",
     "site_from_uri",
     "stop_server",
+    "tolerant_deserializer",
     "transfer_timeout",
     "validate_site_name",
     "wait_for_channel",
@@ -208,16 +222,40 @@ def coordinator_stub(channel: grpc.Channel) -> pb_grpc.CoordinatorStub:
 def add_coordinator_servicer(servicer: pb_grpc.CoordinatorServicer, server: grpc.Server) -> None:
     """Register ``servicer`` like the generated ``add_CoordinatorServicer_to_server``, with the
     chunk fast path (Upload chunks arrive as ``wire.ChunkRef``; FetchModel/AwaitBroadcast
-    handlers may yield ``ChunkRef``, as the ``wire`` senders do)."""
+    handlers may yield ``ChunkRef``, as the ``wire`` senders do).
+
+    Every method is registered as request-streaming, whatever its cardinality in the schema (the
+    wire does not tell them apart: a unary call is a stream of one message). grpc's sync server
+    reads a unary request on a worker thread *before* any interceptor or handler code runs, so a
+    call that sends its headers and never its message would hold that thread unseen; as a
+    stream, the handler's wrappers (the admission checks, the idle-read deadline) run first and
+    read the one message themselves. Unparsable request bytes become ``MalformedRequestError``.
+    """
     handlers = {}
     for name, (cardinality, request_type, response_type) in _METHODS.items():
-        factory = getattr(grpc, f"{cardinality}_rpc_method_handler")
+        response_streaming = cardinality.endswith("stream")
+        factory = grpc.stream_stream_rpc_method_handler if response_streaming else grpc.stream_unary_rpc_method_handler
         handlers[name] = factory(
-            getattr(servicer, name),
-            request_deserializer=_deserializer(request_type),
+            _reading(getattr(servicer, name), name, request_streaming=cardinality.startswith("stream")),
+            request_deserializer=tolerant_deserializer(_deserializer(request_type), request_type.DESCRIPTOR.full_name),
             response_serializer=_serializer(response_type),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def _reading(behavior: Callable[..., Any], method: str, *, request_streaming: bool) -> Callable[..., Any]:
+    """``behavior`` fed from the call's request stream: checked message by message, or, for a
+    unary method, its one message."""
+    if request_streaming:
+        def call_with_stream(requests: Any, context: grpc.ServicerContext) -> Any:
+            return behavior(checked_requests(requests, method), context)
+
+        return call_with_stream
+
+    def call(requests: Any, context: grpc.ServicerContext) -> Any:
+        return behavior(single_request(requests, method), context)
+
+    return call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,13 +272,15 @@ def build_server(
     max_workers: int = 32,
     interceptors: Sequence[grpc.ServerInterceptor] | None = None,
     extra_options: Sequence[tuple[str, Any]] = (),
+    maximum_concurrent_rpcs: int | None = None,
 ) -> tuple[grpc.Server, int]:
     """A not-yet-started gRPC server bound to ``host:port`` (0 = any free port) and the bound
     port. Register the servicer (``add_coordinator_servicer``), then ``server.start()``.
 
     With TLS, clients must present a certificate signed by ``tls.ca``, and the default
     interceptors also refuse certificates that name no site. Without explicit ``interceptors``
-    the server gets ``default_interceptors(insecure)``.
+    the server gets ``default_interceptors(insecure)``. ``maximum_concurrent_rpcs``: gRPC's own
+    bound on calls in progress (beyond it, RESOURCE_EXHAUSTED before any handler runs).
     """
     check_mode(tls, insecure)
     if interceptors is None:
@@ -249,6 +289,7 @@ def build_server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="geoloco-grpc"),
         options=list(SERVER_OPTIONS) + list(extra_options),
         interceptors=list(interceptors),
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if tls is None:

@@ -114,12 +114,86 @@ def rebuild_handler(
         response_serializer=handler.response_serializer,
     )
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(wrap_unary_response(handler.unary_unary), **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(wrap_unary_response(handler.stream_unary), **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(wrap_stream_response(handler.unary_stream), **kw)
-    return grpc.stream_stream_rpc_method_handler(wrap_stream_response(handler.stream_stream), **kw)
+        behavior, wrap, factory = handler.unary_unary, wrap_unary_response, grpc.unary_unary_rpc_method_handler
+    elif handler.stream_unary:
+        behavior, wrap, factory = handler.stream_unary, wrap_unary_response, grpc.stream_unary_rpc_method_handler
+    elif handler.unary_stream:
+        behavior, wrap, factory = handler.unary_stream, wrap_stream_response, grpc.unary_stream_rpc_method_handler
+    else:
+        behavior, wrap, factory = handler.stream_stream, wrap_stream_response, grpc.stream_stream_rpc_method_handler
+    wrapped = wrap(behavior)
+    # grpc runs a behaviour on the pool named by its ``experimental_thread_pool`` attribute (the
+    # admission's control pool for heartbeats); a wrapper must keep it, or the call falls back
+    # to the main pool that a flood can fill.
+    pool = getattr(behavior, THREAD_POOL_ATTRIBUTE, None)
+    if pool is not None:
+        setattr(wrapped, THREAD_POOL_ATTRIBUTE, pool)
+    return factory(wrapped, **kw)
+
+
+THREAD_POOL_ATTRIBUTE = "experimental_thread_pool"
+"""Attribute of a handler's behaviour through which grpc's sync server picks the thread pool
+that runs it (``grpc._server._select_thread_pool_for_behavior``)."""
+
+
+class MalformedRequestError(StatusError):
+    """Bytes that do not parse as the method's request message (INVALID_ARGUMENT, where grpc
+    itself would answer INTERNAL "Exception deserializing request!" and count nothing)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = pb.ERROR_REASON_UNSPECIFIED
+
+
+class MalformedRequest:
+    """What the server's request deserializer yields for bytes it cannot parse; the handler
+    raises ``MalformedRequestError`` on meeting it (``check_request``)."""
+
+    __slots__ = ("error", "message_type", "nbytes")
+
+    def __init__(self, message_type: str, nbytes: int, error: Exception) -> None:
+        self.message_type = message_type
+        self.nbytes = nbytes
+        self.error = error
+
+    def refusal(self, method: str) -> MalformedRequestError:
+        return MalformedRequestError(
+            f"{method}: {self.nbytes} bytes that are not a valid {self.message_type} ({self.error}); "
+            "the client must speak the same geoloco.proto as the coordinator"
+        )
+
+
+def tolerant_deserializer(parse: Callable[[bytes], Any], message_type: str) -> Callable[[bytes], Any]:
+    """``parse``, returning a ``MalformedRequest`` instead of raising on bad bytes."""
+
+    def deserialize(buf: bytes) -> Any:
+        try:
+            return parse(buf)
+        except Exception as error:  # noqa: BLE001 (DecodeError, or whatever a hand-written parser raises)
+            return MalformedRequest(message_type, len(buf), error)
+
+    return deserialize
+
+
+def check_request(request: Any, method: str) -> Any:
+    """``request`` itself, or ``MalformedRequestError`` when it did not parse."""
+    if type(request) is MalformedRequest:
+        raise request.refusal(method)
+    return request
+
+
+def single_request(requests: Iterator[Any], method: str) -> Any:
+    """The one message of a unary method's request stream (``MalformedRequestError`` when the
+    client half-closed without sending it, or it did not parse)."""
+    request = next(requests, None)
+    if request is None:
+        raise MalformedRequestError(f"{method}: the call ended without its request message (exactly one is required)")
+    return check_request(request, method)
+
+
+def checked_requests(requests: Iterator[Any], method: str) -> Iterator[Any]:
+    """A request stream that raises ``MalformedRequestError`` at the first unparsable message."""
+    for request in requests:
+        yield check_request(request, method)
 
 
 class ErrorStatusInterceptor(grpc.ServerInterceptor):

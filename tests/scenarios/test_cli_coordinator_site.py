@@ -106,7 +106,7 @@ def test_shipped_example_config_is_valid_and_every_key_is_commented() -> None:
     shown = {m[1] for line in lines if (m := re.match(r"^#? ?([a-z_]+) = ", line))}
     top_level = set(CoordinatorConfig.__dataclass_fields__) - {
         "algorithm", "outer_optimizer", "inner_optimizer", "workload", "http", "adaptive_deadline",
-        "privacy",
+        "privacy", "admission",
     }
     assert top_level <= shown, f"keys missing from the example: {top_level - shown}"
 

@@ -172,7 +172,8 @@ def _sites(args: argparse.Namespace, scenario: Any) -> list[Any]:
     speeds = args.speed_factors or [1.0]
     if len(speeds) not in (1, count):
         raise ConfigFileError(
-            COMMAND_LINE, "--speed-factors", f"give one factor for all sites or one per site ({count}), got {len(speeds)}"
+            COMMAND_LINE, "--speed-factors",
+            f"give one factor for all sites or one per site ({count}), got {len(speeds)}",
         )
     return [
         SiteConfig(
@@ -219,7 +220,10 @@ def _training(args: argparse.Namespace, scenario: Any, name: str) -> Any:
     from geoloco.algorithms.privacy import PrivacyConfig
     from geoloco.algorithms.training import TrainingConfig
 
-    base = scenario.algorithm.to_dict() if scenario is not None else {"uplink_codec": "none", "downlink_codec": "none"}
+    base = (
+        scenario.algorithm.to_dict() if scenario is not None
+        else {"uplink_codec": "none", "downlink_codec": "none"}
+    )
     try:
         algorithm = config_from_dict(AlgorithmConfig, _algorithm_table(args, base, name), prefix="algorithm")
     except ConfigError as err:

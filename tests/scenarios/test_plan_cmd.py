@@ -27,7 +27,8 @@ def test_compare_prints_one_line_per_algorithm(capsys: pytest.CaptureFixture[str
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "1,000,000 parameters, 3 sites" in out
-    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["diloco"], ["streaming"], ["ddp"])}
+    rows = [line.split() for line in out.splitlines()]
+    lines = {row[0]: row for row in rows if row[:1] in (["diloco"], ["streaming"], ["ddp"])}
     assert lines["diloco"][1] == "10" and lines["streaming"][1] == "40" and lines["ddp"][1] == "200"
     assert all(lines[a][2] == "200" for a in lines)  # the same inner steps per site
     assert "peak memory at coordinator" in out

@@ -92,7 +92,10 @@ def _assert_same(records: list[Any], predicted: Plan) -> None:
 @pytest.mark.parametrize(
     ("algorithm", "simulation"),
     [
-        pytest.param({"name": "diloco", "inner_steps": 5, "uplink_codec": "int8", "downlink_codec": "int4"}, None, id="diloco-int8"),
+        pytest.param(
+            {"name": "diloco", "inner_steps": 5, "uplink_codec": "int8", "downlink_codec": "int4"}, None,
+            id="diloco-int8",
+        ),
         pytest.param({"name": "fedavg", "inner_steps": 3, "uplink_codec": "topk:0.1|int4"}, None, id="fedavg-topk"),
         pytest.param(
             {"name": "diloco", "inner_steps": 4, "uplink_codec": "int8", "late_updates": "fold"},
@@ -104,8 +107,13 @@ def _assert_same(records: list[Any], predicted: Plan) -> None:
              "adaptive_deadline": {"enabled": True, "quantile": 0.5, "window": 2, "margin": 1.1}},
             id="adaptive-deadline",
         ),
-        pytest.param({"name": "diloco", "inner_steps": 4, "warmup_steps": 3, "uplink_codec": "int8"}, None, id="warmup"),
-        pytest.param({"name": "diloco", "inner_steps": 4, "round_time_budget_s": 0.22, "weighting": "steps"}, None, id="time-budget"),
+        pytest.param(
+            {"name": "diloco", "inner_steps": 4, "warmup_steps": 3, "uplink_codec": "int8"}, None, id="warmup"
+        ),
+        pytest.param(
+            {"name": "diloco", "inner_steps": 4, "round_time_budget_s": 0.22, "weighting": "steps"}, None,
+            id="time-budget",
+        ),
         pytest.param({"name": "ddp", "inner_steps": 3, "uplink_codec": "bf16"}, {"rounds": 3}, id="ddp"),
         pytest.param(
             {"name": "diloco", "inner_steps": 8, "uplink_codec": "int8", "downlink_codec": "int8",

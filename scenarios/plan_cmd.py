@@ -263,7 +263,19 @@ def _with_rounds(args: argparse.Namespace, training: Any, default_rounds: int | 
 
 
 def _measure_step_time(scenario: Any, steps: int = 5) -> float:
-    """Seconds per inner step of the scenario's workload here (after two warm-up steps)."""
+    """Seconds per inner step of the scenario's workload here (after two warm-up steps), on one
+    CPU thread as the emulator's site processes run (``OMP_NUM_THREADS=1``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _time_steps(scenario, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_steps(scenario: Any, steps: int) -> float:
     workload = scenario.workload.build()
     model = workload.build_model(scenario.run.seed)
     optimizer = scenario.inner_optimizer.build(model.parameters())

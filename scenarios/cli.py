@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, str] = {
     "coordinator": "geoloco.scenarios.coordinator_cmd",
     "site": "geoloco.scenarios.site_cmd",
     "emulate": "geoloco.scenarios.emulate_cmd",
+    "plan": "geoloco.scenarios.plan_cmd",
 }
 
 

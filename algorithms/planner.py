@@ -1,0 +1,362 @@
+"""The training-time planner: what a run will cost before anything trains.
+
+From a model size (or its ``ParamLayout``), a step time per site, the sites' links and the
+algorithm, ``plan`` predicts each round's virtual wall clock, every site's compute utilization,
+the bytes on every link and a peak-memory estimate per process (``geoloco.algorithms.planner_memory``).
+
+It is the simulator's clock without the training: the same functions advance the same times
+(``geoloco.algorithms.clock``: compute is ``steps · step_time_s / speed_factor``, a transfer
+``latency + 8 · bytes / bandwidth``; rounds close by the same ``RoundPolicy``/``close_time`` as the
+simulator and the coordinator; Streaming DiLoCo sites follow ``streaming_site_time``), and the
+bytes are the codecs' exact wire sizes (``Codec.encoded_nbytes``), which do not depend on the
+values encoded. So for a fixed ``step_time_s`` the planner's times and bytes equal the
+simulator's, round for round, except where the simulator's outcome depends on values: secure
+aggregation's message sizes (refused here) and nothing else on the clock.
+
+Assumptions, stated once: aggregation and the outer step take no time; links are full duplex and
+independent per site (no shared bottleneck at the coordinator); without a layout, Streaming
+DiLoCo's fragments are equal shares of the parameter count (a model's own layer groups, strided,
+are usually within a few per cent of that).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from geoloco.algorithms.clock import SiteConfig, download_ends, upload_arrivals
+from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.planner_memory import MemoryEstimate, estimate_memory
+from geoloco.algorithms.planner_sizes import PlanError, encoded_nbytes, fragment_numels
+from geoloco.algorithms.round import Round, RoundPolicy, admit_arrivals
+from geoloco.algorithms.streaming import StreamingSchedule
+from geoloco.algorithms.streaming_sim import streaming_site_time
+from geoloco.algorithms.time_budget import steps_in_budget
+from geoloco.algorithms.training import TrainingConfig
+
+__all__ = ["Plan", "PlanError", "PlannedRound", "encoded_nbytes", "fragment_numels", "plan", "rounds_for_steps"]
+
+
+def rounds_for_steps(training: TrainingConfig, total_steps: int) -> int:
+    """Rounds that cover ``total_steps`` inner steps per site (rounded up): ``H`` steps per round,
+    ``H / P`` with Streaming DiLoCo (one fragment sync), ``H`` synchronous steps for ddp."""
+    algo = training.algorithm
+    per_round = algo.inner_steps
+    if algo.streaming.enabled:
+        per_round //= algo.streaming.fragments
+    return max(1, math.ceil(total_steps / per_round))
+
+
+@dataclass(slots=True)
+class PlannedRound:
+    """One predicted round, with the simulator's ``RoundRecord`` names for the same facts
+    (per-site values in site order)."""
+
+    round: int
+    """From 0; -1 is the data-parallel warm-up."""
+    phase: str
+    """``"warmup"`` or ``"train"``."""
+    inner_steps: int
+    """Steps each site ran (the most any site ran, with time budgets)."""
+    bytes_up: list[int]
+    bytes_down: list[int]
+    round_time_s: float
+    """Seconds from the previous round's end to this one's."""
+    wall_clock_s: float
+    """When every site held the new weights."""
+    compute_s: list[float]
+    utilization: list[float]
+    excluded: list[str] = field(default_factory=list)
+    """Sites the deadline left out."""
+    fragment: int | None = None
+
+
+@dataclass(slots=True)
+class Plan:
+    """A whole predicted run."""
+
+    sites: list[str]
+    rounds: list[PlannedRound]
+    memory: MemoryEstimate
+    numel: int
+    algorithm: str
+    """``diloco``, ``streaming`` (Streaming DiLoCo), ``fedavg``, ``fedopt`` or ``ddp``."""
+
+    @property
+    def total_s(self) -> float:
+        return self.rounds[-1].wall_clock_s if self.rounds else 0.0
+
+    @property
+    def train_rounds(self) -> list[PlannedRound]:
+        return [r for r in self.rounds if r.phase == "train"]
+
+    @property
+    def mean_round_s(self) -> float:
+        train = self.train_rounds
+        return sum(r.round_time_s for r in train) / len(train) if train else 0.0
+
+    @property
+    def inner_steps_total(self) -> int:
+        return sum(r.inner_steps for r in self.rounds)
+
+    def site_bytes(self) -> dict[str, tuple[int, int]]:
+        """site -> (bytes up, bytes down) over the whole run."""
+        return {
+            name: (sum(r.bytes_up[k] for r in self.rounds), sum(r.bytes_down[k] for r in self.rounds))
+            for k, name in enumerate(self.sites)
+        }
+
+    def site_utilization(self) -> dict[str, float]:
+        """site -> its compute seconds over the whole run's wall clock."""
+        total = self.total_s
+        return {
+            name: (sum(r.compute_s[k] for r in self.rounds) / total if total > 0 else 1.0)
+            for k, name in enumerate(self.sites)
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "algorithm": self.algorithm,
+            "numel": self.numel,
+            "sites": self.sites,
+            "total_s": self.total_s,
+            "mean_round_s": self.mean_round_s,
+            "rounds": len(self.train_rounds),
+            "utilization": self.site_utilization(),
+            "bytes": {k: {"up": up, "down": down} for k, (up, down) in self.site_bytes().items()},
+            "memory": self.memory.to_dict(),
+        }
+
+
+@dataclass(slots=True)
+class _SiteClock:
+    ready_s: float = 0.0
+    """When the site holds the newest weights (plain rounds) or finished its last step (streaming)."""
+    broadcast_s: float | None = None
+    """Streaming: when the broadcast it merges next reached it."""
+
+
+class _NoAggregation:
+    """The planner's rounds carry no tensors; ``Round.count`` records arrivals without them."""
+
+    @property
+    def sites(self) -> list[str]:
+        return []
+
+    def add(self, update: Any, weight: float = 1.0, *, site: str, stale: bool = False) -> None:
+        raise AssertionError("the planner counts arrivals; it never adds updates")
+
+    def take_result(self) -> torch.Tensor:
+        raise AssertionError("the planner never aggregates")
+
+
+def _close_round(
+    policy: RoundPolicy, number: int, open_s: float, names: list[str], arrivals: list[float]
+) -> tuple[float, list[str], float | None]:
+    """Close a round opened at ``open_s`` whose uploads arrive at ``arrivals``, as the simulator
+    does (``admit_arrivals``), and let the policy learn from it: (close time, excluded, deadline)."""
+    round_ = Round(number=number, aggregation=_NoAggregation(), opened_s=open_s)
+    round_.start(open_s, policy)
+    closed = admit_arrivals(
+        round_, policy, sites=names, arrivals=arrivals, payloads=[None] * len(names), weights=[1.0] * len(names)
+    )
+    for name, arrival in zip(names, arrivals, strict=True):
+        if arrival <= closed:
+            round_.count(name, 1.0, now=arrival)
+    outcome = round_.close(now=closed, expected=names)
+    policy.observe(outcome)
+    return closed, list(outcome.excluded), outcome.deadline_s
+
+
+def plan(
+    training: TrainingConfig,
+    *,
+    numel: int,
+    sites: Sequence[SiteConfig],
+    step_time_s: float,
+    warmup_steps: int | None = None,
+    layout: ParamLayout | None = None,
+) -> Plan:
+    """Predict ``training.rounds`` rounds (plus the algorithm's warm-up) of a model of ``numel``
+    parameters on ``sites``, a reference site taking ``step_time_s`` per inner step."""
+    if numel < 1:
+        raise PlanError(f"the model needs at least one parameter, got numel = {numel}")
+    if not sites:
+        raise PlanError("at least one site is needed")
+    if not (math.isfinite(step_time_s) and step_time_s >= 0):
+        raise PlanError(f"step time must be >= 0 seconds, got {step_time_s}")
+    if training.rounds < 1:
+        raise PlanError(f"the plan needs rounds >= 1, got {training.rounds}")
+    if training.privacy.secure_aggregation:
+        raise PlanError(
+            "secure aggregation's upload sizes come from its protocol messages, which the planner "
+            "does not model; plan without [privacy] secure_aggregation (the masked update is "
+            "fixed-point, so expect larger uploads) or measure with `geoloco simulate`"
+        )
+    algo = training.algorithm
+    names = [site.name or f"site-{k}" for k, site in enumerate(sites)]
+    clocks = [_SiteClock() for _ in sites]
+    policy = training.round_policy(len(sites))
+    records: list[PlannedRound] = []
+    warmup = algo.warmup_steps if warmup_steps is None else warmup_steps
+    open_s = 0.0
+    if warmup > 0:
+        record, open_s = _data_parallel(
+            clocks, sites, step_time_s, warmup, "none", "none", numel, -1, "warmup", 0.0
+        )
+        records.append(record)
+    if algo.name == "ddp":
+        for r in range(training.rounds):
+            previous = records[-1].wall_clock_s if records else 0.0
+            record, open_s = _data_parallel(
+                clocks, sites, step_time_s, algo.inner_steps, algo.uplink_codec,
+                algo.downlink_codec, numel, r, "train", previous,
+            )
+            records.append(record)
+    elif algo.streaming.enabled:
+        records.extend(
+            _streaming(training, clocks, sites, names, step_time_s, numel, layout, policy, records, open_s)
+        )
+    else:
+        records.extend(_plain(training, clocks, sites, names, step_time_s, numel, policy, records, open_s))
+    fragments = (
+        fragment_numels(numel, algo.streaming.fragments, layout=layout, split=algo.streaming.split)
+        if algo.streaming.enabled else [numel]
+    )
+    label = "streaming" if algo.streaming.enabled else algo.name
+    return Plan(
+        sites=names,
+        rounds=records,
+        memory=estimate_memory(training, numel=numel, fragment_numel=max(fragments), num_sites=len(sites)),
+        numel=numel,
+        algorithm=label,
+    )
+
+
+def _data_parallel(
+    clocks: list[_SiteClock], sites: Sequence[SiteConfig], step_time_s: float, steps: int,
+    up_codec: str, down_codec: str, numel: int, number: int, phase: str, previous_end: float,
+) -> tuple[PlannedRound, float]:
+    """``steps`` synchronous steps: every site uploads a gradient, the coordinator waits for all
+    and broadcasts (``Simulator._data_parallel_steps``). Returns the record and when the last
+    step aggregated (the next round opens then)."""
+    up = encoded_nbytes(up_codec, numel)
+    down = encoded_nbytes(down_codec, numel)
+    n = len(sites)
+    # One step's seconds, summed step by step: the simulator's arithmetic, to the last bit.
+    step_s = [1 * step_time_s / s.speed_factor for s in sites]
+    compute = [0.0] * n
+    starts = [c.ready_s for c in clocks]
+    aggregate_s = 0.0
+    for _ in range(steps):
+        arrivals = upload_arrivals([c.ready_s for c in clocks], step_s, [up] * n, sites)
+        aggregate_s = max(arrivals)
+        ends = download_ends(aggregate_s, arrivals, down, sites)
+        for k, (clock, end) in enumerate(zip(clocks, ends, strict=True)):
+            clock.ready_s = end
+            compute[k] += step_s[k]
+    spans = [c.ready_s - s for c, s in zip(clocks, starts, strict=True)]
+    end = max(c.ready_s for c in clocks)
+    record = PlannedRound(
+        round=number, phase=phase, inner_steps=steps, bytes_up=[up * steps] * n,
+        bytes_down=[down * steps] * n, round_time_s=end - previous_end, wall_clock_s=end,
+        compute_s=compute,
+        utilization=[c / sp if sp > 0 else 1.0 for c, sp in zip(compute, spans, strict=True)],
+    )
+    return record, aggregate_s
+
+
+def _site_steps(training: TrainingConfig, step_s: float) -> int:
+    budget = training.algorithm.round_time_budget_s
+    if budget is None:
+        return training.algorithm.inner_steps
+    return steps_in_budget(budget, step_s, max_steps=None if step_s > 0 else 1)
+
+
+def _plain(
+    training: TrainingConfig, clocks: list[_SiteClock], sites: Sequence[SiteConfig], names: list[str],
+    step_time_s: float, numel: int, policy: RoundPolicy, done: list[PlannedRound], open_s: float,
+) -> list[PlannedRound]:
+    """DiLoCo/FedAvg/FedOpt rounds (``Simulator._diloco_round``'s clock), the first opened at
+    ``open_s``."""
+    algo = training.algorithm
+    up = encoded_nbytes(algo.uplink_codec, numel)
+    down = encoded_nbytes(algo.downlink_codec, numel)
+    n = len(sites)
+    out: list[PlannedRound] = []
+    end = done[-1].wall_clock_s if done else 0.0
+    for r in range(training.rounds):
+        steps = [_site_steps(training, step_time_s / s.speed_factor) for s in sites]
+        # ``steps · step_time_s / speed_factor``: the simulator's order of operations.
+        compute = [k * step_time_s / s.speed_factor for k, s in zip(steps, sites, strict=True)]
+        starts = [c.ready_s for c in clocks]
+        arrivals = upload_arrivals(starts, compute, [up] * n, sites)
+        closed, excluded, _ = _close_round(policy, r, open_s, names, arrivals)
+        ends = download_ends(closed, arrivals, down, sites)
+        spans = [e - s for e, s in zip(ends, starts, strict=True)]
+        for clock, e in zip(clocks, ends, strict=True):
+            clock.ready_s = e
+        open_s = closed
+        new_end = max(ends)
+        out.append(
+            PlannedRound(
+                round=r, phase="train", inner_steps=max(steps), bytes_up=[up] * n, bytes_down=[down] * n,
+                round_time_s=new_end - end, wall_clock_s=new_end, compute_s=compute,
+                utilization=[c / sp if sp > 0 else 1.0 for c, sp in zip(compute, spans, strict=True)],
+                excluded=excluded,
+            )
+        )
+        end = new_end
+    return out
+
+
+def _streaming(
+    training: TrainingConfig, clocks: list[_SiteClock], sites: Sequence[SiteConfig], names: list[str],
+    step_time_s: float, numel: int, layout: ParamLayout | None, policy: RoundPolicy,
+    done: list[PlannedRound], open_s: float,
+) -> list[PlannedRound]:
+    """Streaming DiLoCo rounds (``StreamingRounds.round``'s clock): one fragment per round, the
+    site training on through ``overlap_steps`` before it must merge the previous broadcast."""
+    algo = training.algorithm
+    stream = algo.streaming
+    schedule = StreamingSchedule.from_config(algo.inner_steps, stream)
+    sizes = fragment_numels(numel, stream.fragments, layout=layout, split=stream.split)
+    n = len(sites)
+    out: list[PlannedRound] = []
+    end = done[-1].wall_clock_s if done else 0.0
+    for r in range(training.rounds):
+        p = schedule.fragment_for_round(r)
+        up = encoded_nbytes(algo.uplink_codec, sizes[p])
+        down = encoded_nbytes(algo.downlink_codec, sizes[p])
+        overlap = schedule.overlap_before_merge(r)
+        times = []
+        for site, clock in zip(sites, clocks, strict=True):
+            times.append(
+                streaming_site_time(
+                    start_s=clock.ready_s, overlap_compute_s=overlap * step_time_s / site.speed_factor,
+                    rest_compute_s=(schedule.interval - overlap) * step_time_s / site.speed_factor,
+                    previous_broadcast_s=clock.broadcast_s, upload_bytes=up, site=site,
+                )
+            )
+        arrivals = [t.arrival_s for t in times]
+        closed, excluded, _ = _close_round(policy, r, open_s, names, arrivals)
+        ends = download_ends(closed, arrivals, down, sites)
+        for clock, timing, e in zip(clocks, times, ends, strict=True):
+            clock.broadcast_s = e
+            clock.ready_s = timing.upload_s
+        open_s = closed
+        new_end = max(ends)
+        out.append(
+            PlannedRound(
+                round=r, phase="train", inner_steps=schedule.interval, bytes_up=[up] * n,
+                bytes_down=[down] * n, round_time_s=new_end - end, wall_clock_s=new_end,
+                compute_s=[t.compute_s for t in times], utilization=[t.utilization for t in times],
+                excluded=excluded, fragment=p,
+            )
+        )
+        end = new_end
+    return out

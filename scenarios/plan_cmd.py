@@ -1,0 +1,411 @@
+"""``geoloco plan``: predict a run's wall clock, utilization, traffic and memory without training.
+
+Two ways to describe the run:
+
+- a scenario file (``geoloco plan scenarios/quickstart.toml --step-time 0.2``): its sites, links,
+  algorithm, round policy and rounds; the parameter count comes from building its workload's model
+  (or ``--params``);
+- flags (``geoloco plan --params 1e9 --sites 8 --link 1gbit,50ms --step-time 0.5 --algorithm
+  diloco --inner-steps 500 --codec int8 --total-steps 50000``).
+
+``--compare diloco,streaming,ddp`` plans the same sites and the same inner steps per site with
+each algorithm and prints them side by side. The numbers come from
+``geoloco.algorithms.planner`` (the simulator's clock; see its docstring for what is assumed).
+Bad input exits with status 2 and a message naming the flag or key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from geoloco.scenarios.config_file import (
+    COMMAND_LINE,
+    ConfigFileError,
+    from_config_error,
+    positive_int,
+    report_config_error,
+)
+from geoloco.scenarios.progress import human_seconds
+
+PLAN_ALGORITHMS = ("diloco", "streaming", "fedavg", "fedopt", "ddp")
+"""``--algorithm`` / ``--compare`` names: the simulator's algorithms plus ``streaming``
+(Streaming DiLoCo: diloco with ``[algorithm.streaming] enabled``)."""
+
+_BANDWIDTH_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+_LATENCY_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+_COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="predict wall clock, utilization, bytes per link and memory of a run, without training",
+        description=(
+            "Predict a run with the simulator's virtual clock (latency + bytes/bandwidth per link, "
+            "step time / speed factor per site, the real round policy and the codecs' exact sizes) "
+            "without training: per-round and total wall clock, compute utilization per site, bytes "
+            "per link and peak memory per process. Describe the run with a scenario file or flags."
+        ),
+    )
+    parser.add_argument("scenario", nargs="?", type=Path, metavar="SCENARIO.toml",
+                        help="emulator scenario file (sites, links, algorithm, rounds)")
+    parser.add_argument("--params", type=_count, help="parameter count, e.g. 1e9, 124M, 1.3B "
+                        "(default with a scenario: its workload's model)")
+    parser.add_argument("--step-time", required=True, type=_step_time, metavar="SECONDS|measure",
+                        help="seconds per inner step at speed_factor 1, or 'measure' (time the "
+                        "scenario workload's steps on this machine)")
+    parser.add_argument("--sites", type=positive_int, help="number of identical sites (flags mode; default 8)")
+    parser.add_argument("--link", action="append", metavar="BANDWIDTH,LATENCY",
+                        help="link of every site (once) or of each site (once per site), both "
+                        "directions: e.g. 1gbit,50ms or 100mbit,0.03s (default 1gbit,50ms)")
+    parser.add_argument("--speed-factors", type=_float_list, metavar="F,F,...",
+                        help="compute speed of each site relative to the reference (default all 1)")
+    parser.add_argument("--algorithm", choices=PLAN_ALGORITHMS, help="default diloco (or the scenario's)")
+    parser.add_argument("--inner-steps", type=positive_int, help="H (default 500, or the scenario's)")
+    parser.add_argument("--codec", help="codec both ways, e.g. int8, topk:0.01|int4 (default none)")
+    parser.add_argument("--uplink-codec", help="uplink codec (overrides --codec)")
+    parser.add_argument("--downlink-codec", help="downlink codec (overrides --codec)")
+    parser.add_argument("--ddp-codec", default="none",
+                        help="the ddp baseline's codec in --compare (default none: fp32 gradients)")
+    parser.add_argument("--fragments", type=positive_int,
+                        help="Streaming DiLoCo fragments P (default the scenario's, else 4)")
+    parser.add_argument("--overlap-steps", type=int,
+                        help="Streaming DiLoCo overlap steps (default the scenario's, else min(5, H/P))")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--rounds", type=positive_int, help="rounds to plan (default the scenario's)")
+    length.add_argument("--total-steps", type=positive_int,
+                        help="inner steps per site over the run; rounds = ceil(steps / steps per round)")
+    parser.add_argument("--compare", type=_algorithm_list, metavar="A,B,...",
+                        help=f"plan each of these side by side ({', '.join(PLAN_ALGORITHMS)})")
+    parser.add_argument("--json", action="store_true", help="print the plan(s) as JSON instead of tables")
+    parser.set_defaults(handler=run)
+
+
+# -- argument parsing ------------------------------------------------------------------------------
+
+
+def _count(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbgt]?)\s*", text.lower())
+    if not match or float(match.group(1)) * _COUNT_SUFFIX[match.group(2)] < 1:
+        raise argparse.ArgumentTypeError(f"expected a parameter count >= 1 such as 1e9, 124M or 1.3B, got {text!r}")
+    return int(float(match.group(1)) * _COUNT_SUFFIX[match.group(2)])
+
+
+def _step_time(text: str) -> float | str:
+    if text == "measure":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 or 'measure', got {text!r}")
+    return value
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, e.g. 1,0.5, got {text!r}")
+    return values
+
+
+def _algorithm_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in PLAN_ALGORITHMS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown algorithm {bad[0] if bad else text!r}; allowed: {', '.join(PLAN_ALGORITHMS)}"
+        )
+    return names
+
+
+def parse_link(text: str) -> tuple[float, float]:
+    """``"1gbit,50ms"`` -> ``(1e9 bit/s, 0.05 s)``; raises ``ConfigFileError`` naming ``--link``."""
+    parts = [p.strip().lower() for p in text.split(",")]
+    bandwidth = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)(?:/s|ps)?", parts[0])
+    latency = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*([a-z]*)", parts[1]) if len(parts) == 2 else None
+    if (
+        bandwidth is None or latency is None
+        or (bandwidth.group(2) or "bit") not in _BANDWIDTH_UNITS
+        or (latency.group(2) or "s") not in _LATENCY_UNITS
+    ):
+        raise ConfigFileError(
+            COMMAND_LINE, "--link",
+            f"expected BANDWIDTH,LATENCY such as 1gbit,50ms or 1e8,0.03 (bandwidth units: "
+            f"{', '.join(_BANDWIDTH_UNITS)}; latency units: {', '.join(_LATENCY_UNITS)}), got {text!r}",
+        )
+    bps = float(bandwidth.group(1)) * _BANDWIDTH_UNITS[bandwidth.group(2) or "bit"]
+    seconds = float(latency.group(1)) * _LATENCY_UNITS[latency.group(2) or "s"]
+    if bps <= 0:
+        raise ConfigFileError(COMMAND_LINE, "--link", f"bandwidth must be > 0, got {text!r}")
+    return bps, seconds
+
+
+# -- building the plans ----------------------------------------------------------------------------
+
+
+def _sites(args: argparse.Namespace, scenario: Any) -> list[Any]:
+    from geoloco.algorithms.clock import SiteConfig
+
+    if scenario is not None:
+        if args.sites is not None or args.link or args.speed_factors:
+            raise ConfigFileError(
+                COMMAND_LINE, "--sites/--link/--speed-factors",
+                "a scenario file brings its own [[sites]]; edit the file or plan with flags only",
+            )
+        return [site.clock_site() for site in scenario.sites]
+    count = args.sites or (len(args.link) if args.link and len(args.link) > 1 else 8)
+    links = [parse_link(text) for text in (args.link or ["1gbit,50ms"])]
+    if len(links) not in (1, count):
+        raise ConfigFileError(
+            COMMAND_LINE, "--link", f"give one --link for all sites or one per site ({count}), got {len(links)}"
+        )
+    speeds = args.speed_factors or [1.0]
+    if len(speeds) not in (1, count):
+        raise ConfigFileError(
+            COMMAND_LINE, "--speed-factors",
+            f"give one factor for all sites or one per site ({count}), got {len(speeds)}",
+        )
+    return [
+        SiteConfig(
+            name=f"site-{k}", uplink_bps=links[k % len(links)][0], downlink_bps=links[k % len(links)][0],
+            latency_s=links[k % len(links)][1], speed_factor=speeds[k % len(speeds)],
+        )
+        for k in range(count)
+    ]
+
+
+def _algorithm_table(args: argparse.Namespace, base: dict[str, Any], name: str) -> dict[str, Any]:
+    """The ``[algorithm]`` table of one planned algorithm: ``base`` (the scenario's, or defaults)
+    with the flags applied."""
+    table = dict(base)
+    table.pop("streaming", None)
+    streaming = dict(base.get("streaming") or {})
+    table["inner_steps"] = args.inner_steps or base.get("inner_steps", 500)
+    for key, flag in (("uplink_codec", args.uplink_codec), ("downlink_codec", args.downlink_codec)):
+        value = flag or args.codec
+        if value is not None:
+            table[key] = value
+    if name == "ddp":
+        table.update(name="ddp", uplink_codec=args.ddp_codec, downlink_codec=args.ddp_codec,
+                     round_time_budget_s=None, warmup_steps=0, late_updates="drop")
+        return table
+    if name == "streaming":
+        fragments = args.fragments or (streaming.get("fragments") if streaming.get("enabled") else None) or 4
+        interval = max(1, table["inner_steps"] // fragments)
+        overlap = args.overlap_steps
+        if overlap is None:
+            overlap = streaming["overlap_steps"] if streaming.get("enabled") else min(5, interval)
+        table.update(name=base.get("name", "diloco") if base.get("name") != "ddp" else "diloco",
+                     round_time_budget_s=None, late_updates="drop")
+        table["streaming"] = {**streaming, "enabled": True, "fragments": fragments, "overlap_steps": overlap}
+        return table
+    table["name"] = name
+    return table
+
+
+def _training(args: argparse.Namespace, scenario: Any, name: str) -> Any:
+    from geoloco.algorithms.algorithm_config import AlgorithmConfig
+    from geoloco.algorithms.config import ConfigError, config_from_dict
+    from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
+    from geoloco.algorithms.privacy import PrivacyConfig
+    from geoloco.algorithms.training import TrainingConfig
+
+    base = (
+        scenario.algorithm.to_dict() if scenario is not None
+        else {"uplink_codec": "none", "downlink_codec": "none"}
+    )
+    try:
+        algorithm = config_from_dict(AlgorithmConfig, _algorithm_table(args, base, name), prefix="algorithm")
+    except ConfigError as err:
+        raise from_config_error(COMMAND_LINE, err) from None
+    if scenario is None:
+        return TrainingConfig(
+            algorithm=algorithm, inner_optimizer=InnerOptimizerConfig(),
+            outer_optimizer=OuterOptimizerConfig(), privacy=PrivacyConfig(), rounds=1,
+        )
+    training = scenario.training
+    outer = training.outer_optimizer if algorithm.name == scenario.algorithm.name else OuterOptimizerConfig()
+    return TrainingConfig(
+        algorithm=algorithm, inner_optimizer=training.inner_optimizer, outer_optimizer=outer,
+        privacy=training.privacy, seed=training.seed, rounds=training.rounds,
+        min_sites=training.min_sites, round_deadline_s=training.round_deadline_s,
+        adaptive_deadline=training.adaptive_deadline,
+    )
+
+
+def _with_rounds(args: argparse.Namespace, training: Any, default_rounds: int | None) -> Any:
+    import dataclasses
+
+    from geoloco.algorithms.planner import rounds_for_steps
+
+    if args.total_steps is not None:
+        rounds = rounds_for_steps(training, args.total_steps)
+    elif args.rounds is not None:
+        rounds = args.rounds
+    elif default_rounds:
+        rounds = default_rounds
+    else:
+        raise ConfigFileError(
+            COMMAND_LINE, "--rounds", "how long is the run? give --rounds or --total-steps"
+            + (" (the scenario runs on a time budget: run.rounds = 0)" if default_rounds == 0 else "")
+        )
+    return dataclasses.replace(training, rounds=rounds)
+
+
+def _measure_step_time(scenario: Any, steps: int = 5) -> float:
+    """Seconds per inner step of the scenario's workload here (after two warm-up steps), on one
+    CPU thread as the emulator's site processes run (``OMP_NUM_THREADS=1``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _time_steps(scenario, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_steps(scenario: Any, steps: int) -> float:
+    workload = scenario.workload.build()
+    model = workload.build_model(scenario.run.seed)
+    optimizer = scenario.inner_optimizer.build(model.parameters())
+    batches = workload.site_batches(0, len(scenario.sites), scenario.run.seed)
+    elapsed = 0.0
+    for step in range(steps + 2):
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        workload.loss(model, next(batches)).backward()
+        optimizer.step()
+        if step >= 2:
+            elapsed += time.perf_counter() - t0
+    return elapsed / steps
+
+
+def build_plans(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
+    """The plans the flags ask for, and what they were built from (for the header)."""
+    from geoloco.algorithms.params import ParamLayout
+    from geoloco.algorithms.planner import PlanError, plan
+    from geoloco.scenarios.scenario import load_scenario
+
+    scenario = load_scenario(args.scenario) if args.scenario is not None else None
+    if scenario is None and args.params is None:
+        raise ConfigFileError(COMMAND_LINE, "--params", "give the model size (e.g. --params 1e9) or a scenario file")
+    if scenario is None and args.step_time == "measure":
+        raise ConfigFileError(COMMAND_LINE, "--step-time", "'measure' times a scenario's workload; give seconds")
+    layout = None
+    numel = args.params
+    if scenario is not None and numel is None:
+        layout = ParamLayout.from_model(scenario.workload.build().build_model(scenario.run.seed))
+        numel = layout.numel
+    step_time = _measure_step_time(scenario) if args.step_time == "measure" else float(args.step_time)
+    sites = _sites(args, scenario)
+    default_name = scenario.algorithm.name if scenario is not None else "diloco"
+    if scenario is not None and scenario.algorithm.streaming.enabled:
+        default_name = "streaming"
+    names = args.compare or [args.algorithm or default_name]
+    plans = []
+    for name in names:
+        training = _with_rounds(args, _training(args, scenario, name), scenario.run.rounds if scenario else None)
+        try:
+            plans.append(plan(training, numel=numel, sites=sites, step_time_s=step_time, layout=layout))
+        except (PlanError, ValueError) as err:
+            raise ConfigFileError(args.scenario or COMMAND_LINE, f"algorithm {name}", str(err)) from None
+    return plans, {"numel": numel, "sites": sites, "step_time_s": step_time}
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _rate(bps: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+            for r in rows]
+
+
+def _site_lines(p: Any, sites: list[Any]) -> list[str]:
+    util = p.site_utilization()
+    traffic = p.site_bytes()
+    rows = [["site", "link (up / down, latency)", "speed", "util", "bytes up", "bytes down"]]
+    for site, name in zip(sites, p.sites, strict=True):
+        rows.append([
+            name, f"{_rate(site.uplink_bps)} / {_rate(site.downlink_bps)}, {site.latency_s * 1000:g} ms",
+            f"{site.speed_factor:g}", f"{util[name]:.1%}", _bytes(traffic[name][0]), _bytes(traffic[name][1]),
+        ])
+    return ["per site, whole run:", *_table(rows)]
+
+
+def format_plans(plans: list[Any], info: dict[str, Any]) -> str:
+    """What ``geoloco plan`` prints: one line per algorithm, per-site detail for a single plan, and
+    each plan's peak-memory breakdown."""
+    sites = info["sites"]
+    lines = [
+        f"plan: {info['numel']:,} parameters, {len(sites)} sites, {info['step_time_s']:.4g} s per inner "
+        "step at speed 1 (virtual clock: latency + bytes/bandwidth, no training)",
+        "",
+    ]
+    rows = [["algorithm", "syncs", "steps/site", "per sync", "total", "mean util", "up/site/sync",
+             "down/site/sync", "site mem", "coord mem"]]
+    for p in plans:
+        train = p.train_rounds
+        n = len(p.sites)
+        # A sync is one exchange with the coordinator: a round, a fragment's round, a ddp step.
+        syncs = sum(r.inner_steps if p.algorithm == "ddp" else 1 for r in train)
+        up = sum(sum(r.bytes_up) for r in train) / max(1, syncs * n)
+        down = sum(sum(r.bytes_down) for r in train) / max(1, syncs * n)
+        util = p.site_utilization()
+        rows.append([
+            p.algorithm, str(syncs), str(p.inner_steps_total),
+            human_seconds(sum(r.round_time_s for r in train) / max(1, syncs)),
+            human_seconds(p.total_s), f"{sum(util.values()) / n:.1%}", _bytes(up), _bytes(down),
+            _bytes(p.memory.site_total), _bytes(p.memory.coordinator_total),
+        ])
+    lines += _table(rows)
+    for p in plans:
+        lines.append("")
+        if len(plans) > 1:
+            lines.append(f"{p.algorithm}:")
+        else:
+            lines += _site_lines(p, sites)
+        memory = p.memory
+        lines.append("  peak memory per site:        " + ", ".join(
+            f"{k} {_bytes(v)}" for k, v in memory.site.items() if v) + " (activations not included)")
+        lines.append("  peak memory at coordinator:  " + ", ".join(
+            f"{k} {_bytes(v)}" for k, v in memory.coordinator.items() if v))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plans, info = build_plans(args)
+    except ConfigFileError as err:
+        return report_config_error("plan", err)
+    if args.json:
+        print(json.dumps({"step_time_s": info["step_time_s"], "plans": [p.to_dict() for p in plans]}, indent=2))
+    else:
+        print(format_plans(plans, info))
+    return 0

@@ -1,0 +1,112 @@
+"""``geoloco plan``: flags and scenario files in, tables or JSON out, clear errors on bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from geoloco.algorithms.planner import plan
+from geoloco.scenarios.cli import main
+from geoloco.scenarios.plan_cmd import parse_link
+from geoloco.scenarios.scenario import load_scenario
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_compare_prints_one_line_per_algorithm(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--params", "1e6", "--sites", "3", "--link", "100mbit,20ms", "--step-time", "0.1",
+            "--inner-steps", "20", "--codec", "int8", "--total-steps", "200", "--compare", "diloco,streaming,ddp"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "1,000,000 parameters, 3 sites" in out
+    rows = [line.split() for line in out.splitlines()]
+    lines = {row[0]: row for row in rows if row[:1] in (["diloco"], ["streaming"], ["ddp"])}
+    assert lines["diloco"][1] == "10" and lines["streaming"][1] == "40" and lines["ddp"][1] == "200"
+    assert all(lines[a][2] == "200" for a in lines)  # the same inner steps per site
+    assert "peak memory at coordinator" in out
+
+
+def test_flags_json_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, "--params", "1M", "--sites", "2", "--link", "8mbit,0ms", "--step-time", "1",
+                 "--inner-steps", "10", "--rounds", "3")
+    (p,) = data["plans"]
+    # 1e6 fp32 elements uncompressed = 4e6 bytes (+ header) at 8 Mbit/s: 4 s each way, 10 s compute.
+    assert p["algorithm"] == "diloco" and p["rounds"] == 3
+    assert p["mean_round_s"] == pytest.approx(18.0, rel=1e-4)
+    assert p["utilization"]["site-0"] == pytest.approx(10 / 18, rel=1e-4)
+    # Encoded.nbytes of "none": 21 + len("none") + 8 header bytes + 4 per element, three rounds.
+    assert p["bytes"]["site-1"] == {"up": 3 * 4_000_033, "down": 3 * 4_000_033}
+
+
+def test_scenario_file_matches_the_planner_on_its_sites(capsys: pytest.CaptureFixture[str]) -> None:
+    path = SCENARIOS / "quickstart.toml"
+    data = _json(capsys, str(path), "--params", "20000", "--step-time", "0.2")
+    scenario = load_scenario(path)
+    expected = plan(scenario.training, numel=20000, sites=[s.clock_site() for s in scenario.sites], step_time_s=0.2)
+    (p,) = data["plans"]
+    assert p["rounds"] == scenario.run.rounds
+    assert p["total_s"] == pytest.approx(expected.total_s)
+    assert list(p["utilization"]) == [s.name for s in scenario.sites]
+
+
+def test_streaming_scenario_uses_its_fragments(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, str(SCENARIOS / "streaming.toml"), "--params", "40000", "--step-time", "0.1")
+    (p,) = data["plans"]
+    assert p["algorithm"] == "streaming"
+    assert p["rounds"] == load_scenario(SCENARIOS / "streaming.toml").run.rounds
+
+
+def test_parse_link_units() -> None:
+    assert parse_link("1gbit,50ms") == (1e9, pytest.approx(0.05))
+    assert parse_link("1e8,0.03") == (1e8, 0.03)
+    assert parse_link("100Mbit/s, 2s") == (1e8, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--step-time", "0.1"], "--params"),
+        (["--params", "1e6", "--step-time", "0.1", "--link", "fast", "--rounds", "1"], "--link"),
+        (["--params", "1e6", "--step-time", "0.1", "--link", "1gbit,5parsecs", "--rounds", "1"], "latency units"),
+        (["--params", "1e6", "--step-time", "0.1", "--sites", "3", "--link", "1gbit,1ms", "--link", "1gbit,2ms",
+          "--rounds", "1"], "one per site"),
+        (["--params", "1e6", "--step-time", "measure", "--rounds", "1"], "measure"),
+        (["--params", "1e6", "--step-time", "0.1"], "--total-steps"),
+        (["--params", "1e6", "--step-time", "0.1", "--rounds", "1", "--algorithm", "streaming", "--inner-steps", "10",
+          "--fragments", "3"], "must divide inner_steps"),
+        (["--params", "1e6", "--step-time", "0.1", "--rounds", "1", "--codec", "int9"], "uplink_codec"),
+        ([str(SCENARIOS / "quickstart.toml"), "--params", "1e6", "--step-time", "0.1", "--sites", "2"], "[[sites]]"),
+        ([str(SCENARIOS / "secure.toml"), "--params", "1e6", "--step-time", "0.1"], "secure aggregation"),
+        (["missing.toml", "--params", "1e6", "--step-time", "0.1"], "file not found"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_problem(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: str
+) -> None:
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("geoloco plan: error:") and expected in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--params", "lots", "--step-time", "1"],
+        ["--params", "1e6", "--step-time", "-1"],
+        ["--params", "1e6", "--step-time", "1", "--compare", "diloco,allreduce"],
+        ["--params", "1e6", "--step-time", "1", "--rounds", "2", "--total-steps", "10"],
+    ],
+)
+def test_bad_flag_values_are_argparse_errors(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *argv])
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err

@@ -1,0 +1,196 @@
+"""The planner against the simulator: same config, same virtual times and bytes, round for round.
+
+The planner runs the simulator's clock functions without training, and codec sizes do not depend
+on the values encoded, so with a fixed ``step_time_s`` the two agree exactly (``==`` on floats:
+the planner repeats the simulator's arithmetic in the same order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from geoloco.algorithms.clock import SiteConfig
+from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.planner import Plan, PlanError, encoded_nbytes, fragment_numels, plan, rounds_for_steps
+from geoloco.algorithms.simulator import SimulatorConfig, simulate
+
+
+class TinyWorkload:
+    """Four layer groups (``0``, ``2``, ``4``, ``6``) of a small MLP on random regression data."""
+
+    name = "tiny"
+
+    def build_model(self, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(
+            nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(),
+            nn.Linear(8, 1),
+        )
+
+    def site_batches(self, site: int, num_sites: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(seed * 100 + site)
+        while True:
+            x = torch.randn(8, 4, generator=g)
+            yield x, x.sum(dim=1, keepdim=True)
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+
+    def eval_loss(self, model: nn.Module) -> float:
+        with torch.no_grad():
+            return float(self.loss(model, next(self.site_batches(0, 1, 99))))
+
+
+SITES = [
+    {"uplink_bps": 2e5, "downlink_bps": 4e5, "latency_s": 0.01, "speed_factor": 1.0},
+    {"uplink_bps": 5e4, "downlink_bps": 1e5, "latency_s": 0.08, "speed_factor": 0.5},
+    {"uplink_bps": 1e5, "downlink_bps": 1e5, "latency_s": 0.03, "speed_factor": 0.8},
+]
+
+
+def _config(algorithm: dict[str, Any], simulation: dict[str, Any] | None = None) -> SimulatorConfig:
+    return SimulatorConfig.from_dict({
+        "algorithm": algorithm,
+        "sites": SITES,
+        "simulation": {"rounds": 5, "step_time_s": 0.05, "device": "cpu", "eval_every": 100, **(simulation or {})},
+    })
+
+
+def _both(config: SimulatorConfig) -> tuple[list[Any], Plan]:
+    workload = TinyWorkload()
+    records = list(simulate(config, workload))
+    layout = ParamLayout.from_model(workload.build_model(0))
+    predicted = plan(
+        config.training, numel=layout.numel, sites=config.sites,
+        step_time_s=float(config.simulation.step_time_s), layout=layout,
+    )
+    return records, predicted
+
+
+def _assert_same(records: list[Any], predicted: Plan) -> None:
+    assert len(predicted.rounds) == len(records)
+    for sim, mine in zip(records, predicted.rounds, strict=True):
+        names = list(sim.bytes_up)
+        assert mine.round == sim.round and mine.phase == sim.phase
+        assert mine.inner_steps == sim.inner_steps
+        assert mine.bytes_up == [sim.bytes_up[n] for n in names]
+        assert mine.bytes_down == [sim.bytes_down[n] for n in names]
+        assert mine.wall_clock_s == sim.wall_clock_s
+        assert mine.round_time_s == sim.round_time_s
+        assert mine.compute_s == [sim.compute_s[n] for n in names]
+        assert mine.utilization == [sim.utilization[n] for n in names]
+        assert [names[int(s.split("-")[1])] for s in mine.excluded] == sim.excluded
+        assert mine.fragment == sim.fragment
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "simulation"),
+    [
+        pytest.param(
+            {"name": "diloco", "inner_steps": 5, "uplink_codec": "int8", "downlink_codec": "int4"}, None,
+            id="diloco-int8",
+        ),
+        pytest.param({"name": "fedavg", "inner_steps": 3, "uplink_codec": "topk:0.1|int4"}, None, id="fedavg-topk"),
+        pytest.param(
+            {"name": "diloco", "inner_steps": 4, "uplink_codec": "int8", "late_updates": "fold"},
+            {"round_deadline_s": 0.35, "min_sites": 1}, id="deadline-fold",
+        ),
+        pytest.param(
+            {"name": "diloco", "inner_steps": 4, "uplink_codec": "int8"},
+            {"round_deadline_s": 0.3, "min_sites": 2,
+             "adaptive_deadline": {"enabled": True, "quantile": 0.5, "window": 2, "margin": 1.1}},
+            id="adaptive-deadline",
+        ),
+        pytest.param(
+            {"name": "diloco", "inner_steps": 4, "warmup_steps": 3, "uplink_codec": "int8"}, None, id="warmup"
+        ),
+        pytest.param(
+            {"name": "diloco", "inner_steps": 4, "round_time_budget_s": 0.22, "weighting": "steps"}, None,
+            id="time-budget",
+        ),
+        pytest.param({"name": "ddp", "inner_steps": 3, "uplink_codec": "bf16"}, {"rounds": 3}, id="ddp"),
+        pytest.param(
+            {"name": "diloco", "inner_steps": 8, "uplink_codec": "int8", "downlink_codec": "int8",
+             "streaming": {"enabled": True, "fragments": 4, "overlap_steps": 1}},
+            {"rounds": 9}, id="streaming",
+        ),
+        pytest.param(
+            {"name": "diloco", "inner_steps": 6, "uplink_codec": "int4",
+             "streaming": {"enabled": True, "fragments": 3, "overlap_steps": 2, "split": "contiguous"}},
+            {"rounds": 7, "round_deadline_s": 0.5, "min_sites": 2}, id="streaming-deadline",
+        ),
+    ],
+)
+def test_planner_reproduces_the_simulators_clock_and_bytes(
+    algorithm: dict[str, Any], simulation: dict[str, Any] | None
+) -> None:
+    records, predicted = _both(_config(algorithm, simulation))
+    _assert_same(records, predicted)
+
+
+def test_deadline_case_excludes_a_straggler() -> None:
+    """The deadline configurations above must exercise exclusion, or they prove nothing more."""
+    _, predicted = _both(
+        _config(
+            {"name": "diloco", "inner_steps": 4, "uplink_codec": "int8", "late_updates": "fold"},
+            {"round_deadline_s": 0.35, "min_sites": 1},
+        )
+    )
+    assert any(r.excluded for r in predicted.rounds)
+
+
+def test_codec_sizes_match_encoded_nbytes() -> None:
+    from geoloco.compression import parse_codec
+
+    x = torch.randn(10_001)
+    for spec in ("none", "bf16", "int8", "int4:block=64", "topk:0.01|int4", "randk:0.05|int8"):
+        assert encoded_nbytes(spec, x.numel()) == parse_codec(spec).encode(x, seed=3).nbytes, spec
+
+
+def test_fragments_without_layout_are_equal_shares() -> None:
+    assert fragment_numels(10, 3) == [4, 3, 3]
+    with pytest.raises(PlanError, match="fragments need at least"):
+        fragment_numels(2, 3)
+
+
+def test_run_totals_and_rounds_for_steps() -> None:
+    config = _config({"name": "diloco", "inner_steps": 5, "uplink_codec": "int8"})
+    _, predicted = _both(config)
+    assert predicted.total_s == predicted.rounds[-1].wall_clock_s
+    up, down = predicted.site_bytes()["site-0"]
+    assert up == 5 * predicted.rounds[0].bytes_up[0] and down == 5 * predicted.rounds[0].bytes_down[0]
+    assert all(0 < u <= 1 for u in predicted.site_utilization().values())
+    assert rounds_for_steps(config.training, 12) == 3
+    streaming = _config({"name": "diloco", "inner_steps": 8, "streaming": {"enabled": True, "fragments": 4}})
+    assert rounds_for_steps(streaming.training, 16) == 8
+
+
+def test_memory_estimate_counts_adamw_and_residuals() -> None:
+    config = _config({"name": "diloco", "inner_steps": 5, "uplink_codec": "int8", "downlink_codec": "none"})
+    memory = plan(config.training, numel=1000, sites=[SiteConfig()], step_time_s=0.1).memory
+    assert memory.site["inner_optimizer"] == 8000 and memory.site["uplink_residual"] == 4000
+    assert memory.coordinator["outer_optimizer"] == 4000  # Nesterov momentum
+    assert memory.coordinator["downlink_residual"] == 0  # lossless downlink keeps no residual
+    ddp = _config({"name": "ddp", "inner_steps": 1})
+    memory = plan(ddp.training, numel=1000, sites=[SiteConfig()], step_time_s=0.1).memory
+    assert "inner_optimizer" not in memory.site and memory.coordinator["outer_optimizer"] == 8000
+
+
+def test_planner_refuses_what_it_cannot_predict() -> None:
+    config = _config({"name": "diloco"})
+    with pytest.raises(PlanError, match="numel"):
+        plan(config.training, numel=0, sites=[SiteConfig()], step_time_s=0.1)
+    with pytest.raises(PlanError, match="step time"):
+        plan(config.training, numel=10, sites=[SiteConfig()], step_time_s=-1)
+    secure = SimulatorConfig.from_dict({
+        "algorithm": {"name": "diloco"}, "privacy": {"secure_aggregation": True, "clip_norm": 1.0},
+        "sites": SITES,
+    })
+    with pytest.raises(PlanError, match="secure aggregation"):
+        plan(secure.training, numel=10, sites=secure.sites, step_time_s=0.1)

@@ -175,11 +175,11 @@ def test_a_late_update_arriving_while_its_round_aggregates_is_folded_once_the_ne
     save = rounds.phases.save_checkpoint
     in_checkpoint, leave_checkpoint = threading.Event(), threading.Event()
 
-    def slow_save(round_number: int, *args: Any) -> None:
+    def slow_save(round_number: int, *args: Any, **kwargs: Any) -> None:
         if round_number == 1:  # the checkpoint taken while aggregating round 0
             in_checkpoint.set()
             leave_checkpoint.wait(60)
-        save(round_number, *args)
+        save(round_number, *args, **kwargs)
 
     rounds.phases.save_checkpoint = slow_save  # type: ignore[method-assign]
     release = threading.Event()

@@ -72,9 +72,9 @@ from geoloco.scenarios.progress import (
 from geoloco.scenarios.run_metrics import MetricsTail
 from geoloco.scenarios.scenario import CUT_LINK, KILL_COORDINATOR, KILL_SITE, Fault, Scenario
 from geoloco.scenarios.shaping import LinkRelay, LinkShape, RelayHub
+from geoloco.scenarios.stop_signals import StopSignals
 
-# FaultEvent, to_toml and geoloco_command live in fault_schedule / child_commands; importing them
-# from here keeps working.
+# FaultEvent, to_toml and geoloco_command live in fault_schedule / child_commands (still importable here).
 __all__ = [
     "STATUS_PAGE_RE",
     "Emulation",
@@ -154,9 +154,12 @@ class Emulation:
         progress: Progress | None = None,
         log_level: str = "INFO",
         shaping: ShapingPlan | None = None,
+        stop: StopSignals | None = None,
     ) -> None:
-        """``shaping``: from ``geoloco.scenarios.netns.choose_shaping`` (default: the relay)."""
+        """``shaping``: from ``netns.choose_shaping`` (default: the relay). ``stop``: the stop-signal
+        handler, asked between start-up steps and on every poll (``stop_signals``)."""
         self.scenario = scenario
+        self.stop = stop
         self.shaping = shaping or choose_shaping("relay", None)
         self.kernel_links: KernelLinks | None = None
         """The namespaces and veth pairs of kernel shaping, once planned."""
@@ -266,8 +269,14 @@ class Emulation:
             logger.info("status page and /metrics on %s", self.status_url)
         logger.debug("coordinator listening on port %d", port)
 
+    def _check_stop(self) -> None:
+        """Unwind (``KeyboardInterrupt``) if a stop signal arrived whose own exception was lost."""
+        if self.stop is not None:
+            self.stop.check()
+
     def _listening_line(self) -> re.Match[str] | None:
         assert self.coordinator is not None
+        self._check_stop()
         if not self.coordinator.running:
             raise EmulationError(
                 f"the coordinator exited with status {self.coordinator.returncode} before it "
@@ -298,6 +307,7 @@ class Emulation:
         logger.info("link shaping: %s", self.shaping.description)
         if self.shaping.uses_namespaces:
             self._create_kernel_links(shapes)
+        self._check_stop()
         self._issue_certificates()
         self.hub = RelayHub()
         for index, (site, (up, down)) in enumerate(zip(s.sites, shapes, strict=True)):
@@ -344,10 +354,13 @@ class Emulation:
     def run(self) -> EmulationResult:
         status, reason = STATUS_FAILED, "not started"
         try:
+            self._check_stop()
             self.setup()
+            self._check_stop()
             self._t0 = time.monotonic()
             self._start_coordinator()
             for name in self.sites:
+                self._check_stop()
                 self._start_site(name)
             self.metrics.round_started_s[0] = self.now()
             status, reason = self._loop()
@@ -365,6 +378,7 @@ class Emulation:
         run = self.scenario.run
         assert self.coordinator is not None
         while True:
+            self._check_stop()
             now = self.now()
             self._read_metrics()
             self._fire_faults(now)

@@ -43,7 +43,7 @@ from geoloco.scenarios.fault_schedule import (
     FaultEvent,
     FaultSchedule,
 )
-from geoloco.scenarios.launcher import ChildProcess, wait_for
+from geoloco.scenarios.launcher import ChildProcess, stop_all, wait_for
 from geoloco.scenarios.netns import (
     MODE_KERNEL,
     KernelLinkError,
@@ -307,7 +307,6 @@ class Emulation:
         logger.info("link shaping: %s", self.shaping.description)
         if self.shaping.uses_namespaces:
             self._create_kernel_links(shapes)
-        self._check_stop()
         self._issue_certificates()
         self.hub = RelayHub()
         for index, (site, (up, down)) in enumerate(zip(s.sites, shapes, strict=True)):
@@ -564,7 +563,7 @@ class Emulation:
         for name, child in self.sites.items():
             if child.running:
                 self._site_stops[name].append(self.now())
-            child.stop()
+        stop_all(list(self.sites.values()))
         if self.coordinator is not None:
             self.coordinator.stop()
         if self.hub is not None:

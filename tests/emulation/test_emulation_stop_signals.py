@@ -1,6 +1,7 @@
-"""A stop signal always ends the emulator: also when its ``KeyboardInterrupt`` is raised inside a
-finalizer (where Python drops it), when it arrives during the shaping probe, and when it arrives
-while a namespace command runs (the command ends first, so clean-up never races it)."""
+"""A stop signal always ends the emulator, promptly: also when its ``KeyboardInterrupt`` is raised
+inside a finalizer (where Python drops it), when it arrives during the shaping probe, and when it
+arrives while a namespace command runs (the command ends first, so clean-up never races it); and
+the sites are stopped together, within one grace period."""
 
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from geoloco.scenarios.emulation import Emulation
+from geoloco.scenarios.launcher import STOP_GRACE_S, ChildProcess, wait_for
 from geoloco.scenarios.netns import list_links, list_namespaces, owner_pid, run_command
+from geoloco.scenarios.scenario import parse_scenario
 from geoloco.scenarios.stop_signals import StopSignals
+
+TINY = {"workload": {"name": "mlp"}, "sites": [{"name": "a"}, {"name": "b"}]}
 
 TINY_TOML = """
 [workload]
@@ -155,3 +161,31 @@ def test_an_interrupted_command_ends_before_the_interrupt_is_raised(tmp_path: Pa
     # What the command makes exists when the caller's clean-up runs: the command was not cut off.
     assert marker.exists()
     assert time.monotonic() - started >= 1.5
+
+
+TERM_TRAPPING_CHILD = (
+    "import signal, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: print('term', time.monotonic(), flush=True))\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(120)\n"
+)
+"""A child that notes when SIGTERM came and carries on: only SIGKILL ends it."""
+
+
+def test_shutdown_gives_every_site_its_sigterm_at_once(tmp_path: Path) -> None:
+    """Sites stopped one by one took a grace period each (SIGTERM, wait, SIGKILL, next site):
+    with 4 slow sites, 40 s before the coordinator was even told."""
+    emulation = Emulation(parse_scenario(TINY, "tiny.toml"), tmp_path)
+    for name in ("a", "b"):
+        emulation.sites[name] = ChildProcess(
+            name, [sys.executable, "-c", TERM_TRAPPING_CHILD], log_path=tmp_path / f"{name}.log"
+        )
+        emulation.sites[name].start()
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    # (The log's first line is the command, which mentions both words.)
+    wait_for(lambda: all("\nready\n" in log.read_text() for log in logs), 60, what="both children ready")
+    emulation.shutdown()
+    assert not any(child.running for child in emulation.sites.values())
+    term_times = [float(log.read_text().split("\nterm ")[1].split()[0]) for log in logs]
+    # Both were told together; one by one, the second heard only after the first's grace period.
+    assert abs(term_times[0] - term_times[1]) < STOP_GRACE_S / 2, term_times

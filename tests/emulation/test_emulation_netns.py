@@ -14,7 +14,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -377,7 +378,12 @@ def test_emulate_with_kernel_shaping_completes_and_names_the_shaping_used(tmp_pa
          "--shaping", "kernel"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
-    stdout, stderr = process.communicate(timeout=180)
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    finally:  # a run that hung is not left training
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
     output = stdout.decode() + stderr.decode()
     assert process.returncode == 0, output
     assert f"link shaping: {expected.description}" in output
@@ -410,42 +416,63 @@ def test_without_ip_and_tc_kernel_shaping_falls_back_to_the_relay_and_says_why(t
     assert "(kernel shaping unavailable: no network namespaces)" in done.stdout
 
 
-def _start_kernel_emulation(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
-    """Start ``geoloco emulate --shaping kernel`` and return once its namespaces exist."""
+START_UP_BOUND_S = 300.0
+"""Seconds the emulator may take to create its namespaces: start-up took over 60 s on a loaded
+machine (imports, the shaping probe), so only a hang exceeds this."""
+STOP_BOUND_S = 120.0
+"""Seconds a SIGTERMed emulator may take to stop every child, remove its namespaces and write its
+report: about 20 s seen under heavy load; a lost signal never ends."""
+
+
+@contextmanager
+def _kernel_emulation(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], list[str], Path]]:
+    """``geoloco emulate --shaping kernel``, its namespaces (once they exist) and its output file;
+    killed and swept afterwards whatever the test did, so a failure leaves nothing running."""
     scenario = tmp_path / "tiny.toml"
     scenario.write_text(TINY_TOML.replace("rounds = 2", "rounds = 100000"))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "geoloco.scenarios.cli", "emulate", str(scenario), "--out",
-         str(tmp_path / "run"), "--shaping", "kernel"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while len(ours := [n for n in list_namespaces() if owner_pid(n) == process.pid]) < 2:
-        assert process.poll() is None, process.communicate()[0].decode()
-        assert time.monotonic() < deadline, "the emulator created no namespaces within 60 s"
-        time.sleep(0.05)
-    return process, ours
+    log = tmp_path / "emulator.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "geoloco.scenarios.cli", "emulate", str(scenario), "--out",
+             str(tmp_path / "run"), "--shaping", "kernel"],
+            stdout=output, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + START_UP_BOUND_S
+        while len(ours := [n for n in list_namespaces() if owner_pid(n) == process.pid]) < 2:
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"no namespaces within {START_UP_BOUND_S:g} s:\n{log.read_text()}"
+            time.sleep(0.05)
+        yield process, ours, log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        sweep_stale()
 
 
 def test_sigterm_during_start_up_removes_every_namespace(tmp_path: Path, support: KernelSupport) -> None:
     _require(support, "netns", "veth", "tbf")
-    process, namespaces = _start_kernel_emulation(tmp_path)
-    process.terminate()
-    output, _ = process.communicate(timeout=60)
-    assert process.returncode == 130, output.decode()
-    assert not set(namespaces) & set(list_namespaces())
-    assert _leftovers(process.pid) == []
+    with _kernel_emulation(tmp_path) as (process, namespaces, log):
+        process.terminate()
+        try:
+            process.wait(timeout=STOP_BOUND_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {STOP_BOUND_S:g} s after SIGTERM:\n{log.read_text()}") from None
+        assert process.returncode == 130, log.read_text()
+        assert not set(namespaces) & set(list_namespaces())
+        assert _leftovers(process.pid) == []
 
 
 def test_a_sigkilled_emulator_leaves_namespaces_that_the_next_run_sweeps(
     tmp_path: Path, support: KernelSupport
 ) -> None:
     _require(support, "netns", "veth", "tbf")
-    process, namespaces = _start_kernel_emulation(tmp_path)
-    process.kill()
-    process.wait(timeout=30)
-    # Nothing could clean up after SIGKILL; the names carry the dead pid, so a later run can.
-    assert set(namespaces) <= set(list_namespaces())
-    removed = sweep_stale()
-    assert set(namespaces) <= set(removed)
-    assert _leftovers(process.pid) == []
+    with _kernel_emulation(tmp_path) as (process, namespaces, _):
+        process.kill()
+        process.wait(timeout=30)
+        # Nothing could clean up after SIGKILL; the names carry the dead pid, so a later run can.
+        assert set(namespaces) <= set(list_namespaces())
+        removed = sweep_stale()
+        assert set(namespaces) <= set(removed)
+        assert _leftovers(process.pid) == []

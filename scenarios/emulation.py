@@ -43,7 +43,7 @@ from geoloco.scenarios.fault_schedule import (
     FaultEvent,
     FaultSchedule,
 )
-from geoloco.scenarios.launcher import ChildProcess, stop_all, wait_for
+from geoloco.scenarios.launcher import STARTING_GRACE_S, STOP_GRACE_S, ChildProcess, stop_all, wait_for
 from geoloco.scenarios.netns import (
     MODE_KERNEL,
     KernelLinkError,
@@ -159,7 +159,7 @@ class Emulation:
         """``shaping``: from ``netns.choose_shaping`` (default: the relay). ``stop``: the stop-signal
         handler, asked between start-up steps and on every poll (``stop_signals``)."""
         self.scenario = scenario
-        self.stop = stop
+        self.stop = stop or StopSignals()  # not installed: check() never raises
         self.shaping = shaping or choose_shaping("relay", None)
         self.kernel_links: KernelLinks | None = None
         """The namespaces and veth pairs of kernel shaping, once planned."""
@@ -177,6 +177,7 @@ class Emulation:
         self._site_starts: dict[str, list[float]] = {s.name: [] for s in scenario.sites}
         self._site_stops: dict[str, list[float]] = {s.name: [] for s in scenario.sites}
         self._coordinator_starts: list[float] = []
+        self._coordinator_serving = False
         self._events: list[str] = []
         self._last_progress = 0.0
         self._coordinator_log_seen = 0
@@ -252,6 +253,7 @@ class Emulation:
         assert self.coordinator is not None and self.hub is not None
         log = self.coordinator.log_path
         self._coordinator_log_seen = len(log.read_bytes()) if log.exists() else 0
+        self._coordinator_serving = False
         self.coordinator.start()
         self._coordinator_starts.append(self.now())
         match = wait_for(
@@ -260,7 +262,7 @@ class Emulation:
             what="the coordinator's 'listening on' line",
         )
         assert isinstance(match, re.Match)
-        port = int(match["port"])
+        port, self._coordinator_serving = int(match["port"]), True
         self.hub.set_target("127.0.0.1", port)
         page = STATUS_PAGE_RE.search(match.string)
         if page is not None and page["url"] != self.status_url:
@@ -269,14 +271,9 @@ class Emulation:
             logger.info("status page and /metrics on %s", self.status_url)
         logger.debug("coordinator listening on port %d", port)
 
-    def _check_stop(self) -> None:
-        """Unwind (``KeyboardInterrupt``) if a stop signal arrived whose own exception was lost."""
-        if self.stop is not None:
-            self.stop.check()
-
     def _listening_line(self) -> re.Match[str] | None:
         assert self.coordinator is not None
-        self._check_stop()
+        self.stop.check()
         if not self.coordinator.running:
             raise EmulationError(
                 f"the coordinator exited with status {self.coordinator.returncode} before it "
@@ -353,13 +350,13 @@ class Emulation:
     def run(self) -> EmulationResult:
         status, reason = STATUS_FAILED, "not started"
         try:
-            self._check_stop()
+            self.stop.check()
             self.setup()
-            self._check_stop()
+            self.stop.check()
             self._t0 = time.monotonic()
             self._start_coordinator()
             for name in self.sites:
-                self._check_stop()
+                self.stop.check()
                 self._start_site(name)
             self.metrics.round_started_s[0] = self.now()
             status, reason = self._loop()
@@ -377,7 +374,7 @@ class Emulation:
         run = self.scenario.run
         assert self.coordinator is not None
         while True:
-            self._check_stop()
+            self.stop.check()
             now = self.now()
             self._read_metrics()
             self._fire_faults(now)
@@ -565,7 +562,8 @@ class Emulation:
                 self._site_stops[name].append(self.now())
         stop_all(list(self.sites.values()))
         if self.coordinator is not None:
-            self.coordinator.stop()
+            # Still starting, it holds SIGTERM until it serves, and has nothing to drain yet.
+            self.coordinator.stop(STOP_GRACE_S if self._coordinator_serving else STARTING_GRACE_S)
         if self.hub is not None:
             self._bursts_snapshot = {
                 name: [b.to_dict(self._t0) for b in relay.bursts(time.monotonic() + 3600)]

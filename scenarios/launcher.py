@@ -41,6 +41,9 @@ CHILD_SHIM = (
 
 STOP_GRACE_S = 10.0
 """Seconds a child gets to exit after SIGTERM before its whole group is SIGKILLed."""
+STARTING_GRACE_S = 1.0
+"""The same for a coordinator stopped before it served: its SIGTERM handler lets it finish
+starting first (model, server) only to stop then, and it has no round to drain."""
 
 
 class ChildProcess:

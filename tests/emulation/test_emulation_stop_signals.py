@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from geoloco.scenarios.emulation import Emulation
-from geoloco.scenarios.launcher import STOP_GRACE_S, ChildProcess, wait_for
+from geoloco.scenarios.launcher import STARTING_GRACE_S, STOP_GRACE_S, ChildProcess, wait_for
 from geoloco.scenarios.netns import list_links, list_namespaces, owner_pid, run_command
 from geoloco.scenarios.scenario import parse_scenario
 from geoloco.scenarios.stop_signals import StopSignals
@@ -189,3 +189,20 @@ def test_shutdown_gives_every_site_its_sigterm_at_once(tmp_path: Path) -> None:
     term_times = [float(log.read_text().split("\nterm ")[1].split()[0]) for log in logs]
     # Both were told together; one by one, the second heard only after the first's grace period.
     assert abs(term_times[0] - term_times[1]) < STOP_GRACE_S / 2, term_times
+
+
+def test_a_coordinator_stopped_before_it_served_gets_a_short_grace(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its SIGTERM handler lets it finish starting (model, server) before it stops, and a stop
+    during start-up has no round to drain: the full grace period only delayed the emulator's exit."""
+    emulation = Emulation(parse_scenario(TINY, "tiny.toml"), tmp_path)
+    log = tmp_path / "coordinator.log"
+    emulation.coordinator = ChildProcess("coordinator", [sys.executable, "-c", TERM_TRAPPING_CHILD], log_path=log)
+    emulation.coordinator.start()
+    wait_for(lambda: "\nready\n" in log.read_text(), 60, what="the child ready")
+    with caplog.at_level("WARNING", logger="geoloco.scenarios.launcher"):
+        emulation.shutdown()
+    assert not emulation.coordinator.running
+    assert "\nterm " in log.read_text()  # asked first, killed after the short grace
+    assert f"coordinator did not stop within {STARTING_GRACE_S:.0f} s" in caplog.text

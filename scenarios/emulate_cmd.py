@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
-import signal
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING
 
 from geoloco.scenarios.config_file import (
@@ -33,15 +31,12 @@ from geoloco.scenarios.config_file import (
     report_config_error,
 )
 from geoloco.scenarios.overrides import add_set_argument, apply_overrides
+from geoloco.scenarios.stop_signals import StopSignals
 
 if TYPE_CHECKING:
     from geoloco.scenarios.netns import ShapingPlan
 
 logger = logging.getLogger(__name__)
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-"""Stop the run cleanly (every child stopped, report written, exit 130), whatever the
-dispositions this process inherited."""
 
 SHAPING_RELAY = "relay"
 SHAPING_KERNEL = "kernel"
@@ -92,10 +87,6 @@ def _default_out(scenario_path: Path) -> Path:
     return Path("runs") / f"emulate-{scenario_path.stem}-{stamp}"
 
 
-def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def describe(scenario: object) -> list[str]:
     from geoloco.scenarios.scenario import Scenario
 
@@ -130,11 +121,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"geoloco emulate: {args.scenario}")
     for line in describe(scenario):
         print(f"  {line}")
-    plan = shaping_plan(args.shaping)
-    if args.check:
-        print("scenario is valid (--check: nothing started)")
-        return EXIT_OK
-    return emulate(scenario, args.out or _default_out(args.scenario), log_level=args.log_level, shaping=plan)
+    # From here on a stop signal is handled: the shaping probe below already creates a namespace.
+    stop = StopSignals().install()
+    try:
+        plan = shaping_plan(args.shaping)
+        if args.check:
+            print("scenario is valid (--check: nothing started)")
+            return EXIT_OK
+        out = args.out or _default_out(args.scenario)
+        return emulate(scenario, out, log_level=args.log_level, shaping=plan, stop=stop)
+    finally:
+        stop.restore()
 
 
 def shaping_plan(requested: str) -> ShapingPlan:
@@ -150,8 +147,15 @@ def shaping_plan(requested: str) -> ShapingPlan:
 
 
 def emulate(
-    scenario: object, out: Path, *, log_level: str = "INFO", shaping: ShapingPlan | None = None
+    scenario: object,
+    out: Path,
+    *,
+    log_level: str = "INFO",
+    shaping: ShapingPlan | None = None,
+    stop: StopSignals | None = None,
 ) -> int:
+    """Run the emulation and write its report; ``stop``: the installed stop-signal handler
+    (installed here when not given)."""
     from geoloco.scenarios.emulation import Emulation
     from geoloco.scenarios.progress import Progress
     from geoloco.scenarios.report import write_report
@@ -161,19 +165,20 @@ def emulate(
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
         shutil.rmtree(out / "site-state", ignore_errors=True)  # the sites' too (site_state_dir)
     progress = Progress()
-    emulation = Emulation(
-        scenario, out, progress=progress, log_level=log_level, shaping=shaping  # type: ignore[arg-type]
-    )
     # Both signals are handled explicitly, SIGINT included: Python installs its Ctrl-C handler only
     # when SIGINT is not ignored at start-up, and a shell without job control starts background
     # commands with SIGINT ignored; the emulator would then ignore Ctrl-C / ``kill -INT`` and
     # keep training until killed.
-    previous = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in STOP_SIGNALS}
+    own_stop = stop is None
+    stop = stop or StopSignals().install()
+    emulation = Emulation(
+        scenario, out, progress=progress, log_level=log_level, shaping=shaping, stop=stop  # type: ignore[arg-type]
+    )
     try:
         result = emulation.run()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if own_stop:
+            stop.restore()
         emulation.shutdown()
     progress.close()
     print(f"geoloco emulate: {result.status}: {result.reason}")

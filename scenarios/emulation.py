@@ -43,7 +43,7 @@ from geoloco.scenarios.fault_schedule import (
     FaultEvent,
     FaultSchedule,
 )
-from geoloco.scenarios.launcher import ChildProcess, wait_for
+from geoloco.scenarios.launcher import STARTING_GRACE_S, STOP_GRACE_S, ChildProcess, stop_all, wait_for
 from geoloco.scenarios.netns import (
     MODE_KERNEL,
     KernelLinkError,
@@ -72,9 +72,9 @@ from geoloco.scenarios.progress import (
 from geoloco.scenarios.run_metrics import MetricsTail
 from geoloco.scenarios.scenario import CUT_LINK, KILL_COORDINATOR, KILL_SITE, Fault, Scenario
 from geoloco.scenarios.shaping import LinkRelay, LinkShape, RelayHub
+from geoloco.scenarios.stop_signals import StopSignals
 
-# FaultEvent, to_toml and geoloco_command live in fault_schedule / child_commands; importing them
-# from here keeps working.
+# FaultEvent, to_toml and geoloco_command live in fault_schedule / child_commands (still importable here).
 __all__ = [
     "STATUS_PAGE_RE",
     "Emulation",
@@ -154,9 +154,12 @@ class Emulation:
         progress: Progress | None = None,
         log_level: str = "INFO",
         shaping: ShapingPlan | None = None,
+        stop: StopSignals | None = None,
     ) -> None:
-        """``shaping``: from ``geoloco.scenarios.netns.choose_shaping`` (default: the relay)."""
+        """``shaping``: from ``netns.choose_shaping`` (default: the relay). ``stop``: the stop-signal
+        handler, asked between start-up steps and on every poll (``stop_signals``)."""
         self.scenario = scenario
+        self.stop = stop or StopSignals()  # not installed: check() never raises
         self.shaping = shaping or choose_shaping("relay", None)
         self.kernel_links: KernelLinks | None = None
         """The namespaces and veth pairs of kernel shaping, once planned."""
@@ -174,6 +177,7 @@ class Emulation:
         self._site_starts: dict[str, list[float]] = {s.name: [] for s in scenario.sites}
         self._site_stops: dict[str, list[float]] = {s.name: [] for s in scenario.sites}
         self._coordinator_starts: list[float] = []
+        self._coordinator_serving = False
         self._events: list[str] = []
         self._last_progress = 0.0
         self._coordinator_log_seen = 0
@@ -249,6 +253,7 @@ class Emulation:
         assert self.coordinator is not None and self.hub is not None
         log = self.coordinator.log_path
         self._coordinator_log_seen = len(log.read_bytes()) if log.exists() else 0
+        self._coordinator_serving = False
         self.coordinator.start()
         self._coordinator_starts.append(self.now())
         match = wait_for(
@@ -257,7 +262,7 @@ class Emulation:
             what="the coordinator's 'listening on' line",
         )
         assert isinstance(match, re.Match)
-        port = int(match["port"])
+        port, self._coordinator_serving = int(match["port"]), True
         self.hub.set_target("127.0.0.1", port)
         page = STATUS_PAGE_RE.search(match.string)
         if page is not None and page["url"] != self.status_url:
@@ -268,6 +273,7 @@ class Emulation:
 
     def _listening_line(self) -> re.Match[str] | None:
         assert self.coordinator is not None
+        self.stop.check()
         if not self.coordinator.running:
             raise EmulationError(
                 f"the coordinator exited with status {self.coordinator.returncode} before it "
@@ -344,10 +350,13 @@ class Emulation:
     def run(self) -> EmulationResult:
         status, reason = STATUS_FAILED, "not started"
         try:
+            self.stop.check()
             self.setup()
+            self.stop.check()
             self._t0 = time.monotonic()
             self._start_coordinator()
             for name in self.sites:
+                self.stop.check()
                 self._start_site(name)
             self.metrics.round_started_s[0] = self.now()
             status, reason = self._loop()
@@ -365,6 +374,7 @@ class Emulation:
         run = self.scenario.run
         assert self.coordinator is not None
         while True:
+            self.stop.check()
             now = self.now()
             self._read_metrics()
             self._fire_faults(now)
@@ -550,9 +560,10 @@ class Emulation:
         for name, child in self.sites.items():
             if child.running:
                 self._site_stops[name].append(self.now())
-            child.stop()
+        stop_all(list(self.sites.values()))
         if self.coordinator is not None:
-            self.coordinator.stop()
+            # Still starting, it holds SIGTERM until it serves, and has nothing to drain yet.
+            self.coordinator.stop(STOP_GRACE_S if self._coordinator_serving else STARTING_GRACE_S)
         if self.hub is not None:
             self._bursts_snapshot = {
                 name: [b.to_dict(self._t0) for b in relay.bursts(time.monotonic() + 3600)]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-__all__ = ["CHILD_SHIM", "ChildProcess", "wait_for"]
+__all__ = ["CHILD_SHIM", "ChildProcess", "stop_all", "wait_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,9 @@ CHILD_SHIM = (
 
 STOP_GRACE_S = 10.0
 """Seconds a child gets to exit after SIGTERM before its whole group is SIGKILLed."""
+STARTING_GRACE_S = 1.0
+"""The same for a coordinator stopped before it served: its SIGTERM handler lets it finish
+starting first (model, server) only to stop then, and it has no round to drain."""
 
 
 class ChildProcess:
@@ -67,6 +70,8 @@ class ChildProcess:
         self.starts = 0
         self.expected_exit = False
         """Set while a fault (or the emulator) is killing it on purpose."""
+        self._terminated = False
+        """SIGTERM was sent to this start's group (a second one means 'exit at once' to it)."""
         self._log: IO[bytes] | None = None
 
     @property
@@ -83,6 +88,7 @@ class ChildProcess:
         self._log.write(f"==== start #{self.starts}: {' '.join(self.argv)}\n".encode())
         self._log.flush()
         self.expected_exit = False
+        self._terminated = False
         self.process = subprocess.Popen(
             [sys.executable, "-c", CHILD_SHIM, str(os.getpid()), str(self.nice), *self.argv],
             stdin=subprocess.DEVNULL,
@@ -126,13 +132,21 @@ class ChildProcess:
         if self.process is not None:
             self.process.wait(timeout=30)
 
+    def terminate(self) -> None:
+        """SIGTERM the child's group, once per start; ``stop`` waits for it."""
+        if self.process is None:
+            return
+        self.expected_exit = True
+        if self.process.poll() is None and not self._terminated:
+            self._terminated = True
+            self._signal_group(signal.SIGTERM)
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM, wait up to ``grace_s``, then SIGKILL the group; always reaps the child."""
         if self.process is None:
             return
-        self.expected_exit = True
+        self.terminate()
         if self.process.poll() is None:
-            self._signal_group(signal.SIGTERM)
             try:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
@@ -149,6 +163,16 @@ class ChildProcess:
         if self._log is not None and not self._log.closed:
             self._log.close()
         self._log = None
+
+
+def stop_all(children: Sequence[ChildProcess], grace_s: float = STOP_GRACE_S) -> None:
+    """Stop several children within one grace period: SIGTERM to every group first, then each
+    gets what is left of ``grace_s`` before SIGKILL (one by one, N children took N periods)."""
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        child.stop(max(0.0, deadline - time.monotonic()))
 
 
 def wait_for(

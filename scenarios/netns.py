@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -128,16 +129,30 @@ Runner = Callable[[Sequence[str]], CommandResult]
 
 
 def run_command(argv: Sequence[str]) -> CommandResult:
-    """Run ``argv`` (no shell); a missing program is status 127 with a message, as in a shell."""
+    """Run ``argv`` (no shell); a missing program is status 127 with a message, as in a shell.
+    A Ctrl-C / SIGTERM while it runs is raised once it ended: killed half way (``subprocess.run``
+    waits a quarter second), it could make its namespace or link after the clean-up ran."""
     try:
-        done = subprocess.run(
-            list(argv), stdin=subprocess.DEVNULL, capture_output=True, timeout=COMMAND_TIMEOUT_S
-        )
+        process = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except FileNotFoundError:
         return CommandResult(127, f"{argv[0]}: command not found")
-    except subprocess.TimeoutExpired:
-        return CommandResult(124, f"{' '.join(argv)}: timed out after {COMMAND_TIMEOUT_S:g} s")
-    return CommandResult(done.returncode, done.stderr.decode(errors="replace").strip())
+    deadline, interrupted = time.monotonic() + COMMAND_TIMEOUT_S, None
+    with process:
+        while True:
+            try:
+                stderr = process.communicate(timeout=max(0.0, deadline - time.monotonic()))[1]
+                result = CommandResult(process.returncode, stderr.decode(errors="replace").strip())
+                break
+            except KeyboardInterrupt as err:
+                interrupted = interrupted or err
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                result = CommandResult(124, f"{' '.join(argv)}: timed out after {COMMAND_TIMEOUT_S:g} s")
+                break
+    if interrupted is not None:
+        raise interrupted
+    return result
 
 
 def _check(runner: Runner, argv: Sequence[str]) -> None:
@@ -435,19 +450,22 @@ def detect_support(runner: Runner = run_command) -> KernelSupport:
         ("netem", ["tc", "-n", namespace, "qdisc", "add", "dev", site_if, "root", *netem_args(probe_shape)]),
     ]
     found: dict[str, bool] = {}
+    tried: set[str] = set()
     detail = ""
     _active.update((namespace, host_if))
     try:
         for what, argv in steps:
+            tried.add(what)
             result = runner(argv)
             found[what] = result.returncode == 0
             if not found[what]:
                 detail = f"`{PROBE_LABELS[what]}`: {result.stderr or f'status {result.returncode}'}"
                 break
     finally:
-        if found.get("netns"):
+        # Interrupted (Ctrl-C / SIGTERM) by a command, its outcome is unknown: remove what it may have made.
+        if "netns" in tried and found.get("netns", True):
             runner(["ip", "netns", "del", namespace])
-        if found.get("veth"):
+        if "veth" in tried and found.get("veth", True):
             runner(["ip", "link", "del", host_if])  # normally gone with the namespace
         _active.difference_update((namespace, host_if))
     return KernelSupport(

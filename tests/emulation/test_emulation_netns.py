@@ -1,18 +1,21 @@
 """Kernel link shaping (``--shaping kernel``): command building, capability detection, a real
 namespace pair shaped by tbf and measured with a timed TCP transfer, the sweep of leftovers, and a
-tiny end-to-end emulation. Where this machine cannot create namespaces, the real tests assert the
-clear fallback instead."""
+tiny end-to-end emulation. Where this machine cannot create namespaces, the tests that need them
+skip and say why (``pytest -ra``); the fallback itself is tested everywhere, by running the CLI
+where ``ip`` and ``tc`` cannot be found."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -173,6 +176,22 @@ def test_detect_support_without_permission_touches_nothing_else() -> None:
     assert len(runner.calls) == 1  # nothing was created, so nothing is deleted
 
 
+def test_an_interrupted_probe_still_removes_what_its_command_may_have_made() -> None:
+    class InterruptedRunner(FakeRunner):
+        def __call__(self, argv: Sequence[str]) -> CommandResult:
+            result = super().__call__(argv)
+            if "veth" in argv:  # a Ctrl-C / SIGTERM while `ip link add ... veth` ran
+                raise KeyboardInterrupt
+            return result
+
+    runner = InterruptedRunner(None, "")
+    with pytest.raises(KeyboardInterrupt):
+        detect_support(runner)
+    namespace, host_if = runner.calls[0][3], runner.calls[1][3]
+    assert ["ip", "netns", "del", namespace] in runner.calls
+    assert ["ip", "link", "del", host_if] in runner.calls
+
+
 def test_choose_shaping_says_what_it_falls_back_to() -> None:
     relay = choose_shaping("relay", None)
     assert relay.mode == MODE_RELAY and relay.fallback is None and not relay.uses_namespaces
@@ -213,46 +232,64 @@ CLIENT = """
 import socket, sys, time
 host, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 with socket.create_connection((host, port), timeout=30) as s:
+    assert s.recv(1) == b"g"  # the server's clock runs: upload
     s.sendall(b"u" * nbytes)
-    s.shutdown(socket.SHUT_WR)
-    got, first = 0, None
-    while True:
-        data = s.recv(65536)
-        if not data:
-            break
-        first = first or time.monotonic()
+    assert s.recv(1) == b"k"  # all of it arrived
+    started = time.monotonic()
+    s.sendall(b"g")  # our clock runs: the download may start
+    got = 0
+    while data := s.recv(65536):
         got += len(data)
-    print(got, time.monotonic() - first)
+    print(got, time.monotonic() - started)
 """
+"""Each direction is timed by its receiver from a moment before the sender may start, so a
+receiver that a loaded machine runs late can only lengthen the measured time, never shorten it."""
 
 
 def _serve_once(server: socket.socket, nbytes: int, result: dict[str, float]) -> None:
-    """Receive the upload (timed from its first byte to EOF), then send ``nbytes`` back."""
+    """Time the upload of ``nbytes`` (from the go-ahead to the last byte), then send as many back."""
     conn, _ = server.accept()
     with conn:
-        got, first = 0, None
-        while True:
-            data = conn.recv(65536)
-            if not data:
-                break
-            first = first or time.monotonic()
+        started = time.monotonic()
+        conn.sendall(b"g")
+        got = 0
+        while got < nbytes and (data := conn.recv(min(65536, nbytes - got))):
             got += len(data)
+        result["up_s"] = time.monotonic() - started
         result["up_bytes"] = got
-        result["up_s"] = time.monotonic() - (first or time.monotonic())
+        conn.sendall(b"k")
+        assert conn.recv(1) == b"g"
         conn.sendall(b"d" * nbytes)
+
+
+def _qdisc_stats(dev: str, namespace: str | None = None) -> tuple[str, int]:
+    """(the tbf's rate as tc shows it, its overlimits: packets that had to wait for tokens)."""
+    tc = ["tc", *(["-n", namespace] if namespace else []), "-s", "qdisc", "show", "dev", dev]
+    shown = subprocess.run(tc, capture_output=True, text=True, check=True).stdout
+    rate = re.search(r"tbf .*?rate (\S+)", shown)
+    overlimits = re.search(r"overlimits (\d+)", shown)
+    assert rate and overlimits, shown
+    return rate[1], int(overlimits[1])
 
 
 def _leftovers(pid: int) -> list[str]:
     return [n for n in list_namespaces() + list_links() if owner_pid(n) == pid]
 
 
-def test_tbf_shapes_a_timed_transfer_through_a_namespace_pair_or_says_why_not() -> None:
-    support = detect_support()
-    plan = choose_shaping("kernel", support)
-    if not (support.netns and support.veth and support.tbf):
-        assert plan.mode == MODE_RELAY and plan.fallback is not None
-        assert "falling back to portable relay shaping" in plan.fallback and support.detail in plan.fallback
-        return
+@pytest.fixture(scope="module")
+def support() -> KernelSupport:
+    return detect_support()
+
+
+def _require(support: KernelSupport, *needs: str) -> None:
+    """Skip, saying what is missing and why, unless this machine can do ``needs``."""
+    missing = [need for need in needs if not getattr(support, need)]
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)} (root, iproute2): {support.detail}")
+
+
+def test_tbf_shapes_a_timed_transfer_through_a_namespace_pair(support: KernelSupport) -> None:
+    _require(support, "netns", "veth", "tbf")
     up, down = LinkShape(4e6), LinkShape(8e6)
     (link,) = plan_links([(up, down)], pid=os.getpid())
     links = KernelLinks([link], netem=False)
@@ -272,24 +309,27 @@ def test_tbf_shapes_a_timed_transfer_through_a_namespace_pair_or_says_why_not() 
         thread.join(timeout=30)
         server.close()
         down_bytes, down_s = client.stdout.split()
+        down_rate, down_waits = _qdisc_stats(link.host_if)
+        up_rate, up_waits = _qdisc_stats(link.site_if, link.namespace)
     finally:
         links.close()
     assert result["up_bytes"] == nbytes and int(down_bytes) == nbytes
-    # Goodput is below the line rate by the TCP/IP/Ethernet headers (~4.5 %) tbf counts too; an
-    # unshaped veth would be hundreds of times faster.
+    # The kernel shapes at the rates asked for, and both transfers had to wait for its tokens.
+    assert (up_rate, down_rate) == ("4Mbit", "8Mbit")
+    assert up_waits > 0 and down_waits > 0
+    # Goodput is below the line rate by the TCP/IP/Ethernet headers (~4.5 %) tbf counts too, and
+    # each time runs from before its first byte could be sent, so a loaded machine only lowers the
+    # ratio: the upper bound is strict (an unshaped veth would be hundreds of times faster); the
+    # lower one only catches a rate off by a unit (bytes taken for bits: 0.125).
     up_ratio = nbytes * 8 / result["up_s"] / up.bandwidth_bps
     down_ratio = nbytes * 8 / float(down_s) / down.bandwidth_bps
-    assert 0.75 < up_ratio < 1.05, up_ratio
-    assert 0.75 < down_ratio < 1.05, down_ratio
+    assert 0.25 < up_ratio < 1.05, up_ratio
+    assert 0.25 < down_ratio < 1.05, down_ratio
     assert _leftovers(os.getpid()) == []
 
 
-def test_sweep_removes_what_a_killed_emulator_left_or_fallback_is_clear() -> None:
-    support = detect_support()
-    if not (support.netns and support.veth):
-        plan = choose_shaping("kernel", support)
-        assert plan.fallback is not None and "falling back to portable relay shaping" in plan.fallback
-        return
+def test_sweep_removes_what_a_killed_emulator_left(support: KernelSupport) -> None:
+    _require(support, "netns", "veth")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
     namespace, host_if, site_if = names_for(dead.pid, 1)
@@ -338,7 +378,12 @@ def test_emulate_with_kernel_shaping_completes_and_names_the_shaping_used(tmp_pa
          "--shaping", "kernel"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
-    stdout, stderr = process.communicate(timeout=180)
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    finally:  # a run that hung is not left training
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
     output = stdout.decode() + stderr.decode()
     assert process.returncode == 0, output
     assert f"link shaping: {expected.description}" in output
@@ -353,46 +398,81 @@ def test_emulate_with_kernel_shaping_completes_and_names_the_shaping_used(tmp_pa
     assert _leftovers(process.pid) == []
 
 
-def _start_kernel_emulation(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
-    """Start ``geoloco emulate --shaping kernel`` and return once its namespaces exist."""
+def test_without_ip_and_tc_kernel_shaping_falls_back_to_the_relay_and_says_why(tmp_path: Path) -> None:
+    """The fallback on a machine without iproute2 (here: a PATH where neither ``ip`` nor ``tc`` is
+    found), whatever this machine has."""
+    scenario = tmp_path / "tiny.toml"
+    scenario.write_text(TINY_TOML)
+    done = subprocess.run(
+        [sys.executable, "-m", "geoloco.scenarios.cli", "emulate", str(scenario), "--shaping", "kernel", "--check"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (
+        "--shaping kernel: network namespaces not available here (the 'ip' command (iproute2) is not "
+        "installed); falling back to portable relay shaping" in done.stderr
+    )
+    assert "link shaping: relay (portable)" in done.stdout
+    assert "(kernel shaping unavailable: no network namespaces)" in done.stdout
+
+
+START_UP_BOUND_S = 300.0
+"""Seconds the emulator may take to create its namespaces: start-up took over 60 s on a loaded
+machine (imports, the shaping probe), so only a hang exceeds this."""
+STOP_BOUND_S = 120.0
+"""Seconds a SIGTERMed emulator may take to stop every child, remove its namespaces and write its
+report: about 20 s seen under heavy load; a lost signal never ends."""
+
+
+@contextmanager
+def _kernel_emulation(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], list[str], Path]]:
+    """``geoloco emulate --shaping kernel``, its namespaces (once they exist) and its output file;
+    killed and swept afterwards whatever the test did, so a failure leaves nothing running."""
     scenario = tmp_path / "tiny.toml"
     scenario.write_text(TINY_TOML.replace("rounds = 2", "rounds = 100000"))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "geoloco.scenarios.cli", "emulate", str(scenario), "--out",
-         str(tmp_path / "run"), "--shaping", "kernel"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while len(ours := [n for n in list_namespaces() if owner_pid(n) == process.pid]) < 2:
-        assert process.poll() is None, process.communicate()[0].decode()
-        assert time.monotonic() < deadline, "the emulator created no namespaces within 60 s"
-        time.sleep(0.05)
-    return process, ours
+    log = tmp_path / "emulator.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "geoloco.scenarios.cli", "emulate", str(scenario), "--out",
+             str(tmp_path / "run"), "--shaping", "kernel"],
+            stdout=output, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + START_UP_BOUND_S
+        while len(ours := [n for n in list_namespaces() if owner_pid(n) == process.pid]) < 2:
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"no namespaces within {START_UP_BOUND_S:g} s:\n{log.read_text()}"
+            time.sleep(0.05)
+        yield process, ours, log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        sweep_stale()
 
 
-def test_sigterm_during_start_up_removes_every_namespace(tmp_path: Path) -> None:
-    plan = choose_shaping("kernel", detect_support())
-    if not plan.uses_namespaces:
-        assert plan.fallback is not None and "falling back to portable relay shaping" in plan.fallback
-        return
-    process, namespaces = _start_kernel_emulation(tmp_path)
-    process.terminate()
-    output, _ = process.communicate(timeout=60)
-    assert process.returncode == 130, output.decode()
-    assert not set(namespaces) & set(list_namespaces())
-    assert _leftovers(process.pid) == []
+def test_sigterm_during_start_up_removes_every_namespace(tmp_path: Path, support: KernelSupport) -> None:
+    _require(support, "netns", "veth", "tbf")
+    with _kernel_emulation(tmp_path) as (process, namespaces, log):
+        process.terminate()
+        try:
+            process.wait(timeout=STOP_BOUND_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {STOP_BOUND_S:g} s after SIGTERM:\n{log.read_text()}") from None
+        assert process.returncode == 130, log.read_text()
+        assert not set(namespaces) & set(list_namespaces())
+        assert _leftovers(process.pid) == []
 
 
-def test_a_sigkilled_emulator_leaves_namespaces_that_the_next_run_sweeps(tmp_path: Path) -> None:
-    plan = choose_shaping("kernel", detect_support())
-    if not plan.uses_namespaces:
-        assert plan.fallback is not None and "falling back to portable relay shaping" in plan.fallback
-        return
-    process, namespaces = _start_kernel_emulation(tmp_path)
-    process.kill()
-    process.wait(timeout=30)
-    # Nothing could clean up after SIGKILL; the names carry the dead pid, so a later run can.
-    assert set(namespaces) <= set(list_namespaces())
-    removed = sweep_stale()
-    assert set(namespaces) <= set(removed)
-    assert _leftovers(process.pid) == []
+def test_a_sigkilled_emulator_leaves_namespaces_that_the_next_run_sweeps(
+    tmp_path: Path, support: KernelSupport
+) -> None:
+    _require(support, "netns", "veth", "tbf")
+    with _kernel_emulation(tmp_path) as (process, namespaces, _):
+        process.kill()
+        process.wait(timeout=30)
+        # Nothing could clean up after SIGKILL; the names carry the dead pid, so a later run can.
+        assert set(namespaces) <= set(list_namespaces())
+        removed = sweep_stale()
+        assert set(namespaces) <= set(removed)
+        assert _leftovers(process.pid) == []

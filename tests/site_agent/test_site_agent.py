@@ -55,12 +55,14 @@ def test_straggler_is_excluded_then_catches_up_in_sync(certs: Path, mlp: Any, tm
         clock=clock,
     )
     release = threading.Event()
+    held = threading.Event()
     round_zero_steps = 0
 
     def slow_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         nonlocal round_zero_steps
         if not release.is_set():
             round_zero_steps += 1
+            held.set()
             release.wait(60)  # held in round 0 until the coordinator closed it without us
         return mlp.loss(model, batch)
 
@@ -77,6 +79,9 @@ def test_straggler_is_excluded_then_catches_up_in_sync(certs: Path, mlp: Any, tm
         for t in threads:
             t.start()
         wait_until(lambda: server.rounds.status()["contributed"] == ["fast"], server)
+        # On a loaded machine "slow" may not have reached its first step yet: it must be held in
+        # round 0 when the round closes, not start after it.
+        assert held.wait(60), "\"slow\" never started round 0"
         assert server.rounds.round == 0, "round 0 closed before its deadline"
         clock.now += 11.0  # past round 0's deadline
         server.rounds.wake()

@@ -5,6 +5,8 @@ adaptive deadline in the metrics."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +17,11 @@ from torch import nn
 
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.time_budget import run_inner_steps_within, steps_in_budget
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.scenarios.throttle import ComputeThrottle
 from geoloco.scenarios.workloads import build_workload
+from geoloco.site_agent import trainer as trainer_module
 from geoloco.site_agent.client import CoordinatorClient, RoundClosed
 from geoloco.site_agent.config import RoundResult, SiteHooks
 
@@ -34,32 +38,68 @@ def mlp() -> Any:
     return build_workload("mlp")
 
 
-def test_time_budget_rounds_weight_sites_by_steps(certs: Path, mlp: Any, tmp_path: Path) -> None:
+STEP_S = 0.007
+"""Virtual compute seconds of one inner step at 1x (see ``ThreadClocks``)."""
+BUDGET_S = 0.3
+
+
+class ThreadClocks:
+    """A virtual clock per thread. Two site threads sharing a loaded machine's cores run at
+    whatever pace the scheduler gives them, so steps counted against the wall clock say more
+    about the machine than about the sites; on these clocks a step costs ``STEP_S`` (charged by
+    the loss) and a throttle's sleep advances the clock instead of waiting."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def now(self) -> float:
+        return float(getattr(self._local, "now", 0.0))
+
+    def advance(self, seconds: float) -> None:
+        self._local.now = self.now() + seconds
+
+    def charged(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+            self.advance(STEP_S)
+            return loss_fn(*args, **kwargs)
+
+        return loss
+
+
+def test_time_budget_rounds_weight_sites_by_steps(
+    certs: Path, mlp: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A 1x and a 0.25x site (``ComputeThrottle``, as ``geoloco site --speed-factor``) train for
     a 0.3 s budget per round; each reports its steps and the coordinator weights by them. The
     adaptive deadline starts at max_s and is re-planned from the arrivals."""
+    clocks = ThreadClocks()
+    # The budget is measured on the site thread's virtual clock (the trainer's default is wall time).
+    monkeypatch.setattr(trainer_module, "run_inner_steps_within", partial(run_inner_steps_within, clock=clocks.now))
     metrics_path = tmp_path / "metrics.jsonl"
     server = start_coordinator(
         certs,
         mlp.build_model(0),
         algorithm=AlgorithmConfig(
-            inner_steps=1000, uplink_codec="int8", weighting="steps", round_time_budget_s=0.3
+            inner_steps=1000, uplink_codec="int8", weighting="steps", round_time_budget_s=BUDGET_S
         ),
-        adaptive_deadline=AdaptiveDeadlineConfig(enabled=True, min_s=5.0, max_s=120.0),
+        # min_s far above what a round takes even on a loaded machine: the re-planned deadline is min_s.
+        adaptive_deadline=AdaptiveDeadlineConfig(enabled=True, min_s=30.0, max_s=120.0),
         total_rounds=3,
         min_sites=2,
         heartbeat_timeout_s=600.0,
         metrics_path=str(metrics_path),
     )
     results: dict[str, list[RoundResult]] = {site: [] for site in SITES}
+    throttles = {site: ComputeThrottle(1.0 if site == "fast" else 0.25, clock=clocks.now, sleep=clocks.advance)
+                 for site in SITES}
     threads = []
     try:
         for index, site in enumerate(SITES):
-            throttle = ComputeThrottle(1.0 if site == "fast" else 0.25)
+            throttle = throttles[site]
             agent = make_agent(
                 mlp, server, certs, site, index=index, num_sites=2, seed=0,
                 hooks=SiteHooks(on_round_end=results[site].append),
-                loss_fn=throttle.wrap_loss(mlp.loss),
+                loss_fn=throttle.wrap_loss(clocks.charged(mlp.loss)),
             )
             throttle.attach(agent.optimizer)
             threads.append(AgentThread(agent))
@@ -70,25 +110,25 @@ def test_time_budget_rounds_weight_sites_by_steps(certs: Path, mlp: Any, tmp_pat
     finally:
         server.stop(grace=0)
     assert {s.weights_digest for s in summaries.values()} == {server.rounds.digest_hex}
+    # As many steps as fit in the budget: 0.3 s of 7 ms steps at 1x, of 28 ms steps at 0.25x
+    # (the throttle sleeps 3x each step's compute).
+    expected = {"fast": 42, "slow": 10}
+    assert expected == {"fast": steps_in_budget(BUDGET_S, STEP_S), "slow": steps_in_budget(BUDGET_S, 4 * STEP_S)}
+    assert throttles["slow"].slept_s == pytest.approx(3 * throttles["slow"].compute_s)
     records = read_metrics(metrics_path)
     assert [r["round"] for r in records] == [0, 1, 2]
     for record in records:
-        steps = record["inner_steps"]
         assert sorted(record["participants"]) == SITES
+        assert record["inner_steps"] == expected
         # The weight of each update is the number of inner steps its site reported.
-        assert record["sample_weights"] == {site: float(n) for site, n in steps.items()}
-        assert steps["slow"] >= 1, steps
-    # Per round, two sites in one process on a loaded machine can swap places (a descheduled
-    # "fast" thread); over the run the 1x site must have done more steps than the 0.25x one.
-    total = {site: sum(r["inner_steps"][site] for r in records) for site in SITES}
-    assert total["fast"] > total["slow"], total
+        assert record["sample_weights"] == {site: float(n) for site, n in expected.items()}
     for site in SITES:
-        assert [r.inner_steps for r in results[site]] == [rec["inner_steps"][site] for rec in records]
-        assert all(r.inner_time_s < 0.3 + 0.3 for r in results[site])  # stopped near the budget
+        assert [r.inner_steps for r in results[site]] == [expected[site]] * 3
+        assert throttles[site].steps == 3 * expected[site]
     # Round 0 runs under max_s (nothing observed yet); later rounds under the learnt deadline,
-    # bounded below by min_s since every arrival here takes well under a few seconds.
+    # bounded below by min_s.
     assert records[0]["deadline_s"] == 120.0
-    assert records[1]["deadline_s"] == 5.0 and records[0]["next_deadline_s"] == 5.0
+    assert records[1]["deadline_s"] == 30.0 and records[0]["next_deadline_s"] == 30.0
     assert all(set(r["arrival_s"]) == set(SITES) for r in records)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -81,3 +82,21 @@ def test_sparseloco_two_rounds_by_hand() -> None:
     assert residual_a.tolist() == pytest.approx([0, 0, 0, 0, 0, 0, 0.95 * 0.5, 0], abs=1e-7)
     residual_b = uplinks["b"].encoders[0].residual
     assert residual_b.tolist() == pytest.approx([0.95 - sent_b, 0, 0, 0, 0, 0, 0, 0.5], abs=1e-6)
+
+
+def test_print_config_shows_the_resolved_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    from geoloco.scenarios.cli import main
+
+    code = main([
+        "simulate", "--print-config", "--set", "workload.name=mlp", "--set", "algorithm.name=sparseloco",
+        "--set", "algorithm.error_feedback_decay=0.9", "--device", "cpu",
+    ])
+    assert code == 0
+    resolved = json.loads(capsys.readouterr().out)
+    algorithm = resolved["algorithm"]
+    assert (algorithm["name"], algorithm["uplink_codec"], algorithm["error_feedback"]) == (
+        "sparseloco", "topk:0.03,chunk=4096|int2", True,
+    )
+    assert algorithm["error_feedback_decay"] == 0.9  # the explicit key wins
+    outer = resolved["outer_optimizer"]
+    assert (outer["name"], outer["lr"], outer["momentum"]) == ("sgd", 1.0, 0.0)

@@ -23,7 +23,10 @@ Aggregation: each coordinate is the weighted mean of the updates of the sites th
 sites); a coordinate no site of the round trained gets 0 (with a momentum outer optimizer its
 momentum still moves it). Every group needs a site, so a run needs at least ``groups`` sites.
 
-Simulator only for now: the real coordinator refuses the key (``coordinator/config.py``).
+Simulator only for now: the real coordinator refuses the key (``coordinator/config.py``). With a
+data-parallel warm-up (``warmup_steps > 0``) every site starts from the warm-up's optimizer state
+for all tensors, so frozen tensors then hold state they never use (the weights are still
+untouched: a tensor without a gradient is skipped by the optimizer step).
 """
 
 from __future__ import annotations

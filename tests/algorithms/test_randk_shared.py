@@ -73,3 +73,18 @@ def test_site_agent_encodes_with_the_simulators_seed(codec: str) -> None:
     east, west = (decode(StrategyUplink(strategy, s).encode(update, round_seed=plan.seed, fragment=0, samples=1).data)
                   for s in plan.sites)
     assert torch.equal(east.nonzero(), west.nonzero()) == codec.endswith("shared")
+
+
+def test_a_secure_round_takes_randk_shared_and_sends_what_randk_sends(make_workload) -> None:
+    from geoloco.algorithms.simulator import SimulatorConfig, simulate
+
+    def run(codec: str) -> list[dict[str, int]]:
+        config = SimulatorConfig.from_dict({
+            "algorithm": {"inner_steps": 2, "uplink_codec": codec},
+            "privacy": {"secure_aggregation": True, "clip_norm": 10.0},
+            "sites": {"count": 3},
+            "simulation": {"rounds": 2, "eval_every": 2, "device": "cpu", "step_time_s": 0.1},
+        })
+        return [dict(r.bytes_up) for r in simulate(config, make_workload(hidden=8))]
+
+    assert run("randk:0.5,shared") == run("randk:0.5")

@@ -122,5 +122,5 @@ def test_the_coordinator_refuses_partial_updates_as_simulator_only() -> None:
     from geoloco.coordinator.config import CoordinatorConfig
 
     with pytest.raises(ConfigError, match="simulator only for now") as err:
-        CoordinatorConfig.from_dict({"algorithm": {"partial_updates": {"enabled": True}}})
+        CoordinatorConfig.from_dict({"insecure": True, "algorithm": {"partial_updates": {"enabled": True}}})
     assert err.value.key == "algorithm.partial_updates.enabled"

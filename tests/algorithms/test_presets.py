@@ -100,3 +100,12 @@ def test_print_config_shows_the_resolved_preset(capsys: pytest.CaptureFixture[st
     assert algorithm["error_feedback_decay"] == 0.9  # the explicit key wins
     outer = resolved["outer_optimizer"]
     assert (outer["name"], outer["lr"], outer["momentum"]) == ("sgd", 1.0, 0.0)
+
+
+def test_the_coordinator_runs_sparseloco_and_a_site_reads_back_the_same_config() -> None:
+    from geoloco.coordinator.config import CoordinatorConfig
+
+    coordinator = CoordinatorConfig.from_dict({"insecure": True, "algorithm": {"name": "sparseloco", "inner_steps": 15}})
+    assert coordinator.algorithm == AlgorithmConfig.preset("sparseloco", inner_steps=15)
+    # What a site rebuilds from the coordinator's config_json (site_agent.state).
+    assert config_from_dict(AlgorithmConfig, coordinator.algorithm.to_dict()) == coordinator.algorithm

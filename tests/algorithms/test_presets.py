@@ -105,7 +105,9 @@ def test_print_config_shows_the_resolved_preset(capsys: pytest.CaptureFixture[st
 def test_the_coordinator_runs_sparseloco_and_a_site_reads_back_the_same_config() -> None:
     from geoloco.coordinator.config import CoordinatorConfig
 
-    coordinator = CoordinatorConfig.from_dict({"insecure": True, "algorithm": {"name": "sparseloco", "inner_steps": 15}})
+    coordinator = CoordinatorConfig.from_dict(
+        {"insecure": True, "algorithm": {"name": "sparseloco", "inner_steps": 15}}
+    )
     assert coordinator.algorithm == AlgorithmConfig.preset("sparseloco", inner_steps=15)
     # What a site rebuilds from the coordinator's config_json (site_agent.state).
     assert config_from_dict(AlgorithmConfig, coordinator.algorithm.to_dict()) == coordinator.algorithm

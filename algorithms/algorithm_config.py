@@ -5,20 +5,39 @@ weighted and streamed, validated in one place (``geoloco.algorithms.strategy`` b
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from geoloco.algorithms.config import ConfigError, config_to_dict, require
+from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
+from geoloco.algorithms.partial import PartialUpdatesConfig
 from geoloco.algorithms.robust import RobustRule, check_robust_config
 from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.algorithms.weighting import LATE_UPDATE_POLICIES, WEIGHTINGS
 from geoloco.compression import CodecError, parse_codec
+from geoloco.compression.sparsify import TopK
 
-__all__ = ["ALGORITHM_NAMES", "AlgorithmConfig"]
+__all__ = ["ALGORITHM_NAMES", "PRESETS", "AlgorithmConfig"]
 
-ALGORITHM_NAMES: tuple[str, ...] = ("diloco", "fedavg", "fedopt", "ddp")
+ALGORITHM_NAMES: tuple[str, ...] = ("diloco", "fedavg", "fedopt", "ddp", "sparseloco")
 """The names ``[algorithm] name`` takes (``geoloco.algorithms.strategy.ALGORITHMS`` maps each to
 its strategy class)."""
+
+SPARSELOCO_CHUNK = 4096
+"""SparseLoCo's top-k chunk: the paper tiles each weight matrix into 64 x 64 = 4096 values."""
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "sparseloco": {
+        "uplink_codec": f"topk:0.03,chunk={SPARSELOCO_CHUNK}|int2",
+        "error_feedback": True,
+        "error_feedback_decay": 0.95,
+    },
+}
+"""``[algorithm]`` keys an algorithm name implies (a preset). ``config_from_dict`` fills in those a
+file or dict leaves out; keys given explicitly win. SparseLoCo (Sarfi et al. 2025): chunked top-k
+(3 % of each chunk of 4096) with 2-bit values and error feedback whose residual decays by 0.95
+per round; its outer optimizer, plain SGD lr 1, is the strategy's default
+(``geoloco.algorithms.strategy.SparseLoCo``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -26,7 +45,8 @@ class AlgorithmConfig:
     """Which algorithm, how often sites synchronise, and how updates are compressed and weighted."""
 
     name: str = "diloco"
-    """One of ``ALGORITHM_NAMES``: ``"diloco"``, ``"fedavg"``, ``"fedopt"`` or ``"ddp"`` (baseline)."""
+    """One of ``ALGORITHM_NAMES``: ``"diloco"``, ``"fedavg"``, ``"fedopt"``, ``"sparseloco"`` (a
+    preset: its ``PRESETS`` keys fill in what the file leaves out) or ``"ddp"`` (baseline)."""
     inner_steps: int = 50
     """H: inner steps per round (for ``"ddp"``: synchronous steps per reported round)."""
     uplink_codec: str = "none"
@@ -64,12 +84,28 @@ class AlgorithmConfig:
     """Scale every update whose L2 norm exceeds this multiple (>= 1) of the round's median
     update norm down to it, before combining; unset = no clipping. Holds every update of the
     round (the median needs all norms first)."""
+    partial_updates: PartialUpdatesConfig = field(default_factory=PartialUpdatesConfig)
+    """Partial Parameter Updates (``[algorithm.partial_updates]``): each site trains a fixed
+    subset of the parameters and uploads only that; see ``geoloco.algorithms.partial``."""
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     """Streaming DiLoCo (``[algorithm.streaming]``): fragments on a staggered schedule, transfers
     overlapped with training; see ``geoloco.algorithms.streaming``."""
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @classmethod
+    def prepare_config_dict(cls, data: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The preset of ``data["name"]`` (``PRESETS``) under the keys ``data`` sets itself."""
+        name = data.get("name")
+        preset = PRESETS.get(name) if isinstance(name, str) else None
+        return data if preset is None else {**preset, **data}
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> AlgorithmConfig:
+        """``name``'s preset with ``overrides`` on top, checked like a file's ``[algorithm]``;
+        for code, since ``AlgorithmConfig(name="sparseloco")`` alone does not fill a preset in."""
+        return config_from_dict(cls, {"name": name, **overrides})
 
     def validate(self) -> None:
         require(
@@ -83,6 +119,14 @@ class AlgorithmConfig:
                 parse_codec(getattr(self, key))
             except (CodecError, ValueError) as err:
                 raise ConfigError(key, str(err)) from None
+        if self.name == "sparseloco":
+            require(
+                isinstance(getattr(parse_codec(self.uplink_codec), "sparsifier", None), TopK),
+                "uplink_codec",
+                f"sparseloco sends chunked top-k updates, got {self.uplink_codec!r}; leave "
+                f"uplink_codec unset for the preset's {PRESETS['sparseloco']['uplink_codec']!r} "
+                "(in code: AlgorithmConfig.preset(\"sparseloco\", ...)) or give a 'topk:F' codec",
+            )
         require(
             0 < self.error_feedback_decay <= 1,
             "error_feedback_decay",
@@ -123,6 +167,24 @@ class AlgorithmConfig:
         check_robust_config(
             self.robust_rule, algorithm=self.name, weighting=self.weighting, late_updates=self.late_updates
         )
+        if self.partial_updates.enabled:
+            require(
+                self.name != "ddp",
+                "partial_updates.enabled",
+                "the ddp baseline uploads full gradients every step; partial updates need "
+                "diloco, fedavg, fedopt or sparseloco",
+            )
+            require(
+                not self.streaming.enabled,
+                "partial_updates.enabled",
+                "partial updates and streaming fragments both cut the model; use one of them",
+            )
+            require(
+                not self.robust_rule.enabled,
+                "partial_updates.enabled",
+                "robust aggregation compares whole updates coordinate by coordinate; partial "
+                "updates cover different coordinates per site: use aggregation = \"mean\"",
+            )
         # Streaming DiLoCo: checks that need H and the algorithm.
         if self.streaming.enabled:
             require(

@@ -94,7 +94,9 @@ units the rounding noise (std < 1 unit) is still negligible beside the DP noise.
 SECURE_CODECS = ("none", "randk")
 SECURE_INDEX_SEED_PURPOSE = "secure-randk"
 """Random-k under secure aggregation: ONE seed per round shared by every site (masked sums only
-add up on shared coordinates), unlike the per-site uplink seeds of plain random-k."""
+add up on shared coordinates), so a private round reads ``randk:F`` as ``randk:F,shared``; plain
+rounds use per-site seeds unless the codec says ``shared`` (then this same seed,
+``geoloco.algorithms.strategy.uplink_seed``)."""
 
 
 def secure_index_seed(round_seed: int) -> int:
@@ -228,7 +230,8 @@ def check_composition(privacy: PrivacyConfig, uplink_codec: str, num_sites: int 
             "uplink_codec",
             f"uplink codec {uplink_codec!r} cannot be combined with secure aggregation: each site "
             "would choose different coordinates and masked sums only add up on shared "
-            "coordinates; use 'randk:F' (coordinates from a shared round seed) or 'none'",
+            "coordinates; use 'randk:F' (a private round reads it as 'randk:F,shared': every "
+            "site keeps the coordinates of the round's shared seed) or 'none'",
         )
     if isinstance(sparsifier, RandK) and sparsifier.unbiased:
         raise ConfigError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.diloco import InnerResult, run_inner_steps
 from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.partial import PartialAssignment
 from geoloco.algorithms.sim_config import MEASURE
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within, steps_in_budget
@@ -69,7 +71,11 @@ class SimTrainer:
         device: torch.device,
         step_time_s: float | str,
         grad_clip_norm: float | None,
+        partial: PartialAssignment | None = None,
     ) -> None:
+        self.partial = partial
+        """Partial Parameter Updates: a site trains only its group's tensors (the others are
+        frozen during its steps, so backward and its optimizer skip them)."""
         self.model = model
         self.layout = layout
         self.workload = workload
@@ -92,6 +98,19 @@ class SimTrainer:
         base = measured_s if self.step_time_s == MEASURE else steps * float(self.step_time_s)
         return base / site.config.speed_factor
 
+    @contextmanager
+    def _training(self, site: SimSite) -> Iterator[None]:
+        """Freeze the tensors ``site`` does not train (partial updates) for the block."""
+        if self.partial is None:
+            yield
+            return
+        params = list(self.model.parameters())
+        self.partial.freeze(params, self.partial.site_group(site.name))
+        try:
+            yield
+        finally:
+            self.partial.unfreeze(params)
+
     def steps(self, site: SimSite, steps: int) -> tuple[InnerResult | None, float]:
         """``steps`` inner steps of ``site`` on the model as loaded: the result (None for zero
         steps) and the virtual seconds they took."""
@@ -100,10 +119,11 @@ class SimTrainer:
         assert site.optimizer is not None
         self.sync_device()
         t0 = time.perf_counter()
-        result = run_inner_steps(
-            self.model, site.optimizer, site.batches, steps, self.workload.loss,
-            grad_clip_norm=self.grad_clip_norm, lr_schedule=site.lr_schedule,
-        )
+        with self._training(site):
+            result = run_inner_steps(
+                self.model, site.optimizer, site.batches, steps, self.workload.loss,
+                grad_clip_norm=self.grad_clip_norm, lr_schedule=site.lr_schedule,
+            )
         self.sync_device()
         return result, self.step_seconds(site, steps, time.perf_counter() - t0)
 
@@ -111,11 +131,12 @@ class SimTrainer:
         """As many inner steps as fit in ``budget_s`` virtual seconds (at least one)."""
         assert site.optimizer is not None
         if self.step_time_s == MEASURE:
-            return run_inner_steps_within(
-                self.model, site.optimizer, site.batches, TimeBudget(budget_s),
-                self.workload.loss, grad_clip_norm=self.grad_clip_norm, lr_schedule=site.lr_schedule,
-                time_scale=1.0 / site.config.speed_factor, sync=self.sync_device,
-            )
+            with self._training(site):
+                return run_inner_steps_within(
+                    self.model, site.optimizer, site.batches, TimeBudget(budget_s),
+                    self.workload.loss, grad_clip_norm=self.grad_clip_norm, lr_schedule=site.lr_schedule,
+                    time_scale=1.0 / site.config.speed_factor, sync=self.sync_device,
+                )
         step_s = float(self.step_time_s) / site.config.speed_factor
         count = steps_in_budget(budget_s, step_s, max_steps=None if step_s > 0 else 1)
         result, seconds = self.steps(site, count)

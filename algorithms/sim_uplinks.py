@@ -6,6 +6,9 @@ One interface, two implementations, chosen once per run by ``build_uplinks``:
   round adds the decoded update into the sum ``new_aggregation`` builds: a ``RunningSum``, with
   central DP a ``CentralDPSum`` (clip each, noise the sum), or with a robust rule in
   ``[algorithm]`` a ``RobustAggregation`` (``geoloco.algorithms.robust``), as the coordinator does.
+  With partial updates (``geoloco.algorithms.partial``) a site encodes only its group's
+  coordinates and the round's ``PartialMean`` averages each coordinate over the sites that
+  trained it.
 - ``SecureUplinks``: each site's update is clipped, fixed-point encoded and masked by the secure
   aggregation protocol (``InMemorySecureSum``: every party in this process); the upload sizes are
   those of the protocol's messages, known once every site has encoded.
@@ -26,6 +29,8 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from geoloco.algorithms.aggregation import Aggregation, new_aggregation
+from geoloco.algorithms.config import require
+from geoloco.algorithms.partial import PartialMean
 from geoloco.algorithms.privacy import (
     PrivacyConfig,
     PrivateUpdateEncoder,
@@ -87,12 +92,17 @@ class PlainUplinks:
         self.privacy = privacy
 
     def begin(self, plan: RoundPlan) -> Aggregation:
+        if self.strategy.partial is not None:
+            return PartialMean(self.strategy.partial, device=self.strategy.device)
         return new_aggregation(
             self.strategy.update_numel(plan.round), central_dp=self.privacy.unmasked_central_dp,
             robust=self.strategy.config.robust_rule, device=self.strategy.device,
         )
 
     def encode(self, site: str, update: torch.Tensor, plan: RoundPlan, aggregation: Aggregation) -> Payload:
+        partial = self.strategy.partial
+        if partial is not None:  # only the site's own group travels (zero elsewhere)
+            update = partial.gather(update, partial.site_group(site))
         return self.uplinks[site].encode(update, seed=plan.uplink_seed(site), fragment=plan.fragment)
 
     def nbytes(self, site: str, payload: Payload, aggregation: Aggregation) -> int:
@@ -188,6 +198,19 @@ def build_uplinks(
     ``attacks``: site -> the poisoned update it uploads instead of its own."""
     uplinks: dict[str, FragmentUplink] = {}
     kind: SimUplinks
+    if strategy.partial is not None:
+        require(
+            not privacy.enabled,
+            "algorithm.partial_updates.enabled",
+            "partial updates are not combined with [privacy] (secure sums and DP clip whole "
+            "updates); disable one of them",
+        )
+        require(
+            len(sites) >= strategy.partial.groups,
+            "algorithm.partial_updates.groups",
+            f"{strategy.partial.groups} groups need at least as many sites (site k trains group "
+            f"k mod groups), got {len(sites)} sites",
+        )
     if privacy.secure_aggregation:
         kind = SecureUplinks(
             privacy, uplink_codec, error_feedback=error_feedback, sites=sites,

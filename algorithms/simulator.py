@@ -80,7 +80,7 @@ class Simulator:
         self.data_parallel = self.strategy.update_kind == UPDATE_GRADIENT
         self.trainer = SimTrainer(
             self.model, self.layout, workload, device=self.device, step_time_s=sim.step_time_s,
-            grad_clip_norm=config.inner_optimizer.grad_clip_norm,
+            grad_clip_norm=config.inner_optimizer.grad_clip_norm, partial=self.strategy.partial,
         )
         num_sites = len(config.sites)
         names = [str(k) for k in range(num_sites)]

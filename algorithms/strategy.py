@@ -27,9 +27,12 @@ import torch
 
 from geoloco.algorithms.aggregation import Aggregation, RunningSum
 from geoloco.algorithms.algorithm_config import ALGORITHM_NAMES, AlgorithmConfig
+from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, encode_downlink
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, OuterOptimizerConfig
 from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
+from geoloco.algorithms.partial import PartialAssignment
+from geoloco.algorithms.privacy import secure_index_seed
 from geoloco.algorithms.streaming import (
     FRAGMENT_PREFIX,
     Fragment,
@@ -39,7 +42,7 @@ from geoloco.algorithms.streaming import (
     StreamingSchedule,
 )
 from geoloco.algorithms.weighting import site_weight as weighting_site_weight
-from geoloco.compression import Encoded
+from geoloco.compression import Encoded, parse_codec
 
 __all__ = [
     "ALGORITHMS",
@@ -54,8 +57,10 @@ __all__ = [
     "FragmentOuter",
     "RoundPlan",
     "RoundUpdate",
+    "SparseLoCo",
     "Strategy",
     "build_strategy",
+    "uplink_seed",
 ]
 
 UPDATE_PSEUDO_GRADIENT: str = "pseudo_gradient"
@@ -68,6 +73,20 @@ UpdateKind = Literal["pseudo_gradient", "gradient"]
 UPLINK_SEED_PURPOSE = "uplink"
 """Domain tag of a site's per-round uplink codec seed, ``derive_seed(round_seed, tag, site)``:
 the simulator, the site agent and a streaming site derive the same seed from it."""
+
+
+def uplink_seed(round_seed: int, site: str, uplink_codec: str) -> int:
+    """The seed site ``site`` encodes its upload of a round with ``round_seed``.
+
+    Per site and round (``derive_seed(round_seed, UPLINK_SEED_PURPOSE, site)``), so ``randk:F``
+    keeps different coordinates at every site; for a codec with ``shared_coordinates``
+    (``randk:F,shared``) the round's shared seed, the one a secure round takes its coordinates
+    from (``secure_index_seed``), so every site keeps the same coordinates. The simulator
+    (``RoundPlan.uplink_seed``) and the site agent both call this.
+    """
+    if parse_codec(uplink_codec).shared_coordinates:
+        return secure_index_seed(round_seed)
+    return derive_seed(round_seed, UPLINK_SEED_PURPOSE, site)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +110,7 @@ class RoundPlan:
 
     def uplink_seed(self, site: str) -> int:
         """Seed for site ``site``'s uplink codec this round (random-k, stochastic rounding)."""
-        return derive_seed(self.seed, UPLINK_SEED_PURPOSE, site)
+        return uplink_seed(self.seed, site, self.uplink_codec)
 
     @property
     def downlink_seed(self) -> int:
@@ -193,6 +212,15 @@ class Strategy:
             )
         else:
             self.partition = FragmentPartition.whole(numel)
+        self.partial: PartialAssignment | None = None
+        """Partial Parameter Updates: which tensors each site trains (None: all of them)."""
+        if config.partial_updates.enabled:
+            if layout is None:
+                raise ValueError("partial updates need the model's ParamLayout: pass layout= to build_strategy")
+            try:
+                self.partial = PartialAssignment.build(config.partial_updates, layout)
+            except ConfigError as err:
+                raise err.under("algorithm") from None
         self.schedule = StreamingSchedule.from_config(self._round_steps(), self.streaming)
         self.inner_optimizer_config = inner_optimizer or InnerOptimizerConfig()
         self.outer_optimizer_config = (outer_optimizer or OuterOptimizerConfig()).resolved(
@@ -426,6 +454,16 @@ class FedOpt(FedAvg):
     default_outer_optimizer = "fedadam"
 
 
+class SparseLoCo(Strategy):
+    """SparseLoCo (Sarfi et al. 2025): DiLoCo's inner steps, a chunked top-k + 2-bit uplink with
+    decaying error feedback (``PRESETS["sparseloco"]`` in ``algorithm_config``) and plain outer
+    SGD lr 1, the paper's outer step. With a sparse codec that outer step is also the one whose
+    loss fell steadily here; outer Nesterov on sparse updates rose late in training (#16)."""
+
+    name = "sparseloco"
+    default_outer_optimizer = "sgd"
+
+
 class DataParallel(Strategy):
     """The data-parallel baseline: synchronous DDP, one shared inner-optimizer state.
 
@@ -452,6 +490,7 @@ ALGORITHMS: dict[str, type[Strategy]] = {
     "fedavg": FedAvg,
     "fedopt": FedOpt,
     "ddp": DataParallel,
+    "sparseloco": SparseLoCo,
 }
 """Algorithm name -> strategy class (the names of ``ALGORITHM_NAMES``)."""
 assert tuple(ALGORITHMS) == ALGORITHM_NAMES

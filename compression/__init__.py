@@ -10,7 +10,10 @@ Specs (see :func:`describe_codecs` for the generated list)::
     int8 | int4 | int2 | int1 block-wise quantization, options block=N (default 256, multiple of 8)
                               and the flag stochastic (unbiased rounding); see quantize.py
     topk:F[,chunk=N]          per-chunk top-k by magnitude, indices bit-packed; see sparsify.py
-    randk:F[,unbiased]        random-k from encode()'s seed, indices not sent; see sparsify.py
+    randk:F[,unbiased][,shared]
+                              random-k from encode()'s seed, indices not sent: per-site coordinates
+                              by default, the same coordinates at every site with shared (the
+                              round's shared seed; what a private round uses); see sparsify.py
 
 Pipelines put one sparsifier before one value codec: ``"topk:0.01|int4"``, ``"randk:0.05|int8"``;
 a bare sparsifier sends its values losslessly (``"topk:0.01"`` is ``"topk:0.01,chunk=4096|none"``).
@@ -34,7 +37,7 @@ Typical use::
 
     codec = parse_codec("topk:0.01|int4")
     feedback = ErrorFeedback(codec)
-    encoded = feedback.encode(pseudo_gradient, seed=round_seed)
+    encoded = feedback.encode(pseudo_gradient, seed=site_seed)  # uplink_seed(round_seed, site, spec)
     wire = encoded.to_bytes()                 # len(wire) == encoded.nbytes
     update = decode(wire, device="cuda")      # on the receiver
 """

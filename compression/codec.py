@@ -37,8 +37,10 @@ class Codec(ABC):
     def encode(self, tensor: torch.Tensor, *, seed: int = 0) -> Encoded:
         """Encode ``tensor`` (float32/float16/bfloat16/float64, any shape) on its own device.
 
-        ``seed`` is the round's shared seed; only ``randk`` uses it. Raises :class:`ValueError`
-        for NaN/Inf or unsupported dtypes, before anything is encoded.
+        ``seed`` picks ``randk``'s coordinates (the caller passes a per-site seed, or the round's
+        shared seed when ``shared_coordinates``) and, in ``geoloco.algorithms``, seeds stochastic
+        rounding. Raises :class:`ValueError` for NaN/Inf or unsupported dtypes, before anything
+        is encoded.
         """
 
     @abstractmethod
@@ -61,6 +63,11 @@ class Codec(ABC):
     def encoded_nbytes(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> int:
         """Exact wire size (``Encoded.nbytes``) of encoding a tensor of this shape and dtype,
         without encoding one: what a simulator charges a link for."""
+
+    @property
+    def shared_coordinates(self) -> bool:
+        """True when every site must encode with the round's shared seed (``randk:F,shared``)."""
+        return False
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Codec) and other.spec == self.spec
@@ -89,6 +96,12 @@ class PipelineCodec(Codec):
     def spec(self) -> str:  # type: ignore[override]
         """Canonical spec (read-only: parsed codecs are cached and shared)."""
         return self._spec
+
+    @property
+    def shared_coordinates(self) -> bool:
+        """True for ``randk:F,shared``: the caller must pass the round's shared seed to
+        ``encode`` so that every site keeps the same coordinates."""
+        return isinstance(self.sparsifier, RandK) and self.sparsifier.shared
 
     def payload_nbytes(self, numel: int, dtype: torch.dtype) -> int:
         """Exact payload size for a tensor of ``numel`` elements of ``dtype``."""

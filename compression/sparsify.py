@@ -12,8 +12,14 @@ Payload: packed indices (zero-padded to a multiple of 8 bytes), then the value c
 for the kept values in chunk order.
 
 ``randk:F`` keeps ``ceil(F * n)`` coordinates chosen uniformly at random without replacement from
-the ``seed`` passed to ``encode`` (one shared seed per round lets every site pick the same
-coordinates, which secure aggregation needs). Only the seed travels (8 bytes); the decoder
+the ``seed`` passed to ``encode``. Which seed that is, the caller decides from the ``shared`` flag
+(``geoloco.algorithms.strategy.uplink_seed``): ``randk:F`` (default) is seeded per site and
+round, so every site keeps its own coordinates and the mean covers up to ``N`` times more of
+them; ``randk:F,shared`` is seeded from the round's shared seed, so every site keeps the same
+coordinates (what secure aggregation needs, where masked values only add up on shared
+coordinates; a private round reads ``randk:F`` as ``randk:F,shared``). Stochastic rounding in a
+``shared`` pipeline draws from that shared seed too, so the sites' rounding is then correlated.
+Only the seed travels (8 bytes); the decoder
 regenerates the coordinates. They come from a counter-based hash implemented here in integer
 tensor arithmetic, not from ``torch.Generator``, so they are bit-identical on every device and
 every torch version; they are returned sorted. Values are sent unscaled by default, which suits
@@ -49,6 +55,9 @@ CHUNK_OPTION: Final = Option(
     maximum=1 << 30,
 )
 UNBIASED_OPTION: Final = Option("unbiased", "flag", "scale decoded values by n/k so E[decode] = x")
+SHARED_OPTION: Final = Option(
+    "shared", "flag", "every site keeps the same coordinates (from the round's shared seed); default: per-site"
+)
 
 _TOPK_ROWS_ELEMENTS: Final = {"cpu": 1 << 22}
 """Elements handed to one ``torch.topk`` call: bounds the workspace, not the speed."""
@@ -182,15 +191,20 @@ class TopK(Sparsifier):
 
 @dataclass(frozen=True)
 class RandK(Sparsifier):
-    """``randk:F[,unbiased]``: uniformly random coordinates regenerated from the shared seed."""
+    """``randk:F[,unbiased][,shared]``: uniformly random coordinates regenerated from the seed
+    ``encode`` gets: per site and round by default, the round's shared seed with ``shared``."""
 
     fraction: float
     unbiased: bool = False
+    shared: bool = False
     _exact: Fraction = field(init=False, repr=False, compare=False)
 
     name: ClassVar[str] = "randk"
-    summary: ClassVar[str] = "keep random coordinates chosen from the round's shared seed (indices not sent)"
-    options: ClassVar[tuple[Option, ...]] = (FRACTION_OPTION, UNBIASED_OPTION)
+    summary: ClassVar[str] = (
+        "keep random coordinates from a seed, per site (default) or shared by all sites (shared); "
+        "indices not sent"
+    )
+    options: ClassVar[tuple[Option, ...]] = (FRACTION_OPTION, UNBIASED_OPTION, SHARED_OPTION)
     positional: ClassVar[str | None] = "fraction"
 
     def __post_init__(self) -> None:

@@ -32,7 +32,7 @@ __all__ = ["COORDINATOR_KEYS", "SUPPORTED_ALGORITHMS", "CoordinatorConfig"]
 COORDINATOR_KEYS = TrainingKeys(rounds="total_rounds", sites="allowed_sites")
 """Where a coordinator file keeps the round policy (top level) and the run length."""
 
-SUPPORTED_ALGORITHMS = ("diloco", "fedavg", "fedopt")
+SUPPORTED_ALGORITHMS = ("diloco", "fedavg", "fedopt", "sparseloco")
 """Algorithms the real coordinator runs. The ``ddp`` baseline synchronises every step and lives in
 the simulator, where its traffic is accounted exactly without a round trip per step."""
 
@@ -152,6 +152,12 @@ class CoordinatorConfig:
             self.algorithm.warmup_steps == 0,
             "algorithm.warmup_steps",
             "a data-parallel warm-up is only available in the simulator; set warmup_steps = 0",
+        )
+        require(
+            not self.algorithm.partial_updates.enabled,
+            "algorithm.partial_updates.enabled",
+            "partial parameter updates run in the simulator only for now (`geoloco simulate`); "
+            "set enabled = false for the coordinator",
         )
         num_sites = len(self.allowed_sites) if self.allowed_sites is not None else None
         self.training.validate(COORDINATOR_KEYS, num_sites=num_sites)

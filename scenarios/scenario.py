@@ -72,7 +72,7 @@ CUT_LINK = "cut_link"
 FAULT_KINDS = (KILL_SITE, KILL_COORDINATOR, CUT_LINK)
 """What a ``[[faults]]`` entry can do."""
 
-EMULATED_ALGORITHMS = ("diloco", "fedavg", "fedopt")
+EMULATED_ALGORITHMS = ("diloco", "fedavg", "fedopt", "sparseloco")
 """Algorithms the real coordinator runs (``geoloco.coordinator.config.SUPPORTED_ALGORITHMS``)."""
 
 

@@ -4,7 +4,7 @@ Two kinds behind one interface, used by every round runner (``geoloco.site_agent
 
 * ``StrategyUplink`` — the strategy's own encoders (``strategy.build_uplink()``: one
   ``UpdateEncoder`` with its error-feedback residual per fragment; plain DiLoCo has one), seeded
-  per site and round with ``derive_seed(round_seed, UPLINK_SEED_PURPOSE, site)`` as in the
+  per site and round with ``uplink_seed(round_seed, site, codec)`` as in the
   simulator, so the bytes are the simulator's bit for bit.
 * ``MaskedUplink`` — secure aggregation (``geoloco.site_agent.secure_site.SecureUplink``): key
   stages beside the inner steps, the update masked with this site's private encoder (its own
@@ -23,8 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from geoloco.algorithms.params import derive_seed
-from geoloco.algorithms.strategy import UPLINK_SEED_PURPOSE, Strategy
+from geoloco.algorithms.strategy import Strategy, uplink_seed
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
@@ -114,7 +113,7 @@ class StrategyUplink:
     def encode(
         self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: int
     ) -> UplinkUpdate:
-        seed = derive_seed(round_seed, UPLINK_SEED_PURPOSE, self.site)
+        seed = uplink_seed(round_seed, self.site, self.strategy.config.uplink_codec)
         encoded = self.encoders.encode(update, seed=seed, fragment=fragment)
         return UplinkUpdate(
             fragment=fragment, data=encoded.to_bytes(), sample_weight=float(max(samples, 1)),

@@ -24,12 +24,14 @@ from geoloco.algorithms.strategy import (
 
 
 def test_registry_and_default_outer_optimizers() -> None:
-    assert set(ALGORITHMS) == {"diloco", "fedavg", "fedopt", "ddp"}
+    assert set(ALGORITHMS) == {"diloco", "fedavg", "fedopt", "ddp", "sparseloco"}
     cases = {"diloco": ("nesterov", 0.7, 0.9), "fedavg": ("sgd", 1.0, 0.0), "fedopt": ("fedadam", 0.01, 0.0)}
     for name, (opt, lr, momentum) in cases.items():
         s = build_strategy(AlgorithmConfig(name=name), numel=4)
         assert (s.outer_optimizer_config.name, s.outer_optimizer_config.lr,
                 s.outer_optimizer_config.momentum) == (opt, lr, momentum)
+    sparseloco = build_strategy(AlgorithmConfig.preset("sparseloco"), numel=4).outer_optimizer_config
+    assert (sparseloco.name, sparseloco.lr, sparseloco.momentum) == ("sgd", 1.0, 0.0)
     assert issubclass(FedOpt, FedAvg)
     assert isinstance(build_strategy(AlgorithmConfig(), numel=1), DiLoCo)
     with pytest.raises(ConfigError, match="valid names: diloco, fedavg, fedopt, ddp"):

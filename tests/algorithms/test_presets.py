@@ -1,0 +1,113 @@
+"""Presets that mean the paper: ``algorithm.name = "sparseloco"`` against hand-computed cases."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from geoloco.algorithms.algorithm_config import AlgorithmConfig
+from geoloco.algorithms.config import ConfigError, config_from_dict
+from geoloco.algorithms.optimizers import OuterOptimizerConfig
+from geoloco.algorithms.strategy import ALGORITHMS, SparseLoCo, build_strategy
+
+
+def test_sparseloco_resolves_to_the_papers_settings() -> None:
+    config = config_from_dict(AlgorithmConfig, {"name": "sparseloco", "inner_steps": 15})
+    assert config.uplink_codec == "topk:0.03,chunk=4096|int2"
+    assert config.error_feedback is True
+    assert config.error_feedback_decay == 0.95
+    assert config.inner_steps == 15
+    assert ALGORITHMS["sparseloco"] is SparseLoCo
+    outer = OuterOptimizerConfig().resolved(SparseLoCo.default_outer_optimizer)
+    assert (outer.name, outer.lr, outer.momentum) == ("sgd", 1.0, 0.0)
+    assert AlgorithmConfig.preset("sparseloco") == config_from_dict(AlgorithmConfig, {"name": "sparseloco"})
+
+
+def test_explicit_keys_override_the_preset() -> None:
+    config = config_from_dict(
+        AlgorithmConfig,
+        {"name": "sparseloco", "uplink_codec": "topk:0.01|int4", "error_feedback_decay": 0.9},
+    )
+    assert (config.uplink_codec, config.error_feedback_decay, config.error_feedback) == ("topk:0.01|int4", 0.9, True)
+
+
+def test_sparseloco_without_a_top_k_codec_says_how_to_get_the_preset() -> None:
+    with pytest.raises(ConfigError, match=r"uplink_codec.*sparseloco sends chunked top-k.*preset"):
+        AlgorithmConfig(name="sparseloco")
+    with pytest.raises(ConfigError, match="algorithm.uplink_codec"):
+        config_from_dict(AlgorithmConfig, {"name": "sparseloco", "uplink_codec": "int8"}, prefix="algorithm")
+
+
+def _int2_single(x: float) -> float:
+    """What 2-bit codes carry of a block holding one value ``x``: the grid is ``(2j - 3) s`` with
+    ``s = |x| / 3`` rounded *up* to a bfloat16 (8 significant bits), so ``x`` comes back as ``±3 s``."""
+    scale = torch.tensor(abs(x), dtype=torch.float32) / 3
+    exponent = math.floor(math.log2(float(scale)))
+    step = 2.0 ** (exponent - 7)
+    return (1.0 if x > 0 else -1.0) * 3 * math.ceil(float(scale) / step) * step
+
+
+def test_sparseloco_two_rounds_by_hand() -> None:
+    """Two sites, 8 weights: top-k keeps ceil(0.03 * 8) = 1 value each (one chunk: 8 < 4096),
+    2-bit codes carry it as ``±3 s`` (exact for 3 and -6), outer SGD lr 1 subtracts the mean;
+    round 2 adds 0.95 times the residual to the new update."""
+    strategy = build_strategy(AlgorithmConfig.preset("sparseloco"), numel=8, seed=1)
+    sites = ["a", "b"]
+    uplinks = {s: strategy.build_uplink() for s in sites}
+    theta = torch.zeros(8)
+
+    def round_(index: int, updates: dict[str, list[float]]) -> torch.Tensor:
+        plan = strategy.configure_round(index, sites)
+        agg = strategy.new_aggregator(index)
+        for s in sites:
+            update = torch.tensor(updates[s], dtype=torch.float32)
+            agg.add(uplinks[s].encode(update, seed=plan.uplink_seed(s)), 1.0, site=s)
+        return strategy.aggregate_round(theta, agg, plan).global_flat
+
+    theta = round_(0, {"a": [0, 0, 3, 0, 0, 0, 0.5, 0], "b": [1, 0, 0, 0, 0, 0, 0, -6]})
+    # a sends 3 at 2 (keeps 0.5 at 6), b sends -6 at 7 (keeps 1 at 0); mean [0,0,1.5,...,-3]; θ = 0 - mean.
+    assert theta.tolist() == [0, 0, -1.5, 0, 0, 0, 0, 3]
+    assert uplinks["a"].encoders[0].residual.tolist() == [0, 0, 0, 0, 0, 0, 0.5, 0]
+    assert uplinks["b"].encoders[0].residual.tolist() == [1, 0, 0, 0, 0, 0, 0, 0]
+    theta = round_(1, {"a": [0, 3, 0, 0, 0, 0, 0, 0], "b": [0, 0, 0, 0, 0, 0, 0, 0.5]})
+    # a: u = x + 0.95 e = [0, 3, ..., 0.475, 0] -> sends 3 at 1, keeps 0.475 at 6;
+    # b: u = [0.95, 0, ..., 0.5] -> sends 0.95 at 0 (|0.95| > 0.5) as 3 * bf16(0.95 / 3).
+    sent_b = _int2_single(0.95)
+    assert sent_b != pytest.approx(0.95, abs=1e-4)  # the 2-bit rounding is visible
+    assert theta.tolist() == pytest.approx([-sent_b / 2, -1.5, -1.5, 0, 0, 0, 0, 3], abs=1e-6)
+    residual_a = uplinks["a"].encoders[0].residual
+    assert residual_a.tolist() == pytest.approx([0, 0, 0, 0, 0, 0, 0.95 * 0.5, 0], abs=1e-7)
+    residual_b = uplinks["b"].encoders[0].residual
+    assert residual_b.tolist() == pytest.approx([0.95 - sent_b, 0, 0, 0, 0, 0, 0, 0.5], abs=1e-6)
+
+
+def test_print_config_shows_the_resolved_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    from geoloco.scenarios.cli import main
+
+    code = main([
+        "simulate", "--print-config", "--set", "workload.name=mlp", "--set", "algorithm.name=sparseloco",
+        "--set", "algorithm.error_feedback_decay=0.9", "--device", "cpu",
+    ])
+    assert code == 0
+    resolved = json.loads(capsys.readouterr().out)
+    algorithm = resolved["algorithm"]
+    assert (algorithm["name"], algorithm["uplink_codec"], algorithm["error_feedback"]) == (
+        "sparseloco", "topk:0.03,chunk=4096|int2", True,
+    )
+    assert algorithm["error_feedback_decay"] == 0.9  # the explicit key wins
+    outer = resolved["outer_optimizer"]
+    assert (outer["name"], outer["lr"], outer["momentum"]) == ("sgd", 1.0, 0.0)
+
+
+def test_the_coordinator_runs_sparseloco_and_a_site_reads_back_the_same_config() -> None:
+    from geoloco.coordinator.config import CoordinatorConfig
+
+    coordinator = CoordinatorConfig.from_dict(
+        {"insecure": True, "algorithm": {"name": "sparseloco", "inner_steps": 15}}
+    )
+    assert coordinator.algorithm == AlgorithmConfig.preset("sparseloco", inner_steps=15)
+    # What a site rebuilds from the coordinator's config_json (site_agent.state).
+    assert config_from_dict(AlgorithmConfig, coordinator.algorithm.to_dict()) == coordinator.algorithm

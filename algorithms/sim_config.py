@@ -86,6 +86,16 @@ class SimulationConfig:
             self.eval_every = DEFAULT_EVAL_EVERY
         self.validate()
 
+    @classmethod
+    def prepare_config_dict(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """Run-length keys may be unset but, when set, are whole numbers: say so plainly rather
+        than naming the ``int | None`` annotation."""
+        for key in ("rounds", "total_inner_steps", "eval_every", "eval_every_steps"):
+            value = data.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(key, f"got {value!r}; expected an integer")
+        return dict(data)
+
     def validate(self) -> None:
         for count, steps in (("rounds", "total_inner_steps"), ("eval_every", "eval_every_steps")):
             a, b = getattr(self, count), getattr(self, steps)

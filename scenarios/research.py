@@ -95,19 +95,19 @@ def prepare_raw(raw: Mapping[str, Any], overrides: Sequence[str], source: str) -
     pairs alike), so the command line wins over the file instead of setting both."""
     from geoloco.algorithms.simulator import SimulatorConfig
 
-    raw = copy.deepcopy(dict(raw))
+    prepared: dict[str, Any] = copy.deepcopy(dict(raw))
     overridden = {parse_override(text)[0] for text in overrides}
-    simulation = raw.get("simulation")
+    simulation = prepared.get("simulation")
     if isinstance(simulation, dict):
         for a, b in RUN_LENGTH_PAIRS:
             for mine, other in ((a, b), (b, a)):
                 if f"simulation.{mine}" in overridden and f"simulation.{other}" not in overridden:
                     simulation.pop(other, None)
-    apply_overrides(raw, overrides, source, SimulatorConfig)
-    unknown = sorted(set(raw) - set(SECTIONS))
+    apply_overrides(prepared, overrides, source, SimulatorConfig)
+    unknown = sorted(set(prepared) - set(SECTIONS))
     if unknown:
         raise ConfigFileError(source, unknown[0], f"unknown section; allowed: {', '.join(SECTIONS)}")
-    return raw
+    return prepared
 
 
 def load_run_config(raw: dict[str, Any], source: str) -> tuple[Any, Any]:

@@ -249,7 +249,7 @@ class SweepResult:
         header = [*keys, "seeds", "final eval loss", "uplink bytes", "virtual time (s)", "inner steps"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for p in self.points:
-            cells = [f"`{v}`" for _, v in p.point]
+            cells = [f"`{v}`".replace("|", "\\|") for _, v in p.point]  # a codec's | is no column
             seeds = f"{len(p.runs)}" + (f" ({len(p.failed)} failed)" if p.failed else "")
             cells += [
                 seeds,
@@ -346,7 +346,7 @@ def sweep(
     if plots:
         from geoloco.scenarios.sweep_plots import write_sweep_plots
 
-        result.files += write_sweep_plots(result)
+        result.files += write_sweep_plots(out, summaries, len(seeds))
     return result
 
 

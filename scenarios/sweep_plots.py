@@ -7,13 +7,25 @@ evaluate at the same inner steps), with the min..max band over the seeds around 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from geoloco.scenarios.sweep import PointSummary, SweepResult
+from geoloco.scenarios.research import RunResult
 
-__all__ = ["mean_curve", "write_sweep_plots"]
+__all__ = ["PlotPoint", "mean_curve", "write_sweep_plots"]
+
+
+class PlotPoint(Protocol):
+    """What a plot needs of a grid point (``geoloco.scenarios.sweep.PointSummary``)."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def runs(self) -> list[RunResult]: ...
+
+    def stat(self, key: str) -> tuple[float, float, float] | None: ...
 
 PARETO_FILE = "pareto.png"
 CURVE_FILES = {
@@ -23,7 +35,7 @@ CURVE_FILES = {
 }
 
 
-def mean_curve(point: PointSummary, x: str) -> tuple[list[float], list[float], list[float], list[float]]:
+def mean_curve(point: PlotPoint, x: str) -> tuple[list[float], list[float], list[float], list[float]]:
     """``(xs, mean loss, min loss, max loss)`` over the seeds, evaluation by evaluation, up to the
     shortest seed's curve (a run that stopped at its target has fewer)."""
     curves = [r.curve for r in point.runs]
@@ -40,13 +52,14 @@ def mean_curve(point: PointSummary, x: str) -> tuple[list[float], list[float], l
     return xs, mean, lo, hi
 
 
-def write_sweep_plots(result: SweepResult) -> list[Path]:
+def write_sweep_plots(out: Path, points: Sequence[PlotPoint], num_seeds: int) -> list[Path]:
+    """``pareto.png`` and ``loss_vs_{steps,bytes,time}.png`` under ``out``; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [p for p in result.points if p.runs]
+    points = [p for p in points if p.runs]
     colors = plt.get_cmap("tab10" if len(points) <= 10 else "tab20")
     written: list[Path] = []
 
@@ -63,11 +76,11 @@ def write_sweep_plots(result: SweepResult) -> list[Path]:
     ax.set_xscale("log")
     ax.set_xlabel("total uplink bytes, all sites (log)")
     ax.set_ylabel("final eval loss (mean, min..max over seeds)")
-    ax.set_title(f"final loss vs uplink bytes ({len(result.seeds)} seeds per point)")
+    ax.set_title(f"final loss vs uplink bytes ({num_seeds} seeds per point)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small", loc="best")
     fig.tight_layout()
-    path = result.out / PARETO_FILE
+    path = out / PARETO_FILE
     fig.savefig(path, dpi=100)
     plt.close(fig)
     written.append(path)
@@ -89,7 +102,7 @@ def write_sweep_plots(result: SweepResult) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small", loc="best")
         fig.tight_layout()
-        path = result.out / file_name
+        path = out / file_name
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)

@@ -143,7 +143,7 @@ def test_sweep_command(tmp_path: Path, capsys: Any) -> None:
             "--out", str(tmp_path / "out"), "--no-plots"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "4 runs ran, 0 were already finished" in text and "`topk:0.1|int4`" in text
+    assert "4 runs ran, 0 were already finished" in text and "`topk:0.1\\|int4`" in text
     assert main(argv) == 0
     assert "0 runs ran, 4 were already finished" in capsys.readouterr().out
     assert main([*argv[:-1], "--grid", "algorithm.inner_steps=x"]) == 2

@@ -325,7 +325,9 @@ def test_geoloco_invocations_are_found_in_loops_and_chains() -> None:
         ["emulate", "x.toml", "--out", "r"], ["certs", "issue", "c", "0"]
     ]
     quoted = "geoloco sweep b.toml --grid a.c=none,'topk:0.01|int4' \\\n  --jobs 2 | tee log\n"
-    assert list(geoloco_invocations(quoted)) == [["sweep", "b.toml", "--grid", "a.c=none,topk:0.01|int4", "--jobs", "2"]]
+    assert list(geoloco_invocations(quoted)) == [
+        ["sweep", "b.toml", "--grid", "a.c=none,topk:0.01|int4", "--jobs", "2"]
+    ]
 
 
 @pytest.mark.parametrize("block", _blocks("sh"), ids=_ids(_blocks("sh")))

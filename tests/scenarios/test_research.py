@@ -123,3 +123,16 @@ def test_simulate_writes_version_commit_and_a_loadable_run_folder(tmp_path: Path
     loaded = RunResult.load(tmp_path / "out")
     assert [p.inner_steps for p in loaded.curve] == [12] and loaded.totals["rounds"] == 3
     assert "inner steps per site" in capsys.readouterr().out
+
+
+def test_the_rounds_flag_replaces_the_files_total_inner_steps(tmp_path: Path) -> None:
+    import argparse
+
+    from geoloco.scenarios.simulate_cmd import load_config
+
+    config = tmp_path / "sim.toml"
+    config.write_text('[workload]\nname = "mlp"\n[simulation]\ntotal_inner_steps = 40\neval_every_steps = 20\n')
+    args = argparse.Namespace(config=config, workload=None, rounds=3, sites=None, seed=None, device=None, overrides=[])
+    _, sim_config = load_config(args)
+    assert sim_config.simulation.rounds == 3 and sim_config.simulation.total_inner_steps is None
+    assert sim_config.simulation.eval_every_steps == 20 and sim_config.run_rounds == 3

@@ -147,3 +147,17 @@ def test_sweep_command(tmp_path: Path, capsys: Any) -> None:
     assert main(argv) == 0
     assert "0 runs ran, 4 were already finished" in capsys.readouterr().out
     assert main([*argv[:-1], "--grid", "algorithm.inner_steps=x"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a run that fails: device cuda without CUDA")
+def test_a_failing_run_is_reported_and_the_others_finish(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    result = sweep(BASE, grid={"simulation.device": ["cpu", "cuda"]}, seeds=[0], out=out, plots=False)
+    assert (result.ran, result.failed) == (1, 1)
+    ok, bad = result.points
+    assert len(ok.runs) == 1 and ok.failed == [] and bad.runs == [] and bad.failed == [0]
+    errors = list((out / "runs").glob("*/error.txt"))
+    assert len(errors) == 1 and "simulation.device" in errors[0].read_text()
+    assert "0 (1 failed)" in (out / "table.md").read_text()
+    again = sweep(BASE, grid={"simulation.device": ["cpu", "cuda"]}, seeds=[0], out=out, plots=False)
+    assert (again.resumed, again.failed) == (1, 1), "a failed run is not finished: it runs again"

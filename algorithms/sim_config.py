@@ -16,7 +16,15 @@ from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.training import TrainingConfig, TrainingKeys
 
-__all__ = ["MEASURE", "SIMULATOR_KEYS", "RoundRecord", "SimulationConfig", "SimulatorConfig"]
+__all__ = [
+    "DEFAULT_EVAL_EVERY",
+    "DEFAULT_ROUNDS",
+    "MEASURE",
+    "SIMULATOR_KEYS",
+    "RoundRecord",
+    "SimulationConfig",
+    "SimulatorConfig",
+]
 
 SIMULATOR_KEYS = TrainingKeys(
     min_sites="simulation.min_sites",
@@ -26,6 +34,11 @@ SIMULATOR_KEYS = TrainingKeys(
 )
 """Where a simulator file keeps the round policy and the run length."""
 
+DEFAULT_ROUNDS = 100
+"""Run length when neither ``rounds`` nor ``total_inner_steps`` is set."""
+DEFAULT_EVAL_EVERY = 10
+"""Evaluation period in rounds when neither ``eval_every`` nor ``eval_every_steps`` is set."""
+
 MEASURE = "measure"
 """``step_time_s`` value that uses the measured wall time of the real inner steps."""
 
@@ -34,12 +47,22 @@ MEASURE = "measure"
 class SimulationConfig:
     """How long to run, what to measure, and the coordinator's round policy."""
 
-    rounds: int = 100
-    """Maximum number of rounds (the run stops earlier once ``target_eval_loss`` is reached)."""
+    rounds: int | None = None
+    """Maximum number of rounds (the run stops earlier once ``target_eval_loss`` is reached).
+    Set this or ``total_inner_steps``, not both; neither = 100 rounds."""
+    total_inner_steps: int | None = None
+    """Run length in inner steps per site, warm-up included, the same for every algorithm (for
+    ``ddp`` each synchronous step is one): the rounds are derived
+    (``SimulatorConfig.run_rounds``), so runs with different H train on the same data."""
     target_eval_loss: float | None = None
     """Stop at the first evaluation whose loss is <= this (time-to-target runs); unset = never."""
-    eval_every: int = 10
-    """Evaluate the global model every this many rounds (and always after the last round)."""
+    eval_every: int | None = None
+    """Evaluate the global model every this many rounds (and always after the last round). Set
+    this or ``eval_every_steps``, not both; neither = every 10 rounds."""
+    eval_every_steps: int | None = None
+    """Evaluate after the first round that reaches each multiple of this many cumulative inner
+    steps per site (and always after the last round): the same points whatever H is, where H
+    divides it."""
     seed: int = 0
     """Seed of the model initialisation, the data streams and the codecs' randomness."""
     step_time_s: float | Literal["measure"] = 0.1
@@ -56,11 +79,34 @@ class SimulationConfig:
     (``geoloco.algorithms.deadline``); ``round_deadline_s`` is then the first rounds' deadline."""
 
     def __post_init__(self) -> None:
+        # Defaults only where the other key of the pair is unset, so "both set" stays an error.
+        if self.rounds is None and self.total_inner_steps is None:
+            self.rounds = DEFAULT_ROUNDS
+        if self.eval_every is None and self.eval_every_steps is None:
+            self.eval_every = DEFAULT_EVAL_EVERY
         self.validate()
 
+    @classmethod
+    def prepare_config_dict(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """Run-length keys may be unset but, when set, are whole numbers: say so plainly rather
+        than naming the ``int | None`` annotation."""
+        for key in ("rounds", "total_inner_steps", "eval_every", "eval_every_steps"):
+            value = data.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(key, f"got {value!r}; expected an integer")
+        return dict(data)
+
     def validate(self) -> None:
-        require(self.rounds >= 1, "rounds", f"must be >= 1, got {self.rounds}")
-        require(self.eval_every >= 1, "eval_every", f"must be >= 1, got {self.eval_every}")
+        for count, steps in (("rounds", "total_inner_steps"), ("eval_every", "eval_every_steps")):
+            a, b = getattr(self, count), getattr(self, steps)
+            require(
+                (a is None) != (b is None),
+                steps if b is not None else count,
+                f"set either {count} (in rounds) or {steps} (in inner steps per site), not both"
+                if a is not None else f"set one of {count} (in rounds) or {steps} (in inner steps per site)",
+            )
+            for key, value in ((count, a), (steps, b)):
+                require(value is None or value >= 1, key, f"must be >= 1, got {value}")
         if not isinstance(self.step_time_s, str):
             require(
                 self.step_time_s >= 0,
@@ -123,7 +169,55 @@ class SimulatorConfig:
                 "poisoned sites replace a round's pseudo-gradient; the ddp baseline uploads plain "
                 "gradients every step: use diloco, fedavg or fedopt, or unset attack",
             )
+        self._validate_step_run_length()
         self.training.validate(SIMULATOR_KEYS, num_sites=len(self.sites), every_site_reports=True)
+
+    def _validate_step_run_length(self) -> None:
+        sim, algo = self.simulation, self.algorithm
+        if sim.total_inner_steps is None and sim.eval_every_steps is None:
+            return
+        key = "simulation.total_inner_steps" if sim.total_inner_steps is not None else "simulation.eval_every_steps"
+        require(
+            algo.round_time_budget_s is None,
+            key,
+            "the inner steps of a round vary with algorithm.round_time_budget_s; set "
+            "simulation.rounds and simulation.eval_every instead, or unset round_time_budget_s",
+        )
+        if sim.total_inner_steps is not None:
+            require(
+                sim.total_inner_steps > algo.warmup_steps,
+                "simulation.total_inner_steps",
+                f"counts the warm-up too: must be > algorithm.warmup_steps ({algo.warmup_steps}), "
+                f"got {sim.total_inner_steps}",
+            )
+
+    @property
+    def steps_per_round(self) -> int:
+        """Inner steps each site runs in one round: H, or H / fragments with Streaming DiLoCo; a
+        ``ddp`` round reports H synchronous steps. Without meaning under ``round_time_budget_s``."""
+        algo = self.algorithm
+        return algo.inner_steps // (algo.streaming.fragments if algo.streaming.enabled else 1)
+
+    @property
+    def run_rounds(self) -> int:
+        """The run's number of rounds: ``simulation.rounds``, or the fewest rounds whose inner
+        steps (after the warm-up) reach ``simulation.total_inner_steps``."""
+        sim = self.simulation
+        if sim.rounds is not None:
+            return sim.rounds
+        assert sim.total_inner_steps is not None  # SimulationConfig.validate: exactly one is set
+        return -(-(sim.total_inner_steps - self.algorithm.warmup_steps) // self.steps_per_round)
+
+    def evaluates_after(self, round_number: int, steps_before: int, steps_after: int) -> bool:
+        """Whether the global model is evaluated after ``round_number`` (from 0), whose inner steps
+        per site took the cumulative count from ``steps_before`` to ``steps_after``."""
+        sim = self.simulation
+        if round_number == self.run_rounds - 1:
+            return True
+        if sim.eval_every_steps is not None:
+            return steps_after // sim.eval_every_steps > steps_before // sim.eval_every_steps
+        assert sim.eval_every is not None
+        return (round_number + 1) % sim.eval_every == 0
 
     @property
     def training(self) -> TrainingConfig:
@@ -135,7 +229,7 @@ class SimulatorConfig:
             outer_optimizer=self.outer_optimizer,
             privacy=self.privacy,
             seed=sim.seed,
-            rounds=sim.rounds,
+            rounds=self.run_rounds,
             min_sites=sim.min_sites,
             round_deadline_s=sim.round_deadline_s,
             adaptive_deadline=sim.adaptive_deadline,
@@ -193,6 +287,9 @@ class RoundRecord:
     """``"warmup"`` for the synchronous warm-up, ``"train"`` for algorithm rounds."""
     inner_steps: int
     """Training steps each site ran in this record."""
+    inner_steps_total: int
+    """Cumulative inner steps per site since the start, warm-up included (for ``ddp`` every
+    synchronous step counts one): the x axis that compares runs of different H."""
     train_loss: float
     """Mean of the sites' inner-step losses."""
     eval_loss: float | None

@@ -110,8 +110,7 @@ class Simulator:
         # ddp baseline, one over the shared optimizer's steps. Horizon: rounds x inner steps per
         # round (a Streaming DiLoCo round is one fragment sync: H / fragments inner steps; a ddp
         # round reports H synchronous steps).
-        per_round = algo.inner_steps // (algo.streaming.fragments if algo.streaming.enabled else 1)
-        horizon = {"total_rounds": sim.rounds, "inner_steps": per_round}
+        horizon = {"total_rounds": config.run_rounds, "inner_steps": config.steps_per_round}
         for site in self.sites:
             if site.optimizer is not None:
                 site.lr_schedule = config.inner_optimizer.build_schedule(site.optimizer, **horizon)
@@ -124,6 +123,7 @@ class Simulator:
         self.open_s = 0.0
         self.bytes_up_total = 0
         self.bytes_down_total = 0
+        self.inner_steps_total = 0
         self.streaming: StreamingRounds | None = (
             StreamingRounds(self.strategy, self.trainer, self.uplinks, self.policy, self.sites)
             if algo.streaming.enabled else None
@@ -330,6 +330,7 @@ class Simulator:
                 eval_loss: float | None) -> RoundRecord:
         self.bytes_up_total += sum(stats["bytes_up"])
         self.bytes_down_total += sum(stats["bytes_down"])
+        self.inner_steps_total += steps
         names = [s.name for s in self.sites]
 
         def by_site(values: list[Any] | None) -> dict[str, Any] | None:
@@ -340,6 +341,7 @@ class Simulator:
             round=round_number,
             phase=phase,  # type: ignore[arg-type]
             inner_steps=steps,
+            inner_steps_total=self.inner_steps_total,
             train_loss=stats["train_loss"],
             eval_loss=eval_loss,
             participants=stats["participants"],
@@ -364,7 +366,8 @@ class Simulator:
         return record
 
     def run(self) -> Iterator[RoundRecord]:
-        """Warm-up (if any), then rounds until ``rounds`` or ``target_eval_loss`` is reached."""
+        """Warm-up (if any), then rounds until the run length (``rounds`` or
+        ``total_inner_steps``) or ``target_eval_loss`` is reached."""
         sim = self.config.simulation
         algo = self.config.algorithm
         # Dropout and anything else drawing from the global generator; seeded when the run starts
@@ -383,7 +386,7 @@ class Simulator:
             )
             self._seed_site_optimizers(warmup)
             yield self._record(-1, "warmup", algo.warmup_steps, stats, self._evaluate())
-        for round_number in range(sim.rounds):
+        for round_number in range(self.config.run_rounds):
             if self.data_parallel:
                 stats = self._data_parallel_steps(
                     self.strategy, [s.uplink for s in self.sites if s.uplink is not None],
@@ -408,14 +411,14 @@ class Simulator:
                     stats = self._diloco_round(round_number)
                 if self.accountant is not None:
                     self.accountant.step(z)
-            last = round_number == sim.rounds - 1
-            eval_loss = (
-                self._evaluate() if last or (round_number + 1) % sim.eval_every == 0 else None
-            )
             if self.streaming is not None:
                 steps = self.strategy.inner_steps
             else:
                 steps = max(stats["site_inner_steps"]) if stats.get("site_inner_steps") else algo.inner_steps
+            due = self.config.evaluates_after(
+                round_number, self.inner_steps_total, self.inner_steps_total + steps
+            )
+            eval_loss = self._evaluate() if due else None
             yield self._record(round_number, "train", steps, stats, eval_loss)
             if (
                 sim.target_eval_loss is not None

@@ -18,6 +18,7 @@ from geoloco.scenarios.config_file import EXIT_INTERRUPTED
 # Subcommand name -> module that registers it. One place to look when adding a command.
 SUBCOMMANDS: dict[str, str] = {
     "simulate": "geoloco.scenarios.simulate_cmd",
+    "sweep": "geoloco.scenarios.sweep_cmd",
     "certs": "geoloco.scenarios.certs_cmd",
     "coordinator": "geoloco.scenarios.coordinator_cmd",
     "site": "geoloco.scenarios.site_cmd",

@@ -6,19 +6,18 @@ The file's sections map one to one onto ``geoloco.algorithms.simulator.Simulator
 ``simulate.toml`` for every key with a comment. A bad value exits with status 2 and a message
 naming the file, the key and what is allowed — never a traceback.
 
-Outputs under ``--out``: ``metrics.jsonl`` (one JSON object per round, written as the run goes)
-and ``config.json`` (the fully resolved config); a summary table goes to stdout, progress to
-stderr.
+Outputs under ``--out``, a run folder ``geoloco.scenarios.research.RunResult.load`` reads back:
+``metrics.jsonl`` (one JSON object per round, written as the run goes), ``config.json`` (the
+fully resolved config, with the package version and git commit) and ``summary.json`` (totals,
+written last); a summary table goes to stdout, progress to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -31,12 +30,22 @@ from geoloco.scenarios.config_file import (
     read_toml,
     report_config_error,
 )
-from geoloco.scenarios.overrides import add_set_argument, apply_overrides
+from geoloco.scenarios.overrides import add_set_argument
+from geoloco.scenarios.research import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    SECTIONS,
+    SUMMARY_FILE,
+    load_run_config,
+    prepare_raw,
+    provenance,
+    record_run,
+    resolved_config,
+)
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = ("workload", "algorithm", "inner_optimizer", "outer_optimizer", "sites", "simulation", "privacy")
-"""Top-level keys of a simulate config file."""
+__all__ = ["EXAMPLE_CONFIG", "SECTIONS", "load_config", "register", "resolved_config", "run"]
 
 EXAMPLE_CONFIG = Path(__file__).with_name("simulate.toml")
 
@@ -79,6 +88,8 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
         value = getattr(args, flag)
         if value is not None:
             simulation[flag] = value
+    if args.rounds is not None:
+        simulation.pop("total_inner_steps", None)  # the flag wins over the file's run length
     if args.workload is not None:
         workload = raw.setdefault("workload", {})
         if not isinstance(workload, dict):
@@ -104,43 +115,11 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
 
 def load_config(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(WorkloadSpec, SimulatorConfig)`` from ``--config`` and the flags."""
-    from geoloco.algorithms.config import ConfigError
-    from geoloco.algorithms.simulator import SimulatorConfig
-    from geoloco.scenarios.workloads import WORKLOAD_TABLE, parse_workload
-
     source = str(args.config) if args.config is not None else COMMAND_LINE
     raw = read_toml(args.config) if args.config is not None else {}
-    apply_overrides(raw, getattr(args, "overrides", []), source, SimulatorConfig)
-    unknown = sorted(set(raw) - set(SECTIONS))
-    if unknown:
-        raise ConfigFileError(
-            source, unknown[0], f"unknown section; allowed: {', '.join(SECTIONS)}"
-        )
+    raw = prepare_raw(raw, getattr(args, "overrides", []), source)
     _apply_flags(raw, args, source)
-    try:
-        workload = parse_workload(raw.pop(WORKLOAD_TABLE, None))
-        config = SimulatorConfig.from_dict(raw)
-    except ConfigError as err:
-        raise from_config_error(source, err) from None
-    return workload, config
-
-
-def resolved_config(name: str, workload: Any, config: Any, device: str) -> dict[str, Any]:
-    """The full config as run: every default filled in, outer optimizer resolved."""
-    from geoloco.algorithms.strategy import ALGORITHMS
-
-    data = config.to_dict()
-    default_outer = ALGORITHMS[config.algorithm.name].default_outer_optimizer
-    data["outer_optimizer"] = config.outer_optimizer.resolved(default_outer).to_dict()
-    workload_config = getattr(workload, "config", None)
-    options = (
-        dataclasses.asdict(workload_config)
-        if dataclasses.is_dataclass(workload_config) and not isinstance(workload_config, type)
-        else {}
-    )
-    data["workload"] = {"name": name, **options}
-    data["resolved_device"] = device
-    return data
+    return load_run_config(raw, source)
 
 
 def _human_bytes(n: float) -> str:
@@ -191,27 +170,22 @@ def _run(args: argparse.Namespace) -> int:
         raise from_config_error(source, err) from None
 
     out = args.out or Path("runs") / datetime.now(timezone.utc).strftime("simulate-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    resolved = resolved_config(name, workload, config, str(simulator.device))
-    (out / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+    resolved = {**resolved_config(name, workload, config, str(simulator.device)), **provenance()}
 
     sim = config.simulation
     algo = config.algorithm
     logger.info(
         "simulating %s on %s: %d sites, up to %d rounds of H=%d, writing to %s",
-        algo.name, name, len(config.sites), sim.rounds, algo.inner_steps, out,
+        algo.name, name, len(config.sites), config.run_rounds, algo.inner_steps, out,
     )
-    started = time.perf_counter()
-    last = None
     last_eval: float | None = None
+    last: Any = None
     compute_total = [0.0] * len(config.sites)
     peak_in_flight = 0
-    with (out / "metrics.jsonl").open("w") as metrics, tqdm(
-        total=sim.rounds, file=sys.stderr, unit="round", desc="simulate"
-    ) as progress:
-        for record in simulator.run():
-            metrics.write(json.dumps(record.to_dict()) + "\n")
-            metrics.flush()
+    with tqdm(total=config.run_rounds, file=sys.stderr, unit="round", desc="simulate") as progress:
+
+        def on_record(record: Any) -> None:
+            nonlocal last, last_eval, compute_total, peak_in_flight
             last = record
             compute_total = [c + r for c, r in zip(compute_total, record.compute_s.values(), strict=True)]
             peak_in_flight = max([peak_in_flight, *(record.peak_bytes_in_flight or {}).values()])
@@ -223,7 +197,9 @@ def _run(args: argparse.Namespace) -> int:
             if last_eval is not None:
                 postfix["eval"] = f"{last_eval:.4f}"
             progress.set_postfix(postfix)
-    runtime = time.perf_counter() - started
+
+        result = record_run(resolved, simulator.run(), out=out, on_record=on_record)
+    runtime = result.runtime_s
     assert last is not None  # rounds >= 1 is validated
 
     n = len(config.sites)
@@ -249,7 +225,8 @@ def _run(args: argparse.Namespace) -> int:
                                 f"{100 * min(utilization):.1f} % min over sites"),
         ("peak bytes in flight", _human_bytes(peak_in_flight) + " per site (largest transfer)"),
         ("real runtime", f"{runtime:.1f} s on {simulator.device}"),
-        ("output", f"{out}/metrics.jsonl, {out}/config.json"),
+        ("inner steps per site", f"{last.inner_steps_total}"),
+        ("output", f"{out}/{METRICS_FILE}, {out}/{CONFIG_FILE}, {out}/{SUMMARY_FILE}"),
     ]
     print("geoloco simulate: summary")
     print(summary_table(rows))

@@ -300,11 +300,19 @@ def test_python_block_compiles_and_runs(block: Block, tmp_path: Path) -> None:
 
 
 def geoloco_invocations(script: str) -> Iterator[list[str]]:
-    """Each ``geoloco ...`` command of a shell snippet as argv (loop variables become ``0``)."""
-    for line in script.splitlines():
+    """Each ``geoloco ...`` command of a shell snippet as argv (loop variables become ``0``;
+    operators inside quotes, such as a codec's ``|``, stay in their word)."""
+    for line in script.replace("\\\n", " ").splitlines():
         line = line.split(" #", 1)[0]
-        for part in re.split(r"&&|;|\|\||(?<!&)&(?!&)|\|", line):
-            words = shlex.split(re.sub(r"\$\{?\w+\}?", "0", part))
+        lexer = shlex.shlex(re.sub(r"\$\{?\w+\}?", "0", line), posix=True, punctuation_chars=";&|")
+        lexer.whitespace_split = True
+        commands: list[list[str]] = [[]]
+        for token in lexer:
+            if token in (";", "&", "&&", "|", "||"):
+                commands.append([])
+            else:
+                commands[-1].append(token)
+        for words in commands:
             while words and words[0] in ("do", "then", "else", "time"):
                 words = words[1:]
             if words and words[0] == "geoloco":
@@ -315,6 +323,10 @@ def test_geoloco_invocations_are_found_in_loops_and_chains() -> None:
     script = 'pip install -e . && geoloco emulate x.toml --out r\nfor s in 0 1; do geoloco certs issue c $s; done\n'
     assert list(geoloco_invocations(script)) == [
         ["emulate", "x.toml", "--out", "r"], ["certs", "issue", "c", "0"]
+    ]
+    quoted = "geoloco sweep b.toml --grid a.c=none,'topk:0.01|int4' \\\n  --jobs 2 | tee log\n"
+    assert list(geoloco_invocations(quoted)) == [
+        ["sweep", "b.toml", "--grid", "a.c=none,topk:0.01|int4", "--jobs", "2"]
     ]
 
 

@@ -1,0 +1,375 @@
+"""Sweeps: one base simulate config, a grid of overrides, several seeds, one folder of results.
+
+A grid point is a set of ``--set`` overrides (``geoloco.scenarios.overrides``) applied to the
+base config, so every key of a simulate file can be swept with the checks and error messages of
+``geoloco simulate``. Each (point, seed) is one run folder (``geoloco.scenarios.research``) named
+by its overrides and a hash of the base config and the overrides: a folder whose summary exists
+is a finished run and is never run again, so an interrupted sweep resumes where it stopped, and
+a changed base config gets new folders instead of stale results.
+
+Runs go through a backend (``BACKENDS``): in this process (``jobs = 1``) or in a pool of worker
+processes. Another backend (a cluster scheduler, a hyper-parameter search driving the points)
+only has to turn ``RunTask`` objects into finished run folders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import statistics
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError, read_toml
+from geoloco.scenarios.overrides import parse_override
+from geoloco.scenarios.research import RunResult, is_finished, prepare_raw, run
+
+__all__ = [
+    "BACKENDS",
+    "GridAxis",
+    "PointSummary",
+    "RunTask",
+    "SweepResult",
+    "expand_grid",
+    "parse_grid",
+    "parse_seeds",
+    "sweep",
+]
+
+logger = logging.getLogger(__name__)
+
+RUNS_DIR = "runs"
+ERROR_FILE = "error.txt"
+SWEEP_FILE = "sweep.json"
+TABLE_FILE = "table.md"
+
+
+# -- the grid --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GridAxis:
+    """One swept key and its values, as ``--set`` value texts."""
+
+    key: str
+    values: tuple[str, ...]
+
+
+def parse_grid(text: str) -> GridAxis:
+    """``KEY=V1,V2,...`` (or ``KEY=[TOML array]`` when a value holds a comma, such as
+    ``int4:block=128,stochastic``) into an axis."""
+    key, value_text = parse_override(text)
+    if value_text.startswith("["):
+        try:
+            items = tomllib.loads(f"v = {value_text}")["v"]
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigFileError(COMMAND_LINE, "--grid", f"{key}: bad TOML array {value_text!r}: {err}") from None
+        values = tuple(_value_text(v) for v in items)
+    else:
+        values = tuple(v.strip() for v in value_text.split(","))
+    if not values or any(v == "" for v in values):
+        raise ConfigFileError(
+            COMMAND_LINE, "--grid", f"expected KEY=V1,V2,... with non-empty values, got {text!r}"
+        )
+    if len(set(values)) != len(values):
+        raise ConfigFileError(COMMAND_LINE, "--grid", f"{key}: a value is listed twice in {text!r}")
+    return GridAxis(key, values)
+
+
+def _value_text(value: Any) -> str:
+    """A Python value as ``--set`` text: strings as typed, the rest as TOML literals."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``0,1,2`` or ``0-4`` (inclusive) into seeds."""
+    try:
+        if re.fullmatch(r"\s*\d+\s*-\s*\d+\s*", text):
+            lo, hi = (int(p) for p in text.split("-"))
+            seeds = list(range(lo, hi + 1))
+        else:
+            seeds = [int(p) for p in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigFileError(COMMAND_LINE, "--seeds", f"expected distinct integers like 0,1,2 or 0-4, got {text!r}")
+    return seeds
+
+
+def expand_grid(axes: Sequence[GridAxis]) -> list[tuple[tuple[str, str], ...]]:
+    """Every combination of the axes' values, as ``((key, value), ...)`` in axis order (the
+    first axis varies slowest); no axes: one empty point."""
+    keys = [a.key for a in axes]
+    if len(set(keys)) != len(keys):
+        raise ConfigFileError(COMMAND_LINE, "--grid", f"a key is swept twice: {keys}")
+    return [tuple(zip(keys, combo, strict=True)) for combo in itertools.product(*(a.values for a in axes))]
+
+
+def point_label(point: Sequence[tuple[str, str]]) -> str:
+    """Short human label: the last part of each key and its value (``inner_steps=10 uplink_codec=int8``)."""
+    return " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in point) or "base"
+
+
+def _slug(point: Sequence[tuple[str, str]], seed: int) -> str:
+    text = "_".join(f"{k.rsplit('.', 1)[-1]}-{v}" for k, v in point)
+    text = re.sub(r"[^A-Za-z0-9.=-]+", "_", text).strip("_")[:80]
+    return f"{text}_seed-{seed}" if text else f"seed-{seed}"
+
+
+# -- tasks and backends ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunTask:
+    """One run of the sweep: the base config, its overrides, and the folder it fills."""
+
+    base: dict[str, Any]
+    overrides: tuple[str, ...]
+    folder: Path
+
+
+def execute_task(task: RunTask) -> tuple[Path, str | None]:
+    """Run one task to a finished folder; returns ``(folder, error text or None)``. Never raises
+    for a run's own failure: one bad point must not end the sweep."""
+    try:
+        run(task.base, overrides=task.overrides, out=task.folder)
+    except ConfigFileError as err:
+        return task.folder, f"{err.source}: {err.key}: {err.message}"
+    except Exception:  # noqa: BLE001 - reported per run, the other runs go on
+        return task.folder, traceback.format_exc()
+    return task.folder, None
+
+
+def _worker_init(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def run_in_process(tasks: Sequence[RunTask], jobs: int) -> Iterator[tuple[Path, str | None]]:
+    """Backend ``"local"`` with one job: the runs one after another in this process."""
+    for task in tasks:
+        yield execute_task(task)
+
+
+def run_in_processes(tasks: Sequence[RunTask], jobs: int) -> Iterator[tuple[Path, str | None]]:
+    """Backend ``"local"``: ``jobs`` worker processes (spawned: torch and fork do not mix), each
+    with its share of the CPU threads; results in completion order."""
+    if jobs <= 1 or len(tasks) <= 1:
+        yield from run_in_process(tasks, jobs)
+        return
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    with ProcessPoolExecutor(
+        max_workers=min(jobs, len(tasks)), mp_context=get_context("spawn"),
+        initializer=_worker_init, initargs=(threads,),
+    ) as pool:
+        pending: set[Future[tuple[Path, str | None]]] = {pool.submit(execute_task, t) for t in tasks}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                yield future.result()
+
+
+Backend = Callable[[Sequence[RunTask], int], Iterator[tuple[Path, str | None]]]
+BACKENDS: dict[str, Backend] = {"local": run_in_processes}
+"""Backend name -> function running tasks with up to ``jobs`` in parallel."""
+
+
+# -- results ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PointSummary:
+    """One grid point over its seeds."""
+
+    point: tuple[tuple[str, str], ...]
+    runs: list[RunResult] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    """Seeds whose run failed (see the run folder's ``error.txt``)."""
+
+    @property
+    def label(self) -> str:
+        return point_label(self.point)
+
+    def _values(self, key: str) -> list[float]:
+        return [float(r.totals[key]) for r in self.runs if r.totals[key] is not None]
+
+    def stat(self, key: str) -> tuple[float, float, float] | None:
+        """``(mean, min, max)`` of a total (``final_eval_loss``, ``bytes_up``, ``time_s``, ...)
+        over the seeds; ``None`` without finished runs."""
+        values = self._values(key)
+        if not values:
+            return None
+        return statistics.fmean(values), min(values), max(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "point": dict(self.point),
+            "label": self.label,
+            "seeds": [r.config.get("simulation", {}).get("seed") for r in self.runs],
+            "failed_seeds": self.failed,
+            "folders": [str(r.folder) for r in self.runs],
+            **{key: self.stat(key) for key in ("final_eval_loss", "bytes_up", "bytes_down", "time_s", "inner_steps")},
+        }
+
+
+@dataclass(slots=True)
+class SweepResult:
+    """What ``sweep`` produced: per-point summaries, and how many runs it ran vs found done."""
+
+    out: Path
+    axes: list[GridAxis]
+    seeds: list[int]
+    points: list[PointSummary]
+    ran: int = 0
+    resumed: int = 0
+    failed: int = 0
+    files: list[Path] = field(default_factory=list)
+
+    def table(self) -> str:
+        """Markdown table: each point's final eval loss, uplink bytes and virtual time as mean
+        and min..max over the seeds."""
+        keys = [a.key.rsplit(".", 1)[-1] for a in self.axes]
+        header = [*keys, "seeds", "final eval loss", "uplink bytes", "virtual time (s)", "inner steps"]
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for p in self.points:
+            cells = [f"`{v}`".replace("|", "\\|") for _, v in p.point]  # a codec's | is no column
+            seeds = f"{len(p.runs)}" + (f" ({len(p.failed)} failed)" if p.failed else "")
+            cells += [
+                seeds,
+                _stat_text(p.stat("final_eval_loss"), "{:.4f}"),
+                _stat_text(p.stat("bytes_up"), None),
+                _stat_text(p.stat("time_s"), "{:.1f}"),
+                _stat_text(p.stat("inner_steps"), "{:.0f}"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} TB"
+
+
+def _stat_text(stat: tuple[float, float, float] | None, fmt: str | None) -> str:
+    if stat is None:
+        return "n/a"
+    show: Callable[[float], str] = human_bytes if fmt is None else fmt.format
+    mean, lo, hi = stat
+    if math.isclose(lo, hi, rel_tol=1e-12, abs_tol=0.0):
+        return show(mean)
+    return f"{show(mean)} ({show(lo)}..{show(hi)})"
+
+
+# -- the sweep -------------------------------------------------------------------------------------
+
+
+def sweep(
+    base: Mapping[str, Any] | Path | str,
+    *,
+    grid: Sequence[GridAxis] | Mapping[str, Sequence[Any]] = (),
+    seeds: Sequence[int] = (0,),
+    overrides: Sequence[str] = (),
+    out: Path,
+    jobs: int = 1,
+    backend: str = "local",
+    plots: bool = True,
+) -> SweepResult:
+    """Run every grid point for every seed (skipping finished runs), then write ``table.md``,
+    ``summary.json`` and the plots under ``out``.
+
+    ``grid`` is a list of ``GridAxis`` (``parse_grid``) or ``{key: [values]}``; ``overrides``
+    apply to every run (before the grid's). Every run's config is checked before any runs, so a
+    bad value fails the sweep at once (``ConfigFileError``)."""
+    if backend not in BACKENDS:
+        raise ConfigFileError(COMMAND_LINE, "--backend", f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if jobs < 1:
+        raise ConfigFileError(COMMAND_LINE, "--jobs", f"must be >= 1, got {jobs}")
+    source = str(base) if isinstance(base, (str, Path)) else COMMAND_LINE
+    raw = read_toml(Path(base)) if isinstance(base, (str, Path)) else dict(base)
+    axes = list(grid) if not isinstance(grid, Mapping) else [
+        GridAxis(k, tuple(_value_text(v) for v in values)) for k, values in grid.items()
+    ]
+    points = expand_grid(axes)
+    runs_dir = out / RUNS_DIR
+    base_hash = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()
+    tasks: list[tuple[int, int, RunTask]] = []
+    for i, point in enumerate(points):
+        for seed in seeds:
+            texts = (*overrides, *(f"{k}={v}" for k, v in point), f"simulation.seed={seed}")
+            _check_config(raw, texts, source)
+            digest = hashlib.sha256((base_hash + "\n" + "\n".join(texts)).encode()).hexdigest()[:10]
+            tasks.append((i, seed, RunTask(raw, tuple(texts), runs_dir / f"{_slug(point, seed)}-{digest}")))
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / SWEEP_FILE, {
+        "base": source, "grid": {a.key: list(a.values) for a in axes}, "seeds": list(seeds),
+        "overrides": list(overrides), "runs": [str(t.folder.relative_to(out)) for _, _, t in tasks],
+    })
+    todo = [t for _, _, t in tasks if not is_finished(t.folder)]
+    resumed = len(tasks) - len(todo)
+    logger.info("sweep: %d runs (%d points x %d seeds), %d already finished", len(tasks), len(points),
+                len(seeds), resumed)
+    errors = _run_tasks(todo, jobs, BACKENDS[backend])
+    summaries = [PointSummary(point=p) for p in points]
+    for i, seed, task in tasks:
+        if task.folder in errors or not is_finished(task.folder):
+            summaries[i].failed.append(seed)
+        else:
+            summaries[i].runs.append(RunResult.load(task.folder))
+    result = SweepResult(out=out, axes=axes, seeds=list(seeds), points=summaries,
+                         ran=len(todo) - len(errors), resumed=resumed, failed=len(errors))
+    (out / TABLE_FILE).write_text(result.table() + "\n")
+    _write_json(out / "summary.json", {
+        "runs": len(tasks), "ran": result.ran, "resumed": resumed, "failed": result.failed,
+        "points": [s.to_dict() for s in summaries],
+    })
+    result.files = [out / TABLE_FILE, out / "summary.json"]
+    if plots:
+        from geoloco.scenarios.sweep_plots import write_sweep_plots
+
+        result.files += write_sweep_plots(out, summaries, len(seeds))
+    return result
+
+
+def _check_config(raw: dict[str, Any], texts: Sequence[str], source: str) -> None:
+    from geoloco.scenarios.research import load_run_config
+
+    load_run_config(prepare_raw(raw, texts, source), source)
+
+
+def _run_tasks(tasks: Sequence[RunTask], jobs: int, backend: Backend) -> dict[Path, str]:
+    from tqdm import tqdm
+
+    errors: dict[Path, str] = {}
+    with tqdm(total=len(tasks), unit="run", desc="sweep") as progress:
+        for folder, error in backend(tasks, jobs):
+            if error is not None:
+                errors[folder] = error
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / ERROR_FILE).write_text(error)
+                logger.error("run %s failed: %s", folder.name, error.strip().splitlines()[-1])
+            progress.update(1)
+    return errors
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

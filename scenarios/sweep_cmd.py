@@ -1,0 +1,69 @@
+"""``geoloco sweep``: a grid of simulator runs over several seeds, resumable, with table and plots.
+
+    geoloco sweep base.toml --grid algorithm.inner_steps=10,25,50 \\
+        --grid algorithm.uplink_codec=none,int8,'topk:0.01|int4' --seeds 0,1,2 --jobs 2 --out DIR
+
+The same from Python: ``geoloco.scenarios.sweep.sweep``. See that module for the folder layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from geoloco.scenarios.config_file import ConfigFileError, positive_int, report_config_error
+from geoloco.scenarios.overrides import add_set_argument
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "sweep",
+        help="run a grid of simulations over several seeds; table, Pareto and loss plots",
+        description=(
+            "Run `geoloco simulate` for every combination of the --grid values and every seed, "
+            "in parallel processes. A finished run is never run again (rerun the same command to "
+            "resume). Writes DIR/runs/<run>/ (one simulate run folder each), DIR/table.md (mean "
+            "and min..max over seeds), DIR/summary.json, DIR/pareto.png (final loss vs uplink "
+            "bytes) and DIR/loss_vs_{steps,bytes,time}.png."
+        ),
+    )
+    parser.add_argument("config", type=Path, help="base simulate TOML file (see simulate.toml)")
+    parser.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="a swept key and its values, as for --set (algorithm.inner_steps=10,25,50); a TOML "
+        "array when a value holds a comma (algorithm.uplink_codec='[\"int4:block=128,stochastic\"]'); "
+        "repeat for more axes (every combination runs)",
+    )
+    parser.add_argument("--seeds", default="0", help="simulation seeds: 0,1,2 or 0-4 (default: %(default)s)")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="runs in parallel (default: %(default)s)")
+    parser.add_argument("--out", type=Path, required=True, help="sweep folder (reused to resume)")
+    parser.add_argument("--no-plots", action="store_true", help="write the table only")
+    add_set_argument(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ConfigFileError as err:
+        return report_config_error("sweep", err)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from geoloco.scenarios.sweep import parse_grid, parse_seeds, sweep
+
+    axes = [parse_grid(text) for text in args.grid]
+    result = sweep(
+        args.config, grid=axes, seeds=parse_seeds(args.seeds), overrides=args.overrides,
+        out=args.out, jobs=args.jobs, plots=not args.no_plots,
+    )
+    print(f"geoloco sweep: {result.ran} runs ran, {result.resumed} were already finished, {result.failed} failed")
+    print(result.table())
+    print("files: " + ", ".join(str(p) for p in result.files))
+    return 1 if result.failed else 0

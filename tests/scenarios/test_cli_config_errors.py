@@ -2,7 +2,7 @@
 
 One error type (``ConfigFileError``), one exit status (``EXIT_CONFIG_ERROR``) and one line on
 stderr, ``geoloco COMMAND: error: SOURCE: dotted.key: what is allowed``, for a bad file, table or
-flag of ``simulate``, ``sweep``, ``emulate``, ``coordinator``, ``site`` and ``certs``; and one
+flag of ``simulate``, ``sweep``, ``plan``, ``emulate``, ``coordinator``, ``site`` and ``certs``; and one
 ``WorkloadSpec`` from the same ``[workload]`` table whichever command reads it. In-process through
 ``geoloco.scenarios.cli.main`` (the subprocess variants are in the per-command test files).
 """
@@ -63,6 +63,7 @@ FILE_COMMANDS = {
     "emulate": (SCENARIO, lambda path, out: ["emulate", str(path), "--check"]),
     "coordinator": (COORDINATOR, lambda path, out: ["coordinator", "--config", str(path), "--insecure"]),
     "sweep": (SIMULATE, lambda path, out: ["sweep", str(path), "--out", str(out), "--no-plots"]),
+    "plan": (SCENARIO, lambda path, out: ["plan", str(path), "--step-time", "0.1"]),
 }
 """Commands that read a TOML file: (template, argv for a file and an output folder)."""
 

@@ -236,6 +236,18 @@ def run(args: argparse.Namespace) -> int:
         return report_config_error("coordinator", err)
 
 
+_STDOUT_LOCK = threading.Lock()
+
+
+def say(line: str) -> None:
+    """Print one whole line from any thread: ``print`` writes the text and the newline in two
+    calls, so lines printed by the round driver and by an upload's thread could run together
+    (and a line-matching reader, such as the emulator or a test, would miss both)."""
+    with _STDOUT_LOCK:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
 def _round_line(record: Mapping[str, Any]) -> str:
     loss = record.get("eval_loss")
     return (
@@ -303,14 +315,14 @@ def _serve(config: Any, spec: Any, source: str, stop: GracefulStop) -> int:
     last_privacy: dict[str, Any] = {}
 
     def on_round_end(record: dict[str, Any]) -> None:
-        print(_round_line(record), flush=True)
+        say(_round_line(record))
         if "privacy" in record:
             last_privacy.update(record)
-            print(_privacy_line(record), flush=True)
+            say(_privacy_line(record))
 
     def on_event(event: Any) -> None:
         if event.kind == ev.UPDATE_AGGREGATED:
-            print(f"{PROGRAM} round {event.round} upload complete: {event.site}", flush=True)
+            say(f"{PROGRAM} round {event.round} upload complete: {event.site}")
 
     try:
         server = CoordinatorServer(
@@ -328,7 +340,7 @@ def _serve(config: Any, spec: Any, source: str, stop: GracefulStop) -> int:
         if rounds.round > 0 and config.checkpoint_dir is not None
         else "new run"
     )
-    print(STARTING_LINE.format(round=rounds.round, how=how), flush=True)
+    say(STARTING_LINE.format(round=rounds.round, how=how))
     try:
         port = server.start()
     except FileNotFoundError as err:  # TLS files
@@ -341,8 +353,8 @@ def _serve(config: Any, spec: Any, source: str, stop: GracefulStop) -> int:
         )
         return EXIT_RUNTIME_ERROR
     if server.status_url is not None:
-        print(STATUS_PAGE_LINE.format(url=server.status_url), flush=True)
-    print(LISTENING_LINE.format(host=config.host, port=port), flush=True)
+        say(STATUS_PAGE_LINE.format(url=server.status_url))
+    say(LISTENING_LINE.format(host=config.host, port=port))
     try:
         while not stop.requested.is_set():
             if server.wait_until_finished(timeout=0.5):
@@ -360,7 +372,7 @@ def _serve(config: Any, spec: Any, source: str, stop: GracefulStop) -> int:
             flush=True,
         )
     else:
-        print(FINISHED_LINE.format(round=rounds.round, digest=rounds.digest_hex), flush=True)
+        say(FINISHED_LINE.format(round=rounds.round, digest=rounds.digest_hex))
     if last_privacy.get("epsilon") is not None:
         print(
             f"{PROGRAM} privacy summary: epsilon={last_privacy['epsilon']:.6g} "

@@ -218,6 +218,24 @@ class PointSummary:
             return None
         return statistics.fmean(values), min(values), max(values)
 
+    def to_target(self, loss: float) -> dict[str, tuple[float, float, float] | None]:
+        """``(mean, min, max)`` over the seeds that reached eval ``loss`` of the inner steps, uplink
+        bytes and virtual time it took them (``None`` where no seed reached it)."""
+        reached: dict[str, list[float]] = {"steps": [], "bytes_up": [], "time_s": []}
+        for r in self.runs:
+            steps, sent, took = r.steps_to(loss), r.bytes_to(loss), r.time_to(loss)
+            if steps is not None and sent is not None and took is not None:
+                reached["steps"].append(steps)
+                reached["bytes_up"].append(sent)
+                reached["time_s"].append(took)
+        return {
+            key: (statistics.fmean(v), min(v), max(v)) if v else None for key, v in reached.items()
+        }
+
+    def reached(self, loss: float) -> int:
+        """How many seeds' runs reached eval ``loss``."""
+        return sum(1 for r in self.runs if r.steps_to(loss) is not None)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "point": dict(self.point),
@@ -241,12 +259,18 @@ class SweepResult:
     resumed: int = 0
     failed: int = 0
     files: list[Path] = field(default_factory=list)
+    target_loss: float | None = None
+    """With a target, the table also says what reaching that eval loss cost each point."""
 
     def table(self) -> str:
         """Markdown table: each point's final eval loss, uplink bytes and virtual time as mean
-        and min..max over the seeds."""
+        and min..max over the seeds (and, with ``target_loss``, the inner steps, uplink bytes and
+        virtual time to reach it, over the seeds that did)."""
         keys = [a.key.rsplit(".", 1)[-1] for a in self.axes]
         header = [*keys, "seeds", "final eval loss", "uplink bytes", "virtual time (s)", "inner steps"]
+        target = self.target_loss
+        if target is not None:
+            header += [f"reached {target:g}", "steps to it", "uplink bytes to it", "virtual time to it (s)"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for p in self.points:
             cells = [f"`{v}`".replace("|", "\\|") for _, v in p.point]  # a codec's | is no column
@@ -258,6 +282,14 @@ class SweepResult:
                 _stat_text(p.stat("time_s"), "{:.1f}"),
                 _stat_text(p.stat("inner_steps"), "{:.0f}"),
             ]
+            if target is not None:
+                cost = p.to_target(target)
+                cells += [
+                    f"{p.reached(target)}/{len(p.runs)}",
+                    _stat_text(cost["steps"], "{:.0f}"),
+                    _stat_text(cost["bytes_up"], None),
+                    _stat_text(cost["time_s"], "{:.1f}"),
+                ]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
@@ -293,13 +325,15 @@ def sweep(
     jobs: int = 1,
     backend: str = "local",
     plots: bool = True,
+    target_loss: float | None = None,
 ) -> SweepResult:
     """Run every grid point for every seed (skipping finished runs), then write ``table.md``,
     ``summary.json`` and the plots under ``out``.
 
     ``grid`` is a list of ``GridAxis`` (``parse_grid``) or ``{key: [values]}``; ``overrides``
     apply to every run (before the grid's). Every run's config is checked before any runs, so a
-    bad value fails the sweep at once (``ConfigFileError``)."""
+    bad value fails the sweep at once (``ConfigFileError``). ``target_loss`` adds what reaching
+    that eval loss cost each point to the table and the summary."""
     if backend not in BACKENDS:
         raise ConfigFileError(COMMAND_LINE, "--backend", f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     if jobs < 1:
@@ -336,11 +370,16 @@ def sweep(
         else:
             summaries[i].runs.append(RunResult.load(task.folder))
     result = SweepResult(out=out, axes=axes, seeds=list(seeds), points=summaries,
-                         ran=len(todo) - len(errors), resumed=resumed, failed=len(errors))
+                         ran=len(todo) - len(errors), resumed=resumed, failed=len(errors),
+                         target_loss=target_loss)
     (out / TABLE_FILE).write_text(result.table() + "\n")
     _write_json(out / "summary.json", {
         "runs": len(tasks), "ran": result.ran, "resumed": resumed, "failed": result.failed,
-        "points": [s.to_dict() for s in summaries],
+        "target_loss": target_loss,
+        "points": [
+            {**s.to_dict(), **({"to_target": s.to_target(target_loss)} if target_loss is not None else {})}
+            for s in summaries
+        ],
     })
     result.files = [out / TABLE_FILE, out / "summary.json"]
     if plots:

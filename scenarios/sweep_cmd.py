@@ -44,6 +44,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--jobs", type=positive_int, default=1, help="runs in parallel (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True, help="sweep folder (reused to resume)")
     parser.add_argument("--no-plots", action="store_true", help="write the table only")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        metavar="LOSS",
+        help="also tabulate, per point, the inner steps, uplink bytes and virtual time until the "
+        "eval loss first reached LOSS (over the seeds that reached it)",
+    )
     add_set_argument(parser)
     parser.set_defaults(handler=run)
 
@@ -61,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
     axes = [parse_grid(text) for text in args.grid]
     result = sweep(
         args.config, grid=axes, seeds=parse_seeds(args.seeds), overrides=args.overrides,
-        out=args.out, jobs=args.jobs, plots=not args.no_plots,
+        out=args.out, jobs=args.jobs, plots=not args.no_plots, target_loss=args.target_loss,
     )
     print(f"geoloco sweep: {result.ran} runs ran, {result.resumed} were already finished, {result.failed} failed")
     print(result.table())

@@ -161,3 +161,24 @@ def test_a_failing_run_is_reported_and_the_others_finish(tmp_path: Path) -> None
     assert "0 (1 failed)" in (out / "table.md").read_text()
     again = sweep(BASE, grid={"simulation.device": ["cpu", "cuda"]}, seeds=[0], out=out, plots=False)
     assert (again.resumed, again.failed) == (1, 1), "a failed run is not finished: it runs again"
+
+
+def test_target_loss_tabulates_what_reaching_it_cost(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "sweep"
+    first = sweep(BASE, grid={"algorithm.inner_steps": [5, 10]}, seeds=[0, 1], out=out, plots=False)
+    # A loss every run reached at its first evaluation, and one none reached.
+    easy = max(c.eval_loss for p in first.points for r in p.runs for c in r.curve if c.eval_loss is not None) + 1
+    result = sweep(BASE, grid={"algorithm.inner_steps": [5, 10]}, seeds=[0, 1], out=out, plots=False,
+                   target_loss=easy)
+    assert result.ran == 0
+    for p in result.points:
+        assert p.reached(easy) == 2
+        cost = p.to_target(easy)
+        assert cost["steps"] == (10, 10, 10)  # the first evaluation, at 10 inner steps
+        first_bytes = [r.curve[0].bytes_up for r in p.runs]
+        assert cost["bytes_up"] is not None and cost["bytes_up"][1:] == (min(first_bytes), max(first_bytes))
+    assert f"reached {easy:g}" in result.table() and "| 2/2 |" in result.table()
+    never = sweep(BASE, grid={"algorithm.inner_steps": [5]}, seeds=[0], out=out, plots=False, target_loss=-1.0)
+    (point,) = never.points
+    assert point.reached(-1.0) == 0 and point.to_target(-1.0) == {"steps": None, "bytes_up": None, "time_s": None}
+    assert "| 0/1 | n/a | n/a | n/a |" in never.table()

@@ -49,6 +49,7 @@ from geoloco.coordinator.metrics import plain_record
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.update_guard import GuardedAggregation, RoundAbortedError, UpdateGuard
 from geoloco.protos.errors import clip
+from geoloco.protos.round_phases import site_phases_from_metrics
 from geoloco.protos.wire import num_chunks_for
 
 __all__ = ["HISTORY_KEY", "PRIVACY_KEY", "STRATEGY_PREFIX", "WEIGHTS_KEY", "EvalFn", "GlobalWeights", "RoundPhases"]
@@ -186,9 +187,12 @@ class RoundPhases:
         closed, self._closed = self._closed, None
         r, outcome = closed.round, closed.outcome
         t0 = time.perf_counter()
+        timings = r.timings
         contributors = list(outcome.contributors)
         ctx.policy.observe(outcome)
         plan = ctx.strategy.configure_round(r.number, contributors)
+        fragment_outer = ctx.strategy.fragments[plan.fragment]
+        fragment_outer.last_step_s = {}
         result, aborted = self._outer_step(r, plan, contributors)
         with ctx.cond:
             self.guard.round_done(r.number, None if aborted else result.contributors)
@@ -196,7 +200,11 @@ class RoundPhases:
             result.update, result.contributors, result.update_norm, result.privacy
         )
         del result
+        serialised = time.perf_counter()
         delta_bytes = update.downlink.to_bytes()
+        downlink_s = fragment_outer.last_step_s.get("downlink_encode", 0.0) + time.perf_counter() - serialised
+        timings.record("downlink_encode", downlink_s)
+        timings.record("outer_step", time.perf_counter() - t0 - downlink_s)
         codec, shape = update.downlink.spec, tuple(update.downlink.shape)
         new_weights, new_digest = update.global_flat, update.digest
         del update
@@ -251,11 +259,14 @@ class RoundPhases:
             with ctx.cond:
                 replay = {**metrics, "members": sorted(ctx.members), "bytes_up_total": ctx.bytes_up_total,
                           "bytes_down_total": ctx.bytes_down_total, "eval_loss": None, "replayed": True}
+            checkpoint_start = time.perf_counter()
             self.save_checkpoint(
                 next_round, new_weights, new_digest, frozenset(contributors), frozenset(outcome.folded),
                 record=replay,
             )
+            timings.record("checkpoint", time.perf_counter() - checkpoint_start)
             ctx.events.emit(ev.CHECKPOINT_SAVED, round=next_round)
+        broadcast_start = time.perf_counter()
         record = BroadcastRecord(
             round=r.number,
             data=delta_bytes,
@@ -283,6 +294,8 @@ class RoundPhases:
             members = sorted(ctx.members)
             bytes_up_total, bytes_down_total = ctx.bytes_up_total, ctx.bytes_down_total
             ctx.cond.notify_all()
+        timings.record("broadcast", time.perf_counter() - broadcast_start)
+        timings.published(time.monotonic())
         logger.info(
             "round %d aggregated: %d sites (%s)%s%s, |update| %.4g, delta %d bytes, deadline %s",
             r.number, len(contributors), ", ".join(contributors),
@@ -299,7 +312,9 @@ class RoundPhases:
                 # A broken evaluation must not stop the training of every site.
                 logger.exception("eval_fn failed after round %d; training continues", r.number)
         metrics.update(
-            members=members, bytes_up_total=bytes_up_total, bytes_down_total=bytes_down_total, eval_loss=eval_loss
+            members=members, bytes_up_total=bytes_up_total, bytes_down_total=bytes_down_total, eval_loss=eval_loss,
+            phases_s=timings.table(), round_wall_s=timings.wall_s(),
+            site_phases_s={site: site_phases_from_metrics(m) for site, m in metrics["site_metrics"].items()},
         )
         ctx.events.emit(ev.ROUND_AGGREGATED, round=r.number, data=metrics)
         return metrics

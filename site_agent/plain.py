@@ -187,15 +187,24 @@ class PlainRounds(RoundRunner):
             numel=self.strategy.update_numel(round_number),
         )
         state.phase = pb.SITE_PHASE_TRAINING
+        # The previous round's transfers are reported with this round's upload.
+        phases, self.transfer_phases_s = self.transfer_phases_s, {}
+        training_at = time.monotonic()
         result = trainer.train_round(state.global_weights, round_number, inner_steps, budget_s)
+        trained_at = time.monotonic()
         local = trainer.flatten()
         update = pseudo_gradient(state.global_weights, local)
         del local
+        encoding_at = time.monotonic()
         encoded = self._encode(update, round_number, 0, result.samples)
         del update
+        phases.update(
+            train=trained_at - training_at, pseudo_gradient=encoding_at - trained_at,
+            encode=time.monotonic() - encoding_at,
+        )
         trained = TrainedUpdate(
             round=round_number, update=encoded, loss=result.loss, samples=result.samples,
-            inner_steps=result.steps, inner_time_s=result.seconds, started_s=started,
+            inner_steps=result.steps, inner_time_s=result.seconds, started_s=started, phases_s=phases,
         )
         return PendingUpdate(trained, state=PENDING_NEW if encoded is not None else PENDING_DROPPED)
 
@@ -204,11 +213,13 @@ class PlainRounds(RoundRunner):
         trained = pending.trained
         assert trained.update is not None
         self.state.phase = pb.SITE_PHASE_UPLOADING
+        started = time.monotonic()
         try:
             response = self.uplink.upload(
                 self.client, trained.update, round_number=trained.round,
                 inner_steps=trained.inner_steps, metrics=trained.metrics(),
             )
+            self.transfer_phases_s["upload"] = time.monotonic() - started
             pending.state = PENDING_UPLOADED
             self.state.phase = pb.SITE_PHASE_WAITING
             self.uplink.uploaded()  # secure: survivor list and unmask answer, before the broadcast

@@ -1,0 +1,71 @@
+"""The per-round fixed costs of a big model: finiteness without a mask, Nesterov without a
+look-ahead temporary (allocations counted with the torch profiler, never timed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from geoloco.algorithms.finite import all_finite
+from geoloco.algorithms.optimizers import OuterOptimizer, OuterOptimizerConfig
+
+N = 1_000_000
+
+
+def _allocated_bytes(fn) -> int:  # type: ignore[no-untyped-def]
+    """Bytes ``fn`` allocated on the CPU (each op's own allocations, summed)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(0, e.self_cpu_memory_usage) for e in prof.key_averages())
+
+
+@pytest.mark.parametrize(
+    ("values", "finite"),
+    [
+        ([1.0, -2.0, 3.0], True),
+        ([3e38, 3e38, 3e38], True),  # finite values whose sum overflows: the exact check decides
+        ([1.0, float("nan"), 2.0], False),
+        ([1.0, float("inf")], False),
+        ([float("-inf"), 2.0], False),
+        ([float("inf"), float("-inf")], False),
+        ([], True),
+    ],
+)
+def test_all_finite_is_exact(values: list[float], finite: bool) -> None:
+    tensor = torch.tensor(values, dtype=torch.float32)
+    assert all_finite(tensor) is finite
+    norm = float(torch.linalg.vector_norm(tensor)) if values else 0.0
+    assert all_finite(tensor, norm) is finite
+
+
+def test_all_finite_allocates_no_mask_the_size_of_the_tensor() -> None:
+    tensor = torch.randn(N)
+    assert _allocated_bytes(lambda: all_finite(tensor)) < N // 10
+    assert _allocated_bytes(lambda: bool(torch.isfinite(tensor).all())) >= N  # what it replaces
+
+
+def test_nesterov_outer_step_allocates_only_the_new_weights() -> None:
+    """The step's own copy of θ_t (the returned θ') is the only model-sized allocation: the
+    consumed gradient holds the Nesterov look-ahead (foreach), not a temporary beside it."""
+    outer = OuterOptimizer(OuterOptimizerConfig(name="nesterov"), N)
+    weights = torch.zeros(N)
+    outer.step(weights, torch.ones(N), consume_gradient=True)  # the momentum buffer exists now
+    gradient = torch.ones(N)
+    allocated = _allocated_bytes(lambda: outer.step(weights, gradient, consume_gradient=True))
+    assert allocated < 1.5 * 4 * N
+
+
+@pytest.mark.parametrize("name", ["nesterov", "sgd"])
+def test_foreach_outer_step_is_bit_identical_to_the_single_tensor_step(name: str) -> None:
+    results = []
+    for foreach in (False, True):
+        outer = OuterOptimizer(OuterOptimizerConfig(name=name, momentum=0.9, weight_decay=0.01), 10_007)
+        for group in outer.optimizer.param_groups:
+            group["foreach"] = foreach
+        generator = torch.Generator().manual_seed(0)
+        weights = torch.randn(10_007, generator=generator)
+        for _ in range(3):
+            weights = outer.step(weights, torch.randn(10_007, generator=generator), consume_gradient=True)
+        results.append(weights)
+    assert torch.equal(results[0], results[1])

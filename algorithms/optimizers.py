@@ -413,8 +413,10 @@ class OuterOptimizer:
         return new_flat
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Optimizer state as named tensors (momentum buffer, Adam moments and step)."""
-        return optimizer_state_tensors(self.optimizer)[0]
+        """Optimizer state as named tensors (momentum buffer, Adam moments and step): the live
+        buffers, not copies, so a checkpoint of a big model writes them without a model-sized
+        clone. They change with the next ``step``; a caller that keeps them clones them."""
+        return optimizer_state_tensors(self.optimizer, copy=False)[0]
 
     def state_meta(self) -> dict[str, Any]:
         """JSON-able part of the state: hyper-parameters per param group."""
@@ -433,13 +435,14 @@ STATE_PREFIX: str = "state"
 
 
 def optimizer_state_tensors(
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer, *, copy: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Split ``optimizer.state_dict()`` into tensors and JSON-able metadata.
 
     Tensors are named ``state.<param index>.<key>`` (e.g. ``state.0.momentum_buffer``), ready for
     ``safetensors.torch.save_file``; non-tensor per-parameter state and the param groups go into
-    the metadata dict, ready for ``json.dumps``.
+    the metadata dict, ready for ``json.dumps``. ``copy=False`` returns the optimizer's own
+    (contiguous) buffers instead of clones, valid until its next step.
     """
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -447,7 +450,8 @@ def optimizer_state_tensors(
     for index, state in sd["state"].items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{STATE_PREFIX}.{index}.{key}"] = value.detach().clone().contiguous()
+                value = value.detach()
+                tensors[f"{STATE_PREFIX}.{index}.{key}"] = value.clone().contiguous() if copy else value.contiguous()
             else:
                 scalars.setdefault(str(index), {})[key] = value
     groups = [

@@ -69,3 +69,11 @@ def test_foreach_outer_step_is_bit_identical_to_the_single_tensor_step(name: str
             weights = outer.step(weights, torch.randn(10_007, generator=generator), consume_gradient=True)
         results.append(weights)
     assert torch.equal(results[0], results[1])
+
+
+def test_outer_state_for_a_checkpoint_is_not_cloned() -> None:
+    outer = OuterOptimizer(OuterOptimizerConfig(name="nesterov"), N)
+    outer.step(torch.zeros(N), torch.ones(N), consume_gradient=True)
+    assert _allocated_bytes(outer.state_tensors) < N // 10
+    state = outer.state_tensors()
+    assert torch.equal(state["state.0.momentum_buffer"], torch.ones(N))

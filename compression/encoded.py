@@ -121,8 +121,12 @@ class Encoded:
         return b"".join((header, payload, _CRC.pack(crc)))
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> Encoded:
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *, copy: bool = True) -> Encoded:
         """Parse :meth:`to_bytes` output; the payload lands on the CPU.
+
+        ``copy=False``: the payload is a view of ``data`` when ``data`` is writable (a received
+        upload or broadcast buffer), saving a copy of every payload byte; the caller keeps
+        ``data`` alive and unchanged while the result is used (e.g. until it is decoded).
 
         Raises :class:`CodecError` when the data is truncated, has trailing bytes, a wrong magic,
         an unknown version or dtype, or a CRC mismatch. It checks the container only; whether the
@@ -167,7 +171,8 @@ class Encoded:
         except UnicodeDecodeError as exc:
             raise CodecError(f"encoded data has a non-ASCII codec spec {spec_raw!r}") from exc
         if payload_len:
-            payload = torch.frombuffer(bytearray(view[offset : offset + payload_len]), dtype=torch.uint8)
+            raw = view[offset : offset + payload_len]
+            payload = torch.frombuffer(raw if not copy and not raw.readonly else bytearray(raw), dtype=torch.uint8)
         else:
             payload = torch.empty(0, dtype=torch.uint8)
         try:

@@ -406,7 +406,8 @@ class PlainIntake:
         what = f"site {site!r}'s update for round {round_number}"
         numel = self.ctx.update_numel(round_number)
         try:
-            encoded = Encoded.from_bytes(data)
+            # A view of the upload's buffer, which the round keeps: decoding is the only copy.
+            encoded = Encoded.from_bytes(data, copy=False)
         except CodecError as err:
             raise InvalidUpdateError(f"{what} is not a valid encoded tensor: {err}") from None
         if encoded.spec != self.uplink_codec:

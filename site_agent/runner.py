@@ -166,7 +166,7 @@ class RoundRunner(ABC):
         if header.action == pb.BROADCAST_ACTION_APPLY_DELTA and data is not None:
             timings = self.transfer_phases_s
             started = time.monotonic()
-            downlink = Encoded.from_bytes(data)
+            downlink = Encoded.from_bytes(data, copy=False)  # a view of the download: decoded once
             timings["apply"] = timings.get("apply", 0.0) + time.monotonic() - started
             if self.state.apply_broadcast(
                 self.strategy, round_number, downlink, header.weights_digest.digest.hex(), timings=timings,

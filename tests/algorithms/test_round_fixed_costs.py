@@ -77,3 +77,17 @@ def test_outer_state_for_a_checkpoint_is_not_cloned() -> None:
     assert _allocated_bytes(outer.state_tensors) < N // 10
     state = outer.state_tensors()
     assert torch.equal(state["state.0.momentum_buffer"], torch.ones(N))
+
+
+def test_received_bytes_are_parsed_without_copying_the_payload() -> None:
+    from geoloco.compression import Encoded, decode, parse_codec
+
+    original = torch.randn(1000)
+    wire = bytearray(parse_codec("none").encode(original, seed=0).to_bytes())  # a receive buffer is writable
+    viewed = Encoded.from_bytes(memoryview(wire), copy=False)
+    assert viewed.payload.data_ptr() == torch.frombuffer(wire, dtype=torch.uint8)[len(wire) - 4 - 4000:].data_ptr()
+    assert torch.equal(decode(viewed), original)
+    copied = Encoded.from_bytes(memoryview(wire))
+    assert copied.payload.data_ptr() != viewed.payload.data_ptr() and torch.equal(decode(copied), original)
+    frozen = Encoded.from_bytes(bytes(wire), copy=False)  # read-only data is still copied
+    assert torch.equal(decode(frozen), original)

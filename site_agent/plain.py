@@ -56,6 +56,17 @@ class PendingUpdate:
         return self.trained.round
 
 
+def pseudo_gradient_into_local(global_flat: torch.Tensor, local_flat: torch.Tensor) -> torch.Tensor:
+    """``θ_t − θ_k`` (``geoloco.algorithms.diloco.pseudo_gradient``, bit for bit) computed in the
+    memory of ``local_flat``, a fresh copy the caller drops: one model-sized vector fewer."""
+    if (
+        local_flat.dtype == torch.float32 and global_flat.dtype == torch.float32
+        and local_flat.device == global_flat.device and local_flat.shape == global_flat.shape
+    ):
+        return torch.sub(global_flat, local_flat, out=local_flat)
+    return pseudo_gradient(global_flat, local_flat)
+
+
 class PlainRounds(RoundRunner):
     """Synchronous DiLoCo rounds (see the module docstring)."""
 
@@ -192,9 +203,7 @@ class PlainRounds(RoundRunner):
         training_at = time.monotonic()
         result = trainer.train_round(state.global_weights, round_number, inner_steps, budget_s)
         trained_at = time.monotonic()
-        local = trainer.flatten()
-        update = pseudo_gradient(state.global_weights, local)
-        del local
+        update = pseudo_gradient_into_local(state.global_weights, trainer.flatten())
         encoding_at = time.monotonic()
         encoded = self._encode(update, round_number, 0, result.samples)
         del update

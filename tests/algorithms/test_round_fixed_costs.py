@@ -91,3 +91,16 @@ def test_received_bytes_are_parsed_without_copying_the_payload() -> None:
     assert copied.payload.data_ptr() != viewed.payload.data_ptr() and torch.equal(decode(copied), original)
     frozen = Encoded.from_bytes(bytes(wire), copy=False)  # read-only data is still copied
     assert torch.equal(decode(frozen), original)
+
+
+def test_site_pseudo_gradient_reuses_the_flattened_copy_and_matches_bit_for_bit() -> None:
+    from geoloco.algorithms.diloco import pseudo_gradient
+    from geoloco.site_agent.plain import pseudo_gradient_into_local
+
+    global_flat, local_flat = torch.randn(N), torch.randn(N)
+    expected = pseudo_gradient(global_flat, local_flat)
+    scratch = local_flat.clone()
+    assert _allocated_bytes(lambda: pseudo_gradient_into_local(global_flat, scratch)) < N // 10
+    assert torch.equal(pseudo_gradient_into_local(global_flat, local_flat.clone()), expected)
+    half = local_flat.to(torch.bfloat16)  # another dtype: the plain function, same result
+    assert torch.equal(pseudo_gradient_into_local(global_flat, half), pseudo_gradient(global_flat, half))

@@ -217,9 +217,9 @@ def _run_codec(codec: str, args: argparse.Namespace, certs: Path, work: Path) ->
         "raw_tcp_s": raw_s,
         "upload_bytes": up,
         "downlink_bytes": down,
-        "coordinator_phases_s": records[-1]["phases_s"],
-        "round_wall_s": records[-1]["round_wall_s"],
-        "site_phases_s": records[-1]["site_phases_s"].get(_SITE, {}),
+        "coordinator_phases_s": records[-1].get("phases_s", {}),
+        "round_wall_s": records[-1].get("round_wall_s") or 0.0,
+        "site_phases_s": records[-1].get("site_phases_s", {}).get(_SITE, {}),
         "coordinator_peak_rss_mib": coordinator_result["peak_rss_mib"],
         "site_peak_rss_mib": site_result["peak_rss_mib"],
     }

@@ -104,3 +104,21 @@ def test_site_pseudo_gradient_reuses_the_flattened_copy_and_matches_bit_for_bit(
     assert torch.equal(pseudo_gradient_into_local(global_flat, local_flat.clone()), expected)
     half = local_flat.to(torch.bfloat16)  # another dtype: the plain function, same result
     assert torch.equal(pseudo_gradient_into_local(global_flat, half), pseudo_gradient(global_flat, half))
+
+
+def test_lossless_payload_at_an_odd_offset_is_decoded_with_one_copy() -> None:
+    """A received ``none`` update's payload starts 29 bytes into the buffer: misaligned for
+    float32. Decoding copies its bytes straight into the result instead of first realigning
+    them into a temporary as large as the model."""
+    from geoloco.compression import Encoded, decode, parse_codec
+
+    original = torch.randn(N)
+    wire = bytearray(parse_codec("none").encode(original, seed=0).to_bytes())
+    received = Encoded.from_bytes(memoryview(wire), copy=False)
+    assert received.payload.data_ptr() % 4  # the case this is about
+    decoded: list[torch.Tensor] = []
+    allocated = _allocated_bytes(lambda: decoded.append(decode(received, device="cpu")))
+    assert allocated < 1.5 * 4 * N
+    assert torch.equal(decoded[0], original)
+    half = torch.empty(N, dtype=torch.float64)  # out= of another dtype: converted, same values
+    assert torch.equal(decode(received, device="cpu", out=half), original.double())

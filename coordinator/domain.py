@@ -100,6 +100,9 @@ class BroadcastRecord:
     """Hex SHA-256 of ``θ_{round+1}``."""
     contributors: frozenset[str]
     run_finished: bool
+    data_sha256: bytes | None = None
+    """SHA-256 of ``data`` (its manifest's checksum), computed while the checkpoint is written so
+    the first waiting site does not wait for it; None: computed when first asked."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,9 @@ unchanged model (``Strategy.no_change``), and the reason is in the round's metri
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -206,6 +208,14 @@ class RoundPhases:
         timings.record("downlink_encode", downlink_s)
         timings.record("outer_step", time.perf_counter() - t0 - downlink_s)
         codec, shape = update.downlink.spec, tuple(update.downlink.shape)
+        # The broadcast's manifest checksum, hashed beside the checkpoint write (hashlib and file
+        # writes release the GIL) instead of by the first AwaitBroadcast after the round.
+        delta_sha256: list[bytes] = []
+        hasher = threading.Thread(
+            target=lambda: delta_sha256.append(hashlib.sha256(delta_bytes).digest()),
+            name="geoloco-broadcast-checksum", daemon=True,
+        )
+        hasher.start()
         new_weights, new_digest = update.global_flat, update.digest
         del update
         next_round = r.number + 1
@@ -267,6 +277,7 @@ class RoundPhases:
             timings.record("checkpoint", time.perf_counter() - checkpoint_start)
             ctx.events.emit(ev.CHECKPOINT_SAVED, round=next_round)
         broadcast_start = time.perf_counter()
+        hasher.join()
         record = BroadcastRecord(
             round=r.number,
             data=delta_bytes,
@@ -276,6 +287,7 @@ class RoundPhases:
             weights_digest=new_digest,
             contributors=frozenset(contributors),
             run_finished=finished,
+            data_sha256=delta_sha256[0] if delta_sha256 else None,
         )
         with ctx.cond:
             self.weights = GlobalWeights.of(new_weights, new_digest)

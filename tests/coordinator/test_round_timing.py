@@ -77,3 +77,26 @@ def test_infinite_update_is_rejected_as_non_finite_and_an_overflowing_norm_by_th
     with pytest.raises(InvalidUpdateError) as err:
         upload(rounds, "b", huge)
     assert "NaN or Inf" not in str(err.value) and "norm" in str(err.value)
+
+
+def test_broadcast_checksum_is_ready_when_the_round_is_published() -> None:
+    """The broadcast manifest's SHA-256 is hashed during the aggregation (beside the checkpoint),
+    not by the first site's AwaitBroadcast, and it is the checksum of the broadcast's bytes."""
+    import hashlib
+
+    from geoloco.coordinator import translate
+    from geoloco.coordinator.domain import BroadcastHeader
+    from geoloco.protos.wire import blob_manifest
+
+    rounds = make(min_sites=1)
+    join(rounds, "a")
+    upload(rounds, "a", update(1, rounds.numel))
+    assert rounds.poll() is not None
+    record = rounds.phases.broadcast
+    assert record is not None and record.data_sha256 == hashlib.sha256(record.data).digest()
+    header = rounds.phases.header_for("a", 0, 0.0, 0)
+    assert isinstance(header, BroadcastHeader)
+    sent = translate.broadcast_header(header).delta
+    expected = blob_manifest(record.data, codec=record.codec, shape=list(record.shape), dtype="float32",
+                             chunk_size=record.chunk_size)
+    assert sent == expected

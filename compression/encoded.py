@@ -121,8 +121,14 @@ class Encoded:
         return b"".join((header, payload, _CRC.pack(crc)))
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview, *, copy: bool = True) -> Encoded:
+    def from_bytes(
+        cls, data: bytes | bytearray | memoryview, *, copy: bool = True, check_crc: bool = True
+    ) -> Encoded:
         """Parse :meth:`to_bytes` output; the payload lands on the CPU.
+
+        ``check_crc=False`` skips the CRC-32 pass (the header is still parsed and checked) for
+        bytes a stronger checksum of the very same bytes already verified, such as a transfer's
+        SHA-256: one pass over every byte fewer, the same protection against corruption.
 
         ``copy=False``: the payload is a view of ``data`` when ``data`` is writable (a received
         upload or broadcast buffer), saving a copy of every payload byte; the caller keeps
@@ -163,7 +169,7 @@ class Encoded:
             kind = "truncated" if total < expected else "followed by trailing bytes"
             raise CodecError(f"encoded data is {kind}: {total} bytes, the header promises {expected}")
         (crc_stored,) = _CRC.unpack_from(view, offset + payload_len)
-        crc = zlib.crc32(view[offset : offset + payload_len], zlib.crc32(view[:offset]))
+        crc = zlib.crc32(view[offset : offset + payload_len], zlib.crc32(view[:offset])) if check_crc else crc_stored
         if crc != crc_stored:
             raise CodecError(f"encoded data is corrupted: CRC32 {crc:#010x} does not match stored {crc_stored:#010x}")
         try:

@@ -49,7 +49,7 @@ from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.round_timing import RoundTimings
 from geoloco.coordinator.update_guard import UpdateGuard
 from geoloco.protos.errors import quoted
-from geoloco.protos.wire import MAX_CHUNK_SIZE, ManifestTooLargeError, UploadAssembler
+from geoloco.protos.wire import DEFAULT_CHECKSUM, MAX_CHUNK_SIZE, ManifestTooLargeError, UploadAssembler
 
 __all__ = [
     "MAX_METRIC_NAME_CHARS",
@@ -402,12 +402,14 @@ class PlainIntake:
             self.ctx.config.algorithm.weighting, samples=float(spec.sample_weight), inner_steps=int(spec.inner_steps)
         )
 
-    def _decode(self, site: str, round_number: int, data: memoryview) -> torch.Tensor:
+    def _decode(self, site: str, round_number: int, data: memoryview, spec: UploadSpec) -> torch.Tensor:
         what = f"site {site!r}'s update for round {round_number}"
         numel = self.ctx.update_numel(round_number)
         try:
             # A view of the upload's buffer, which the round keeps: decoding is the only copy.
-            encoded = Encoded.from_bytes(data, copy=False)
+            # The assembler verified the manifest's checksum of these bytes; with SHA-256 (the
+            # default) the container's own CRC-32 pass adds nothing.
+            encoded = Encoded.from_bytes(data, copy=False, check_crc=spec.checksum[0] != DEFAULT_CHECKSUM)
         except CodecError as err:
             raise InvalidUpdateError(f"{what} is not a valid encoded tensor: {err}") from None
         if encoded.spec != self.uplink_codec:
@@ -440,7 +442,7 @@ class PlainIntake:
                 ctx.check_upload_round(round_number)
             verify_start = time.monotonic()
             data = assembler.finish()  # checksum; a mismatch resets the assembler (DATA_LOSS)
-            decoded = self._decode(site, round_number, data)
+            decoded = self._decode(site, round_number, data, assembler.spec)
             del data
             norm, why = self.guard.check_update(decoded)
             if not all_finite(decoded, norm):
@@ -538,7 +540,7 @@ class PlainIntake:
                     return _progress(assembler, folded=True)
             verify_start = time.monotonic()
             data = assembler.finish()
-            decoded = self._decode(site, round_number, data)
+            decoded = self._decode(site, round_number, data, assembler.spec)
             del data
             norm, why = self.guard.check_update(decoded)
             if not all_finite(decoded, norm):

@@ -166,7 +166,12 @@ class RoundRunner(ABC):
         if header.action == pb.BROADCAST_ACTION_APPLY_DELTA and data is not None:
             timings = self.transfer_phases_s
             started = time.monotonic()
-            downlink = Encoded.from_bytes(data, copy=False)  # a view of the download: decoded once
+            # A view of the download (decoded once), whose SHA-256 the download verified: the
+            # container's CRC-32 pass would add nothing.
+            downlink = Encoded.from_bytes(
+                data, copy=False,
+                check_crc=header.delta.checksum.algorithm != pb.CHECKSUM_ALGORITHM_SHA256,
+            )
             timings["apply"] = timings.get("apply", 0.0) + time.monotonic() - started
             if self.state.apply_broadcast(
                 self.strategy, round_number, downlink, header.weights_digest.digest.hex(), timings=timings,

@@ -100,3 +100,39 @@ def test_broadcast_checksum_is_ready_when_the_round_is_published() -> None:
     expected = blob_manifest(record.data, codec=record.codec, shape=list(record.shape), dtype="float32",
                              chunk_size=record.chunk_size)
     assert sent == expected
+
+
+def test_upload_bytes_verified_by_sha256_get_no_second_crc_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transfer's SHA-256 proved every byte; the container's CRC-32 is not run over the
+    payload again. Corruption is still caught (by the SHA-256), and a container parsed without
+    that proof still checks its CRC."""
+    import zlib
+
+    from _round_helpers import encode_update, send, upload_manifest
+
+    from geoloco.compression import CodecError, Encoded
+    from geoloco.compression import encoded as encoded_module
+
+    rounds = make(min_sites=1)
+    join(rounds, "a")
+    data, spec = encode_update(update(1, rounds.numel), "none")
+    manifest = upload_manifest(rounds.session_id, 0, data, codec=spec, numel=rounds.numel, site="a")
+    payload_passes = []
+
+    class CountingZlib:
+        @staticmethod
+        def crc32(buffer: object, value: int = 0) -> int:
+            view = memoryview(buffer)  # type: ignore[arg-type]
+            if view.nbytes >= 4 * rounds.numel:
+                payload_passes.append(view.nbytes)
+            return zlib.crc32(view, value)
+
+    monkeypatch.setattr(encoded_module, "zlib", CountingZlib)
+    assert send(rounds, "a", manifest, data).complete
+    assert payload_passes == []
+    broken = bytearray(data)
+    broken[-1] ^= 0xFF  # the stored CRC
+    with pytest.raises(CodecError, match="CRC32"):
+        Encoded.from_bytes(broken)
+    assert Encoded.from_bytes(broken, check_crc=False).spec == "none"
+    assert payload_passes  # the checked parse did run its pass

@@ -210,12 +210,17 @@ def _resolved_lr_momentum(config: OuterOptimizerConfig) -> tuple[float, float]:
 
 def _build_nesterov(config: OuterOptimizerConfig, params: Params) -> torch.optim.Optimizer:
     lr, momentum = _resolved_lr_momentum(config)
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True, weight_decay=config.weight_decay)
+    # foreach: the Nesterov look-ahead ``g + μ·buf`` is computed in the gradient's own memory;
+    # the single-tensor path (torch's CPU default) allocates a model-sized temporary for it.
+    # Same operations in the same order: the result is bit-identical.
+    return torch.optim.SGD(
+        params, lr=lr, momentum=momentum, nesterov=True, weight_decay=config.weight_decay, foreach=True
+    )
 
 
 def _build_outer_sgd(config: OuterOptimizerConfig, params: Params) -> torch.optim.Optimizer:
     lr, momentum = _resolved_lr_momentum(config)
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=config.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=config.weight_decay, foreach=True)
 
 
 def _build_adam(config: OuterOptimizerConfig, params: Params) -> torch.optim.Optimizer:
@@ -408,8 +413,10 @@ class OuterOptimizer:
         return new_flat
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Optimizer state as named tensors (momentum buffer, Adam moments and step)."""
-        return optimizer_state_tensors(self.optimizer)[0]
+        """Optimizer state as named tensors (momentum buffer, Adam moments and step): the live
+        buffers, not copies, so a checkpoint of a big model writes them without a model-sized
+        clone. They change with the next ``step``; a caller that keeps them clones them."""
+        return optimizer_state_tensors(self.optimizer, copy=False)[0]
 
     def state_meta(self) -> dict[str, Any]:
         """JSON-able part of the state: hyper-parameters per param group."""
@@ -428,13 +435,14 @@ STATE_PREFIX: str = "state"
 
 
 def optimizer_state_tensors(
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer, *, copy: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Split ``optimizer.state_dict()`` into tensors and JSON-able metadata.
 
     Tensors are named ``state.<param index>.<key>`` (e.g. ``state.0.momentum_buffer``), ready for
     ``safetensors.torch.save_file``; non-tensor per-parameter state and the param groups go into
-    the metadata dict, ready for ``json.dumps``.
+    the metadata dict, ready for ``json.dumps``. ``copy=False`` returns the optimizer's own
+    (contiguous) buffers instead of clones, valid until its next step.
     """
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -442,7 +450,8 @@ def optimizer_state_tensors(
     for index, state in sd["state"].items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{STATE_PREFIX}.{index}.{key}"] = value.detach().clone().contiguous()
+                value = value.detach()
+                tensors[f"{STATE_PREFIX}.{index}.{key}"] = value.clone().contiguous() if copy else value.contiguous()
             else:
                 scalars.setdefault(str(index), {})[key] = value
     groups = [

@@ -19,8 +19,9 @@ AdamW state) to the averaged gradient: exactly one DDP step, whose delta every r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -143,15 +144,22 @@ class FragmentOuter:
 
     outer: OuterOptimizer
     downlink: UpdateEncoder
+    last_step_s: dict[str, float] = field(default_factory=dict)
+    """Seconds the last ``step`` spent in ``outer_step`` and ``downlink_encode`` (the
+    coordinator's round phases)."""
 
     def step(
         self, global_part: torch.Tensor, mean_update: torch.Tensor, seed: int, *, consume_mean: bool
     ) -> tuple[Encoded, torch.Tensor]:
         """Outer step on the fragment, then ``d_t`` and the fragment's ``θ_{t+1}``."""
+        started = time.perf_counter()
         new_part = self.outer.step(global_part, mean_update, consume_gradient=consume_mean)
         del mean_update
+        stepped = time.perf_counter()
         # θ' is this call's own tensor: θ' − θ_t is computed in its memory.
-        return encode_downlink(self.downlink, global_part, new_part, seed=seed, consume_new_flat=True)
+        result = encode_downlink(self.downlink, global_part, new_part, seed=seed, consume_new_flat=True)
+        self.last_step_s = {"outer_step": stepped - started, "downlink_encode": time.perf_counter() - stepped}
+        return result
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {f"outer.{k}": v for k, v in self.outer.state_tensors().items()}

@@ -42,8 +42,14 @@ class Lossless(ValueCodec):
             out.copy_(values.view(torch.uint8))
 
     def decode_into(self, payload: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> None:
-        if out.numel():
-            out.copy_(view_as(payload, dtype))
+        if not out.numel():
+            return
+        if out.dtype == dtype and out.is_contiguous():
+            # A byte copy needs no alignment: a payload that sits at an odd offset of a received
+            # buffer (the wire header is 29 bytes for ``none``) is copied once, not twice.
+            out.view(torch.uint8).copy_(payload)
+            return
+        out.copy_(view_as(payload, dtype))
 
 
 @dataclass(frozen=True)

@@ -121,8 +121,18 @@ class Encoded:
         return b"".join((header, payload, _CRC.pack(crc)))
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> Encoded:
+    def from_bytes(
+        cls, data: bytes | bytearray | memoryview, *, copy: bool = True, check_crc: bool = True
+    ) -> Encoded:
         """Parse :meth:`to_bytes` output; the payload lands on the CPU.
+
+        ``check_crc=False`` skips the CRC-32 pass (the header is still parsed and checked) for
+        bytes a stronger checksum of the very same bytes already verified, such as a transfer's
+        SHA-256: one pass over every byte fewer, the same protection against corruption.
+
+        ``copy=False``: the payload is a view of ``data`` when ``data`` is writable (a received
+        upload or broadcast buffer), saving a copy of every payload byte; the caller keeps
+        ``data`` alive and unchanged while the result is used (e.g. until it is decoded).
 
         Raises :class:`CodecError` when the data is truncated, has trailing bytes, a wrong magic,
         an unknown version or dtype, or a CRC mismatch. It checks the container only; whether the
@@ -159,7 +169,7 @@ class Encoded:
             kind = "truncated" if total < expected else "followed by trailing bytes"
             raise CodecError(f"encoded data is {kind}: {total} bytes, the header promises {expected}")
         (crc_stored,) = _CRC.unpack_from(view, offset + payload_len)
-        crc = zlib.crc32(view[offset : offset + payload_len], zlib.crc32(view[:offset]))
+        crc = zlib.crc32(view[offset : offset + payload_len], zlib.crc32(view[:offset])) if check_crc else crc_stored
         if crc != crc_stored:
             raise CodecError(f"encoded data is corrupted: CRC32 {crc:#010x} does not match stored {crc_stored:#010x}")
         try:
@@ -167,7 +177,8 @@ class Encoded:
         except UnicodeDecodeError as exc:
             raise CodecError(f"encoded data has a non-ASCII codec spec {spec_raw!r}") from exc
         if payload_len:
-            payload = torch.frombuffer(bytearray(view[offset : offset + payload_len]), dtype=torch.uint8)
+            raw = view[offset : offset + payload_len]
+            payload = torch.frombuffer(raw if not copy and not raw.readonly else bytearray(raw), dtype=torch.uint8)
         else:
             payload = torch.empty(0, dtype=torch.uint8)
         try:

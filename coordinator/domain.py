@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from geoloco.algorithms.round import Round
+from geoloco.coordinator.round_timing import RoundTimings
 
 __all__ = [
     "OPEN_PHASES",
@@ -99,6 +100,9 @@ class BroadcastRecord:
     """Hex SHA-256 of ``θ_{round+1}``."""
     contributors: frozenset[str]
     run_finished: bool
+    data_sha256: bytes | None = None
+    """SHA-256 of ``data`` (its manifest's checksum), computed while the checkpoint is written so
+    the first waiting site does not wait for it; None: computed when first asked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +200,8 @@ class CoordinatorRound:
     """site -> inner steps its upload reports."""
     rejected_why: dict[str, str] = field(default_factory=dict)
     """site -> why its update was rejected (``core.rejected`` holds the sites)."""
+    timings: RoundTimings = field(default_factory=RoundTimings)
+    """Where the round's time goes (``geoloco.coordinator.round_timing``)."""
     aborted: str = ""
     """Non-empty: adding an update failed midway, the aggregate cannot be trusted and the round
     is aborted at its close with the model unchanged (the reason)."""

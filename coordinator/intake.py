@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from geoloco.algorithms.aggregation import Aggregation
+from geoloco.algorithms.finite import all_finite
 from geoloco.algorithms.round import CloseDecision
 from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate
@@ -44,9 +46,10 @@ from geoloco.coordinator.errors import (
 )
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds
+from geoloco.coordinator.round_timing import RoundTimings
 from geoloco.coordinator.update_guard import UpdateGuard
 from geoloco.protos.errors import quoted
-from geoloco.protos.wire import MAX_CHUNK_SIZE, ManifestTooLargeError, UploadAssembler
+from geoloco.protos.wire import DEFAULT_CHECKSUM, MAX_CHUNK_SIZE, ManifestTooLargeError, UploadAssembler
 
 __all__ = [
     "MAX_METRIC_NAME_CHARS",
@@ -91,9 +94,11 @@ class PlainUpload(UploadAssembler):
     """One site's upload for one round: the wire-level chunk buffer, kept across streams, and
     the spec it was opened with (what the intake reads; the buffer keeps the wire manifest)."""
 
-    def __init__(self, spec: UploadSpec, *, max_total_bytes: int) -> None:
+    def __init__(self, spec: UploadSpec, *, max_total_bytes: int, timings: RoundTimings) -> None:
         super().__init__(spec.wire, max_total_bytes=max_total_bytes, max_chunk_size=MAX_CHUNK_SIZE)
         self.spec = spec
+        self.timings = timings
+        """The phase times of the round the upload arrives in (a late one's: the open round)."""
 
 
 def _progress(assembler: PlainUpload, *, complete: bool | None = None, folded: bool = False) -> UploadProgress:
@@ -189,8 +194,12 @@ class PlainIntake:
     # -- the interface --
 
     def receive(self, site: str, spec: UploadSpec, chunks: Chunks) -> UploadProgress:
+        started = time.monotonic()
         assembler = self.open(site, spec)
+        assembler.timings.upload_started(started)
         assembler.consume(self.live_chunks(site, assembler, chunks))
+        if assembler.complete:
+            assembler.timings.upload_received(time.monotonic())
         return self.finish(site, assembler)
 
     def status(self, site: str, round_number: int, fragment: int) -> UploadProgress:
@@ -338,7 +347,7 @@ class PlainIntake:
                 # A different update for the same round before the first completed: the site
                 # restarted and recomputed it. The newest one wins; the partial one is dropped.
                 logger.info("round %d: %s replaced its partial upload", r.number, site)
-            assembler = PlainUpload(spec, max_total_bytes=self.max_upload_bytes)
+            assembler = PlainUpload(spec, max_total_bytes=self.max_upload_bytes, timings=r.timings)
             r.uploads[site] = assembler
             r.inner_steps[site] = spec.inner_steps
             ctx.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)
@@ -393,11 +402,14 @@ class PlainIntake:
             self.ctx.config.algorithm.weighting, samples=float(spec.sample_weight), inner_steps=int(spec.inner_steps)
         )
 
-    def _decode(self, site: str, round_number: int, data: memoryview) -> torch.Tensor:
+    def _decode(self, site: str, round_number: int, data: memoryview, spec: UploadSpec) -> torch.Tensor:
         what = f"site {site!r}'s update for round {round_number}"
         numel = self.ctx.update_numel(round_number)
         try:
-            encoded = Encoded.from_bytes(data)
+            # A view of the upload's buffer, which the round keeps: decoding is the only copy.
+            # The assembler verified the manifest's checksum of these bytes; with SHA-256 (the
+            # default) the container's own CRC-32 pass adds nothing.
+            encoded = Encoded.from_bytes(data, copy=False, check_crc=spec.checksum[0] != DEFAULT_CHECKSUM)
         except CodecError as err:
             raise InvalidUpdateError(f"{what} is not a valid encoded tensor: {err}") from None
         if encoded.spec != self.uplink_codec:
@@ -428,15 +440,17 @@ class PlainIntake:
                 if site in ctx.round.contributed and ctx.round.number == round_number:
                     return _progress(assembler)
                 ctx.check_upload_round(round_number)
+            verify_start = time.monotonic()
             data = assembler.finish()  # checksum; a mismatch resets the assembler (DATA_LOSS)
-            decoded = self._decode(site, round_number, data)
-            if not bool(torch.isfinite(decoded).all()):
+            decoded = self._decode(site, round_number, data, assembler.spec)
+            del data
+            norm, why = self.guard.check_update(decoded)
+            if not all_finite(decoded, norm):
                 self._reject(site, round_number, "NaN or Inf values")
                 raise InvalidUpdateError(
                     f"site {site!r}'s update for round {round_number} contains NaN or Inf values; "
                     "it is dropped for this round (check the site's loss and learning rate)"
                 )
-            norm, why = self.guard.check_update(decoded)
             if why is not None:
                 self._reject(site, round_number, why)
                 raise InvalidUpdateError(
@@ -444,6 +458,8 @@ class PlainIntake:
                     "dropped for this round (check the site's loss and learning rate)"
                 )
             weight = self._upload_weight(assembler.spec)
+            add_start = time.monotonic()
+            assembler.timings.spent("verify", verify_start, add_start)
             with ctx.cond:
                 ctx.check_upload_round(round_number)
                 r = ctx.round
@@ -460,6 +476,7 @@ class PlainIntake:
                         f"site {site!r}'s update for round {round_number} could not be added to the "
                         "aggregate; the round is aborted with the model unchanged"
                     ) from None
+                assembler.timings.spent("add", add_start, time.monotonic())
                 self.guard.accepted(round_number, site, norm)
                 r.site_metrics[site] = dict(assembler.spec.metrics)
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
@@ -506,7 +523,7 @@ class PlainIntake:
         if existing is not None and (site in r.folded or existing.spec == spec):
             existing.check_same_manifest(spec.wire)
             return existing
-        assembler = PlainUpload(spec, max_total_bytes=self.max_upload_bytes)
+        assembler = PlainUpload(spec, max_total_bytes=self.max_upload_bytes, timings=r.timings)
         r.stale_uploads[site] = assembler
         ctx.count_up(site, spec.nbytes)
         logger.info("round %d: %s is sending its late update of round %d", r.number, site, spec.round)
@@ -521,18 +538,22 @@ class PlainIntake:
             with ctx.cond:
                 if site in ctx.round.folded:
                     return _progress(assembler, folded=True)
+            verify_start = time.monotonic()
             data = assembler.finish()
-            decoded = self._decode(site, round_number, data)
-            if not bool(torch.isfinite(decoded).all()):
+            decoded = self._decode(site, round_number, data, assembler.spec)
+            del data
+            norm, why = self.guard.check_update(decoded)
+            if not all_finite(decoded, norm):
                 raise InvalidUpdateError(
                     f"site {site!r}'s late update for round {round_number} contains NaN or Inf "
                     "values; it is dropped"
                 )
-            _, why = self.guard.check_update(decoded)
             if why is not None:
                 ctx.events.emit(ev.UPDATE_REJECTED, site=site, round=round_number, why=why)
                 raise InvalidUpdateError(f"site {site!r}'s late update for round {round_number} is refused: {why}")
             weight = self._upload_weight(assembler.spec)
+            add_start = time.monotonic()
+            assembler.timings.spent("verify", verify_start, add_start)
             with ctx.cond:
                 r = ctx.round
                 if r.number != round_number + 1 or ctx.phase not in OPEN_PHASES:
@@ -548,6 +569,7 @@ class PlainIntake:
                         f"site {site!r}'s late update for round {round_number} could not be added to "
                         "the aggregate; the open round is aborted with the model unchanged"
                     ) from None
+                assembler.timings.spent("add", add_start, time.monotonic())
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight, late=True)
                 logger.info(
                     "round %d: late update of %s (round %d) folded in with weight %.4g",

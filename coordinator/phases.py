@@ -22,7 +22,9 @@ unchanged model (``Strategy.no_change``), and the reason is in the round's metri
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ from geoloco.coordinator.metrics import plain_record
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.update_guard import GuardedAggregation, RoundAbortedError, UpdateGuard
 from geoloco.protos.errors import clip
+from geoloco.protos.round_phases import site_phases_from_metrics
 from geoloco.protos.wire import num_chunks_for
 
 __all__ = ["HISTORY_KEY", "PRIVACY_KEY", "STRATEGY_PREFIX", "WEIGHTS_KEY", "EvalFn", "GlobalWeights", "RoundPhases"]
@@ -186,9 +189,12 @@ class RoundPhases:
         closed, self._closed = self._closed, None
         r, outcome = closed.round, closed.outcome
         t0 = time.perf_counter()
+        timings = r.timings
         contributors = list(outcome.contributors)
         ctx.policy.observe(outcome)
         plan = ctx.strategy.configure_round(r.number, contributors)
+        fragment_outer = ctx.strategy.fragments[plan.fragment]
+        fragment_outer.last_step_s = {}
         result, aborted = self._outer_step(r, plan, contributors)
         with ctx.cond:
             self.guard.round_done(r.number, None if aborted else result.contributors)
@@ -196,8 +202,20 @@ class RoundPhases:
             result.update, result.contributors, result.update_norm, result.privacy
         )
         del result
+        serialised = time.perf_counter()
         delta_bytes = update.downlink.to_bytes()
+        downlink_s = fragment_outer.last_step_s.get("downlink_encode", 0.0) + time.perf_counter() - serialised
+        timings.record("downlink_encode", downlink_s)
+        timings.record("outer_step", time.perf_counter() - t0 - downlink_s)
         codec, shape = update.downlink.spec, tuple(update.downlink.shape)
+        # The broadcast's manifest checksum, hashed beside the checkpoint write (hashlib and file
+        # writes release the GIL) instead of by the first AwaitBroadcast after the round.
+        delta_sha256: list[bytes] = []
+        hasher = threading.Thread(
+            target=lambda: delta_sha256.append(hashlib.sha256(delta_bytes).digest()),
+            name="geoloco-broadcast-checksum", daemon=True,
+        )
+        hasher.start()
         new_weights, new_digest = update.global_flat, update.digest
         del update
         next_round = r.number + 1
@@ -251,11 +269,15 @@ class RoundPhases:
             with ctx.cond:
                 replay = {**metrics, "members": sorted(ctx.members), "bytes_up_total": ctx.bytes_up_total,
                           "bytes_down_total": ctx.bytes_down_total, "eval_loss": None, "replayed": True}
+            checkpoint_start = time.perf_counter()
             self.save_checkpoint(
                 next_round, new_weights, new_digest, frozenset(contributors), frozenset(outcome.folded),
                 record=replay,
             )
+            timings.record("checkpoint", time.perf_counter() - checkpoint_start)
             ctx.events.emit(ev.CHECKPOINT_SAVED, round=next_round)
+        broadcast_start = time.perf_counter()
+        hasher.join()
         record = BroadcastRecord(
             round=r.number,
             data=delta_bytes,
@@ -265,6 +287,7 @@ class RoundPhases:
             weights_digest=new_digest,
             contributors=frozenset(contributors),
             run_finished=finished,
+            data_sha256=delta_sha256[0] if delta_sha256 else None,
         )
         with ctx.cond:
             self.weights = GlobalWeights.of(new_weights, new_digest)
@@ -283,6 +306,8 @@ class RoundPhases:
             members = sorted(ctx.members)
             bytes_up_total, bytes_down_total = ctx.bytes_up_total, ctx.bytes_down_total
             ctx.cond.notify_all()
+        timings.record("broadcast", time.perf_counter() - broadcast_start)
+        timings.published(time.monotonic())
         logger.info(
             "round %d aggregated: %d sites (%s)%s%s, |update| %.4g, delta %d bytes, deadline %s",
             r.number, len(contributors), ", ".join(contributors),
@@ -299,7 +324,9 @@ class RoundPhases:
                 # A broken evaluation must not stop the training of every site.
                 logger.exception("eval_fn failed after round %d; training continues", r.number)
         metrics.update(
-            members=members, bytes_up_total=bytes_up_total, bytes_down_total=bytes_down_total, eval_loss=eval_loss
+            members=members, bytes_up_total=bytes_up_total, bytes_down_total=bytes_down_total, eval_loss=eval_loss,
+            phases_s=timings.table(), round_wall_s=timings.wall_s(),
+            site_phases_s={site: site_phases_from_metrics(m) for site, m in metrics["site_metrics"].items()},
         )
         ctx.events.emit(ev.ROUND_AGGREGATED, round=r.number, data=metrics)
         return metrics

@@ -50,6 +50,14 @@ MAX_EVENT_TEXT = 400
 """Characters of one event's text: it may quote what a request carried."""
 
 
+def _phase_table(phases: Any) -> dict[str, float]:
+    """A round's seconds per phase (``geoloco.protos.round_phases``), finite values only."""
+    if not isinstance(phases, dict):
+        return {}
+    table = {str(name): _finite(seconds) for name, seconds in phases.items()}
+    return {name: seconds for name, seconds in table.items() if seconds is not None}
+
+
 def _finite(value: Any) -> float | None:
     if value is None:
         return None
@@ -218,6 +226,12 @@ class StatusBoard:
                 "epsilon": _finite(record.get("epsilon")),
                 "fragment": record.get("fragment"),
                 "aborted": bool(record.get("aborted")),
+                "phases_s": _phase_table(record.get("phases_s")),
+                "round_wall_s": _finite(record.get("round_wall_s")),
+                "site_phases_s": {
+                    str(site): _phase_table(phases)
+                    for site, phases in (record.get("site_phases_s") or {}).items()
+                },
                 "time": self.wall_clock(),
             }
         )

@@ -265,7 +265,8 @@ class BlobCache:
 
 def _blob(record: BroadcastRecord) -> pb.BlobManifest:
     return blob_manifest(
-        record.data, codec=record.codec, shape=list(record.shape), dtype="float32", chunk_size=record.chunk_size
+        record.data, codec=record.codec, shape=list(record.shape), dtype="float32", chunk_size=record.chunk_size,
+        checksum_algorithm=pb.CHECKSUM_ALGORITHM_SHA256, digest=record.data_sha256,
     )
 
 

@@ -37,17 +37,23 @@ def blob_manifest(
     dtype: object = "uint8",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     checksum_algorithm: pb.ChecksumAlgorithm = DEFAULT_CHECKSUM,
+    digest: bytes | None = None,
 ) -> pb.BlobManifest:
     """Describe ``data`` for streaming: size, chunking, checksum, and what the bytes encode.
 
     The checksum identifies the bytes (SHA-256 by default): receivers resume, or refuse as a
     conflict, by comparing manifests. CRC-32 is refused for a buffer that ends with its own CRC-32
-    (an encoded update), whose CRC-32 is the same for every such buffer.
+    (an encoded update), whose CRC-32 is the same for every such buffer. ``digest``: the
+    ``checksum_algorithm`` digest of ``data``, already computed (a pass over the bytes saved).
     """
     if not 0 < chunk_size <= MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK_SIZE} bytes, got {chunk_size}")
     view = as_byte_view(data)
-    checksum = compute_checksum(view, checksum_algorithm)
+    checksum = (
+        compute_checksum(view, checksum_algorithm)
+        if digest is None
+        else pb.Checksum(algorithm=checksum_algorithm, digest=digest)
+    )
     if _ambiguous(checksum):
         raise ValueError(_AMBIGUOUS_CRC)
     return pb.BlobManifest(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -107,6 +108,9 @@ class TransferStats:
     uploads' own sizes)."""
 
     received: int = 0
+    broadcast_header_s: float = 0.0
+    """``time.monotonic()`` when the latest AwaitBroadcast header arrived (the end of the
+    site's ``wait`` phase, the start of its ``download``)."""
 
 
 class CoordinatorClient:
@@ -215,6 +219,12 @@ class CoordinatorClient:
     def _counted(self, responses: Iterator[Any]) -> Iterator[Any]:
         for response in responses:
             self.stats.received += message_nbytes(response)
+            yield response
+
+    def _header_stamped(self, responses: Iterator[Any]) -> Iterator[Any]:
+        for response in responses:
+            if response.WhichOneof("kind") == "header":
+                self.stats.broadcast_header_s = time.monotonic()
             yield response
 
     # ---------------------------------------------------------------------------------------
@@ -433,8 +443,11 @@ class CoordinatorClient:
         *,
         on_progress: Callable[[pb.RoundProgress], None] | None = None,
         opened: OpenBroadcast | None = None,
-    ) -> tuple[pb.BroadcastHeader, bytes | None]:
+    ) -> tuple[pb.BroadcastHeader, memoryview | None]:
         """Wait for round ``round_number``'s broadcast: (header, encoded delta bytes or None).
+
+        The bytes are a view of the download's own buffer (checksum-verified), not a copy: a
+        256 MiB delta is not copied once more on its way to the decoder.
 
         ``opened`` is a wait started earlier by ``open_broadcast``; it serves the first attempt,
         and retries open fresh calls that resume the download where it broke.
@@ -453,7 +466,7 @@ class CoordinatorClient:
             if on_progress is not None:
                 on_progress(message)
 
-        def attempt() -> tuple[pb.BroadcastHeader, bytes | None]:
+        def attempt() -> tuple[pb.BroadcastHeader, memoryview | None]:
             nonlocal first
             if first is not None:
                 # Opened before the upload: a path that came back since then must count.
@@ -463,13 +476,15 @@ class CoordinatorClient:
                 start, _ = download.resume_point()
                 call = self._await_call(round_number, start)
             try:
-                header = read_broadcast_stream(self._counted(call), download, on_progress=progress)
+                header = read_broadcast_stream(
+                    self._header_stamped(self._counted(call)), download, on_progress=progress
+                )
             finally:
                 self._untrack(call)
             if header.action != pb.BROADCAST_ACTION_APPLY_DELTA:
                 return header, None
             try:
-                data = bytes(download.result())
+                data = download.result()
             except WireError as error:
                 download.assembler = None
                 raise _TransientWireError(error) from None

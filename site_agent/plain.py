@@ -56,6 +56,17 @@ class PendingUpdate:
         return self.trained.round
 
 
+def pseudo_gradient_into_local(global_flat: torch.Tensor, local_flat: torch.Tensor) -> torch.Tensor:
+    """``θ_t − θ_k`` (``geoloco.algorithms.diloco.pseudo_gradient``, bit for bit) computed in the
+    memory of ``local_flat``, a fresh copy the caller drops: one model-sized vector fewer."""
+    if (
+        local_flat.dtype == torch.float32 and global_flat.dtype == torch.float32
+        and local_flat.device == global_flat.device and local_flat.shape == global_flat.shape
+    ):
+        return torch.sub(global_flat, local_flat, out=local_flat)
+    return pseudo_gradient(global_flat, local_flat)
+
+
 class PlainRounds(RoundRunner):
     """Synchronous DiLoCo rounds (see the module docstring)."""
 
@@ -187,15 +198,22 @@ class PlainRounds(RoundRunner):
             numel=self.strategy.update_numel(round_number),
         )
         state.phase = pb.SITE_PHASE_TRAINING
+        # The previous round's transfers are reported with this round's upload.
+        phases, self.transfer_phases_s = self.transfer_phases_s, {}
+        training_at = time.monotonic()
         result = trainer.train_round(state.global_weights, round_number, inner_steps, budget_s)
-        local = trainer.flatten()
-        update = pseudo_gradient(state.global_weights, local)
-        del local
+        trained_at = time.monotonic()
+        update = pseudo_gradient_into_local(state.global_weights, trainer.flatten())
+        encoding_at = time.monotonic()
         encoded = self._encode(update, round_number, 0, result.samples)
         del update
+        phases.update(
+            train=trained_at - training_at, pseudo_gradient=encoding_at - trained_at,
+            encode=time.monotonic() - encoding_at,
+        )
         trained = TrainedUpdate(
             round=round_number, update=encoded, loss=result.loss, samples=result.samples,
-            inner_steps=result.steps, inner_time_s=result.seconds, started_s=started,
+            inner_steps=result.steps, inner_time_s=result.seconds, started_s=started, phases_s=phases,
         )
         return PendingUpdate(trained, state=PENDING_NEW if encoded is not None else PENDING_DROPPED)
 
@@ -204,11 +222,13 @@ class PlainRounds(RoundRunner):
         trained = pending.trained
         assert trained.update is not None
         self.state.phase = pb.SITE_PHASE_UPLOADING
+        started = time.monotonic()
         try:
             response = self.uplink.upload(
                 self.client, trained.update, round_number=trained.round,
                 inner_steps=trained.inner_steps, metrics=trained.metrics(),
             )
+            self.transfer_phases_s["upload"] = time.monotonic() - started
             pending.state = PENDING_UPLOADED
             self.state.phase = pb.SITE_PHASE_WAITING
             self.uplink.uploaded()  # secure: survivor list and unmask answer, before the broadcast

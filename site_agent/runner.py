@@ -15,14 +15,16 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from geoloco.algorithms.finite import all_finite
 from geoloco.algorithms.strategy import Strategy
 from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.round_phases import site_metric_name
 from geoloco.site_agent.client import (
     CoordinatorClient,
     OpenBroadcast,
@@ -53,15 +55,21 @@ class TrainedUpdate:
     inner_time_s: float
     started_s: float
     """``time.monotonic()`` when the round's training began."""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per site phase (``geoloco.protos.round_phases``): this round's train,
+    pseudo_gradient and encode, and the *previous* round's upload, wait, download, apply and
+    verify (over only after that round's broadcast, so reported with this upload)."""
 
     def metrics(self) -> dict[str, float]:
-        """The training metrics sent with the upload."""
-        return {
+        """The training metrics sent with the upload, and the site's phase times."""
+        metrics = {
             "train_loss": self.loss,
             "samples": float(self.samples),
             "inner_steps": float(self.inner_steps),
             "inner_time_s": self.inner_time_s,
         }
+        metrics.update({site_metric_name(phase): seconds for phase, seconds in self.phases_s.items()})
+        return metrics
 
 
 class RoundRunner(ABC):
@@ -88,6 +96,9 @@ class RoundRunner(ABC):
         self._client = client
         self._on_boundary = on_boundary
         """Called at every round boundary (the agent saves the site's state there)."""
+        self.transfer_phases_s: dict[str, float] = {}
+        """The upload, wait, download, apply and verify seconds of the latest round (sent with
+        the next upload: ``TrainedUpdate.phases_s``)."""
         self._setup()
 
     @property
@@ -146,15 +157,29 @@ class RoundRunner(ABC):
         self._load_fetched(weights, before, manifest.round)
         logger.info("site %s fetched the weights of round %d", self.site, manifest.round)
 
-    def _apply_broadcast(self, round_number: int, header: pb.BroadcastHeader, data: bytes | None) -> bool:
+    def _apply_broadcast(
+        self, round_number: int, header: pb.BroadcastHeader, data: bytes | memoryview | None
+    ) -> bool:
         """Apply round ``round_number``'s broadcast (digest-checked); True when the full
-        weights had to be fetched instead."""
+        weights had to be fetched instead. The seconds spent go into ``transfer_phases_s``:
+        parsing the delta and loading the model count as ``apply``, the digest as ``verify``."""
         if header.action == pb.BROADCAST_ACTION_APPLY_DELTA and data is not None:
+            timings = self.transfer_phases_s
+            started = time.monotonic()
+            # A view of the download (decoded once), whose SHA-256 the download verified: the
+            # container's CRC-32 pass would add nothing.
+            downlink = Encoded.from_bytes(
+                data, copy=False,
+                check_crc=header.delta.checksum.algorithm != pb.CHECKSUM_ALGORITHM_SHA256,
+            )
+            timings["apply"] = timings.get("apply", 0.0) + time.monotonic() - started
             if self.state.apply_broadcast(
-                self.strategy, round_number, Encoded.from_bytes(data),
-                header.weights_digest.digest.hex(),
+                self.strategy, round_number, downlink, header.weights_digest.digest.hex(), timings=timings,
             ):
+                del downlink
+                started = time.monotonic()
                 self._load_broadcast(round_number)
+                timings["apply"] += time.monotonic() - started
                 return False
             logger.warning(
                 "site %s: weights digest after round %d differs from the coordinator's; "
@@ -165,14 +190,22 @@ class RoundRunner(ABC):
 
     def _await_broadcast(
         self, round_number: int, opened: OpenBroadcast | None = None
-    ) -> tuple[pb.BroadcastHeader, bytes | None] | None:
+    ) -> tuple[pb.BroadcastHeader, memoryview | None] | None:
         """Round ``round_number``'s broadcast (through ``opened`` when the wait was opened
-        before the upload); None when the run finished instead."""
+        before the upload); None when the run finished instead. The seconds until its header
+        (``wait``) and then until its last byte (``download``) go into ``transfer_phases_s``."""
         self.state.phase = pb.SITE_PHASE_WAITING
+        started = time.monotonic()
         try:
-            return self.client.await_broadcast(
+            answer = self.client.await_broadcast(
                 round_number, on_progress=self._on_progress, opened=opened
             )
+            done = time.monotonic()
+            header_at = min(max(self.client.stats.broadcast_header_s, started), done)
+            timings = self.transfer_phases_s
+            timings["wait"] = timings.get("wait", 0.0) + header_at - started
+            timings["download"] = timings.get("download", 0.0) + done - header_at
+            return answer
         except RunFinished:
             self.state.mark_finished()
             return None
@@ -206,7 +239,7 @@ class RoundRunner(ABC):
     ) -> UplinkUpdate | None:
         """``update`` (the round's pseudo-gradient) for the wire; None for a non-finite update
         (not sent; the fragment's residual is reset) or one the secure sum cannot take."""
-        if not bool(torch.isfinite(update).all()):
+        if not all_finite(update):
             logger.error(
                 "site %s: the pseudo-gradient of round %d (fragment %d) has NaN/Inf values; not "
                 "uploading it and resetting the error-feedback residual", self.site, round_number,

@@ -56,7 +56,7 @@ class _InFlight:
     thread: threading.Thread | None = None
     uploaded: bool = False
     header: pb.BroadcastHeader | None = None
-    data: bytes | None = None
+    data: memoryview | None = None
     error: BaseException | None = None
     finished: bool = False
     skip_upload: bool = False

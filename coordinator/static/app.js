@@ -190,6 +190,73 @@ function drawBytes(canvas, rounds) {
   }
 }
 
+// -- where rounds go --------------------------------------------------------------------------
+
+const COORDINATOR_PHASES = ["receive", "verify", "add", "outer_step", "downlink_encode", "checkpoint", "broadcast"];
+const SITE_PHASES = ["train", "pseudo_gradient", "encode", "upload", "wait", "download", "apply", "verify"];
+const PHASE_COLORS = ["#0d9488", "#2563eb", "#7c3aed", "#f59e0b", "#db2777", "#b91c1c", "#15803d"];
+const OTHER_COLOR = "#d1d5db";
+
+function fmtSeconds(s) {
+  return s === null || s === undefined ? "–" : (s < 0.01 ? s.toFixed(4) : s < 10 ? s.toFixed(3) : s.toFixed(1));
+}
+
+function otherSeconds(r) {
+  if (r.round_wall_s === null || r.round_wall_s === undefined) return null;
+  const used = COORDINATOR_PHASES.reduce((sum, p) => sum + (r.phases_s[p] || 0), 0);
+  return Math.max(0, r.round_wall_s - used);
+}
+
+function renderPhaseLegend() {
+  const legend = document.getElementById("phases-legend");
+  if (legend.childElementCount) return;
+  const keys = COORDINATOR_PHASES.map((p, i) => [p.replaceAll("_", " "), PHASE_COLORS[i]]).concat([["other (waiting for sites)", OTHER_COLOR]]);
+  for (const [name, color] of keys) {
+    const key = el("span", null, { class: "key phase" });
+    key.style.background = color;
+    legend.append(key, document.createTextNode(name));
+  }
+}
+
+function drawPhases(canvas, rounds) {
+  const c = setupCanvas(canvas);
+  const shown = rounds.filter((r) => r.phases_s && Object.keys(r.phases_s).length).slice(-MAX_BARS);
+  canvas.setAttribute("data-points", String(shown.length));
+  if (shown.length === 0) { c.ctx.fillStyle = "#6b7280"; c.ctx.fillText("waiting for the first round…", c.w / 2 - 70, c.h / 2); return; }
+  const total = (r) => COORDINATOR_PHASES.reduce((sum, p) => sum + (r.phases_s[p] || 0), 0) + (otherSeconds(r) || 0);
+  const yhi = Math.max(...shown.map(total), 1e-3) * 1.1;
+  const xlo = shown[0].round - 0.5, xhi = shown[shown.length - 1].round + 0.5;
+  const { X, Y } = axes(c, xlo, xhi, 0, yhi, (v) => fmtSeconds(v) + " s");
+  const bar = Math.max(1, (X(xhi) - X(xlo)) / shown.length * 0.7);
+  for (const r of shown) {
+    let base = 0;
+    const parts = COORDINATOR_PHASES.map((p, i) => [r.phases_s[p] || 0, PHASE_COLORS[i]]).concat([[otherSeconds(r) || 0, OTHER_COLOR]]);
+    for (const [seconds, color] of parts) {
+      c.ctx.fillStyle = color;
+      c.ctx.fillRect(X(r.round) - bar / 2, Y(base + seconds), bar, Y(base) - Y(base + seconds));
+      base += seconds;
+    }
+  }
+}
+
+function renderPhaseTables(rounds) {
+  const last = [...rounds].reverse().find((r) => r.phases_s && Object.keys(r.phases_s).length);
+  const coordinatorBody = document.querySelector("#coordinator-phases tbody");
+  const siteBody = document.querySelector("#site-phases tbody");
+  if (!last) { coordinatorBody.replaceChildren(); siteBody.replaceChildren(); return; }
+  const row = el("tr", null, { "data-round": last.round });
+  row.append(el("td", last.round));
+  for (const p of COORDINATOR_PHASES) row.append(el("td", fmtSeconds(last.phases_s[p]), { class: "num", "data-phase": p }));
+  row.append(el("td", fmtSeconds(otherSeconds(last)), { class: "num" }), el("td", fmtSeconds(last.round_wall_s), { class: "num" }));
+  coordinatorBody.replaceChildren(row);
+  siteBody.replaceChildren(...Object.entries(last.site_phases_s || {}).sort().map(([site, phases]) => {
+    const tr = el("tr", null, { "data-site": site });
+    tr.append(el("td", site));
+    for (const p of SITE_PHASES) tr.append(el("td", fmtSeconds(phases[p]), { class: "num", "data-phase": p }));
+    return tr;
+  }));
+}
+
 // -- polling ----------------------------------------------------------------------------------
 
 let configShown = null;
@@ -210,6 +277,9 @@ async function refresh() {
     renderLive(s.rounds);
     drawLoss(document.getElementById("loss-chart"), s.rounds);
     drawBytes(document.getElementById("bytes-chart"), s.rounds);
+    renderPhaseLegend();
+    drawPhases(document.getElementById("phases-chart"), s.rounds);
+    renderPhaseTables(s.rounds);
   } catch (err) {
     conn.textContent = "no connection (" + err.message + ")"; conn.setAttribute("data-ok", "false");
   } finally {

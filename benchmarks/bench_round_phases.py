@@ -1,0 +1,288 @@
+"""Where a big model's round goes: whole rounds beside a raw TCP transfer, phase by phase.
+
+A coordinator process (``CoordinatorServer``, checkpoints on, as deployed) and one site process
+(``SiteAgent``) run ``--rounds`` FedAvg/DiLoCo rounds of a 64M-parameter (256 MiB fp32) model,
+laid out as 16 tensors, over loopback with mutual TLS; the inner step is trivial (one SGD step
+on a loss that touches a few weights), so what is measured is the round's fixed cost: pseudo-
+gradient, encoding, upload, verification, aggregation, outer step, downlink, checkpoint,
+broadcast, apply and digest. In the same run two plain processes move the same bytes up and
+down a raw TCP socket (the upload's size up, the broadcast's size down), the floor for this
+machine; the ratio says how far above it a round is.
+
+Reported per uplink/downlink codec (``none`` and ``int8``):
+
+* the whole round as the site sees it (``RoundResult.round_time_s``: from the start of training
+  to the broadcast applied), median over the rounds after the first;
+* the raw TCP up-and-down time of the same bytes, and the ratio;
+* the last round's phase breakdown from ``metrics.jsonl`` (coordinator ``phases_s`` and
+  ``round_wall_s``; the site's phases, whose transfers are of the round before);
+* peak RSS (``ru_maxrss``) of the coordinator and of the site process.
+
+    python benchmarks/bench_round_phases.py                     # both codecs, 3 rounds
+    python benchmarks/bench_round_phases.py --codecs int8 --numel 16000000
+
+Needs about 3 GB for each of the two processes at 64M parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+TENSORS = 16
+_SITE = "0"
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _model(numel: int, seed: int) -> Any:
+    import torch
+    from torch import nn
+
+    class Stack(nn.Module):
+        """``TENSORS`` equal flat tensors, like a stack of layers."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            generator = torch.Generator().manual_seed(seed)
+            size = numel // TENSORS
+            self.layers = nn.ParameterList(
+                nn.Parameter(torch.randn(size, generator=generator) * 0.02) for _ in range(TENSORS)
+            )
+
+    return Stack()
+
+
+def _loss(model: Any, batch: Any) -> Any:
+    return (model.layers[0][: batch.numel()] * batch).sum()
+
+
+# --- roles (each runs in its own process) ----------------------------------------------------
+
+
+def _role_coordinator(args: argparse.Namespace) -> None:
+    from geoloco.algorithms.optimizers import InnerOptimizerConfig
+    from geoloco.algorithms.params import ParamLayout
+    from geoloco.algorithms.strategy import AlgorithmConfig
+    from geoloco.coordinator.config import CoordinatorConfig
+    from geoloco.coordinator.server import CoordinatorServer
+
+    out = Path(args.out)
+    model = _model(args.numel, 0)
+    layout = ParamLayout.from_model(model)
+    flat = layout.flatten(model)
+    del model
+    config = CoordinatorConfig(
+        algorithm=AlgorithmConfig(inner_steps=1, uplink_codec=args.codec, downlink_codec=args.codec),
+        inner_optimizer=InnerOptimizerConfig(lr=1e-3),
+        total_rounds=args.rounds, min_sites=1, certs_dir=args.certs,
+        checkpoint_dir=str(out / "checkpoints"), metrics_path=str(out / "metrics.jsonl"),
+    )
+    server = CoordinatorServer(config, flat, layout)
+    del flat
+    server.start()
+    (out / "port").write_text(str(server.port))
+    try:
+        if not server.wait_until_finished(args.timeout):
+            raise SystemExit("the run did not finish in time")
+        deadline = time.monotonic() + 60
+        while server.rounds.members and time.monotonic() < deadline:
+            time.sleep(0.1)  # let the site take the last broadcast and leave
+    finally:
+        server.stop(grace=1.0)
+    (out / "coordinator.json").write_text(json.dumps({"peak_rss_mib": _peak_rss_mib()}))
+
+
+def _role_site(args: argparse.Namespace) -> None:
+    import torch
+
+    from geoloco.protos.transport import TLSFiles
+    from geoloco.site_agent.agent import SiteAgent
+    from geoloco.site_agent.config import RoundResult, SiteAgentConfig, SiteHooks
+
+    out = Path(args.out)
+    model = _model(args.numel, 0)
+    results: list[RoundResult] = []
+    agent = SiteAgent(
+        model, torch.optim.SGD(model.parameters(), lr=1e-3), itertools.repeat(torch.ones(8)), _loss,
+        coordinator=f"localhost:{args.port}", site=_SITE, tls=TLSFiles.from_dir(Path(args.certs), _SITE),
+        config=SiteAgentConfig(device="cpu"), hooks=SiteHooks(on_round_end=results.append),
+    )
+    agent.run()
+    (out / "site.json").write_text(json.dumps({
+        "peak_rss_mib": _peak_rss_mib(),
+        "round_time_s": [r.round_time_s for r in results],
+        "bytes_up": [r.bytes_up for r in results],
+        "bytes_down": [r.bytes_down for r in results],
+    }))
+
+
+def _role_echo(args: argparse.Namespace) -> None:
+    """Raw TCP peer: receive ``--up`` bytes, then send ``--down`` bytes back."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    Path(args.out).write_text(str(listener.getsockname()[1]))
+    conn, _ = listener.accept()
+    with conn:
+        buffer = bytearray(MiB)
+        left = args.up
+        while left:
+            got = conn.recv_into(buffer, min(len(buffer), left))
+            if not got:
+                raise SystemExit("raw TCP sender closed early")
+            left -= got
+        conn.sendall(bytes(args.down))
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+def _spawn(role: str, *extra: str) -> subprocess.Popen[bytes]:
+    from geoloco.protos.transport import recommended_env
+
+    env = {**os.environ, **recommended_env()}
+    return subprocess.Popen([sys.executable, __file__, "--role", role, *extra], env=env)
+
+
+def _wait_file(path: Path, process: subprocess.Popen[bytes], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() or not path.read_text():
+        if process.poll() is not None:
+            raise SystemExit(f"{process.args} exited with {process.returncode}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def _raw_tcp_s(up: int, down: int, work: Path) -> float:
+    """Seconds to send ``up`` bytes to another process and receive ``down`` bytes back."""
+    port_file = work / "echo-port"
+    echo = _spawn("echo", "--out", str(port_file), "--up", str(up), "--down", str(down))
+    port = int(_wait_file(port_file, echo, 60))
+    payload = bytearray(os.urandom(MiB)) * (up // MiB + 1)
+    view = memoryview(payload)[:up]
+    buffer = bytearray(MiB)
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        start = time.perf_counter()
+        conn.sendall(view)
+        left = down
+        while left:
+            got = conn.recv_into(buffer, min(len(buffer), left))
+            if not got:
+                raise SystemExit("raw TCP peer closed early")
+            left -= got
+        elapsed = time.perf_counter() - start
+    echo.wait(30)
+    return elapsed
+
+
+def _run_codec(codec: str, args: argparse.Namespace, certs: Path, work: Path) -> dict[str, Any]:
+    out = work / codec
+    out.mkdir()
+    common = ["--codec", codec, "--numel", str(args.numel), "--rounds", str(args.rounds),
+              "--certs", str(certs), "--out", str(out), "--timeout", str(args.timeout)]
+    coordinator = _spawn("coordinator", *common)
+    port = _wait_file(out / "port", coordinator, 300)
+    site = _spawn("site", *common, "--port", port)
+    for process in (site, coordinator):
+        if process.wait(args.timeout) != 0:
+            raise SystemExit(f"{process.args} exited with {process.returncode}")
+    from geoloco.coordinator.metrics import read_metrics
+
+    records = read_metrics(out / "metrics.jsonl")
+    site_result = json.loads((out / "site.json").read_text())
+    coordinator_result = json.loads((out / "coordinator.json").read_text())
+    up = max(site_result["bytes_up"])
+    down = max(r["downlink_bytes"] for r in records)
+    raw_s = _raw_tcp_s(up, down, out)
+    later = site_result["round_time_s"][1:] or site_result["round_time_s"]
+    return {
+        "codec": codec,
+        "round_s": statistics.median(later),
+        "round_times_s": site_result["round_time_s"],
+        "raw_tcp_s": raw_s,
+        "upload_bytes": up,
+        "downlink_bytes": down,
+        "coordinator_phases_s": records[-1].get("phases_s", {}),
+        "round_wall_s": records[-1].get("round_wall_s") or 0.0,
+        "site_phases_s": records[-1].get("site_phases_s", {}).get(_SITE, {}),
+        "coordinator_peak_rss_mib": coordinator_result["peak_rss_mib"],
+        "site_peak_rss_mib": site_result["peak_rss_mib"],
+    }
+
+
+def _report(results: list[dict[str, Any]], numel: int) -> None:
+    from geoloco.protos.round_phases import COORDINATOR_PHASES, SITE_PHASES
+
+    model_mib = 4 * numel / MiB
+    print(f"\n{numel:,} parameters ({model_mib:.0f} MiB fp32), 1 site, mutual TLS, loopback\n")
+    print("| codec | round (median) | raw TCP up+down | ratio | upload | downlink "
+          "| coordinator peak RSS | site peak RSS |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['codec']} | {r['round_s']:.2f} s | {r['raw_tcp_s']:.2f} s | {r['round_s'] / r['raw_tcp_s']:.1f}x "
+            f"| {r['upload_bytes'] / MiB:.0f} MiB | {r['downlink_bytes'] / MiB:.0f} MiB "
+            f"| {r['coordinator_peak_rss_mib']:.0f} MiB ({r['coordinator_peak_rss_mib'] / model_mib:.1f}x model) "
+            f"| {r['site_peak_rss_mib']:.0f} MiB ({r['site_peak_rss_mib'] / model_mib:.1f}x model) |"
+        )
+    for r in results:
+        print(f"\nlast round, codec {r['codec']} (all rounds, site view: "
+              f"{', '.join(f'{t:.2f}' for t in r['round_times_s'])} s)")
+        phases = r["coordinator_phases_s"]
+        print("  coordinator: " + ", ".join(f"{k} {phases.get(k, 0.0):.2f}" for k in COORDINATOR_PHASES)
+              + f"; wall {r['round_wall_s']:.2f} s (other: waiting for the site "
+              f"{r['round_wall_s'] - sum(phases.values()):.2f})")
+        site = r["site_phases_s"]
+        print("  site: " + ", ".join(f"{k} {site[k]:.2f}" for k in SITE_PHASES if k in site)
+              + " s (upload..verify: the round before)")
+    print("\n" + json.dumps(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--role", choices=["coordinator", "site", "echo"])
+    parser.add_argument("--codecs", default="none,int8", help="comma-separated uplink=downlink codecs")
+    parser.add_argument("--codec", default="none")
+    parser.add_argument("--numel", type=int, default=64 * MiB, help="model parameters (64Mi: 256 MiB fp32)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--certs")
+    parser.add_argument("--out")
+    parser.add_argument("--port")
+    parser.add_argument("--up", type=int, default=0)
+    parser.add_argument("--down", type=int, default=0)
+    args = parser.parse_args()
+    if args.role is not None:
+        {"coordinator": _role_coordinator, "site": _role_site, "echo": _role_echo}[args.role](args)
+        return
+    if args.numel % TENSORS:
+        raise SystemExit(f"--numel must be a multiple of {TENSORS}")
+    from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
+
+    with tempfile.TemporaryDirectory(prefix="geoloco-round-phases-") as tmp:
+        work = Path(tmp)
+        certs = work / "certs"
+        init_ca(certs)
+        issue_coordinator(certs)
+        issue_site(certs, _SITE)
+        results = [_run_codec(codec, args, certs, work) for codec in args.codecs.split(",")]
+    _report(results, args.numel)
+
+
+if __name__ == "__main__":
+    main()

@@ -351,7 +351,7 @@ METRICS_KEYS = {
     # Keys of a round's record in metrics.jsonl (coordinator/rounds.py writes them) that the README
     # explains; they are not config fields.
     "deadline_s", "next_deadline_s", "arrival_s", "folded_late", "privacy_delta", "epsilon",
-    "rejected_reasons",
+    "rejected_reasons", "phases_s", "round_wall_s", "site_phases_s",
 }
 NOT_KEYS = {"register_step_post_hook"}
 """Backticked words that are not config keys (``optimizer.register_step_post_hook``: torch's API)."""
@@ -365,7 +365,9 @@ def _config_field_names() -> set[str]:
     from geoloco.scenarios.workloads import WORKLOADS
     from geoloco.site_agent.config import SiteAgentConfig
 
-    names: set[str] = set(FAULT_KINDS) | METRICS_KEYS
+    from geoloco.protos.round_phases import COORDINATOR_PHASES, SITE_PHASES
+
+    names: set[str] = set(FAULT_KINDS) | METRICS_KEYS | set(COORDINATOR_PHASES) | set(SITE_PHASES)
     seen: set[type] = set()
 
     def walk(cls: type) -> None:

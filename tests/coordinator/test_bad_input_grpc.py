@@ -317,20 +317,21 @@ def test_broken_stream_resumes_with_only_the_missing_chunks(
     manifest, data = _good(client, server)
     chunks = list(chunk_requests(manifest, data))
 
+    def upload_status() -> pb.UploadStatusResponse:
+        return client.stub.UploadStatus(pb.UploadStatusRequest(session_id=client.session, round=0), timeout=10)
+
     def breaks_midway() -> Iterator[pb.UploadRequest]:
         yield from chunks[:2]
+        # The link drops only once the coordinator holds part of the upload: a stream cancelled
+        # before its first chunks left the client (a loaded machine) would leave nothing to resume.
+        deadline = time.monotonic() + 30
+        while not upload_status().known and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise ConnectionResetError("link dropped")
 
     with pytest.raises(grpc.RpcError):
         client.upload(manifest, breaks_midway())
-    # The server may register the stream's first chunks a moment after the client gave up (a
-    # loaded machine): ask until UploadStatus knows the upload, then it reflects what arrived.
-    deadline = time.monotonic() + 10
-    while True:
-        status = client.stub.UploadStatus(pb.UploadStatusRequest(session_id=client.session, round=0), timeout=10)
-        if status.known or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
+    status = upload_status()
     assert status.known and not status.complete
     received = {i for r in status.received for i in range(r.start, r.end)}
     missing = [i for r in status.missing for i in range(r.start, r.end)]

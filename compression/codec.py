@@ -178,8 +178,8 @@ class PipelineCodec(Codec):
         ``scale * value`` added once by the same ``add_`` as in ``decode`` then add, so the sum
         is bit-for-bit the same; coordinates a sparsifier did not select are left as they are
         (adding ``scale * 0`` changes no value but ``-0.0``, which a sum started at zero never
-        holds). The payload is checked and decoded once before ``out`` is touched only for
-        sparse codecs; call :meth:`decoded_norm` first to validate a dense one."""
+        holds). A :class:`CodecError` comes before ``out`` is touched: sparse indices and
+        quantizer scales are checked before the first piece, cast payloads cannot fail."""
         if not self._pieces_apply(encoded, out):
             super().add_decoded_into(encoded, out, scale=scale)
             return

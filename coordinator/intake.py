@@ -29,12 +29,11 @@ from typing import Any, Protocol
 import torch
 
 from geoloco.algorithms.aggregation import Aggregation, RunningSum
-from geoloco.algorithms.finite import all_finite
 from geoloco.algorithms.round import CloseDecision
 from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate
 from geoloco.algorithms.weighting import site_weight
-from geoloco.compression import CodecError, Encoded, decode, decoded_norm
+from geoloco.compression import Encoded
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext
 from geoloco.coordinator.domain import OPEN_PHASES, RoundPhase, UploadProgress, UploadSpec
@@ -48,8 +47,9 @@ from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.round_timing import RoundTimings
 from geoloco.coordinator.update_guard import UpdateGuard
+from geoloco.coordinator.upload_check import checked_update
 from geoloco.protos.errors import quoted
-from geoloco.protos.wire import DEFAULT_CHECKSUM, MAX_CHUNK_SIZE, ManifestTooLargeError, UploadAssembler
+from geoloco.protos.wire import MAX_CHUNK_SIZE, ManifestTooLargeError, UploadAssembler
 
 __all__ = [
     "MAX_METRIC_NAME_CHARS",
@@ -405,63 +405,11 @@ class PlainIntake:
     def _verified(
         self, site: str, round_number: int, data: memoryview, spec: UploadSpec, *, dense: bool
     ) -> tuple[Encoded | torch.Tensor, float, bool]:
-        """(update to add, its L2 norm, whether its values are all finite).
-
-        A plain running sum takes the encoded update (``dense=False``): its norm is computed
-        piece by piece here and the sum decodes it piece by piece into its buffer, so no dense
-        decoded copy exists at any time. That norm is summed in float64, so it differs from
-        the float32 norm of a decoded tensor (``UpdateGuard.check_update``) by float32 rounding
-        (~1e-5 relative at 1M values); the guard only compares it with a bound. Robust and
-        central-DP aggregations hold or clip dense updates by design and get the decoded tensor.
-        """
-        if dense:
-            decoded = self._decode(site, round_number, data, spec)
-            norm, _ = self.guard.check_update(decoded)
-            return decoded, norm, all_finite(decoded, norm)
-        encoded = self._encoded(site, round_number, data, spec)
-        try:
-            norm, finite = decoded_norm(encoded, device=self.device)
-        except CodecError as err:
-            raise InvalidUpdateError(
-                f"site {site!r}'s update for round {round_number} cannot be decoded: {err}"
-            ) from None
-        return encoded.to(self.device), norm, finite
-
-    def _encoded(self, site: str, round_number: int, data: memoryview, spec: UploadSpec) -> Encoded:
-        what = f"site {site!r}'s update for round {round_number}"
-        numel = self.ctx.update_numel(round_number)
-        try:
-            # A view of the upload's buffer, which the round keeps: decoding is the only copy.
-            # The assembler verified the manifest's checksum of these bytes; with SHA-256 (the
-            # default) the container's own CRC-32 pass adds nothing.
-            encoded = Encoded.from_bytes(data, copy=False, check_crc=spec.checksum[0] != DEFAULT_CHECKSUM)
-        except CodecError as err:
-            raise InvalidUpdateError(f"{what} is not a valid encoded tensor: {err}") from None
-        if encoded.spec != self.uplink_codec:
-            raise InvalidUpdateError(
-                f"{what} was encoded with {encoded.spec!r}; the run's uplink codec is "
-                f"{self.uplink_codec!r}"
-            )
-        if encoded.shape != (numel,) or encoded.dtype != torch.float32:
-            raise InvalidUpdateError(
-                f"{what} decodes to {encoded.dtype} {list(encoded.shape)}; expected float32 "
-                f"[{numel}]"
-            )
-        return encoded
-
-    def _decode(self, site: str, round_number: int, data: memoryview, spec: UploadSpec) -> torch.Tensor:
-        what = f"site {site!r}'s update for round {round_number}"
-        numel = self.ctx.update_numel(round_number)
-        encoded = self._encoded(site, round_number, data, spec)
-        try:
-            decoded = decode(encoded, device=self.device)
-        except CodecError as err:
-            raise InvalidUpdateError(f"{what} cannot be decoded: {err}") from None
-        if decoded.shape != (numel,) or decoded.dtype != torch.float32:
-            raise InvalidUpdateError(
-                f"{what} decoded to {decoded.dtype} {list(decoded.shape)}; expected float32 [{numel}]"
-            )
-        return decoded
+        """(update to add, its norm, all finite): encoded for a running sum (``upload_check``)."""
+        return checked_update(
+            f"site {site!r}'s update for round {round_number}", data, spec.checksum[0],
+            codec=self.uplink_codec, numel=self.ctx.update_numel(round_number), device=self.device, dense=dense,
+        )
 
     def _verify_and_add(self, site: str, assembler: PlainUpload) -> UploadProgress:
         ctx = self.ctx

@@ -22,7 +22,7 @@ import torch
 
 from geoloco.algorithms.fixed_point import clip_l2, secure_generator
 from geoloco.algorithms.robust import RobustAggregation, RobustRule
-from geoloco.compression import Encoded, decode
+from geoloco.compression import Encoded, add_decoded_into, decode
 
 __all__ = ["Aggregation", "CentralDPSum", "RunningSum", "add_gaussian_noise", "new_aggregation"]
 
@@ -71,7 +71,8 @@ class RunningSum:
     def add(
         self, update: Encoded | torch.Tensor, weight: float = 1.0, *, site: str, stale: bool = False
     ) -> None:
-        """Decode (if encoded) and add ``weight * update`` to the running sum.
+        """Add ``weight * update`` to the running sum; an encoded update is decoded into it
+        piece by piece (``geoloco.compression.add_decoded_into``).
 
         ``stale=True``: the site's update of an earlier round, folded in late (a site may have
         one fresh and one stale update in the same round; each only once).
@@ -88,19 +89,17 @@ class RunningSum:
             )
         if not weight > 0:
             raise ValueError(f"site {site!r}: aggregation weight must be > 0, got {weight}")
+        numel = update.numel() if isinstance(update, torch.Tensor) else update.numel
+        if numel != self.numel:
+            raise ValueError(f"site {site!r} sent {numel} values; the model has {self.numel}")
         if self._buffer is None:
             self._buffer = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        value = (
-            update
-            if isinstance(update, torch.Tensor)
-            else decode(update, device=self._buffer.device)
-        )
-        value = value.reshape(-1)
-        if value.numel() != self.numel:
-            raise ValueError(
-                f"site {site!r} sent {value.numel()} values; the model has {self.numel}"
-            )
-        self._buffer.add_(value.to(self._buffer), alpha=float(weight))
+        if isinstance(update, torch.Tensor):
+            self._buffer.add_(update.reshape(-1).to(self._buffer), alpha=float(weight))
+        else:
+            # Decoded piece by piece into the sum (sparse codecs: only their coordinates), the
+            # same numbers as decoding first: no dense copy of the update besides the buffer.
+            add_decoded_into(update, self._buffer, scale=float(weight))
         self.total_weight += float(weight)
         added.append(site)
 

@@ -16,6 +16,8 @@ round phase, and its high-water mark (``ru_maxrss``). Reported against the issue
 
     python benchmarks/bench_coordinator_memory.py                   # both downlink codecs
     python benchmarks/bench_coordinator_memory.py --downlink none   # one configuration
+    python benchmarks/bench_coordinator_memory.py --downlink none --baseline-ref main
+        # the coordinator of git ref ``main`` too, side by side with this tree's
 
 Processes run with ``transport.recommended_env()`` (the malloc tunables the CLI applies). Needs
 about 0.5 GB per site process at its peak (the random 200 MB update and its top-k) and a few GB
@@ -164,6 +166,22 @@ def _role_site(args: argparse.Namespace) -> None:
 # --- driver ------------------------------------------------------------------------------------
 
 
+def _baseline_env(ref: str, env: dict[str, str], folder: Path) -> dict[str, str]:
+    """An environment whose ``geoloco`` is git ref ``ref`` of this repository: the ref's tree
+    exported under ``folder`` and laid out as the package (``PYTHONPATH`` comes before the
+    editable install), so one run measures the old and the new coordinator alike."""
+    root = Path(__file__).resolve().parent.parent
+    source = folder / "source"
+    source.mkdir()
+    archive = subprocess.run(["git", "-C", str(root), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    package = folder / "package" / "geoloco"
+    package.mkdir(parents=True)
+    for name in ("protos", "compression", "algorithms", "coordinator", "site_agent", "scenarios"):
+        (package / name).symlink_to(source / name)
+    return {**env, "PYTHONPATH": str(folder / "package")}
+
+
 def _spawn(role: str, env: dict[str, str], *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, __file__, "--role", role, *extra],
@@ -237,6 +255,9 @@ def main() -> None:
     parser.add_argument("--port", type=int)
     parser.add_argument("--index", type=int)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--baseline-ref", help="also run the coordinator and sites of this git ref, before each configuration"
+    )
     args = parser.parse_args()
     if args.role == "coordinator":
         return _role_coordinator(args)
@@ -248,28 +269,38 @@ def main() -> None:
     env = recommended_env()
     env["OMP_NUM_THREADS"] = "1"
     downlinks = ["none", args.codec] if args.downlink == "both" else [args.downlink]
-    rows = [_run_config(args, downlink, env) for downlink in downlinks]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="geoloco-bench-baseline-") as folder:
+        baseline_env = _baseline_env(args.baseline_ref, env, Path(folder)) if args.baseline_ref else None
+        for downlink in downlinks:
+            if baseline_env is not None:
+                rows.append({**_run_config(args, downlink, baseline_env), "code": args.baseline_ref})
+            rows.append({**_run_config(args, downlink, env), "code": "this tree"})
     print(
         f"\nCoordinator peak RSS: {args.sites} sites, {args.rounds} rounds, "
         f"{args.params / 1e6:.0f}M parameters ({TENSORS} tensors), uplink {rows[0]['uplink']}\n"
     )
     print(
-        "| downlink | model MB | upload MB/site | baseline RSS MB | peak RSS MB | target MB "
-        "| peak / target | peak while aggregating MB |"
+        "| code | downlink | model MB | upload MB/site | baseline RSS MB | peak RSS MB | target MB "
+        "| peak / target | peak while receiving MB | peak while aggregating MB |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         aggregating = row["peak_rss_by_phase"].get("aggregating")
+        receiving = row["peak_rss_by_phase"].get("running")
         print(
-            f"| {row['downlink']} | {row['model_bytes'] / MB:.0f} | {row['upload_bytes_per_site'] / MB:.2f} "
+            f"| {row['code']} | {row['downlink']} | {row['model_bytes'] / MB:.0f} "
+            f"| {row['upload_bytes_per_site'] / MB:.2f} "
             f"| {row['baseline_rss'] / MB:.0f} | {row['peak_rss'] / MB:.0f} | {row['target_bytes'] / MB:.0f} "
             f"| {row['peak_rss'] / row['target_bytes']:.2f} "
+            f"| {'-' if receiving is None else f'{receiving / MB:.0f}'} "
             f"| {'-' if aggregating is None else f'{aggregating / MB:.0f}'} |"
         )
     print(
         "\ntarget = 3 x model + sites x upload + 300 MB; baseline = RSS after importing torch and "
         "gRPC, before the model exists. Peak RSS is the process's high-water mark (ru_maxrss); "
-        "a checkpoint is written after every round."
+        "a checkpoint is written after every round. Receiving: the round is open (uploads are "
+        "verified and added); RSS there also holds what the previous round's close left allocated."
     )
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")

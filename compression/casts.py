@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -18,7 +19,7 @@ import torch
 
 from geoloco.compression import _memory
 from geoloco.compression.bitpack import view_as
-from geoloco.compression.stages import ValueCodec
+from geoloco.compression.stages import ValueCodec, elementwise_pieces
 
 _CLAMP_CHUNK = 1 << 20
 
@@ -50,6 +51,11 @@ class Lossless(ValueCodec):
             out.view(torch.uint8).copy_(payload)
             return
         out.copy_(view_as(payload, dtype))
+
+    def decode_pieces(
+        self, payload: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        return elementwise_pieces(self, payload, numel, dtype, device, _itemsize(dtype))
 
 
 @dataclass(frozen=True)
@@ -89,3 +95,8 @@ class Cast(ValueCodec):
     def decode_into(self, payload: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> None:
         if out.numel():
             out.copy_(view_as(payload, self.target))
+
+    def decode_pieces(
+        self, payload: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        return elementwise_pieces(self, payload, numel, dtype, device, _itemsize(self.target))

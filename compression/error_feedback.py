@@ -23,8 +23,11 @@ from geoloco.compression.encoded import Encoded
 class ErrorFeedback:
     """Wraps a codec with a residual; one instance per tensor stream (e.g. per parameter, per site).
 
-    Holds two buffers the size of the tensor in the working dtype: the residual and a reused
-    scratch for ``u``, so an encode allocates nothing large besides the payload.
+    Holds one buffer the size of the tensor in the working dtype, the residual: ``u`` is formed
+    in it, encoded from it, and the decoded message is subtracted from it piece by piece
+    (``Codec.add_decoded_into`` with scale -1), so an encode allocates nothing large besides the
+    payload. The numbers are bit-for-bit those of forming ``u`` in a separate buffer
+    (``u + (-1)·d`` rounds exactly like ``u - d``).
     """
 
     def __init__(self, codec: Codec, *, decay: float = 1.0) -> None:
@@ -33,7 +36,6 @@ class ErrorFeedback:
         self.codec = codec
         self.decay = float(decay)
         self.residual: torch.Tensor | None = None
-        self._corrected: torch.Tensor | None = None
 
     def encode(self, tensor: torch.Tensor, *, seed: int = 0) -> Encoded:
         """Encode ``tensor`` plus the carried residual, and update the residual.
@@ -50,29 +52,50 @@ class ErrorFeedback:
                 f"{residual.device}) but got a tensor of shape {tuple(tensor.shape)} ({tensor.dtype}, "
                 f"{tensor.device}); use one ErrorFeedback per tensor, or reset() it"
             )
-        corrected = self._corrected
-        if corrected is None or _layout(corrected) != _layout(residual):
-            corrected = torch.empty_like(residual)
         with torch.no_grad():
-            if self.decay == 1.0:
-                torch.add(residual, tensor.detach(), out=corrected)
+            source = tensor.detach()
+            if tensor.dtype == work_dtype and residual.is_contiguous() and self._encodable_sum(residual, source):
+                self._corrected_into(residual, source, residual)
+                encoded = self.codec.encode(residual, seed=seed)
+                self.codec.add_decoded_into(encoded, residual.view(-1), scale=-1.0)
             else:
-                torch.add(tensor.detach(), residual, alpha=self.decay, out=corrected)
-            sent = corrected if tensor.dtype == work_dtype else corrected.to(tensor.dtype)
-            encoded = self.codec.encode(sent, seed=seed)
-            if tensor.dtype == work_dtype:
-                self.codec.decode(encoded, out=residual)
-                torch.sub(corrected, residual, out=residual)
-            else:
-                residual = corrected - self.codec.decode(encoded).to(work_dtype)
+                # Converted inputs, and sums the codec may refuse (its error must leave the
+                # residual as it was): ``u`` in a temporary.
+                corrected = self._corrected_into(residual, source, torch.empty_like(residual))
+                sent = corrected if tensor.dtype == work_dtype else corrected.to(tensor.dtype)
+                encoded = self.codec.encode(sent, seed=seed)
+                if tensor.dtype == work_dtype:
+                    self.codec.decode(encoded, out=residual)
+                    torch.sub(corrected, residual, out=residual)
+                else:
+                    residual = corrected - self.codec.decode(encoded).to(work_dtype)
         self.residual = residual
-        self._corrected = corrected
         return encoded
+
+    def _corrected_into(self, residual: torch.Tensor, tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``u = decay * residual + tensor`` into ``out`` (which may be ``residual``)."""
+        if self.decay == 1.0:
+            return torch.add(residual, tensor, out=out)
+        return torch.add(tensor, residual, alpha=self.decay, out=out)
+
+    def _encodable_sum(self, residual: torch.Tensor, tensor: torch.Tensor) -> bool:
+        """Whether ``u`` is finite and at most half float32's maximum, so no codec refuses it
+        (checked a piece at a time in a small buffer before the residual is overwritten)."""
+        flat_residual, flat_tensor = residual.reshape(-1), tensor.reshape(-1)
+        numel = flat_residual.numel()
+        scratch = torch.empty(min(numel, _CHECK_ELEMENTS), dtype=residual.dtype, device=residual.device)
+        limit = torch.finfo(torch.float32).max / 2
+        for start in range(0, numel, _CHECK_ELEMENTS):
+            stop = min(numel, start + _CHECK_ELEMENTS)
+            piece = self._corrected_into(flat_residual[start:stop], flat_tensor[start:stop], scratch[: stop - start])
+            low, high = torch.aminmax(piece)
+            if not (-limit <= float(low) and float(high) <= limit):  # NaN fails too
+                return False
+        return True
 
     def reset(self) -> None:
         """Forget the residual (e.g. after the model was re-synchronised from a checkpoint)."""
         self.residual = None
-        self._corrected = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``{"residual": tensor}``, or ``{}`` before the first encode; for checkpoints."""
@@ -89,8 +112,7 @@ class ErrorFeedback:
         ):
             raise ValueError("error-feedback state 'residual' must be a float32 or float64 tensor")
         self.residual = None if residual is None else residual.detach().clone()
-        self._corrected = None
 
 
-def _layout(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
-    return tensor.shape, tensor.dtype, tensor.device
+_CHECK_ELEMENTS = 1 << 20
+"""Values per piece of the pre-check of ``u``: a 4 MB scratch buffer."""

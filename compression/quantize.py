@@ -43,6 +43,7 @@ All arithmetic is fp32 (inputs of other dtypes are converted chunk by chunk); pa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
@@ -310,6 +311,35 @@ class BlockQuantizer(ValueCodec):
             padded = _memory.workspace("q-tail-out", self.block, torch.float32, out.device)
             self._decode_rows(padded_codes, scales[full:], padded.view(1, self.block))
             out[full * self.block :].copy_(padded[:tail])
+
+    def decode_pieces(
+        self, payload: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Rows of blocks decoded into one reused buffer of ``_chunk_elements`` values, with
+        the very operations ``decode_into`` applies to a float32 ``out``."""
+        check_payload_nbytes(self.canonical(), payload, self.payload_nbytes(numel, dtype))
+        blocks = self.num_blocks(numel)
+        scales = view_as(payload[: 2 * blocks], torch.bfloat16).to(torch.float32)
+        if not torch.isfinite(scales).all():
+            raise CodecError(f"{self.canonical()}: payload holds non-finite scales; the data is corrupted")
+        codes = payload[2 * blocks :]
+        full = numel // self.block
+        block_bytes = self.block * self.bits // 8
+        rows_per_chunk = max(1, _chunk_elements(device) // self.block)
+        buffer = torch.empty(max(1, min(full, rows_per_chunk)) * self.block, dtype=torch.float32, device=device)
+        for row in range(0, full, rows_per_chunk):
+            stop = min(full, row + rows_per_chunk)
+            rows = buffer[: (stop - row) * self.block].view(stop - row, self.block)
+            self._decode_rows(codes[row * block_bytes : stop * block_bytes], scales[row:stop], rows)
+            yield row * self.block, rows.view(-1)
+        tail = numel - full * self.block
+        if tail:
+            padded_codes = torch.zeros(block_bytes, dtype=torch.uint8, device=device)
+            tail_codes = codes[full * block_bytes :]
+            padded_codes[: tail_codes.numel()].copy_(tail_codes)
+            padded = buffer[: self.block]
+            self._decode_rows(padded_codes, scales[full:], padded.view(1, self.block))
+            yield full * self.block, padded[:tail]
 
     def _decode_rows(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         num_rows, block = out.shape

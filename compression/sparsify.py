@@ -165,19 +165,27 @@ class TopK(Sparsifier):
         torch.gather(rows, 1, index, out=values_out)
         index_out.copy_(index)
 
+    def _local_indices(self, index_payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """The payload's chunk-local indices, checked to lie within their chunks."""
+        assert self.chunk is not None
+        full, per_chunk, tail, tail_keep = self._layout(numel)
+        selected = full * per_chunk + tail_keep
+        local = unpack_uint(index_payload[: packed_nbytes(selected, self.index_bits)], selected, self.index_bits)
+        head = local[: full * per_chunk]
+        if head.numel() and int(head.max()) >= self.chunk:
+            raise CodecError(
+                f"{self.canonical()}: payload holds an index beyond its chunk of {self.chunk}; data is corrupted"
+            )
+        if tail_keep and int(local[full * per_chunk :].max()) >= tail:
+            raise CodecError(f"{self.canonical()}: payload holds an index beyond the last chunk; data is corrupted")
+        return local
+
     def scatter_into(self, index_payload: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
         assert self.chunk is not None
         chunk = self.chunk
         full, per_chunk, tail, tail_keep = self._layout(out.numel())
-        selected = full * per_chunk + tail_keep
-        local = unpack_uint(index_payload[: packed_nbytes(selected, self.index_bits)], selected, self.index_bits)
+        local = self._local_indices(index_payload, out.numel())
         head = local[: full * per_chunk]
-        if head.numel() and int(head.max()) >= chunk:
-            raise CodecError(
-                f"{self.canonical()}: payload holds an index beyond its chunk of {chunk}; data is corrupted"
-            )
-        if tail_keep and int(local[full * per_chunk :].max()) >= tail:
-            raise CodecError(f"{self.canonical()}: payload holds an index beyond the last chunk; data is corrupted")
         out.zero_()
         if full:
             out[: full * chunk].view(full, chunk).scatter_(
@@ -187,6 +195,19 @@ class TopK(Sparsifier):
             out[full * chunk :].view(1, tail).scatter_(
                 1, local[full * per_chunk :].view(1, tail_keep), values[full * per_chunk :].view(1, tail_keep)
             )
+
+    def selected(
+        self, index_payload: torch.Tensor, values: torch.Tensor, numel: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        local = self._local_indices(index_payload, numel)
+        assert self.chunk is not None
+        full, per_chunk, _, _ = self._layout(numel)
+        # Local index -> flat coordinate: chunk r's values start at r * chunk (the tail's too).
+        offsets = torch.arange(0, (full + 1) * self.chunk, self.chunk, dtype=torch.int64, device=local.device)
+        rows = torch.arange(local.numel(), dtype=torch.int64, device=local.device)
+        rows.div_(per_chunk, rounding_mode="floor")
+        local.add_(offsets[rows.clamp_(max=full)])
+        return local, values
 
 
 @dataclass(frozen=True)
@@ -230,15 +251,21 @@ class RandK(Sparsifier):
         return flat.index_select(0, index)
 
     def scatter_into(self, index_payload: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
-        seed = int.from_bytes(bytes(index_payload.cpu().tolist()), "little")
         numel = out.numel()
-        if numel > _RANDK_MAX_NUMEL:
-            raise CodecError(f"randk: encoded tensor has {numel} elements, more than randk can produce")
-        index = random_indices(seed, numel, values.numel(), out.device)
-        if self.unbiased and values.numel():
-            values = values * (numel / values.numel())
+        index, values = self.selected(index_payload, values, numel)
         out.zero_()
         out.index_copy_(0, index, values)
+
+    def selected(
+        self, index_payload: torch.Tensor, values: torch.Tensor, numel: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        seed = int.from_bytes(bytes(index_payload.cpu().tolist()), "little")
+        if numel > _RANDK_MAX_NUMEL:
+            raise CodecError(f"randk: encoded tensor has {numel} elements, more than randk can produce")
+        index = random_indices(seed, numel, values.numel(), values.device)
+        if self.unbiased and values.numel():
+            values = values * (numel / values.numel())
+        return index, values
 
 
 def _check_fraction(name: str, fraction: float) -> None:

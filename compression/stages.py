@@ -12,8 +12,9 @@ with their ``*_nbytes`` methods, so a whole encoding is one allocation.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Final, Literal
 
 import torch
 
@@ -108,6 +109,40 @@ class ValueCodec(Stage):
         payload length; contents that cannot be valid raise :class:`CodecError`.
         """
 
+    def decode_pieces(
+        self, payload: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """The float32 decoding of ``payload`` as ``(offset, values)`` pieces in order, so a
+        caller can add or reduce an update without a dense copy of it.
+
+        Each piece holds exactly the values ``decode_into`` writes at ``offset`` (the same
+        operations per value) and is only valid until the next one is requested: codecs reuse
+        one small buffer. This fallback decodes everything into one tensor; codecs whose values
+        decode independently of each other override it.
+        """
+        out = torch.empty(numel, dtype=torch.float32, device=device)
+        self.decode_into(payload, out, dtype)
+        yield 0, out
+
+
+PIECE_ELEMENTS: Final = 1 << 20
+"""Values per piece of ``decode_pieces``: a 4 MB fp32 buffer, small next to any model."""
+
+
+def elementwise_pieces(
+    codec: ValueCodec, payload: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device, itemsize: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``decode_pieces`` of a codec that stores each value in ``itemsize`` bytes of its own:
+    slices of the payload decoded into one reused buffer."""
+    if not numel:
+        return
+    buffer = torch.empty(min(numel, PIECE_ELEMENTS), dtype=torch.float32, device=device)
+    for start in range(0, numel, PIECE_ELEMENTS):
+        stop = min(numel, start + PIECE_ELEMENTS)
+        piece = buffer[: stop - start]
+        codec.decode_into(payload[start * itemsize : stop * itemsize], piece, dtype)
+        yield start, piece
+
 
 class Sparsifier(Stage):
     """Chooses a subset of coordinates; the following value codec encodes the chosen values."""
@@ -134,6 +169,14 @@ class Sparsifier(Stage):
     @abstractmethod
     def scatter_into(self, index_payload: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
         """Write the dense reconstruction into ``out`` (every element, zeros where not selected)."""
+
+    @abstractmethod
+    def selected(
+        self, index_payload: torch.Tensor, values: torch.Tensor, numel: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indices, values)`` that ``scatter_into`` would write: distinct int64 coordinates
+        of the flat tensor in payload order and the values stored there (``values`` itself, or
+        a scaled copy), checked like ``scatter_into`` checks them."""
 
 
 def check_payload_nbytes(what: str, payload: torch.Tensor, expected: int) -> None:

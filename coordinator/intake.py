@@ -28,13 +28,12 @@ from typing import Any, Protocol
 
 import torch
 
-from geoloco.algorithms.aggregation import Aggregation
-from geoloco.algorithms.finite import all_finite
+from geoloco.algorithms.aggregation import Aggregation, RunningSum
 from geoloco.algorithms.round import CloseDecision
 from geoloco.algorithms.secagg import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate
 from geoloco.algorithms.weighting import site_weight
-from geoloco.compression import CodecError, Encoded, decode
+from geoloco.compression import Encoded
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext
 from geoloco.coordinator.domain import OPEN_PHASES, RoundPhase, UploadProgress, UploadSpec
@@ -48,8 +47,9 @@ from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.round_timing import RoundTimings
 from geoloco.coordinator.update_guard import UpdateGuard
+from geoloco.coordinator.upload_check import checked_update
 from geoloco.protos.errors import quoted
-from geoloco.protos.wire import DEFAULT_CHECKSUM, MAX_CHUNK_SIZE, ManifestTooLargeError, UploadAssembler
+from geoloco.protos.wire import MAX_CHUNK_SIZE, ManifestTooLargeError, UploadAssembler
 
 __all__ = [
     "MAX_METRIC_NAME_CHARS",
@@ -402,35 +402,14 @@ class PlainIntake:
             self.ctx.config.algorithm.weighting, samples=float(spec.sample_weight), inner_steps=int(spec.inner_steps)
         )
 
-    def _decode(self, site: str, round_number: int, data: memoryview, spec: UploadSpec) -> torch.Tensor:
-        what = f"site {site!r}'s update for round {round_number}"
-        numel = self.ctx.update_numel(round_number)
-        try:
-            # A view of the upload's buffer, which the round keeps: decoding is the only copy.
-            # The assembler verified the manifest's checksum of these bytes; with SHA-256 (the
-            # default) the container's own CRC-32 pass adds nothing.
-            encoded = Encoded.from_bytes(data, copy=False, check_crc=spec.checksum[0] != DEFAULT_CHECKSUM)
-        except CodecError as err:
-            raise InvalidUpdateError(f"{what} is not a valid encoded tensor: {err}") from None
-        if encoded.spec != self.uplink_codec:
-            raise InvalidUpdateError(
-                f"{what} was encoded with {encoded.spec!r}; the run's uplink codec is "
-                f"{self.uplink_codec!r}"
-            )
-        if encoded.shape != (numel,) or encoded.dtype != torch.float32:
-            raise InvalidUpdateError(
-                f"{what} decodes to {encoded.dtype} {list(encoded.shape)}; expected float32 "
-                f"[{numel}]"
-            )
-        try:
-            decoded = decode(encoded, device=self.device)
-        except CodecError as err:
-            raise InvalidUpdateError(f"{what} cannot be decoded: {err}") from None
-        if decoded.shape != (numel,) or decoded.dtype != torch.float32:
-            raise InvalidUpdateError(
-                f"{what} decoded to {decoded.dtype} {list(decoded.shape)}; expected float32 [{numel}]"
-            )
-        return decoded
+    def _verified(
+        self, site: str, round_number: int, data: memoryview, spec: UploadSpec, *, dense: bool
+    ) -> tuple[Encoded | torch.Tensor, float, bool]:
+        """(update to add, its norm, all finite): encoded for a running sum (``upload_check``)."""
+        return checked_update(
+            f"site {site!r}'s update for round {round_number}", data, spec.checksum[0],
+            codec=self.uplink_codec, numel=self.ctx.update_numel(round_number), device=self.device, dense=dense,
+        )
 
     def _verify_and_add(self, site: str, assembler: PlainUpload) -> UploadProgress:
         ctx = self.ctx
@@ -440,12 +419,13 @@ class PlainIntake:
                 if site in ctx.round.contributed and ctx.round.number == round_number:
                     return _progress(assembler)
                 ctx.check_upload_round(round_number)
+                dense = not isinstance(ctx.round.core.aggregation, RunningSum)
             verify_start = time.monotonic()
             data = assembler.finish()  # checksum; a mismatch resets the assembler (DATA_LOSS)
-            decoded = self._decode(site, round_number, data, assembler.spec)
+            decoded, norm, finite = self._verified(site, round_number, data, assembler.spec, dense=dense)
             del data
-            norm, why = self.guard.check_update(decoded)
-            if not all_finite(decoded, norm):
+            why = self.guard.check_norm(norm) if finite else None
+            if not finite:
                 self._reject(site, round_number, "NaN or Inf values")
                 raise InvalidUpdateError(
                     f"site {site!r}'s update for round {round_number} contains NaN or Inf values; "
@@ -538,12 +518,13 @@ class PlainIntake:
             with ctx.cond:
                 if site in ctx.round.folded:
                     return _progress(assembler, folded=True)
+                dense = not isinstance(ctx.round.core.aggregation, RunningSum)
             verify_start = time.monotonic()
             data = assembler.finish()
-            decoded = self._decode(site, round_number, data, assembler.spec)
+            decoded, norm, finite = self._verified(site, round_number, data, assembler.spec, dense=dense)
             del data
-            norm, why = self.guard.check_update(decoded)
-            if not all_finite(decoded, norm):
+            why = self.guard.check_norm(norm) if finite else None
+            if not finite:
                 raise InvalidUpdateError(
                     f"site {site!r}'s late update for round {round_number} contains NaN or Inf "
                     "values; it is dropped"

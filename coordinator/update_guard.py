@@ -124,15 +124,20 @@ class UpdateGuard:
     def check_update(self, update: torch.Tensor) -> tuple[float, str | None]:
         """(norm, why it is refused or None) of a decoded, finite update."""
         norm = update_norm(update)
+        return norm, self.check_norm(norm)
+
+    def check_norm(self, norm: float) -> str | None:
+        """Why an update of L2 norm ``norm`` is refused, or None (``check_update`` for a norm
+        computed without a decoded tensor, e.g. ``geoloco.compression.decoded_norm``)."""
         bound = self.norm_bound()
         if not norm <= bound:
             c = self.config
-            return norm, (
+            return (
                 f"its L2 norm {norm:.4g} exceeds the bound {bound:.4g} (update_guard: the larger "
                 f"of norm_floor {c.norm_floor:.4g} and norm_factor {c.norm_factor:g} x the median "
                 f"norm of the last {c.norm_window} rounds' updates)"
             )
-        return norm, None
+        return None
 
     def check_weight(self, what: str, value: float) -> str | None:
         """Why ``what`` (``sample_weight``, or the weight under the run's weighting) is refused."""

@@ -11,6 +11,7 @@ still be aggregated by the same, still running coordinator.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -257,3 +258,36 @@ def test_new_weights_beyond_max_abs_weight_abort_the_round(run_factory: Callable
         assert run.clients[name].upload(1, _good(seed, run.numel)).complete
     run.wait_round(2)
     assert run.metrics()[-1]["aborted"] is None
+
+
+def test_plain_intake_adds_uploads_without_a_dense_decoded_copy(
+    run_factory: Callable[..., Run], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The running sum decodes each upload piece by piece into its buffer, and the guard's norm
+    and finiteness checks read the encoded update the same way: no model-sized decoded tensor
+    besides the sum (issue #13), while a NaN update is still refused and the mean is exact."""
+    from geoloco.compression.codec import PipelineCodec
+
+    run = run_factory()
+    dense_decodes: list[int] = []
+    original = PipelineCodec._decode
+
+    def counting(self: PipelineCodec, encoded: Any, **kwargs: Any) -> torch.Tensor:
+        if threading.current_thread().name.startswith("geoloco-verify"):  # the intake's verifier
+            dense_decodes.append(encoded.numel)
+        return original(self, encoded, **kwargs)
+
+    monkeypatch.setattr(PipelineCodec, "_decode", counting)
+    a, b = run.clients["a"], run.clients["b"]
+    before = run.server.rounds.weights.clone()
+    broken = _good(1, run.numel)
+    broken[3] = float("nan")
+    assert "NaN or Inf" in _expect_invalid(lambda: a.upload(0, broken))
+    update = _good(2, run.numel)
+    assert b.upload(0, update).complete
+    run.wait_round(1)
+    assert dense_decodes == []
+    record = run.metrics()[-1]
+    assert record["participants"] == ["b"] and record["rejected"] == ["a"]
+    assert record["update_norm"] == pytest.approx(float(torch.linalg.vector_norm(update)), rel=1e-5)
+    assert not torch.equal(run.server.rounds.weights, before)

@@ -361,11 +361,10 @@ KEY_RE = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)+$")
 def _config_field_names() -> set[str]:
     from geoloco.algorithms.simulator import RoundRecord, SimulatorConfig
     from geoloco.coordinator.config import CoordinatorConfig
+    from geoloco.protos.round_phases import COORDINATOR_PHASES, SITE_PHASES
     from geoloco.scenarios.scenario import FAULT_KINDS, Scenario
     from geoloco.scenarios.workloads import WORKLOADS
     from geoloco.site_agent.config import SiteAgentConfig
-
-    from geoloco.protos.round_phases import COORDINATOR_PHASES, SITE_PHASES
 
     names: set[str] = set(FAULT_KINDS) | METRICS_KEYS | set(COORDINATOR_PHASES) | set(SITE_PHASES)
     seen: set[type] = set()

@@ -103,12 +103,15 @@ def _round_up_bf16_(scale: torch.Tensor) -> torch.Tensor:
     """In place: floor positive fp32 ``scale`` at ``_MIN_SCALE`` and round it up to a bfloat16 value.
 
     Adding ``0xFFFF`` to the bit pattern and clearing the low 16 bits rounds a positive float up
-    to the next value with a zero low half, which is exactly a bfloat16; Inf and NaN stay
-    non-finite, so the caller's check still sees them.
+    to the next value with a zero low half, which is exactly a bfloat16. Inf and NaN must stay
+    non-finite so the caller's check sees them, but a NaN whose payload fills the low bits
+    overflows the integer addition into a zero, so non-finite scales are put back afterwards.
     """
     scale.clamp_min_(_MIN_SCALE)
+    nonfinite = ~torch.isfinite(scale)
     bits = scale.view(torch.int32)
     bits.add_(0xFFFF).bitwise_and_(-0x10000)
+    scale.masked_fill_(nonfinite, float("nan"))
     return scale
 
 

@@ -8,7 +8,8 @@ successful call. Statuses that mean "re-join" (stale session, not a member), "to
 ``SiteAgentError`` carrying the coordinator's message, which says what to change.
 
 Transfers resume instead of restarting: an Upload whose stream broke asks ``UploadStatus`` which
-chunks arrived and sends only the rest; FetchModel and AwaitBroadcast keep a ``wire.Download``
+chunks arrived and sends only the rest (a large upload goes over several parallel streams, see
+``client_streams``); FetchModel and AwaitBroadcast keep a ``wire.Download``
 across attempts and ask the coordinator to continue from the first missing chunk.
 """
 
@@ -51,6 +52,7 @@ from geoloco.protos.wire import (
     upload_requests,
 )
 from geoloco.site_agent.backoff import Backoff, describe_error
+from geoloco.site_agent.client_streams import StreamChannels, choose_streams, upload_in_streams
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.connectivity import ConnectivityWatch, RoundTimer, backoff_cap, reconnect_options
 from geoloco.site_agent.errors import (
@@ -138,7 +140,16 @@ class CoordinatorClient:
             extra_options=reconnect_options(config),
         )
         interceptors = list(interceptors)
-        self._channel = grpc.intercept_channel(channel, *interceptors) if interceptors else channel
+
+        def intercept(raw: grpc.Channel) -> grpc.Channel:
+            return grpc.intercept_channel(raw, *interceptors) if interceptors else raw
+
+        self._channel = intercept(channel)
+        self._stream_channels = StreamChannels(
+            target, tls=tls, insecure=insecure, server_name=server_name,
+            extra_options=reconnect_options(config), intercept=intercept,
+        )
+        """Channels of the 2nd..Kth stream of a parallel upload (``client_streams``)."""
         self._raw_channel = channel
         self._stub = coordinator_stub(self._channel)
         self.session_id: str = ""
@@ -347,7 +358,10 @@ class CoordinatorClient:
             metrics=metrics,
             inner_steps=inner_steps,
         )
-        timeout = transfer_timeout(len(data), min_bytes_per_s=self.config.min_transfer_rate)
+        num_chunks = manifest.blob.num_chunks
+        streams = choose_streams(self.config.parallel_streams, len(data), num_chunks)
+        # Each of K streams carries about 1/K of the bytes: its deadline follows its share.
+        timeout = transfer_timeout(-(-len(data) // streams), min_bytes_per_s=self.config.min_transfer_rate)
         missing: list[tuple[int, int]] | None = None
         backoff = self._backoff(f"Upload for round {round_number}")
         for attempt_index in range(self.config.max_upload_attempts):
@@ -355,8 +369,10 @@ class CoordinatorClient:
                 raise AgentStopped()
             backoff.attempting()
             try:
-                requests = upload_requests(manifest, data, missing=missing)
-                response = self._stub.Upload(requests, timeout=timeout)
+                response = upload_in_streams(
+                    self._stub, self._stream_channels, manifest, data,
+                    missing if missing is not None else [(0, num_chunks)], streams=streams, timeout=timeout,
+                )
                 if response.complete:
                     return response
             except grpc.RpcError as error:
@@ -497,6 +513,7 @@ class CoordinatorClient:
     def close(self) -> None:
         self.cancel_active_calls()
         self.connectivity.close()
+        self._stream_channels.close()
         self._raw_channel.close()
 
 

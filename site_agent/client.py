@@ -49,7 +49,6 @@ from geoloco.protos.wire import (
     message_nbytes,
     read_broadcast_stream,
     read_model_stream,
-    upload_requests,
 )
 from geoloco.site_agent.backoff import Backoff, describe_error
 from geoloco.site_agent.client_streams import StreamChannels, choose_streams, upload_in_streams

@@ -217,3 +217,20 @@ def test_parallel_streams_setting_is_validated_with_a_clear_error() -> None:
     for bad in (0, 33, "many", 1.5, True):
         with pytest.raises(ValueError, match="parallel_streams"):
             SiteAgentConfig(parallel_streams=bad)
+
+
+def test_site_command_takes_parallel_streams_and_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from geoloco.scenarios import site_cmd
+
+    parser = argparse.ArgumentParser()
+    site_cmd.register(parser.add_subparsers(dest="command"))
+    base = ["site", "--coordinator", "localhost:1", "--name", "a", "--insecure"]
+    known, _ = parser.parse_known_args([*base, "--parallel-streams", "3"])
+    assert known.parallel_streams == 3
+    known, _ = parser.parse_known_args(base)
+    assert known.parallel_streams == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_known_args([*base, "--parallel-streams", "0"])
+    assert "parallel_streams must be 'auto' or an integer in 1..32" in capsys.readouterr().err

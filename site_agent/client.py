@@ -15,6 +15,7 @@ across attempts and ask the coordinator to continue from the first missing chunk
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import threading
@@ -44,6 +45,7 @@ from geoloco.protos.transport import (
 from geoloco.protos.wire import (
     PROTOCOL_VERSION,
     Download,
+    IncompleteError,
     WireError,
     blob_manifest,
     message_nbytes,
@@ -51,7 +53,14 @@ from geoloco.protos.wire import (
     read_model_stream,
 )
 from geoloco.site_agent.backoff import Backoff, describe_error
-from geoloco.site_agent.client_streams import StreamChannels, choose_streams, upload_in_streams
+from geoloco.site_agent.client_retry import TransientWireError, wire_retrying
+from geoloco.site_agent.client_streams import (
+    StreamChannels,
+    choose_streams,
+    download_streams,
+    run_streams,
+    upload_in_streams,
+)
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.connectivity import ConnectivityWatch, RoundTimer, backoff_cap, reconnect_options
 from geoloco.site_agent.errors import (
@@ -228,7 +237,8 @@ class CoordinatorClient:
 
     def _counted(self, responses: Iterator[Any]) -> Iterator[Any]:
         for response in responses:
-            self.stats.received += message_nbytes(response)
+            with self._lock:  # parallel download streams count into one total
+                self.stats.received += message_nbytes(response)
             yield response
 
     def _header_stamped(self, responses: Iterator[Any]) -> Iterator[Any]:
@@ -296,27 +306,47 @@ class CoordinatorClient:
                 )
             return weights.view(torch.uint8)
 
-        download = Download(max_total_bytes=numel * 4, out_factory=out_factory)
+        streams = download_streams(self.config.parallel_streams, numel * 4)
+        download = Download(max_total_bytes=numel * 4, out_factory=out_factory, parallel=streams > 1)
+        timeout = transfer_timeout(-(-numel * 4 // streams), min_bytes_per_s=self.config.min_transfer_rate)
+        manifests: list[pb.ModelManifest] = []
 
-        def attempt() -> pb.ModelManifest:
-            start, digest = download.resume_point()
-            request = pb.FetchModelRequest(site=self.site, session_id=self.session_id, start_chunk=start)
+        def stream(residue: int) -> None:
+            """One of ``streams`` strided calls (``chunk_stride``), resuming its own share."""
+            if streams == 1:
+                start, digest = download.resume_point()
+            else:
+                first, digest = download.stream_resume_point(residue, streams)
+                if first is None:
+                    return  # this stream's share arrived whole before
+                start = first
+            request = pb.FetchModelRequest(
+                site=self.site, session_id=self.session_id, start_chunk=start,
+                chunk_stride=streams if streams > 1 else 0,  # absent: what older coordinators know
+            )
             if digest is not None:
                 request.expect_digest.CopyFrom(digest)
-            timeout = transfer_timeout(numel * 4, min_bytes_per_s=self.config.min_transfer_rate)
-            call = self._track(self._stub.FetchModel(request, timeout=timeout))
+            stub = self._stub if residue == 0 else self._stream_channels.stubs(residue)[residue - 1]
+            call = self._track(stub.FetchModel(request, timeout=timeout))
             try:
-                manifest = read_model_stream(self._counted(call), download)
-                try:
-                    download.result()
-                except WireError as error:  # checksum mismatch: start over
-                    download.assembler = None
-                    raise _TransientWireError(error) from None
-                return manifest
+                manifests.append(read_model_stream(self._counted(call), download))
             finally:
                 self._untrack(call)
 
-        manifest = self._call("FetchModel", _wire_retrying(attempt))
+        def attempt() -> pb.ModelManifest:
+            run_streams([functools.partial(self._call, f"FetchModel stream {r}", wire_retrying(
+                functools.partial(stream, r))) for r in range(streams)])
+            try:
+                download.result()
+            except IncompleteError as error:  # the weights changed between streams: resume
+                raise TransientWireError(error) from None
+            except WireError as error:  # checksum mismatch: start over
+                download.assembler = None
+                raise TransientWireError(error) from None
+            blob = download.assembler.manifest if download.assembler is not None else None
+            return next((m for m in reversed(manifests) if m.blob == blob), manifests[-1])
+
+        manifest = self._call("FetchModel", wire_retrying(attempt))
         return manifest, weights
 
     # ---------------------------------------------------------------------------------------
@@ -502,10 +532,10 @@ class CoordinatorClient:
                 data = download.result()
             except WireError as error:
                 download.assembler = None
-                raise _TransientWireError(error) from None
+                raise TransientWireError(error) from None
             return header, data
 
-        answer = self._call("AwaitBroadcast", _wire_retrying(attempt), backoff)
+        answer = self._call("AwaitBroadcast", wire_retrying(attempt), backoff)
         self.round_timer.broadcast_received()
         return answer
 
@@ -542,33 +572,3 @@ class OpenBroadcast:
         if call is not None:
             call.cancel()
             self._release(call)
-
-
-class _TransientWireError(grpc.RpcError):
-    """A transfer that arrived broken (checksum mismatch): retried like a network failure."""
-
-    def __init__(self, error: WireError) -> None:
-        super().__init__(str(error))
-        self._error = error
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.DATA_LOSS
-
-    def details(self) -> str:
-        return str(self._error)
-
-    def trailing_metadata(self) -> tuple[()]:
-        return ()
-
-
-def _wire_retrying(attempt: Callable[[], T]) -> Callable[[], T]:
-    """Broken streams that surface as wire errors (a stream cut between chunks looks like a
-    short read) are retried like transport failures."""
-
-    def wrapped() -> T:
-        try:
-            return attempt()
-        except WireError as error:
-            raise _TransientWireError(error) from None
-
-    return wrapped

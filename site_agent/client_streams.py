@@ -17,13 +17,15 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub
-from geoloco.protos.wire import upload_requests
+from geoloco.protos.wire import MAX_CHUNK_SIZE, upload_requests
+
+T = TypeVar("T")
 
 __all__ = [
     "AUTO_BYTES_PER_STREAM",
@@ -31,8 +33,10 @@ __all__ = [
     "MAX_STREAMS",
     "StreamChannels",
     "choose_streams",
+    "download_streams",
     "interleave",
     "parse_parallel_streams",
+    "run_streams",
     "upload_in_streams",
 ]
 
@@ -70,6 +74,42 @@ def choose_streams(setting: int | str, nbytes: int, num_chunks: int) -> int:
     else:
         wanted = int(setting)
     return max(1, min(wanted, num_chunks))
+
+
+def download_streams(setting: int | str, nbytes: int) -> int:
+    """How many strided streams download ``nbytes`` (FetchModel, AwaitBroadcast).
+
+    The server's chunk size is not known before its manifest, so K is capped by the fewest
+    chunks the blob can have (chunks of ``MAX_CHUNK_SIZE``): stream K-1's first chunk exists.
+    """
+    return choose_streams(setting, nbytes, max(1, -(-nbytes // MAX_CHUNK_SIZE)))
+
+
+def run_streams(parts: Sequence[Callable[[], T]]) -> list[T]:
+    """Run ``parts`` concurrently (the first in this thread); their results in order, or the
+    first part's exception once every part has ended."""
+    results: list[Any] = [None] * len(parts)
+    errors: list[Exception | None] = [None] * len(parts)
+
+    def run(index: int) -> None:
+        try:
+            results[index] = parts[index]()
+        except Exception as error:  # noqa: BLE001 (re-raised below, in the caller's thread)
+            errors[index] = error
+
+    threads = [
+        threading.Thread(target=run, args=(index,), name=f"geoloco-stream-{index}", daemon=True)
+        for index in range(1, len(parts))
+    ]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    for error in errors:
+        if error is not None:
+            raise error
+    return results
 
 
 def interleave(ranges: Iterable[tuple[int, int]], streams: int) -> list[list[tuple[int, int]]]:

@@ -234,3 +234,113 @@ def test_site_command_takes_parallel_streams_and_refuses_bad_values(capsys: pyte
     with pytest.raises(SystemExit):
         parser.parse_known_args([*base, "--parallel-streams", "0"])
     assert "parallel_streams must be 'auto' or an integer in 1..32" in capsys.readouterr().err
+
+
+# --- downloads: FetchModel over K strided streams (chunk_stride) ------------------------------
+
+
+@pytest.fixture
+def big_server(certs: Path) -> Iterator[tuple[CoordinatorServer, torch.Tensor]]:
+    """A model of ~8.6 MB (3 streams at the most chunks can be of 4 MiB) in 64 KiB chunks."""
+    model = torch.nn.Linear(1024, 2100)
+    layout = ParamLayout.from_model(model)
+    weights = layout.flatten(model)
+    config = CoordinatorConfig(
+        algorithm=AlgorithmConfig(inner_steps=1), certs_dir=str(certs), min_sites=2, total_rounds=3,
+        chunk_size=64 * 1024,
+    )
+    server = CoordinatorServer(config, weights.clone(), layout)
+    server.start()
+    yield server, weights
+    server.stop(grace=0)
+
+
+class _WatchedStream:
+    """A FetchModel call that records the chunk indices it delivered and, past ``limit``
+    chunks, is cancelled (a stream cut mid-transfer)."""
+
+    def __init__(self, call: Any, received: list[int], limit: int | None) -> None:
+        self._call, self._received, self._limit = call, received, limit
+
+    def __iter__(self) -> _WatchedStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self._limit is not None and len(self._received) >= self._limit:
+            self._call.cancel()
+        response = next(self._call)
+        if response.WhichOneof("kind") == "chunk":
+            self._received.append(response.chunk.index)
+        return response
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+
+class FetchWatch(grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    def __init__(self, log: list[tuple[int, int, list[int]]], cut: dict[str, int]) -> None:
+        self.log, self.cut, self.lock = log, cut, threading.Lock()
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        call = continuation(details, request)
+        if not details.method.endswith("/FetchModel"):
+            return call
+        received: list[int] = []
+        with self.lock:
+            number = len(self.log)
+            self.log.append((request.start_chunk, request.chunk_stride, received))
+        limit = self.cut.get("after") if self.cut.get("call") == number else None
+        return _WatchedStream(call, received, limit)
+
+
+def _fetching_client(
+    server: CoordinatorServer, certs: Path, log: list[tuple[int, int, list[int]]], cut: dict[str, int]
+) -> tuple[CoordinatorClient, grpc.Channel]:
+    watch = FetchWatch(log, cut)
+    client = CoordinatorClient(
+        f"localhost:{server.port}", site="a", tls=TLSFiles.from_dir(certs, "a"), insecure=False,
+        config=SiteAgentConfig(parallel_streams=3, backoff_initial_s=0.05, backoff_max_s=0.1),
+        stop_event=threading.Event(), interceptors=[watch],
+    )
+    return client, _join_both(client, server, certs)
+
+
+def test_fetch_model_over_three_streams_is_bit_identical_each_stream_a_disjoint_share(
+    big_server: tuple[CoordinatorServer, torch.Tensor], certs: Path
+) -> None:
+    server, expected = big_server
+    log: list[tuple[int, int, list[int]]] = []
+    client, other = _fetching_client(server, certs, log, {})
+    try:
+        _, weights = client.fetch_model(expected.numel())
+        assert torch.equal(weights, expected)
+        num_chunks = -(-expected.numel() * 4 // (64 * 1024))
+        assert sorted((start, stride) for start, stride, _ in log) == [(0, 3), (1, 3), (2, 3)]
+        for start, _, received in log:
+            assert received == list(range(start, num_chunks, 3))  # its share, in order, once
+    finally:
+        client.close()
+        other.close()
+
+
+def test_a_fetch_stream_cut_mid_transfer_resumes_its_own_share_only(
+    big_server: tuple[CoordinatorServer, torch.Tensor], certs: Path
+) -> None:
+    server, expected = big_server
+    log: list[tuple[int, int, list[int]]] = []
+    client, other = _fetching_client(server, certs, log, {"call": 1, "after": 5})
+    try:
+        _, weights = client.fetch_model(expected.numel())
+        assert torch.equal(weights, expected)
+        num_chunks = -(-expected.numel() * 4 // (64 * 1024))
+        cut_start, _, cut_received = log[1]
+        assert len(cut_received) == 5
+        resumed = log[3:]
+        assert len(resumed) == 1, log  # only the cut stream went again ...
+        start, stride, received = resumed[0]
+        # ... from its first missing chunk, with its own stride, and only its own share.
+        assert stride == 3 and start == cut_start + 5 * 3
+        assert received == list(range(start, num_chunks, 3))
+    finally:
+        client.close()
+        other.close()

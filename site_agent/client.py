@@ -53,6 +53,7 @@ from geoloco.protos.wire import (
     read_model_stream,
 )
 from geoloco.site_agent.backoff import Backoff, describe_error
+from geoloco.site_agent.client_broadcast import ExtraStreams, OpenBroadcast, on_header
 from geoloco.site_agent.client_retry import TransientWireError, wire_retrying
 from geoloco.site_agent.client_streams import (
     StreamChannels,
@@ -166,6 +167,8 @@ class CoordinatorClient:
         self._lock = threading.Lock()
         self.connectivity = ConnectivityWatch(channel, stop_event)
         """Wakes retry sleeps when the path to the coordinator comes back."""
+        self._last_delta_bytes = 0
+        """Size of the last broadcast delta (``auto`` picks the next one's K from it)."""
         self.round_timer = RoundTimer()
         """The round time seen (between broadcasts): retries are a fraction of it apart."""
 
@@ -463,11 +466,19 @@ class CoordinatorClient:
     # ---------------------------------------------------------------------------------------
     # AwaitBroadcast
 
-    def _await_call(self, round_number: int, start_chunk: int) -> Any:
+    def _await_call(self, round_number: int, start_chunk: int, stride: int = 1, stub: Any = None) -> Any:
         request = pb.AwaitBroadcastRequest(
-            site=self.site, session_id=self.session_id, round=round_number, start_chunk=start_chunk
+            site=self.site, session_id=self.session_id, round=round_number, start_chunk=start_chunk,
+            chunk_stride=stride if stride > 1 else 0,  # absent: what older coordinators know
         )
-        return self._track(self._stub.AwaitBroadcast(request, timeout=self.config.await_timeout_s))
+        stub = stub if stub is not None else self._stub
+        return self._track(stub.AwaitBroadcast(request, timeout=self.config.await_timeout_s))
+
+    def _broadcast_streams(self) -> int:
+        """K for the next broadcast: the configured number, or (``auto``) from the last delta's
+        size (one stream before the first)."""
+        setting = self.config.parallel_streams
+        return int(setting) if setting != "auto" else download_streams(setting, self._last_delta_bytes)
 
     def open_broadcast(self, round_number: int) -> OpenBroadcast:
         """Start waiting for round ``round_number``'s broadcast now, before uploading to it.
@@ -478,8 +489,10 @@ class CoordinatorClient:
         ``cancel`` it when the upload fails.
         """
         mark = self.connectivity.ready_count
+        stride = self._broadcast_streams()
         return OpenBroadcast(
-            round_number, self._await_call(round_number, 0), release=self._untrack, ready_mark=mark
+            round_number, self._await_call(round_number, 0, stride), release=self._untrack, ready_mark=mark,
+            stride=stride,
         )
 
     def await_broadcast(
@@ -501,7 +514,8 @@ class CoordinatorClient:
             raise ValueError(
                 f"the open broadcast wait is for round {opened.round}, not round {round_number}"
             )
-        download = Download()
+        streams = opened.stride if opened is not None else self._broadcast_streams()
+        download = Download(parallel=streams > 1)
         backoff = self._backoff(f"AwaitBroadcast for round {round_number}")
         first = opened.take() if opened is not None else None
         first_mark = opened.ready_mark if opened is not None else None
@@ -511,6 +525,22 @@ class CoordinatorClient:
             if on_progress is not None:
                 on_progress(message)
 
+        def share(residue: int) -> None:
+            """Stream ``residue`` of ``streams`` (1..K-1), opened once the header is known."""
+
+            def once() -> None:
+                start, _ = download.stream_resume_point(residue, streams)
+                if start is None:
+                    return
+                stub = self._stream_channels.stubs(residue)[residue - 1]
+                call = self._await_call(round_number, start, streams, stub)
+                try:
+                    read_broadcast_stream(self._counted(call), download)
+                finally:
+                    self._untrack(call)
+
+            self._call(f"AwaitBroadcast stream {residue}", wire_retrying(once))
+
         def attempt() -> tuple[pb.BroadcastHeader, memoryview | None]:
             nonlocal first
             if first is not None:
@@ -519,17 +549,24 @@ class CoordinatorClient:
                 backoff.attempting(since=first_mark)
             else:
                 start, _ = download.resume_point()
-                call = self._await_call(round_number, start)
+                if streams > 1:
+                    own, _ = download.stream_resume_point(0, streams)
+                    start = own if own is not None else start
+                call = self._await_call(round_number, start, streams)
+            extra = ExtraStreams(streams, share)
             try:
-                header = read_broadcast_stream(
-                    self._header_stamped(self._counted(call)), download, on_progress=progress
-                )
+                responses = on_header(self._header_stamped(self._counted(call)), extra.start)
+                header = read_broadcast_stream(responses, download, on_progress=progress)
             finally:
                 self._untrack(call)
+                extra.join()
             if header.action != pb.BROADCAST_ACTION_APPLY_DELTA:
                 return header, None
+            self._last_delta_bytes = header.delta.total_bytes
             try:
                 data = download.result()
+            except IncompleteError as error:
+                raise TransientWireError(error) from None
             except WireError as error:
                 download.assembler = None
                 raise TransientWireError(error) from None
@@ -544,31 +581,3 @@ class CoordinatorClient:
         self.connectivity.close()
         self._stream_channels.close()
         self._raw_channel.close()
-
-
-class OpenBroadcast:
-    """An AwaitBroadcast call started ahead of the upload it waits on (see ``open_broadcast``)."""
-
-    def __init__(
-        self, round_number: int, call: Any, *, release: Callable[[Any], None], ready_mark: int | None = None
-    ) -> None:
-        self.round = round_number
-        self.ready_mark = ready_mark
-        """The channel's ``ready_count`` when the call went out (``ConnectivityWatch``)."""
-        self._call: Any = call
-        self._release = release
-        """Forget the call in the client's list of active calls."""
-
-    def take(self) -> Any:
-        """The call, handed over once to ``await_broadcast``."""
-        call, self._call = self._call, None
-        if call is None:
-            raise RuntimeError(f"the open broadcast wait for round {self.round} was already used")
-        return call
-
-    def cancel(self) -> None:
-        """Abandon the wait (the upload failed); a no-op once the call was handed over."""
-        call, self._call = self._call, None
-        if call is not None:
-            call.cancel()
-            self._release(call)

@@ -278,12 +278,12 @@ class _WatchedStream:
 
 
 class FetchWatch(grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
-    def __init__(self, log: list[tuple[int, int, list[int]]], cut: dict[str, int]) -> None:
-        self.log, self.cut, self.lock = log, cut, threading.Lock()
+    def __init__(self, log: list[tuple[int, int, list[int]]], cut: dict[str, int], method: str = "/FetchModel") -> None:
+        self.log, self.cut, self.lock, self.method = log, cut, threading.Lock(), method
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         call = continuation(details, request)
-        if not details.method.endswith("/FetchModel"):
+        if not details.method.endswith(self.method):
             return call
         received: list[int] = []
         with self.lock:
@@ -344,3 +344,41 @@ def test_a_fetch_stream_cut_mid_transfer_resumes_its_own_share_only(
     finally:
         client.close()
         other.close()
+
+
+def test_a_broadcast_over_three_streams_arrives_verified_each_stream_a_disjoint_share(certs: Path) -> None:
+    model = torch.nn.Linear(1024, 2100)
+    layout = ParamLayout.from_model(model)
+    config = CoordinatorConfig(
+        algorithm=AlgorithmConfig(inner_steps=1), certs_dir=str(certs), min_sites=1, total_rounds=3,
+        chunk_size=64 * 1024,
+    )
+    server = CoordinatorServer(config, layout.flatten(model), layout)
+    server.start()
+    log: list[tuple[int, int, list[int]]] = []
+    client = CoordinatorClient(
+        f"localhost:{server.port}", site="a", tls=TLSFiles.from_dir(certs, "a"), insecure=False,
+        config=SiteAgentConfig(parallel_streams=3, chunk_size=64 * 1024),
+        stop_event=threading.Event(), interceptors=[FetchWatch(log, {}, "/AwaitBroadcast")],
+    )
+    try:
+        client.join(has_weights=False, weights_round=0, digest_hex=None)
+        numel = layout.numel
+        update = torch.randn(numel, generator=torch.Generator().manual_seed(5))
+        data = parse_codec("none").encode(update, seed=0).to_bytes()
+        opened = client.open_broadcast(0)
+        uploaded = client.upload(
+            round_number=0, data=data, codec="none", shape=[numel], sample_weight=1.0, metrics={}
+        )
+        assert uploaded.complete
+        header, delta = client.await_broadcast(0, opened=opened)
+        assert header.action == pb.BROADCAST_ACTION_APPLY_DELTA and delta is not None
+        assert len(delta) == header.delta.total_bytes  # and its SHA-256 was checked
+        num_chunks = header.delta.num_chunks
+        assert num_chunks >= 3
+        assert sorted((start, stride) for start, stride, _ in log) == [(0, 3), (1, 3), (2, 3)]
+        for start, _, received in log:
+            assert received == list(range(start, num_chunks, 3))
+    finally:
+        client.close()
+        server.stop(grace=0)

@@ -231,7 +231,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=_parallel_streams,
         default="auto",
         metavar="auto|N",
-        help="concurrent Upload streams (one TCP connection each) sharing one upload, so a long "
+        help="concurrent streams (one TCP connection each) sharing one transfer, so a long "
         "fat link is not bounded by one connection's window: 'auto' (one per 64 MiB of "
         "payload, at most 4) or 1..32 (default: %(default)s)",
     )

@@ -1,11 +1,12 @@
-"""One upload over K parallel streams, each on its own TCP connection.
+"""Transfers over K parallel streams, each on its own TCP connection.
 
 One TCP connection rarely fills a long fat link: its window, not the link, bounds it. An upload
 is therefore spread over K concurrent Upload calls of the *same* manifest, each carrying a
 disjoint, chunk-interleaved subset of the chunks (stream i sends chunks i, i+K, i+2K, ...). The
 coordinator already feeds every stream of one manifest into one thread-safe assembler, so no
 protocol change is needed; interleaving keeps the chunks arriving nearly in order, so the
-coordinator's running checksum keeps up instead of rereading the blob at the end.
+coordinator's running checksum keeps up instead of rereading the blob at the end. Downloads
+(FetchModel, AwaitBroadcast) do the same with ``chunk_stride``: call i asks for chunks i, i+K, ...
 
 gRPC multiplexes every call of one channel over one HTTP/2 connection, so K streams on one
 channel still share one TCP window. Each extra stream gets its own channel with a private

@@ -57,10 +57,10 @@ class SiteAgentConfig:
     max_upload_attempts: int = 20
     """Upload streams tried for one update before giving up (each resumes where the last broke)."""
     parallel_streams: int | str = "auto"
-    """Concurrent Upload streams (one TCP connection each) that share one upload's chunks, so a
-    long fat link is not bounded by one connection's window: ``"auto"`` picks one per 64 MiB of
-    payload, at most 4 (one below 64 MiB); an integer 1..32 fixes it
-    (``geoloco.site_agent.client_streams``)."""
+    """Concurrent streams (one TCP connection each) that share one transfer's chunks (uploads,
+    FetchModel, broadcasts), so a long fat link is not bounded by one connection's window:
+    ``"auto"`` picks one per 64 MiB of payload, at most 4 (one up to 64 MiB; a broadcast is
+    sized by the previous one); an integer 1..32 fixes it (``geoloco.site_agent.client_streams``)."""
     state_dir: str | None = None
     """Folder where the site saves its state at every round boundary (global weights, inner
     optimizer, error-feedback residuals, data position, lr schedule, the update awaiting its

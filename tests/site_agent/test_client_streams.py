@@ -346,7 +346,8 @@ def test_a_fetch_stream_cut_mid_transfer_resumes_its_own_share_only(
         other.close()
 
 
-def test_a_broadcast_over_three_streams_arrives_verified_each_stream_a_disjoint_share(certs: Path) -> None:
+def _broadcast_round(certs: Path, log: list[tuple[int, int, list[int]]], cut: dict[str, int]) -> tuple[Any, int]:
+    """One round of one site with K=3; the header and the delta's number of chunks."""
     model = torch.nn.Linear(1024, 2100)
     layout = ParamLayout.from_model(model)
     config = CoordinatorConfig(
@@ -355,11 +356,10 @@ def test_a_broadcast_over_three_streams_arrives_verified_each_stream_a_disjoint_
     )
     server = CoordinatorServer(config, layout.flatten(model), layout)
     server.start()
-    log: list[tuple[int, int, list[int]]] = []
     client = CoordinatorClient(
         f"localhost:{server.port}", site="a", tls=TLSFiles.from_dir(certs, "a"), insecure=False,
         config=SiteAgentConfig(parallel_streams=3, chunk_size=64 * 1024),
-        stop_event=threading.Event(), interceptors=[FetchWatch(log, {}, "/AwaitBroadcast")],
+        stop_event=threading.Event(), interceptors=[FetchWatch(log, cut, "/AwaitBroadcast")],
     )
     try:
         client.join(has_weights=False, weights_round=0, digest_hex=None)
@@ -374,11 +374,27 @@ def test_a_broadcast_over_three_streams_arrives_verified_each_stream_a_disjoint_
         header, delta = client.await_broadcast(0, opened=opened)
         assert header.action == pb.BROADCAST_ACTION_APPLY_DELTA and delta is not None
         assert len(delta) == header.delta.total_bytes  # and its SHA-256 was checked
-        num_chunks = header.delta.num_chunks
-        assert num_chunks >= 3
-        assert sorted((start, stride) for start, stride, _ in log) == [(0, 3), (1, 3), (2, 3)]
-        for start, _, received in log:
-            assert received == list(range(start, num_chunks, 3))
+        assert header.delta.num_chunks >= 3
+        return header, header.delta.num_chunks
     finally:
         client.close()
         server.stop(grace=0)
+
+
+def test_a_broadcast_over_three_streams_arrives_verified_each_stream_a_disjoint_share(certs: Path) -> None:
+    log: list[tuple[int, int, list[int]]] = []
+    _, num_chunks = _broadcast_round(certs, log, {})
+    assert sorted((start, stride) for start, stride, _ in log) == [(0, 3), (1, 3), (2, 3)]
+    for start, _, received in log:
+        assert received == list(range(start, num_chunks, 3))
+
+
+def test_a_broadcast_stream_cut_mid_transfer_resumes_its_own_share_only(certs: Path) -> None:
+    log: list[tuple[int, int, list[int]]] = []
+    _, num_chunks = _broadcast_round(certs, log, {"call": 1, "after": 4})
+    cut_start, _, cut_received = log[1]
+    assert len(cut_received) == 4
+    assert len(log) == 4, log  # the three streams and one resumption of the cut one
+    start, stride, received = log[3]
+    assert stride == 3 and start == cut_start + 4 * 3
+    assert received == list(range(start, num_chunks, 3))

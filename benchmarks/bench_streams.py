@@ -5,7 +5,9 @@ A site process sends one payload (default 1 GiB) to a coordinator-like process w
 K = 1, 2, 4, 8, once with one TCP connection per stream (``StreamChannels``, what the site
 does) and once with all K streams multiplexed over one channel (one HTTP/2 connection). The
 receiving side feeds every stream of one manifest into one ``UploadAssembler`` and verifies
-its SHA-256, as the coordinator's intake does. The same bytes also go once through a plain TCP
+its SHA-256, as the coordinator's intake does. Then the same payload comes back as K strided
+FetchModel calls (``chunk_stride``, one connection each) into one ``wire.Download``, checksum
+verified, as ``CoordinatorClient.fetch_model`` makes them. The same bytes also go once through a plain TCP
 socket between two processes (``sendall`` / ``recv_into``). Each cell runs once (the machine is
 shared); ratios are against the raw socket of the same run.
 
@@ -20,6 +22,7 @@ computed before the clock starts.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -52,10 +55,13 @@ def _cpu_seconds() -> float:
 
 
 def _role_server(args: argparse.Namespace) -> None:
+    from geoloco.protos import geoloco_pb2 as pb
     from geoloco.protos import transport, wire
 
     buffer = bytearray(args.size)  # reused by every upload, as a coordinator would
     assemblers: dict[int, Any] = {}
+    serve = _payload(args.size)  # what FetchModel serves
+    served = [wire.blob_manifest(serve, chunk_size=args.chunk_mib * MiB)]
     lock = threading.Lock()
 
     class BenchCoordinator:
@@ -72,6 +78,10 @@ def _role_server(args: argparse.Namespace) -> None:
             if assembler.complete:
                 assembler.finish()
             return assembler.upload_response()
+
+        def FetchModel(self, request: Any, context: Any) -> Any:
+            manifest = pb.ModelManifest(round=0, blob=served[0], start_chunk=request.start_chunk)
+            yield from wire.model_responses(manifest, serve, stride=request.chunk_stride)
 
     from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 
@@ -101,7 +111,7 @@ def _role_client(args: argparse.Namespace) -> None:
 
     from geoloco.protos import geoloco_pb2 as pb
     from geoloco.protos import transport, wire
-    from geoloco.site_agent.client_streams import StreamChannels, upload_in_streams
+    from geoloco.site_agent.client_streams import StreamChannels, run_streams, upload_in_streams
 
     tls = transport.TLSFiles.from_dir(args.tls_dir, _SITE)
     target = f"localhost:{args.port}"
@@ -112,6 +122,7 @@ def _role_client(args: argparse.Namespace) -> None:
         target, tls=tls, insecure=False, server_name=None, extra_options=(), intercept=lambda c: c
     )
     data = _payload(args.size)
+    receive = bytearray(args.size)
     blob = wire.blob_manifest(data, chunk_size=args.chunk_mib * MiB)
     results = []
     round_number = 0
@@ -139,9 +150,31 @@ def _role_client(args: argparse.Namespace) -> None:
             results.append(
                 {"layout": layout, "streams": streams, "seconds": elapsed, "client_cpu_s": _cpu_seconds() - cpu0}
             )
+    for streams in (int(k) for k in args.streams.split(",")):
+        stubs = [stub, *extra.stubs(streams - 1)]
+        download = wire.Download(max_total_bytes=args.size, out_factory=lambda _b: receive, parallel=streams > 1)
+        cpu0 = _cpu_seconds()
+        t0 = time.perf_counter()
+        run_streams([
+            functools.partial(_fetch_share, stubs[r], download, r, streams) for r in range(streams)
+        ])
+        download.result()
+        elapsed = time.perf_counter() - t0
+        results.append(
+            {"layout": "download", "streams": streams, "seconds": elapsed, "client_cpu_s": _cpu_seconds() - cpu0}
+        )
     extra.close()
     channel.close()
     print(json.dumps(results), flush=True)
+
+
+def _fetch_share(stub: Any, download: Any, residue: int, streams: int) -> None:
+    """One strided FetchModel call, as ``CoordinatorClient.fetch_model`` makes it."""
+    from geoloco.protos import geoloco_pb2 as pb
+    from geoloco.protos import wire
+
+    request = pb.FetchModelRequest(start_chunk=residue, chunk_stride=streams if streams > 1 else 0)
+    wire.read_model_stream(stub.FetchModel(request, timeout=900), download)
 
 
 def _role_raw_server(args: argparse.Namespace) -> None:
@@ -233,7 +266,11 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     print(f"| raw TCP socket | 1 | {raw:.2f} | {rate / raw:.0f} | 1.00 | - |")
     for row in rows:
-        name = "TLS, a connection per stream" if row["layout"] == "connections" else "TLS, streams share one channel"
+        name = {
+            "connections": "upload, TLS, a connection per stream",
+            "shared": "upload, TLS, streams share one channel",
+            "download": "download (FetchModel), TLS, a connection per stream",
+        }[row["layout"]]
         print(
             f"| {name} | {row['streams']} | {row['seconds']:.2f} | {rate / row['seconds']:.0f} | "
             f"{raw / row['seconds']:.2f} | {row['client_cpu_s']:.1f} |"

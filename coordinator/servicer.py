@@ -79,7 +79,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         site = self._site(context, request.site)
         snapshot = self.rounds.model_snapshot(site, request.session_id)
         manifest = translate.model_manifest(snapshot, request, layout=self._layout, chunk_size=self.chunk_size)
-        for response in model_responses(manifest, snapshot.weights):
+        for response in model_responses(manifest, snapshot.weights, stride=request.chunk_stride):
             self.rounds.count_bytes_down(site, message_nbytes(response))
             yield response
 
@@ -137,7 +137,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             assert result.header is not None
             header = translate.broadcast_header(result.header, self._blobs)
             data = result.header.record.data if result.header.record is not None else None
-            for message in broadcast_responses(header, data):
+            for message in broadcast_responses(header, data, stride=request.chunk_stride):
                 self.rounds.count_bytes_down(site, message_nbytes(message))
                 yield message
             return

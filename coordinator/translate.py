@@ -169,7 +169,10 @@ def model_manifest(
         dtype="float32",
     )
     same_weights = request.HasField("expect_digest") and request.expect_digest == digest
-    start = request.start_chunk if same_weights else 0
+    stride = max(1, request.chunk_stride)
+    # A resumption of the same weights goes on where it broke; otherwise from the top -- for one
+    # of several parallel strided streams, the top of its own share (its residue).
+    start = request.start_chunk if same_weights else request.start_chunk % stride
     if start > blob.num_chunks:
         raise InvalidUpdateError(f"start_chunk {start} is past the model's {blob.num_chunks} chunks")
     return pb.ModelManifest(round=snapshot.round, layout=layout, blob=blob, start_chunk=start)

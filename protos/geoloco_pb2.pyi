@@ -250,16 +250,18 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FetchModelRequest(_message.Message):
-    __slots__ = ("site", "session_id", "start_chunk", "expect_digest")
+    __slots__ = ("site", "session_id", "start_chunk", "expect_digest", "chunk_stride")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_CHUNK_FIELD_NUMBER: _ClassVar[int]
     EXPECT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_STRIDE_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     start_chunk: int
     expect_digest: Checksum
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., start_chunk: _Optional[int] = ..., expect_digest: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
+    chunk_stride: int
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., start_chunk: _Optional[int] = ..., expect_digest: _Optional[_Union[Checksum, _Mapping]] = ..., chunk_stride: _Optional[int] = ...) -> None: ...
 
 class ModelManifest(_message.Message):
     __slots__ = ("round", "layout", "blob", "start_chunk")
@@ -357,18 +359,20 @@ class UploadStatusResponse(_message.Message):
     def __init__(self, known: bool = ..., manifest: _Optional[_Union[UploadManifest, _Mapping]] = ..., received: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., complete: bool = ..., folded_late: bool = ...) -> None: ...
 
 class AwaitBroadcastRequest(_message.Message):
-    __slots__ = ("site", "session_id", "round", "fragment", "start_chunk")
+    __slots__ = ("site", "session_id", "round", "fragment", "start_chunk", "chunk_stride")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     START_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_STRIDE_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     round: int
     fragment: int
     start_chunk: int
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., start_chunk: _Optional[int] = ...) -> None: ...
+    chunk_stride: int
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., start_chunk: _Optional[int] = ..., chunk_stride: _Optional[int] = ...) -> None: ...
 
 class BroadcastHeader(_message.Message):
     __slots__ = ("action", "round", "included", "num_contributors", "delta", "weights_digest", "next_round", "run_finished", "start_chunk")

@@ -141,6 +141,15 @@ class BlobAssembler:
             index = self._flags.find(b"\x00")
         return None if index < 0 else index
 
+    def first_missing_in(self, residue: int, stride: int) -> int | None:
+        """Lowest missing index of the form ``residue + n * stride`` (where one of ``stride``
+        parallel downloads resumes), None when all of those arrived."""
+        with self._lock:
+            for index in range(residue, self._num_chunks, max(1, stride)):
+                if not self._flags[index]:
+                    return index
+        return None
+
     def slot_size(self, index: int) -> int:
         """Exact byte count chunk ``index`` must have."""
         if not 0 <= index < self._num_chunks:
@@ -323,13 +332,20 @@ class Download:
         *,
         max_total_bytes: int = DEFAULT_MAX_BLOB_BYTES,
         out_factory: Callable[[pb.BlobManifest], Buffer] | None = None,
+        parallel: bool = False,
     ) -> None:
         """``out_factory(manifest)`` returns the buffer to write into, or None for a new
         bytearray. Writing straight into the live weights saves a copy, but a failed download
-        then leaves them garbled: only do that when failure means a full resync anyway."""
+        then leaves them garbled: only do that when failure means a full resync anyway.
+
+        ``parallel``: several concurrent streams feed this download, each asking for every
+        K-th chunk from its own first index (``chunk_stride``), so a stream may start a blob at
+        a chunk other than 0."""
         self.max_total_bytes = max_total_bytes
         self.out_factory = out_factory
+        self.parallel = parallel
         self.assembler: BlobAssembler | None = None
+        self._lock = threading.Lock()
 
     def resume_point(self) -> tuple[int, pb.Checksum | None]:
         """(start_chunk, expect_digest) for the next request."""
@@ -339,17 +355,26 @@ class Download:
         start = self.assembler.num_chunks if first is None else first
         return start, self.assembler.manifest.checksum
 
+    def stream_resume_point(self, residue: int, stride: int) -> tuple[int | None, pb.Checksum | None]:
+        """(start_chunk, expect_digest) for parallel stream ``residue`` of ``stride``; a None
+        start when that stream's share is complete."""
+        assembler = self.assembler
+        if assembler is None:
+            return residue, None
+        return assembler.first_missing_in(residue, stride), assembler.manifest.checksum
+
     def start(self, blob: pb.BlobManifest, start_chunk: int) -> BlobAssembler:
         """A manifest arrived; keep the partial download if it is the same blob."""
-        if self.assembler is not None and self.assembler.manifest == blob:
+        with self._lock:
+            if self.assembler is not None and self.assembler.manifest == blob:
+                return self.assembler
+            if start_chunk != 0 and not self.parallel:
+                raise ManifestError(
+                    f"server resumes at chunk {start_chunk} of a blob this client never started"
+                )
+            out = self.out_factory(blob) if self.out_factory is not None else None
+            self.assembler = BlobAssembler(blob, max_total_bytes=self.max_total_bytes, out=out)
             return self.assembler
-        if start_chunk != 0:
-            raise ManifestError(
-                f"server resumes at chunk {start_chunk} of a blob this client never started"
-            )
-        out = self.out_factory(blob) if self.out_factory is not None else None
-        self.assembler = BlobAssembler(blob, max_total_bytes=self.max_total_bytes, out=out)
-        return self.assembler
 
     def result(self) -> memoryview:
         if self.assembler is None:

@@ -205,8 +205,10 @@ def iter_chunks(
     *,
     start: int = 0,
     indices: Iterable[int] | None = None,
+    stride: int = 1,
 ) -> Iterator[ChunkRef]:
-    """``ChunkRef``s viewing ``data`` (no copy): all from index ``start``, or just ``indices``.
+    """``ChunkRef``s viewing ``data`` (no copy): every ``stride``-th from index ``start``, or
+    just ``indices``.
 
     The bytes are read when gRPC serializes each chunk, i.e. while the stream is being sent:
     ``data`` must not change until the stream is done (serve a snapshot, not a tensor that the
@@ -214,7 +216,7 @@ def iter_chunks(
     """
     view = as_byte_view(data)
     count = num_chunks_for(len(view), chunk_size)
-    wanted: Iterable[int] = range(start, count) if indices is None else indices
+    wanted: Iterable[int] = range(start, count, max(1, stride)) if indices is None else indices
     for index in wanted:
         if not 0 <= index < count:
             raise ValueError(f"chunk index {index} out of range 0..{count - 1}")
@@ -243,9 +245,10 @@ def upload_requests(
 
 
 def model_responses(
-    manifest: pb.ModelManifest, data: Buffer
+    manifest: pb.ModelManifest, data: Buffer, *, stride: int = 1
 ) -> Iterator[pb.FetchModelResponse | ChunkRef]:
-    """A FetchModel stream: the manifest, then chunks from ``manifest.start_chunk`` on.
+    """A FetchModel stream: the manifest, then chunks from ``manifest.start_chunk`` on (every
+    ``stride``-th: ``FetchModelRequest.chunk_stride``).
 
     ``data`` must stay unchanged while the stream runs (see ``iter_chunks``)."""
     view = as_byte_view(data)
@@ -254,13 +257,14 @@ def model_responses(
             f"buffer has {len(view)} bytes but the manifest announces {manifest.blob.total_bytes}"
         )
     yield pb.FetchModelResponse(manifest=manifest)
-    yield from iter_chunks(view, manifest.blob.chunk_size, start=manifest.start_chunk)
+    yield from iter_chunks(view, manifest.blob.chunk_size, start=manifest.start_chunk, stride=stride)
 
 
 def broadcast_responses(
-    header: pb.BroadcastHeader, delta: Buffer | None
+    header: pb.BroadcastHeader, delta: Buffer | None, *, stride: int = 1
 ) -> Iterator[pb.AwaitBroadcastResponse | ChunkRef]:
-    """An AwaitBroadcast answer: the header, then (APPLY_DELTA) the delta's chunks."""
+    """An AwaitBroadcast answer: the header, then (APPLY_DELTA) the delta's chunks (every
+    ``stride``-th: ``AwaitBroadcastRequest.chunk_stride``)."""
     yield pb.AwaitBroadcastResponse(header=header)
     if header.action != pb.BROADCAST_ACTION_APPLY_DELTA:
         return
@@ -271,4 +275,4 @@ def broadcast_responses(
         raise ValueError(
             f"delta has {len(view)} bytes but the header announces {header.delta.total_bytes}"
         )
-    yield from iter_chunks(view, header.delta.chunk_size, start=header.start_chunk)
+    yield from iter_chunks(view, header.delta.chunk_size, start=header.start_chunk, stride=stride)

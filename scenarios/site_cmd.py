@@ -65,6 +65,7 @@ from geoloco.scenarios.config_file import (
     tomllib,
 )
 from geoloco.scenarios.coordinator_cmd import GracefulStop
+from geoloco.site_agent.client_streams import parse_parallel_streams
 
 if TYPE_CHECKING:  # the workloads import torch; `geoloco --help` stays fast without it
     from geoloco.scenarios.workloads import WorkloadSpec
@@ -95,6 +96,14 @@ class SitePlan:
     site_index: int
     num_sites: int
     inner_optimizer: dict[str, Any]
+
+
+def _parallel_streams(text: str) -> int | str:
+    """``--parallel-streams``: 'auto' or 1..32, refused by argparse with the allowed values."""
+    try:
+        return parse_parallel_streams(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -216,6 +225,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="save this site's state here at every round boundary (weights, inner optimizer, "
         "error-feedback residuals, data position) and resume from it when restarted with the "
         "same folder; one folder per site and run (default: not saved)",
+    )
+    parser.add_argument(
+        "--parallel-streams",
+        type=_parallel_streams,
+        default="auto",
+        metavar="auto|N",
+        help="concurrent streams (one TCP connection each) sharing one transfer, so a long "
+        "fat link is not bounded by one connection's window: 'auto' (one per 64 MiB of "
+        "payload, at most 4) or 1..32 (default: %(default)s)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -442,6 +460,7 @@ def _run(args: argparse.Namespace) -> int:
             backoff_initial_s=min(0.2, args.backoff_max),
             backoff_max_s=args.backoff_max,
             state_dir=None if args.state_dir is None else str(args.state_dir),
+            parallel_streams=args.parallel_streams,
         )
         probe_stop = threading.Event()
         stop.on_stop = probe_stop.set

@@ -8,12 +8,14 @@ successful call. Statuses that mean "re-join" (stale session, not a member), "to
 ``SiteAgentError`` carrying the coordinator's message, which says what to change.
 
 Transfers resume instead of restarting: an Upload whose stream broke asks ``UploadStatus`` which
-chunks arrived and sends only the rest; FetchModel and AwaitBroadcast keep a ``wire.Download``
+chunks arrived and sends only the rest (a large upload goes over several parallel streams, see
+``client_streams``); FetchModel and AwaitBroadcast keep a ``wire.Download``
 across attempts and ask the coordinator to continue from the first missing chunk.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import threading
@@ -43,14 +45,23 @@ from geoloco.protos.transport import (
 from geoloco.protos.wire import (
     PROTOCOL_VERSION,
     Download,
+    IncompleteError,
     WireError,
     blob_manifest,
     message_nbytes,
     read_broadcast_stream,
     read_model_stream,
-    upload_requests,
 )
 from geoloco.site_agent.backoff import Backoff, describe_error
+from geoloco.site_agent.client_broadcast import ExtraStreams, OpenBroadcast, on_header
+from geoloco.site_agent.client_retry import TransientWireError, wire_retrying
+from geoloco.site_agent.client_streams import (
+    StreamChannels,
+    choose_streams,
+    download_streams,
+    run_streams,
+    upload_in_streams,
+)
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.connectivity import ConnectivityWatch, RoundTimer, backoff_cap, reconnect_options
 from geoloco.site_agent.errors import (
@@ -138,7 +149,16 @@ class CoordinatorClient:
             extra_options=reconnect_options(config),
         )
         interceptors = list(interceptors)
-        self._channel = grpc.intercept_channel(channel, *interceptors) if interceptors else channel
+
+        def intercept(raw: grpc.Channel) -> grpc.Channel:
+            return grpc.intercept_channel(raw, *interceptors) if interceptors else raw
+
+        self._channel = intercept(channel)
+        self._stream_channels = StreamChannels(
+            target, tls=tls, insecure=insecure, server_name=server_name,
+            extra_options=reconnect_options(config), intercept=intercept,
+        )
+        """Channels of the 2nd..Kth stream of a parallel upload (``client_streams``)."""
         self._raw_channel = channel
         self._stub = coordinator_stub(self._channel)
         self.session_id: str = ""
@@ -147,6 +167,8 @@ class CoordinatorClient:
         self._lock = threading.Lock()
         self.connectivity = ConnectivityWatch(channel, stop_event)
         """Wakes retry sleeps when the path to the coordinator comes back."""
+        self._last_delta_bytes = 0
+        """Size of the last broadcast delta (``auto`` picks the next one's K from it)."""
         self.round_timer = RoundTimer()
         """The round time seen (between broadcasts): retries are a fraction of it apart."""
 
@@ -218,7 +240,8 @@ class CoordinatorClient:
 
     def _counted(self, responses: Iterator[Any]) -> Iterator[Any]:
         for response in responses:
-            self.stats.received += message_nbytes(response)
+            with self._lock:  # parallel download streams count into one total
+                self.stats.received += message_nbytes(response)
             yield response
 
     def _header_stamped(self, responses: Iterator[Any]) -> Iterator[Any]:
@@ -286,27 +309,47 @@ class CoordinatorClient:
                 )
             return weights.view(torch.uint8)
 
-        download = Download(max_total_bytes=numel * 4, out_factory=out_factory)
+        streams = download_streams(self.config.parallel_streams, numel * 4)
+        download = Download(max_total_bytes=numel * 4, out_factory=out_factory, parallel=streams > 1)
+        timeout = transfer_timeout(-(-numel * 4 // streams), min_bytes_per_s=self.config.min_transfer_rate)
+        manifests: list[pb.ModelManifest] = []
 
-        def attempt() -> pb.ModelManifest:
-            start, digest = download.resume_point()
-            request = pb.FetchModelRequest(site=self.site, session_id=self.session_id, start_chunk=start)
+        def stream(residue: int) -> None:
+            """One of ``streams`` strided calls (``chunk_stride``), resuming its own share."""
+            if streams == 1:
+                start, digest = download.resume_point()
+            else:
+                first, digest = download.stream_resume_point(residue, streams)
+                if first is None:
+                    return  # this stream's share arrived whole before
+                start = first
+            request = pb.FetchModelRequest(
+                site=self.site, session_id=self.session_id, start_chunk=start,
+                chunk_stride=streams if streams > 1 else 0,  # absent: what older coordinators know
+            )
             if digest is not None:
                 request.expect_digest.CopyFrom(digest)
-            timeout = transfer_timeout(numel * 4, min_bytes_per_s=self.config.min_transfer_rate)
-            call = self._track(self._stub.FetchModel(request, timeout=timeout))
+            stub = self._stub if residue == 0 else self._stream_channels.stubs(residue)[residue - 1]
+            call = self._track(stub.FetchModel(request, timeout=timeout))
             try:
-                manifest = read_model_stream(self._counted(call), download)
-                try:
-                    download.result()
-                except WireError as error:  # checksum mismatch: start over
-                    download.assembler = None
-                    raise _TransientWireError(error) from None
-                return manifest
+                manifests.append(read_model_stream(self._counted(call), download))
             finally:
                 self._untrack(call)
 
-        manifest = self._call("FetchModel", _wire_retrying(attempt))
+        def attempt() -> pb.ModelManifest:
+            run_streams([functools.partial(self._call, f"FetchModel stream {r}", wire_retrying(
+                functools.partial(stream, r))) for r in range(streams)])
+            try:
+                download.result()
+            except IncompleteError as error:  # the weights changed between streams: resume
+                raise TransientWireError(error) from None
+            except WireError as error:  # checksum mismatch: start over
+                download.assembler = None
+                raise TransientWireError(error) from None
+            blob = download.assembler.manifest if download.assembler is not None else None
+            return next((m for m in reversed(manifests) if m.blob == blob), manifests[-1])
+
+        manifest = self._call("FetchModel", wire_retrying(attempt))
         return manifest, weights
 
     # ---------------------------------------------------------------------------------------
@@ -347,7 +390,10 @@ class CoordinatorClient:
             metrics=metrics,
             inner_steps=inner_steps,
         )
-        timeout = transfer_timeout(len(data), min_bytes_per_s=self.config.min_transfer_rate)
+        num_chunks = manifest.blob.num_chunks
+        streams = choose_streams(self.config.parallel_streams, len(data), num_chunks)
+        # Each of K streams carries about 1/K of the bytes: its deadline follows its share.
+        timeout = transfer_timeout(-(-len(data) // streams), min_bytes_per_s=self.config.min_transfer_rate)
         missing: list[tuple[int, int]] | None = None
         backoff = self._backoff(f"Upload for round {round_number}")
         for attempt_index in range(self.config.max_upload_attempts):
@@ -355,8 +401,10 @@ class CoordinatorClient:
                 raise AgentStopped()
             backoff.attempting()
             try:
-                requests = upload_requests(manifest, data, missing=missing)
-                response = self._stub.Upload(requests, timeout=timeout)
+                response = upload_in_streams(
+                    self._stub, self._stream_channels, manifest, data,
+                    missing if missing is not None else [(0, num_chunks)], streams=streams, timeout=timeout,
+                )
                 if response.complete:
                     return response
             except grpc.RpcError as error:
@@ -418,11 +466,19 @@ class CoordinatorClient:
     # ---------------------------------------------------------------------------------------
     # AwaitBroadcast
 
-    def _await_call(self, round_number: int, start_chunk: int) -> Any:
+    def _await_call(self, round_number: int, start_chunk: int, stride: int = 1, stub: Any = None) -> Any:
         request = pb.AwaitBroadcastRequest(
-            site=self.site, session_id=self.session_id, round=round_number, start_chunk=start_chunk
+            site=self.site, session_id=self.session_id, round=round_number, start_chunk=start_chunk,
+            chunk_stride=stride if stride > 1 else 0,  # absent: what older coordinators know
         )
-        return self._track(self._stub.AwaitBroadcast(request, timeout=self.config.await_timeout_s))
+        stub = stub if stub is not None else self._stub
+        return self._track(stub.AwaitBroadcast(request, timeout=self.config.await_timeout_s))
+
+    def _broadcast_streams(self) -> int:
+        """K for the next broadcast: the configured number, or (``auto``) from the last delta's
+        size (one stream before the first)."""
+        setting = self.config.parallel_streams
+        return int(setting) if setting != "auto" else download_streams(setting, self._last_delta_bytes)
 
     def open_broadcast(self, round_number: int) -> OpenBroadcast:
         """Start waiting for round ``round_number``'s broadcast now, before uploading to it.
@@ -433,8 +489,10 @@ class CoordinatorClient:
         ``cancel`` it when the upload fails.
         """
         mark = self.connectivity.ready_count
+        stride = self._broadcast_streams()
         return OpenBroadcast(
-            round_number, self._await_call(round_number, 0), release=self._untrack, ready_mark=mark
+            round_number, self._await_call(round_number, 0, stride), release=self._untrack, ready_mark=mark,
+            stride=stride,
         )
 
     def await_broadcast(
@@ -456,7 +514,8 @@ class CoordinatorClient:
             raise ValueError(
                 f"the open broadcast wait is for round {opened.round}, not round {round_number}"
             )
-        download = Download()
+        streams = opened.stride if opened is not None else self._broadcast_streams()
+        download = Download(parallel=streams > 1)
         backoff = self._backoff(f"AwaitBroadcast for round {round_number}")
         first = opened.take() if opened is not None else None
         first_mark = opened.ready_mark if opened is not None else None
@@ -466,6 +525,22 @@ class CoordinatorClient:
             if on_progress is not None:
                 on_progress(message)
 
+        def share(residue: int) -> None:
+            """Stream ``residue`` of ``streams`` (1..K-1), opened once the header is known."""
+
+            def once() -> None:
+                start, _ = download.stream_resume_point(residue, streams)
+                if start is None:
+                    return
+                stub = self._stream_channels.stubs(residue)[residue - 1]
+                call = self._await_call(round_number, start, streams, stub)
+                try:
+                    read_broadcast_stream(self._counted(call), download)
+                finally:
+                    self._untrack(call)
+
+            self._call(f"AwaitBroadcast stream {residue}", wire_retrying(once))
+
         def attempt() -> tuple[pb.BroadcastHeader, memoryview | None]:
             nonlocal first
             if first is not None:
@@ -474,85 +549,35 @@ class CoordinatorClient:
                 backoff.attempting(since=first_mark)
             else:
                 start, _ = download.resume_point()
-                call = self._await_call(round_number, start)
+                if streams > 1:
+                    own, _ = download.stream_resume_point(0, streams)
+                    start = own if own is not None else start
+                call = self._await_call(round_number, start, streams)
+            extra = ExtraStreams(streams, share)
             try:
-                header = read_broadcast_stream(
-                    self._header_stamped(self._counted(call)), download, on_progress=progress
-                )
+                responses = on_header(self._header_stamped(self._counted(call)), extra.start)
+                header = read_broadcast_stream(responses, download, on_progress=progress)
             finally:
                 self._untrack(call)
+                extra.join()
             if header.action != pb.BROADCAST_ACTION_APPLY_DELTA:
                 return header, None
+            self._last_delta_bytes = header.delta.total_bytes
             try:
                 data = download.result()
+            except IncompleteError as error:
+                raise TransientWireError(error) from None
             except WireError as error:
                 download.assembler = None
-                raise _TransientWireError(error) from None
+                raise TransientWireError(error) from None
             return header, data
 
-        answer = self._call("AwaitBroadcast", _wire_retrying(attempt), backoff)
+        answer = self._call("AwaitBroadcast", wire_retrying(attempt), backoff)
         self.round_timer.broadcast_received()
         return answer
 
     def close(self) -> None:
         self.cancel_active_calls()
         self.connectivity.close()
+        self._stream_channels.close()
         self._raw_channel.close()
-
-
-class OpenBroadcast:
-    """An AwaitBroadcast call started ahead of the upload it waits on (see ``open_broadcast``)."""
-
-    def __init__(
-        self, round_number: int, call: Any, *, release: Callable[[Any], None], ready_mark: int | None = None
-    ) -> None:
-        self.round = round_number
-        self.ready_mark = ready_mark
-        """The channel's ``ready_count`` when the call went out (``ConnectivityWatch``)."""
-        self._call: Any = call
-        self._release = release
-        """Forget the call in the client's list of active calls."""
-
-    def take(self) -> Any:
-        """The call, handed over once to ``await_broadcast``."""
-        call, self._call = self._call, None
-        if call is None:
-            raise RuntimeError(f"the open broadcast wait for round {self.round} was already used")
-        return call
-
-    def cancel(self) -> None:
-        """Abandon the wait (the upload failed); a no-op once the call was handed over."""
-        call, self._call = self._call, None
-        if call is not None:
-            call.cancel()
-            self._release(call)
-
-
-class _TransientWireError(grpc.RpcError):
-    """A transfer that arrived broken (checksum mismatch): retried like a network failure."""
-
-    def __init__(self, error: WireError) -> None:
-        super().__init__(str(error))
-        self._error = error
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.DATA_LOSS
-
-    def details(self) -> str:
-        return str(self._error)
-
-    def trailing_metadata(self) -> tuple[()]:
-        return ()
-
-
-def _wire_retrying(attempt: Callable[[], T]) -> Callable[[], T]:
-    """Broken streams that surface as wire errors (a stream cut between chunks looks like a
-    short read) are retried like transport failures."""
-
-    def wrapped() -> T:
-        try:
-            return attempt()
-        except WireError as error:
-            raise _TransientWireError(error) from None
-
-    return wrapped

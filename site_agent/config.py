@@ -16,6 +16,7 @@ from geoloco.algorithms.config import config_from_dict, config_to_dict, require
 from geoloco.algorithms.device import resolve_device
 from geoloco.protos.transport import DEFAULT_MIN_TRANSFER_RATE
 from geoloco.protos.wire import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
+from geoloco.site_agent.client_streams import parse_parallel_streams
 
 __all__ = ["JoinInfo", "RoundResult", "SiteAgentConfig", "SiteHooks", "resolve_device"]
 
@@ -55,6 +56,11 @@ class SiteAgentConfig:
     """Deadline of one AwaitBroadcast call; a round that takes longer is simply waited for again."""
     max_upload_attempts: int = 20
     """Upload streams tried for one update before giving up (each resumes where the last broke)."""
+    parallel_streams: int | str = "auto"
+    """Concurrent streams (one TCP connection each) that share one transfer's chunks (uploads,
+    FetchModel, broadcasts), so a long fat link is not bounded by one connection's window:
+    ``"auto"`` picks one per 64 MiB of payload, at most 4 (one up to 64 MiB; a broadcast is
+    sized by the previous one); an integer 1..32 fixes it (``geoloco.site_agent.client_streams``)."""
     state_dir: str | None = None
     """Folder where the site saves its state at every round boundary (global weights, inner
     optimizer, error-feedback residuals, data position, lr schedule, the update awaiting its
@@ -112,6 +118,10 @@ class SiteAgentConfig:
             "state_dir",
             "must be a folder path or unset, got an empty string",
         )
+        try:
+            self.parallel_streams = parse_parallel_streams(self.parallel_streams)
+        except ValueError as error:
+            require(False, "parallel_streams", str(error).removeprefix("parallel_streams "))
         require(
             self.max_upload_attempts >= 1,
             "max_upload_attempts",

@@ -1,0 +1,226 @@
+"""Transfers over K parallel streams, each on its own TCP connection.
+
+One TCP connection rarely fills a long fat link: its window, not the link, bounds it. An upload
+is therefore spread over K concurrent Upload calls of the *same* manifest, each carrying a
+disjoint, chunk-interleaved subset of the chunks (stream i sends chunks i, i+K, i+2K, ...). The
+coordinator already feeds every stream of one manifest into one thread-safe assembler, so no
+protocol change is needed; interleaving keeps the chunks arriving nearly in order, so the
+coordinator's running checksum keeps up instead of rereading the blob at the end. Downloads
+(FetchModel, AwaitBroadcast) do the same with ``chunk_stride``: call i asks for chunks i, i+K, ...
+
+gRPC multiplexes every call of one channel over one HTTP/2 connection, so K streams on one
+channel still share one TCP window. Each extra stream gets its own channel with a private
+subchannel pool (``grpc.use_local_subchannel_pool``), which gives it its own connection.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub
+from geoloco.protos.wire import MAX_CHUNK_SIZE, upload_requests
+
+T = TypeVar("T")
+
+__all__ = [
+    "AUTO_BYTES_PER_STREAM",
+    "MAX_AUTO_STREAMS",
+    "MAX_STREAMS",
+    "StreamChannels",
+    "choose_streams",
+    "download_streams",
+    "interleave",
+    "parse_parallel_streams",
+    "run_streams",
+    "upload_in_streams",
+]
+
+MiB = 1 << 20
+AUTO_BYTES_PER_STREAM = 64 * MiB
+"""``"auto"`` opens one stream per this many payload bytes: below it one stream carries the
+upload (a second connection's handshake and threads cost more than they save)."""
+MAX_AUTO_STREAMS = 4
+"""The most streams ``"auto"`` picks (see benchmarks/README.md, "Parallel streams")."""
+MAX_STREAMS = 32
+"""The most streams a site may configure."""
+
+
+def parse_parallel_streams(value: object) -> int | str:
+    """``parallel_streams`` as configured: ``"auto"`` or an int in 1..MAX_STREAMS."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STREAMS:
+        raise ValueError(
+            f"parallel_streams must be 'auto' or an integer in 1..{MAX_STREAMS}, got {value!r}"
+        )
+    return value
+
+
+def choose_streams(setting: int | str, nbytes: int, num_chunks: int) -> int:
+    """How many streams carry a payload of ``nbytes`` in ``num_chunks`` chunks.
+
+    ``"auto"``: one per ``AUTO_BYTES_PER_STREAM`` bytes, at most ``MAX_AUTO_STREAMS``; a
+    configured number is taken as is. Never more streams than chunks.
+    """
+    if setting == "auto":
+        wanted = min(MAX_AUTO_STREAMS, max(1, math.ceil(nbytes / AUTO_BYTES_PER_STREAM)))
+    else:
+        wanted = int(setting)
+    return max(1, min(wanted, num_chunks))
+
+
+def download_streams(setting: int | str, nbytes: int) -> int:
+    """How many strided streams download ``nbytes`` (FetchModel, AwaitBroadcast).
+
+    The server's chunk size is not known before its manifest, so K is capped by the fewest
+    chunks the blob can have (chunks of ``MAX_CHUNK_SIZE``): stream K-1's first chunk exists.
+    """
+    return choose_streams(setting, nbytes, max(1, -(-nbytes // MAX_CHUNK_SIZE)))
+
+
+def run_streams(parts: Sequence[Callable[[], T]]) -> list[T]:
+    """Run ``parts`` concurrently (the first in this thread); their results in order, or the
+    first part's exception once every part has ended."""
+    results: list[Any] = [None] * len(parts)
+    errors: list[Exception | None] = [None] * len(parts)
+
+    def run(index: int) -> None:
+        try:
+            results[index] = parts[index]()
+        except Exception as error:  # noqa: BLE001 (re-raised below, in the caller's thread)
+            errors[index] = error
+
+    threads = [
+        threading.Thread(target=run, args=(index,), name=f"geoloco-stream-{index}", daemon=True)
+        for index in range(1, len(parts))
+    ]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    for error in errors:
+        if error is not None:
+            raise error
+    return results
+
+
+def interleave(ranges: Iterable[tuple[int, int]], streams: int) -> list[list[tuple[int, int]]]:
+    """Deal the chunk indices of ``ranges`` round-robin over ``streams`` lists of ranges.
+
+    Every index lands in exactly one list; lists that would be empty are dropped.
+    """
+    dealt: list[list[tuple[int, int]]] = [[] for _ in range(streams)]
+    position = 0
+    for start, end in ranges:
+        for index in range(start, end):
+            target = dealt[position % streams]
+            if target and target[-1][1] == index:
+                target[-1] = (target[-1][0], index + 1)
+            else:
+                target.append((index, index + 1))
+            position += 1
+    return [subset for subset in dealt if subset]
+
+
+class StreamChannels:
+    """The extra channels (one TCP connection each) behind streams 2..K, opened on first use
+    and kept for the client's lifetime."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: TLSFiles | None,
+        insecure: bool,
+        server_name: str | None,
+        extra_options: Sequence[tuple[str, Any]],
+        intercept: Callable[[grpc.Channel], grpc.Channel],
+    ) -> None:
+        self._open_args = (target, tls, insecure, server_name, tuple(extra_options))
+        self._intercept = intercept
+        self._channels: list[grpc.Channel] = []
+        self._stubs: list[Any] = []
+        self._lock = threading.Lock()
+
+    def stubs(self, count: int) -> list[Any]:
+        """Stubs of ``count`` distinct extra channels."""
+        target, tls, insecure, server_name, extra = self._open_args
+        with self._lock:
+            while len(self._stubs) < count:
+                options = [
+                    *extra,
+                    ("grpc.use_local_subchannel_pool", 1),
+                    ("geoloco.stream_index", len(self._channels) + 1),
+                ]
+                channel = client_channel(
+                    target, tls=tls, insecure=insecure, server_name=server_name, extra_options=options
+                )
+                self._channels.append(channel)
+                self._stubs.append(coordinator_stub(self._intercept(channel)))
+            return self._stubs[:count]
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels:
+                channel.close()
+            self._channels.clear()
+            self._stubs.clear()
+
+
+def upload_in_streams(
+    stub: Any,
+    channels: StreamChannels,
+    manifest: pb.UploadManifest,
+    data: bytes,
+    missing: list[tuple[int, int]],
+    *,
+    streams: int,
+    timeout: float,
+) -> pb.UploadResponse:
+    """Send the ``missing`` chunks over up to ``streams`` concurrent Upload calls (the first on
+    ``stub``, the others on ``channels``), each with a disjoint interleaved share.
+
+    Returns a complete response if any stream got one; otherwise raises the first stream's
+    error once every stream has ended (what the others delivered stays with the coordinator for
+    the resumption), or returns an incomplete response.
+    """
+    subsets = interleave(missing, streams)
+    if len(subsets) <= 1:
+        return stub.Upload(upload_requests(manifest, data, missing=missing), timeout=timeout)
+    stubs = [stub, *channels.stubs(len(subsets) - 1)]
+    responses: list[pb.UploadResponse | None] = [None] * len(subsets)
+    errors: list[grpc.RpcError | None] = [None] * len(subsets)
+
+    def send(index: int) -> None:
+        try:
+            responses[index] = stubs[index].Upload(
+                upload_requests(manifest, data, missing=subsets[index]), timeout=timeout
+            )
+        except grpc.RpcError as error:
+            errors[index] = error
+
+    threads = [
+        threading.Thread(target=send, args=(index,), name=f"geoloco-upload-{index}", daemon=True)
+        for index in range(1, len(subsets))
+    ]
+    for thread in threads:
+        thread.start()
+    send(0)
+    for thread in threads:
+        thread.join()
+    for response in responses:
+        if response is not None and response.complete:
+            return response
+    for error in errors:
+        if error is not None:
+            raise error
+    return pb.UploadResponse(complete=False)

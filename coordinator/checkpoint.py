@@ -7,12 +7,9 @@ A checkpoint is two files in the checkpoint folder:
 * ``checkpoint.json`` — the pointer to the newest tensor file, with its SHA-256, the round number
   and JSON metadata (config, scalar optimizer state).
 
-Each file is written to a temporary name, fsync'ed, renamed over its final name and the folder is
-fsync'ed, so ``kill -9`` at any instant leaves either the previous checkpoint or the new one, never
-a torn file. The tensor file is streamed to disk tensor by tensor (and hashed on the way) rather
-than built as one blob in memory first: for a 50M-parameter model the blob and the per-tensor
-byte copies of ``safetensors.torch.save`` made the checkpoint the coordinator's memory peak
-(about 1 GB on top of the weights; see ``benchmarks/bench_coordinator_memory.py``).
+Each file is written atomically and the tensor file streamed tensor by tensor
+(``geoloco.protos.atomic_files``), so ``kill -9`` at any instant leaves either the previous
+checkpoint or the new one, never a torn file, and writing costs no memory beyond the tensors.
 
 The tensor file is written before the pointer; a crash between the two leaves an
 orphan tensor file that the next save removes. The last ``keep`` tensor files are kept so an
@@ -28,20 +25,20 @@ cannot be resumed, and starting over beside them would silently discard a run):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+
+from geoloco.protos.atomic_files import atomic_write, atomic_write_safetensors, file_sha256, fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -52,24 +49,6 @@ ARCHIVE_PREFIX = "previous-run-"
 """Sub-folders where ``archive_previous_run`` moves the files of a run that is not resumed."""
 FRESH_HINT = "or start a new run with `--fresh` (`resume = false`), which moves the old files aside"
 """How every refusal ends: what the operator can do besides repairing the checkpoint."""
-_HASH_BLOCK = 16 << 20
-"""Bytes read at a time when verifying a tensor file's checksum."""
-
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-"""torch dtype -> safetensors dtype name, for the dtypes a checkpoint holds."""
-
-
 class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be trusted (missing file, checksum mismatch, bad JSON)."""
 
@@ -82,83 +61,6 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_with(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Write ``path`` through a temporary file, fsync, rename, fsync the folder (what ``write``
-    returns, e.g. a byte count, is ignored)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    _atomic_write_with(path, lambda f: f.write(data))
-
-
-def _safetensors_layout(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
-    """The safetensors header (length prefix and JSON, padded to 8 bytes as safetensors does)
-    and the tensors in file order, as contiguous CPU tensors (no copy when already so)."""
-    header: dict[str, Any] = {}
-    ordered = []
-    offset = 0
-    for name, tensor in tensors.items():
-        if tensor.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(
-                f"checkpoint tensor {name!r} has dtype {tensor.dtype}; supported: "
-                f"{', '.join(str(d) for d in SAFETENSORS_DTYPES)}"
-            )
-        cpu = tensor.detach().to("cpu").contiguous()
-        nbytes = cpu.numel() * cpu.element_size()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[cpu.dtype],
-            "shape": list(cpu.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        ordered.append(cpu)
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, ordered
-
-
-def _write_safetensors(f: IO[bytes], tensors: dict[str, torch.Tensor], digest: Any) -> None:
-    """Stream ``tensors`` into ``f`` in the safetensors format, feeding every byte to ``digest``.
-
-    Each tensor's memory is written as is (a byte view, no copy), so writing a checkpoint costs
-    no memory beyond the tensors themselves.
-    """
-    if sys.byteorder != "little":  # pragma: no cover - geoloco runs on little-endian machines
-        raise RuntimeError("safetensors files are little-endian; this machine is not")
-    header, ordered = _safetensors_layout(tensors)
-    f.write(header)
-    digest.update(header)
-    for tensor in ordered:
-        if tensor.numel() == 0:
-            continue
-        view = tensor.reshape(-1).view(torch.uint8).numpy().data  # a memoryview of the tensor's bytes
-        f.write(view)
-        digest.update(view)
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def save_checkpoint(
@@ -177,16 +79,15 @@ def save_checkpoint(
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     tensor_path = folder / f"round-{round_number:06d}.safetensors"
-    digest = hashlib.sha256()
-    _atomic_write_with(tensor_path, lambda f: _write_safetensors(f, tensors, digest))
+    sha256 = atomic_write_safetensors(tensor_path, tensors)
     pointer = {
         "format_version": FORMAT_VERSION,
         "round": round_number,
         "tensor_file": tensor_path.name,
-        "sha256": digest.hexdigest(),
+        "sha256": sha256,
         "metadata": metadata or {},
     }
-    _atomic_write(folder / POINTER_NAME, json.dumps(pointer, indent=2, sort_keys=True).encode())
+    atomic_write(folder / POINTER_NAME, json.dumps(pointer, indent=2, sort_keys=True).encode())
     _prune(folder, keep=keep, current=tensor_path.name)
     logger.debug("checkpoint for round %d written to %s", round_number, tensor_path)
     return tensor_path
@@ -233,7 +134,7 @@ def archive_previous_run(directory: str | os.PathLike[str]) -> Path | None:
     archive.mkdir()
     for path in files:
         os.replace(path, archive / path.name)
-    _fsync_dir(folder)
+    fsync_dir(folder)
     logger.warning("moved the previous run's checkpoint files (%d) to %s", len(files), archive)
     return archive
 
@@ -299,7 +200,7 @@ def load_latest_checkpoint(
         raise CheckpointError(
             f"{pointer_path} names {name}, which does not exist; restore it from a backup, {FRESH_HINT}"
         )
-    actual = _file_sha256(tensor_path)
+    actual = file_sha256(tensor_path)
     if actual != expected:
         raise CheckpointError(
             f"{tensor_path} fails its checksum (sha256 {actual[:16]}..., expected {expected[:16]}...); "

@@ -14,8 +14,8 @@
   errors the agent raises (``SiteAgentError``, ``CoordinatorUnreachableError``).
 - ``distributed``: intra-site ``torch.distributed`` groups for multi-GPU sites (``init_from_env``).
 - ``connectivity``: prompt reconnection when the path to the coordinator comes back.
-- ``persist`` / ``atomic_files``: the site's state saved under ``state_dir`` at every round
-  boundary, so a killed and restarted site goes on as if it never stopped.
+- ``persist``: the site's state saved under ``state_dir`` at every round boundary (written with
+  ``geoloco.protos.atomic_files``), so a killed and restarted site goes on as if it never stopped.
 """
 
 from __future__ import annotations

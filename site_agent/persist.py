@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import load_file
 
 from geoloco.algorithms.params import ParamLayout
-from geoloco.site_agent.atomic_files import atomic_write, atomic_write_safetensors, file_sha256
+from geoloco.protos.atomic_files import atomic_write, atomic_write_safetensors, file_sha256
 from geoloco.site_agent.client import SiteAgentError
 
 __all__ = [

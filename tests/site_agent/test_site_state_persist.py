@@ -19,9 +19,9 @@ from _agent_helpers import AgentThread, make_agent, make_certs, start_coordinato
 
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.protos.atomic_files import atomic_write
 from geoloco.scenarios.workloads import MLPWorkload, MLPWorkloadConfig
 from geoloco.site_agent.agent import SiteAgent, SiteRunSummary
-from geoloco.site_agent.atomic_files import atomic_write
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.persist import (
     POINTER_NAME,

@@ -1,10 +1,11 @@
-"""Crash-safe files for the site's state: write to a temporary name, fsync, rename, fsync the folder.
+"""Crash-safe files: write to a temporary name, fsync, rename, fsync the folder.
 
-The same pattern as the coordinator's checkpoints (``geoloco.coordinator.checkpoint``; the layer
-rules keep the two packages apart, so the site has its own copy): after ``kill -9`` at any
-instant a file holds either its previous content or its new one, never a torn mix. Tensors are
-streamed into safetensors files tensor by tensor (hashed on the way), so saving costs no memory
-beyond the tensors themselves, and loading never unpickles (a state file cannot run code).
+The coordinator's checkpoints and a site's saved state both rely on it (here, the layer both
+processes share): after ``kill -9`` at any instant a file holds either its previous content or
+its new one, never a torn mix. Tensors are streamed into safetensors files tensor by tensor
+(hashed on the way), so saving costs no memory beyond the tensors themselves (for a 50M-parameter
+model ``safetensors.torch.save``'s blob and byte copies made the checkpoint the coordinator's
+memory peak), and loading never unpickles (a file cannot run code).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["atomic_write", "atomic_write_safetensors", "file_sha256", "fsync_dir"]
+__all__ = ["SAFETENSORS_DTYPES", "atomic_write", "atomic_write_safetensors", "file_sha256", "fsync_dir"]
 
 _HASH_BLOCK = 16 << 20
 """Bytes read at a time when verifying a file's checksum."""
@@ -36,7 +37,7 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-"""torch dtype -> safetensors dtype name, for the dtypes a site's state holds."""
+"""torch dtype -> safetensors dtype name, for the dtypes checkpoints and site states hold."""
 
 
 def fsync_dir(directory: Path) -> None:
@@ -49,6 +50,8 @@ def fsync_dir(directory: Path) -> None:
 
 
 def _atomic_write_with(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write ``path`` through ``.NAME.tmp-PID``, fsync, rename, fsync the folder; a failed write
+    removes the temporary file (a crash leaves it for the owner's clean-up)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -74,7 +77,7 @@ def _safetensors_header(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[t
     for name, tensor in tensors.items():
         if tensor.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(
-                f"site state tensor {name!r} has dtype {tensor.dtype}; supported: "
+                f"tensor {name!r} has dtype {tensor.dtype}; supported: "
                 f"{', '.join(str(d) for d in SAFETENSORS_DTYPES)}"
             )
         cpu = tensor.detach().to("cpu").contiguous()
@@ -113,6 +116,7 @@ def atomic_write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> st
 
 
 def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in blocks (a multi-GB tensor file is never held in memory)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(_HASH_BLOCK):

@@ -121,14 +121,9 @@ class UpdateGuard:
         relative = self.config.norm_factor * statistics.median(norms) if norms else 0.0
         return max(self.config.norm_floor, relative)
 
-    def check_update(self, update: torch.Tensor) -> tuple[float, str | None]:
-        """(norm, why it is refused or None) of a decoded, finite update."""
-        norm = update_norm(update)
-        return norm, self.check_norm(norm)
-
     def check_norm(self, norm: float) -> str | None:
-        """Why an update of L2 norm ``norm`` is refused, or None (``check_update`` for a norm
-        computed without a decoded tensor, e.g. ``geoloco.compression.decoded_norm``)."""
+        """Why an update of L2 norm ``norm`` is refused, or None. The norm comes from
+        ``update_norm`` of a decoded update or, without one, ``geoloco.compression.decoded_norm``."""
         bound = self.norm_bound()
         if not norm <= bound:
             c = self.config

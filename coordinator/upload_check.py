@@ -5,7 +5,7 @@ must be the run's, and the values decodable. A plain running sum takes the encod
 norm is computed piece by piece here and the sum decodes it piece by piece into its buffer
 (``geoloco.compression.add_decoded_into``), so no dense decoded copy of the update exists. That
 norm is summed in float64, so it differs from the float32 norm of a decoded tensor
-(``UpdateGuard.check_update``) by float32 rounding (~1e-5 relative at 1M values); the guard
+(``update_guard.update_norm``) by float32 rounding (~1e-5 relative at 1M values); the guard
 only compares it with a bound. Robust and central-DP aggregations hold or clip dense updates by
 design and get the decoded tensor.
 """

@@ -102,6 +102,10 @@ class CoordinatorConfig:
     ``checkpoint_dir/previous-run-N``."""
     metrics_path: str | None = None
     """JSON-lines file receiving one record per round (appended across restarts)."""
+    tensorboard_dir: str | None = None
+    """Also write each round's scalars (losses, bytes, round time, epsilon) as TensorBoard events
+    into this folder (``geoloco.coordinator.tensorboard``); needs ``metrics_path`` and the
+    ``tensorboard`` extra."""
     eval_every: int = 1
     """Evaluate the global weights every this many rounds (and after the last) when the server
     was given an ``eval_fn``."""
@@ -197,6 +201,11 @@ class CoordinatorConfig:
         )
         require(self.checkpoint_keep >= 1, "checkpoint_keep", f"must be >= 1, got {self.checkpoint_keep}")
         require(self.eval_every >= 1, "eval_every", f"must be >= 1, got {self.eval_every}")
+        require(
+            self.tensorboard_dir is None or self.metrics_path is not None,
+            "tensorboard_dir",
+            "TensorBoard shows the records of metrics_path: set metrics_path (--metrics FILE) too",
+        )
         require(
             0 < self.chunk_size <= MAX_CHUNK_SIZE,
             "chunk_size",

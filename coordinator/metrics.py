@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from geoloco.coordinator.tensorboard import TensorBoardWriter
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MetricsWriter", "append_missing_record", "plain_record", "read_metrics"]
@@ -44,13 +46,17 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends records to a JSON-lines file (thread-safe; each line flushed when written)."""
+    """Appends records to a JSON-lines file (thread-safe; each line flushed when written), and
+    with ``tensorboard_dir`` their scalars to TensorBoard too (``geoloco.coordinator.tensorboard``)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _cut_torn_tail(self.path)
         self._lock = threading.Lock()
+        self._tensorboard: TensorBoardWriter | None = None
+        if tensorboard_dir is not None:
+            self._tensorboard = TensorBoardWriter(tensorboard_dir, step_key="round")
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -61,11 +67,18 @@ class MetricsWriter:
                 return
             self._file.write(line + "\n")
             self._file.flush()
+            if self._tensorboard is not None:
+                try:
+                    self._tensorboard.write(record)
+                except Exception:
+                    logger.exception("TensorBoard scalars of round %s not written", record.get("round"))
 
     def close(self) -> None:
         with self._lock:
             if not self._file.closed:
                 self._file.close()
+                if self._tensorboard is not None:
+                    self._tensorboard.close()
 
 
 def _cut_torn_tail(path: Path) -> None:

@@ -60,7 +60,9 @@ class CoordinatorServer:
         ``config.checkpoint_dir`` holds a checkpoint. ``eval_fn(flat_weights) -> loss`` is
         called every ``eval_every`` rounds; ``on_round_end(metrics)`` after every round."""
         self.config = config
-        self._metrics = MetricsWriter(config.metrics_path) if config.metrics_path else None
+        self._metrics = (
+            MetricsWriter(config.metrics_path, tensorboard_dir=config.tensorboard_dir) if config.metrics_path else None
+        )
         self._user_on_round_end = on_round_end
         self.rounds = RoundStateMachine(
             config, initial_weights, layout, eval_fn=eval_fn, clock=clock

@@ -55,6 +55,7 @@ from geoloco.scenarios.config_file import (
     report_config_error,
 )
 from geoloco.scenarios.overrides import add_set_argument, apply_overrides
+from geoloco.scenarios.research import require_tensorboard
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--metrics", type=Path, metavar="FILE", help="JSON-lines metrics file, overrides `metrics_path`"
     )
     parser.add_argument(
+        "--tensorboard", type=Path, metavar="DIR",
+        help="also write each round's scalars as TensorBoard events into DIR (needs --metrics or "
+        "`metrics_path`, and `pip install 'geoloco[tensorboard]'`), overrides `tensorboard_dir`",
+    )
+    parser.add_argument(
         "--checkpoint-dir", type=Path, metavar="DIR", help="checkpoint folder, overrides `checkpoint_dir`"
     )
     parser.add_argument(
@@ -198,9 +204,10 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
         ("port", "port"),
         ("cert_name", "cert_name"),
         ("metrics", "metrics_path"),
+        ("tensorboard", "tensorboard_dir"),
         ("checkpoint_dir", "checkpoint_dir"),
     ):
-        value = getattr(args, flag)
+        value = getattr(args, flag, None)
         if value is not None:
             raw[key] = str(value) if isinstance(value, Path) else value
 
@@ -222,6 +229,8 @@ def load_config(args: argparse.Namespace) -> tuple[Any, Any]:
         config = CoordinatorConfig.from_dict(raw)
     except ConfigError as err:
         raise from_config_error(source, err) from None
+    if config.tensorboard_dir is not None:
+        require_tensorboard(source, "tensorboard_dir")
     return config, workload
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "load_run_config",
     "prepare_raw",
     "provenance",
+    "require_tensorboard",
     "resolved_config",
     "run",
 ]
@@ -312,19 +313,33 @@ def _write_json(path: Path, data: Any) -> None:
 # -- running ---------------------------------------------------------------------------------------
 
 
+def require_tensorboard(source: str, key: str) -> None:
+    """Fail with a config error naming ``key`` when the ``tensorboard`` package is missing, before
+    a run starts rather than after it trained."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigFileError(
+            source, key, "TensorBoard output needs the `tensorboard` package: pip install 'geoloco[tensorboard]'"
+        ) from None
+
+
 def run(
     config: Mapping[str, Any] | Path | str,
     *,
     overrides: Sequence[str] = (),
     out: Path | None = None,
     on_record: Callable[[Any], None] | None = None,
+    tensorboard: Path | None = None,
 ) -> RunResult:
     """Run the simulator on ``config`` and return the finished run.
 
     ``config`` is a simulate TOML file or the same thing as a dict (``[workload]`` included);
     ``overrides`` are ``--set`` texts (``"algorithm.inner_steps=50"``). With ``out`` the run
     folder is written as the run goes (records flushed per round, the summary last).
-    ``on_record`` sees every ``RoundRecord`` (progress bars). Bad config: ``ConfigFileError``.
+    ``on_record`` sees every ``RoundRecord`` (progress bars). With ``tensorboard`` each record's
+    scalars also go to TensorBoard event files in that folder, stepped by cumulative inner steps
+    (``geoloco.coordinator.tensorboard``). Bad config: ``ConfigFileError``.
     """
     from geoloco.algorithms.config import ConfigError
     from geoloco.algorithms.simulator import Simulator
@@ -334,6 +349,8 @@ def run(
     else:
         source, raw = COMMAND_LINE, dict(config)
     spec, sim_config = load_run_config(prepare_raw(raw, overrides, source), source)
+    if tensorboard is not None:
+        require_tensorboard(source, "tensorboard")
     try:
         workload = spec.build()
     except ValueError as err:  # e.g. the GPT corpus is missing
@@ -343,7 +360,7 @@ def run(
     except ConfigError as err:
         raise from_config_error(source, err) from None
     resolved = {**resolved_config(spec.name, workload, sim_config, str(simulator.device)), **provenance()}
-    return record_run(resolved, simulator.run(), out=out, on_record=on_record)
+    return record_run(resolved, simulator.run(), out=out, on_record=on_record, tensorboard=tensorboard)
 
 
 def record_run(
@@ -352,11 +369,15 @@ def record_run(
     *,
     out: Path | None = None,
     on_record: Callable[[Any], None] | None = None,
+    tensorboard: Path | None = None,
 ) -> RunResult:
     """Consume a simulator's records into a ``RunResult``; with ``out``, write the run folder as
-    it goes (what ``geoloco simulate`` does too)."""
+    it goes (what ``geoloco simulate`` does too), and with ``tensorboard`` the records' scalars."""
+    from geoloco.coordinator.tensorboard import TensorBoardWriter
+
     started = time.perf_counter()
     collected: list[dict[str, Any]] = []
+    board = None if tensorboard is None else TensorBoardWriter(tensorboard, step_key="inner_steps_total")
     metrics = None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -370,11 +391,15 @@ def record_run(
             if metrics is not None:
                 metrics.write(json.dumps(data) + "\n")
                 metrics.flush()
+            if board is not None:
+                board.write(data)
             if on_record is not None:
                 on_record(record)
     finally:
         if metrics is not None:
             metrics.close()
+        if board is not None:
+            board.close()
     result = RunResult(config=resolved, records=collected, runtime_s=time.perf_counter() - started)
     if out is not None:
         result.write_summary(out)

@@ -40,6 +40,7 @@ from geoloco.scenarios.research import (
     prepare_raw,
     provenance,
     record_run,
+    require_tensorboard,
     resolved_config,
 )
 
@@ -75,6 +76,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--out", type=Path, help="output folder (default: runs/simulate-<UTC time>)"
+    )
+    parser.add_argument(
+        "--tensorboard", type=Path, nargs="?", const=Path(), metavar="DIR",
+        help="also write each round's scalars (losses, bytes, utilization, epsilon) as TensorBoard "
+        "events, stepped by inner steps, into DIR (default: OUT/tensorboard); needs "
+        "`pip install 'geoloco[tensorboard]'`",
     )
     parser.set_defaults(handler=run)
 
@@ -170,6 +177,10 @@ def _run(args: argparse.Namespace) -> int:
         raise from_config_error(source, err) from None
 
     out = args.out or Path("runs") / datetime.now(timezone.utc).strftime("simulate-%Y%m%d-%H%M%S")
+    board = getattr(args, "tensorboard", None)
+    if board is not None:
+        require_tensorboard(COMMAND_LINE, "--tensorboard")
+        board = out / "tensorboard" if board == Path() else board
     resolved = {**resolved_config(name, workload, config, str(simulator.device)), **provenance()}
 
     sim = config.simulation
@@ -198,7 +209,7 @@ def _run(args: argparse.Namespace) -> int:
                 postfix["eval"] = f"{last_eval:.4f}"
             progress.set_postfix(postfix)
 
-        result = record_run(resolved, simulator.run(), out=out, on_record=on_record)
+        result = record_run(resolved, simulator.run(), out=out, on_record=on_record, tensorboard=board)
     runtime = result.runtime_s
     assert last is not None  # rounds >= 1 is validated
 
@@ -226,7 +237,8 @@ def _run(args: argparse.Namespace) -> int:
         ("peak bytes in flight", _human_bytes(peak_in_flight) + " per site (largest transfer)"),
         ("real runtime", f"{runtime:.1f} s on {simulator.device}"),
         ("inner steps per site", f"{last.inner_steps_total}"),
-        ("output", f"{out}/{METRICS_FILE}, {out}/{CONFIG_FILE}, {out}/{SUMMARY_FILE}"),
+        ("output", f"{out}/{METRICS_FILE}, {out}/{CONFIG_FILE}, {out}/{SUMMARY_FILE}"
+                   + (f", TensorBoard events in {board}" if board is not None else "")),
     ]
     print("geoloco simulate: summary")
     print(summary_table(rows))

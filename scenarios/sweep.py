@@ -7,9 +7,10 @@ by its overrides and a hash of the base config and the overrides: a folder whose
 is a finished run and is never run again, so an interrupted sweep resumes where it stopped, and
 a changed base config gets new folders instead of stale results.
 
-Runs go through a backend (``BACKENDS``): in this process (``jobs = 1``) or in a pool of worker
-processes. Another backend (a cluster scheduler, a hyper-parameter search driving the points)
-only has to turn ``RunTask`` objects into finished run folders.
+Runs go through a backend (``BACKENDS``): in this process (``jobs = 1``), in a pool of worker
+processes, or on a Ray cluster (``geoloco.scenarios.sweep_ray``: the workers send each run's
+records back and this process writes the folder, so the cluster needs no shared file system).
+A backend only has to turn ``RunTask`` objects into finished run folders.
 """
 
 from __future__ import annotations
@@ -19,14 +20,10 @@ import itertools
 import json
 import logging
 import math
-import os
 import re
 import statistics
-import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +31,12 @@ import tomllib
 
 from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError, read_toml
 from geoloco.scenarios.overrides import parse_override
-from geoloco.scenarios.research import RunResult, is_finished, prepare_raw, run
+from geoloco.scenarios.research import RunResult, is_finished, prepare_raw
+from geoloco.scenarios.sweep_tasks import Backend, BackendOptions, RunTask, run_in_processes
 
 __all__ = [
     "BACKENDS",
+    "BackendOptions",
     "GridAxis",
     "PointSummary",
     "RunTask",
@@ -135,60 +134,15 @@ def _slug(point: Sequence[tuple[str, str]], seed: int) -> str:
 # -- tasks and backends ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class RunTask:
-    """One run of the sweep: the base config, its overrides, and the folder it fills."""
+def run_on_ray(tasks: Sequence[RunTask], options: BackendOptions) -> Iterator[tuple[Path, str | None]]:
+    """Backend ``"ray"`` (``geoloco.scenarios.sweep_ray``, imported only when used)."""
+    from geoloco.scenarios.sweep_ray import run_on_ray as run_tasks
 
-    base: dict[str, Any]
-    overrides: tuple[str, ...]
-    folder: Path
+    yield from run_tasks(tasks, options)
 
 
-def execute_task(task: RunTask) -> tuple[Path, str | None]:
-    """Run one task to a finished folder; returns ``(folder, error text or None)``. Never raises
-    for a run's own failure: one bad point must not end the sweep."""
-    try:
-        run(task.base, overrides=task.overrides, out=task.folder)
-    except ConfigFileError as err:
-        return task.folder, f"{err.source}: {err.key}: {err.message}"
-    except Exception:  # noqa: BLE001 - reported per run, the other runs go on
-        return task.folder, traceback.format_exc()
-    return task.folder, None
-
-
-def _worker_init(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-
-
-def run_in_process(tasks: Sequence[RunTask], jobs: int) -> Iterator[tuple[Path, str | None]]:
-    """Backend ``"local"`` with one job: the runs one after another in this process."""
-    for task in tasks:
-        yield execute_task(task)
-
-
-def run_in_processes(tasks: Sequence[RunTask], jobs: int) -> Iterator[tuple[Path, str | None]]:
-    """Backend ``"local"``: ``jobs`` worker processes (spawned: torch and fork do not mix), each
-    with its share of the CPU threads; results in completion order."""
-    if jobs <= 1 or len(tasks) <= 1:
-        yield from run_in_process(tasks, jobs)
-        return
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    with ProcessPoolExecutor(
-        max_workers=min(jobs, len(tasks)), mp_context=get_context("spawn"),
-        initializer=_worker_init, initargs=(threads,),
-    ) as pool:
-        pending: set[Future[tuple[Path, str | None]]] = {pool.submit(execute_task, t) for t in tasks}
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                yield future.result()
-
-
-Backend = Callable[[Sequence[RunTask], int], Iterator[tuple[Path, str | None]]]
-BACKENDS: dict[str, Backend] = {"local": run_in_processes}
-"""Backend name -> function running tasks with up to ``jobs`` in parallel."""
+BACKENDS: dict[str, Backend] = {"local": run_in_processes, "ray": run_on_ray}
+"""Backend name -> function running tasks (finished folders, or errors) in completion order."""
 
 
 # -- results ---------------------------------------------------------------------------------------
@@ -322,8 +276,9 @@ def sweep(
     seeds: Sequence[int] = (0,),
     overrides: Sequence[str] = (),
     out: Path,
-    jobs: int = 1,
+    jobs: int | None = None,
     backend: str = "local",
+    ray_address: str | None = None,
     plots: bool = True,
     target_loss: float | None = None,
 ) -> SweepResult:
@@ -333,10 +288,16 @@ def sweep(
     ``grid`` is a list of ``GridAxis`` (``parse_grid``) or ``{key: [values]}``; ``overrides``
     apply to every run (before the grid's). Every run's config is checked before any runs, so a
     bad value fails the sweep at once (``ConfigFileError``). ``target_loss`` adds what reaching
-    that eval loss cost each point to the table and the summary."""
+    that eval loss cost each point to the table and the summary.
+
+    ``ray_address`` (``"auto"``, ``"local"`` or a cluster's ``HOST:PORT``) runs on Ray (backend
+    ``"ray"``); ``jobs`` then caps the runs in flight (default: as many as the cluster has free
+    CPUs). The folders, table and plots are the same whichever backend ran them."""
+    if ray_address is not None:
+        backend = "ray"
     if backend not in BACKENDS:
         raise ConfigFileError(COMMAND_LINE, "--backend", f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
-    if jobs < 1:
+    if jobs is not None and jobs < 1:
         raise ConfigFileError(COMMAND_LINE, "--jobs", f"must be >= 1, got {jobs}")
     source = str(base) if isinstance(base, (str, Path)) else COMMAND_LINE
     raw = read_toml(Path(base)) if isinstance(base, (str, Path)) else dict(base)
@@ -353,16 +314,21 @@ def sweep(
             _check_config(raw, texts, source)
             digest = hashlib.sha256((base_hash + "\n" + "\n".join(texts)).encode()).hexdigest()[:10]
             tasks.append((i, seed, RunTask(raw, tuple(texts), runs_dir / f"{_slug(point, seed)}-{digest}")))
+    if backend == "ray":
+        from geoloco.scenarios.sweep_ray import require_ray
+
+        require_ray()  # a missing extra fails before any folder is made
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / SWEEP_FILE, {
         "base": source, "grid": {a.key: list(a.values) for a in axes}, "seeds": list(seeds),
-        "overrides": list(overrides), "runs": [str(t.folder.relative_to(out)) for _, _, t in tasks],
+        "overrides": list(overrides), "backend": backend,
+        "runs": [str(t.folder.relative_to(out)) for _, _, t in tasks],
     })
     todo = [t for _, _, t in tasks if not is_finished(t.folder)]
     resumed = len(tasks) - len(todo)
     logger.info("sweep: %d runs (%d points x %d seeds), %d already finished", len(tasks), len(points),
                 len(seeds), resumed)
-    errors = _run_tasks(todo, jobs, BACKENDS[backend])
+    errors = _run_tasks(todo, BackendOptions(jobs=jobs, address=ray_address), BACKENDS[backend])
     summaries = [PointSummary(point=p) for p in points]
     for i, seed, task in tasks:
         if task.folder in errors or not is_finished(task.folder):
@@ -395,12 +361,14 @@ def _check_config(raw: dict[str, Any], texts: Sequence[str], source: str) -> Non
     load_run_config(prepare_raw(raw, texts, source), source)
 
 
-def _run_tasks(tasks: Sequence[RunTask], jobs: int, backend: Backend) -> dict[Path, str]:
+def _run_tasks(tasks: Sequence[RunTask], options: BackendOptions, backend: Backend) -> dict[Path, str]:
     from tqdm import tqdm
 
     errors: dict[Path, str] = {}
+    if not tasks:  # a resumed sweep with nothing left to run needs no cluster
+        return errors
     with tqdm(total=len(tasks), unit="run", desc="sweep") as progress:
-        for folder, error in backend(tasks, jobs):
+        for folder, error in backend(tasks, options):
             if error is not None:
                 errors[folder] = error
                 folder.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@
     geoloco sweep base.toml --grid algorithm.inner_steps=10,25,50 \\
         --grid algorithm.uplink_codec=none,int8,'topk:0.01|int4' --seeds 0,1,2 --jobs 2 --out DIR
 
-The same from Python: ``geoloco.scenarios.sweep.sweep``. See that module for the folder layout.
+The same from Python: ``geoloco.scenarios.sweep.sweep``. See that module for the folder layout;
+``--ray ADDRESS`` runs on a Ray cluster instead (``geoloco.scenarios.sweep_ray``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "repeat for more axes (every combination runs)",
     )
     parser.add_argument("--seeds", default="0", help="simulation seeds: 0,1,2 or 0-4 (default: %(default)s)")
-    parser.add_argument("--jobs", type=positive_int, default=1, help="runs in parallel (default: %(default)s)")
+    parser.add_argument(
+        "--jobs", type=positive_int,
+        help="runs in parallel (default: 1 here; with --ray, as many as the cluster has free CPUs)",
+    )
+    parser.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run on a Ray cluster (needs `pip install 'geoloco[ray]'`): auto (the running "
+        "cluster), local (start one on this machine), HOST:PORT or ray://HOST:PORT. Workers send "
+        "results back and this process writes --out, so no shared file system is needed",
+    )
     parser.add_argument("--out", type=Path, required=True, help="sweep folder (reused to resume)")
     parser.add_argument("--no-plots", action="store_true", help="write the table only")
     parser.add_argument(
@@ -68,7 +79,8 @@ def _run(args: argparse.Namespace) -> int:
     axes = [parse_grid(text) for text in args.grid]
     result = sweep(
         args.config, grid=axes, seeds=parse_seeds(args.seeds), overrides=args.overrides,
-        out=args.out, jobs=args.jobs, plots=not args.no_plots, target_loss=args.target_loss,
+        out=args.out, jobs=args.jobs, ray_address=args.ray, plots=not args.no_plots,
+        target_loss=args.target_loss,
     )
     print(f"geoloco sweep: {result.ran} runs ran, {result.resumed} were already finished, {result.failed} failed")
     print(result.table())

@@ -64,6 +64,8 @@ FILE_COMMANDS = {
     "coordinator": (COORDINATOR, lambda path, out: ["coordinator", "--config", str(path), "--insecure"]),
     "sweep": (SIMULATE, lambda path, out: ["sweep", str(path), "--out", str(out), "--no-plots"]),
     "plan": (SCENARIO, lambda path, out: ["plan", str(path), "--step-time", "0.1"]),
+    "tune": (SIMULATE, lambda path, out: ["tune", str(path), "--param", "outer_optimizer.lr=0.1:1.0",
+                                          "--trials", "1", "--out", str(out), "--no-plots"]),
 }
 """Commands that read a TOML file: (template, argv for a file and an output folder)."""
 

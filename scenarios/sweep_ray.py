@@ -1,0 +1,121 @@
+"""The sweep's Ray backend: runs go to a Ray cluster's workers, results come back to the driver.
+
+A worker runs the simulation in memory and returns the resolved config, the round records and
+the host and process it ran in; the driver (the ``geoloco sweep`` process) writes the run folder
+(``worker.json`` first, then ``config.json``, ``metrics.jsonl`` and ``summary.json`` last, the
+same files a local run writes). So ``--out`` only has to exist on the driver's machine: a
+cluster of several machines needs no shared file system, and resume works as locally (a folder
+with a summary is never sent to the cluster again). The workers need geoloco installed (the
+same version: the run's config records the version and commit each worker ran).
+
+Ray is an optional extra (``pip install 'geoloco[ray]'``), imported only by this module.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError
+from geoloco.scenarios.research import RunResult
+from geoloco.scenarios.sweep_tasks import BackendOptions, RunTask, run_guarded
+
+__all__ = ["WORKER_FILE", "require_ray", "run_on_ray"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_FILE = "worker.json"
+"""Where a run ran: ``{"backend": "ray", "host", "pid", "node_id"}``."""
+CPUS_PER_RUN = 1
+"""Ray CPUs each run asks for, and its torch threads (one thread keeps runs repeatable)."""
+
+
+def run_remote(task: RunTask) -> dict[str, Any]:
+    """What a Ray worker runs: the simulation, in memory; returns the result as plain data."""
+    import ray
+    import torch
+
+    torch.set_num_threads(CPUS_PER_RUN)
+    result, error = run_guarded(task, None)
+    worker = {
+        "backend": "ray",
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "node_id": ray.get_runtime_context().get_node_id(),
+    }
+    if result is None:
+        return {"error": error, "worker": worker}
+    return {"config": result.config, "records": result.records, "runtime_s": result.runtime_s, "worker": worker}
+
+
+def require_ray() -> Any:
+    """The ``ray`` module, or a config error saying which extra installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigFileError(
+            COMMAND_LINE, "--ray", "needs the `ray` package: pip install 'geoloco[ray]'"
+        ) from None
+    return ray
+
+
+def connect(address: str | None) -> bool:
+    """Join the Ray cluster at ``address`` (``auto``: the running one, ``local``: start one in
+    this process, ``HOST:PORT`` or ``ray://HOST:PORT``; ``None``: ``RAY_ADDRESS`` or Ray's own
+    default); an already connected process keeps its connection. True when this call connected."""
+    ray = require_ray()
+    if ray.is_initialized():
+        logger.info("sweep: using the Ray cluster this process is already connected to")
+        return False
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        raise ConfigFileError(
+            COMMAND_LINE, "--ray", f"cannot reach a Ray cluster at {address!r} ({err}); allowed: "
+            "auto (a running cluster), local (start one here), HOST:PORT or ray://HOST:PORT"
+        ) from None
+    return True
+
+
+def run_on_ray(tasks: Sequence[RunTask], options: BackendOptions) -> Iterator[tuple[Path, str | None]]:
+    """Backend ``"ray"``: every task as a Ray task (at most ``options.jobs`` in flight when set,
+    else Ray schedules them onto its free CPUs); folders written here, in completion order."""
+    ray = require_ray()
+    started = connect(options.address)
+    remote = ray.remote(num_cpus=CPUS_PER_RUN, max_retries=0)(run_remote)
+    waiting = list(tasks)
+    in_flight: dict[Any, RunTask] = {}
+    limit = options.jobs or len(tasks)
+    try:
+        while waiting or in_flight:
+            while waiting and len(in_flight) < limit:
+                task = waiting.pop(0)
+                in_flight[remote.remote(task)] = task
+            (ref,), _ = ray.wait(list(in_flight), num_returns=1)
+            task = in_flight.pop(ref)
+            try:
+                outcome = ray.get(ref)
+            except ray.exceptions.RayError as err:  # the worker died, or the task could not run
+                yield task.folder, f"ray: {type(err).__name__}: {err}"
+                continue
+            yield task.folder, write_outcome(task.folder, outcome)
+    finally:
+        for ref in in_flight:
+            ray.cancel(ref)
+        if started:
+            ray.shutdown()
+
+
+def write_outcome(folder: Path, outcome: dict[str, Any]) -> str | None:
+    """Write a worker's result as the run folder (``None``), or return its error text."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / WORKER_FILE).write_text(json.dumps(outcome["worker"], indent=2) + "\n")
+    if outcome.get("error") is not None:
+        return str(outcome["error"])
+    RunResult(config=outcome["config"], records=outcome["records"], runtime_s=outcome["runtime_s"]).save(folder)
+    return None

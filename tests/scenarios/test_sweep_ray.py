@@ -1,0 +1,110 @@
+"""The sweep's Ray backend on a local two-CPU Ray instance: runs happen in Ray's worker processes,
+the driver writes the folders, results equal a local run bit for bit, and resume holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from geoloco.scenarios.cli import main
+from geoloco.scenarios.config_file import ConfigFileError
+from geoloco.scenarios.research import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from geoloco.scenarios.sweep import sweep
+from geoloco.scenarios.sweep_ray import WORKER_FILE
+
+BASE: dict[str, Any] = {
+    "workload": {"name": "mlp", "batch_size": 8, "hidden_dim": 8, "eval_size": 64},
+    "algorithm": {"name": "diloco", "inner_steps": 5},
+    "inner_optimizer": {"lr": 0.01},
+    "sites": {"count": 2},
+    "simulation": {"total_inner_steps": 10, "eval_every_steps": 5, "device": "cpu"},
+}
+GRID = {"algorithm.uplink_codec": ["none", "int8"]}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(require_extra: Callable[[str, str], ModuleType]) -> Iterator[ModuleType]:
+    """One local Ray instance with two CPUs for the whole module (Ray starts slowly)."""
+    ray = require_extra("ray", "ray")
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage report: the test machine is offline
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024 * 1024,
+             logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _folders(out: Path) -> dict[str, Path]:
+    return {p.name: p for p in sorted((out / "runs").iterdir())}
+
+
+def test_a_ray_sweep_runs_in_ray_workers_and_equals_a_local_sweep_bitwise(
+    ray_cluster: ModuleType, one_torch_thread: None, tmp_path: Path
+) -> None:
+    on_ray = sweep(BASE, grid=GRID, seeds=[0, 1], out=tmp_path / "ray", ray_address="local", plots=False)
+    assert (on_ray.ran, on_ray.resumed, on_ray.failed) == (4, 0, 0)
+    assert json.loads((tmp_path / "ray" / "sweep.json").read_text())["backend"] == "ray"
+    local = sweep(BASE, grid=GRID, seeds=[0, 1], out=tmp_path / "local", plots=False)
+    ray_folders, local_folders = _folders(tmp_path / "ray"), _folders(tmp_path / "local")
+    assert sorted(ray_folders) == sorted(local_folders) and len(ray_folders) == 4
+
+    workers = [json.loads((f / WORKER_FILE).read_text()) for f in ray_folders.values()]
+    assert {w["backend"] for w in workers} == {"ray"}
+    assert os.getpid() not in {w["pid"] for w in workers}, "the runs must happen in Ray's workers"
+    for name, folder in ray_folders.items():
+        for file in (CONFIG_FILE, METRICS_FILE):
+            assert (folder / file).read_bytes() == (local_folders[name] / file).read_bytes(), (name, file)
+        ray_totals = json.loads((folder / SUMMARY_FILE).read_text())["totals"]
+        assert ray_totals == json.loads((local_folders[name] / SUMMARY_FILE).read_text())["totals"]
+    assert on_ray.table() == local.table()
+
+    # Resume: nothing runs again, on Ray or locally, and the finished folders are untouched.
+    stamps = {n: (f / SUMMARY_FILE).stat().st_mtime_ns for n, f in ray_folders.items()}
+    again = sweep(BASE, grid=GRID, seeds=[0, 1], out=tmp_path / "ray", ray_address="local", plots=False)
+    assert (again.ran, again.resumed) == (0, 4)
+    assert {n: (f / SUMMARY_FILE).stat().st_mtime_ns for n, f in ray_folders.items()} == stamps
+
+
+def test_the_sweep_command_takes_ray_and_reports_a_failing_run(
+    ray_cluster: ModuleType, one_torch_thread: None, tmp_path: Path, capsys: Any
+) -> None:
+    config = tmp_path / "base.toml"
+    config.write_text(
+        '[workload]\nname = "mlp"\nbatch_size = 8\nhidden_dim = 8\n[algorithm]\ninner_steps = 5\n'
+        '[sites]\ncount = 2\n[simulation]\ntotal_inner_steps = 5\neval_every_steps = 5\ndevice = "cpu"\n'
+    )
+    out = tmp_path / "out"
+    # A device that cannot exist here fails in the worker; the other run still finishes.
+    bad_device = "cpu" if torch.cuda.is_available() else "cuda"
+    argv = ["sweep", str(config), "--grid", f"simulation.device=cpu,{bad_device}", "--ray", "local",
+            "--jobs", "2", "--out", str(out), "--no-plots"]
+    assert main(argv) == (0 if bad_device == "cpu" else 1)
+    text = capsys.readouterr().out
+    if bad_device == "cuda":
+        assert "1 runs ran, 0 were already finished, 1 failed" in text
+        (error,) = (out / "runs").glob("*/error.txt")
+        assert "simulation.device" in error.read_text()
+        assert json.loads((error.parent / WORKER_FILE).read_text())["pid"] != os.getpid()
+
+
+def test_without_ray_installed_the_error_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` sees where it is not installed
+    with pytest.raises(ConfigFileError, match=r"pip install 'geoloco\[ray\]'") as info:
+        sweep(BASE, seeds=[0], out=tmp_path / "x", ray_address="auto", plots=False)
+    assert info.value.key == "--ray"
+    assert not (tmp_path / "x").exists()

@@ -31,7 +31,7 @@ import tomllib
 
 from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError, read_toml
 from geoloco.scenarios.overrides import parse_override
-from geoloco.scenarios.research import RunResult, is_finished, prepare_raw
+from geoloco.scenarios.research import RunResult, is_finished, prepare_raw, require_tensorboard
 from geoloco.scenarios.sweep_tasks import Backend, BackendOptions, RunTask, run_in_processes
 
 __all__ = [
@@ -53,6 +53,7 @@ RUNS_DIR = "runs"
 ERROR_FILE = "error.txt"
 SWEEP_FILE = "sweep.json"
 TABLE_FILE = "table.md"
+TENSORBOARD_DIR = "tensorboard"
 
 
 # -- the grid --------------------------------------------------------------------------------------
@@ -281,6 +282,7 @@ def sweep(
     ray_address: str | None = None,
     plots: bool = True,
     target_loss: float | None = None,
+    tensorboard: bool = False,
 ) -> SweepResult:
     """Run every grid point for every seed (skipping finished runs), then write ``table.md``,
     ``summary.json`` and the plots under ``out``.
@@ -292,7 +294,11 @@ def sweep(
 
     ``ray_address`` (``"auto"``, ``"local"`` or a cluster's ``HOST:PORT``) runs on Ray (backend
     ``"ray"``); ``jobs`` then caps the runs in flight (default: as many as the cluster has free
-    CPUs). The folders, table and plots are the same whichever backend ran them."""
+    CPUs). The folders, table and plots are the same whichever backend ran them.
+
+    ``tensorboard`` writes each finished run's scalars into its folder's ``tensorboard/`` (from
+    its records, here, whichever backend ran it), so ``tensorboard --logdir OUT/runs`` compares
+    the runs."""
     if ray_address is not None:
         backend = "ray"
     if backend not in BACKENDS:
@@ -314,6 +320,8 @@ def sweep(
             _check_config(raw, texts, source)
             digest = hashlib.sha256((base_hash + "\n" + "\n".join(texts)).encode()).hexdigest()[:10]
             tasks.append((i, seed, RunTask(raw, tuple(texts), runs_dir / f"{_slug(point, seed)}-{digest}")))
+    if tensorboard:
+        require_tensorboard(COMMAND_LINE, "--tensorboard")
     if backend == "ray":
         from geoloco.scenarios.sweep_ray import require_ray
 
@@ -348,11 +356,30 @@ def sweep(
         ],
     })
     result.files = [out / TABLE_FILE, out / "summary.json"]
+    if tensorboard:
+        _write_tensorboard([r for s in summaries for r in s.runs])
     if plots:
         from geoloco.scenarios.sweep_plots import write_sweep_plots
 
         result.files += write_sweep_plots(out, summaries, len(seeds))
     return result
+
+
+def _write_tensorboard(runs: Sequence[RunResult]) -> None:
+    """Each run's scalars into ``<run folder>/tensorboard``, unless an earlier sweep wrote them."""
+    from geoloco.coordinator.tensorboard import TensorBoardWriter
+
+    for result in runs:
+        assert result.folder is not None  # loaded from its folder
+        board = result.folder / TENSORBOARD_DIR
+        if board.exists():
+            continue
+        writer = TensorBoardWriter(board, step_key="inner_steps_total")
+        try:
+            for record in result.records:
+                writer.write(record)
+        finally:
+            writer.close()
 
 
 def _check_config(raw: dict[str, Any], texts: Sequence[str], source: str) -> None:

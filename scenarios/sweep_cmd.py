@@ -56,6 +56,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--out", type=Path, required=True, help="sweep folder (reused to resume)")
     parser.add_argument("--no-plots", action="store_true", help="write the table only")
     parser.add_argument(
+        "--tensorboard", action="store_true",
+        help="also write each run's scalars as TensorBoard events into DIR/runs/<run>/tensorboard "
+        "(view them all with `tensorboard --logdir DIR/runs`); needs `pip install 'geoloco[tensorboard]'`",
+    )
+    parser.add_argument(
         "--target-loss",
         type=float,
         metavar="LOSS",
@@ -80,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     result = sweep(
         args.config, grid=axes, seeds=parse_seeds(args.seeds), overrides=args.overrides,
         out=args.out, jobs=args.jobs, ray_address=args.ray, plots=not args.no_plots,
-        target_loss=args.target_loss,
+        target_loss=args.target_loss, tensorboard=args.tensorboard,
     )
     print(f"geoloco sweep: {result.ran} runs ran, {result.resumed} were already finished, {result.failed} failed")
     print(result.table())

@@ -240,9 +240,12 @@ def _objective(optuna: Any, raw: Mapping[str, Any], overrides: Sequence[str], pa
             if loss is None:
                 return
             if not math.isfinite(loss):
+                logger.info("trial %d pruned: eval loss %s at step %d (diverged)", trial.number, loss,
+                            record.inner_steps_total)
                 raise optuna.TrialPruned(f"eval loss {loss} at step {record.inner_steps_total}: diverged")
             trial.report(loss, step=record.inner_steps_total)
             if trial.should_prune():
+                logger.info("trial %d pruned: eval loss %.4f at step %d", trial.number, loss, record.inner_steps_total)
                 raise optuna.TrialPruned(f"eval loss {loss:.4f} at step {record.inner_steps_total}")
 
         texts = [*overrides, *(f"{p.key}={p.value_text(values[p.key])}" for p in params)]
@@ -250,6 +253,7 @@ def _objective(optuna: Any, raw: Mapping[str, Any], overrides: Sequence[str], pa
         final = result.final_eval_loss
         if final is None:
             raise ConfigFileError(COMMAND_LINE, "simulation", "the run made no evaluation to tune on")
+        logger.info("trial %d: final eval loss %.4f with %s", trial.number, final, " ".join(texts[len(overrides):]))
         return final
 
     return objective

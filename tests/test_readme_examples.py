@@ -351,7 +351,7 @@ METRICS_KEYS = {
     # Keys of a round's record in metrics.jsonl (coordinator/rounds.py writes them) that the README
     # explains; they are not config fields.
     "deadline_s", "next_deadline_s", "arrival_s", "folded_late", "privacy_delta", "epsilon",
-    "rejected_reasons", "phases_s", "round_wall_s", "site_phases_s",
+    "rejected_reasons", "phases_s", "round_wall_s", "site_phases_s", "update_norm",
 }
 NOT_KEYS = {"register_step_post_hook"}
 """Backticked words that are not config keys (``optimizer.register_step_post_hook``: torch's API)."""

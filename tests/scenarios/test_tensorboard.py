@@ -122,3 +122,24 @@ def test_record_scalars_leave_out_what_a_record_lacks() -> None:
     assert record_scalars(coordinator_record) == {
         "loss/train": 1.5, "bytes/up_round": 40.0, "sites/participants": 2.0, "time/round_s": 0.5,
     }
+
+
+def test_a_sweep_writes_each_runs_scalars_into_its_folder(
+    require_extra: Callable[[str, str], ModuleType], tmp_path: Path
+) -> None:
+    require_extra("tensorboard", "tensorboard")
+    from geoloco.scenarios.sweep import sweep
+
+    base = {**BASE, "privacy": {}, "simulation": {**BASE["simulation"], "total_inner_steps": 10}}
+    out = tmp_path / "sweep"
+    sweep(base, grid={"algorithm.uplink_codec": ["none", "int8"]}, out=out, plots=False, tensorboard=True)
+    folders = sorted((out / "runs").iterdir())
+    assert len(folders) == 2
+    for folder in folders:
+        scalars = read_scalars(folder / "tensorboard", require_extra)
+        expected = expected_from_metrics(folder / METRICS_FILE)
+        assert scalars["loss/eval"] == expected["loss/eval"] and scalars["bytes/up_total"] == expected["bytes/up_total"]
+    stamps = [sorted(p.stat().st_mtime_ns for p in (f / "tensorboard").iterdir()) for f in folders]
+    again = sweep(base, grid={"algorithm.uplink_codec": ["none", "int8"]}, out=out, plots=False, tensorboard=True)
+    assert again.resumed == 2
+    assert [sorted(p.stat().st_mtime_ns for p in (f / "tensorboard").iterdir()) for f in folders] == stamps

@@ -72,6 +72,9 @@ def connect(address: str | None) -> bool:
     if ray.is_initialized():
         logger.info("sweep: using the Ray cluster this process is already connected to")
         return False
+    # A Ray instance started here does not send Ray's usage statistics unless the user asked for
+    # it (the variable set): a sweep should make no connection beyond its own cluster.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as err:

@@ -136,8 +136,8 @@ def tune(
     enqueue: Sequence[Mapping[str, float]] = (),
     plots: bool = True,
 ) -> TuneResult:
-    """Run trials until ``out`` holds ``trials`` finished ones (complete, pruned or failed; a
-    rerun resumes), then write ``best.json``, ``trials.md`` and ``tune.png``.
+    """Run trials until ``out`` holds ``trials`` finished ones (complete or pruned; a rerun
+    resumes, and runs a new trial for each failed or interrupted one), then write ``best.json``, ``trials.md`` and ``tune.png``.
 
     ``pruner``: ``"median"``, ``"none"`` or an optuna pruner. ``enqueue``: trials to run first
     with the given values (optuna's ``enqueue_trial``), e.g. a known-good setting. Both ends of
@@ -156,7 +156,8 @@ def tune(
     optuna = _import_optuna()
     out.mkdir(parents=True, exist_ok=True)
     study = _open_study(optuna, out, raw, overrides, params, seed, pruner)
-    done = [t for t in study.trials if t.state.is_finished()]
+    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    done = [t for t in study.trials if t.state in finished]  # a failed trial is tried again
     for values in enqueue if not done else ():
         study.enqueue_trial(dict(values))
     missing = max(0, trials - len(done))

@@ -130,3 +130,16 @@ def test_the_tune_command_and_a_mismatched_resume(optuna: ModuleType, tmp_path: 
     other = [*argv[:3], "algorithm.error_feedback_decay=0.5:1.0", *argv[4:]]
     assert main(other) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_a_trial_left_running_by_an_interrupted_process_is_failed_and_replaced(
+    optuna: ModuleType, tmp_path: Path
+) -> None:
+    out = tmp_path / "tune"
+    tune(BASE, params=[LR], trials=1, out=out, plots=False)
+    study = optuna.load_study(study_name="geoloco-tune", storage=f"sqlite:///{out / 'study.db'}")
+    study.ask()  # what a process killed mid-trial leaves: a trial that stays RUNNING
+    result = tune(BASE, params=[LR], trials=2, out=out, plots=False)
+    assert (result.ran, result.resumed) == (1, 1)
+    assert [t.state for t in result.trials] == ["complete", "fail", "complete"]
+    assert "| 1 | fail |" in result.table()

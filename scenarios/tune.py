@@ -137,7 +137,8 @@ def tune(
     plots: bool = True,
 ) -> TuneResult:
     """Run trials until ``out`` holds ``trials`` finished ones (complete or pruned; a rerun
-    resumes, and runs a new trial for each failed or interrupted one), then write ``best.json``, ``trials.md`` and ``tune.png``.
+    resumes, and runs a new trial for each failed or interrupted one), then write ``best.json``,
+    ``trials.md`` and ``tune.png``.
 
     ``pruner``: ``"median"``, ``"none"`` or an optuna pruner. ``enqueue``: trials to run first
     with the given values (optuna's ``enqueue_trial``), e.g. a known-good setting. Both ends of

@@ -303,7 +303,9 @@ def write_tune_plot(path: Path, trials: Sequence[TrialRow], best: TrialRow | Non
             continue
         steps, losses = zip(*t.curve, strict=True)
         is_best = best is not None and t.number == best.number
-        curves.plot(steps, losses, "--" if t.state == "pruned" else "-", linewidth=2.2 if is_best else 1.0,
+        # Markers: a trial pruned at its first evaluation is a single point.
+        curves.plot(steps, losses, "x--" if t.state == "pruned" else "o-", markersize=4,
+                    linewidth=2.2 if is_best else 1.0,
                     color="black" if is_best else None, alpha=1.0 if is_best else 0.6,
                     label=f"trial {t.number} (best)" if is_best else None)
     curves.set_xlabel("inner steps per site (cumulative)")

@@ -204,18 +204,17 @@ class RoundPhases:
         )
         del result
         serialised = time.perf_counter()
-        delta_bytes = update.downlink.to_bytes()
+        # The broadcast's manifest checksum, hashed beside the checkpoint write (hashlib and file
+        # writes release the GIL) instead of by the first AwaitBroadcast after the round; a large
+        # delta goes to a file in the same pass (``geoloco.coordinator.broadcast_store``).
+        prepared = PreparedBroadcast(
+            update.downlink, directory=ctx.config.checkpoint_dir, spill_min_bytes=self.spill_min_bytes
+        )
+        delta_size = prepared.nbytes
         downlink_s = fragment_outer.last_step_s.get("downlink_encode", 0.0) + time.perf_counter() - serialised
         timings.record("downlink_encode", downlink_s)
         timings.record("outer_step", time.perf_counter() - t0 - downlink_s)
         codec, shape = update.downlink.spec, tuple(update.downlink.shape)
-        # The broadcast's manifest checksum, hashed beside the checkpoint write (hashlib and file
-        # writes release the GIL) instead of by the first AwaitBroadcast after the round; a large
-        # delta is moved to a file in the same pass (``geoloco.coordinator.broadcast_store``).
-        prepared = PreparedBroadcast(
-            delta_bytes, directory=ctx.config.checkpoint_dir, spill_min_bytes=self.spill_min_bytes
-        )
-        delta_size = len(delta_bytes)
         new_weights, new_digest = update.global_flat, update.digest
         del update
         next_round = r.number + 1
@@ -277,7 +276,6 @@ class RoundPhases:
             timings.record("checkpoint", time.perf_counter() - checkpoint_start)
             ctx.events.emit(ev.CHECKPOINT_SAVED, round=next_round)
         broadcast_start = time.perf_counter()
-        del delta_bytes
         served, delta_sha256 = prepared.result()
         if prepared.error is not None:
             logger.warning("the broadcast of round %d stays in memory: %s", r.number, prepared.error)

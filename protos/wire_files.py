@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,22 +47,32 @@ class FileBlob:
         """A copy of ``data`` in a new unnamed file in ``directory`` (the system's temporary
         folder when None); ``digest`` (a ``hashlib`` object) is updated with the bytes in the
         same pass. Not fsynced: the file lives as long as the process, no longer."""
-        view = as_byte_view(data)
+        return cls.spill_parts([data], directory, digest=digest)
+
+    @classmethod
+    def spill_parts(
+        cls, parts: Sequence[Buffer], directory: str | os.PathLike[str] | None = None, *, digest: Any = None
+    ) -> FileBlob:
+        """``spill`` of the concatenation of ``parts``, never joined in memory."""
         folder = None if directory is None else Path(directory)
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
         file = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115 - owned by the blob, closed with it
+        size = 0
         try:
-            for offset in range(0, len(view), _COPY_BLOCK):
-                block = view[offset : offset + _COPY_BLOCK]
-                if digest is not None:
-                    digest.update(block)
-                file.write(block)
+            for part in parts:
+                view = as_byte_view(part)
+                for offset in range(0, len(view), _COPY_BLOCK):
+                    block = view[offset : offset + _COPY_BLOCK]
+                    if digest is not None:
+                        digest.update(block)
+                    file.write(block)
+                size += len(view)
             file.flush()
         except BaseException:
             file.close()
             raise
-        return cls(file, len(view))
+        return cls(file, size)
 
     def __len__(self) -> int:
         return self._size

@@ -14,7 +14,7 @@ from test_round_state_machine import make, update
 
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.strategy import AlgorithmConfig
-from geoloco.compression import parse_codec
+from geoloco.compression import Encoded, parse_codec
 from geoloco.coordinator import translate
 from geoloco.coordinator.broadcast_store import PreparedBroadcast
 from geoloco.coordinator.config import CoordinatorConfig
@@ -44,24 +44,46 @@ def test_a_file_blob_reads_back_the_bytes_and_chunks_like_memory(tmp_path: Path)
         blob.read(-1, 4)
 
 
+def _encoded() -> Encoded:
+    return parse_codec("int8").encode(torch.randn(5000, generator=torch.Generator().manual_seed(2)), seed=0)
+
+
 def test_a_large_delta_is_spilled_and_hashed_in_one_pass_a_small_one_stays_in_memory(tmp_path: Path) -> None:
-    data = _payload()
-    large = PreparedBroadcast(data, directory=tmp_path, spill_min_bytes=len(data))
+    delta = _encoded()
+    data = delta.to_bytes()
+    large = PreparedBroadcast(delta, directory=tmp_path, spill_min_bytes=len(data))
     served, sha256 = large.result()
+    assert large.nbytes == len(data)
     assert isinstance(served, FileBlob) and served.to_bytes() == data
     assert sha256 == hashlib.sha256(data).digest() and large.error is None
-    small = PreparedBroadcast(data, directory=tmp_path, spill_min_bytes=len(data) + 1)
+    small = PreparedBroadcast(delta, directory=tmp_path, spill_min_bytes=len(data) + 1)
     served, sha256 = small.result()
-    assert served is data and sha256 == hashlib.sha256(data).digest()
+    assert served == data and isinstance(served, bytes) and sha256 == hashlib.sha256(data).digest()
+
+
+def test_a_large_delta_never_exists_as_one_bytes_object(tmp_path: Path) -> None:
+    """Spilling writes the encoded payload's own memory: no model-sized ``bytes`` is formed
+    (``tracemalloc`` sees Python allocations; the 4 MB payload lives in a torch tensor)."""
+    import tracemalloc
+
+    delta = parse_codec("none").encode(torch.randn(1 << 20), seed=0)
+    tracemalloc.start()
+    try:
+        served, _ = PreparedBroadcast(delta, directory=tmp_path, spill_min_bytes=0).result()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert isinstance(served, FileBlob) and len(served) > 4 << 20
+    assert peak < 1 << 20, f"spilling allocated {peak} bytes of Python objects"
 
 
 def test_a_failed_spill_keeps_the_broadcast_in_memory(tmp_path: Path) -> None:
-    data = _payload()
+    delta = _encoded()
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
-    prepared = PreparedBroadcast(data, directory=blocked / "sub", spill_min_bytes=0)
-    served, _ = prepared.result()
-    assert served is data and prepared.error is not None
+    prepared = PreparedBroadcast(delta, directory=blocked / "sub", spill_min_bytes=0)
+    served, sha256 = prepared.result()
+    assert served == delta.to_bytes() and prepared.error is not None and sha256 is None
 
 
 def test_the_round_record_holds_a_file_and_serves_the_same_chunks() -> None:

@@ -53,6 +53,19 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def _aggregation_stack() -> list[str]:
+    """Where the aggregating thread is (innermost geoloco frames first), or []: what the
+    coordinator was doing when its RSS reached a new high (a sampling profile of the peak)."""
+    import traceback
+
+    for frames in sys._current_frames().values():
+        stack = traceback.extract_stack(frames)
+        if any(frame.name == "aggregate" for frame in stack):
+            inner = [f for f in reversed(stack) if "geoloco" in f.filename or "/wt/" in f.filename]
+            return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in inner[:6]]
+    return []
+
+
 # --- roles (each runs in its own process) ----------------------------------------------------
 
 
@@ -91,10 +104,17 @@ def _role_coordinator(args: argparse.Namespace) -> None:
     samples: list[tuple[float, int, str]] = []
     stop = threading.Event()
 
+    peak_stack: list[str] = []
+
     def sample() -> None:
         t0 = time.perf_counter()
+        highest = 0
         while not stop.wait(0.02):
-            samples.append((time.perf_counter() - t0, _rss_bytes(), server.rounds.phase.value))
+            rss = _rss_bytes()
+            samples.append((time.perf_counter() - t0, rss, server.rounds.phase.value))
+            if rss > highest:
+                highest = rss
+                peak_stack[:] = _aggregation_stack()
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -116,6 +136,7 @@ def _role_coordinator(args: argparse.Namespace) -> None:
                 "after_start_rss": after_start,
                 "peak_rss": _peak_rss_bytes(),
                 "peak_rss_by_phase": by_phase,
+                "peak_stack": peak_stack,
                 "numel": layout.numel,
             }
         ),
@@ -124,6 +145,9 @@ def _role_coordinator(args: argparse.Namespace) -> None:
 
 
 def _role_site(args: argparse.Namespace) -> None:
+    """``args.count`` sites as threads of one process, each its own client (channel, Join,
+    uploads, broadcasts). They upload the same bytes: one encoding per round per process keeps
+    64 sites within a few GB on the driver's side, and the coordinator cannot tell."""
     import threading as th
 
     import torch
@@ -132,7 +156,6 @@ def _role_site(args: argparse.Namespace) -> None:
     from geoloco.site_agent.client import CoordinatorClient
     from geoloco.site_agent.config import SiteAgentConfig
 
-    name = f"site{args.index}"
     codec = parse_codec(args.codec)
     generator = torch.Generator().manual_seed(1000 + args.index)
     uploads = []
@@ -141,25 +164,42 @@ def _role_site(args: argparse.Namespace) -> None:
         encoded = codec.encode(pseudo_gradient, seed=args.index)
         del pseudo_gradient
         uploads.append((encoded.to_bytes(), encoded.spec, list(encoded.shape)))
-    client = CoordinatorClient(
-        f"localhost:{args.port}",
-        site=name,
-        tls=None,
-        insecure=True,
-        config=SiteAgentConfig(device="cpu", backoff_max_s=1.0),
-        stop_event=th.Event(),
-    )
-    joined = client.join(has_weights=False, weights_round=0, digest_hex=None)
-    first_round = joined.round.round
-    for offset, (data, spec, shape) in enumerate(uploads):
-        round_number = first_round + offset
-        client.upload(
-            round_number=round_number, data=data, codec=spec, shape=shape,
-            sample_weight=1.0, metrics={},
+        del encoded
+    failures: list[BaseException] = []
+
+    def one_site(index: int) -> None:
+        client = CoordinatorClient(
+            f"localhost:{args.port}",
+            site=f"site{index}",
+            tls=None,
+            insecure=True,
+            config=SiteAgentConfig(device="cpu", backoff_max_s=1.0, give_up_after_s=1800.0),
+            stop_event=th.Event(),
         )
-        client.await_broadcast(round_number)
-    client.leave("benchmark done")
-    client.close()
+        try:
+            joined = client.join(has_weights=False, weights_round=0, digest_hex=None)
+            first_round = joined.round.round
+            for offset, (data, spec, shape) in enumerate(uploads):
+                round_number = first_round + offset
+                client.upload(
+                    round_number=round_number, data=data, codec=spec, shape=shape,
+                    sample_weight=1.0, metrics={},
+                )
+                _, delta = client.await_broadcast(round_number)
+                del delta  # a site would apply it; here only the coordinator is measured
+            client.leave("benchmark done")
+        except BaseException as exc:  # noqa: BLE001 - reported below, the process exits 1
+            failures.append(exc)
+        finally:
+            client.close()
+
+    threads = [th.Thread(target=one_site, args=(args.index + k,)) for k in range(args.count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
     print(json.dumps({"upload_bytes": len(uploads[0][0]), "spec": uploads[0][1]}), flush=True)
 
 
@@ -205,8 +245,11 @@ def _run_config(args: argparse.Namespace, downlink: str, env: dict[str, str]) ->
         if not port:
             raise RuntimeError("the coordinator did not start")
         t0 = time.perf_counter()
+        processes = max(1, min(args.sites, args.site_processes))
+        shares = [args.sites // processes + (1 if k < args.sites % processes else 0) for k in range(processes)]
         sites = [
-            _spawn("site", env, *common, "--port", port, "--index", str(k)) for k in range(args.sites)
+            _spawn("site", env, *common, "--port", port, "--index", str(sum(shares[:k])), "--count", str(n))
+            for k, n in enumerate(shares)
         ]
         site_results = []
         for site in sites:
@@ -230,6 +273,7 @@ def _run_config(args: argparse.Namespace, downlink: str, env: dict[str, str]) ->
     target = 3 * model + args.sites * upload + 300 * MB
     return {
         "downlink": downlink,
+        "sites": args.sites,
         "uplink": site_results[0]["spec"],
         "model_bytes": model,
         "upload_bytes_per_site": upload,
@@ -239,13 +283,65 @@ def _run_config(args: argparse.Namespace, downlink: str, env: dict[str, str]) ->
     }
 
 
+def _counts(text: str) -> list[int]:
+    return [int(float(part)) for part in text.split(",") if part.strip()]
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(
+        "| code | params | sites | downlink | model MB | upload MB/site | baseline RSS MB | peak RSS MB "
+        "| target MB | peak / target | peak while receiving MB | peak while aggregating MB | seconds |"
+    )
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        aggregating = row["peak_rss_by_phase"].get("aggregating")
+        receiving = row["peak_rss_by_phase"].get("running")
+        print(
+            f"| {row['code']} | {row['numel'] / 1e6:.0f}M | {row['sites']} | {row['downlink']} "
+            f"| {row['model_bytes'] / MB:.0f} | {row['upload_bytes_per_site'] / MB:.2f} "
+            f"| {row['baseline_rss'] / MB:.0f} | {row['peak_rss'] / MB:.0f} | {row['target_bytes'] / MB:.0f} "
+            f"| {row['peak_rss'] / row['target_bytes']:.2f} "
+            f"| {'-' if receiving is None else f'{receiving / MB:.0f}'} "
+            f"| {'-' if aggregating is None else f'{aggregating / MB:.0f}'} | {row['seconds']:.0f} |"
+        )
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    """Peak RSS against sites (one line per model size and downlink) and its target, in MB."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    groups: dict[tuple[int, str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["numel"], row["downlink"], row["code"]), []).append(row)
+    for (numel, downlink, code), group in sorted(groups.items()):
+        group.sort(key=lambda r: r["sites"])
+        sites = [r["sites"] for r in group]
+        label = f"{numel / 1e6:.0f}M params, downlink {downlink}" + ("" if code == "this tree" else f" ({code})")
+        line = ax.plot(sites, [r["peak_rss"] / MB for r in group], "o-", label=f"peak RSS, {label}")[0]
+        ax.plot(sites, [r["target_bytes"] / MB for r in group], "--", color=line.get_color(), label=f"target, {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sites uploading topk:0.01|int4 at once")
+    ax.set_ylabel("coordinator peak RSS (MB)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Coordinator memory is flat in the number of sites")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--role", choices=["driver", "coordinator", "site"], default="driver")
-    parser.add_argument("--params", type=int, default=50_000_000)
-    parser.add_argument("--sites", type=int, default=16)
+    parser.add_argument("--params", default="50000000", help="parameters, or a comma list (a sweep)")
+    parser.add_argument("--sites", default="16", help="sites, or a comma list (a sweep)")
+    parser.add_argument("--site-processes", type=int, default=4, help="processes the sites run in (as threads)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--codec", default="topk:0.01|int4", help="uplink codec")
     parser.add_argument(
@@ -254,15 +350,16 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int)
     parser.add_argument("--index", type=int)
+    parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--plot", type=Path, help="also plot peak RSS against sites into this PNG")
     parser.add_argument(
         "--baseline-ref", help="also run the coordinator and sites of this git ref, before each configuration"
     )
     args = parser.parse_args()
-    if args.role == "coordinator":
-        return _role_coordinator(args)
-    if args.role == "site":
-        return _role_site(args)
+    if args.role != "driver":
+        args.params, args.sites = _counts(args.params)[0], _counts(args.sites)[0]
+        return _role_coordinator(args) if args.role == "coordinator" else _role_site(args)
 
     from geoloco.protos.transport import recommended_env
 
@@ -272,30 +369,16 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="geoloco-bench-baseline-") as folder:
         baseline_env = _baseline_env(args.baseline_ref, env, Path(folder)) if args.baseline_ref else None
-        for downlink in downlinks:
-            if baseline_env is not None:
-                rows.append({**_run_config(args, downlink, baseline_env), "code": args.baseline_ref})
-            rows.append({**_run_config(args, downlink, env), "code": "this tree"})
-    print(
-        f"\nCoordinator peak RSS: {args.sites} sites, {args.rounds} rounds, "
-        f"{args.params / 1e6:.0f}M parameters ({TENSORS} tensors), uplink {rows[0]['uplink']}\n"
-    )
-    print(
-        "| code | downlink | model MB | upload MB/site | baseline RSS MB | peak RSS MB | target MB "
-        "| peak / target | peak while receiving MB | peak while aggregating MB |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        aggregating = row["peak_rss_by_phase"].get("aggregating")
-        receiving = row["peak_rss_by_phase"].get("running")
-        print(
-            f"| {row['code']} | {row['downlink']} | {row['model_bytes'] / MB:.0f} "
-            f"| {row['upload_bytes_per_site'] / MB:.2f} "
-            f"| {row['baseline_rss'] / MB:.0f} | {row['peak_rss'] / MB:.0f} | {row['target_bytes'] / MB:.0f} "
-            f"| {row['peak_rss'] / row['target_bytes']:.2f} "
-            f"| {'-' if receiving is None else f'{receiving / MB:.0f}'} "
-            f"| {'-' if aggregating is None else f'{aggregating / MB:.0f}'} |"
-        )
+        for params in _counts(args.params):
+            for sites in _counts(args.sites):
+                point = argparse.Namespace(**{**vars(args), "params": params, "sites": sites})
+                for downlink in downlinks:
+                    if baseline_env is not None:
+                        rows.append({**_run_config(point, downlink, baseline_env), "code": args.baseline_ref})
+                    rows.append({**_run_config(point, downlink, env), "code": "this tree"})
+                    print(json.dumps({k: v for k, v in rows[-1].items() if k != "peak_rss_by_phase"}), flush=True)
+    print(f"\nCoordinator peak RSS: {args.rounds} rounds, {TENSORS} tensors, uplink {rows[0]['uplink']}\n")
+    _print_table(rows)
     print(
         "\ntarget = 3 x model + sites x upload + 300 MB; baseline = RSS after importing torch and "
         "gRPC, before the model exists. Peak RSS is the process's high-water mark (ru_maxrss); "
@@ -304,6 +387,8 @@ def main() -> None:
     )
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if args.plot is not None:
+        _plot(rows, args.plot)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from geoloco.site_agent.client_broadcast import ExtraStreams, OpenBroadcast, on_
 from geoloco.site_agent.client_retry import TransientWireError, wire_retrying
 from geoloco.site_agent.client_streams import (
     StreamChannels,
+    StreamTuner,
     choose_streams,
     download_streams,
     run_streams,
@@ -169,6 +170,8 @@ class CoordinatorClient:
         """Wakes retry sleeps when the path to the coordinator comes back."""
         self._last_delta_bytes = 0
         """Size of the last broadcast delta (``auto`` picks the next one's K from it)."""
+        self.upload_tuner = StreamTuner()
+        """K of ``auto`` uploads from their measured throughput (``client_streams.StreamTuner``)."""
         self.round_timer = RoundTimer()
         """The round time seen (between broadcasts): retries are a fraction of it apart."""
 
@@ -391,7 +394,12 @@ class CoordinatorClient:
             inner_steps=inner_steps,
         )
         num_chunks = manifest.blob.num_chunks
-        streams = choose_streams(self.config.parallel_streams, len(data), num_chunks)
+        auto = self.config.parallel_streams == "auto"
+        streams = (
+            self.upload_tuner.choose(len(data), num_chunks) if auto
+            else choose_streams(self.config.parallel_streams, len(data), num_chunks)
+        )
+        started = time.perf_counter()
         # Each of K streams carries about 1/K of the bytes: its deadline follows its share.
         timeout = transfer_timeout(-(-len(data) // streams), min_bytes_per_s=self.config.min_transfer_rate)
         missing: list[tuple[int, int]] | None = None
@@ -406,6 +414,8 @@ class CoordinatorClient:
                     missing if missing is not None else [(0, num_chunks)], streams=streams, timeout=timeout,
                 )
                 if response.complete:
+                    if auto and attempt_index == 0:  # a whole transfer, nothing resumed: a measurement
+                        self.upload_tuner.observe(streams, len(data), time.perf_counter() - started)
                     return response
             except grpc.RpcError as error:
                 backoff.failed(error)  # raises what retrying cannot fix; sleeps otherwise

@@ -398,3 +398,28 @@ def test_a_broadcast_stream_cut_mid_transfer_resumes_its_own_share_only(certs: P
     start, stride, received = log[3]
     assert stride == 3 and start == cut_start + 4 * 3
     assert received == list(range(start, num_chunks, 3))
+
+
+def test_auto_uploads_feed_the_tuner_which_picks_the_next_k(
+    server: CoordinatorServer, certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``auto`` the client measures each whole upload and asks ``StreamTuner`` for K: the
+    first upload goes over one stream, and its throughput makes the tuner probe two next."""
+    from geoloco.site_agent import client_streams
+
+    monkeypatch.setattr(client_streams, "MIN_MEASURED_BYTES", 1)
+    monkeypatch.setattr(client_streams, "AUTO_BYTES_PER_STREAM", 1024)
+    log: list[tuple[str, list[int]]] = []
+    client = _client(server, certs, "auto", log, {})
+    other = _join_both(client, server, certs)
+    try:
+        data, numel = _update(server)
+        assert client.upload(
+            round_number=0, data=data, codec="none", shape=[numel], sample_weight=1.0, metrics={}
+        ).complete
+        assert len(log) == 1  # one stream: nothing measured before
+        assert set(client.upload_tuner.rates) == {1} and client.upload_tuner.rates[1] > 0
+        assert client.upload_tuner.choose(len(data), -(-len(data) // CHUNK)) == 2
+    finally:
+        client.close()
+        other.close()

@@ -307,30 +307,36 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    """Peak RSS against sites (one line per model size and downlink) and its target, in MB."""
+    """Peak RSS and its target (MB) against sites (left) and against model size (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    groups: dict[tuple[int, str, str], list[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["numel"], row["downlink"], row["code"]), []).append(row)
-    for (numel, downlink, code), group in sorted(groups.items()):
-        group.sort(key=lambda r: r["sites"])
-        sites = [r["sites"] for r in group]
-        label = f"{numel / 1e6:.0f}M params, downlink {downlink}" + ("" if code == "this tree" else f" ({code})")
-        line = ax.plot(sites, [r["peak_rss"] / MB for r in group], "o-", label=f"peak RSS, {label}")[0]
-        ax.plot(sites, [r["target_bytes"] / MB for r in group], "--", color=line.get_color(), label=f"target, {label}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sites uploading topk:0.01|int4 at once")
-    ax.set_ylabel("coordinator peak RSS (MB)")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Coordinator memory is flat in the number of sites")
-    ax.legend(fontsize=7)
+    fig, (by_sites, by_params) = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, x_key, other_key in ((by_sites, "sites", "numel"), (by_params, "numel", "sites")):
+        groups: dict[tuple[int, str, str], list[dict]] = {}
+        for row in rows:
+            groups.setdefault((row[other_key], row["downlink"], row["code"]), []).append(row)
+        for (other, downlink, code), group in sorted(groups.items()):
+            if len({r[x_key] for r in group}) < 2:
+                continue
+            group.sort(key=lambda r: r[x_key])
+            xs = [r[x_key] / (1e6 if x_key == "numel" else 1) for r in group]
+            fixed = f"{other / 1e6:.0f}M params" if other_key == "numel" else f"{other} sites"
+            label = f"{fixed}, downlink {downlink}" + ("" if code == "this tree" else f" ({code})")
+            line = ax.plot(xs, [r["peak_rss"] / MB for r in group], "o-", label=f"peak RSS, {label}")[0]
+            ax.plot(xs, [r["target_bytes"] / MB for r in group], "--", color=line.get_color(), label=f"target, {label}")
+        ax.set_xscale("log", base=2 if x_key == "sites" else 10)
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("coordinator peak RSS (MB)")
+        ax.legend(fontsize=7)
+    by_sites.set_xlabel("sites uploading topk:0.01|int4 at once")
+    by_sites.set_title("against the number of sites")
+    by_params.set_xlabel("model parameters (millions)")
+    by_params.set_title("against the model size")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -352,11 +358,15 @@ def main() -> None:
     parser.add_argument("--index", type=int)
     parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--plot", type=Path, help="also plot peak RSS against sites into this PNG")
+    parser.add_argument("--plot", type=Path, help="also plot peak RSS against sites and model size into this PNG")
+    parser.add_argument("--plot-only", type=Path, nargs="+", help="plot these --json files into --plot, run nothing")
     parser.add_argument(
         "--baseline-ref", help="also run the coordinator and sites of this git ref, before each configuration"
     )
     args = parser.parse_args()
+    if args.plot_only:
+        _plot([row for file in args.plot_only for row in json.loads(file.read_text())], args.plot)
+        return None
     if args.role != "driver":
         args.params, args.sites = _counts(args.params)[0], _counts(args.sites)[0]
         return _role_coordinator(args) if args.role == "coordinator" else _role_site(args)

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos import wire
-from geoloco.protos import wire_assembly
+from geoloco.protos import wire, wire_assembly
 
 CHUNK = 4096
 

@@ -327,7 +327,9 @@ def _plot(rows: list[dict], path: Path) -> None:
             label = f"{fixed}, downlink {downlink}" + ("" if code == "this tree" else f" ({code})")
             line = ax.plot(xs, [r["peak_rss"] / MB for r in group], "o-", label=f"peak RSS, {label}")[0]
             ax.plot(xs, [r["target_bytes"] / MB for r in group], "--", color=line.get_color(), label=f"target, {label}")
-        ax.set_xscale("log", base=2 if x_key == "sites" else 10)
+        if x_key == "sites":
+            ax.set_xscale("log", base=2)
+        ax.set_xlim(left=0 if x_key == "numel" else None)
         ax.set_ylim(bottom=0)
         ax.set_ylabel("coordinator peak RSS (MB)")
         ax.legend(fontsize=7)

@@ -9,7 +9,8 @@ its SHA-256, as the coordinator's intake does. Then the same payload comes back 
 FetchModel calls (``chunk_stride``, one connection each) into one ``wire.Download``, checksum
 verified, as ``CoordinatorClient.fetch_model`` makes them. The same bytes also go once through a plain TCP
 socket between two processes (``sendall`` / ``recv_into``). Each cell runs once (the machine is
-shared); ratios are against the raw socket of the same run.
+shared); ratios are against the raw socket of the same run. Every process runs with
+``transport.recommended_env()``, the malloc tunables the ``geoloco`` commands apply.
 
     python benchmarks/bench_streams.py                  # 1 GiB, K = 1, 2, 4, 8
     python benchmarks/bench_streams.py --size-mib 256 --streams 1,4
@@ -209,9 +210,14 @@ def _role_raw_client(args: argparse.Namespace) -> None:
 def _pair(server_role: str, client_role: str, common: list[str], hub: Any = None) -> list[dict[str, Any]]:
     """Run a server and a client process; with ``hub`` (a ``RelayHub`` holding one shaped
     relay) the client dials the relay, which forwards to the server."""
+    from geoloco.protos.transport import recommended_env
+
+    # The malloc tunables the coordinator and site commands run with (``transport_malloc``):
+    # without them every 1 MiB message is a fresh mmap and its page faults.
+    env = recommended_env()
     server = subprocess.Popen(
         [sys.executable, __file__, "--role", server_role, *common],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )
     try:
         port = server.stdout.readline().strip() if server.stdout else ""
@@ -222,7 +228,7 @@ def _pair(server_role: str, client_role: str, common: list[str], hub: Any = None
             port = str(next(iter(hub.relays.values())).port)
         client = subprocess.run(
             [sys.executable, __file__, "--role", client_role, "--port", port, *common],
-            capture_output=True, text=True, timeout=1800,
+            capture_output=True, text=True, timeout=1800, env=env,
         )
         if client.returncode != 0:
             raise RuntimeError(f"{client_role} failed:\n{client.stderr}")

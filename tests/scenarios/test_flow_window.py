@@ -131,3 +131,15 @@ def test_the_scenario_key_is_validated_and_reaches_the_link_shape() -> None:
         EmulatedSite(name="c", flow_window_bytes=100)
     with pytest.raises(ValueError, match="flow_window_bytes"):
         LinkShape(1e9, flow_window_bytes=0)
+
+
+def test_a_scenario_file_sets_the_window_per_site() -> None:
+    from geoloco.scenarios.scenario import parse_scenario
+
+    scenario = parse_scenario({
+        "sites": [
+            {"name": "far", "uplink_bps": 1e9, "downlink_bps": 1e9, "latency_s": 0.04, "flow_window_bytes": MiB},
+            {"name": "near"},
+        ],
+    })
+    assert [site.flow_window_bytes for site in scenario.sites] == [MiB, None]

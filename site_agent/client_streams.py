@@ -33,6 +33,7 @@ __all__ = [
     "MAX_AUTO_STREAMS",
     "MAX_STREAMS",
     "StreamChannels",
+    "StreamPlanner",
     "StreamTuner",
     "choose_streams",
     "download_streams",
@@ -120,6 +121,11 @@ class StreamTuner:
             return larger  # a probe: is the link worth more streams?
         return k
 
+    def choose_download(self, nbytes: int) -> int:
+        """``choose`` for a download, whose chunk count the server's manifest will tell: capped,
+        like ``download_streams``, by the fewest chunks ``nbytes`` can come in."""
+        return self.choose(nbytes, max(1, -(-nbytes // MAX_CHUNK_SIZE)))
+
     def observe(self, streams: int, nbytes: int, seconds: float) -> None:
         """A whole transfer of ``nbytes`` over ``streams`` streams took ``seconds``."""
         if nbytes < MIN_MEASURED_BYTES or seconds <= 0 or streams < 1:
@@ -145,6 +151,42 @@ class StreamTuner:
             if smaller < best and self.rates[smaller] >= self.rates[best]:
                 return smaller
         return best
+
+
+class StreamPlanner:
+    """K for each transfer of one client: ``parallel_streams`` as configured, or (``"auto"``)
+    a ``StreamTuner`` per direction fed with the client's own whole transfers."""
+
+    def __init__(self, setting: int | str) -> None:
+        self.setting = setting
+        self.upload = StreamTuner()
+        self.download = StreamTuner()
+
+    @property
+    def auto(self) -> bool:
+        return self.setting == "auto"
+
+    def for_upload(self, nbytes: int, num_chunks: int) -> int:
+        return self.upload.choose(nbytes, num_chunks) if self.auto else choose_streams(self.setting, nbytes, num_chunks)
+
+    def for_download(self, nbytes: int) -> int:
+        """K for a FetchModel of ``nbytes``."""
+        return self.download.choose_download(nbytes) if self.auto else download_streams(self.setting, nbytes)
+
+    def for_broadcast(self, last_delta_bytes: int) -> int:
+        """K for the next broadcast, whose size is known only from its header: a configured
+        number as is, ``auto`` from the last delta's size (one stream before the first)."""
+        return self.download.choose_download(last_delta_bytes) if self.auto else int(self.setting)
+
+    def uploaded(self, streams: int, nbytes: int, seconds: float) -> None:
+        """A whole upload (nothing resumed) took ``seconds``."""
+        if self.auto:
+            self.upload.observe(streams, nbytes, seconds)
+
+    def downloaded(self, streams: int, nbytes: int, seconds: float) -> None:
+        """A whole download took ``seconds`` (a broadcast: from its header, not the wait)."""
+        if self.auto:
+            self.download.observe(streams, nbytes, seconds)
 
 
 def download_streams(setting: int | str, nbytes: int) -> int:

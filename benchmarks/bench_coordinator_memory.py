@@ -1,15 +1,18 @@
 """Peak memory (RSS) of a real coordinator process while many sites upload compressed updates.
 
-A ``CoordinatorServer`` (the object ``geoloco coordinator`` runs) serves a 50M-parameter model laid
-out as 50 tensors of 1M fp32 values. Each of 16 site processes draws a random pseudo-gradient,
-encodes it with the run's uplink codec (default ``topk:0.01|int4``) and uploads it through the
-real client path (``CoordinatorClient``: Join, chunked resumable Upload, AwaitBroadcast), for
-``--rounds`` rounds. The sites never fetch the 200 MB model (they only need the protocol), so all
-traffic is uploads plus each round's broadcast. The coordinator writes a checkpoint after every
-round (into a temporary folder), as a deployment would.
+A ``CoordinatorServer`` (the object ``geoloco coordinator`` runs) serves a model laid out as 50
+equal fp32 tensors (``--params``, default 50M). ``--sites`` sites (default 16) run as threads of
+``--site-processes`` processes (default 4); each process draws a random pseudo-gradient per
+round, encodes it with the run's uplink codec (default ``topk:0.01|int4``), and every site of it
+uploads those bytes through the real client path (``CoordinatorClient``: Join, chunked resumable
+Upload, AwaitBroadcast), for ``--rounds`` rounds. The sites never fetch the model (they only need
+the protocol), so all traffic is uploads plus each round's broadcast. The coordinator writes a
+checkpoint after every round (into a temporary folder), as a deployment would. ``--params`` and
+``--sites`` take comma lists: every combination runs, one after the other.
 
 The coordinator process records its RSS every 20 ms (``/proc/self/statm``) together with the
-round phase, and its high-water mark (``ru_maxrss``). Reported against the issue's target::
+round phase, its high-water mark (``ru_maxrss``), and the aggregating thread's stack each time
+RSS reaches a new high (``peak_stack``: where the peak is). Reported against the issue's target::
 
     target = 3 x fp32 model (weights, outer optimizer state, aggregation buffer)
              + every site's compressed upload + 300 MB (interpreter, torch, gRPC)
@@ -18,10 +21,14 @@ round phase, and its high-water mark (``ru_maxrss``). Reported against the issue
     python benchmarks/bench_coordinator_memory.py --downlink none   # one configuration
     python benchmarks/bench_coordinator_memory.py --downlink none --baseline-ref main
         # the coordinator of git ref ``main`` too, side by side with this tree's
+    python benchmarks/bench_coordinator_memory.py --params 50000000 --sites 4,16,64 \
+        --downlink 'topk:0.01|int4' --json sites.json --plot memory.png
+        # a sweep, its rows as JSON, and peak RSS against sites and model size as a PNG
+    python benchmarks/bench_coordinator_memory.py --plot-only a.json b.json --plot memory.png
 
 Processes run with ``transport.recommended_env()`` (the malloc tunables the CLI applies). Needs
-about 0.5 GB per site process at its peak (the random 200 MB update and its top-k) and a few GB
-for the coordinator.
+about 2.5x the model per site process at its peak (the random update and its encoding) and
+about 6.5x the model for the coordinator.
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
 """Peak memory (RSS) of a real coordinator process while many sites upload compressed updates.
 
-A ``CoordinatorServer`` (the object ``geoloco coordinator`` runs) serves a 50M-parameter model laid
-out as 50 tensors of 1M fp32 values. Each of 16 site processes draws a random pseudo-gradient,
-encodes it with the run's uplink codec (default ``topk:0.01|int4``) and uploads it through the
-real client path (``CoordinatorClient``: Join, chunked resumable Upload, AwaitBroadcast), for
-``--rounds`` rounds. The sites never fetch the 200 MB model (they only need the protocol), so all
-traffic is uploads plus each round's broadcast. The coordinator writes a checkpoint after every
-round (into a temporary folder), as a deployment would.
+A ``CoordinatorServer`` (the object ``geoloco coordinator`` runs) serves a model laid out as 50
+equal fp32 tensors (``--params``, default 50M). ``--sites`` sites (default 16) run as threads of
+``--site-processes`` processes (default 4); each process draws a random pseudo-gradient per
+round, encodes it with the run's uplink codec (default ``topk:0.01|int4``), and every site of it
+uploads those bytes through the real client path (``CoordinatorClient``: Join, chunked resumable
+Upload, AwaitBroadcast), for ``--rounds`` rounds. The sites never fetch the model (they only need
+the protocol), so all traffic is uploads plus each round's broadcast. The coordinator writes a
+checkpoint after every round (into a temporary folder), as a deployment would. ``--params`` and
+``--sites`` take comma lists: every combination runs, one after the other.
 
 The coordinator process records its RSS every 20 ms (``/proc/self/statm``) together with the
-round phase, and its high-water mark (``ru_maxrss``). Reported against the issue's target::
+round phase, its high-water mark (``ru_maxrss``), and the aggregating thread's stack each time
+RSS reaches a new high (``peak_stack``: where the peak is). Reported against the issue's target::
 
     target = 3 x fp32 model (weights, outer optimizer state, aggregation buffer)
              + every site's compressed upload + 300 MB (interpreter, torch, gRPC)
@@ -18,10 +21,14 @@ round phase, and its high-water mark (``ru_maxrss``). Reported against the issue
     python benchmarks/bench_coordinator_memory.py --downlink none   # one configuration
     python benchmarks/bench_coordinator_memory.py --downlink none --baseline-ref main
         # the coordinator of git ref ``main`` too, side by side with this tree's
+    python benchmarks/bench_coordinator_memory.py --params 50000000 --sites 4,16,64 \
+        --downlink 'topk:0.01|int4' --json sites.json --plot memory.png
+        # a sweep, its rows as JSON, and peak RSS against sites and model size as a PNG
+    python benchmarks/bench_coordinator_memory.py --plot-only a.json b.json --plot memory.png
 
 Processes run with ``transport.recommended_env()`` (the malloc tunables the CLI applies). Needs
-about 0.5 GB per site process at its peak (the random 200 MB update and its top-k) and a few GB
-for the coordinator.
+about 2.5x the model per site process at its peak (the random update and its encoding) and
+about 6.5x the model for the coordinator.
 """
 
 from __future__ import annotations
@@ -51,6 +58,19 @@ def _rss_bytes() -> int:
 
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _aggregation_stack() -> list[str]:
+    """Where the aggregating thread is (innermost geoloco frames first), or []: what the
+    coordinator was doing when its RSS reached a new high (a sampling profile of the peak)."""
+    import traceback
+
+    for frames in sys._current_frames().values():
+        stack = traceback.extract_stack(frames)
+        if any(frame.name == "aggregate" for frame in stack):
+            inner = [f for f in reversed(stack) if "geoloco" in f.filename or "/wt/" in f.filename]
+            return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in inner[:6]]
+    return []
 
 
 # --- roles (each runs in its own process) ----------------------------------------------------
@@ -91,10 +111,17 @@ def _role_coordinator(args: argparse.Namespace) -> None:
     samples: list[tuple[float, int, str]] = []
     stop = threading.Event()
 
+    peak_stack: list[str] = []
+
     def sample() -> None:
         t0 = time.perf_counter()
+        highest = 0
         while not stop.wait(0.02):
-            samples.append((time.perf_counter() - t0, _rss_bytes(), server.rounds.phase.value))
+            rss = _rss_bytes()
+            samples.append((time.perf_counter() - t0, rss, server.rounds.phase.value))
+            if rss > highest:
+                highest = rss
+                peak_stack[:] = _aggregation_stack()
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -116,6 +143,7 @@ def _role_coordinator(args: argparse.Namespace) -> None:
                 "after_start_rss": after_start,
                 "peak_rss": _peak_rss_bytes(),
                 "peak_rss_by_phase": by_phase,
+                "peak_stack": peak_stack,
                 "numel": layout.numel,
             }
         ),
@@ -124,6 +152,9 @@ def _role_coordinator(args: argparse.Namespace) -> None:
 
 
 def _role_site(args: argparse.Namespace) -> None:
+    """``args.count`` sites as threads of one process, each its own client (channel, Join,
+    uploads, broadcasts). They upload the same bytes: one encoding per round per process keeps
+    64 sites within a few GB on the driver's side, and the coordinator cannot tell."""
     import threading as th
 
     import torch
@@ -132,7 +163,6 @@ def _role_site(args: argparse.Namespace) -> None:
     from geoloco.site_agent.client import CoordinatorClient
     from geoloco.site_agent.config import SiteAgentConfig
 
-    name = f"site{args.index}"
     codec = parse_codec(args.codec)
     generator = torch.Generator().manual_seed(1000 + args.index)
     uploads = []
@@ -141,25 +171,42 @@ def _role_site(args: argparse.Namespace) -> None:
         encoded = codec.encode(pseudo_gradient, seed=args.index)
         del pseudo_gradient
         uploads.append((encoded.to_bytes(), encoded.spec, list(encoded.shape)))
-    client = CoordinatorClient(
-        f"localhost:{args.port}",
-        site=name,
-        tls=None,
-        insecure=True,
-        config=SiteAgentConfig(device="cpu", backoff_max_s=1.0),
-        stop_event=th.Event(),
-    )
-    joined = client.join(has_weights=False, weights_round=0, digest_hex=None)
-    first_round = joined.round.round
-    for offset, (data, spec, shape) in enumerate(uploads):
-        round_number = first_round + offset
-        client.upload(
-            round_number=round_number, data=data, codec=spec, shape=shape,
-            sample_weight=1.0, metrics={},
+        del encoded
+    failures: list[BaseException] = []
+
+    def one_site(index: int) -> None:
+        client = CoordinatorClient(
+            f"localhost:{args.port}",
+            site=f"site{index}",
+            tls=None,
+            insecure=True,
+            config=SiteAgentConfig(device="cpu", backoff_max_s=1.0, give_up_after_s=1800.0),
+            stop_event=th.Event(),
         )
-        client.await_broadcast(round_number)
-    client.leave("benchmark done")
-    client.close()
+        try:
+            joined = client.join(has_weights=False, weights_round=0, digest_hex=None)
+            first_round = joined.round.round
+            for offset, (data, spec, shape) in enumerate(uploads):
+                round_number = first_round + offset
+                client.upload(
+                    round_number=round_number, data=data, codec=spec, shape=shape,
+                    sample_weight=1.0, metrics={},
+                )
+                _, delta = client.await_broadcast(round_number)
+                del delta  # a site would apply it; here only the coordinator is measured
+            client.leave("benchmark done")
+        except BaseException as exc:  # noqa: BLE001 - reported below, the process exits 1
+            failures.append(exc)
+        finally:
+            client.close()
+
+    threads = [th.Thread(target=one_site, args=(args.index + k,)) for k in range(args.count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
     print(json.dumps({"upload_bytes": len(uploads[0][0]), "spec": uploads[0][1]}), flush=True)
 
 
@@ -205,8 +252,11 @@ def _run_config(args: argparse.Namespace, downlink: str, env: dict[str, str]) ->
         if not port:
             raise RuntimeError("the coordinator did not start")
         t0 = time.perf_counter()
+        processes = max(1, min(args.sites, args.site_processes))
+        shares = [args.sites // processes + (1 if k < args.sites % processes else 0) for k in range(processes)]
         sites = [
-            _spawn("site", env, *common, "--port", port, "--index", str(k)) for k in range(args.sites)
+            _spawn("site", env, *common, "--port", port, "--index", str(sum(shares[:k])), "--count", str(n))
+            for k, n in enumerate(shares)
         ]
         site_results = []
         for site in sites:
@@ -230,6 +280,7 @@ def _run_config(args: argparse.Namespace, downlink: str, env: dict[str, str]) ->
     target = 3 * model + args.sites * upload + 300 * MB
     return {
         "downlink": downlink,
+        "sites": args.sites,
         "uplink": site_results[0]["spec"],
         "model_bytes": model,
         "upload_bytes_per_site": upload,
@@ -239,13 +290,73 @@ def _run_config(args: argparse.Namespace, downlink: str, env: dict[str, str]) ->
     }
 
 
+def _counts(text: str) -> list[int]:
+    return [int(float(part)) for part in text.split(",") if part.strip()]
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(
+        "| code | params | sites | downlink | model MB | upload MB/site | baseline RSS MB | peak RSS MB "
+        "| target MB | peak / target | peak while receiving MB | peak while aggregating MB | seconds |"
+    )
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        aggregating = row["peak_rss_by_phase"].get("aggregating")
+        receiving = row["peak_rss_by_phase"].get("running")
+        print(
+            f"| {row['code']} | {row['numel'] / 1e6:.0f}M | {row['sites']} | {row['downlink']} "
+            f"| {row['model_bytes'] / MB:.0f} | {row['upload_bytes_per_site'] / MB:.2f} "
+            f"| {row['baseline_rss'] / MB:.0f} | {row['peak_rss'] / MB:.0f} | {row['target_bytes'] / MB:.0f} "
+            f"| {row['peak_rss'] / row['target_bytes']:.2f} "
+            f"| {'-' if receiving is None else f'{receiving / MB:.0f}'} "
+            f"| {'-' if aggregating is None else f'{aggregating / MB:.0f}'} | {row['seconds']:.0f} |"
+        )
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    """Peak RSS and its target (MB) against sites (left) and against model size (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_sites, by_params) = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, x_key, other_key in ((by_sites, "sites", "numel"), (by_params, "numel", "sites")):
+        groups: dict[tuple[int, str, str], list[dict]] = {}
+        for row in rows:
+            groups.setdefault((row[other_key], row["downlink"], row["code"]), []).append(row)
+        for (other, downlink, code), group in sorted(groups.items()):
+            if len({r[x_key] for r in group}) < 2:
+                continue
+            group.sort(key=lambda r: r[x_key])
+            xs = [r[x_key] / (1e6 if x_key == "numel" else 1) for r in group]
+            fixed = f"{other / 1e6:.0f}M params" if other_key == "numel" else f"{other} sites"
+            label = f"{fixed}, downlink {downlink}" + ("" if code == "this tree" else f" ({code})")
+            line = ax.plot(xs, [r["peak_rss"] / MB for r in group], "o-", label=f"peak RSS, {label}")[0]
+            ax.plot(xs, [r["target_bytes"] / MB for r in group], "--", color=line.get_color(), label=f"target, {label}")
+        if x_key == "sites":
+            ax.set_xscale("log", base=2)
+        ax.set_xlim(left=0 if x_key == "numel" else None)
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("coordinator peak RSS (MB)")
+        ax.legend(fontsize=7)
+    by_sites.set_xlabel("sites uploading topk:0.01|int4 at once")
+    by_sites.set_title("against the number of sites")
+    by_params.set_xlabel("model parameters (millions)")
+    by_params.set_title("against the model size")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--role", choices=["driver", "coordinator", "site"], default="driver")
-    parser.add_argument("--params", type=int, default=50_000_000)
-    parser.add_argument("--sites", type=int, default=16)
+    parser.add_argument("--params", default="50000000", help="parameters, or a comma list (a sweep)")
+    parser.add_argument("--sites", default="16", help="sites, or a comma list (a sweep)")
+    parser.add_argument("--site-processes", type=int, default=4, help="processes the sites run in (as threads)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--codec", default="topk:0.01|int4", help="uplink codec")
     parser.add_argument(
@@ -254,15 +365,20 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int)
     parser.add_argument("--index", type=int)
+    parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--plot", type=Path, help="also plot peak RSS against sites and model size into this PNG")
+    parser.add_argument("--plot-only", type=Path, nargs="+", help="plot these --json files into --plot, run nothing")
     parser.add_argument(
         "--baseline-ref", help="also run the coordinator and sites of this git ref, before each configuration"
     )
     args = parser.parse_args()
-    if args.role == "coordinator":
-        return _role_coordinator(args)
-    if args.role == "site":
-        return _role_site(args)
+    if args.plot_only:
+        _plot([row for file in args.plot_only for row in json.loads(file.read_text())], args.plot)
+        return None
+    if args.role != "driver":
+        args.params, args.sites = _counts(args.params)[0], _counts(args.sites)[0]
+        return _role_coordinator(args) if args.role == "coordinator" else _role_site(args)
 
     from geoloco.protos.transport import recommended_env
 
@@ -272,30 +388,16 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="geoloco-bench-baseline-") as folder:
         baseline_env = _baseline_env(args.baseline_ref, env, Path(folder)) if args.baseline_ref else None
-        for downlink in downlinks:
-            if baseline_env is not None:
-                rows.append({**_run_config(args, downlink, baseline_env), "code": args.baseline_ref})
-            rows.append({**_run_config(args, downlink, env), "code": "this tree"})
-    print(
-        f"\nCoordinator peak RSS: {args.sites} sites, {args.rounds} rounds, "
-        f"{args.params / 1e6:.0f}M parameters ({TENSORS} tensors), uplink {rows[0]['uplink']}\n"
-    )
-    print(
-        "| code | downlink | model MB | upload MB/site | baseline RSS MB | peak RSS MB | target MB "
-        "| peak / target | peak while receiving MB | peak while aggregating MB |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        aggregating = row["peak_rss_by_phase"].get("aggregating")
-        receiving = row["peak_rss_by_phase"].get("running")
-        print(
-            f"| {row['code']} | {row['downlink']} | {row['model_bytes'] / MB:.0f} "
-            f"| {row['upload_bytes_per_site'] / MB:.2f} "
-            f"| {row['baseline_rss'] / MB:.0f} | {row['peak_rss'] / MB:.0f} | {row['target_bytes'] / MB:.0f} "
-            f"| {row['peak_rss'] / row['target_bytes']:.2f} "
-            f"| {'-' if receiving is None else f'{receiving / MB:.0f}'} "
-            f"| {'-' if aggregating is None else f'{aggregating / MB:.0f}'} |"
-        )
+        for params in _counts(args.params):
+            for sites in _counts(args.sites):
+                point = argparse.Namespace(**{**vars(args), "params": params, "sites": sites})
+                for downlink in downlinks:
+                    if baseline_env is not None:
+                        rows.append({**_run_config(point, downlink, baseline_env), "code": args.baseline_ref})
+                    rows.append({**_run_config(point, downlink, env), "code": "this tree"})
+                    print(json.dumps({k: v for k, v in rows[-1].items() if k != "peak_rss_by_phase"}), flush=True)
+    print(f"\nCoordinator peak RSS: {args.rounds} rounds, {TENSORS} tensors, uplink {rows[0]['uplink']}\n")
+    _print_table(rows)
     print(
         "\ntarget = 3 x model + sites x upload + 300 MB; baseline = RSS after importing torch and "
         "gRPC, before the model exists. Peak RSS is the process's high-water mark (ru_maxrss); "
@@ -304,6 +406,8 @@ def main() -> None:
     )
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if args.plot is not None:
+        _plot(rows, args.plot)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,14 @@ its SHA-256, as the coordinator's intake does. Then the same payload comes back 
 FetchModel calls (``chunk_stride``, one connection each) into one ``wire.Download``, checksum
 verified, as ``CoordinatorClient.fetch_model`` makes them. The same bytes also go once through a plain TCP
 socket between two processes (``sendall`` / ``recv_into``). Each cell runs once (the machine is
-shared); ratios are against the raw socket of the same run.
+shared); ratios are against the raw socket of the same run. Every process runs with
+``transport.recommended_env()``, the malloc tunables the ``geoloco`` commands apply.
 
     python benchmarks/bench_streams.py                  # 1 GiB, K = 1, 2, 4, 8
     python benchmarks/bench_streams.py --size-mib 256 --streams 1,4
+    python benchmarks/bench_streams.py --size-mib 64 --streams 1,2,4 --layouts connections \
+        --link-mbit 1000 --rtt-ms 80 --window-kib 1024
+        # through the emulator's relay: 1 Gbit/s, 80 ms, each TCP connection's window 1 MiB
 
 Timing starts when the first Upload call starts and ends when every stream's response (the
 last one sent after the checksum check) has arrived; the site's checksum of the payload is
@@ -203,18 +207,28 @@ def _role_raw_client(args: argparse.Namespace) -> None:
     print(json.dumps([{"seconds": time.perf_counter() - t0}]), flush=True)
 
 
-def _pair(server_role: str, client_role: str, common: list[str]) -> list[dict[str, Any]]:
+def _pair(server_role: str, client_role: str, common: list[str], hub: Any = None) -> list[dict[str, Any]]:
+    """Run a server and a client process; with ``hub`` (a ``RelayHub`` holding one shaped
+    relay) the client dials the relay, which forwards to the server."""
+    from geoloco.protos.transport import recommended_env
+
+    # The malloc tunables the coordinator and site commands run with (``transport_malloc``):
+    # without them every 1 MiB message is a fresh mmap and its page faults.
+    env = recommended_env()
     server = subprocess.Popen(
         [sys.executable, __file__, "--role", server_role, *common],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )
     try:
         port = server.stdout.readline().strip() if server.stdout else ""
         if not port:
             raise RuntimeError(f"{server_role} did not start")
+        if hub is not None:
+            hub.set_target("127.0.0.1", int(port))
+            port = str(next(iter(hub.relays.values())).port)
         client = subprocess.run(
             [sys.executable, __file__, "--role", client_role, "--port", port, *common],
-            capture_output=True, text=True, timeout=1800,
+            capture_output=True, text=True, timeout=1800, env=env,
         )
         if client.returncode != 0:
             raise RuntimeError(f"{client_role} failed:\n{client.stderr}")
@@ -238,6 +252,11 @@ def main() -> None:
         "--layouts", default="connections,shared",
         help="'connections' (one TCP connection per stream) and/or 'shared' (one channel)",
     )
+    parser.add_argument("--link-mbit", type=float, help="shape the link: bandwidth per direction (Mbit/s)")
+    parser.add_argument("--rtt-ms", type=float, default=80.0, help="shaped link: round trip (default 80)")
+    parser.add_argument(
+        "--window-kib", type=int, default=1024, help="shaped link: per-flow TCP window (default 1024 KiB)"
+    )
     args = parser.parse_args()
     args.size = args.size_mib * MiB
     roles = {
@@ -248,23 +267,40 @@ def main() -> None:
         roles[args.role](args)
         return
     from geoloco.scenarios import certs
+    from geoloco.scenarios.shaping import LinkShape, RelayHub
 
-    with tempfile.TemporaryDirectory(prefix="geoloco-bench-") as tmp:
-        pki = Path(tmp)
-        certs.init_ca(pki)
-        certs.issue_coordinator(pki)
-        certs.issue_site(pki, _SITE)
-        common = ["--size-mib", str(args.size_mib), "--tls-dir", str(pki)]
-        raw = _pair("raw-server", "raw-client", common)[0]["seconds"]
-        rows = _pair(
-            "server", "client",
-            [*common, "--chunk-mib", str(args.chunk_mib), "--streams", args.streams, "--layouts", args.layouts],
+    hub = None
+    link = "loopback"
+    if args.link_mbit is not None:
+        shape = LinkShape(args.link_mbit * 1e6, args.rtt_ms / 2000, flow_window_bytes=args.window_kib * 1024)
+        hub = RelayHub()
+        hub.add("bench", shape, shape)
+        per_flow = args.window_kib * 1024 * 8 / (args.rtt_ms / 1000) / 1e6
+        link = (
+            f"a shaped link ({args.link_mbit:g} Mbit/s, RTT {args.rtt_ms:g} ms, per-flow window "
+            f"{args.window_kib} KiB: one flow at most {per_flow:.0f} Mbit/s)"
         )
+    try:
+        with tempfile.TemporaryDirectory(prefix="geoloco-bench-") as tmp:
+            pki = Path(tmp)
+            certs.init_ca(pki)
+            certs.issue_coordinator(pki)
+            certs.issue_site(pki, _SITE)
+            common = ["--size-mib", str(args.size_mib), "--tls-dir", str(pki)]
+            raw = _pair("raw-server", "raw-client", common, hub)[0]["seconds"]
+            rows = _pair(
+                "server", "client",
+                [*common, "--chunk-mib", str(args.chunk_mib), "--streams", args.streams, "--layouts", args.layouts],
+                hub,
+            )
+    finally:
+        if hub is not None:
+            hub.close()
     rate = args.size / 1e6
-    print(f"payload {args.size_mib} MiB, chunks {args.chunk_mib} MiB, mutual TLS on loopback, one run each\n")
-    print("| path | streams | seconds | MB/s | x raw TCP | site CPU s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    print(f"| raw TCP socket | 1 | {raw:.2f} | {rate / raw:.0f} | 1.00 | - |")
+    print(f"payload {args.size_mib} MiB, chunks {args.chunk_mib} MiB, mutual TLS over {link}, one run each\n")
+    print("| path | streams | seconds | MB/s | Mbit/s | x raw TCP | site CPU s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| raw TCP socket | 1 | {raw:.2f} | {rate / raw:.0f} | {8 * rate / raw:.0f} | 1.00 | - |")
     for row in rows:
         name = {
             "connections": "upload, TLS, a connection per stream",
@@ -273,7 +309,7 @@ def main() -> None:
         }[row["layout"]]
         print(
             f"| {name} | {row['streams']} | {row['seconds']:.2f} | {rate / row['seconds']:.0f} | "
-            f"{raw / row['seconds']:.2f} | {row['client_cpu_s']:.1f} |"
+            f"{8 * rate / row['seconds']:.0f} | {raw / row['seconds']:.2f} | {row['client_cpu_s']:.1f} |"
         )
 
 

@@ -114,11 +114,16 @@ class Encoded:
 
     def to_bytes(self) -> bytes:
         """Serialize to the wire format described in the module docstring (moves the payload to host)."""
+        return b"".join(self.wire_parts())
+
+    def wire_parts(self) -> tuple[bytes, memoryview, bytes]:
+        """(header, payload, CRC-32 trailer): what ``to_bytes`` joins, for writers that stream
+        them (a model-sized delta written to a file needs no second copy in memory). The
+        payload is a view of the host payload, not a copy."""
         header = self._header()
-        # A view of the host payload, not a copy: ``join`` copies it once, into the result.
         payload = memoryview(self.payload.detach().to("cpu").contiguous().numpy())  # type: ignore[arg-type]
         crc = zlib.crc32(payload, zlib.crc32(header))
-        return b"".join((header, payload, _CRC.pack(crc)))
+        return header, payload.cast("B"), _CRC.pack(crc)
 
     @classmethod
     def from_bytes(

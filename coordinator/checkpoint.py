@@ -10,6 +10,11 @@ A checkpoint is two files in the checkpoint folder:
 Each file is written atomically and the tensor file streamed tensor by tensor
 (``geoloco.protos.atomic_files``), so ``kill -9`` at any instant leaves either the previous
 checkpoint or the new one, never a torn file, and writing costs no memory beyond the tensors.
+Loading memory-maps the tensor file (``safetensors``' default): a multi-GB checkpoint's pages are
+read on first use and stay in the page cache, where the kernel can drop them, until a tensor is
+written (the mapping is private: the outer optimizer's in-place updates copy only what they touch
+and never reach the file). The global weights are never written in place, so a resumed
+coordinator's weights cost page cache, not process memory.
 
 The tensor file is written before the pointer; a crash between the two leaves an
 orphan tensor file that the next save removes. The last ``keep`` tensor files are kept so an

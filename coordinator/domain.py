@@ -14,6 +14,7 @@ import torch
 
 from geoloco.algorithms.round import Round
 from geoloco.coordinator.round_timing import RoundTimings
+from geoloco.protos.wire_files import FileBlob
 
 __all__ = [
     "OPEN_PHASES",
@@ -91,8 +92,9 @@ class BroadcastRecord:
     """What the coordinator broadcast at the end of ``round``."""
 
     round: int
-    data: bytes
-    """``Encoded.to_bytes()`` of the downlink delta."""
+    data: bytes | FileBlob
+    """``Encoded.to_bytes()`` of the downlink delta; a large one in a file
+    (``geoloco.coordinator.broadcast_store``)."""
     codec: str
     shape: tuple[int, ...]
     chunk_size: int

@@ -22,9 +22,7 @@ unchanged model (``Strategy.no_change``), and the reason is in the round's metri
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from geoloco.algorithms.params import ParamLayout, weights_digest
 from geoloco.algorithms.round import RoundOutcome
 from geoloco.algorithms.strategy import RoundPlan, build_strategy
 from geoloco.coordinator import events as ev
+from geoloco.coordinator.broadcast_store import SPILL_MIN_BYTES, PreparedBroadcast
 from geoloco.coordinator.checkpoint import load_latest_checkpoint, save_checkpoint
 from geoloco.coordinator.context import CONTRIBUTOR_HISTORY, RoundContext
 from geoloco.coordinator.domain import (
@@ -125,6 +124,8 @@ class RoundPhases:
         self.privacy = privacy
         self.eval_fn = eval_fn
         self.broadcast: BroadcastRecord | None = None
+        self.spill_min_bytes = SPILL_MIN_BYTES
+        """Broadcasts this large or larger are served from a file (``broadcast_store``)."""
         self.finished_s: float | None = None
         self._closed: _Closed | None = None
 
@@ -203,19 +204,17 @@ class RoundPhases:
         )
         del result
         serialised = time.perf_counter()
-        delta_bytes = update.downlink.to_bytes()
+        # The broadcast's manifest checksum, hashed beside the checkpoint write (hashlib and file
+        # writes release the GIL) instead of by the first AwaitBroadcast after the round; a large
+        # delta goes to a file in the same pass (``geoloco.coordinator.broadcast_store``).
+        prepared = PreparedBroadcast(
+            update.downlink, directory=ctx.config.checkpoint_dir, spill_min_bytes=self.spill_min_bytes
+        )
+        delta_size = prepared.nbytes
         downlink_s = fragment_outer.last_step_s.get("downlink_encode", 0.0) + time.perf_counter() - serialised
         timings.record("downlink_encode", downlink_s)
         timings.record("outer_step", time.perf_counter() - t0 - downlink_s)
         codec, shape = update.downlink.spec, tuple(update.downlink.shape)
-        # The broadcast's manifest checksum, hashed beside the checkpoint write (hashlib and file
-        # writes release the GIL) instead of by the first AwaitBroadcast after the round.
-        delta_sha256: list[bytes] = []
-        hasher = threading.Thread(
-            target=lambda: delta_sha256.append(hashlib.sha256(delta_bytes).digest()),
-            name="geoloco-broadcast-checksum", daemon=True,
-        )
-        hasher.start()
         new_weights, new_digest = update.global_flat, update.digest
         del update
         next_round = r.number + 1
@@ -239,7 +238,7 @@ class RoundPhases:
             "partial_uploads": closed.partial,
             "bytes_up": dict(r.bytes_up),
             "bytes_down": dict(r.bytes_down),
-            "downlink_bytes": len(delta_bytes),
+            "downlink_bytes": delta_size,
             "round_time_s": closed.closed_s - r.core.opened_s,
             "wait_for_quorum_s": None if r.core.started_s is None else r.core.started_s - r.core.opened_s,
             "aggregate_time_s": aggregate_s,
@@ -277,17 +276,19 @@ class RoundPhases:
             timings.record("checkpoint", time.perf_counter() - checkpoint_start)
             ctx.events.emit(ev.CHECKPOINT_SAVED, round=next_round)
         broadcast_start = time.perf_counter()
-        hasher.join()
+        served, delta_sha256 = prepared.result()
+        if prepared.error is not None:
+            logger.warning("the broadcast of round %d stays in memory: %s", r.number, prepared.error)
         record = BroadcastRecord(
             round=r.number,
-            data=delta_bytes,
+            data=served,
             codec=codec,
             shape=shape,
             chunk_size=ctx.config.chunk_size,
             weights_digest=new_digest,
             contributors=frozenset(contributors),
             run_finished=finished,
-            data_sha256=delta_sha256[0] if delta_sha256 else None,
+            data_sha256=delta_sha256,
         )
         with ctx.cond:
             self.weights = GlobalWeights.of(new_weights, new_digest)
@@ -313,7 +314,7 @@ class RoundPhases:
             r.number, len(contributors), ", ".join(contributors),
             f", excluded {', '.join(outcome.excluded)}" if outcome.excluded else "",
             f", folded late {', '.join(outcome.folded)}" if outcome.folded else "",
-            update_norm, len(delta_bytes),
+            update_norm, delta_size,
             "none" if outcome.deadline_s is None else f"{outcome.deadline_s:.3g} s",
         )
         eval_loss = None

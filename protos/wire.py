@@ -121,6 +121,7 @@ from geoloco.protos.wire_chunks import (
     model_responses,
     upload_requests,
 )
+from geoloco.protos.wire_files import FileBlob
 from geoloco.protos.wire_manifests import (
     blob_manifest,
     layout_slices,
@@ -155,6 +156,7 @@ __all__ = [
     "ChunkRef",
     "ChunkSizeError",
     "Download",
+    "FileBlob",
     "GiB",
     "IncompleteError",
     "KiB",

@@ -10,9 +10,11 @@ client's partial FetchModel/AwaitBroadcast download across broken streams.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from geoloco.protos import geoloco_pb2 as pb
@@ -59,11 +61,45 @@ class _RunningDigest:
         return self._sha.digest() if self._sha is not None else self._crc.to_bytes(4, "big")
 
 
+_HASH_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_hash_pool: ThreadPoolExecutor | None = None
+_hash_pool_lock = threading.Lock()
+
+
+def _hash_executor() -> ThreadPoolExecutor:
+    """Threads that advance the assemblers' running checksums (shared by all of a process's
+    assemblers; started on first use)."""
+    global _hash_pool
+    with _hash_pool_lock:
+        if _hash_pool is None:
+            _hash_pool = ThreadPoolExecutor(max_workers=_HASH_WORKERS, thread_name_prefix="geoloco-wire-hash")
+        return _hash_pool
+
+
+def _forget_hash_pool() -> None:
+    """A forked child has none of its parent's threads: it starts its own pool when needed."""
+    global _hash_pool, _hash_pool_lock
+    _hash_pool = None
+    _hash_pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_hash_pool)
+
+
 class BlobAssembler:
     """Reassembles one blob from chunks arriving in any order, any number of times.
 
     Thread-safe: two streams for the same blob (a broken one the server has not noticed yet and
-    its resumption) may feed it concurrently.
+    its resumption), or K parallel streams, may feed it concurrently.
+
+    The checksum is the wire's: SHA-256 (or CRC-32) of the whole blob, taken over the chunks in
+    index order as soon as a prefix of them is there. It is taken outside the lock that
+    ``add`` holds while copying a chunk in, by a pool thread (``hashlib`` releases the GIL for
+    large buffers): the streams keep receiving and copying while earlier chunks are hashed,
+    instead of every stream waiting on one thread's SHA-256 (about 1 s per GiB here). Chunks
+    never change once stored (duplicates are ignored), so hashing them unlocked is safe; a
+    second lock (``_hash_lock``, always taken before ``_lock``) keeps one hasher per blob, and
+    ``finish`` hashes whatever the pool has not yet before it verifies.
     """
 
     def __init__(
@@ -100,7 +136,9 @@ class BlobAssembler:
         self._verified = False
         self._digest = _RunningDigest(manifest.checksum.algorithm)
         self._hashed = 0  # chunks [0, _hashed) are in the running digest
+        self._hash_scheduled = False  # a pool task will advance the digest (under _lock)
         self._lock = threading.Lock()
+        self._hash_lock = threading.Lock()
 
     # --- state ---------------------------------------------------------------------------
 
@@ -184,11 +222,40 @@ class BlobAssembler:
             self._flags[index] = 1
             self._received_count += 1
             self._received_bytes += size
-            while self._hashed < self._num_chunks and self._flags[self._hashed]:
-                start = self._hashed * self._chunk_size
-                self._digest.update(self._view[start : start + self.slot_size(self._hashed)])
-                self._hashed += 1
-            return True
+            schedule = index == self._hashed and not self._hash_scheduled
+            if schedule:
+                self._hash_scheduled = True
+        if schedule:
+            _hash_executor().submit(self._hash_in_background)
+        return True
+
+    # --- the running checksum --------------------------------------------------------------
+
+    def _in_order_run(self) -> tuple[int, int]:
+        """Chunk indices ``[first, stop)``: stored, in order, not hashed yet (``_lock`` held)."""
+        first = stop = self._hashed
+        while stop < self._num_chunks and self._flags[stop]:
+            stop += 1
+        return first, stop
+
+    def _hash_run(self, first: int, stop: int) -> None:
+        """Hash chunks ``[first, stop)`` without ``_lock`` (``_hash_lock`` held)."""
+        if first < stop:
+            end = min((stop - 1) * self._chunk_size + self.slot_size(stop - 1), len(self._view))
+            self._digest.update(self._view[first * self._chunk_size : end])
+        with self._lock:
+            self._hashed = stop
+
+    def _hash_in_background(self) -> None:
+        """Pool task: advance the digest over every in-order chunk, until none is left."""
+        with self._hash_lock:
+            while True:
+                with self._lock:
+                    first, stop = self._in_order_run()
+                    if first == stop:
+                        self._hash_scheduled = False
+                        return
+                self._hash_run(first, stop)
 
     def consume(self, chunks: Iterable[pb.Chunk | ChunkRef]) -> int:
         """Feed one stream's chunks; return how many were new.
@@ -217,6 +284,16 @@ class BlobAssembler:
 
         On a checksum mismatch every chunk is marked missing again, so a retry resends all.
         """
+        with self._hash_lock:
+            with self._lock:
+                if self._verified or self._received_count != self._num_chunks:
+                    first = stop = self._hashed
+                else:
+                    first, stop = self._in_order_run()
+            self._hash_run(first, stop)
+            return self._verify()
+
+    def _verify(self) -> memoryview:
         with self._lock:
             if self._verified:
                 return self._view

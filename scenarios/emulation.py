@@ -296,8 +296,8 @@ class Emulation:
         (self.out / "scenario.json").write_text(json.dumps(s.to_dict(), indent=2) + "\n")
         shapes = [
             (
-                LinkShape(site.uplink_bps, site.latency_s, site.jitter_s, site.loss),
-                LinkShape(site.downlink_bps, site.latency_s, site.jitter_s, site.loss),
+                LinkShape(site.uplink_bps, site.latency_s, site.jitter_s, site.loss, site.flow_window_bytes),
+                LinkShape(site.downlink_bps, site.latency_s, site.jitter_s, site.loss, site.flow_window_bytes),
             )
             for site in s.sites
         ]

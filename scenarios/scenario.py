@@ -94,6 +94,11 @@ class EmulatedSite:
     loss: float = 0.0
     """Probability that a TCP segment (1448 bytes) is lost; modelled as a retransmission delay
     (``RETRANSMIT_MIN_S`` + one round trip) that holds the rest of the stream back."""
+    flow_window_bytes: int | None = None
+    """Bytes one TCP connection of the site may have in flight: each connection then moves at
+    most ``flow_window_bytes / (2 * latency_s)``, as a real one whose window is below the link's
+    bandwidth-delay product (so K parallel streams move up to K times that). Unset: connections
+    are bounded by the bandwidth alone."""
     speed_factor: float = 1.0
     """Compute speed relative to this machine: 0.5 trains at half speed (each inner step is
     followed by a sleep as long as the step itself)."""
@@ -124,6 +129,11 @@ class EmulatedSite:
             0 <= self.loss < 0.5,
             "loss",
             f"must be a probability in [0, 0.5) per segment, got {self.loss}",
+        )
+        require(
+            self.flow_window_bytes is None or self.flow_window_bytes >= 1448,
+            "flow_window_bytes",
+            f"must be >= 1448 bytes (one TCP segment; e.g. 4194304 for 4 MiB) or unset, got {self.flow_window_bytes}",
         )
         require(
             0 < self.speed_factor <= 1,

@@ -12,6 +12,13 @@ bytes (so mutual TLS stays end to end) and shapes each direction like a WAN link
   segments; with probability ``1 − (1 − p)^segments`` one of them was lost and the whole stream
   waits ``RETRANSMIT_MIN_S`` + one round trip longer (head-of-line blocking, as TCP does).
 - **Cut**: ``cut(seconds)`` aborts every connection and refuses new ones until the time is up.
+- **Per-flow window** (``flow_window_bytes``): each TCP connection through the relay has at most
+  that many bytes in flight, unacknowledged (sent, and not yet a round trip old: delivered plus
+  the return path's latency), so one flow moves at most ``window / RTT`` whatever the link's
+  bandwidth, as a real TCP connection whose window (receive buffer, or congestion window) is
+  smaller than the path's bandwidth-delay product. Without it a relayed connection is bounded
+  by the bandwidth alone, and parallel streams would look useless on a long fat link; with it
+  K connections move up to K windows per round trip, until the shared bucket caps them.
 
 The relay also measures: bytes per direction, and *bursts* — maximal runs of traffic in one
 direction (gaps shorter than a round trip) — with the time their first byte reached the relay and
@@ -31,12 +38,14 @@ import random
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 __all__ = [
     "Burst",
+    "FlowWindow",
     "LinkRelay",
     "LinkShape",
     "RelayHub",
@@ -77,6 +86,8 @@ class LinkShape:
     """Extra delay drawn uniformly from ``[0, jitter_s]`` per forwarded segment."""
     loss: float = 0.0
     """Probability that one TCP segment is lost (costs a retransmission delay)."""
+    flow_window_bytes: int | None = None
+    """Bytes one TCP connection may have in flight (module doc); None: no per-flow limit."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.bandwidth_bps) and self.bandwidth_bps > 0):
@@ -85,6 +96,13 @@ class LinkShape:
             raise ValueError("latency_s and jitter_s must be >= 0")
         if not 0 <= self.loss < 1:
             raise ValueError(f"loss must be in [0, 1), got {self.loss}")
+        if self.flow_window_bytes is not None and not (
+            isinstance(self.flow_window_bytes, int) and self.flow_window_bytes >= MSS
+        ):
+            raise ValueError(
+                f"flow_window_bytes must be an integer >= {MSS} (one TCP segment) or unset, "
+                f"got {self.flow_window_bytes!r}"
+            )
 
     @property
     def retransmit_delay_s(self) -> float:
@@ -112,6 +130,57 @@ class TokenBucket:
         self._last = now
         self._tokens -= nbytes
         return now if self._tokens >= 0 else now + (-self._tokens) / self.rate
+
+
+class FlowWindow:
+    """One TCP connection's window in one direction: at most ``window_bytes`` in flight.
+
+    A segment is in flight from when it leaves until its acknowledgement could be back: its
+    delivery plus ``return_latency_s`` (the opposite direction's one-way delay).
+    ``earliest(n, now)`` is when ``n`` more bytes fit (a segment larger than the whole window
+    goes alone); ``sent(n, delivered_s)`` records one. Pure bookkeeping over times, so the
+    emulator's relay and tests share it.
+    """
+
+    def __init__(self, window_bytes: int, return_latency_s: float) -> None:
+        if window_bytes < 1:
+            raise ValueError(f"window_bytes must be >= 1, got {window_bytes}")
+        self.window_bytes = window_bytes
+        self.return_latency_s = return_latency_s
+        self._acks: deque[tuple[float, int]] = deque()
+        self._in_flight = 0
+        self._last = 0.0
+        self.bytes_sent = 0
+        self.waits = 0
+        """Segments that had to wait for the window (the flow was window-bound)."""
+
+    def ready_at(self, nbytes: int, now: float) -> float:
+        """When ``nbytes`` more could leave, at or after ``now`` (and never before the last
+        segment); changes nothing."""
+        at = max(now, self._last)
+        in_flight = self._in_flight
+        for acked_at, size in self._acks:
+            if acked_at > at and in_flight + nbytes <= self.window_bytes:
+                break
+            in_flight -= size
+            at = max(at, acked_at)
+        return at
+
+    def earliest(self, nbytes: int, now: float) -> float:
+        """``ready_at``, and the flow moves on to that time (acknowledged bytes leave flight)."""
+        at = self.ready_at(nbytes, now)
+        self.waits += at > max(now, self._last)
+        acks = self._acks
+        while acks and acks[0][0] <= at:
+            self._in_flight -= acks.popleft()[1]
+        self._last = at
+        return at
+
+    def sent(self, nbytes: int, delivered_s: float) -> None:
+        """``nbytes`` left and are delivered at ``delivered_s``."""
+        self._acks.append((delivered_s + self.return_latency_s, nbytes))
+        self._in_flight += nbytes
+        self.bytes_sent += nbytes
 
 
 @dataclass(slots=True)
@@ -244,6 +313,8 @@ class LinkRelay:
         self.connections_cut = 0
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self.flows: list[tuple[FlowWindow | None, FlowWindow | None]] = []
+        """(up, down) window of every connection relayed so far (None: no per-flow limit)."""
 
     # -- state visible to the emulator (read from other threads: plain attribute reads) -------
 
@@ -313,10 +384,14 @@ class LinkRelay:
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
             writer.transport.set_write_buffer_limits(high=self.send_buffer)
+        up_window, down_window = self._flow_window(self.up, self.down), self._flow_window(self.down, self.up)
+        self.flows.append((up_window, down_window))
         try:
             await asyncio.gather(
-                self._pump(reader, up_writer, self.up),
-                self._pump(up_reader, writer, self.down, track_writes=self.send_buffer is not None),
+                self._pump(reader, up_writer, self.up, window=up_window),
+                self._pump(
+                    up_reader, writer, self.down, track_writes=self.send_buffer is not None, window=down_window
+                ),
             )
         except (OSError, asyncio.IncompleteReadError):
             pass
@@ -325,6 +400,11 @@ class LinkRelay:
                 self._writers.discard(w)
                 w.transport.abort()
 
+    @staticmethod
+    def _flow_window(state: _DirectionState, opposite: _DirectionState) -> FlowWindow | None:
+        window = state.shape.flow_window_bytes
+        return None if window is None else FlowWindow(window, opposite.shape.latency_s)
+
     async def _pump(
         self,
         reader: asyncio.StreamReader,
@@ -332,6 +412,7 @@ class LinkRelay:
         state: _DirectionState,
         *,
         track_writes: bool = False,
+        window: FlowWindow | None = None,
     ) -> None:
         shape = state.shape
         limit = max(MIN_QUEUE_BYTES, int(2 * shape.bandwidth_bps / 8 * (shape.latency_s + shape.jitter_s)))
@@ -369,7 +450,15 @@ class LinkRelay:
                 if not data:
                     await queue.put(None)
                     break
+                if window is not None:
+                    # Not read further until the window has room: the sender's TCP stalls, as
+                    # behind a full window (flow control), and its data stays in its buffers.
+                    wait = window.earliest(len(data), time.monotonic()) - time.monotonic()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
                 previous = state.schedule(len(data), time.monotonic(), previous)
+                if window is not None:
+                    window.sent(len(data), previous)
                 await queue.put((previous, data, state.current if track_writes else None))
             await sender
         finally:

@@ -57,8 +57,7 @@ from geoloco.site_agent.client_broadcast import ExtraStreams, OpenBroadcast, on_
 from geoloco.site_agent.client_retry import TransientWireError, wire_retrying
 from geoloco.site_agent.client_streams import (
     StreamChannels,
-    choose_streams,
-    download_streams,
+    StreamPlanner,
     run_streams,
     upload_in_streams,
 )
@@ -169,6 +168,8 @@ class CoordinatorClient:
         """Wakes retry sleeps when the path to the coordinator comes back."""
         self._last_delta_bytes = 0
         """Size of the last broadcast delta (``auto`` picks the next one's K from it)."""
+        self.streams = StreamPlanner(config.parallel_streams)
+        """K of each transfer; ``auto`` from measured throughput (``client_streams``)."""
         self.round_timer = RoundTimer()
         """The round time seen (between broadcasts): retries are a fraction of it apart."""
 
@@ -309,7 +310,7 @@ class CoordinatorClient:
                 )
             return weights.view(torch.uint8)
 
-        streams = download_streams(self.config.parallel_streams, numel * 4)
+        streams = self.streams.for_download(numel * 4)
         download = Download(max_total_bytes=numel * 4, out_factory=out_factory, parallel=streams > 1)
         timeout = transfer_timeout(-(-numel * 4 // streams), min_bytes_per_s=self.config.min_transfer_rate)
         manifests: list[pb.ModelManifest] = []
@@ -349,7 +350,10 @@ class CoordinatorClient:
             blob = download.assembler.manifest if download.assembler is not None else None
             return next((m for m in reversed(manifests) if m.blob == blob), manifests[-1])
 
+        started = time.perf_counter()
         manifest = self._call("FetchModel", wire_retrying(attempt))
+        if len(manifests) == streams:  # one call per stream: nothing was resumed
+            self.streams.downloaded(streams, numel * 4, time.perf_counter() - started)
         return manifest, weights
 
     # ---------------------------------------------------------------------------------------
@@ -391,7 +395,8 @@ class CoordinatorClient:
             inner_steps=inner_steps,
         )
         num_chunks = manifest.blob.num_chunks
-        streams = choose_streams(self.config.parallel_streams, len(data), num_chunks)
+        streams = self.streams.for_upload(len(data), num_chunks)
+        started = time.perf_counter()
         # Each of K streams carries about 1/K of the bytes: its deadline follows its share.
         timeout = transfer_timeout(-(-len(data) // streams), min_bytes_per_s=self.config.min_transfer_rate)
         missing: list[tuple[int, int]] | None = None
@@ -406,6 +411,8 @@ class CoordinatorClient:
                     missing if missing is not None else [(0, num_chunks)], streams=streams, timeout=timeout,
                 )
                 if response.complete:
+                    if attempt_index == 0:  # a whole transfer, nothing resumed: a measurement
+                        self.streams.uploaded(streams, len(data), time.perf_counter() - started)
                     return response
             except grpc.RpcError as error:
                 backoff.failed(error)  # raises what retrying cannot fix; sleeps otherwise
@@ -474,12 +481,6 @@ class CoordinatorClient:
         stub = stub if stub is not None else self._stub
         return self._track(stub.AwaitBroadcast(request, timeout=self.config.await_timeout_s))
 
-    def _broadcast_streams(self) -> int:
-        """K for the next broadcast: the configured number, or (``auto``) from the last delta's
-        size (one stream before the first)."""
-        setting = self.config.parallel_streams
-        return int(setting) if setting != "auto" else download_streams(setting, self._last_delta_bytes)
-
     def open_broadcast(self, round_number: int) -> OpenBroadcast:
         """Start waiting for round ``round_number``'s broadcast now, before uploading to it.
 
@@ -489,7 +490,7 @@ class CoordinatorClient:
         ``cancel`` it when the upload fails.
         """
         mark = self.connectivity.ready_count
-        stride = self._broadcast_streams()
+        stride = self.streams.for_broadcast(self._last_delta_bytes)
         return OpenBroadcast(
             round_number, self._await_call(round_number, 0, stride), release=self._untrack, ready_mark=mark,
             stride=stride,
@@ -514,7 +515,7 @@ class CoordinatorClient:
             raise ValueError(
                 f"the open broadcast wait is for round {opened.round}, not round {round_number}"
             )
-        streams = opened.stride if opened is not None else self._broadcast_streams()
+        streams = opened.stride if opened is not None else self.streams.for_broadcast(self._last_delta_bytes)
         download = Download(parallel=streams > 1)
         backoff = self._backoff(f"AwaitBroadcast for round {round_number}")
         first = opened.take() if opened is not None else None
@@ -541,8 +542,17 @@ class CoordinatorClient:
 
             self._call(f"AwaitBroadcast stream {residue}", wire_retrying(once))
 
+        attempts = 0
+
         def attempt() -> tuple[pb.BroadcastHeader, memoryview | None]:
-            nonlocal first
+            nonlocal first, attempts
+            attempts += 1
+            header_at: list[float] = []
+
+            def header_arrived(header: pb.BroadcastHeader) -> None:
+                header_at.append(time.perf_counter())
+                extra.start(header)
+
             if first is not None:
                 # Opened before the upload: a path that came back since then must count.
                 call, first = first, None
@@ -555,7 +565,7 @@ class CoordinatorClient:
                 call = self._await_call(round_number, start, streams)
             extra = ExtraStreams(streams, share)
             try:
-                responses = on_header(self._header_stamped(self._counted(call)), extra.start)
+                responses = on_header(self._header_stamped(self._counted(call)), header_arrived)
                 header = read_broadcast_stream(responses, download, on_progress=progress)
             finally:
                 self._untrack(call)
@@ -570,6 +580,8 @@ class CoordinatorClient:
             except WireError as error:
                 download.assembler = None
                 raise TransientWireError(error) from None
+            if attempts == 1 and header_at:  # header to verified bytes: not the round's wait
+                self.streams.downloaded(streams, len(data), time.perf_counter() - header_at[0])
             return header, data
 
         answer = self._call("AwaitBroadcast", wire_retrying(attempt), backoff)

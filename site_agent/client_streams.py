@@ -33,6 +33,8 @@ __all__ = [
     "MAX_AUTO_STREAMS",
     "MAX_STREAMS",
     "StreamChannels",
+    "StreamPlanner",
+    "StreamTuner",
     "choose_streams",
     "download_streams",
     "interleave",
@@ -75,6 +77,116 @@ def choose_streams(setting: int | str, nbytes: int, num_chunks: int) -> int:
     else:
         wanted = int(setting)
     return max(1, min(wanted, num_chunks))
+
+
+MIN_MEASURED_BYTES = 16 * MiB
+"""Transfers smaller than this teach ``StreamTuner`` nothing: latency, not the link, sets them."""
+HELPED = 1.15
+"""More streams must move at least this many times the bytes per second to be kept."""
+REPROBE_AFTER = 16
+"""Transfers at one K after which the next larger K is tried again (the link may have changed)."""
+
+
+class StreamTuner:
+    """K for ``parallel_streams = "auto"`` from what the site measured, not only the size.
+
+    The payload's size sets a ceiling (``choose_streams``: one stream per 64 MiB, at most
+    ``MAX_AUTO_STREAMS``); within it K starts at 1 and doubles only when the last doubling
+    *helped*: a transfer at 2K must have run at least ``HELPED`` times the throughput measured
+    at K, else the site stays at K (on loopback, or a link one connection fills, extra streams
+    only cost CPU and connections). K falls back when a smaller K measured faster, and the next
+    doubling is tried again after ``REPROBE_AFTER`` transfers (links change). Throughput per K
+    is an exponential moving average of bytes / seconds of whole transfers of at least
+    ``MIN_MEASURED_BYTES``. Pure logic, fed by the client (``observe``) and tested without a
+    network.
+    """
+
+    def __init__(self, *, smoothing: float = 0.5) -> None:
+        self.rates: dict[int, float] = {}
+        """Bytes per second measured with K streams (moving average)."""
+        self.current = 1
+        self._since_probe = 0
+        self._smoothing = smoothing
+
+    def choose(self, nbytes: int, num_chunks: int) -> int:
+        """Streams for the next transfer of ``nbytes`` in ``num_chunks`` chunks."""
+        ceiling = choose_streams("auto", nbytes, num_chunks)
+        if nbytes < MIN_MEASURED_BYTES:
+            return min(self.current, ceiling)
+        k = min(self.current, ceiling)
+        larger = 2 * k
+        if larger <= ceiling and k in self.rates and (
+            larger not in self.rates or self._since_probe >= REPROBE_AFTER
+        ):
+            return larger  # a probe: is the link worth more streams?
+        return k
+
+    def choose_download(self, nbytes: int) -> int:
+        """``choose`` for a download, whose chunk count the server's manifest will tell: capped,
+        like ``download_streams``, by the fewest chunks ``nbytes`` can come in."""
+        return self.choose(nbytes, max(1, -(-nbytes // MAX_CHUNK_SIZE)))
+
+    def observe(self, streams: int, nbytes: int, seconds: float) -> None:
+        """A whole transfer of ``nbytes`` over ``streams`` streams took ``seconds``."""
+        if nbytes < MIN_MEASURED_BYTES or seconds <= 0 or streams < 1:
+            return
+        rate = nbytes / seconds
+        old = self.rates.get(streams)
+        self.rates[streams] = rate if old is None else old + self._smoothing * (rate - old)
+        if streams != self.current:
+            self._since_probe = 0
+        else:
+            self._since_probe += 1
+        self.current = self._best()
+
+    def _best(self) -> int:
+        """The smallest K that no larger measured K beats by ``HELPED``, walking up by doubling."""
+        best = min(self.rates)
+        k = best
+        while 2 * k in self.rates:
+            k *= 2
+            if self.rates[k] >= HELPED * self.rates[best]:
+                best = k
+        for smaller in sorted(self.rates):
+            if smaller < best and self.rates[smaller] >= self.rates[best]:
+                return smaller
+        return best
+
+
+class StreamPlanner:
+    """K for each transfer of one client: ``parallel_streams`` as configured, or (``"auto"``)
+    a ``StreamTuner`` per direction fed with the client's own whole transfers."""
+
+    def __init__(self, setting: int | str) -> None:
+        self.setting = setting
+        self.upload = StreamTuner()
+        self.download = StreamTuner()
+
+    @property
+    def auto(self) -> bool:
+        return self.setting == "auto"
+
+    def for_upload(self, nbytes: int, num_chunks: int) -> int:
+        return self.upload.choose(nbytes, num_chunks) if self.auto else choose_streams(self.setting, nbytes, num_chunks)
+
+    def for_download(self, nbytes: int) -> int:
+        """K for a FetchModel of ``nbytes``."""
+        return self.download.choose_download(nbytes) if self.auto else download_streams(self.setting, nbytes)
+
+    def for_broadcast(self, last_delta_bytes: int) -> int:
+        """K for the next broadcast, whose size is known only from its header: a configured
+        number as is, ``auto`` from the last delta's size (one stream before the first)."""
+        return self.download.choose_download(last_delta_bytes) if self.auto else int(self.setting)
+
+    def uploaded(self, streams: int, nbytes: int, seconds: float) -> None:
+        """A whole upload (nothing resumed) took ``seconds``."""
+        if self.auto:
+            self.upload.observe(streams, nbytes, seconds)
+
+    def downloaded(self, streams: int, nbytes: int, seconds: float) -> None:
+        """A whole download took ``seconds`` (a broadcast: from its header, not the wait)."""
+        if self.auto:
+            self.download.observe(streams, nbytes, seconds)
 
 
 def download_streams(setting: int | str, nbytes: int) -> int:

@@ -398,3 +398,65 @@ def test_a_broadcast_stream_cut_mid_transfer_resumes_its_own_share_only(certs: P
     start, stride, received = log[3]
     assert stride == 3 and start == cut_start + 4 * 3
     assert received == list(range(start, num_chunks, 3))
+
+
+def test_auto_uploads_feed_the_tuner_which_picks_the_next_k(
+    server: CoordinatorServer, certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``auto`` the client measures each whole upload and asks ``StreamTuner`` for K: the
+    first upload goes over one stream, and its throughput makes the tuner probe two next."""
+    from geoloco.site_agent import client_streams
+
+    monkeypatch.setattr(client_streams, "MIN_MEASURED_BYTES", 1)
+    monkeypatch.setattr(client_streams, "AUTO_BYTES_PER_STREAM", 1024)
+    log: list[tuple[str, list[int]]] = []
+    client = _client(server, certs, "auto", log, {})
+    other = _join_both(client, server, certs)
+    try:
+        data, numel = _update(server)
+        assert client.upload(
+            round_number=0, data=data, codec="none", shape=[numel], sample_weight=1.0, metrics={}
+        ).complete
+        assert len(log) == 1  # one stream: nothing measured before
+        assert set(client.streams.upload.rates) == {1} and client.streams.upload.rates[1] > 0
+        assert client.streams.upload.choose(len(data), -(-len(data) // CHUNK)) == 2
+    finally:
+        client.close()
+        other.close()
+
+
+def test_auto_broadcasts_are_timed_from_their_header_and_feed_the_download_tuner(
+    certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first broadcast goes over one stream; its transfer (header to verified bytes, not the
+    wait for the round) is measured, and the next broadcast probes two streams."""
+    from geoloco.site_agent import client_streams
+
+    monkeypatch.setattr(client_streams, "MIN_MEASURED_BYTES", 1)
+    monkeypatch.setattr(client_streams, "AUTO_BYTES_PER_STREAM", 1024)
+    monkeypatch.setattr(client_streams, "MAX_CHUNK_SIZE", 16 * 1024)  # caps K for a download's size
+    model = torch.nn.Linear(256, 256)
+    layout = ParamLayout.from_model(model)
+    config = CoordinatorConfig(
+        algorithm=AlgorithmConfig(inner_steps=1), certs_dir=str(certs), min_sites=1, total_rounds=3,
+        chunk_size=16 * 1024,
+    )
+    server = CoordinatorServer(config, layout.flatten(model), layout)
+    server.start()
+    client = CoordinatorClient(
+        f"localhost:{server.port}", site="a", tls=TLSFiles.from_dir(certs, "a"), insecure=False,
+        config=SiteAgentConfig(parallel_streams="auto", chunk_size=16 * 1024), stop_event=threading.Event(),
+    )
+    try:
+        client.join(has_weights=False, weights_round=0, digest_hex=None)
+        data = parse_codec("none").encode(torch.randn(layout.numel), seed=0).to_bytes()
+        assert client.upload(
+            round_number=0, data=data, codec="none", shape=[layout.numel], sample_weight=1.0, metrics={}
+        ).complete
+        header, delta = client.await_broadcast(0)
+        assert delta is not None and len(delta) == header.delta.total_bytes
+        assert set(client.streams.download.rates) == {1}
+        assert client.streams.for_broadcast(len(delta)) == 2
+    finally:
+        client.close()
+        server.stop(grace=0)

@@ -1,0 +1,118 @@
+"""Blobs served from a file instead of memory: the coordinator's last broadcast for stragglers.
+
+A coordinator keeps the last round's encoded delta until the next round closes, so that sites
+that wait, reconnect or resume late can still fetch it. With a lossless downlink that delta is
+as large as the model (4 GB for a billion fp32 parameters); held as ``bytes`` it sat in the
+coordinator's memory beside everything the next round needs. ``FileBlob`` keeps those bytes in
+an unnamed temporary file (on the checkpoint volume when there is one: ``/tmp`` may be a RAM
+disk) and reads each chunk with ``os.pread`` as it is sent, so the bytes live in the page
+cache, which the kernel can drop, not in the process's resident memory. ``pread`` rather than
+``mmap``: pages of a mapping that were sent count in the process's RSS until it is unmapped.
+
+The chunk senders (``geoloco.protos.wire_chunks``) and ``blob_manifest`` accept a ``FileBlob``
+wherever they accept a buffer. The file is unnamed (``tempfile.TemporaryFile``): it disappears
+when the blob is garbage-collected or the process dies, whatever happened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from geoloco.protos.wire_buffers import Buffer, MiB, as_byte_view
+
+__all__ = ["FileBlob"]
+
+_COPY_BLOCK = 16 * MiB
+"""Bytes written or hashed at a time (one block in flight, never a second copy of the blob)."""
+
+
+class FileBlob:
+    """Immutable bytes in an unnamed temporary file, read by range (module doc)."""
+
+    __slots__ = ("_file", "_size")
+
+    def __init__(self, file: IO[bytes], size: int) -> None:
+        self._file = file
+        self._size = size
+
+    @classmethod
+    def spill(
+        cls, data: Buffer, directory: str | os.PathLike[str] | None = None, *, digest: Any = None
+    ) -> FileBlob:
+        """A copy of ``data`` in a new unnamed file in ``directory`` (the system's temporary
+        folder when None); ``digest`` (a ``hashlib`` object) is updated with the bytes in the
+        same pass. Not fsynced: the file lives as long as the process, no longer."""
+        return cls.spill_parts([data], directory, digest=digest)
+
+    @classmethod
+    def spill_parts(
+        cls, parts: Sequence[Buffer], directory: str | os.PathLike[str] | None = None, *, digest: Any = None
+    ) -> FileBlob:
+        """``spill`` of the concatenation of ``parts``, never joined in memory."""
+        folder = None if directory is None else Path(directory)
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        file = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115 - owned by the blob, closed with it
+        size = 0
+        try:
+            for part in parts:
+                view = as_byte_view(part)
+                for offset in range(0, len(view), _COPY_BLOCK):
+                    block = view[offset : offset + _COPY_BLOCK]
+                    if digest is not None:
+                        digest.update(block)
+                    file.write(block)
+                size += len(view)
+            file.flush()
+        except BaseException:
+            file.close()
+            raise
+        return cls(file, size)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Bytes ``offset .. offset + size`` (clipped to the blob's end); safe from any thread."""
+        if offset < 0 or size < 0:
+            raise ValueError(f"offset and size must be >= 0, got {offset} and {size}")
+        size = max(0, min(size, self._size - offset))
+        parts: list[bytes] = []
+        fd = self._file.fileno()
+        done = 0
+        while done < size:
+            part = os.pread(fd, size - done, offset + done)
+            if not part:
+                raise OSError(f"broadcast file ended at byte {offset + done}; expected {self._size} bytes")
+            parts.append(part)
+            done += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def sha256(self) -> bytes:
+        """SHA-256 of the bytes, read block by block."""
+        digest = hashlib.sha256()
+        for offset in range(0, self._size, _COPY_BLOCK):
+            digest.update(self.read(offset, _COPY_BLOCK))
+        return digest.digest()
+
+    def to_bytes(self) -> bytes:
+        """All the bytes in memory (tests and small blobs only)."""
+        return self.read(0, self._size)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __del__(self) -> None:
+        # The last stream serving it is done and the next round's broadcast replaced it: the
+        # unnamed file's disk space goes back now, without an unclosed-file warning.
+        file = getattr(self, "_file", None)
+        if file is not None:
+            file.close()
+
+    def __repr__(self) -> str:
+        return f"FileBlob({self._size} bytes)"

@@ -74,3 +74,12 @@ def test_sweep_table_has_an_epsilon_column_only_with_dp(tmp_path: Path) -> None:
     assert epsilons[0] > MEANINGFUL_EPSILON > epsilons[1] > 0
     plain = {**CENTRAL_DP, "privacy": {}}
     assert "epsilon" not in sweep(plain, out=tmp_path / "plain", plots=False).table()
+
+
+def test_coordinator_privacy_summary_keeps_its_fields_and_flags_a_large_epsilon() -> None:
+    from geoloco.scenarios.coordinator_cmd import privacy_summary_line
+
+    demo = privacy_summary_line({"epsilon": 6.6e4, "privacy_delta": 1e-5, "round": 11})
+    assert demo.startswith("geoloco-coordinator privacy summary: epsilon=66000 delta=1e-05 rounds=12")
+    assert FLAG in demo
+    assert FLAG not in privacy_summary_line({"epsilon": 7.5, "privacy_delta": 1e-5, "round": 4})

@@ -8,7 +8,22 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PrivacyAccountant"]
+__all__ = ["MEANINGFUL_EPSILON", "PrivacyAccountant", "describe_epsilon"]
+
+MEANINGFUL_EPSILON = 10.0
+"""Above this epsilon a report says the run had no meaningful privacy. At epsilon 10 an observer
+may be e^10 (about 22,000) times more confident that a given site took part than before seeing
+the run: the guarantee no longer bounds anything a user would care about. Deployed site-level
+DP aims at single digits (the README's privacy-utility frontier shows what that costs)."""
+
+
+def describe_epsilon(epsilon: float, delta: float) -> str:
+    """``epsilon = E at delta = D`` for a run report, flagged when it gives no meaningful privacy,
+    so a demonstration's epsilon is never read as a guarantee."""
+    text = f"epsilon = {epsilon:.4g} at delta = {delta:g}"
+    if epsilon > MEANINGFUL_EPSILON:
+        text += f" (no meaningful privacy: epsilon > {MEANINGFUL_EPSILON:g})"
+    return text
 
 
 class PrivacyAccountant:

@@ -288,6 +288,21 @@ def _privacy_line(record: Mapping[str, Any]) -> str:
     )
 
 
+def privacy_summary_line(record: Mapping[str, Any]) -> str:
+    """The run's closing privacy line (machine-readable ``key=value`` fields first), flagged when
+    epsilon is too large to mean anything, so a demonstration is never read as a guarantee."""
+    from geoloco.algorithms.dp_accountant import MEANINGFUL_EPSILON
+
+    eps = record["epsilon"]
+    line = (
+        f"{PROGRAM} privacy summary: epsilon={eps:.6g} "
+        f"delta={record['privacy_delta']:g} rounds={record['round'] + 1}"
+    )
+    if eps > MEANINGFUL_EPSILON:
+        line += f" (no meaningful privacy: epsilon > {MEANINGFUL_EPSILON:g})"
+    return line
+
+
 def _run(args: argparse.Namespace) -> int:
     config, workload = load_config(args)
     stop = GracefulStop().install()
@@ -383,9 +398,5 @@ def _serve(config: Any, spec: Any, source: str, stop: GracefulStop) -> int:
     else:
         say(FINISHED_LINE.format(round=rounds.round, digest=rounds.digest_hex))
     if last_privacy.get("epsilon") is not None:
-        print(
-            f"{PROGRAM} privacy summary: epsilon={last_privacy['epsilon']:.6g} "
-            f"delta={last_privacy['privacy_delta']:g} rounds={last_privacy['round'] + 1}",
-            flush=True,
-        )
+        print(privacy_summary_line(last_privacy), flush=True)
     return EXIT_OK

@@ -185,7 +185,9 @@ def emulate(
     print(f"  wall-clock {result.wall_s:.1f} s, {len(result.records)} rounds aggregated")
     epsilon = next((r["epsilon"] for r in reversed(result.records) if r.get("epsilon") is not None), None)
     if epsilon is not None:
-        print(f"  privacy: epsilon = {epsilon:.4g} at delta = {result.scenario.privacy.delta:g}")
+        from geoloco.algorithms.dp_accountant import describe_epsilon
+
+        print(f"  privacy: {describe_epsilon(epsilon, result.scenario.privacy.delta)}")
     summary, fid = write_report(result)
     for line in fid.lines():
         print(f"  {line}")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from geoloco.algorithms.clock import transfer_time
+from geoloco.algorithms.dp_accountant import describe_epsilon
 from geoloco.scenarios.emulation import EmulationResult
 from geoloco.scenarios.progress import human_bytes
 
@@ -444,7 +445,7 @@ def _privacy_lines(result: EmulationResult) -> list[str]:
            else f" (noise multiplier {privacy.noise_multiplier:g}, clip {privacy.clip_norm:g})"),
     ]
     if eps is not None:
-        parts.append(f"**epsilon = {eps:.4g}** at delta = {privacy.delta:g} after {len(private)} rounds")
+        parts.append(f"**{describe_epsilon(eps, privacy.delta)}** after {len(private)} rounds")
     if dropped:
         parts.append(f"dropped after uploading (their updates still unmasked in the sum): {', '.join(dropped)}")
     if aborted:

@@ -153,6 +153,7 @@ def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from geoloco.algorithms.config import ConfigError
+    from geoloco.algorithms.dp_accountant import describe_epsilon
     from geoloco.algorithms.simulator import Simulator
 
     source = str(args.config) if args.config is not None else COMMAND_LINE
@@ -229,6 +230,7 @@ def _run(args: argparse.Namespace) -> int:
             and last_eval <= sim.target_eval_loss else "")),
         ("final eval loss", "n/a" if last_eval is None else f"{last_eval:.4f}"),
         ("final train loss", f"{last.train_loss:.4f}"),
+        *([("privacy", describe_epsilon(last.epsilon, config.privacy.delta))] if last.epsilon is not None else []),
         ("bytes up (total)", _human_bytes(last.bytes_up_total)),
         ("bytes down (total)", _human_bytes(last.bytes_down_total)),
         ("virtual wall-clock", f"{last.wall_clock_s:.2f} s"),

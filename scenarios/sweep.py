@@ -198,7 +198,10 @@ class PointSummary:
             "seeds": [r.config.get("simulation", {}).get("seed") for r in self.runs],
             "failed_seeds": self.failed,
             "folders": [str(r.folder) for r in self.runs],
-            **{key: self.stat(key) for key in ("final_eval_loss", "bytes_up", "bytes_down", "time_s", "inner_steps")},
+            **{
+                key: self.stat(key)
+                for key in ("final_eval_loss", "bytes_up", "bytes_down", "time_s", "inner_steps", "epsilon")
+            },
         }
 
 
@@ -220,9 +223,13 @@ class SweepResult:
     def table(self) -> str:
         """Markdown table: each point's final eval loss, uplink bytes and virtual time as mean
         and min..max over the seeds (and, with ``target_loss``, the inner steps, uplink bytes and
-        virtual time to reach it, over the seeds that did)."""
+        virtual time to reach it, over the seeds that did). When any run accounted DP, an
+        ``epsilon`` column gives the whole run's epsilon at ``privacy.delta``."""
         keys = [a.key.rsplit(".", 1)[-1] for a in self.axes]
         header = [*keys, "seeds", "final eval loss", "uplink bytes", "virtual time (s)", "inner steps"]
+        private = any(p.stat("epsilon") is not None for p in self.points)
+        if private:
+            header.append("epsilon")
         target = self.target_loss
         if target is not None:
             header += [f"reached {target:g}", "steps to it", "uplink bytes to it", "virtual time to it (s)"]
@@ -237,6 +244,8 @@ class SweepResult:
                 _stat_text(p.stat("time_s"), "{:.1f}"),
                 _stat_text(p.stat("inner_steps"), "{:.0f}"),
             ]
+            if private:
+                cells.append(_stat_text(p.stat("epsilon"), "{:.3g}"))
             if target is not None:
                 cost = p.to_target(target)
                 cells += [

@@ -1,0 +1,84 @@
+"""One round at a relay: its sites' verified uploads, combined into one weighted partial sum.
+
+The partial is the coordinator's own ``RunningSum`` (``geoloco.algorithms.aggregation``): each
+site's encoded update is decoded into it with the site's weight ``w_k`` exactly as the
+coordinator would add it, and what goes upward is its mean ``Σ w_k g_k / W`` with ``W = Σ w_k``,
+which the coordinator adds back with weight ``W``. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from geoloco.algorithms.aggregation import RunningSum
+from geoloco.compression import Encoded
+from geoloco.protos.wire import UploadAssembler
+
+__all__ = ["RelayRound", "SiteUpdate"]
+
+
+@dataclass(frozen=True, slots=True)
+class SiteUpdate:
+    """What the partial keeps of one site's upload besides its decoded values."""
+
+    weight: float
+    inner_steps: int
+    upload_bytes: int
+
+
+@dataclass(slots=True)
+class RelayRound:
+    """The relay's state of one training round (numbered as the coordinator numbers it)."""
+
+    number: int
+    opened_s: float
+    fragment: int | None = None
+    shape: tuple[int, ...] | None = None
+    """Fragment and shape of the round's uploads, fixed by its first upload."""
+    assemblers: dict[str, UploadAssembler] = field(default_factory=dict)
+    """site -> its upload's chunks (resumable across streams, as at the coordinator)."""
+    updates: dict[str, SiteUpdate] = field(default_factory=dict)
+    """site -> its verified update's weight, in arrival order."""
+    rejected: dict[str, str] = field(default_factory=dict)
+    """site -> why its upload was refused this round."""
+    first_upload_s: float | None = None
+    forwarded: bool = False
+    """The partial went upward (or is going): later uploads are too late for this round."""
+    outcome: str = ""
+    """After forwarding: "accepted", or why the coordinator refused the partial."""
+    _sum: RunningSum | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.assemblers and not self.updates
+
+    @property
+    def weight(self) -> float:
+        """``W = Σ w_k`` of the updates added so far."""
+        return 0.0 if self._sum is None else self._sum.total_weight
+
+    def add(self, site: str, update: Encoded | torch.Tensor, weight: float, *, inner_steps: int, upload_bytes: int) -> None:
+        """A site's verified update; decoded into the running sum with weight ``weight``."""
+        if self.shape is None:
+            raise ValueError("the round's shape is set by its first upload")
+        if self._sum is None:
+            self._sum = RunningSum(numel=self.shape[0])
+        self._sum.add(update, weight, site=site)
+        self.updates[site] = SiteUpdate(weight=weight, inner_steps=inner_steps, upload_bytes=upload_bytes)
+
+    def mean(self) -> torch.Tensor:
+        """``Σ w_k g_k / W``, the partial the relay sends upward with weight ``W``."""
+        if self._sum is None:
+            raise ValueError(f"round {self.number}: no update to forward")
+        return self._sum.result()
+
+    def due(self, now: float, live_sites: set[str], max_wait_s: float) -> bool:
+        """Whether the partial should go upward now: every live site of the relay is in (or was
+        refused), or ``max_wait_s`` passed since the round's first upload."""
+        if self.forwarded or not self.updates:
+            return False
+        if live_sites <= set(self.updates) | set(self.rejected):
+            return True
+        return self.first_upload_s is not None and now - self.first_upload_s >= max_wait_s

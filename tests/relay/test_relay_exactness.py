@@ -1,0 +1,105 @@
+"""A round through two regional relays equals the same round flat, over real gRPC and mutual TLS.
+
+Four sites upload the same updates twice: once straight to a coordinator, once through two
+relays (two sites each) to a second coordinator. With relays the coordinator adds each relay's
+partial mean ``Σ w_k g_k / W`` with weight ``W``; the flat coordinator adds every ``w_k g_k``.
+
+- Bitwise: with updates whose float32 sums are exact (multiples of 1/64) and weights whose
+  sum per relay is a power of two, the coordinators' new weights are bit for bit equal whatever the summation order.
+- Otherwise within float32 rounding: the relayed mean differs from the flat one only by the
+  order of additions (the partials are summed first) and one division by ``W`` undone by one
+  multiplication by ``W``: a few ulp of ``Σ |w_k g_k| / Σ w_k``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay, updates
+
+from geoloco.coordinator.server import CoordinatorServer
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def _wait_round(server: CoordinatorServer, number: int) -> None:
+    deadline = time.monotonic() + 60
+    while server.rounds.round < number:
+        assert time.monotonic() < deadline, f"round {number - 1} never closed: {server.rounds.status()}"
+        time.sleep(0.02)
+
+
+def _flat(certs: Path, ups: dict[str, torch.Tensor], weights: dict[str, float], codec: str) -> tuple[torch.Tensor, bytes]:
+    server = coordinator(certs, codec=codec)
+    sites = [Site(name, certs, f"localhost:{server.port}") for name in SITES]
+    try:
+        for s in sites:
+            s.join()
+        for s in sites:
+            assert s.upload(ups[s.name], codec, weight=weights[s.name]).complete
+        _wait_round(server, 1)
+        header, delta = sites[0].await_broadcast()
+        return server.rounds.weights.clone(), delta
+    finally:
+        for s in sites:
+            s.close()
+        server.stop(grace=0)
+
+
+def _relayed(
+    certs: Path, ups: dict[str, torch.Tensor], weights: dict[str, float], codec: str, tmp_path: Path
+) -> Iterator[tuple[torch.Tensor, dict[str, tuple[object, bytes]], CoordinatorServer]]:
+    server = coordinator(certs, codec=codec)
+    relays = {name: relay(certs, name, server.port, metrics_path=str(tmp_path / f"{name}.jsonl")) for name in REGIONS}
+    sites = [Site(name, certs, f"localhost:{relays[region].port}") for region, names in REGIONS.items() for name in names]
+    try:
+        for s in sites:
+            s.join()
+        for s in sites:
+            assert s.upload(ups[s.name], codec, weight=weights[s.name]).complete
+        _wait_round(server, 1)
+        broadcasts = {s.name: s.await_broadcast() for s in sites}
+        yield server.rounds.weights.clone(), broadcasts, server  # type: ignore[misc]
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+
+
+def test_relayed_round_is_bitwise_the_flat_round_when_sums_are_exact(certs: Path, tmp_path: Path) -> None:
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    # Each relay's W is a power of two, so its mean Σ w_k g_k / W times W gives back the sum.
+    weights = {"site-a": 1.0, "site-b": 3.0, "site-c": 2.0, "site-d": 2.0}
+    flat_weights, flat_delta = _flat(certs, ups, weights, "none")
+    for relayed_weights, broadcasts, server in _relayed(certs, ups, weights, "none", tmp_path):
+        assert torch.equal(relayed_weights, flat_weights)
+        for name, (header, delta) in broadcasts.items():
+            assert header.included, name  # type: ignore[attr-defined]
+            assert header.num_contributors == 4  # type: ignore[attr-defined]
+            assert delta == flat_delta, name
+        # The coordinator counted four contributors with their own weights, and every byte
+        # from the sites' region arrived on the relay's link.
+        status = server.rounds.status()
+        assert status["members"] == sorted(SITES)
+
+
+def test_relayed_round_matches_flat_within_float32_rounding_with_int8(certs: Path, tmp_path: Path) -> None:
+    numel = 37
+    ups = updates(numel, dyadic=False, seed=3)
+    weights = {"site-a": 3.0, "site-b": 1.7, "site-c": 0.9, "site-d": 5.25}
+    flat_weights, _ = _flat(certs, ups, weights, "int8")
+    for relayed_weights, broadcasts, _server in _relayed(certs, ups, weights, "int8", tmp_path):
+        assert not torch.equal(relayed_weights, torch.zeros_like(relayed_weights))
+        # A few float32 ulp of the update scale: the sums are reassociated, nothing else differs.
+        torch.testing.assert_close(relayed_weights, flat_weights, rtol=0, atol=1e-6)
+        assert all(header.included for header, _ in broadcasts.values())  # type: ignore[attr-defined]

@@ -41,6 +41,9 @@ __all__ = ["CachedBroadcast", "RelayHub", "RunInfo"]
 logger = logging.getLogger(__name__)
 
 _WEIGHTING = {pb.WEIGHTING_SAMPLES: "samples", pb.WEIGHTING_UNIFORM: "uniform", pb.WEIGHTING_STEPS: "steps"}
+ACCEPT_WAIT_S = 20.0
+"""Longest an Upload is held waiting for the coordinator to take its partial sum (below the
+sites' 30 s minimum transfer deadline); the site then asks again."""
 KEEP_BROADCASTS = 3
 """Rounds whose broadcast stays cached for sites that ask late."""
 
@@ -239,14 +242,48 @@ class RelayHub:
                 )
 
     def finish_upload(self, site: str, assembler: UploadAssembler) -> pb.UploadResponse:
-        """A complete stream: verify the update (checksum, codec, shape, finite values) and add
-        it to the partial sum; one at a time, so at most one decoded update exists."""
+        """A complete stream: verify and add the update, then hold the answer until the
+        coordinator took the partial sum that contains it (module doc of ``geoloco.relay``)."""
+        self._verify_and_add(site, assembler)
+        return self._await_acceptance(site, assembler)
+
+    def _await_acceptance(self, site: str, assembler: UploadAssembler) -> pb.UploadResponse:
+        """"Complete" only once the coordinator accepted the partial: if the relay dies before,
+        the site's stream breaks and it uploads again to whatever address it fails over to, so
+        nothing is lost. After ``ACCEPT_WAIT_S`` the answer is "all chunks in, not complete yet"
+        and the site asks again (UploadStatus, then a stream of no chunks)."""
+        number = assembler.upload.round
+        with self.cond:
+            self.cond.wait_for(
+                lambda: self.closing or number in self.included or self.round.number != number,
+                timeout=ACCEPT_WAIT_S,
+            )
+            if self.closing:
+                raise StatusError("the relay is shutting down; upload again", code=grpc.StatusCode.UNAVAILABLE)
+            if number in self.included:
+                if site not in self.included[number]:
+                    raise WrongRoundError(self._not_counted(number))
+                return assembler.upload_response()
+            if self.round.number != number:
+                raise WrongRoundError(self._not_counted(number))
+            return pb.UploadResponse(complete=False, received_bytes=assembler.received_bytes)
+
+    def _not_counted(self, number: int) -> str:
+        return (
+            f"round {number}'s partial sum from relay {self.config.name!r} did not reach the "
+            "coordinator in time; keep the update in the error-feedback residual and apply the "
+            "round's broadcast (AwaitBroadcast)"
+        )
+
+    def _verify_and_add(self, site: str, assembler: UploadAssembler) -> None:
+        """Verify the update (checksum, codec, shape, finite values) and add it to the partial
+        sum; one at a time, so at most one decoded update exists besides the sum."""
         manifest = assembler.upload
         with self._verify_lock:
             with self.cond:
                 r = self.round
                 if site in r.updates and r.assemblers.get(site) is assembler:
-                    return assembler.upload_response()
+                    return
                 self.still_open(site, assembler)
                 run = self.run
                 assert run is not None
@@ -269,19 +306,23 @@ class RelayHub:
                 r.add(site, update, weight, inner_steps=int(manifest.inner_steps), upload_bytes=int(manifest.blob.total_bytes))
                 logger.debug("relay %s: round %d update of %s in (%d so far)", self.config.name, r.number, site, len(r.updates))
                 self.cond.notify_all()
-        return assembler.upload_response()
 
     def upload_status(self, site: str, request: pb.UploadStatusRequest) -> pb.UploadStatusResponse:
         with self.cond:
             self.check_session(request.session_id)
             r = self.round
+            counted = self.included.get(request.round)
+            if counted is not None:
+                if site not in counted:
+                    raise WrongRoundError(self._not_counted(request.round))
+                return pb.UploadStatusResponse(known=True, complete=True)
             if request.round < r.number:
-                raise WrongRoundError(f"round {request.round} is closed at relay {self.config.name!r}")
+                raise WrongRoundError(self._not_counted(request.round))
             assembler = r.assemblers.get(site) if request.round == r.number else None
             if assembler is None:
                 return pb.UploadStatusResponse(known=False)
             response = assembler.status_response()
-            response.complete = site in r.updates
+            response.complete = False  # until the coordinator took the partial sum
             return response
 
     # -- the partial sum, upward --

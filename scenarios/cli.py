@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, str] = {
     "site": "geoloco.scenarios.site_cmd",
     "emulate": "geoloco.scenarios.emulate_cmd",
     "plan": "geoloco.scenarios.plan_cmd",
+    "relay": "geoloco.scenarios.relay_cmd",
 }
 
 

@@ -13,7 +13,9 @@ partial mean ``Σ w_k g_k / W`` with weight ``W``; the flat coordinator adds eve
 
 from __future__ import annotations
 
+import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,8 +64,10 @@ def _relayed(
     try:
         for s in sites:
             s.join()
-        for s in sites:
-            assert s.upload(ups[s.name], codec, weight=weights[s.name]).complete
+        # A relay answers an upload once the coordinator took its partial: upload concurrently.
+        with ThreadPoolExecutor(len(sites)) as pool:
+            done = list(pool.map(lambda s: s.upload(ups[s.name], codec, weight=weights[s.name]), sites))
+        assert all(d.complete for d in done)
         _wait_round(server, 1)
         broadcasts = {s.name: s.await_broadcast() for s in sites}
         yield server.rounds.weights.clone(), broadcasts, server  # type: ignore[misc]
@@ -91,6 +95,15 @@ def test_relayed_round_is_bitwise_the_flat_round_when_sums_are_exact(certs: Path
         # from the sites' region arrived on the relay's link.
         status = server.rounds.status()
         assert status["members"] == sorted(SITES)
+    # Each relay's metrics record names the sites its partial contained and the bytes per link.
+    for region, names in REGIONS.items():
+        records = [json.loads(line) for line in (tmp_path / f"{region}.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in records] == [0]
+        assert records[0]["partial"] == {name: weights[name] for name in names}
+        assert records[0]["counted_by_coordinator"] is True
+        links = records[0]["bytes"]
+        assert links["relay->coordinator"] > 0 and links["coordinator->relay"] > 0
+        assert all(links[f"site:{name}->relay"] > 0 for name in names)
 
 
 def test_relayed_round_matches_flat_within_float32_rounding_with_int8(certs: Path, tmp_path: Path) -> None:

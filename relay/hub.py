@@ -86,7 +86,13 @@ class RelayHub:
     """Membership, the open round's partial sum and the broadcast cache (module doc)."""
 
     def __init__(
-        self, config: RelayConfig, upstream: Upstream, traffic: Traffic, *, clock: Callable[[], float] = time.monotonic
+        self,
+        config: RelayConfig,
+        upstream: Upstream,
+        traffic: Traffic,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_update: Callable[[int, str], None] | None = None,
     ) -> None:
         self.config = config
         self.upstream = upstream
@@ -108,6 +114,8 @@ class RelayHub:
         self.records: list[dict[str, Any]] = []
         """One record per round whose partial went upward (drained by the server's writer)."""
         self.closing = False
+        self.on_update = on_update
+        """Called with (round, site) when a site's verified update entered the partial sum."""
 
     # -- membership --
 
@@ -306,6 +314,8 @@ class RelayHub:
                 r.add(site, update, weight, inner_steps=int(manifest.inner_steps), upload_bytes=int(manifest.blob.total_bytes))
                 logger.debug("relay %s: round %d update of %s in (%d so far)", self.config.name, r.number, site, len(r.updates))
                 self.cond.notify_all()
+            if self.on_update is not None:
+                self.on_update(int(manifest.round), site)
 
     def upload_status(self, site: str, request: pb.UploadStatusRequest) -> pb.UploadStatusResponse:
         with self.cond:

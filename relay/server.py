@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from geoloco.protos.errors import StatusError
@@ -26,11 +27,12 @@ DRIVER_TICK_S = 0.05
 class RelayServer:
     """One relay: ``start()`` returns the port its sites dial, ``stop()`` ends it."""
 
-    def __init__(self, config: RelayConfig) -> None:
+    def __init__(self, config: RelayConfig, *, on_update: Callable[[int, str], None] | None = None) -> None:
+        """``on_update(round, site)``: a site's verified update entered the round's partial."""
         self.config = config
         self.traffic = Traffic()
         self.upstream = Upstream(config, self.traffic)
-        self.hub = RelayHub(config, self.upstream, self.traffic)
+        self.hub = RelayHub(config, self.upstream, self.traffic, on_update=on_update)
         self._server: object | None = None
         self._port: int | None = None
         self._stop = threading.Event()

@@ -9,6 +9,8 @@ where the relay listens.
 Contract with launchers and tests (stdout, one line each, flushed):
 
 * ``geoloco-relay listening on HOST:PORT`` once the relay accepts its sites' calls;
+* ``geoloco-relay round R update in: SITE`` when a site's verified update entered round R's
+  partial sum (the site's upload is answered once the coordinator took the partial);
 * ``geoloco-relay stopped (SIGTERM)`` at the end.
 
 Exit status: 0 when a signal stopped it, 2 for a bad config or flag (the message names the file,
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 PROGRAM = "geoloco-relay"
 LISTENING_LINE = PROGRAM + " listening on {host}:{port}"
 STOPPED_LINE = PROGRAM + " stopped ({signal})"
+UPDATE_LINE = PROGRAM + " round {round} update in: {site}"
 EXAMPLE_CONFIG = Path(__file__).parent.parent / "relay" / "relay.toml"
 
 
@@ -100,20 +103,20 @@ def run(args: argparse.Namespace) -> int:
     except ConfigFileError as err:
         return report_config_error("relay", err)
     from geoloco.relay import RelayServer
-    from geoloco.scenarios.coordinator_cmd import GracefulStop
+    from geoloco.scenarios.coordinator_cmd import GracefulStop, say
 
     stop = GracefulStop().install()
-    server = RelayServer(config)
+    server = RelayServer(config, on_update=lambda number, site: say(UPDATE_LINE.format(round=number, site=site)))
     try:
         try:
             port = server.start()
         except OSError as err:
             print(f"geoloco relay: error: {err}", file=sys.stderr)
             return EXIT_RUNTIME_ERROR
-        print(LISTENING_LINE.format(host=config.host, port=port), flush=True)
+        say(LISTENING_LINE.format(host=config.host, port=port))
         while not stop.requested.wait(0.5):
             pass
-        print(STOPPED_LINE.format(signal=stop.signal_name), flush=True)
+        say(STOPPED_LINE.format(signal=stop.signal_name))
         return EXIT_OK
     finally:
         server.stop()

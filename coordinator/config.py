@@ -262,7 +262,9 @@ class CoordinatorConfig:
             "late_updates = 'drop'); leave [relays] empty to run this configuration flat"
         )
         require(
-            not self.privacy.secure_aggregation, "relays", f"secure aggregation through relays is not supported: {works}"
+            not self.privacy.secure_aggregation,
+            "relays",
+            f"secure aggregation through relays is not supported: {works}",
         )
         require(not self.privacy.enabled, "relays", f"differential privacy through relays is not supported: {works}")
         require(

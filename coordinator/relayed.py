@@ -136,7 +136,10 @@ class RelayedUploads:
         assembler.timings.upload_received(time.monotonic())
         with self._lock:
             self._add(intake, relay, assembler, relayed)
-        return UploadProgress(complete=True, received=tuple(assembler.received()), received_bytes=assembler.received_bytes, manifest=spec.wire)
+        return UploadProgress(
+            complete=True, received=tuple(assembler.received()), received_bytes=assembler.received_bytes,
+            manifest=spec.wire,
+        )
 
     @staticmethod
     def _live_chunks(intake: PlainIntake, relay: str, round_number: int, chunks: Chunks) -> Iterator[Any]:

@@ -75,7 +75,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return site if relay is None else relay_link(relay)
 
     def _relayed_upload(
-        self, manifest: pb.UploadManifest, requests: Iterator[pb.UploadRequest | ChunkRef], context: grpc.ServicerContext
+        self,
+        manifest: pb.UploadManifest,
+        requests: Iterator[pb.UploadRequest | ChunkRef],
+        context: grpc.ServicerContext,
     ) -> pb.UploadResponse:
         relay = self.relays.relay_of(context)
         if relay is None:

@@ -197,10 +197,9 @@ class RelayHub:
                 )
             self._validate(site, manifest, r)
             existing = r.assemblers.get(site)
-            if existing is not None:
-                if site in r.updates or existing.upload == _named(manifest, site):
-                    existing.check_same_manifest(_named(manifest, site))
-                    return existing
+            if existing is not None and (site in r.updates or existing.upload == _named(manifest, site)):
+                existing.check_same_manifest(_named(manifest, site))
+                return existing
             numel = manifest.blob.shape[0]
             assembler = UploadAssembler(
                 _named(manifest, site), max_total_bytes=2 * 4 * numel + (1 << 20), max_chunk_size=MAX_CHUNK_SIZE
@@ -311,8 +310,11 @@ class RelayHub:
                 weight = site_weight(
                     run.weighting, samples=float(manifest.sample_weight), inner_steps=int(manifest.inner_steps)
                 )
-                r.add(site, update, weight, inner_steps=int(manifest.inner_steps), upload_bytes=int(manifest.blob.total_bytes))
-                logger.debug("relay %s: round %d update of %s in (%d so far)", self.config.name, r.number, site, len(r.updates))
+                r.add(
+                    site, update, weight, inner_steps=int(manifest.inner_steps),
+                    upload_bytes=int(manifest.blob.total_bytes),
+                )
+                logger.debug("relay %s: round %d update of %s in", self.config.name, r.number, site)
                 self.cond.notify_all()
             if self.on_update is not None:
                 self.on_update(int(manifest.round), site)

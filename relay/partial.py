@@ -59,7 +59,9 @@ class RelayRound:
         """``W = Σ w_k`` of the updates added so far."""
         return 0.0 if self._sum is None else self._sum.total_weight
 
-    def add(self, site: str, update: Encoded | torch.Tensor, weight: float, *, inner_steps: int, upload_bytes: int) -> None:
+    def add(
+        self, site: str, update: Encoded | torch.Tensor, weight: float, *, inner_steps: int, upload_bytes: int
+    ) -> None:
         """A site's verified update; decoded into the running sum with weight ``weight``."""
         if self.shape is None:
             raise ValueError("the round's shape is set by its first upload")

@@ -9,6 +9,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
+
 from geoloco.protos.errors import StatusError
 from geoloco.protos.transport import add_coordinator_servicer, build_server, stop_server
 from geoloco.relay.config import RelayConfig
@@ -33,7 +35,7 @@ class RelayServer:
         self.traffic = Traffic()
         self.upstream = Upstream(config, self.traffic)
         self.hub = RelayHub(config, self.upstream, self.traffic, on_update=on_update)
-        self._server: object | None = None
+        self._server: grpc.Server | None = None
         self._port: int | None = None
         self._stop = threading.Event()
         self._driver: threading.Thread | None = None
@@ -118,7 +120,7 @@ class RelayServer:
         self._stop.set()
         self.hub.close()
         if self._server is not None:
-            stop_server(self._server, grace)  # type: ignore[arg-type]
+            stop_server(self._server, grace)
         if self._driver is not None:
             self._driver.join(timeout=5)
         self._write_records()

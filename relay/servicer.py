@@ -38,7 +38,9 @@ logger = logging.getLogger(__name__)
 class RelayServicer(pb_grpc.CoordinatorServicer):
     """Serves one ``RelayHub`` to the region's sites (module doc)."""
 
-    def __init__(self, hub: RelayHub, upstream: Upstream, traffic: Traffic, *, insecure: bool, progress_interval_s: float) -> None:
+    def __init__(
+        self, hub: RelayHub, upstream: Upstream, traffic: Traffic, *, insecure: bool, progress_interval_s: float
+    ) -> None:
         self.hub = hub
         self.upstream = upstream
         self.traffic = traffic

@@ -113,7 +113,9 @@ class Upstream:
             except grpc.RpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == UPLOAD_ATTEMPTS:
                     raise passed_through(err) from None
-                logger.info("relay %s: upload of round %d broke (%s), retrying", self.config.name, manifest.round, err.code())
+                logger.info(
+                    "relay %s: upload of round %d broke (%s), retrying", self.config.name, manifest.round, err.code()
+                )
                 time.sleep(RETRY_PAUSE_S * attempt)
                 continue
             self._received(response)

@@ -62,8 +62,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--coordinator", metavar="HOST:PORT", help="the coordinator's address, overrides `coordinator`")
     parser.add_argument("--host", help="address to listen on, overrides `host`")
     parser.add_argument("--port", type=port_number, help="port for the sites, overrides `port` (0: a free one)")
-    parser.add_argument("--certs", type=Path, metavar="DIR", help="folder made by `geoloco certs`, overrides `certs_dir`")
-    parser.add_argument("--metrics", type=Path, metavar="FILE", help="JSON-lines metrics file, overrides `metrics_path`")
+    parser.add_argument(
+        "--certs", type=Path, metavar="DIR", help="folder made by `geoloco certs`, overrides `certs_dir`"
+    )
+    parser.add_argument(
+        "--metrics", type=Path, metavar="FILE", help="JSON-lines metrics file, overrides `metrics_path`"
+    )
     parser.add_argument(
         "--insecure", action="store_true", help="plain-text gRPC on both sides (local experiments only)"
     )
@@ -90,7 +94,9 @@ def load_config(args: argparse.Namespace) -> Any:
         raw["insecure"] = True
         raw.pop("certs_dir", None)
     elif raw.get("insecure"):
-        raise ConfigFileError(source, "insecure", "plain text needs the --insecure flag too (a file alone cannot turn TLS off)")
+        raise ConfigFileError(
+            source, "insecure", "plain text needs the --insecure flag too (a file alone cannot turn TLS off)"
+        )
     try:
         return RelayConfig.from_dict(raw)
     except ConfigError as err:

@@ -61,7 +61,10 @@ def coordinator(certs: Path, *, codec: str = "none", weighting: str = "samples",
 
 def relay(certs: Path, name: str, coordinator_port: int, **kwargs: Any) -> RelayServer:
     server = RelayServer(
-        RelayConfig(name=name, coordinator=f"localhost:{coordinator_port}", certs_dir=str(certs), sites=REGIONS[name], **kwargs)
+        RelayConfig(
+            name=name, coordinator=f"localhost:{coordinator_port}", certs_dir=str(certs), sites=REGIONS[name],
+            **kwargs,
+        )
     )
     server.start()
     return server
@@ -86,7 +89,9 @@ class Site:
         self.session = response.session_id
         return response
 
-    def upload(self, update: torch.Tensor, codec: str, *, round_number: int = 0, weight: float = 1.0) -> pb.UploadResponse:
+    def upload(
+        self, update: torch.Tensor, codec: str, *, round_number: int = 0, weight: float = 1.0
+    ) -> pb.UploadResponse:
         encoded = parse_codec(codec).encode(update, seed=0)
         data = encoded.to_bytes()
         manifest = pb.UploadManifest(

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,7 +38,9 @@ def _wait_round(server: CoordinatorServer, number: int) -> None:
         time.sleep(0.02)
 
 
-def _flat(certs: Path, ups: dict[str, torch.Tensor], weights: dict[str, float], codec: str) -> tuple[torch.Tensor, bytes]:
+def _flat(
+    certs: Path, ups: dict[str, torch.Tensor], weights: dict[str, float], codec: str
+) -> tuple[torch.Tensor, bytes]:
     server = coordinator(certs, codec=codec)
     sites = [Site(name, certs, f"localhost:{server.port}") for name in SITES]
     try:
@@ -60,7 +62,9 @@ def _relayed(
 ) -> Iterator[tuple[torch.Tensor, dict[str, tuple[object, bytes]], CoordinatorServer]]:
     server = coordinator(certs, codec=codec)
     relays = {name: relay(certs, name, server.port, metrics_path=str(tmp_path / f"{name}.jsonl")) for name in REGIONS}
-    sites = [Site(name, certs, f"localhost:{relays[region].port}") for region, names in REGIONS.items() for name in names]
+    sites = [
+        Site(name, certs, f"localhost:{relays[region].port}") for region, names in REGIONS.items() for name in names
+    ]
     try:
         for s in sites:
             s.join()

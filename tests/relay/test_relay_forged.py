@@ -128,7 +128,10 @@ def test_a_relay_refuses_a_site_outside_its_list(certs: Path, server: Coordinato
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        ({"privacy": {"secure_aggregation": True, "clip_norm": 1.0}, "min_sites": 3}, "secure aggregation through relays is not supported"),
+        (
+            {"privacy": {"secure_aggregation": True, "clip_norm": 1.0}, "min_sites": 3},
+            "secure aggregation through relays is not supported",
+        ),
         ({"algorithm": {"aggregation": "median"}}, "robust aggregation"),
         ({"algorithm": {"late_updates": "fold"}}, "late updates are not folded through relays"),
         ({"relays": {"eu": ["site-a"], "us": ["site-a"]}}, "already listed under relay 'eu'"),

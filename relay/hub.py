@@ -114,6 +114,8 @@ class RelayHub:
         self.records: list[dict[str, Any]] = []
         """One record per round whose partial went upward (drained by the server's writer)."""
         self.closing = False
+        self.run_finished = False
+        """The coordinator said the run is over (a broadcast with ``run_finished``)."""
         self.on_update = on_update
         """Called with (round, site) when a site's verified update entered the partial sum."""
 
@@ -423,6 +425,7 @@ class RelayHub:
             for old in [n for n in self.broadcasts if n < round_number - KEEP_BROADCASTS]:
                 del self.broadcasts[old]
             if cached.header is not None:
+                self.run_finished = self.run_finished or cached.header.run_finished
                 self._learn_round(cached.header.next_round.round)
                 self._record(round_number)
             self.cond.notify_all()
@@ -483,6 +486,12 @@ class RelayHub:
                 "time": time.time(),
             }
         )
+
+    @property
+    def done(self) -> bool:
+        """The run finished and every site that joined through the relay left."""
+        with self.cond:
+            return self.run_finished and not self.members
 
     def close(self) -> None:
         with self.cond:

@@ -11,10 +11,13 @@ Contract with launchers and tests (stdout, one line each, flushed):
 * ``geoloco-relay listening on HOST:PORT`` once the relay accepts its sites' calls;
 * ``geoloco-relay round R update in: SITE`` when a site's verified update entered round R's
   partial sum (the site's upload is answered once the coordinator took the partial);
-* ``geoloco-relay stopped (SIGTERM)`` at the end.
+* ``geoloco-relay finished: the run is over and every site left`` when the coordinator's last
+  broadcast went out and the relay's sites left (the relay then exits), or ``geoloco-relay
+  stopped (SIGTERM)`` when a signal stopped it.
 
-Exit status: 0 when a signal stopped it, 2 for a bad config or flag (the message names the file,
-the key and what is allowed), 1 for a failure at run time (port in use). Logs go to stderr.
+Exit status: 0 when the run finished or a signal stopped it, 2 for a bad config or flag (the
+message names the file, the key and what is allowed), 1 for a failure at run time (port in use).
+Logs go to stderr.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ PROGRAM = "geoloco-relay"
 LISTENING_LINE = PROGRAM + " listening on {host}:{port}"
 STOPPED_LINE = PROGRAM + " stopped ({signal})"
 UPDATE_LINE = PROGRAM + " round {round} update in: {site}"
+FINISHED_LINE = PROGRAM + " finished: the run is over and every site left"
 EXAMPLE_CONFIG = Path(__file__).parent.parent / "relay" / "relay.toml"
 
 
@@ -121,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_RUNTIME_ERROR
         say(LISTENING_LINE.format(host=config.host, port=port))
         while not stop.requested.wait(0.5):
-            pass
+            if server.hub.done:
+                say(FINISHED_LINE)
+                return EXIT_OK
         say(STOPPED_LINE.format(signal=stop.signal_name))
         return EXIT_OK
     finally:

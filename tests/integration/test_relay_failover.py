@@ -61,6 +61,7 @@ max_wait_s = 60.0
 """
 
 RELAY_LISTENING = re.compile(r"^geoloco-relay listening on (?P<host>\S+):(?P<port>\d+)$")
+RELAY_FINISHED = re.compile(r"^geoloco-relay finished: ")
 RELAY_UPDATE = re.compile(r"^geoloco-relay round (?P<round>\d+) update in: (?P<site>\S+)$")
 
 
@@ -126,6 +127,8 @@ def test_relay_killed_mid_round_fails_over_and_a_restarted_relay_serves_again(ce
         relay.wait_line(RELAY_UPDATE, where=lambda m: m["site"] == "1", what="1's update through the relay")
         a.kill(signal.SIGCONT)
         coordinator.wait_line(COORDINATOR_END, what="the run's end", timeout_s=240)
+        relay.wait_line(RELAY_FINISHED, what="the relay's end once its site left")
+        assert relay.wait_exit() == 0
 
     rounds = [COORDINATOR_ROUND.match(line) for line in coordinator.lines]
     done = [m for m in rounds if m is not None]

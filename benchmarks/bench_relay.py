@@ -8,8 +8,9 @@ and the same sites behind one relay per region. It prints the coordinator's byte
 sent in that round (serialized protobuf, as the coordinator's byte events count them: the upload manifests
 and chunks in, the progress messages, broadcast headers and chunks out; joins carry no counted
 bytes, the sites fetch no model), flat and relayed side by side with their ratio and the ``relays / sites`` target
-ratio. The relay's upward partial uses the lossless ``none`` codec (float32), so a relay saves
-coordinator ingress only when its sites' encoded updates together exceed one float32 vector.
+ratio, for both upward codecs: ``none`` (float32: a relay saves coordinator ingress only when its
+sites' encoded updates together exceed one float32 vector) and ``uplink`` (the run's codec with
+the relay's own error feedback).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_relay, iss
 
 
 def _round(
-    certs: Path, regions: dict[str, list[str]], numel: int, codec: str, *, relayed: bool
+    certs: Path, regions: dict[str, list[str]], numel: int, codec: str, *, relayed: bool, upward: str = "none"
 ) -> dict[str, int]:
     """One round; the coordinator's bytes in and out of it (its byte events, uploads to broadcasts)."""
     torch.manual_seed(0)
@@ -61,7 +62,10 @@ def _round(
     if relayed:
         for name, names in regions.items():
             relays[name] = RelayServer(
-                RelayConfig(name=name, coordinator=f"localhost:{server.port}", certs_dir=str(certs), sites=names)
+                RelayConfig(
+                    name=name, coordinator=f"localhost:{server.port}", certs_dir=str(certs), sites=names,
+                    upward_codec=upward,
+                )
             )
             relays[name].start()
     target = {s: f"localhost:{relays[r].port if relayed else server.port}" for r, ns in regions.items() for s in ns}
@@ -105,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(
         f"numel {args.numel:,} ({4 * args.numel / 2**20:.1f} MiB fp32), codec {args.codec} up and down, "
-        f"{args.regions} regions, upward codec none; bytes are the coordinator's in one round"
+        f"{args.regions} regions; upward none (float32) or uplink ({args.codec} with the relay's residual); "
+        "bytes are the coordinator's in one round"
     )
-    print(f"{'sites':>5} {'in flat':>12} {'in relayed':>12} {'ratio':>6} {'out flat':>12} {'out relayed':>12} "
-          f"{'ratio':>6} {'relays/sites':>12}")
+    print(f"{'sites':>5} {'upward':>6} {'in flat':>12} {'in relayed':>12} {'ratio':>6} {'out flat':>12} "
+          f"{'out relayed':>12} {'ratio':>6} {'relays/sites':>12}")
     with tempfile.TemporaryDirectory() as tmp:
         certs = Path(tmp) / "certs"
         init_ca(certs)
@@ -122,14 +127,15 @@ def main(argv: list[str] | None = None) -> int:
                     if not (certs / f"{s}.crt").exists():
                         issue_site(certs, s)
             flat = _round(certs, regions, args.numel, args.codec, relayed=False)
-            relayed = _round(certs, regions, args.numel, args.codec, relayed=True)
             n = args.regions * per
-            print(
-                f"{n:>5} {flat['up']:>12,} {relayed['up']:>12,} {relayed['up'] / flat['up']:>6.3f} "
-                f"{flat['down']:>12,} {relayed['down']:>12,} {relayed['down'] / flat['down']:>6.3f} "
-                f"{args.regions / n:>12.3f}",
-                flush=True,
-            )
+            for upward in ("none", "uplink"):
+                relayed = _round(certs, regions, args.numel, args.codec, relayed=True, upward=upward)
+                print(
+                    f"{n:>5} {upward:>6} {flat['up']:>12,} {relayed['up']:>12,} {relayed['up'] / flat['up']:>6.3f} "
+                    f"{flat['down']:>12,} {relayed['down']:>12,} {relayed['down'] / flat['down']:>6.3f} "
+                    f"{args.regions / n:>12.3f}",
+                    flush=True,
+                )
     return 0
 
 

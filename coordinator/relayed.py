@@ -9,7 +9,8 @@ coordinator's own protocol and talks to the coordinator on their behalf with its
   PERMISSION_DENIED, so a relay cannot forge another region's sites. The site is then a member
   like any other: membership, heartbeats, quorum and broadcasts need no relay-specific code.
 * Partial sums. A relay's Upload carries ``relayed_sites`` (site, weight, inner steps) and, as
-  its blob, the weighted mean of those sites' verified updates (codec ``none``, float32). It
+  its blob, the weighted mean of those sites' verified updates (codec ``none``, float32, or the
+  run's uplink codec with the relay's own error feedback). It
   enters the round's running sum once, with the sum of the weights, and each listed site counts
   as a contributor with its own weight: ``Σ_r W_r m_r / Σ_r W_r`` with ``W_r m_r = Σ_k w_k g_k``
   is the flat mean (up to float32 rounding of the partial mean: see ``docs/architecture.md``).
@@ -45,8 +46,8 @@ __all__ = ["RELAYED_CODEC", "RelayedSite", "RelayedUploads", "relay_link"]
 logger = logging.getLogger(__name__)
 
 RELAYED_CODEC = "none"
-"""The one upward codec a relay's partial sum may use today: lossless, so the relayed result is
-the flat one."""
+"""The lossless upward codec: with it the relayed result is the flat one. The run's uplink codec
+is accepted too (the relay keeps its own error-feedback residual)."""
 
 WEIGHT_SUM_RTOL = 1e-9
 """How far the manifest's ``sample_weight`` may be from the sum of the listed weights (the relay
@@ -173,11 +174,10 @@ class RelayedUploads:
                 f"weights ({total})"
             )
         ctx = intake.ctx
-        if spec.codec != RELAYED_CODEC:
+        if spec.codec not in (RELAYED_CODEC, intake.uplink_codec):
             raise InvalidUpdateError(
-                f"relay {relay!r}'s partial sum uses codec {quoted(spec.codec)}; relays send "
-                f"{RELAYED_CODEC!r} upward (an upward codec with its own error feedback is not "
-                "supported yet)"
+                f"relay {relay!r}'s partial sum uses codec {quoted(spec.codec)}; a relay sends "
+                f"{RELAYED_CODEC!r} (lossless) or the run's uplink codec {intake.uplink_codec!r} upward"
             )
         numel = ctx.update_numel(spec.round)
         if spec.dtype != "float32" or list(spec.shape) != [numel]:
@@ -225,7 +225,7 @@ class RelayedUploads:
         verify_start = time.monotonic()
         data = assembler.finish()
         mean, _norm, finite = checked_update(
-            what, data, spec.checksum[0], codec=RELAYED_CODEC, numel=ctx.update_numel(spec.round),
+            what, data, spec.checksum[0], codec=spec.codec, numel=ctx.update_numel(spec.round),
             device=intake.device, dense=True,
         )
         del data

@@ -14,9 +14,10 @@ from geoloco.protos.wire import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 
 __all__ = ["UPWARD_CODECS", "RelayConfig"]
 
-UPWARD_CODECS = ("none",)
-"""Codecs of the upward partial sum. Only the lossless one for now: an upward codec needs its own
-error-feedback residual at the relay, which is not built yet."""
+UPWARD_CODECS = ("none", "uplink")
+"""Codecs of the upward partial sum: ``none`` (lossless float32: the relayed result is the flat
+one) or ``uplink``, the run's own uplink codec (the coordinator decodes it as it decodes the
+sites'), with the relay's own error-feedback residual."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,7 +49,8 @@ class RelayConfig:
     """A round's partial sum goes upward when every site that joined through the relay has
     uploaded, or this many seconds after the round's first upload, whichever comes first."""
     upward_codec: str = "none"
-    """Codec of the partial sum sent to the coordinator (only ``none``: see ``UPWARD_CODECS``)."""
+    """Codec of the partial sum sent to the coordinator: ``none`` or ``uplink`` (see
+    ``UPWARD_CODECS``)."""
     chunk_size: int = DEFAULT_CHUNK_SIZE
     """Bytes per chunk of the partial sum's upload."""
     progress_interval_s: float = 2.0
@@ -86,8 +88,8 @@ class RelayConfig:
         require(
             self.upward_codec in UPWARD_CODECS,
             "upward_codec",
-            f"got {self.upward_codec!r}; relays send {', '.join(map(repr, UPWARD_CODECS))} upward for "
-            "now (a lossy upward codec needs the relay's own error feedback, not built yet)",
+            f"got {self.upward_codec!r}; allowed: 'none' (lossless float32) or 'uplink' (the run's "
+            "uplink codec, with the relay's own error feedback)",
         )
         require(
             0 < self.chunk_size <= MAX_CHUNK_SIZE,

@@ -19,7 +19,6 @@ import grpc
 import torch
 
 from geoloco.algorithms.weighting import site_weight
-from geoloco.compression import parse_codec
 from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
 from geoloco.coordinator.upload_check import checked_update
 from geoloco.protos import geoloco_pb2 as pb
@@ -33,7 +32,7 @@ from geoloco.protos.wire import (
     read_broadcast_stream,
 )
 from geoloco.relay.config import RelayConfig
-from geoloco.relay.partial import RelayRound
+from geoloco.relay.partial import RelayRound, encode_partial
 from geoloco.relay.upstream import Traffic, Upstream
 
 __all__ = ["CachedBroadcast", "RelayHub", "RunInfo"]
@@ -113,6 +112,10 @@ class RelayHub:
         self._verify_lock = threading.Lock()
         self.records: list[dict[str, Any]] = []
         """One record per round whose partial went upward (drained by the server's writer)."""
+        self.residuals: dict[int, torch.Tensor] = {}
+        """fragment -> the relay's error-feedback residual of its upward codec (sum space)."""
+        self._sent_residual: tuple[int, torch.Tensor | None] | None = None
+        """(fragment, residual before) of the partial on its way up: put back if it is refused."""
         self.closing = False
         self.run_finished = False
         """The coordinator said the run is over (a broadcast with ``run_finished``)."""
@@ -354,7 +357,15 @@ class RelayHub:
             mean = r.mean()
             sites = list(r.updates)
             session = self.session_id
-        encoded = parse_codec(self.config.upward_codec).encode(mean)
+            run = self.run
+            assert run is not None
+        codec = run.uplink_codec if self.config.upward_codec == "uplink" else "none"
+        fragment = r.fragment or 0
+        before = self.residuals.get(fragment)
+        encoded, residual = encode_partial(mean, r.weight, codec, before, seed=r.number)
+        self._sent_residual = (fragment, before)
+        if residual is not None:
+            self.residuals[fragment] = residual
         data = encoded.to_bytes()
         del mean
         manifest = pb.UploadManifest(
@@ -376,6 +387,15 @@ class RelayHub:
     def forwarded(self, r: RelayRound, outcome: str, sites: Iterable[str]) -> None:
         """The coordinator's answer to round ``r``'s partial; then fetch its broadcast once."""
         with self.cond:
+            if outcome != "accepted" and self._sent_residual is not None:
+                # The partial never counted: its sites keep their updates (WRONG_ROUND), so the
+                # relay's residual goes back to what it was before this partial.
+                fragment, before = self._sent_residual
+                if before is None:
+                    self.residuals.pop(fragment, None)
+                else:
+                    self.residuals[fragment] = before
+            self._sent_residual = None
             r.outcome = outcome
             self.included[r.number] = frozenset(sites) if outcome == "accepted" else frozenset()
             self.partials[r.number] = {s: r.updates[s].weight for s in r.updates}

@@ -13,10 +13,29 @@ from dataclasses import dataclass, field
 import torch
 
 from geoloco.algorithms.aggregation import RunningSum
-from geoloco.compression import Encoded
+from geoloco.compression import Encoded, decode, parse_codec
 from geoloco.protos.wire import UploadAssembler
 
-__all__ = ["RelayRound", "SiteUpdate"]
+__all__ = ["RelayRound", "SiteUpdate", "encode_partial"]
+
+
+def encode_partial(
+    mean: torch.Tensor, weight: float, codec: str, residual: torch.Tensor | None, *, seed: int = 0
+) -> tuple[Encoded, torch.Tensor | None]:
+    """The partial ``mean`` (sent with weight ``W = weight``) encoded with ``codec``, and the
+    relay's new error-feedback residual.
+
+    The residual lives in sum space (``W · mean`` units) because ``W`` changes from round to
+    round: ``u = mean + E / W``, ``c = C(u)``, ``E' = W · (u − D(c))``, so what the coordinator
+    adds (``W · D(c)``) plus ``E'`` is ``W · mean + E``: nothing the codec dropped is lost, it goes
+    up in a later round. Lossless ``none``: ``u = mean`` and no residual.
+    """
+    spec = parse_codec(codec)
+    if spec.spec == "none":
+        return spec.encode(mean), None
+    u = mean if residual is None else mean + residual / weight
+    encoded = spec.encode(u, seed=seed)
+    return encoded, (u - decode(encoded, device=u.device).reshape(u.shape)) * weight
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,8 +44,10 @@ def tiny_weights(numel: int = 37) -> tuple[torch.Tensor, ParamLayout]:
     return layout.flatten(model), layout
 
 
-def coordinator(certs: Path, *, codec: str = "none", weighting: str = "samples", rounds: int = 1) -> CoordinatorServer:
-    weights, layout = tiny_weights()
+def coordinator(
+    certs: Path, *, codec: str = "none", weighting: str = "samples", rounds: int = 1, numel: int = 37
+) -> CoordinatorServer:
+    weights, layout = tiny_weights(numel)
     config = CoordinatorConfig(
         algorithm=AlgorithmConfig(inner_steps=1, uplink_codec=codec, weighting=weighting),  # type: ignore[arg-type]
         certs_dir=str(certs),

@@ -26,7 +26,7 @@ def test_the_shipped_example_is_a_valid_relay_config() -> None:
     ("text", "key", "allowed"),
     [
         (GOOD + "max_wait_z = 1\n", "max_wait_z", "unknown key; allowed keys:"),
-        (GOOD + 'upward_codec = "int8"\n', "upward_codec", "relays send 'none' upward"),
+        (GOOD + 'upward_codec = "int8"\n', "upward_codec", "allowed: 'none' (lossless float32) or 'uplink'"),
         (GOOD.replace('"eu"', '"e u"'), "name", "invalid site name"),
         (GOOD + "max_wait_s = 0\n", "max_wait_s", "must be > 0 seconds"),
         ('name = "eu"\ncoordinator = "localhost:7000"\n', "certs_dir", "set certs_dir"),

@@ -24,6 +24,7 @@ import torch
 from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay, updates
 
 from geoloco.coordinator.server import CoordinatorServer
+from geoloco.relay import RelayServer
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def _wait_round(server: CoordinatorServer, number: int) -> None:
 def _flat(
     certs: Path, ups: dict[str, torch.Tensor], weights: dict[str, float], codec: str
 ) -> tuple[torch.Tensor, bytes]:
-    server = coordinator(certs, codec=codec)
+    server = coordinator(certs, codec=codec, numel=next(iter(ups.values())).numel())
     sites = [Site(name, certs, f"localhost:{server.port}") for name in SITES]
     try:
         for s in sites:
@@ -58,10 +59,16 @@ def _flat(
 
 
 def _relayed(
-    certs: Path, ups: dict[str, torch.Tensor], weights: dict[str, float], codec: str, tmp_path: Path
-) -> Iterator[tuple[torch.Tensor, dict[str, tuple[object, bytes]], CoordinatorServer]]:
-    server = coordinator(certs, codec=codec)
-    relays = {name: relay(certs, name, server.port, metrics_path=str(tmp_path / f"{name}.jsonl")) for name in REGIONS}
+    certs: Path, ups: dict[str, torch.Tensor], weights: dict[str, float], codec: str, tmp_path: Path,
+    upward_codec: str = "none",
+) -> Iterator[tuple[torch.Tensor, dict[str, tuple[object, bytes]], CoordinatorServer, dict[str, RelayServer]]]:
+    server = coordinator(certs, codec=codec, numel=next(iter(ups.values())).numel())
+    relays = {
+        name: relay(
+            certs, name, server.port, metrics_path=str(tmp_path / f"{name}.jsonl"), upward_codec=upward_codec
+        )
+        for name in REGIONS
+    }
     sites = [
         Site(name, certs, f"localhost:{relays[region].port}") for region, names in REGIONS.items() for name in names
     ]
@@ -74,7 +81,7 @@ def _relayed(
         assert all(d.complete for d in done)
         _wait_round(server, 1)
         broadcasts = {s.name: s.await_broadcast() for s in sites}
-        yield server.rounds.weights.clone(), broadcasts, server  # type: ignore[misc]
+        yield server.rounds.weights.clone(), broadcasts, server, relays  # type: ignore[misc]
     finally:
         for s in sites:
             s.close()
@@ -89,7 +96,7 @@ def test_relayed_round_is_bitwise_the_flat_round_when_sums_are_exact(certs: Path
     # Each relay's W is a power of two, so its mean Σ w_k g_k / W times W gives back the sum.
     weights = {"site-a": 1.0, "site-b": 3.0, "site-c": 2.0, "site-d": 2.0}
     flat_weights, flat_delta = _flat(certs, ups, weights, "none")
-    for relayed_weights, broadcasts, server in _relayed(certs, ups, weights, "none", tmp_path):
+    for relayed_weights, broadcasts, server, _relays in _relayed(certs, ups, weights, "none", tmp_path):
         assert torch.equal(relayed_weights, flat_weights)
         for name, (header, delta) in broadcasts.items():
             assert header.included, name  # type: ignore[attr-defined]
@@ -115,8 +122,34 @@ def test_relayed_round_matches_flat_within_float32_rounding_with_int8(certs: Pat
     ups = updates(numel, dyadic=False, seed=3)
     weights = {"site-a": 3.0, "site-b": 1.7, "site-c": 0.9, "site-d": 5.25}
     flat_weights, _ = _flat(certs, ups, weights, "int8")
-    for relayed_weights, broadcasts, _server in _relayed(certs, ups, weights, "int8", tmp_path):
+    for relayed_weights, broadcasts, _server, _relays in _relayed(certs, ups, weights, "int8", tmp_path):
         assert not torch.equal(relayed_weights, torch.zeros_like(relayed_weights))
         # A few float32 ulp of the update scale: the sums are reassociated, nothing else differs.
         torch.testing.assert_close(relayed_weights, flat_weights, rtol=0, atol=1e-6)
         assert all(header.included for header, _ in broadcasts.values())  # type: ignore[attr-defined]
+
+
+def test_relay_upward_uplink_codec_sends_a_quarter_and_keeps_its_error_feedback(certs: Path, tmp_path: Path) -> None:
+    """``upward_codec = "uplink"``: the partial goes up int8 like the sites' updates (a quarter of
+    the float32 bytes); what int8 dropped stays in the relay's residual, and the result is the
+    flat one within one int8 quantization step of the partial mean."""
+    numel = 4001
+    ups = updates(numel, dyadic=False, seed=5)
+    weights = {"site-a": 3.0, "site-b": 1.7, "site-c": 0.9, "site-d": 5.25}
+    flat_weights, _ = _flat(certs, ups, weights, "int8")
+    for relayed_weights, broadcasts, server, relays in _relayed(
+        certs, ups, weights, "int8", tmp_path, upward_codec="uplink"
+    ):
+        assert all(header.included for header, _ in broadcasts.values())  # type: ignore[attr-defined]
+        scale = max(float(u.abs().max()) for u in ups.values())
+        # Outer Nesterov (lr 0.7, momentum 0.9) moves the weights 1.33x the mean update.
+        torch.testing.assert_close(relayed_weights, flat_weights, rtol=0, atol=1.33 * scale / 127)
+        assert not torch.equal(relayed_weights, flat_weights)
+        for r in relays.values():
+            (residual,) = r.hub.residuals.values()
+            assert 0 < float(residual.abs().max()) <= scale / 127 * 10
+        up = server.rounds.status()
+        assert up["round"] == 1
+    records = [json.loads(line) for line in (tmp_path / "eu.jsonl").read_text().splitlines()]
+    int8_bytes = records[0]["bytes"]["relay->coordinator"]
+    assert int8_bytes < 2 * numel  # a float32 partial alone is 4 bytes per parameter

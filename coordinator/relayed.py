@@ -161,12 +161,23 @@ class RelayedUploads:
         names = [r.site for r in relayed]
         if len(set(names)) != len(names):
             raise InvalidUpdateError(f"relay {relay!r}'s upload lists a site twice: {sorted(names)}")
+        weighting = intake.ctx.config.algorithm.weighting
         for r in relayed:
             self.speak_for(relay, r.site)
             if not (math.isfinite(r.weight) and r.weight > 0):
                 raise InvalidUpdateError(
                     f"relay {relay!r} gives site {r.site!r} weight {r.weight}; weights are finite and > 0"
                 )
+            # The weight a site's own upload would get: a relay cannot weigh its sites up.
+            fixed = {"uniform": 1.0, "steps": float(r.inner_steps)}.get(weighting)
+            if fixed is not None and r.weight != fixed:
+                raise InvalidUpdateError(
+                    f"relay {relay!r} gives site {r.site!r} weight {r.weight}; under weighting "
+                    f"{weighting!r} its weight is {fixed:g}"
+                )
+            why = intake.guard.check_weight(f"site {r.site!r}'s weight", r.weight)
+            if why is not None:
+                raise InvalidUpdateError(f"relay {relay!r}'s partial refused: {why}")
         total = math.fsum(r.weight for r in relayed)
         if not math.isclose(spec.sample_weight, total, rel_tol=WEIGHT_SUM_RTOL):
             raise InvalidUpdateError(

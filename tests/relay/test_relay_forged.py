@@ -89,6 +89,22 @@ def test_a_relay_cannot_join_or_upload_for_another_regions_site(certs: Path, ser
         channel.close()  # type: ignore[attr-defined]
 
 
+def test_a_relay_cannot_weigh_its_sites_up(certs: Path) -> None:
+    """Under uniform weighting every site weighs 1, through a relay too; the round stays as it was."""
+    server = coordinator(certs, weighting="uniform")
+    channel, eu = _as(certs, "eu", server.port)
+    try:
+        session = eu.Join(pb.JoinRequest(site="site-a", protocol_version=PROTOCOL_VERSION), timeout=10).session_id  # type: ignore[attr-defined]
+        manifest, data = _partial(session, {"site-a": 50.0}, server.rounds.numel)
+        err = _refused(lambda: eu.Upload(upload_requests(manifest, data), timeout=10))  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "under weighting 'uniform' its weight is 1" in (err.details() or "")
+        assert server.rounds.status()["contributed"] == []
+    finally:
+        channel.close()  # type: ignore[attr-defined]
+        server.stop(grace=0)
+
+
 def test_a_site_certificate_cannot_send_a_partial_sum(certs: Path, server: CoordinatorServer) -> None:
     site = Site("site-a", certs, f"localhost:{server.port}")
     try:

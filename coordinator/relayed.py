@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -35,7 +35,13 @@ import grpc
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.domain import OPEN_PHASES, UploadProgress, UploadSpec
 from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
-from geoloco.coordinator.intake import Chunks, PlainIntake, PlainUpload
+from geoloco.coordinator.intake import (
+    MAX_METRIC_NAME_CHARS,
+    MAX_SITE_METRICS,
+    Chunks,
+    PlainIntake,
+    PlainUpload,
+)
 from geoloco.coordinator.upload_check import checked_update
 from geoloco.protos.errors import IdentityError, quoted
 from geoloco.protos.identity import validate_site_name
@@ -66,6 +72,8 @@ class RelayedSite:
     site: str
     weight: float
     inner_steps: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The site's own upload metrics, passed on by the relay."""
 
 
 class RelayedUploads:
@@ -175,6 +183,11 @@ class RelayedUploads:
                     f"relay {relay!r} gives site {r.site!r} weight {r.weight}; under weighting "
                     f"{weighting!r} its weight is {fixed:g}"
                 )
+            if len(r.metrics) > MAX_SITE_METRICS or any(len(k) > MAX_METRIC_NAME_CHARS for k in r.metrics):
+                raise InvalidUpdateError(
+                    f"relay {relay!r} passes on {len(r.metrics)} metrics for site {r.site!r}; at most "
+                    f"{MAX_SITE_METRICS}, names of at most {MAX_METRIC_NAME_CHARS} characters"
+                )
             why = intake.guard.check_weight(f"site {r.site!r}'s weight", r.weight)
             if why is not None:
                 raise InvalidUpdateError(f"relay {relay!r}'s partial refused: {why}")
@@ -257,7 +270,7 @@ class RelayedUploads:
             for r in relayed:
                 cr.core.count(r.site, r.weight, now=now)
                 cr.inner_steps[r.site] = r.inner_steps
-                cr.site_metrics[r.site] = {**dict(spec.metrics), "relayed": 1.0}
+                cr.site_metrics[r.site] = {**r.metrics, f"relay:{relay}": 1.0}
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=r.site, round=spec.round, weight=r.weight)
             assembler.timings.spent("add", add_start, time.monotonic())
             logger.info(

@@ -313,14 +313,23 @@ class UploadManifest(_message.Message):
     def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., sample_weight: _Optional[float] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., inner_steps: _Optional[int] = ..., relayed_sites: _Optional[_Iterable[_Union[RelayedSite, _Mapping]]] = ...) -> None: ...
 
 class RelayedSite(_message.Message):
-    __slots__ = ("site", "weight", "inner_steps")
+    __slots__ = ("site", "weight", "inner_steps", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     SITE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     site: str
     weight: float
     inner_steps: int
-    def __init__(self, site: _Optional[str] = ..., weight: _Optional[float] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, site: _Optional[str] = ..., weight: _Optional[float] = ..., inner_steps: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class UploadRequest(_message.Message):
     __slots__ = ("manifest", "chunk")

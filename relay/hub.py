@@ -317,7 +317,7 @@ class RelayHub:
                 )
                 r.add(
                     site, update, weight, inner_steps=int(manifest.inner_steps),
-                    upload_bytes=int(manifest.blob.total_bytes),
+                    upload_bytes=int(manifest.blob.total_bytes), metrics=dict(manifest.metrics),
                 )
                 logger.debug("relay %s: round %d update of %s in", self.config.name, r.number, site)
                 self.cond.notify_all()
@@ -379,7 +379,11 @@ class RelayHub:
                 data, codec=encoded.spec, shape=list(r.shape or ()), dtype="float32", chunk_size=self.config.chunk_size
             ),
             relayed_sites=[
-                pb.RelayedSite(site=s, weight=r.updates[s].weight, inner_steps=r.updates[s].inner_steps) for s in sites
+                pb.RelayedSite(
+                    site=s, weight=r.updates[s].weight, inner_steps=r.updates[s].inner_steps,
+                    metrics=r.updates[s].metrics,
+                )
+                for s in sites
             ],
         )
         return r, manifest, data

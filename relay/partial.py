@@ -45,6 +45,8 @@ class SiteUpdate:
     weight: float
     inner_steps: int
     upload_bytes: int
+    metrics: dict[str, float]
+    """The site's own upload metrics (loss, phase times), passed on to the coordinator."""
 
 
 @dataclass(slots=True)
@@ -79,7 +81,14 @@ class RelayRound:
         return 0.0 if self._sum is None else self._sum.total_weight
 
     def add(
-        self, site: str, update: Encoded | torch.Tensor, weight: float, *, inner_steps: int, upload_bytes: int
+        self,
+        site: str,
+        update: Encoded | torch.Tensor,
+        weight: float,
+        *,
+        inner_steps: int,
+        upload_bytes: int,
+        metrics: dict[str, float] | None = None,
     ) -> None:
         """A site's verified update; decoded into the running sum with weight ``weight``."""
         if self.shape is None:
@@ -87,7 +96,9 @@ class RelayRound:
         if self._sum is None:
             self._sum = RunningSum(numel=self.shape[0])
         self._sum.add(update, weight, site=site)
-        self.updates[site] = SiteUpdate(weight=weight, inner_steps=inner_steps, upload_bytes=upload_bytes)
+        self.updates[site] = SiteUpdate(
+            weight=weight, inner_steps=inner_steps, upload_bytes=upload_bytes, metrics=dict(metrics or {})
+        )
 
     def mean(self) -> torch.Tensor:
         """``Σ w_k g_k / W``, the partial the relay sends upward with weight ``W``."""

@@ -45,7 +45,8 @@ def tiny_weights(numel: int = 37) -> tuple[torch.Tensor, ParamLayout]:
 
 
 def coordinator(
-    certs: Path, *, codec: str = "none", weighting: str = "samples", rounds: int = 1, numel: int = 37
+    certs: Path, *, codec: str = "none", weighting: str = "samples", rounds: int = 1, numel: int = 37,
+    metrics_path: Path | None = None,
 ) -> CoordinatorServer:
     weights, layout = tiny_weights(numel)
     config = CoordinatorConfig(
@@ -55,6 +56,7 @@ def coordinator(
         total_rounds=rounds,
         relays={k: list(v) for k, v in REGIONS.items()},
         drain_timeout_s=0.0,
+        metrics_path=None if metrics_path is None else str(metrics_path),
     )
     server = CoordinatorServer(config, weights, layout)
     server.start()
@@ -98,6 +100,7 @@ class Site:
         data = encoded.to_bytes()
         manifest = pb.UploadManifest(
             session_id=self.session, round=round_number, sample_weight=weight, inner_steps=1,
+            metrics={"train_loss": 1.5},
             blob=blob_manifest(data, codec=encoded.spec, shape=[update.numel()], dtype="float32", chunk_size=64),
         )
         response: pb.UploadResponse = self.stub.Upload(upload_requests(manifest, data), timeout=20)

@@ -62,7 +62,9 @@ def _relayed(
     certs: Path, ups: dict[str, torch.Tensor], weights: dict[str, float], codec: str, tmp_path: Path,
     upward_codec: str = "none",
 ) -> Iterator[tuple[torch.Tensor, dict[str, tuple[object, bytes]], CoordinatorServer, dict[str, RelayServer]]]:
-    server = coordinator(certs, codec=codec, numel=next(iter(ups.values())).numel())
+    server = coordinator(
+        certs, codec=codec, numel=next(iter(ups.values())).numel(), metrics_path=tmp_path / "metrics.jsonl"
+    )
     relays = {
         name: relay(
             certs, name, server.port, metrics_path=str(tmp_path / f"{name}.jsonl"), upward_codec=upward_codec
@@ -106,6 +108,14 @@ def test_relayed_round_is_bitwise_the_flat_round_when_sums_are_exact(certs: Path
         # from the sites' region arrived on the relay's link.
         status = server.rounds.status()
         assert status["members"] == sorted(SITES)
+    # The coordinator's record: each relayed site with its own metrics and its relay, and the
+    # bytes per link (the relays', no site's).
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(record["participants"]) == sorted(SITES)
+    assert record["sample_weights"] == weights
+    assert record["site_metrics"]["site-a"] == {"train_loss": 1.5, "relay:eu": 1.0}
+    assert record["site_metrics"]["site-d"] == {"train_loss": 1.5, "relay:us": 1.0}
+    assert set(record["bytes_up"]) == {"relay:eu", "relay:us"}
     # Each relay's metrics record names the sites its partial contained and the bytes per link.
     for region, names in REGIONS.items():
         records = [json.loads(line) for line in (tmp_path / f"{region}.jsonl").read_text().splitlines()]

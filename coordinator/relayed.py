@@ -74,6 +74,8 @@ class RelayedSite:
     inner_steps: int
     metrics: dict[str, float] = field(default_factory=dict)
     """The site's own upload metrics, passed on by the relay."""
+    rejected: str = ""
+    """Non-empty: the relay refused the site's update (why); it is not in the sum."""
 
 
 class RelayedUploads:
@@ -172,6 +174,8 @@ class RelayedUploads:
         weighting = intake.ctx.config.algorithm.weighting
         for r in relayed:
             self.speak_for(relay, r.site)
+            if r.rejected:
+                continue
             if not (math.isfinite(r.weight) and r.weight > 0):
                 raise InvalidUpdateError(
                     f"relay {relay!r} gives site {r.site!r} weight {r.weight}; weights are finite and > 0"
@@ -191,7 +195,7 @@ class RelayedUploads:
             why = intake.guard.check_weight(f"site {r.site!r}'s weight", r.weight)
             if why is not None:
                 raise InvalidUpdateError(f"relay {relay!r}'s partial refused: {why}")
-        total = math.fsum(r.weight for r in relayed)
+        total = math.fsum(r.weight for r in relayed if not r.rejected)
         if not math.isclose(spec.sample_weight, total, rel_tol=WEIGHT_SUM_RTOL):
             raise InvalidUpdateError(
                 f"relay {relay!r}'s sample_weight {spec.sample_weight} is not the sum of its sites' "
@@ -244,7 +248,7 @@ class RelayedUploads:
         what = f"relay {relay!r}'s partial sum for round {spec.round}"
         with ctx.cond:
             ctx.check_upload_round(spec.round)
-            if all(r.site in ctx.round.contributed for r in relayed):
+            if all(r.site in ctx.round.contributed or r.site in ctx.round.rejected for r in relayed):
                 return  # a repeated stream of a partial that already counts
         verify_start = time.monotonic()
         data = assembler.finish()
@@ -263,11 +267,19 @@ class RelayedUploads:
             if self._uploads.get(relay) is not assembler:
                 raise UpdateRejectedError(f"{what} was replaced by a newer one")
             now = ctx.clock()
+            counted = [r for r in relayed if not r.rejected]
             try:
-                cr.core.aggregation.add(mean, spec.sample_weight, site=relay_link(relay))
+                if counted:
+                    cr.core.aggregation.add(mean, spec.sample_weight, site=relay_link(relay))
             except ValueError as err:
                 raise InvalidUpdateError(f"{what} could not be added: {err}") from None
             for r in relayed:
+                if r.rejected:
+                    # Refused at the relay, as the coordinator would have: not waited for.
+                    cr.core.reject(r.site)
+                    cr.rejected_why[r.site] = f"{r.rejected} (at relay {relay})"
+                    ctx.events.emit(ev.UPDATE_REJECTED, site=r.site, round=spec.round, why=cr.rejected_why[r.site])
+            for r in counted:
                 cr.core.count(r.site, r.weight, now=now)
                 cr.inner_steps[r.site] = r.inner_steps
                 cr.site_metrics[r.site] = {**r.metrics, f"relay:{relay}": 1.0}

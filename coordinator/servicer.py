@@ -85,7 +85,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if not self.insecure:
                 raise IdentityError("only a relay's certificate (geoloco:relay:NAME) may upload relayed_sites")
             relay = self.relays.insecure_relay(manifest.site)
-        relayed = [RelayedSite(r.site, r.weight, r.inner_steps, dict(r.metrics)) for r in manifest.relayed_sites]
+        relayed = [
+            RelayedSite(r.site, r.weight, r.inner_steps, dict(r.metrics), r.rejected) for r in manifest.relayed_sites
+        ]
         try:
             progress = self.relays.receive(
                 relay, translate.upload_spec(manifest, manifest.site), relayed, translate.upload_chunks(requests)

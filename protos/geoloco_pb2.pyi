@@ -313,7 +313,7 @@ class UploadManifest(_message.Message):
     def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., sample_weight: _Optional[float] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., inner_steps: _Optional[int] = ..., relayed_sites: _Optional[_Iterable[_Union[RelayedSite, _Mapping]]] = ...) -> None: ...
 
 class RelayedSite(_message.Message):
-    __slots__ = ("site", "weight", "inner_steps", "metrics")
+    __slots__ = ("site", "weight", "inner_steps", "metrics", "rejected")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -325,11 +325,13 @@ class RelayedSite(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     site: str
     weight: float
     inner_steps: int
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, site: _Optional[str] = ..., weight: _Optional[float] = ..., inner_steps: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    rejected: str
+    def __init__(self, site: _Optional[str] = ..., weight: _Optional[float] = ..., inner_steps: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., rejected: _Optional[str] = ...) -> None: ...
 
 class UploadRequest(_message.Message):
     __slots__ = ("manifest", "chunk")

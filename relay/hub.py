@@ -8,6 +8,7 @@ passes on (Join, Heartbeat, the broadcast's next round) and from its sites' uplo
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -18,8 +19,10 @@ from typing import Any
 import grpc
 import torch
 
+from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.weighting import site_weight
 from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
+from geoloco.coordinator.update_guard import UpdateGuard, UpdateGuardConfig
 from geoloco.coordinator.upload_check import checked_update
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import NotAMemberError, StaleSessionError, StatusError, WrongRoundError, quoted
@@ -56,17 +59,30 @@ class RunInfo:
     numel: int
     quorum: int
     heartbeat_timeout_s: float
+    guard: UpdateGuardConfig
 
     @classmethod
     def of(cls, response: pb.JoinResponse) -> RunInfo:
         c = response.config
         return cls(
+            guard=_guard_config(c.config_json),
             weighting=_WEIGHTING.get(c.weighting, "uniform"),
             uplink_codec=c.uplink_codec,
             numel=int(response.layout.numel),
             quorum=int(c.quorum),
             heartbeat_timeout_s=c.heartbeat_timeout_ms / 1000 if c.heartbeat_timeout_ms else 15.0,
         )
+
+
+def _guard_config(config_json: str) -> UpdateGuardConfig:
+    """The coordinator's ``[update_guard]`` from ``RunConfig.config_json`` (defaults when it has
+    none, e.g. an older coordinator)."""
+    try:
+        table = json.loads(config_json or "{}").get("update_guard") or {}
+        return config_from_dict(UpdateGuardConfig, table)
+    except (ValueError, AttributeError, ConfigError):
+        logger.warning("the coordinator's update_guard settings cannot be read; the relay uses the defaults")
+        return UpdateGuardConfig()
 
 
 @dataclass(slots=True)
@@ -112,6 +128,9 @@ class RelayHub:
         self._verify_lock = threading.Lock()
         self.records: list[dict[str, Any]] = []
         """One record per round whose partial went upward (drained by the server's writer)."""
+        self.guard = UpdateGuard(UpdateGuardConfig())
+        """The run's ``[update_guard]`` (from the coordinator's config), on this region's updates:
+        the relay refuses what the coordinator would refuse of a site's own upload."""
         self.residuals: dict[int, torch.Tensor] = {}
         """fragment -> the relay's error-feedback residual of its upward codec (sum space)."""
         self._sent_residual: tuple[int, torch.Tensor | None] | None = None
@@ -142,7 +161,10 @@ class RelayHub:
     def joined(self, site: str, response: pb.JoinResponse) -> None:
         with self.cond:
             self.session_id = response.session_id
-            self.run = RunInfo.of(response)
+            run = RunInfo.of(response)
+            if run.guard != (None if self.run is None else self.run.guard):
+                self.guard = UpdateGuard(run.guard)
+            self.run = run
             self.members[site] = self.clock()
             self._learn_round(response.round.round)
             self.cond.notify_all()
@@ -301,20 +323,25 @@ class RelayHub:
                 assert run is not None
             data = assembler.finish()  # a checksum mismatch resets the assembler (DATA_LOSS)
             what = f"site {site!r}'s update for round {manifest.round}"
-            update, _norm, finite = checked_update(
+            update, norm, finite = checked_update(
                 what, data, manifest.blob.checksum.algorithm, codec=run.uplink_codec,
                 numel=int(manifest.blob.shape[0]), device=torch.device("cpu"), dense=False,
             )
+            weight = site_weight(
+                run.weighting, samples=float(manifest.sample_weight), inner_steps=int(manifest.inner_steps)
+            )
+            why = "NaN or Inf values" if not finite else self.guard.check_norm(norm) or self.guard.check_weight(
+                "the update's weight", weight
+            )
             with self.cond:
-                if not finite:
-                    r.rejected[site] = "NaN or Inf values"
+                if why is not None:
+                    # Told upward with the round's partial, so the coordinator does not wait for it.
+                    r.rejected[site] = why
                     r.assemblers.pop(site, None)
                     self.cond.notify_all()
-                    raise InvalidUpdateError(f"{what} contains NaN or Inf values; it is dropped for this round")
+                    raise InvalidUpdateError(f"{what} is refused: {why}; it is dropped for this round")
                 self.still_open(site, assembler)
-                weight = site_weight(
-                    run.weighting, samples=float(manifest.sample_weight), inner_steps=int(manifest.inner_steps)
-                )
+                self.guard.accepted(r.number, site, norm)
                 r.add(
                     site, update, weight, inner_steps=int(manifest.inner_steps),
                     upload_bytes=int(manifest.blob.total_bytes), metrics=dict(manifest.metrics),
@@ -356,13 +383,17 @@ class RelayHub:
             r.forwarded = True
             mean = r.mean()
             sites = list(r.updates)
+            rejected = dict(r.rejected)
             session = self.session_id
             run = self.run
             assert run is not None
         codec = run.uplink_codec if self.config.upward_codec == "uplink" else "none"
         fragment = r.fragment or 0
         before = self.residuals.get(fragment)
-        encoded, residual = encode_partial(mean, r.weight, codec, before, seed=r.number)
+        if sites:
+            encoded, residual = encode_partial(mean, r.weight, codec, before, seed=r.number)
+        else:  # every update was refused: the partial only reports that
+            encoded, residual = encode_partial(mean, 1.0, "none", None)
         self._sent_residual = (fragment, before)
         if residual is not None:
             self.residuals[fragment] = residual
@@ -384,7 +415,8 @@ class RelayHub:
                     metrics=r.updates[s].metrics,
                 )
                 for s in sites
-            ],
+            ]
+            + [pb.RelayedSite(site=s, weight=0.0, rejected=why) for s, why in rejected.items()],
         )
         return r, manifest, data
 
@@ -400,6 +432,7 @@ class RelayHub:
                 else:
                     self.residuals[fragment] = before
             self._sent_residual = None
+            self.guard.round_done(r.number, list(sites) if outcome == "accepted" else None)
             r.outcome = outcome
             self.included[r.number] = frozenset(sites) if outcome == "accepted" else frozenset()
             self.partials[r.number] = {s: r.updates[s].weight for s in r.updates}

@@ -101,15 +101,19 @@ class RelayRound:
         )
 
     def mean(self) -> torch.Tensor:
-        """``Σ w_k g_k / W``, the partial the relay sends upward with weight ``W``."""
+        """``Σ w_k g_k / W``, the partial the relay sends upward with weight ``W`` (zeros with
+        ``W = 0`` when every update was refused: the partial then only reports the refusals)."""
         if self._sum is None:
-            raise ValueError(f"round {self.number}: no update to forward")
+            if self.shape is None:
+                raise ValueError(f"round {self.number}: no upload to forward")
+            return torch.zeros(self.shape, dtype=torch.float32)
         return self._sum.result()
 
     def due(self, now: float, live_sites: set[str], max_wait_s: float) -> bool:
         """Whether the partial should go upward now: every live site of the relay is in (or was
-        refused), or ``max_wait_s`` passed since the round's first upload."""
-        if self.forwarded or not self.updates:
+        refused), or ``max_wait_s`` passed since the round's first upload. A round whose every
+        update was refused still goes up, to tell the coordinator so."""
+        if self.forwarded or not (self.updates or self.rejected):
             return False
         if live_sites <= set(self.updates) | set(self.rejected):
             return True

@@ -91,7 +91,7 @@ class RelayServer:
         if taken is None:
             return False
         r, manifest, data = taken
-        sites = [s.site for s in manifest.relayed_sites]
+        sites = [s.site for s in manifest.relayed_sites if not s.rejected]
         try:
             self.upstream.upload(manifest, data)
             outcome = "accepted"

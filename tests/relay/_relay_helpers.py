@@ -46,13 +46,13 @@ def tiny_weights(numel: int = 37) -> tuple[torch.Tensor, ParamLayout]:
 
 def coordinator(
     certs: Path, *, codec: str = "none", weighting: str = "samples", rounds: int = 1, numel: int = 37,
-    metrics_path: Path | None = None,
+    metrics_path: Path | None = None, min_sites: int = len(SITES),
 ) -> CoordinatorServer:
     weights, layout = tiny_weights(numel)
     config = CoordinatorConfig(
         algorithm=AlgorithmConfig(inner_steps=1, uplink_codec=codec, weighting=weighting),  # type: ignore[arg-type]
         certs_dir=str(certs),
-        min_sites=len(SITES),
+        min_sites=min_sites,
         total_rounds=rounds,
         relays={k: list(v) for k, v in REGIONS.items()},
         drain_timeout_s=0.0,

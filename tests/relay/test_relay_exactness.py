@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay, updates
@@ -163,3 +164,46 @@ def test_relay_upward_uplink_codec_sends_a_quarter_and_keeps_its_error_feedback(
     records = [json.loads(line) for line in (tmp_path / "eu.jsonl").read_text().splitlines()]
     int8_bytes = records[0]["bytes"]["relay->coordinator"]
     assert int8_bytes < 2 * numel  # a float32 partial alone is 4 bytes per parameter
+
+
+def test_an_update_refused_at_the_relay_is_reported_so_the_round_does_not_wait_for_it(
+    certs: Path, tmp_path: Path
+) -> None:
+    """The relay applies the run's [update_guard] to each site's update, as the coordinator would
+    to a site's own upload; the refusal goes up with the partial, so the coordinator records the
+    site as rejected instead of waiting for it (no deadline here: it would wait forever)."""
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    ups["site-a"] = torch.full((numel,), 1e20)  # finite, but far beyond any norm bound
+    weights = dict.fromkeys(SITES, 1.0)
+    server = coordinator(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3)
+    relays = {name: relay(certs, name, server.port) for name in REGIONS}
+    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
+    try:
+        for s in sites:
+            s.join()
+
+        def upload(s: Site) -> object:
+            try:
+                return s.upload(ups[s.name], "none", weight=weights[s.name])
+            except grpc.RpcError as err:
+                return err
+
+        with ThreadPoolExecutor(len(sites)) as pool:
+            answers = dict(zip([s.name for s in sites], pool.map(upload, sites), strict=True))
+        refused = answers.pop("site-a")
+        assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "update_guard" in (refused.details() or "")
+        assert all(a.complete for a in answers.values())  # type: ignore[attr-defined]
+        _wait_round(server, 1)
+        header, _ = sites[0].await_broadcast()
+        assert not header.included and header.num_contributors == 3
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
+    assert record["rejected"] == ["site-a"]

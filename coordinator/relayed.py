@@ -15,9 +15,11 @@ coordinator's own protocol and talks to the coordinator on their behalf with its
   as a contributor with its own weight: ``Σ_r W_r m_r / Σ_r W_r`` with ``W_r m_r = Σ_k w_k g_k``
   is the flat mean (up to float32 rounding of the partial mean: see ``docs/architecture.md``).
 
-Relayed partials are verified like a site's update (checksum, codec, shape, finite values); the
-norm bound of ``[update_guard]`` applies to each site's own update at the relay's side of the
-run and is not applied to the partial, whose norm is not a site's.
+Relayed partials are verified like a site's update (checksum, codec, shape, finite values). The
+norm and weight bounds of ``[update_guard]`` apply to each site's own update at the relay, which
+reports the sites it refused (``RelayedSite.rejected``): they are recorded as rejected here, as
+if the coordinator had refused them, so the round does not wait for them. The partial's own norm
+is not a site's and is not checked against the bound.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ import grpc
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.admission_config import AdmissionLimits
 from geoloco.coordinator.errors import SiteNotAllowedError, StatusError
-from geoloco.protos.transport import THREAD_POOL_ATTRIBUTE, peer_site, rebuild_handler
+from geoloco.protos.transport import THREAD_POOL_ATTRIBUTE, peer_relay, peer_site, rebuild_handler
 
 __all__ = [
     "CONTROL_METHODS",
@@ -59,6 +59,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+RELAY_PEER_PREFIX = "relay:"
+"""Admission key prefix of a regional relay's calls (a colon never appears in a site name)."""
 
 CONTROL_METHODS = frozenset({"Join", "Heartbeat", "Leave", "UploadStatus"})
 """Short calls that keep a site in the run; served by the control pool."""
@@ -136,11 +139,15 @@ class Admission:
     # -- admission --
 
     def peer_of(self, context: grpc.ServicerContext) -> str:
-        """Who is calling: the site its certificate names (TLS), else its connection."""
+        """Who is calling: the site its certificate names (TLS), ``relay:NAME`` for a regional
+        relay (whose sites are checked per request against ``[relays]``), else its connection."""
         if not self.insecure:
             site = peer_site(context)
             if site is not None:
                 return site
+            relay = peer_relay(context)
+            if relay is not None:
+                return RELAY_PEER_PREFIX + relay
         return str(context.peer())
 
     @property
@@ -151,7 +158,12 @@ class Admission:
     def admit(self, method: str, context: grpc.ServicerContext) -> _Ticket:
         """Count the call in, or raise the ``StatusError`` that refuses it (nothing read yet)."""
         peer = self.peer_of(context)
-        if not self.insecure and self.allowed_sites is not None and peer not in self.allowed_sites:
+        if (
+            not self.insecure
+            and self.allowed_sites is not None
+            and peer not in self.allowed_sites
+            and not peer.startswith(RELAY_PEER_PREFIX)
+        ):
             raise SiteNotAllowedError(
                 f"site {peer!r} is not in this run's allowed_sites; add it to the coordinator's "
                 "config to let it take part"

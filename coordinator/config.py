@@ -141,6 +141,11 @@ class CoordinatorConfig:
     """``[admission]``: bounds on the calls the gRPC server takes on (per peer, in total, idle
     stream reads) and how long a joined site may stay silent before it is dropped."""
 
+    relays: dict[str, list[str]] = field(default_factory=dict)
+    """``[relays]``: regional relays (``geoloco relay``) and the sites each may speak for, e.g.
+    ``eu = ["site-a", "site-b"]``; a relay's certificate names it (``geoloco certs issue DIR eu
+    --relay``). A relay that forwards for a site outside its list is refused."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -231,6 +236,56 @@ class CoordinatorConfig:
         self.http.check_exposure(has_certificates=self.certs_dir is not None)
         _ = self.admission_limits
         self._validate_privacy()
+        self._validate_relays()
+
+    def _validate_relays(self) -> None:
+        """Names, one relay per site, and the combinations a relayed round cannot run yet."""
+        if not self.relays:
+            return
+        owner: dict[str, str] = {}
+        for relay, sites in self.relays.items():
+            try:
+                validate_site_name(relay)
+            except ValueError as err:
+                raise ConfigError(f"relays.{relay}", f"relay name: {err}") from None
+            require(len(sites) > 0, f"relays.{relay}", "must list at least one site")
+            for i, site in enumerate(sites):
+                try:
+                    validate_site_name(site)
+                except ValueError as err:
+                    raise ConfigError(f"relays.{relay}[{i}]", str(err)) from None
+                require(
+                    site not in owner,
+                    f"relays.{relay}[{i}]",
+                    f"site {site!r} is already listed under relay {owner.get(site)!r}; a site "
+                    "belongs to one relay",
+                )
+                owner[site] = relay
+                require(
+                    self.allowed_sites is None or site in self.allowed_sites,
+                    f"relays.{relay}[{i}]",
+                    f"site {site!r} is not in allowed_sites; add it there too",
+                )
+        works = (
+            "relays run plain rounds (no secure aggregation, no DP, aggregation = 'mean', "
+            "late_updates = 'drop'); leave [relays] empty to run this configuration flat"
+        )
+        require(
+            not self.privacy.secure_aggregation,
+            "relays",
+            f"secure aggregation through relays is not supported: {works}",
+        )
+        require(not self.privacy.enabled, "relays", f"differential privacy through relays is not supported: {works}")
+        require(
+            not self.algorithm.robust_rule.enabled,
+            "relays",
+            f"robust aggregation needs every site's own update, a relay sends a partial sum: {works}",
+        )
+        require(
+            self.algorithm.late_updates == "drop",
+            "relays",
+            f"late updates are not folded through relays: {works}",
+        )
 
     def _validate_privacy(self) -> None:
         """What only the coordinator adds to ``TrainingConfig.validate``: wire limits."""

@@ -17,10 +17,12 @@ from collections.abc import Iterator
 import grpc
 
 from geoloco.coordinator import translate
+from geoloco.coordinator.relayed import RelayedSite, RelayedUploads, relay_link
 from geoloco.coordinator.rounds import SECURE_STAGE_WAIT_S, RoundStateMachine
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos import secagg_wire
+from geoloco.protos.errors import IdentityError
 from geoloco.protos.transport import resolve_site
 from geoloco.protos.wire import (
     ChunkRef,
@@ -58,9 +60,42 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         self._layout = translate.model_layout(rounds.layout)
         self._blobs = translate.BlobCache()
+        self.relays = RelayedUploads(rounds.intake, rounds.config.relays, insecure=insecure)
+        """Regional relays: whom each may speak for, and their partial sums."""
 
     def _site(self, context: grpc.ServicerContext, claimed: str) -> str:
+        relay = self.relays.relay_of(context)
+        if relay is not None:
+            return self.relays.speak_for(relay, claimed)
         return resolve_site(context, claimed, insecure=self.insecure)
+
+    def _link(self, context: grpc.ServicerContext, site: str) -> str:
+        """Whom bytes sent to ``site`` travel through: the relay calling for it, or the site."""
+        relay = self.relays.relay_of(context)
+        return site if relay is None else relay_link(relay)
+
+    def _relayed_upload(
+        self,
+        manifest: pb.UploadManifest,
+        requests: Iterator[pb.UploadRequest | ChunkRef],
+        context: grpc.ServicerContext,
+    ) -> pb.UploadResponse:
+        relay = self.relays.relay_of(context)
+        if relay is None:
+            if not self.insecure:
+                raise IdentityError("only a relay's certificate (geoloco:relay:NAME) may upload relayed_sites")
+            relay = self.relays.insecure_relay(manifest.site)
+        relayed = [
+            RelayedSite(r.site, r.weight, r.inner_steps, dict(r.metrics), r.rejected) for r in manifest.relayed_sites
+        ]
+        try:
+            progress = self.relays.receive(
+                relay, translate.upload_spec(manifest, manifest.site), relayed, translate.upload_chunks(requests)
+            )
+        except grpc.RpcError:
+            logger.info("upload stream of relay %s for round %d broke", relay, manifest.round)
+            return pb.UploadResponse()
+        return translate.upload_response(progress)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
         site = self._site(context, request.site)
@@ -79,8 +114,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         site = self._site(context, request.site)
         snapshot = self.rounds.model_snapshot(site, request.session_id)
         manifest = translate.model_manifest(snapshot, request, layout=self._layout, chunk_size=self.chunk_size)
+        link = self._link(context, site)
         for response in model_responses(manifest, snapshot.weights, stride=request.chunk_stride):
-            self.rounds.count_bytes_down(site, message_nbytes(response))
+            self.rounds.count_bytes_down(link, message_nbytes(response))
             yield response
 
     def Upload(
@@ -93,6 +129,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             # watchdog ended it): nothing arrived, nobody is left to read a response.
             logger.info("upload stream from %s broke before its manifest", context.peer())
             return pb.UploadResponse()
+        if manifest.relayed_sites:
+            return self._relayed_upload(manifest, request_iterator, context)
         site = self._site(context, manifest.site)
         try:
             progress = self.rounds.receive_upload(
@@ -116,6 +154,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.AwaitBroadcastRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.AwaitBroadcastResponse | ChunkRef]:
         site = self._site(context, request.site)
+        link = self._link(context, site)
         first = True
         while True:
             result = self.rounds.wait_broadcast(
@@ -131,14 +170,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if not context.is_active():
                     return
                 response = pb.AwaitBroadcastResponse(progress=translate.round_progress(result.progress))
-                self.rounds.count_bytes_down(site, message_nbytes(response))
+                self.rounds.count_bytes_down(link, message_nbytes(response))
                 yield response
                 continue
             assert result.header is not None
             header = translate.broadcast_header(result.header, self._blobs)
             data = result.header.record.data if result.header.record is not None else None
             for message in broadcast_responses(header, data, stride=request.chunk_stride):
-                self.rounds.count_bytes_down(site, message_nbytes(message))
+                self.rounds.count_bytes_down(link, message_nbytes(message))
                 yield message
             return
 

@@ -284,7 +284,7 @@ class FetchModelResponse(_message.Message):
     def __init__(self, manifest: _Optional[_Union[ModelManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class UploadManifest(_message.Message):
-    __slots__ = ("site", "session_id", "round", "fragment", "sample_weight", "blob", "metrics", "inner_steps")
+    __slots__ = ("site", "session_id", "round", "fragment", "sample_weight", "blob", "metrics", "inner_steps", "relayed_sites")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,7 @@ class UploadManifest(_message.Message):
     BLOB_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_SITES_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     round: int
@@ -308,7 +309,29 @@ class UploadManifest(_message.Message):
     blob: BlobManifest
     metrics: _containers.ScalarMap[str, float]
     inner_steps: int
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., sample_weight: _Optional[float] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+    relayed_sites: _containers.RepeatedCompositeFieldContainer[RelayedSite]
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., sample_weight: _Optional[float] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., inner_steps: _Optional[int] = ..., relayed_sites: _Optional[_Iterable[_Union[RelayedSite, _Mapping]]] = ...) -> None: ...
+
+class RelayedSite(_message.Message):
+    __slots__ = ("site", "weight", "inner_steps", "metrics", "rejected")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    weight: float
+    inner_steps: int
+    metrics: _containers.ScalarMap[str, float]
+    rejected: str
+    def __init__(self, site: _Optional[str] = ..., weight: _Optional[float] = ..., inner_steps: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., rejected: _Optional[str] = ...) -> None: ...
 
 class UploadRequest(_message.Message):
     __slots__ = ("manifest", "chunk")

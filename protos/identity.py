@@ -19,6 +19,12 @@ SITE_URI_PREFIX = "geoloco:site:"
 COORDINATOR_URI = "geoloco:coordinator"
 """URI SAN of the coordinator's server certificate."""
 
+RELAY_URI_PREFIX = "geoloco:relay:"
+"""URI SAN prefix of a regional relay's certificate (``geoloco.relay``): the relay serves its
+region's sites and speaks for them to the coordinator, which checks every site it names against
+the relay's ``[relays]`` list. A relay certificate never carries a site URI, so it authenticates
+as no site."""
+
 SITE_NAME_MAX_LENGTH = 63
 _SITE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 SITE_NAME_RULE = (
@@ -54,5 +60,20 @@ def site_from_uri(uri: str) -> str | None:
     name = uri[len(SITE_URI_PREFIX) :]
     try:
         return validate_site_name(name)
+    except ValueError:
+        return None
+
+
+def relay_uri(name: str) -> str:
+    """The URI SAN that names relay ``name`` (relay names follow the site-name rule)."""
+    return RELAY_URI_PREFIX + validate_site_name(name)
+
+
+def relay_from_uri(uri: str) -> str | None:
+    """The relay name in a ``geoloco:relay:NAME`` URI, or None when the URI names no relay."""
+    if not uri.startswith(RELAY_URI_PREFIX):
+        return None
+    try:
+        return validate_site_name(uri[len(RELAY_URI_PREFIX) :])
     except ValueError:
         return None

@@ -99,6 +99,7 @@ from geoloco.protos.transport_options import (
 from geoloco.protos.transport_tls import (
     TLSFiles,
     check_mode,
+    peer_relay,
     peer_site,
     resolve_site,
     site_from_auth_context,
@@ -154,6 +155,7 @@ __all__ = [
     "default_interceptors",
     "error_reason",
     "malloc_tunables_active",
+    "peer_relay",
     "peer_site",
     "rebuild_handler",
     "recommended_env",

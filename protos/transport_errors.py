@@ -16,7 +16,7 @@ import grpc
 
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import IdentityError, StatusError
-from geoloco.protos.transport_tls import peer_site
+from geoloco.protos.transport_tls import peer_relay, peer_site
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,8 @@ class ErrorStatusInterceptor(grpc.ServerInterceptor):
 
 
 class RequireSiteCertificateInterceptor(grpc.ServerInterceptor):
-    """Refuses, before any servicer code runs, TLS peers whose certificate names no site.
+    """Refuses, before any servicer code runs, TLS peers whose certificate names no site (nor a
+    regional relay, whose every request is checked against its ``[relays]`` list later).
 
     The TLS handshake already rejects certificates from other CAs; this catches certificates
     from the right CA that are not site certificates (and keeps the check out of every handler).
@@ -236,12 +237,13 @@ class RequireSiteCertificateInterceptor(grpc.ServerInterceptor):
                 site = peer_site(context, allow_common_name=self.allow_common_name)
             except IdentityError as e:
                 _log_and_abort(context, e, method)
-            if site is None:
+            if site is None and peer_relay(context) is None:
                 _log_and_abort(
                     context,
                     IdentityError(
                         "the client certificate names no site (expected a URI SAN "
-                        "geoloco:site:NAME); issue it with `geoloco certs issue DIR NAME`",
+                        "geoloco:site:NAME, or geoloco:relay:NAME for a regional relay); issue it "
+                        "with `geoloco certs issue DIR NAME`",
                         code=grpc.StatusCode.UNAUTHENTICATED,
                     ),
                     method,

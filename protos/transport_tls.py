@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from geoloco.protos.errors import IdentityError
-from geoloco.protos.identity import site_from_uri, validate_site_name
+from geoloco.protos.identity import relay_from_uri, site_from_uri, validate_site_name
 
 # ---------------------------------------------------------------------------------------------
 # TLS material
@@ -107,6 +107,20 @@ def site_from_auth_context(
 def peer_site(context: grpc.ServicerContext, *, allow_common_name: bool = False) -> str | None:
     """The site named by the calling peer's certificate; None on a plain-text connection."""
     return site_from_auth_context(context.auth_context(), allow_common_name=allow_common_name)
+
+
+def peer_relay(context: grpc.ServicerContext) -> str | None:
+    """The relay named by the calling peer's certificate (URI SAN ``geoloco:relay:NAME``); None
+    on a plain-text connection or for any other certificate."""
+    names = {
+        relay
+        for key in ("peer_uri", "x509_subject_alternative_name")
+        for value in context.auth_context().get(key, ())
+        if (relay := relay_from_uri(value.decode("utf-8", "replace"))) is not None
+    }
+    if len(names) > 1:
+        raise IdentityError(f"peer certificate names several relays {sorted(names)}; issue one per relay")
+    return names.pop() if names else None
 
 
 def resolve_site(

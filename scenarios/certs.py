@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from geoloco.protos.identity import COORDINATOR_URI, site_uri, validate_site_name
+from geoloco.protos.identity import COORDINATOR_URI, relay_uri, site_uri, validate_site_name
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def _issue(
     authority: Authority,
     name: str,
     sans: Sequence[x509.GeneralName],
-    usage: x509.ObjectIdentifier,
+    usage: x509.ObjectIdentifier | Sequence[x509.ObjectIdentifier],
     valid_days: int,
     force: bool,
 ) -> IssuedPair:
@@ -232,7 +232,10 @@ def _issue(
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_leaf_key_usage(), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([usage] if isinstance(usage, x509.ObjectIdentifier) else list(usage)),
+            critical=False,
+        )
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(
@@ -310,6 +313,26 @@ def issue_coordinator(
     sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(COORDINATOR_URI)]
     sans += _host_names([*DEFAULT_COORDINATOR_HOSTS, *hosts])
     return _issue(authority, name, sans, ExtendedKeyUsageOID.SERVER_AUTH, valid_days, force)
+
+
+def issue_relay(
+    directory: str | os.PathLike[str],
+    name: str,
+    *,
+    hosts: Iterable[str] = (),
+    valid_days: int = DEFAULT_LEAF_DAYS,
+    force: bool = False,
+) -> IssuedPair:
+    """Issue a regional relay's ``NAME.crt`` / ``NAME.key`` (``geoloco relay``): one certificate
+    for both of its sides, a server certificate its sites dial (``localhost``, ``127.0.0.1`` and
+    ``hosts``) and a client certificate that names relay ``name`` (URI SAN
+    ``geoloco:relay:NAME``, never a site URI) to the coordinator."""
+    _check_name(name)
+    authority = load_ca(directory)
+    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(relay_uri(name))]
+    sans += _host_names([*DEFAULT_COORDINATOR_HOSTS, *hosts])
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    return _issue(authority, name, sans, usages, valid_days, force)
 
 
 def describe(cert_path: str | os.PathLike[str]) -> str:

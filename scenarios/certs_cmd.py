@@ -1,7 +1,7 @@
 """``geoloco certs``: make the CA and the certificates for mutual TLS.
 
     geoloco certs init DIR [--force]
-    geoloco certs issue DIR NAME [--coordinator [--host H ...]] [--force]
+    geoloco certs issue DIR NAME [--coordinator | --relay] [--host H ...] [--force]
 
 ``init`` creates ``DIR/ca.crt`` and ``DIR/ca.key``; ``issue`` signs ``DIR/NAME.crt`` and
 ``DIR/NAME.key`` with it: a site certificate (the name is the site's identity), or with
@@ -51,11 +51,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="issue the coordinator's server certificate instead of a site certificate",
     )
     issue.add_argument(
+        "--relay",
+        action="store_true",
+        help="issue a regional relay's certificate (server for its sites, client to the "
+        "coordinator, URI geoloco:relay:NAME); list NAME under [relays] in the coordinator's config",
+    )
+    issue.add_argument(
         "--host",
         action="append",
         default=[],
         metavar="HOST",
-        help="with --coordinator: another DNS name or IP address sites dial (repeatable; "
+        help="with --coordinator or --relay: another DNS name or IP address sites dial (repeatable; "
         "localhost and 127.0.0.1 are always included)",
     )
     issue.add_argument("--force", action="store_true", help="replace existing NAME files")
@@ -81,14 +87,20 @@ def _issue(args: argparse.Namespace) -> int:
 
     kwargs = {} if args.days is None else {"valid_days": args.days}
     try:
-        if args.coordinator:
+        if args.coordinator and args.relay:
+            return report_config_error(
+                "certs issue", ConfigFileError(COMMAND_LINE, "--relay", "choose --coordinator or --relay, not both")
+            )
+        if args.relay:
+            pair = certs.issue_relay(args.directory, args.name, hosts=args.host, force=args.force, **kwargs)
+        elif args.coordinator:
             pair = certs.issue_coordinator(
                 args.directory, args.name, hosts=args.host, force=args.force, **kwargs
             )
         else:
             if args.host:
                 return report_config_error(
-                    "certs issue", ConfigFileError(COMMAND_LINE, "--host", "only applies with --coordinator")
+                    "certs issue", ConfigFileError(COMMAND_LINE, "--host", "only applies with --coordinator or --relay")
                 )
             pair = certs.issue_site(args.directory, args.name, force=args.force, **kwargs)
     except (FileExistsError, FileNotFoundError, ValueError) as e:

@@ -362,6 +362,7 @@ def _config_field_names() -> set[str]:
     from geoloco.algorithms.simulator import RoundRecord, SimulatorConfig
     from geoloco.coordinator.config import CoordinatorConfig
     from geoloco.protos.round_phases import COORDINATOR_PHASES, SITE_PHASES
+    from geoloco.relay import RelayConfig
     from geoloco.scenarios.scenario import FAULT_KINDS, Scenario
     from geoloco.scenarios.workloads import WORKLOADS
     from geoloco.site_agent.config import SiteAgentConfig
@@ -380,7 +381,7 @@ def _config_field_names() -> set[str]:
                 if dataclasses.is_dataclass(tp) and isinstance(tp, type):
                     walk(tp)
 
-    roots = [Scenario, SimulatorConfig, CoordinatorConfig, SiteAgentConfig, RoundRecord]
+    roots = [Scenario, SimulatorConfig, CoordinatorConfig, SiteAgentConfig, RelayConfig, RoundRecord]
     for cls in [*roots, *(w.config_class for w in WORKLOADS.values())]:
         walk(cls)
     return names

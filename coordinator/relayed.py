@@ -1,0 +1,294 @@
+"""Regional relays at the coordinator: who a relay may speak for, and its partial sums.
+
+A relay (``geoloco relay``, package ``geoloco.relay``) serves a region's sites with the
+coordinator's own protocol and talks to the coordinator on their behalf with its own certificate
+(URI SAN ``geoloco:relay:NAME``). Two things change here, nothing else:
+
+* Identity. A call from a relay names the site it is made for (the request's ``site`` field);
+  the site must be in the relay's ``[relays]`` list, otherwise the call is refused with
+  PERMISSION_DENIED, so a relay cannot forge another region's sites. The site is then a member
+  like any other: membership, heartbeats, quorum and broadcasts need no relay-specific code.
+* Partial sums. A relay's Upload carries ``relayed_sites`` (site, weight, inner steps) and, as
+  its blob, the weighted mean of those sites' verified updates (codec ``none``, float32, or the
+  run's uplink codec with the relay's own error feedback). It
+  enters the round's running sum once, with the sum of the weights, and each listed site counts
+  as a contributor with its own weight: ``Σ_r W_r m_r / Σ_r W_r`` with ``W_r m_r = Σ_k w_k g_k``
+  is the flat mean (up to float32 rounding of the partial mean: see ``docs/architecture.md``).
+
+Relayed partials are verified like a site's update (checksum, codec, shape, finite values). The
+norm and weight bounds of ``[update_guard]`` apply to each site's own update at the relay, which
+reports the sites it refused (``RelayedSite.rejected``): they are recorded as rejected here, as
+if the coordinator had refused them, so the round does not wait for them. The partial's own norm
+is not a site's and is not checked against the bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from geoloco.coordinator import events as ev
+from geoloco.coordinator.domain import OPEN_PHASES, UploadProgress, UploadSpec
+from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
+from geoloco.coordinator.intake import (
+    MAX_METRIC_NAME_CHARS,
+    MAX_SITE_METRICS,
+    Chunks,
+    PlainIntake,
+    PlainUpload,
+)
+from geoloco.coordinator.upload_check import checked_update
+from geoloco.protos.errors import IdentityError, quoted
+from geoloco.protos.identity import validate_site_name
+from geoloco.protos.transport import peer_relay
+
+__all__ = ["RELAYED_CODEC", "RelayedSite", "RelayedUploads", "relay_link"]
+
+logger = logging.getLogger(__name__)
+
+RELAYED_CODEC = "none"
+"""The lossless upward codec: with it the relayed result is the flat one. The run's uplink codec
+is accepted too (the relay keeps its own error-feedback residual)."""
+
+WEIGHT_SUM_RTOL = 1e-9
+"""How far the manifest's ``sample_weight`` may be from the sum of the listed weights (the relay
+adds the same float64 numbers; only the order of a float64 sum can differ)."""
+
+
+def relay_link(relay: str) -> str:
+    """The name a relay's bytes are counted under in a round's ``bytes_up``/``bytes_down``."""
+    return f"relay:{relay}"
+
+
+@dataclass(frozen=True, slots=True)
+class RelayedSite:
+    """One site whose update a relay's partial sum contains."""
+
+    site: str
+    weight: float
+    inner_steps: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The site's own upload metrics, passed on by the relay."""
+    rejected: str = ""
+    """Non-empty: the relay refused the site's update (why); it is not in the sum."""
+
+
+class RelayedUploads:
+    """The coordinator's side of regional relays (module doc)."""
+
+    def __init__(self, intake: object, relays: Mapping[str, Sequence[str]], *, insecure: bool) -> None:
+        self.intake = intake if isinstance(intake, PlainIntake) else None
+        """The plain intake whose round the partials enter (None: a secure run, no relays)."""
+        self.relays = {name: frozenset(sites) for name, sites in relays.items()}
+        self.insecure = insecure
+        self._uploads: dict[str, PlainUpload] = {}
+        """relay -> its partial upload of the open round (resumable like a site's)."""
+        self._lock = threading.Lock()
+
+    # -- identity --
+
+    def relay_of(self, context: grpc.ServicerContext) -> str | None:
+        """The relay calling, or None for a site (or any call in plain-text mode)."""
+        return None if self.insecure else peer_relay(context)
+
+    def speak_for(self, relay: str, claimed: str) -> str:
+        """The site a relay's call is made for: ``claimed``, if the relay may speak for it."""
+        sites = self.relays.get(relay)
+        if sites is None:
+            raise IdentityError(
+                f"relay {relay!r} is not in this coordinator's [relays] table "
+                f"({', '.join(sorted(self.relays)) or 'none configured'}); add it with the sites "
+                "it serves"
+            )
+        if not claimed:
+            raise IdentityError(
+                f"relay {relay!r} must name the site a call is made for (the request's site field)",
+                code=grpc.StatusCode.INVALID_ARGUMENT,
+            )
+        if claimed not in sites:
+            raise IdentityError(
+                f"relay {relay!r} may not speak for site {quoted(claimed)}: its [relays] list is "
+                f"{', '.join(sorted(sites))}"
+            )
+        return claimed
+
+    def insecure_relay(self, claimed: str) -> str:
+        """Plain-text mode: the relay named by the manifest's ``site`` field (trusted, as every
+        name is without TLS)."""
+        try:
+            return validate_site_name(claimed)
+        except ValueError as err:
+            raise IdentityError(str(err), code=grpc.StatusCode.INVALID_ARGUMENT) from None
+
+    # -- partial sums --
+
+    def receive(self, relay: str, spec: UploadSpec, relayed: Sequence[RelayedSite], chunks: Chunks) -> UploadProgress:
+        """One Upload stream of a relay's partial sum: check, assemble, verify, add."""
+        intake = self.intake
+        if intake is None:
+            raise InvalidUpdateError(
+                "this run uses secure aggregation, which relays do not support; connect the sites "
+                "to the coordinator directly"
+            )
+        assembler = self._open(intake, relay, spec, relayed)
+        started = time.monotonic()
+        assembler.timings.upload_started(started)
+        assembler.consume(self._live_chunks(intake, relay, spec.round, chunks))
+        if not assembler.complete:
+            return UploadProgress(
+                complete=False, received=tuple(assembler.received()), missing=tuple(assembler.missing()),
+                received_bytes=assembler.received_bytes, manifest=spec.wire,
+            )
+        assembler.timings.upload_received(time.monotonic())
+        with self._lock:
+            self._add(intake, relay, assembler, relayed)
+        return UploadProgress(
+            complete=True, received=tuple(assembler.received()), received_bytes=assembler.received_bytes,
+            manifest=spec.wire,
+        )
+
+    @staticmethod
+    def _live_chunks(intake: PlainIntake, relay: str, round_number: int, chunks: Chunks) -> Iterator[Any]:
+        """The stream's chunks, counted on the relay's link; stops with WRONG_ROUND as soon as
+        the round closes."""
+        ctx = intake.ctx
+        for chunk, nbytes in chunks:
+            with ctx.cond:
+                ctx.count_up(relay_link(relay), nbytes)
+                if ctx.round.number != round_number or ctx.phase not in OPEN_PHASES:
+                    ctx.check_upload_round(round_number)
+            yield chunk
+
+    def _check(self, intake: PlainIntake, relay: str, spec: UploadSpec, relayed: Sequence[RelayedSite]) -> None:
+        """Everything about a partial that can be refused before a byte of it is read."""
+        if not relayed:
+            raise InvalidUpdateError(f"relay {relay!r}'s upload lists no relayed sites")
+        names = [r.site for r in relayed]
+        if len(set(names)) != len(names):
+            raise InvalidUpdateError(f"relay {relay!r}'s upload lists a site twice: {sorted(names)}")
+        weighting = intake.ctx.config.algorithm.weighting
+        for r in relayed:
+            self.speak_for(relay, r.site)
+            if r.rejected:
+                continue
+            if not (math.isfinite(r.weight) and r.weight > 0):
+                raise InvalidUpdateError(
+                    f"relay {relay!r} gives site {r.site!r} weight {r.weight}; weights are finite and > 0"
+                )
+            # The weight a site's own upload would get: a relay cannot weigh its sites up.
+            fixed = {"uniform": 1.0, "steps": float(r.inner_steps)}.get(weighting)
+            if fixed is not None and r.weight != fixed:
+                raise InvalidUpdateError(
+                    f"relay {relay!r} gives site {r.site!r} weight {r.weight}; under weighting "
+                    f"{weighting!r} its weight is {fixed:g}"
+                )
+            if len(r.metrics) > MAX_SITE_METRICS or any(len(k) > MAX_METRIC_NAME_CHARS for k in r.metrics):
+                raise InvalidUpdateError(
+                    f"relay {relay!r} passes on {len(r.metrics)} metrics for site {r.site!r}; at most "
+                    f"{MAX_SITE_METRICS}, names of at most {MAX_METRIC_NAME_CHARS} characters"
+                )
+            why = intake.guard.check_weight(f"site {r.site!r}'s weight", r.weight)
+            if why is not None:
+                raise InvalidUpdateError(f"relay {relay!r}'s partial refused: {why}")
+        total = math.fsum(r.weight for r in relayed if not r.rejected)
+        if not math.isclose(spec.sample_weight, total, rel_tol=WEIGHT_SUM_RTOL):
+            raise InvalidUpdateError(
+                f"relay {relay!r}'s sample_weight {spec.sample_weight} is not the sum of its sites' "
+                f"weights ({total})"
+            )
+        ctx = intake.ctx
+        if spec.codec not in (RELAYED_CODEC, intake.uplink_codec):
+            raise InvalidUpdateError(
+                f"relay {relay!r}'s partial sum uses codec {quoted(spec.codec)}; a relay sends "
+                f"{RELAYED_CODEC!r} (lossless) or the run's uplink codec {intake.uplink_codec!r} upward"
+            )
+        numel = ctx.update_numel(spec.round)
+        if spec.dtype != "float32" or list(spec.shape) != [numel]:
+            raise InvalidUpdateError(
+                f"relay {relay!r}'s partial sum is {quoted(spec.dtype)} {list(spec.shape)}; the round "
+                f"needs float32 [{numel}]"
+            )
+        if spec.fragment != ctx.fragment_of(spec.round):
+            raise InvalidUpdateError(
+                f"relay {relay!r}'s upload for round {spec.round} names fragment {spec.fragment}; that "
+                f"round synchronises fragment {ctx.fragment_of(spec.round)}"
+            )
+
+    def _open(self, intake: PlainIntake, relay: str, spec: UploadSpec, relayed: Sequence[RelayedSite]) -> PlainUpload:
+        self._check(intake, relay, spec, relayed)
+        ctx = intake.ctx
+        with ctx.cond:
+            for r in relayed:
+                intake.membership.member(r.site, spec.session_id)
+            ctx.check_upload_round(spec.round)
+            cr = ctx.round
+            existing = self._uploads.get(relay)
+            if existing is not None and existing.spec.round == spec.round:
+                existing.check_same_manifest(spec.wire)  # MANIFEST_CONFLICT if it differs
+                return existing
+            for r in relayed:
+                if r.site in cr.rejected or r.site in cr.contributed or r.site in cr.uploads:
+                    raise UpdateRejectedError(
+                        f"site {r.site!r} already has an update for round {cr.number} (its own, or "
+                        "another partial's); drop it from the partial sum"
+                    )
+            assembler = PlainUpload(spec, max_total_bytes=intake.max_upload_bytes, timings=cr.timings)
+            self._uploads[relay] = assembler
+            ctx.count_up(relay_link(relay), spec.nbytes)
+            return assembler
+
+    def _add(self, intake: PlainIntake, relay: str, assembler: PlainUpload, relayed: Sequence[RelayedSite]) -> None:
+        ctx = intake.ctx
+        spec = assembler.spec
+        what = f"relay {relay!r}'s partial sum for round {spec.round}"
+        with ctx.cond:
+            ctx.check_upload_round(spec.round)
+            if all(r.site in ctx.round.contributed or r.site in ctx.round.rejected for r in relayed):
+                return  # a repeated stream of a partial that already counts
+        verify_start = time.monotonic()
+        data = assembler.finish()
+        mean, _norm, finite = checked_update(
+            what, data, spec.checksum[0], codec=spec.codec, numel=ctx.update_numel(spec.round),
+            device=intake.device, dense=True,
+        )
+        del data
+        if not finite:
+            raise InvalidUpdateError(f"{what} contains NaN or Inf values; it is dropped")
+        add_start = time.monotonic()
+        assembler.timings.spent("verify", verify_start, add_start)
+        with ctx.cond:
+            ctx.check_upload_round(spec.round)
+            cr = ctx.round
+            if self._uploads.get(relay) is not assembler:
+                raise UpdateRejectedError(f"{what} was replaced by a newer one")
+            now = ctx.clock()
+            counted = [r for r in relayed if not r.rejected]
+            try:
+                if counted:
+                    cr.core.aggregation.add(mean, spec.sample_weight, site=relay_link(relay))
+            except ValueError as err:
+                raise InvalidUpdateError(f"{what} could not be added: {err}") from None
+            for r in relayed:
+                if r.rejected:
+                    # Refused at the relay, as the coordinator would have: not waited for.
+                    cr.core.reject(r.site)
+                    cr.rejected_why[r.site] = f"{r.rejected} (at relay {relay})"
+                    ctx.events.emit(ev.UPDATE_REJECTED, site=r.site, round=spec.round, why=cr.rejected_why[r.site])
+            for r in counted:
+                cr.core.count(r.site, r.weight, now=now)
+                cr.inner_steps[r.site] = r.inner_steps
+                cr.site_metrics[r.site] = {**r.metrics, f"relay:{relay}": 1.0}
+                ctx.events.emit(ev.UPDATE_AGGREGATED, site=r.site, round=spec.round, weight=r.weight)
+            assembler.timings.spent("add", add_start, time.monotonic())
+            logger.info(
+                "round %d: relay %s's partial sum of %s aggregated (weight %.6g)",
+                spec.round, relay, ", ".join(r.site for r in relayed), spec.sample_weight,
+            )
+            ctx.cond.notify_all()

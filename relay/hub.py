@@ -1,0 +1,565 @@
+"""The relay's state: which sites joined through it, the open round's partial sum, the cached
+broadcasts, and when the partial goes upward.
+
+Every method is thread-safe (one condition guards the state); the calls to the coordinator run
+outside it. Rounds are the coordinator's: the relay learns the open round from the answers it
+passes on (Join, Heartbeat, the broadcast's next round) and from its sites' uploads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from geoloco.algorithms.config import ConfigError, config_from_dict
+from geoloco.algorithms.weighting import site_weight
+from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
+from geoloco.coordinator.update_guard import UpdateGuard, UpdateGuardConfig
+from geoloco.coordinator.upload_check import checked_update
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.errors import NotAMemberError, StaleSessionError, StatusError, WrongRoundError, quoted
+from geoloco.protos.wire import (
+    MAX_CHUNK_SIZE,
+    Download,
+    ManifestTooLargeError,
+    UploadAssembler,
+    blob_manifest,
+    read_broadcast_stream,
+)
+from geoloco.relay.config import RelayConfig
+from geoloco.relay.partial import RelayRound, encode_partial
+from geoloco.relay.upstream import Traffic, Upstream
+
+__all__ = ["CachedBroadcast", "RelayHub", "RunInfo"]
+
+logger = logging.getLogger(__name__)
+
+_WEIGHTING = {pb.WEIGHTING_SAMPLES: "samples", pb.WEIGHTING_UNIFORM: "uniform", pb.WEIGHTING_STEPS: "steps"}
+ACCEPT_WAIT_S = 20.0
+"""Longest an Upload is held waiting for the coordinator to take its partial sum (below the
+sites' 30 s minimum transfer deadline); the site then asks again."""
+KEEP_BROADCASTS = 3
+"""Rounds whose broadcast stays cached for sites that ask late."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """What the relay needs of the coordinator's ``RunConfig``."""
+
+    weighting: str
+    uplink_codec: str
+    numel: int
+    quorum: int
+    heartbeat_timeout_s: float
+    guard: UpdateGuardConfig
+
+    @classmethod
+    def of(cls, response: pb.JoinResponse) -> RunInfo:
+        c = response.config
+        return cls(
+            guard=_guard_config(c.config_json),
+            weighting=_WEIGHTING.get(c.weighting, "uniform"),
+            uplink_codec=c.uplink_codec,
+            numel=int(response.layout.numel),
+            quorum=int(c.quorum),
+            heartbeat_timeout_s=c.heartbeat_timeout_ms / 1000 if c.heartbeat_timeout_ms else 15.0,
+        )
+
+
+def _guard_config(config_json: str) -> UpdateGuardConfig:
+    """The coordinator's ``[update_guard]`` from ``RunConfig.config_json`` (defaults when it has
+    none, e.g. an older coordinator)."""
+    try:
+        table = json.loads(config_json or "{}").get("update_guard") or {}
+        return config_from_dict(UpdateGuardConfig, table)
+    except (ValueError, AttributeError, ConfigError):
+        logger.warning("the coordinator's update_guard settings cannot be read; the relay uses the defaults")
+        return UpdateGuardConfig()
+
+
+@dataclass(slots=True)
+class CachedBroadcast:
+    """A round's broadcast as the coordinator sent it (served to every site of the relay), or
+    the error the coordinator answered."""
+
+    header: pb.BroadcastHeader | None = None
+    data: bytes | None = None
+    error: StatusError | None = None
+    included: frozenset[str] = field(default_factory=frozenset)
+    """Sites whose update the coordinator counted through this relay's partial."""
+
+
+class RelayHub:
+    """Membership, the open round's partial sum and the broadcast cache (module doc)."""
+
+    def __init__(
+        self,
+        config: RelayConfig,
+        upstream: Upstream,
+        traffic: Traffic,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_update: Callable[[int, str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.traffic = traffic
+        self.clock = clock
+        self.cond = threading.Condition(threading.RLock())
+        self.session_id = ""
+        self.run: RunInfo | None = None
+        self.members: dict[str, float] = {}
+        """site -> when the relay last heard of it."""
+        self.round = RelayRound(number=0, opened_s=clock())
+        self.broadcasts: dict[int, CachedBroadcast] = {}
+        self.included: dict[int, frozenset[str]] = {}
+        """round -> sites the coordinator counted through this relay's partial."""
+        self.partials: dict[int, dict[str, float]] = {}
+        """round -> site -> weight of the partial that went upward (for the metrics record)."""
+        self._fetching: set[int] = set()
+        self._verify_lock = threading.Lock()
+        self.records: list[dict[str, Any]] = []
+        """One record per round whose partial went upward (drained by the server's writer)."""
+        self.guard = UpdateGuard(UpdateGuardConfig())
+        """The run's ``[update_guard]`` (from the coordinator's config), on this region's updates:
+        the relay refuses what the coordinator would refuse of a site's own upload."""
+        self.residuals: dict[int, torch.Tensor] = {}
+        """fragment -> the relay's error-feedback residual of its upward codec (sum space)."""
+        self._sent_residual: tuple[int, torch.Tensor | None] | None = None
+        """(fragment, residual before) of the partial on its way up: put back if it is refused."""
+        self.closing = False
+        self.run_finished = False
+        """The coordinator said the run is over (a broadcast with ``run_finished``)."""
+        self.on_update = on_update
+        """Called with (round, site) when a site's verified update entered the partial sum."""
+
+    # -- membership --
+
+    def check_allowed(self, site: str) -> None:
+        if self.config.sites and site not in self.config.sites:
+            raise NotAMemberError(
+                f"site {site!r} is not served by relay {self.config.name!r} (its sites: "
+                f"{', '.join(self.config.sites)}); connect it to its own region's relay or the coordinator",
+                code=grpc.StatusCode.PERMISSION_DENIED,
+                reason=pb.ERROR_REASON_IDENTITY_MISMATCH,
+            )
+
+    def check_session(self, session_id: str) -> None:
+        if session_id != self.session_id:
+            raise StaleSessionError(
+                f"session {session_id!r} is not the coordinator's current session; call Join again"
+            )
+
+    def joined(self, site: str, response: pb.JoinResponse) -> None:
+        with self.cond:
+            self.session_id = response.session_id
+            run = RunInfo.of(response)
+            if run.guard != (None if self.run is None else self.run.guard):
+                self.guard = UpdateGuard(run.guard)
+            self.run = run
+            self.members[site] = self.clock()
+            self._learn_round(response.round.round)
+            self.cond.notify_all()
+
+    def heard(self, site: str, response: pb.HeartbeatResponse | None = None) -> None:
+        with self.cond:
+            if site in self.members:
+                self.members[site] = self.clock()
+            if response is not None and not response.rejoin_required:
+                self._learn_round(response.round.round)
+            self.cond.notify_all()
+
+    def left(self, site: str) -> None:
+        with self.cond:
+            self.members.pop(site, None)
+            self.cond.notify_all()
+
+    def live_sites(self, now: float) -> set[str]:
+        timeout = self.run.heartbeat_timeout_s if self.run is not None else 15.0
+        with self.cond:
+            return {s for s, seen in self.members.items() if now - seen <= timeout}
+
+    def _learn_round(self, number: int) -> None:
+        """The coordinator is at round ``number``: a partial of an older round that never went
+        upward is too late (its sites catch up from the broadcast)."""
+        r = self.round
+        if number <= r.number:
+            return
+        if not r.empty and not r.forwarded:
+            logger.warning(
+                "relay %s: the coordinator moved on to round %d before round %d's partial of %s went up",
+                self.config.name, number, r.number, ", ".join(r.updates) or "no complete upload",
+            )
+        self.round = RelayRound(number=number, opened_s=self.clock())
+
+    # -- uploads from the sites --
+
+    def open_upload(self, site: str, manifest: pb.UploadManifest) -> UploadAssembler:
+        """Check an Upload stream's manifest; the new or resumed assembler of the site's upload."""
+        with self.cond:
+            self.check_session(manifest.session_id)
+            if site not in self.members:
+                raise NotAMemberError(f"site {site!r} has not joined through relay {self.config.name!r}; call Join")
+            self.members[site] = self.clock()
+            self._learn_round(manifest.round)
+            r = self.round
+            if manifest.round < r.number or r.forwarded:
+                raise WrongRoundError(
+                    f"round {manifest.round} is closed at relay {self.config.name!r} (its partial sum "
+                    "went to the coordinator); keep the update in the error-feedback residual and "
+                    "apply the round's broadcast (AwaitBroadcast)"
+                )
+            if site in r.rejected:
+                raise UpdateRejectedError(
+                    f"site {site!r}'s update for round {r.number} was rejected ({r.rejected[site]}); "
+                    "wait for the broadcast (AwaitBroadcast)"
+                )
+            self._validate(site, manifest, r)
+            existing = r.assemblers.get(site)
+            if existing is not None and (site in r.updates or existing.upload == _named(manifest, site)):
+                existing.check_same_manifest(_named(manifest, site))
+                return existing
+            numel = manifest.blob.shape[0]
+            assembler = UploadAssembler(
+                _named(manifest, site), max_total_bytes=2 * 4 * numel + (1 << 20), max_chunk_size=MAX_CHUNK_SIZE
+            )
+            r.assemblers[site] = assembler
+            if r.first_upload_s is None:
+                r.first_upload_s = self.clock()
+            return assembler
+
+    def _validate(self, site: str, manifest: pb.UploadManifest, r: RelayRound) -> None:
+        run = self.run
+        assert run is not None  # a member joined, so the run is known
+        blob = manifest.blob
+        if manifest.site and manifest.site != site:
+            raise InvalidUpdateError(f"upload manifest names site {quoted(manifest.site)} but the caller is {site!r}")
+        if blob.codec != run.uplink_codec:
+            raise InvalidUpdateError(
+                f"upload codec {quoted(blob.codec)} is not the run's uplink codec {run.uplink_codec!r}"
+            )
+        if blob.dtype != "float32" or len(blob.shape) != 1 or not 0 < blob.shape[0] <= run.numel:
+            raise InvalidUpdateError(
+                f"upload is {quoted(blob.dtype)} {list(blob.shape)}; pseudo-gradients are float32 "
+                f"[n] with n <= {run.numel} (the model's size)"
+            )
+        shape = (int(blob.shape[0]),)
+        if r.shape is not None and (shape != r.shape or manifest.fragment != r.fragment):
+            raise InvalidUpdateError(
+                f"upload for round {r.number} is fragment {manifest.fragment} of shape {list(shape)}; the "
+                f"round's other uploads are fragment {r.fragment} of shape {list(r.shape)}"
+            )
+        if blob.total_bytes > 2 * 4 * shape[0] + (1 << 20):
+            raise ManifestTooLargeError(f"upload announces {blob.total_bytes} bytes, more than any codec produces")
+        try:
+            site_weight(run.weighting, samples=float(manifest.sample_weight), inner_steps=int(manifest.inner_steps))
+        except ValueError as err:
+            raise InvalidUpdateError(f"upload refused: {err}") from None
+        r.shape, r.fragment = shape, manifest.fragment
+
+    def still_open(self, site: str, assembler: UploadAssembler) -> None:
+        """Between chunks: stop a stream whose round went upward without it."""
+        with self.cond:
+            r = self.round
+            if r.assemblers.get(site) is not assembler or r.forwarded:
+                raise WrongRoundError(
+                    f"round {assembler.upload.round} is closed at relay {self.config.name!r}; apply "
+                    "the round's broadcast (AwaitBroadcast)"
+                )
+
+    def finish_upload(self, site: str, assembler: UploadAssembler) -> pb.UploadResponse:
+        """A complete stream: verify and add the update, then hold the answer until the
+        coordinator took the partial sum that contains it (module doc of ``geoloco.relay``)."""
+        self._verify_and_add(site, assembler)
+        return self._await_acceptance(site, assembler)
+
+    def _await_acceptance(self, site: str, assembler: UploadAssembler) -> pb.UploadResponse:
+        """"Complete" only once the coordinator accepted the partial: if the relay dies before,
+        the site's stream breaks and it uploads again to whatever address it fails over to, so
+        nothing is lost. After ``ACCEPT_WAIT_S`` the answer is "all chunks in, not complete yet"
+        and the site asks again (UploadStatus, then a stream of no chunks)."""
+        number = assembler.upload.round
+        with self.cond:
+            self.cond.wait_for(
+                lambda: self.closing or number in self.included or self.round.number != number,
+                timeout=ACCEPT_WAIT_S,
+            )
+            if self.closing:
+                raise StatusError("the relay is shutting down; upload again", code=grpc.StatusCode.UNAVAILABLE)
+            if number in self.included:
+                if site not in self.included[number]:
+                    raise WrongRoundError(self._not_counted(number))
+                return assembler.upload_response()
+            if self.round.number != number:
+                raise WrongRoundError(self._not_counted(number))
+            return pb.UploadResponse(complete=False, received_bytes=assembler.received_bytes)
+
+    def _not_counted(self, number: int) -> str:
+        return (
+            f"round {number}'s partial sum from relay {self.config.name!r} did not reach the "
+            "coordinator in time; keep the update in the error-feedback residual and apply the "
+            "round's broadcast (AwaitBroadcast)"
+        )
+
+    def _verify_and_add(self, site: str, assembler: UploadAssembler) -> None:
+        """Verify the update (checksum, codec, shape, finite values) and add it to the partial
+        sum; one at a time, so at most one decoded update exists besides the sum."""
+        manifest = assembler.upload
+        with self._verify_lock:
+            with self.cond:
+                r = self.round
+                if site in r.updates and r.assemblers.get(site) is assembler:
+                    return
+                self.still_open(site, assembler)
+                run = self.run
+                assert run is not None
+            data = assembler.finish()  # a checksum mismatch resets the assembler (DATA_LOSS)
+            what = f"site {site!r}'s update for round {manifest.round}"
+            update, norm, finite = checked_update(
+                what, data, manifest.blob.checksum.algorithm, codec=run.uplink_codec,
+                numel=int(manifest.blob.shape[0]), device=torch.device("cpu"), dense=False,
+            )
+            weight = site_weight(
+                run.weighting, samples=float(manifest.sample_weight), inner_steps=int(manifest.inner_steps)
+            )
+            why = "NaN or Inf values" if not finite else self.guard.check_norm(norm) or self.guard.check_weight(
+                "the update's weight", weight
+            )
+            with self.cond:
+                if why is not None:
+                    # Told upward with the round's partial, so the coordinator does not wait for it.
+                    r.rejected[site] = why
+                    r.assemblers.pop(site, None)
+                    self.cond.notify_all()
+                    raise InvalidUpdateError(f"{what} is refused: {why}; it is dropped for this round")
+                self.still_open(site, assembler)
+                self.guard.accepted(r.number, site, norm)
+                r.add(
+                    site, update, weight, inner_steps=int(manifest.inner_steps),
+                    upload_bytes=int(manifest.blob.total_bytes), metrics=dict(manifest.metrics),
+                )
+                logger.debug("relay %s: round %d update of %s in", self.config.name, r.number, site)
+                self.cond.notify_all()
+            if self.on_update is not None:
+                self.on_update(int(manifest.round), site)
+
+    def upload_status(self, site: str, request: pb.UploadStatusRequest) -> pb.UploadStatusResponse:
+        with self.cond:
+            self.check_session(request.session_id)
+            r = self.round
+            counted = self.included.get(request.round)
+            if counted is not None:
+                if site not in counted:
+                    raise WrongRoundError(self._not_counted(request.round))
+                return pb.UploadStatusResponse(known=True, complete=True)
+            if request.round < r.number:
+                raise WrongRoundError(self._not_counted(request.round))
+            assembler = r.assemblers.get(site) if request.round == r.number else None
+            if assembler is None:
+                return pb.UploadStatusResponse(known=False)
+            response = assembler.status_response()
+            response.complete = False  # until the coordinator took the partial sum
+            return response
+
+    # -- the partial sum, upward --
+
+    def take_due(self) -> tuple[RelayRound, pb.UploadManifest, bytes] | None:
+        """The open round's partial, if it is due (``RelayRound.due``): marked forwarded, with
+        its manifest and bytes."""
+        now = self.clock()
+        live = self.live_sites(now)
+        with self.cond:
+            r = self.round
+            if not r.due(now, live, self.config.max_wait_s):
+                return None
+            r.forwarded = True
+            mean = r.mean()
+            sites = list(r.updates)
+            rejected = dict(r.rejected)
+            session = self.session_id
+            run = self.run
+            assert run is not None
+        codec = run.uplink_codec if self.config.upward_codec == "uplink" else "none"
+        fragment = r.fragment or 0
+        before = self.residuals.get(fragment)
+        if sites:
+            encoded, residual = encode_partial(mean, r.weight, codec, before, seed=r.number)
+        else:  # every update was refused: the partial only reports that
+            encoded, residual = encode_partial(mean, 1.0, "none", None)
+        self._sent_residual = (fragment, before)
+        if residual is not None:
+            self.residuals[fragment] = residual
+        data = encoded.to_bytes()
+        del mean
+        manifest = pb.UploadManifest(
+            site="",
+            session_id=session,
+            round=r.number,
+            fragment=r.fragment or 0,
+            sample_weight=r.weight,
+            inner_steps=sum(r.updates[s].inner_steps for s in sites),
+            blob=blob_manifest(
+                data, codec=encoded.spec, shape=list(r.shape or ()), dtype="float32", chunk_size=self.config.chunk_size
+            ),
+            relayed_sites=[
+                pb.RelayedSite(
+                    site=s, weight=r.updates[s].weight, inner_steps=r.updates[s].inner_steps,
+                    metrics=r.updates[s].metrics,
+                )
+                for s in sites
+            ]
+            + [pb.RelayedSite(site=s, weight=0.0, rejected=why) for s, why in rejected.items()],
+        )
+        return r, manifest, data
+
+    def forwarded(self, r: RelayRound, outcome: str, sites: Iterable[str]) -> None:
+        """The coordinator's answer to round ``r``'s partial; then fetch its broadcast once."""
+        with self.cond:
+            if outcome != "accepted" and self._sent_residual is not None:
+                # The partial never counted: its sites keep their updates (WRONG_ROUND), so the
+                # relay's residual goes back to what it was before this partial.
+                fragment, before = self._sent_residual
+                if before is None:
+                    self.residuals.pop(fragment, None)
+                else:
+                    self.residuals[fragment] = before
+            self._sent_residual = None
+            self.guard.round_done(r.number, list(sites) if outcome == "accepted" else None)
+            r.outcome = outcome
+            self.included[r.number] = frozenset(sites) if outcome == "accepted" else frozenset()
+            self.partials[r.number] = {s: r.updates[s].weight for s in r.updates}
+            for old in [n for n in self.partials if n < r.number - KEEP_BROADCASTS]:
+                del self.partials[old], self.included[old]
+            claim = next(iter(r.updates), None)
+            self.cond.notify_all()
+        if claim is not None:
+            self.fetch_broadcast(r.number, claim)
+
+    # -- the broadcast, downward --
+
+    def fetch_broadcast(self, round_number: int, claim: str) -> None:
+        """Start the one upstream AwaitBroadcast of ``round_number`` (made for site ``claim``)
+        unless it is cached or on its way."""
+        with self.cond:
+            cached = self.broadcasts.get(round_number)
+            if (cached is not None and cached.error is None) or round_number in self._fetching or self.closing:
+                return
+            self.broadcasts.pop(round_number, None)
+            self._fetching.add(round_number)
+            session = self.session_id
+        thread = threading.Thread(
+            target=self._fetch, args=(round_number, claim, session), name=f"geoloco-relay-broadcast-{round_number}",
+            daemon=True,
+        )
+        thread.start()
+
+    def _fetch(self, round_number: int, claim: str, session: str) -> None:
+        request = pb.AwaitBroadcastRequest(site=claim, session_id=session, round=round_number)
+        cached = CachedBroadcast()
+        try:
+            download = Download()
+            header = read_broadcast_stream(self.upstream.stream("AwaitBroadcast", request), download)
+            cached.header = header
+            if header.action == pb.BROADCAST_ACTION_APPLY_DELTA:
+                cached.data = bytes(download.result())
+        except StatusError as err:
+            cached.error = err
+        except Exception as err:  # a malformed stream: the sites retry, and so does the relay
+            logger.exception("relay %s: the broadcast of round %d could not be read", self.config.name, round_number)
+            cached.error = StatusError(f"relay: broadcast unreadable ({err})", code=grpc.StatusCode.UNAVAILABLE)
+        with self.cond:
+            self._fetching.discard(round_number)
+            cached.included = self.included.get(round_number, frozenset())
+            self.broadcasts[round_number] = cached
+            for old in [n for n in self.broadcasts if n < round_number - KEEP_BROADCASTS]:
+                del self.broadcasts[old]
+            if cached.header is not None:
+                self.run_finished = self.run_finished or cached.header.run_finished
+                self._learn_round(cached.header.next_round.round)
+                self._record(round_number)
+            self.cond.notify_all()
+
+    def wait_broadcast(
+        self, site: str, request: pb.AwaitBroadcastRequest, *, timeout_s: float
+    ) -> tuple[pb.BroadcastHeader, bytes | None] | pb.RoundProgress:
+        """Round ``request.round``'s broadcast for ``site`` (its own ``included``), or a progress
+        message after ``timeout_s``."""
+        round_number = request.round
+        with self.cond:
+            self.check_session(request.session_id)
+            if site in self.members:
+                self.members[site] = self.clock()
+            r = self.round
+            upward_pending = round_number == r.number and not r.forwarded and not r.empty
+        if not upward_pending:
+            self.fetch_broadcast(round_number, site)
+        with self.cond:
+            self.cond.wait_for(
+                lambda: self.closing or self._cached_ok_or_failed(round_number), timeout=timeout_s
+            )
+            if self.closing:
+                raise StatusError("the relay is shutting down; retry", code=grpc.StatusCode.UNAVAILABLE)
+            cached = self.broadcasts.get(round_number)
+            if cached is None:
+                r = self.round
+                return pb.RoundProgress(
+                    round=round_number,
+                    uploads_complete=len(r.updates) if r.number == round_number else 0,
+                    quorum=self.run.quorum if self.run is not None else 0,
+                )
+            if cached.error is not None:
+                self.broadcasts.pop(round_number, None)  # the next call asks the coordinator again
+                raise cached.error
+            assert cached.header is not None
+            header = pb.BroadcastHeader()
+            header.CopyFrom(cached.header)
+            header.included = site in cached.included
+            header.start_chunk = request.start_chunk
+            return header, cached.data
+
+    def _cached_ok_or_failed(self, round_number: int) -> bool:
+        return round_number in self.broadcasts
+
+    # -- records --
+
+    def _record(self, round_number: int) -> None:
+        """One metrics record: the round's partial (which sites, their weights) and the bytes
+        on every link since the previous record. Lock held."""
+        self.records.append(
+            {
+                "relay": self.config.name,
+                "round": round_number,
+                "partial": self.partials.get(round_number, {}),
+                "counted_by_coordinator": round_number in self.included and bool(self.included[round_number]),
+                "bytes": self.traffic.take(),
+                "time": time.time(),
+            }
+        )
+
+    @property
+    def done(self) -> bool:
+        """The run finished and every site that joined through the relay left."""
+        with self.cond:
+            return self.run_finished and not self.members
+
+    def close(self) -> None:
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+
+
+def _named(manifest: pb.UploadManifest, site: str) -> pb.UploadManifest:
+    """The manifest as the relay stores it: naming the caller (as the coordinator does)."""
+    named = pb.UploadManifest()
+    named.CopyFrom(manifest)
+    named.site = site
+    return named
+

@@ -1,0 +1,120 @@
+"""One round at a relay: its sites' verified uploads, combined into one weighted partial sum.
+
+The partial is the coordinator's own ``RunningSum`` (``geoloco.algorithms.aggregation``): each
+site's encoded update is decoded into it with the site's weight ``w_k`` exactly as the
+coordinator would add it, and what goes upward is its mean ``Σ w_k g_k / W`` with ``W = Σ w_k``,
+which the coordinator adds back with weight ``W``. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from geoloco.algorithms.aggregation import RunningSum
+from geoloco.compression import Encoded, decode, parse_codec
+from geoloco.protos.wire import UploadAssembler
+
+__all__ = ["RelayRound", "SiteUpdate", "encode_partial"]
+
+
+def encode_partial(
+    mean: torch.Tensor, weight: float, codec: str, residual: torch.Tensor | None, *, seed: int = 0
+) -> tuple[Encoded, torch.Tensor | None]:
+    """The partial ``mean`` (sent with weight ``W = weight``) encoded with ``codec``, and the
+    relay's new error-feedback residual.
+
+    The residual lives in sum space (``W · mean`` units) because ``W`` changes from round to
+    round: ``u = mean + E / W``, ``c = C(u)``, ``E' = W · (u − D(c))``, so what the coordinator
+    adds (``W · D(c)``) plus ``E'`` is ``W · mean + E``: nothing the codec dropped is lost, it goes
+    up in a later round. Lossless ``none``: ``u = mean`` and no residual.
+    """
+    spec = parse_codec(codec)
+    if spec.spec == "none":
+        return spec.encode(mean), None
+    u = mean if residual is None else mean + residual / weight
+    encoded = spec.encode(u, seed=seed)
+    return encoded, (u - decode(encoded, device=u.device).reshape(u.shape)) * weight
+
+
+@dataclass(frozen=True, slots=True)
+class SiteUpdate:
+    """What the partial keeps of one site's upload besides its decoded values."""
+
+    weight: float
+    inner_steps: int
+    upload_bytes: int
+    metrics: dict[str, float]
+    """The site's own upload metrics (loss, phase times), passed on to the coordinator."""
+
+
+@dataclass(slots=True)
+class RelayRound:
+    """The relay's state of one training round (numbered as the coordinator numbers it)."""
+
+    number: int
+    opened_s: float
+    fragment: int | None = None
+    shape: tuple[int, ...] | None = None
+    """Fragment and shape of the round's uploads, fixed by its first upload."""
+    assemblers: dict[str, UploadAssembler] = field(default_factory=dict)
+    """site -> its upload's chunks (resumable across streams, as at the coordinator)."""
+    updates: dict[str, SiteUpdate] = field(default_factory=dict)
+    """site -> its verified update's weight, in arrival order."""
+    rejected: dict[str, str] = field(default_factory=dict)
+    """site -> why its upload was refused this round."""
+    first_upload_s: float | None = None
+    forwarded: bool = False
+    """The partial went upward (or is going): later uploads are too late for this round."""
+    outcome: str = ""
+    """After forwarding: "accepted", or why the coordinator refused the partial."""
+    _sum: RunningSum | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.assemblers and not self.updates
+
+    @property
+    def weight(self) -> float:
+        """``W = Σ w_k`` of the updates added so far."""
+        return 0.0 if self._sum is None else self._sum.total_weight
+
+    def add(
+        self,
+        site: str,
+        update: Encoded | torch.Tensor,
+        weight: float,
+        *,
+        inner_steps: int,
+        upload_bytes: int,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
+        """A site's verified update; decoded into the running sum with weight ``weight``."""
+        if self.shape is None:
+            raise ValueError("the round's shape is set by its first upload")
+        if self._sum is None:
+            self._sum = RunningSum(numel=self.shape[0])
+        self._sum.add(update, weight, site=site)
+        self.updates[site] = SiteUpdate(
+            weight=weight, inner_steps=inner_steps, upload_bytes=upload_bytes, metrics=dict(metrics or {})
+        )
+
+    def mean(self) -> torch.Tensor:
+        """``Σ w_k g_k / W``, the partial the relay sends upward with weight ``W`` (zeros with
+        ``W = 0`` when every update was refused: the partial then only reports the refusals)."""
+        if self._sum is None:
+            if self.shape is None:
+                raise ValueError(f"round {self.number}: no upload to forward")
+            return torch.zeros(self.shape, dtype=torch.float32)
+        return self._sum.result()
+
+    def due(self, now: float, live_sites: set[str], max_wait_s: float) -> bool:
+        """Whether the partial should go upward now: every live site of the relay is in (or was
+        refused), or ``max_wait_s`` passed since the round's first upload. A round whose every
+        update was refused still goes up, to tell the coordinator so."""
+        if self.forwarded or not (self.updates or self.rejected):
+            return False
+        if live_sites <= set(self.updates) | set(self.rejected):
+            return True
+        return self.first_upload_s is not None and now - self.first_upload_s >= max_wait_s

@@ -1,0 +1,209 @@
+"""A round through two regional relays equals the same round flat, over real gRPC and mutual TLS.
+
+Four sites upload the same updates twice: once straight to a coordinator, once through two
+relays (two sites each) to a second coordinator. With relays the coordinator adds each relay's
+partial mean ``Σ w_k g_k / W`` with weight ``W``; the flat coordinator adds every ``w_k g_k``.
+
+- Bitwise: with updates whose float32 sums are exact (multiples of 1/64) and weights whose
+  sum per relay is a power of two, the coordinators' new weights are bit for bit equal whatever the summation order.
+- Otherwise within float32 rounding: the relayed mean differs from the flat one only by the
+  order of additions (the partials are summed first) and one division by ``W`` undone by one
+  multiplication by ``W``: a few ulp of ``Σ |w_k g_k| / Σ w_k``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay, updates
+
+from geoloco.coordinator.server import CoordinatorServer
+from geoloco.relay import RelayServer
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def _wait_round(server: CoordinatorServer, number: int) -> None:
+    deadline = time.monotonic() + 60
+    while server.rounds.round < number:
+        assert time.monotonic() < deadline, f"round {number - 1} never closed: {server.rounds.status()}"
+        time.sleep(0.02)
+
+
+def _flat(
+    certs: Path, ups: dict[str, torch.Tensor], weights: dict[str, float], codec: str
+) -> tuple[torch.Tensor, bytes]:
+    server = coordinator(certs, codec=codec, numel=next(iter(ups.values())).numel())
+    sites = [Site(name, certs, f"localhost:{server.port}") for name in SITES]
+    try:
+        for s in sites:
+            s.join()
+        for s in sites:
+            assert s.upload(ups[s.name], codec, weight=weights[s.name]).complete
+        _wait_round(server, 1)
+        header, delta = sites[0].await_broadcast()
+        return server.rounds.weights.clone(), delta
+    finally:
+        for s in sites:
+            s.close()
+        server.stop(grace=0)
+
+
+def _relayed(
+    certs: Path, ups: dict[str, torch.Tensor], weights: dict[str, float], codec: str, tmp_path: Path,
+    upward_codec: str = "none",
+) -> Iterator[tuple[torch.Tensor, dict[str, tuple[object, bytes]], CoordinatorServer, dict[str, RelayServer]]]:
+    server = coordinator(
+        certs, codec=codec, numel=next(iter(ups.values())).numel(), metrics_path=tmp_path / "metrics.jsonl"
+    )
+    relays = {
+        name: relay(
+            certs, name, server.port, metrics_path=str(tmp_path / f"{name}.jsonl"), upward_codec=upward_codec
+        )
+        for name in REGIONS
+    }
+    sites = [
+        Site(name, certs, f"localhost:{relays[region].port}") for region, names in REGIONS.items() for name in names
+    ]
+    try:
+        for s in sites:
+            s.join()
+        # A relay answers an upload once the coordinator took its partial: upload concurrently.
+        with ThreadPoolExecutor(len(sites)) as pool:
+            done = list(pool.map(lambda s: s.upload(ups[s.name], codec, weight=weights[s.name]), sites))
+        assert all(d.complete for d in done)
+        _wait_round(server, 1)
+        broadcasts = {s.name: s.await_broadcast() for s in sites}
+        yield server.rounds.weights.clone(), broadcasts, server, relays  # type: ignore[misc]
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+
+
+def test_relayed_round_is_bitwise_the_flat_round_when_sums_are_exact(certs: Path, tmp_path: Path) -> None:
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    # Each relay's W is a power of two, so its mean Σ w_k g_k / W times W gives back the sum.
+    weights = {"site-a": 1.0, "site-b": 3.0, "site-c": 2.0, "site-d": 2.0}
+    flat_weights, flat_delta = _flat(certs, ups, weights, "none")
+    for relayed_weights, broadcasts, server, _relays in _relayed(certs, ups, weights, "none", tmp_path):
+        assert torch.equal(relayed_weights, flat_weights)
+        for name, (header, delta) in broadcasts.items():
+            assert header.included, name  # type: ignore[attr-defined]
+            assert header.num_contributors == 4  # type: ignore[attr-defined]
+            assert delta == flat_delta, name
+        # The coordinator counted four contributors with their own weights, and every byte
+        # from the sites' region arrived on the relay's link.
+        status = server.rounds.status()
+        assert status["members"] == sorted(SITES)
+    # The coordinator's record: each relayed site with its own metrics and its relay, and the
+    # bytes per link (the relays', no site's).
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(record["participants"]) == sorted(SITES)
+    assert record["sample_weights"] == weights
+    assert record["site_metrics"]["site-a"] == {"train_loss": 1.5, "relay:eu": 1.0}
+    assert record["site_metrics"]["site-d"] == {"train_loss": 1.5, "relay:us": 1.0}
+    assert set(record["bytes_up"]) == {"relay:eu", "relay:us"}
+    # Each relay's metrics record names the sites its partial contained and the bytes per link.
+    for region, names in REGIONS.items():
+        records = [json.loads(line) for line in (tmp_path / f"{region}.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in records] == [0]
+        assert records[0]["partial"] == {name: weights[name] for name in names}
+        assert records[0]["counted_by_coordinator"] is True
+        links = records[0]["bytes"]
+        assert links["relay->coordinator"] > 0 and links["coordinator->relay"] > 0
+        assert all(links[f"site:{name}->relay"] > 0 for name in names)
+
+
+def test_relayed_round_matches_flat_within_float32_rounding_with_int8(certs: Path, tmp_path: Path) -> None:
+    numel = 37
+    ups = updates(numel, dyadic=False, seed=3)
+    weights = {"site-a": 3.0, "site-b": 1.7, "site-c": 0.9, "site-d": 5.25}
+    flat_weights, _ = _flat(certs, ups, weights, "int8")
+    for relayed_weights, broadcasts, _server, _relays in _relayed(certs, ups, weights, "int8", tmp_path):
+        assert not torch.equal(relayed_weights, torch.zeros_like(relayed_weights))
+        # A few float32 ulp of the update scale: the sums are reassociated, nothing else differs.
+        torch.testing.assert_close(relayed_weights, flat_weights, rtol=0, atol=1e-6)
+        assert all(header.included for header, _ in broadcasts.values())  # type: ignore[attr-defined]
+
+
+def test_relay_upward_uplink_codec_sends_a_quarter_and_keeps_its_error_feedback(certs: Path, tmp_path: Path) -> None:
+    """``upward_codec = "uplink"``: the partial goes up int8 like the sites' updates (a quarter of
+    the float32 bytes); what int8 dropped stays in the relay's residual, and the result is the
+    flat one within one int8 quantization step of the partial mean."""
+    numel = 4001
+    ups = updates(numel, dyadic=False, seed=5)
+    weights = {"site-a": 3.0, "site-b": 1.7, "site-c": 0.9, "site-d": 5.25}
+    flat_weights, _ = _flat(certs, ups, weights, "int8")
+    for relayed_weights, broadcasts, server, relays in _relayed(
+        certs, ups, weights, "int8", tmp_path, upward_codec="uplink"
+    ):
+        assert all(header.included for header, _ in broadcasts.values())  # type: ignore[attr-defined]
+        scale = max(float(u.abs().max()) for u in ups.values())
+        # Outer Nesterov (lr 0.7, momentum 0.9) moves the weights 1.33x the mean update.
+        torch.testing.assert_close(relayed_weights, flat_weights, rtol=0, atol=1.33 * scale / 127)
+        assert not torch.equal(relayed_weights, flat_weights)
+        for r in relays.values():
+            (residual,) = r.hub.residuals.values()
+            assert 0 < float(residual.abs().max()) <= scale / 127 * 10
+        up = server.rounds.status()
+        assert up["round"] == 1
+    records = [json.loads(line) for line in (tmp_path / "eu.jsonl").read_text().splitlines()]
+    int8_bytes = records[0]["bytes"]["relay->coordinator"]
+    assert int8_bytes < 2 * numel  # a float32 partial alone is 4 bytes per parameter
+
+
+def test_an_update_refused_at_the_relay_is_reported_so_the_round_does_not_wait_for_it(
+    certs: Path, tmp_path: Path
+) -> None:
+    """The relay applies the run's [update_guard] to each site's update, as the coordinator would
+    to a site's own upload; the refusal goes up with the partial, so the coordinator records the
+    site as rejected instead of waiting for it (no deadline here: it would wait forever)."""
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    ups["site-a"] = torch.full((numel,), 1e20)  # finite, but far beyond any norm bound
+    weights = dict.fromkeys(SITES, 1.0)
+    server = coordinator(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3)
+    relays = {name: relay(certs, name, server.port) for name in REGIONS}
+    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
+    try:
+        for s in sites:
+            s.join()
+
+        def upload(s: Site) -> object:
+            try:
+                return s.upload(ups[s.name], "none", weight=weights[s.name])
+            except grpc.RpcError as err:
+                return err
+
+        with ThreadPoolExecutor(len(sites)) as pool:
+            answers = dict(zip([s.name for s in sites], pool.map(upload, sites), strict=True))
+        refused = answers.pop("site-a")
+        assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "update_guard" in (refused.details() or "")
+        assert all(a.complete for a in answers.values())  # type: ignore[attr-defined]
+        _wait_round(server, 1)
+        header, _ = sites[0].await_broadcast()
+        assert not header.included and header.num_contributors == 3
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
+    assert record["rejected"] == ["site-a"]

@@ -1,0 +1,162 @@
+"""A relay cannot speak for a site outside its ``[relays]`` list, over real gRPC and mutual TLS.
+
+The coordinator checks the site every relayed call names against the relay's list, the sites of
+every partial sum too, refuses partial sums from a site certificate and calls from a relay it
+does not know; a relay refuses sites outside its own list. A refused partial leaves the round
+untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from _relay_helpers import Site, coordinator, make_certs, relay
+
+from geoloco.compression import parse_codec
+from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.coordinator.server import CoordinatorServer
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub, error_reason
+from geoloco.protos.wire import PROTOCOL_VERSION, blob_manifest, upload_requests
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture
+def server(certs: Path) -> Iterator[CoordinatorServer]:
+    server = coordinator(certs)
+    yield server
+    server.stop(grace=0)
+
+
+def _as(certs: Path, name: str, port: int) -> tuple[object, object]:
+    channel = client_channel(f"localhost:{port}", tls=TLSFiles.from_dir(certs, name))
+    return channel, coordinator_stub(channel)
+
+
+def _partial(session: str, sites: dict[str, float], numel: int) -> tuple[pb.UploadManifest, bytes]:
+    encoded = parse_codec("none").encode(torch.ones(numel))
+    data = encoded.to_bytes()
+    manifest = pb.UploadManifest(
+        session_id=session, round=0, sample_weight=sum(sites.values()), inner_steps=len(sites),
+        blob=blob_manifest(data, codec="none", shape=[numel], dtype="float32", chunk_size=64),
+        relayed_sites=[pb.RelayedSite(site=s, weight=w, inner_steps=1) for s, w in sites.items()],
+    )
+    return manifest, data
+
+
+def _refused(call: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()  # type: ignore[operator]
+    return info.value
+
+
+def test_a_relay_cannot_join_or_upload_for_another_regions_site(certs: Path, server: CoordinatorServer) -> None:
+    channel, eu = _as(certs, "eu", server.port)
+    try:
+        join = pb.JoinRequest(protocol_version=PROTOCOL_VERSION)
+        own = eu.Join(pb.JoinRequest(site="site-a", protocol_version=PROTOCOL_VERSION), timeout=10)  # type: ignore[attr-defined]
+        err = _refused(lambda: eu.Join(pb.JoinRequest(site="site-c", protocol_version=PROTOCOL_VERSION), timeout=10))  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert error_reason(err) == pb.ERROR_REASON_IDENTITY_MISMATCH
+        assert "may not speak for site 'site-c'" in (err.details() or "")
+        # A relayed call must name its site.
+        err = _refused(lambda: eu.Join(join, timeout=10))  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        # site-c joins on its own; relay eu then forges it into a partial sum with its own site.
+        site_c = Site("site-c", certs, f"localhost:{server.port}")
+        site_c.join()
+        manifest, data = _partial(own.session_id, {"site-a": 1.0, "site-c": 1.0}, server.rounds.numel)
+        err = _refused(lambda: eu.Upload(upload_requests(manifest, data), timeout=10))  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "site-c" in (err.details() or "")
+        status = server.rounds.status()
+        assert status["contributed"] == [] and status["round"] == 0
+        # The honest partial (its own site only) is taken.
+        manifest, data = _partial(own.session_id, {"site-a": 1.0}, server.rounds.numel)
+        assert eu.Upload(upload_requests(manifest, data), timeout=10).complete  # type: ignore[attr-defined]
+        assert server.rounds.status()["contributed"] == ["site-a"]
+        site_c.close()
+    finally:
+        channel.close()  # type: ignore[attr-defined]
+
+
+def test_a_relay_cannot_weigh_its_sites_up(certs: Path) -> None:
+    """Under uniform weighting every site weighs 1, through a relay too; the round stays as it was."""
+    server = coordinator(certs, weighting="uniform")
+    channel, eu = _as(certs, "eu", server.port)
+    try:
+        session = eu.Join(pb.JoinRequest(site="site-a", protocol_version=PROTOCOL_VERSION), timeout=10).session_id  # type: ignore[attr-defined]
+        manifest, data = _partial(session, {"site-a": 50.0}, server.rounds.numel)
+        err = _refused(lambda: eu.Upload(upload_requests(manifest, data), timeout=10))  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "under weighting 'uniform' its weight is 1" in (err.details() or "")
+        assert server.rounds.status()["contributed"] == []
+    finally:
+        channel.close()  # type: ignore[attr-defined]
+        server.stop(grace=0)
+
+
+def test_a_site_certificate_cannot_send_a_partial_sum(certs: Path, server: CoordinatorServer) -> None:
+    site = Site("site-a", certs, f"localhost:{server.port}")
+    try:
+        session = site.join().session_id
+        manifest, data = _partial(session, {"site-a": 1.0}, server.rounds.numel)
+        err = _refused(lambda: site.stub.Upload(upload_requests(manifest, data), timeout=10))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "relay" in (err.details() or "")
+        assert server.rounds.status()["contributed"] == []
+    finally:
+        site.close()
+
+
+def test_a_relay_missing_from_the_relays_table_is_refused(certs: Path, server: CoordinatorServer) -> None:
+    channel, ap = _as(certs, "ap", server.port)
+    try:
+        err = _refused(lambda: ap.Join(pb.JoinRequest(site="site-a", protocol_version=PROTOCOL_VERSION), timeout=10))  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "not in this coordinator's [relays] table" in (err.details() or "")
+    finally:
+        channel.close()  # type: ignore[attr-defined]
+
+
+def test_a_relay_refuses_a_site_outside_its_list(certs: Path, server: CoordinatorServer) -> None:
+    eu = relay(certs, "eu", server.port)
+    site = Site("site-x", certs, f"localhost:{eu.port}")
+    try:
+        err = _refused(site.join)
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "not served by relay 'eu'" in (err.details() or "")
+        assert server.rounds.members == []
+    finally:
+        site.close()
+        eu.stop(grace=0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (
+            {"privacy": {"secure_aggregation": True, "clip_norm": 1.0}, "min_sites": 3},
+            "secure aggregation through relays is not supported",
+        ),
+        ({"algorithm": {"aggregation": "median"}}, "robust aggregation"),
+        ({"algorithm": {"late_updates": "fold"}}, "late updates are not folded through relays"),
+        ({"relays": {"eu": ["site-a"], "us": ["site-a"]}}, "already listed under relay 'eu'"),
+        ({"relays": {"eu": []}}, "must list at least one site"),
+        ({"relays": {"e u": ["site-a"]}}, "relay name"),
+    ],
+)
+def test_relay_config_refuses_what_relays_cannot_run(extra: dict[str, object], needle: str) -> None:
+    data: dict[str, object] = {"insecure": True, "relays": {"eu": ["site-a", "site-b"]}, **extra}
+    with pytest.raises(ValueError, match="relays") as info:
+        CoordinatorConfig.from_dict(data)
+    assert needle in str(info.value)

@@ -25,7 +25,6 @@ SUBCOMMANDS: dict[str, str] = {
     "emulate": "geoloco.scenarios.emulate_cmd",
     "plan": "geoloco.scenarios.plan_cmd",
     "tune": "geoloco.scenarios.tune_cmd",
-
     "relay": "geoloco.scenarios.relay_cmd",
 }
 

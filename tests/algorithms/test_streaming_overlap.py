@@ -12,6 +12,7 @@ from geoloco.algorithms import streaming_sim
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.simulator import Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.streaming_clock import overlap_clock
 from geoloco.algorithms.streaming_overlap import (
     OverlapBounds,
     OverlapChoice,
@@ -265,3 +266,26 @@ def test_simulator_adaptive_merges_after_the_chosen_overlap(monkeypatch, deep) -
             done += records[r].site_inner_steps[name]
             expected.append(done + stream.choices[r].overlap_steps)
         assert [step for site, step in merges if site == k] == expected
+
+
+def test_clock_model_chooses_what_the_simulator_chose(deep) -> None:
+    """``overlap_clock`` (the clock alone, for the emulator's fidelity check) follows the
+    simulator's rounds: same steps, same choices, round by round, for the same transfer sizes."""
+    config = _config(ADAPTIVE, step_time_s=1 / 64)
+    sim = Simulator(config, deep())
+    start = [site.ready_s for site in sim.sites]
+    records = list(sim.run())
+    assert sim.streaming is not None
+    names = [site.name for site in sim.sites]
+    clock = overlap_clock(
+        sim.streaming.bounds, fragments=2, sites=[site.config for site in sim.sites],
+        step_s=[1 / 64] * len(names),
+        upload_bytes=[[r.bytes_up[name] for name in names] for r in records],
+        download_bytes=[r.bytes_down[names[0]] for r in records],
+        start_s=start,
+    )
+    for k, name in enumerate(names):
+        assert clock[k].steps == [r.site_inner_steps[name] for r in records]
+        assert clock[k].choices == sim.streaming.streams[k].choices
+        assert clock[k].utilization == pytest.approx([r.utilization[name] for r in records])
+    assert len({c.round_steps for c in clock[1].choices}) > 1, "the rule must have acted"

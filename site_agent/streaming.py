@@ -11,10 +11,16 @@ merge (``geoloco.algorithms.streaming``, the simulator's functions):
    fragment's uplink encoder (error feedback per fragment);
 3. start a background thread that uploads it (manifest ``fragment = p``) and then waits for the
    round's broadcast;
-4. meanwhile run ``τ`` inner steps of the next round (``overlap_steps``; none in the run's last
-   round);
+4. meanwhile run ``τ`` inner steps of the next round (``overlap_steps``, or with
+   ``adaptive_overlap`` what ``geoloco.algorithms.streaming_overlap.choose_overlap`` makes of the
+   site's measured step time and fragment transfer times, which may also lengthen the next round
+   up to ``interval_steps_max``; none in the run's last round);
 5. join the thread, apply the fragment's delta to ``θ_g`` (digest-checked like every broadcast),
    and merge it into the model: ``θ_k[p] ← α·θ_k[p] + (1 − α)·θ_g[p]``.
+
+The upload carries what the overlap rule saw and chose (``step_s``, ``transfer_s``,
+``overlap_steps``, ``next_round_steps``) and how long the previous merge waited for its broadcast
+after the overlap steps (``merge_wait_s``; 0 when the transfer was hidden).
 
 Failures follow the plain agent's rules: a late or rejected upload goes back into its fragment's
 residual; a digest mismatch or RESYNC fetches the full global weights, which then replace the
@@ -99,6 +105,8 @@ class StreamingRounds(RoundRunner):
         self._bounds = OverlapBounds.from_config(self.strategy.config.inner_steps, self.strategy.streaming)
         self._meter = OverlapMeter(self.schedule.fragments)
         self._choice: OverlapChoice = self._bounds.fixed
+        self._merge_wait_s = 0.0
+        """Seconds the last merge waited for its broadcast after the overlap steps (0: hidden)."""
         """Steps of the next round (``geoloco.algorithms.streaming_overlap``)."""
         self._overlap = _Overlap()
         self._pending: _InFlight | None = None
@@ -153,7 +161,9 @@ class StreamingRounds(RoundRunner):
                 self._overlap = _Overlap(tau, result.seconds, result.losses, result.samples)
         finally:
             state.phase = pb.SITE_PHASE_WAITING
+            waited = time.monotonic()
             flight.thread.join()
+            self._merge_wait_s = time.monotonic() - waited
         if flight.error is not None:
             self._pending = flight
             raise flight.error
@@ -238,6 +248,7 @@ class StreamingRounds(RoundRunner):
             "next_round_steps": float(choice.round_steps),
             "step_s": -1.0 if step_s is None else step_s,
             "transfer_s": -1.0 if transfer_s is None else transfer_s,
+            "merge_wait_s": self._merge_wait_s,
         }
 
     def _finish(self, flight: _InFlight) -> None:

@@ -73,6 +73,7 @@ def test_sites_choose_their_overlap_with_the_pure_rule(certs: Path, tmp_path: Pa
         assert choices[0] == choices[1] == bounds.fixed
         # From round 2 on the rule has a transfer time and a step time to work with.
         assert all(m["transfer_s"] > 0 and m["step_s"] > 0 for m in reported[2:])
+        assert all(m["merge_wait_s"] >= 0 for m in reported)
         assert all(c.needed_steps is not None for c in choices[2:])
         assert steps[0] == bounds.interval
         assert steps[1:] == [c.round_steps for c in choices[:-1]]

@@ -6,10 +6,14 @@ hides almost nothing. With ``adaptive_overlap = true`` a site chooses τ, and wh
 it (``interval_steps_max``) the number of steps of its next round, from what it measured:
 
 * ``step_s``: its seconds per inner step (recent rounds);
-* ``transfer_s``: how long its recent fragments were away, from the start of the upload until the
-  round's broadcast had arrived (upload, waiting for the other sites, aggregation, broadcast). The
-  largest of the last ``2 × P`` transfers is used, so every fragment's own size counts and one
-  quick round does not make the next one stall.
+* ``transfer_s``: how long its fragments were away, from the start of the upload until the round's
+  broadcast had arrived (upload, waiting for the other sites, aggregation, broadcast), as a peak
+  that decays by ``TRANSFER_DECAY`` per measured fragment: a long transfer is covered at once, and
+  the overlap shrinks gradually once transfers are quicker. Gradually matters: rounds are
+  synchronous, so a site that shortens its rounds abruptly waits for the sites still running
+  long ones, measures that wait as a long transfer and lengthens them again (an oscillation that
+  a plain maximum over a window, dropping at once when its peak leaves, was seen to drive up to
+  ``interval_steps_max`` in emulated runs).
 
 The rule (``choose_overlap``):
 
@@ -45,6 +49,8 @@ __all__ = ["OverlapBounds", "OverlapChoice", "OverlapMeter", "choose_overlap"]
 
 STEP_WINDOW = 4
 """Rounds of inner-step timings averaged into the step time."""
+TRANSFER_DECAY = 0.9
+"""The transfer estimate: ``max(measured, TRANSFER_DECAY × previous estimate)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +125,9 @@ class OverlapMeter:
     """
 
     def __init__(self, fragments: int) -> None:
+        self.fragments = fragments
         self._steps: deque[tuple[int, float]] = deque(maxlen=STEP_WINDOW)
-        self._transfers: deque[float] = deque(maxlen=2 * max(1, fragments))
+        self._transfer: float | None = None
         self._skip_transfer = True
 
     def record_steps(self, steps: int, seconds: float) -> None:
@@ -135,11 +142,12 @@ class OverlapMeter:
         if self._skip_transfer:
             self._skip_transfer = False
         elif seconds >= 0:
-            self._transfers.append(seconds)
+            decayed = 0.0 if self._transfer is None else TRANSFER_DECAY * self._transfer
+            self._transfer = max(seconds, decayed)
 
     def reset_transfers(self) -> None:
         """Forget transfers (after a re-join the old ones say nothing about the new session)."""
-        self._transfers.clear()
+        self._transfer = None
         self._skip_transfer = True
 
     @property
@@ -149,7 +157,7 @@ class OverlapMeter:
 
     @property
     def transfer_s(self) -> float | None:
-        return max(self._transfers) if self._transfers else None
+        return self._transfer
 
     def choose(self, bounds: OverlapBounds) -> OverlapChoice:
         return choose_overlap(bounds, step_s=self.step_s, transfer_s=self.transfer_s)

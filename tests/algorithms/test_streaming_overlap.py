@@ -74,18 +74,24 @@ def test_rule_falls_back_to_the_configured_values() -> None:
     assert choose_overlap(_bounds(), step_s=0.125, transfer_s=0.0) == OverlapChoice(0, 8, 0)
 
 
-def test_meter_skips_the_start_up_transfer_and_keeps_the_largest_recent_one() -> None:
-    meter = OverlapMeter(fragments=2)  # window of 2 × P = 4 transfers
+def test_meter_skips_the_start_up_transfer_and_lets_its_peak_decay() -> None:
+    meter = OverlapMeter(fragments=2)
     assert meter.step_s is None and meter.transfer_s is None
     meter.record_transfer(30.0)  # round 0: waited for the other sites to start
     assert meter.transfer_s is None
-    for seconds in (1.0, 3.0, 2.0, 1.0):
-        meter.record_transfer(seconds)
-    assert meter.transfer_s == 3.0
-    meter.record_transfer(0.5)
-    assert meter.transfer_s == 3.0
-    meter.record_transfer(0.5)  # 1.0 and 3.0 have left the window
+    meter.record_transfer(1.0)
+    assert meter.transfer_s == 1.0
+    meter.record_transfer(2.0)  # a longer one counts at once
     assert meter.transfer_s == 2.0
+    meter.record_transfer(0.5)  # a shorter one: the peak decays by TRANSFER_DECAY = 0.9
+    assert meter.transfer_s == pytest.approx(1.8)
+    meter.record_transfer(0.5)
+    assert meter.transfer_s == pytest.approx(1.62)
+    meter.record_transfer(1.7)
+    assert meter.transfer_s == pytest.approx(1.7)
+    for _ in range(30):
+        meter.record_transfer(0.25)
+    assert meter.transfer_s == pytest.approx(0.25)  # down to what is measured now, no lower
     meter.reset_transfers()
     meter.record_transfer(9.0)  # the first after a re-join is skipped too
     assert meter.transfer_s is None

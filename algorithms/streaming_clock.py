@@ -37,7 +37,6 @@ class ClockSite:
 def overlap_clock(
     bounds: OverlapBounds,
     *,
-    fragments: int,
     sites: Sequence[SiteConfig],
     step_s: Sequence[float],
     upload_bytes: Sequence[Sequence[int]],
@@ -53,7 +52,7 @@ def overlap_clock(
     after the last arrival (the coordinator's processing, which the simulator leaves out: 0).
     """
     n = len(sites)
-    meters = [OverlapMeter(fragments) for _ in range(n)]
+    meters = [OverlapMeter() for _ in range(n)]
     upload_s = list(start_s) if start_s is not None else [0.0] * n
     broadcast_s: list[float | None] = [None] * n
     choice = [bounds.fixed] * n

@@ -124,8 +124,7 @@ class OverlapMeter:
     virtual ones.
     """
 
-    def __init__(self, fragments: int) -> None:
-        self.fragments = fragments
+    def __init__(self) -> None:
         self._steps: deque[tuple[int, float]] = deque(maxlen=STEP_WINDOW)
         self._transfer: float | None = None
         self._skip_transfer = True

@@ -134,7 +134,6 @@ class StreamingRounds:
         uplinks = self.uplinks
         sites = self.sites
         names = [s.name for s in sites]
-        schedule = strategy.schedule
         plan = strategy.configure_round(round_number, names)
         p = plan.fragment
         fragment = strategy.partition[p]
@@ -151,7 +150,7 @@ class StreamingRounds:
             if stream.local is None:
                 stream.local = global_flat.clone()
                 stream.upload_s = site.ready_s
-                stream.meter = OverlapMeter(schedule.fragments)
+                stream.meter = OverlapMeter()
             assert stream.meter is not None
             choice = stream.choice or self.bounds.fixed
             trainer.load(stream.local)

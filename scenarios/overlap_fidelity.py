@@ -118,7 +118,7 @@ def overlap_fidelity(scenario: Scenario, records: Sequence[Mapping[str, Any]]) -
         sum(float((r.get("phases_s") or {}).get(phase, 0.0)) for phase in AFTER_RECEIVE) for r in rounds
     )
     clock = overlap_clock(
-        bounds, fragments=streaming.fragments, sites=[site.clock_site() for site in scenario.sites],
+        bounds, sites=[site.clock_site() for site in scenario.sites],
         step_s=step_s,
         upload_bytes=[[int(r["bytes_up"][name]) for name in names] for r in rounds],
         download_bytes=[int(r["downlink_bytes"]) for r in rounds],

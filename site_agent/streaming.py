@@ -103,7 +103,7 @@ class StreamingRounds(RoundRunner):
             )
         self.schedule = self.strategy.schedule
         self._bounds = OverlapBounds.from_config(self.strategy.config.inner_steps, self.strategy.streaming)
-        self._meter = OverlapMeter(self.schedule.fragments)
+        self._meter = OverlapMeter()
         self._choice: OverlapChoice = self._bounds.fixed
         self._merge_wait_s = 0.0
         """Seconds the last merge waited for its broadcast after the overlap steps (0: hidden)."""

@@ -75,7 +75,7 @@ def test_rule_falls_back_to_the_configured_values() -> None:
 
 
 def test_meter_skips_the_start_up_transfer_and_lets_its_peak_decay() -> None:
-    meter = OverlapMeter(fragments=2)
+    meter = OverlapMeter()
     assert meter.step_s is None and meter.transfer_s is None
     meter.record_transfer(30.0)  # round 0: waited for the other sites to start
     assert meter.transfer_s is None
@@ -100,7 +100,7 @@ def test_meter_skips_the_start_up_transfer_and_lets_its_peak_decay() -> None:
 
 
 def test_meter_step_time_is_seconds_over_steps_of_recent_rounds() -> None:
-    meter = OverlapMeter(fragments=4)
+    meter = OverlapMeter()
     meter.record_steps(0, 5.0)  # no steps: nothing to learn
     assert meter.step_s is None
     meter.record_steps(4, 1.0)
@@ -284,7 +284,7 @@ def test_clock_model_chooses_what_the_simulator_chose(deep) -> None:
     assert sim.streaming is not None
     names = [site.name for site in sim.sites]
     clock = overlap_clock(
-        sim.streaming.bounds, fragments=2, sites=[site.config for site in sim.sites],
+        sim.streaming.bounds, sites=[site.config for site in sim.sites],
         step_s=[1 / 64] * len(names),
         upload_bytes=[[r.bytes_up[name] for name in names] for r in records],
         download_bytes=[r.bytes_down[names[0]] for r in records],

@@ -23,7 +23,7 @@ def _records(scenario: Scenario, step_s: list[float], overhead_s: float) -> list
     bounds = OverlapBounds.from_config(algorithm.inner_steps, algorithm.streaming)
     names = [s.name for s in scenario.sites]
     clock = overlap_clock(
-        bounds, fragments=algorithm.streaming.fragments, sites=[s.clock_site() for s in scenario.sites],
+        bounds, sites=[s.clock_site() for s in scenario.sites],
         step_s=step_s, upload_bytes=[[UP] * len(names)] * ROUNDS, download_bytes=[DOWN] * ROUNDS,
         aggregate_overhead_s=overhead_s,
     )

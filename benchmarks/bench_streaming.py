@@ -153,7 +153,7 @@ def run_case(case: Case, *, steps: int, step_time_s: float, workload: Any, seed:
             break
     assert last is not None
     utilization = [c / last.wall_clock_s for c in compute]
-    steady = [c / span if span > 0 else 1.0 for c, span in zip(steady_compute, steady_span)]
+    steady = [c / span if span > 0 else None for c, span in zip(steady_compute, steady_span)]
     return {
         "scenario": case.scenario,
         "label": case.label,
@@ -202,13 +202,17 @@ def table(results: list[dict[str, Any]]) -> str:
                 if r is not plain and ours is not None and theirs is not None
                 else "-"
             )
-            steady = " / ".join(f"{100 * u:.1f} %" for u in r["steady_utilization"])
+            steady = " / ".join("-" if u is None else f"{100 * u:.1f} %" for u in r["steady_utilization"])
             # Equal inner steps: this run's last evaluation within plain's steps, against
             # plain's evaluation at (up to H below) the same step count.
-            done, loss = [(d, loss) for d, _, loss in r["evals"] if d <= plain["steps"]][-1]
+            within = [(d, loss) for d, _, loss in r["evals"] if d <= plain["steps"]]
+            if within:
+                done, loss = within[-1]
+                at_steps = f"{loss:.4f} @ {done} ({loss / loss_at_steps(plain, done):.3f}x)"
+            else:
+                at_steps = f"{r['eval_loss']:.4f} @ {r['steps']} (plain ran {plain['steps']})"
             lines.append(
-                f"| {scenario} | {r['label']} | {loss:.4f} @ {done} "
-                f"({loss / loss_at_steps(plain, done):.3f}x) | {at_time} | "
+                f"| {scenario} | {r['label']} | {at_steps} | {at_time} | "
                 f"{r['wall_clock_s']:.1f} s | {100 * sum(r['utilization']) / len(r['utilization']):.1f} % / "
                 f"{100 * min(r['utilization']):.1f} % | {steady} | {r['last_round_steps']} | "
                 f"{r['peak_bytes_in_flight'] / 1e3:.1f} kB "

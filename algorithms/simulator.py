@@ -411,10 +411,8 @@ class Simulator:
                     stats = self._diloco_round(round_number)
                 if self.accountant is not None:
                     self.accountant.step(z)
-            if self.streaming is not None:
-                steps = self.strategy.inner_steps
-            else:
-                steps = max(stats["site_inner_steps"]) if stats.get("site_inner_steps") else algo.inner_steps
+            # Streaming rounds report their steps too (adaptive overlap may stretch them).
+            steps = max(stats["site_inner_steps"]) if stats.get("site_inner_steps") else algo.inner_steps
             due = self.config.evaluates_after(
                 round_number, self.inner_steps_total, self.inner_steps_total + steps
             )

@@ -29,6 +29,7 @@ the functions below, so both follow the same schedule and the same merge.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,6 +78,19 @@ class StreamingConfig:
     split: Literal["strided", "contiguous"] = "strided"
     """How layer groups become fragments: ``"strided"`` (layer i -> fragment i mod P, as in the
     paper) or ``"contiguous"`` (consecutive layers, balanced by parameter count)."""
+    adaptive_overlap: bool = False
+    """Each site chooses τ per round from its measured step time and fragment transfer times, so
+    the transfer hides behind computation (``geoloco.algorithms.streaming_overlap``);
+    ``overlap_steps`` is then τ until something is measured."""
+    overlap_steps_min: int = 0
+    """Adaptive τ is at least this."""
+    overlap_steps_max: int = 0
+    """Adaptive τ is at most this (0: at most the round's steps)."""
+    interval_steps_max: int = 0
+    """Adaptive cadence: a round may run up to this many steps (>= H/P) when H/P steps cannot
+    hide a fragment's transfer (0: rounds stay H/P steps)."""
+    overlap_margin: float = 0.1
+    """Adaptive τ hides the measured transfer time times (1 + this)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +112,45 @@ class StreamingConfig:
             "split",
             f"unknown split {self.split!r}; valid splits: {', '.join(SPLITS)}",
         )
+        self._validate_adaptive()
+
+    def _validate_adaptive(self) -> None:
+        for key in ("overlap_steps_min", "overlap_steps_max", "interval_steps_max"):
+            value = getattr(self, key)
+            require(value >= 0, key, f"must be an integer >= 0 (0 = no bound), got {value}")
+        require(
+            math.isfinite(self.overlap_margin) and 0 <= self.overlap_margin <= 10,
+            "overlap_margin",
+            f"must be in [0, 10] (0.1 = hide 10 % more than the measured transfer), got {self.overlap_margin}",
+        )
+        if not self.adaptive_overlap:
+            for key in ("overlap_steps_min", "overlap_steps_max", "interval_steps_max"):
+                require(
+                    getattr(self, key) == 0,
+                    key,
+                    "bounds the adaptive overlap; set adaptive_overlap = true or remove the key",
+                )
+            return
+        if self.overlap_steps_max:
+            require(
+                self.overlap_steps_min <= self.overlap_steps_max,
+                "overlap_steps_min",
+                f"must be <= overlap_steps_max = {self.overlap_steps_max}, got {self.overlap_steps_min}",
+            )
+            require(
+                self.overlap_steps_min <= self.overlap_steps <= self.overlap_steps_max,
+                "overlap_steps",
+                f"is the adaptive overlap's first value: must be in [overlap_steps_min, "
+                f"overlap_steps_max] = [{self.overlap_steps_min}, {self.overlap_steps_max}], "
+                f"got {self.overlap_steps}",
+            )
+        else:
+            require(
+                self.overlap_steps >= self.overlap_steps_min,
+                "overlap_steps",
+                f"is the adaptive overlap's first value: must be >= overlap_steps_min = "
+                f"{self.overlap_steps_min}, got {self.overlap_steps}",
+            )
 
     def check_inner_steps(self, inner_steps: int) -> None:
         """The checks that need H; keys are relative to this config (``fragments``, ...)."""
@@ -116,6 +169,20 @@ class StreamingConfig:
             "overlap_steps",
             f"must be <= inner_steps / fragments = {interval} (one fragment in flight per site), "
             f"got {self.overlap_steps}",
+        )
+        if self.interval_steps_max:
+            require(
+                self.interval_steps_max >= interval,
+                "interval_steps_max",
+                f"must be 0 (rounds of H/P steps) or >= inner_steps / fragments = {interval}, "
+                f"got {self.interval_steps_max}",
+            )
+        most = max(interval, self.interval_steps_max)
+        require(
+            self.overlap_steps_min <= most,
+            "overlap_steps_min",
+            f"must be <= the most steps a round may run ({most}: inner_steps / fragments or "
+            f"interval_steps_max), got {self.overlap_steps_min}",
         )
 
     def to_dict(self) -> dict[str, Any]:

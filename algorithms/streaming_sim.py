@@ -21,7 +21,7 @@ broadcast): one fragment, not the whole model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from geoloco.algorithms.sim_state import SimSite, SimTrainer
 from geoloco.algorithms.sim_uplinks import Payload, SimUplinks
 from geoloco.algorithms.strategy import Strategy
 from geoloco.algorithms.streaming import merge_fragment_
+from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapChoice, OverlapMeter
 
 __all__ = ["SiteStreamTime", "StreamingRounds", "streaming_site_time"]
 
@@ -92,6 +93,14 @@ class _SiteStream:
     """When that broadcast reached the site."""
     upload_s: float = 0.0
     """When the site finished its last step (its last upload started)."""
+    meter: OverlapMeter | None = None
+    """Its measured step time and fragment transfers (adaptive overlap)."""
+    choice: OverlapChoice | None = None
+    """τ of the fragment in flight and the steps of the site's next round (set at each upload)."""
+    choices: list[OverlapChoice] = field(default_factory=list)
+    """Every choice, in order (tests and the fidelity check read them)..."""
+    seen: list[tuple[float | None, float | None]] = field(default_factory=list)
+    """...and the step and transfer times each was chosen from."""
 
 
 class StreamingRounds:
@@ -108,6 +117,7 @@ class StreamingRounds:
         self.policy = policy
         self.sites = sites
         self.streams = [_SiteStream() for _ in sites]
+        self.bounds = OverlapBounds.from_config(strategy.config.inner_steps, strategy.streaming)
 
     def _steps(self, site: SimSite, steps: int) -> tuple[list[float], int, float]:
         """``steps`` inner steps of ``site`` on the shared model: (losses, samples, virtual s)."""
@@ -124,7 +134,6 @@ class StreamingRounds:
         uplinks = self.uplinks
         sites = self.sites
         names = [s.name for s in sites]
-        schedule = strategy.schedule
         plan = strategy.configure_round(round_number, names)
         p = plan.fragment
         fragment = strategy.partition[p]
@@ -136,26 +145,38 @@ class StreamingRounds:
         computed: list[tuple[float, float, float | None, float]] = []
         known: dict[int, int] = {}
         losses: list[float] = []
+        site_steps: list[int] = []
         for k, (site, stream) in enumerate(zip(sites, self.streams, strict=True)):
             if stream.local is None:
                 stream.local = global_flat.clone()
                 stream.upload_s = site.ready_s
+                stream.meter = OverlapMeter()
+            assert stream.meter is not None
+            choice = stream.choice or self.bounds.fixed
             trainer.load(stream.local)
-            overlap = schedule.overlap_before_merge(plan.round)
+            overlap = choice.overlap_steps if plan.round > 0 else 0
             first_losses, first_samples, first_s = self._steps(site, overlap)
             if stream.merge_round is not None:
                 local = trainer.flatten()
                 merge_fragment_(local, global_flat, strategy.fragment(stream.merge_round), strategy.streaming.mix)
                 trainer.load(local)
                 del local
-            rest_losses, rest_samples, rest_s = self._steps(site, schedule.interval - overlap)
+            rest_steps = choice.round_steps - overlap
+            rest_losses, rest_samples, rest_s = self._steps(site, rest_steps)
+            stream.meter.record_steps(overlap + rest_steps, first_s + rest_s)
+            # Chosen as the real site does: when its upload starts, from the transfers it has
+            # seen come back so far (not this round's).
+            stream.choice = stream.meter.choose(self.bounds)
+            stream.choices.append(stream.choice)
+            stream.seen.append((stream.meter.step_s, stream.meter.transfer_s))
+            site_steps.append(overlap + rest_steps)
             stream.local = trainer.flatten()
             pseudo = pseudo_gradient(global_fragment, fragment.gather(stream.local))
             losses.extend(first_losses + rest_losses)
             encoded = uplinks.encode(site.name, pseudo, plan, round_.aggregation)
             del pseudo
-            # Weighted like the real site's upload: one round of H/P inner steps.
-            weights.append(strategy.site_weight(first_samples + rest_samples, schedule.interval))
+            # Weighted like the real site's upload: the round's inner steps.
+            weights.append(strategy.site_weight(first_samples + rest_samples, overlap + rest_steps))
             previous = stream.broadcast_s if stream.merge_round is not None else None
             computed.append((stream.upload_s, first_s, previous, rest_s))
             size = uplinks.nbytes_now(encoded)
@@ -204,6 +225,8 @@ class StreamingRounds:
         for site, stream, timing, end in zip(sites, self.streams, times, ends, strict=True):
             stream.merge_round = plan.round
             stream.broadcast_s = end
+            assert stream.meter is not None
+            stream.meter.record_transfer(end - timing.upload_s)
             stream.upload_s = timing.upload_s
             site.ready_s = timing.upload_s
         down = update.downlink.nbytes
@@ -218,6 +241,8 @@ class StreamingRounds:
             "end_s": max(ends),
             "peak_bytes_in_flight": [max(up, down) for up in upload_sizes],
             "fragment": p,
+            "site_inner_steps": site_steps,
+            "overlap_steps": [s.choice.overlap_steps if s.choice else 0 for s in self.streams],
             "deadline_s": outcome.deadline_s,
             "weights_digest": update.digest,
         }

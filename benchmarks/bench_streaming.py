@@ -74,6 +74,19 @@ class Case:
     sites: list[SiteConfig]
     inner_steps: int
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    step_scale: float = 1.0
+    """The case's step time is ``--step-time`` times this (0.01: a GPU-like step)."""
+
+
+def _adaptive(**bounds: int) -> StreamingConfig:
+    return StreamingConfig(enabled=True, fragments=4, overlap_steps=5, adaptive_overlap=True, **bounds)
+
+
+GPU = 0.01
+STARTUP_ROUNDS = 3
+"""Rounds left out of the steady-state utilization: round 0 and 1 run the configured overlap
+(nothing measured yet, then only the start-up transfer), round 2's choice shapes round 3."""
+"""GPU-like cases: the step time 100x shorter than ``--step-time``."""
 
 
 def cases() -> list[Case]:
@@ -85,6 +98,14 @@ def cases() -> list[Case]:
              StreamingConfig(enabled=True, fragments=4, overlap_steps=5)),
         Case("transatlantic", "streaming P=4, tau=5, mix 0.5", TRANSATLANTIC, 20,
              StreamingConfig(enabled=True, fragments=4, overlap_steps=5, mix=0.5)),
+        Case("transatlantic", "streaming P=4, adaptive tau <= 5", TRANSATLANTIC, 20, _adaptive()),
+        Case("transatlantic", "streaming P=4, adaptive, rounds <= 20", TRANSATLANTIC, 20,
+             _adaptive(interval_steps_max=20)),
+        Case("gpu-like", "plain DiLoCo H=20", TRANSATLANTIC, 20, step_scale=GPU),
+        Case("gpu-like", "streaming P=4, tau=5", TRANSATLANTIC, 20,
+             StreamingConfig(enabled=True, fragments=4, overlap_steps=5), step_scale=GPU),
+        Case("gpu-like", "streaming P=4, adaptive, rounds <= 1000", TRANSATLANTIC, 20,
+             _adaptive(interval_steps_max=1000), step_scale=GPU),
         Case("heterogeneous", "plain DiLoCo H=10", HETEROGENEOUS, 10),
         Case("heterogeneous", "streaming P=2, tau=5, mix 0", HETEROGENEOUS, 10,
              StreamingConfig(enabled=True, fragments=2, overlap_steps=5)),
@@ -92,8 +113,10 @@ def cases() -> list[Case]:
 
 
 def run_case(case: Case, *, steps: int, step_time_s: float, workload: Any, seed: int) -> dict[str, Any]:
+    """Runs until every site has trained at least ``steps`` inner steps (adaptive rounds may
+    stretch, so the last round can go past it; its evaluation is at its actual step count)."""
     per_round = case.inner_steps // (case.streaming.fragments if case.streaming.enabled else 1)
-    rounds = steps // per_round
+    rounds = -(-steps // per_round)
     config = SimulatorConfig(
         algorithm=AlgorithmConfig(
             inner_steps=case.inner_steps, uplink_codec="int8", downlink_codec="int8",
@@ -101,10 +124,10 @@ def run_case(case: Case, *, steps: int, step_time_s: float, workload: Any, seed:
         ),
         inner_optimizer=InnerOptimizerConfig(lr=3e-3, grad_clip_norm=1.0),
         sites=case.sites,
-        # One evaluation every H inner steps in both runs.
+        # One evaluation every H inner steps in every run (and at the last round).
         simulation=SimulationConfig(
-            rounds=rounds, eval_every=case.inner_steps // per_round, seed=seed, device="cpu",
-            step_time_s=step_time_s,
+            rounds=rounds, eval_every_steps=case.inner_steps, seed=seed, device="cpu",
+            step_time_s=step_time_s * case.step_scale,
         ),
     )
     started = time.perf_counter()
@@ -113,15 +136,24 @@ def run_case(case: Case, *, steps: int, step_time_s: float, workload: Any, seed:
     evals: list[tuple[int, float, float]] = []
     last = None
     done_steps = 0
+    steady_compute = [0.0] * len(case.sites)
+    steady_span = [0.0] * len(case.sites)
     for record in Simulator(config, workload).run():
         compute = [c + r for c, r in zip(compute, record.compute_s.values())]
+        if record.round >= STARTUP_ROUNDS:
+            for k, (c, u) in enumerate(zip(record.compute_s.values(), record.utilization.values())):
+                steady_compute[k] += c
+                steady_span[k] += c / u if u > 0 else 0.0
         peak = max([peak, *(record.peak_bytes_in_flight or {}).values()])
         done_steps += record.inner_steps
         if record.eval_loss is not None:
             evals.append((done_steps, record.wall_clock_s, record.eval_loss))
         last = record
+        if done_steps >= steps and record.eval_loss is not None:
+            break
     assert last is not None
     utilization = [c / last.wall_clock_s for c in compute]
+    steady = [c / span if span > 0 else None for c, span in zip(steady_compute, steady_span)]
     return {
         "scenario": case.scenario,
         "label": case.label,
@@ -133,6 +165,8 @@ def run_case(case: Case, *, steps: int, step_time_s: float, workload: Any, seed:
         "evals": evals,
         "wall_clock_s": last.wall_clock_s,
         "utilization": utilization,
+        "steady_utilization": steady,
+        "last_round_steps": last.inner_steps,
         "peak_bytes_in_flight": peak,
         "bytes_up_total": last.bytes_up_total,
         "runtime_s": time.perf_counter() - started,
@@ -145,12 +179,17 @@ def loss_at(result: dict[str, Any], wall_clock_s: float) -> float | None:
     return points[-1] if points else None
 
 
+def loss_at_steps(result: dict[str, Any], steps: int) -> float:
+    """The last evaluation at no more than ``steps`` inner steps."""
+    return [loss for done, _, loss in result["evals"] if done <= steps][-1]
+
+
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| scenario | configuration | eval loss @ T steps (vs plain) | eval loss @ equal wall-clock "
-        "| virtual wall-clock | compute utilization mean / min | peak bytes in flight per site "
-        "(vs plain) |",
-        "|---|---|---|---|---|---|---|",
+        "| scenario | configuration | eval loss @ T steps (vs plain at equal steps) | eval loss @ "
+        "equal wall-clock | virtual wall-clock | compute utilization mean / min | after start-up "
+        "per site | steps of the last round | peak bytes in flight per site (vs plain) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for scenario in dict.fromkeys(r["scenario"] for r in results):
         group = [r for r in results if r["scenario"] == scenario]
@@ -163,11 +202,20 @@ def table(results: list[dict[str, Any]]) -> str:
                 if r is not plain and ours is not None and theirs is not None
                 else "-"
             )
+            steady = " / ".join("-" if u is None else f"{100 * u:.1f} %" for u in r["steady_utilization"])
+            # Equal inner steps: this run's last evaluation within plain's steps, against
+            # plain's evaluation at (up to H below) the same step count.
+            within = [(d, loss) for d, _, loss in r["evals"] if d <= plain["steps"]]
+            if within:
+                done, loss = within[-1]
+                at_steps = f"{loss:.4f} @ {done} ({loss / loss_at_steps(plain, done):.3f}x)"
+            else:
+                at_steps = f"{r['eval_loss']:.4f} @ {r['steps']} (plain ran {plain['steps']})"
             lines.append(
-                f"| {scenario} | {r['label']} | {r['eval_loss']:.4f} "
-                f"({r['eval_loss'] / plain['eval_loss']:.3f}x) | {at_time} | "
+                f"| {scenario} | {r['label']} | {at_steps} | {at_time} | "
                 f"{r['wall_clock_s']:.1f} s | {100 * sum(r['utilization']) / len(r['utilization']):.1f} % / "
-                f"{100 * min(r['utilization']):.1f} % | {r['peak_bytes_in_flight'] / 1e3:.1f} kB "
+                f"{100 * min(r['utilization']):.1f} % | {steady} | {r['last_round_steps']} | "
+                f"{r['peak_bytes_in_flight'] / 1e3:.1f} kB "
                 f"({plain['peak_bytes_in_flight'] / r['peak_bytes_in_flight']:.2f}x fewer) |"
             )
     return "\n".join(lines)
@@ -216,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300, help="inner steps per site (T)")
     parser.add_argument("--step-time", type=float, default=0.15, help="virtual seconds per step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-steps", type=int, default=2000,
+                        help="inner steps per site of the GPU-like cases (100x shorter steps)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated scenarios to run (transatlantic, heterogeneous, gpu-like)")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated substrings of configuration labels not to run")
+    parser.add_argument("--name", default="streaming", help="results/NAME.md and NAME.json")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 40 steps")
     parser.add_argument("--emulated", nargs=2, type=Path, metavar=("PLAIN_RUN", "STREAMING_RUN"),
                         help="compare two `geoloco emulate` output folders instead")
@@ -228,8 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     steps = 40 if args.quick else args.steps
     workload = build_workload("gpt", size=size, seq_len=64, batch_size=16, eval_batches=4)
     results = []
+    only = {name for name in args.only.split(",") if name}
     for case in cases():
-        result = run_case(case, steps=steps, step_time_s=args.step_time, workload=workload, seed=args.seed)
+        if (only and case.scenario not in only) or any(
+            part and part in case.label for part in args.skip.split(",")
+        ):
+            continue
+        case_steps = (40 if args.quick else args.gpu_steps) if case.step_scale != 1.0 else steps
+        result = run_case(case, steps=case_steps, step_time_s=args.step_time, workload=workload, seed=args.seed)
         print(
             f"{case.scenario:14s} {case.label:32s} eval {result['eval_loss']:.4f}  wall "
             f"{result['wall_clock_s']:7.1f} s  util {100 * min(result['utilization']):5.1f} %  "
@@ -241,11 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not args.quick:
         RESULTS_DIR.mkdir(exist_ok=True)
-        (RESULTS_DIR / "streaming.md").write_text(
+        (RESULTS_DIR / f"{args.name}.md").write_text(
             f"Command: `OMP_NUM_THREADS=1 python benchmarks/bench_streaming.py --steps {steps} "
-            f"--step-time {args.step_time}`\n\n{text}\n"
+            f"--step-time {args.step_time} --gpu-steps {args.gpu_steps}"
+            f"{' --only ' + args.only if args.only else ''}"
+            f"{' --skip ' + repr(args.skip) if args.skip else ''} --name {args.name}`\n\n{text}\n"
         )
-        (RESULTS_DIR / "streaming.json").write_text(json.dumps({
+        (RESULTS_DIR / f"{args.name}.json").write_text(json.dumps({
             "steps": steps, "step_time_s": args.step_time, "seed": args.seed,
             "machine": platform.platform(), "python": sys.version.split()[0],
             "torch": torch.__version__, "results": results,

@@ -27,6 +27,7 @@ from typing import Any
 from geoloco.algorithms.clock import transfer_time
 from geoloco.algorithms.dp_accountant import describe_epsilon
 from geoloco.scenarios.emulation import EmulationResult
+from geoloco.scenarios.overlap_fidelity import overlap_fidelity
 from geoloco.scenarios.progress import human_bytes
 
 __all__ = ["Fidelity", "SiteFidelity", "SiteReport", "fidelity", "site_reports", "write_report"]
@@ -189,12 +190,16 @@ def site_timeline(result: EmulationResult, name: str) -> list[tuple[str, float, 
 
 
 def _startup_s(result: EmulationResult, name: str) -> float:
-    """Seconds from the site's first start to the end of its first download (the weights)."""
+    """Seconds from the site's first start to the end of its weights fetch: its first download
+    of at least half its largest one (the full weights; the TLS handshake and the join's small
+    replies come before it and are start-up too)."""
     spans = _lifetimes(result, name)
     if not spans:
         return 0.0
     start, stop = spans[0]
-    ends = [b["end_s"] for b in result.bursts.get(name, []) if b["direction"] == "down" and b["end_s"] > start]
+    downs = [b for b in result.bursts.get(name, []) if b["direction"] == "down" and b["end_s"] > start]
+    largest = max((int(b.get("bytes", 0)) for b in downs), default=0)
+    ends = [b["end_s"] for b in downs if 2 * int(b.get("bytes", 0)) >= largest]
     return min(min(ends, default=stop), stop) - start
 
 
@@ -504,6 +509,9 @@ def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fi
     lines += ["", "## Faults", ""]
     lines += _fault_recovery(result) or ["None injected."]
     lines += ["", "## Fidelity (emulator vs simulator clock)", "", "```", *fid.lines(), "```", ""]
+    overlap = overlap_fidelity(result.scenario, result.records)
+    if overlap.skipped is None:
+        lines += ["Adaptive overlap (`geoloco.scenarios.overlap_fidelity`):", "", *overlap.lines(), ""]
     lines += ["## Plots", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     lines += [

@@ -11,10 +11,16 @@ merge (``geoloco.algorithms.streaming``, the simulator's functions):
    fragment's uplink encoder (error feedback per fragment);
 3. start a background thread that uploads it (manifest ``fragment = p``) and then waits for the
    round's broadcast;
-4. meanwhile run ``τ`` inner steps of the next round (``overlap_steps``; none in the run's last
-   round);
+4. meanwhile run ``τ`` inner steps of the next round (``overlap_steps``, or with
+   ``adaptive_overlap`` what ``geoloco.algorithms.streaming_overlap.choose_overlap`` makes of the
+   site's measured step time and fragment transfer times, which may also lengthen the next round
+   up to ``interval_steps_max``; none in the run's last round);
 5. join the thread, apply the fragment's delta to ``θ_g`` (digest-checked like every broadcast),
    and merge it into the model: ``θ_k[p] ← α·θ_k[p] + (1 − α)·θ_g[p]``.
+
+The upload carries what the overlap rule saw and chose (``step_s``, ``transfer_s``,
+``overlap_steps``, ``next_round_steps``) and how long the previous merge waited for its broadcast
+after the overlap steps (``merge_wait_s``; 0 when the transfer was hidden).
 
 Failures follow the plain agent's rules: a late or rejected upload goes back into its fragment's
 residual; a digest mismatch or RESYNC fetches the full global weights, which then replace the
@@ -37,6 +43,7 @@ import torch
 
 from geoloco.algorithms.diloco import pseudo_gradient
 from geoloco.algorithms.streaming import merge_fragment_
+from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapChoice, OverlapMeter
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import RoundClosed, RunFinished, SiteAgentError, UpdateRejected
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
@@ -60,6 +67,14 @@ class _InFlight:
     error: BaseException | None = None
     finished: bool = False
     skip_upload: bool = False
+    choice: OverlapChoice | None = None
+    """τ to train while this fragment travels, and the next round's steps."""
+    overlap_metrics: dict[str, float] = field(default_factory=dict)
+    """What the overlap rule saw and chose, sent with the upload."""
+    sent_s: float | None = None
+    """``time.monotonic()`` when its first upload attempt started."""
+    back_s: float | None = None
+    """...and when its broadcast had arrived (None: not on the first attempt)."""
 
     @property
     def round(self) -> int:
@@ -87,6 +102,12 @@ class StreamingRounds(RoundRunner):
                 "or disable streaming"
             )
         self.schedule = self.strategy.schedule
+        self._bounds = OverlapBounds.from_config(self.strategy.config.inner_steps, self.strategy.streaming)
+        self._meter = OverlapMeter()
+        self._choice: OverlapChoice = self._bounds.fixed
+        self._merge_wait_s = 0.0
+        """Seconds the last merge waited for its broadcast after the overlap steps (0: hidden)."""
+        """Steps of the next round (``geoloco.algorithms.streaming_overlap``)."""
         self._overlap = _Overlap()
         self._pending: _InFlight | None = None
         """A round whose upload or broadcast wait failed (coordinator restart, dropped site):
@@ -115,6 +136,7 @@ class StreamingRounds(RoundRunner):
             self.uplink.restore(update)
         if state.is_behind:
             self._overlap = _Overlap()
+            self._meter.reset_transfers()
             self._chase()
             return
         if state.at_end:
@@ -123,11 +145,14 @@ class StreamingRounds(RoundRunner):
         self._check_round_info()
         round_number = state.held_round
         flight = self._train_and_encode(round_number)
+        # τ and the next round's steps, from what was measured before this fragment left.
+        self._choice = flight.choice = self._meter.choose(self._bounds)
+        flight.overlap_metrics = self._overlap_metrics(flight.choice)
         flight.thread = threading.Thread(
             target=self._send_and_wait, args=(flight,), name=f"geoloco-stream-{self.site}", daemon=True
         )
         flight.thread.start()
-        tau = self.schedule.overlap_steps
+        tau = flight.choice.overlap_steps
         self._overlap = _Overlap()
         try:
             if tau > 0 and not state.is_last_round(round_number):
@@ -136,16 +161,20 @@ class StreamingRounds(RoundRunner):
                 self._overlap = _Overlap(tau, result.seconds, result.losses, result.samples)
         finally:
             state.phase = pb.SITE_PHASE_WAITING
+            waited = time.monotonic()
             flight.thread.join()
+            self._merge_wait_s = time.monotonic() - waited
         if flight.error is not None:
             self._pending = flight
             raise flight.error
+        if flight.sent_s is not None and flight.back_s is not None:
+            self._meter.record_transfer(flight.back_s - flight.sent_s)
         self._finish(flight)
 
     def _train_and_encode(self, round_number: int) -> _InFlight:
         state, trainer = self.state, self.trainer
         started = time.monotonic()
-        steps = self.schedule.interval - self._overlap.steps
+        steps = max(0, self._choice.round_steps - self._overlap.steps)
         fragment_index = self.strategy.fragment_for_round(round_number)
         fragment = self.strategy.partition[fragment_index]
         # Secure aggregation: the round's secure sum is over its fragment; the key stages
@@ -157,6 +186,7 @@ class StreamingRounds(RoundRunner):
         trainer.position_lr_schedule(round_number, self.schedule.interval)
         state.phase = pb.SITE_PHASE_TRAINING
         result = trainer.train_steps(steps)
+        self._meter.record_steps(steps + self._overlap.steps, result.seconds + self._overlap.seconds)
         trainer.lr_schedule_reached(round_number + 1)  # the overlap steps count towards the next round
         # The round's steps: the overlap steps run while the previous fragment travelled, then these.
         losses = self._overlap.losses + result.losses
@@ -169,7 +199,7 @@ class StreamingRounds(RoundRunner):
         encoded = self._encode(update, round_number, fragment_index, samples)
         trained = TrainedUpdate(
             round=round_number, update=encoded, loss=loss, samples=samples,
-            inner_steps=self.schedule.interval, inner_time_s=result.seconds + self._overlap.seconds,
+            inner_steps=steps + self._overlap.steps, inner_time_s=result.seconds + self._overlap.seconds,
             started_s=started,
         )
         return _InFlight(trained=trained, fragment=fragment_index, bytes_down_before=bytes_down_before)
@@ -177,8 +207,11 @@ class StreamingRounds(RoundRunner):
     def _send_and_wait(self, flight: _InFlight) -> None:
         """Background thread: upload the fragment (if any), then wait for the round's broadcast."""
         client = self.client
+        first_attempt = flight.error is None and flight.sent_s is None
         flight.error = None
         trained = flight.trained
+        if first_attempt:
+            flight.sent_s = time.monotonic()
         try:
             if trained.update is not None and not flight.skip_upload and not flight.uploaded:
                 try:
@@ -186,7 +219,8 @@ class StreamingRounds(RoundRunner):
                     self.uplink.upload(
                         client, trained.update, round_number=trained.round,
                         inner_steps=trained.inner_steps,
-                        metrics={**trained.metrics(), "fragment": float(flight.fragment)},
+                        metrics={**trained.metrics(), "fragment": float(flight.fragment),
+                                 **flight.overlap_metrics},
                     )
                     flight.uploaded = True
                     self.uplink.uploaded()
@@ -198,10 +232,24 @@ class StreamingRounds(RoundRunner):
                                  self.site, trained.round, why)
             try:
                 flight.header, flight.data = client.await_broadcast(trained.round)
+                if first_attempt:
+                    flight.back_s = time.monotonic()
             except RunFinished:
                 flight.finished = True
         except BaseException as error:  # noqa: BLE001 (re-raised in the training thread)
             flight.error = error
+
+    def _overlap_metrics(self, choice: OverlapChoice) -> dict[str, float]:
+        """What the overlap rule saw and chose for a fragment (the fidelity check replays it);
+        a measurement not made yet is -1."""
+        step_s, transfer_s = self._meter.step_s, self._meter.transfer_s
+        return {
+            "overlap_steps": float(choice.overlap_steps),
+            "next_round_steps": float(choice.round_steps),
+            "step_s": -1.0 if step_s is None else step_s,
+            "transfer_s": -1.0 if transfer_s is None else transfer_s,
+            "merge_wait_s": self._merge_wait_s,
+        }
 
     def _finish(self, flight: _InFlight) -> None:
         state = self.state

@@ -17,6 +17,8 @@ the peak.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import subprocess
@@ -25,6 +27,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +47,16 @@ def _rss_bytes() -> int:
 class _PeakSampler:
     """Samples RSS in a thread; keeps the highest value and the main thread's stack there."""
 
-    def __init__(self, interval_s: float = 0.002) -> None:
+    def __init__(self, interval_s: float = 0.002, *, census: bool = False) -> None:
         self.interval_s = interval_s
+        self.census = census
         self.peak = 0
         self.stack: list[str] = []
+        self.tensors_mib: list[float] = []
+        """With ``census``: the live tensors' storages (deduplicated) at the peak, largest first."""
+        self.malloc_mib: dict[str, float] = {}
+        """With ``census``: glibc's heap at the peak (``mallinfo2``): in use, free but kept, mmapped."""
+        self._census_at = 0
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -70,7 +79,47 @@ class _PeakSampler:
                         f"{Path(f.filename).name}:{f.lineno} {f.name}"
                         for f in traceback.extract_stack(frame)[-12:]
                     ]
+                if self.census and rss > self._census_at * 1.02:
+                    self._census_at = rss
+                    self.tensors_mib = _live_storages_mib()
+                    self.malloc_mib = _mallinfo_mib()
             time.sleep(self.interval_s)
+
+
+def _live_storages_mib() -> list[float]:
+    """Sizes of the storages of every live tensor (gc walk; shared storages once), in MiB."""
+    import torch
+
+    sizes: dict[int, int] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on deprecated torch aliases warns
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                    storage = obj.untyped_storage()
+                    sizes[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, ReferenceError):
+                continue
+    return sorted((n / MiB for n in sizes.values() if n >= MiB), reverse=True)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost",
+    )]
+
+
+def _mallinfo_mib() -> dict[str, float]:
+    """glibc's heap: bytes in use, free but kept (not given back), and in mmapped blocks."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return {"heap_in_use": info.uordblks / MiB, "heap_free_kept": info.fordblks / MiB,
+            "mmapped": info.hblkhd / MiB}
 
 
 def _role_site(args: argparse.Namespace) -> None:
@@ -79,14 +128,15 @@ def _role_site(args: argparse.Namespace) -> None:
 
     baseline = _rss_bytes()
     model_bytes = 4 * args.numel
-    sampler = _PeakSampler()
+    sampler = _PeakSampler(census=args.census)
     sampler.start()
     phases._role_site(args)
     sampler.stop()
     out = Path(args.out)
     result = json.loads((out / "site.json").read_text())
     result.update(baseline_mib=baseline / MiB, sampled_peak_mib=sampler.peak / MiB,
-                  peak_stack=sampler.stack, model_mib=model_bytes / MiB)
+                  peak_stack=sampler.stack, model_mib=model_bytes / MiB,
+                  tensors_at_peak_mib=sampler.tensors_mib, malloc_at_peak_mib=sampler.malloc_mib)
     (out / "site.json").write_text(json.dumps(result))
 
 
@@ -104,10 +154,10 @@ def _run_codec(codec: str, args: argparse.Namespace, certs: Path, work: Path) ->
               "--certs", str(certs), "--out", str(out), "--timeout", str(args.timeout)]
     coordinator = phases._spawn("coordinator", *common)
     port = phases._wait_file(out / "port", coordinator, 300)
-    site = _spawn("site", *common, "--port", port)
+    site = _spawn("site", *common, "--port", port, *(["--census"] if args.census else []))
     for process in (site, coordinator):
         if process.wait(args.timeout) != 0:
-            raise SystemExit(f"{process.args} exited with {process.returncode}")
+            raise SystemExit(f"{process.args!r} exited with {process.returncode}")
     result = json.loads((out / "site.json").read_text())
     result["codec"] = codec
     return result
@@ -124,6 +174,8 @@ def main() -> None:
     parser.add_argument("--certs")
     parser.add_argument("--out")
     parser.add_argument("--port")
+    parser.add_argument("--census", action="store_true",
+                        help="also list the live tensors at the peak (a gc walk per new high: slower)")
     args = parser.parse_args()
     if args.role == "site":
         _role_site(args)
@@ -153,6 +205,12 @@ def main() -> None:
         print(f"\ncodec {r['codec']}: stack at the sampled peak ({r['sampled_peak_mib']:.0f} MiB)")
         for line in r["peak_stack"]:
             print("   ", line)
+        if r.get("tensors_at_peak_mib"):
+            sizes = r["tensors_at_peak_mib"]
+            print(f"  live tensor storages >= 1 MiB at the peak: {len(sizes)}, {sum(sizes):.0f} MiB: "
+                  + ", ".join(f"{n:.0f}" for n in sizes[:12]))
+            print("  malloc at the peak: " + ", ".join(
+                f"{k} {v:.0f} MiB" for k, v in r.get("malloc_at_peak_mib", {}).items()))
     print("\n" + json.dumps(results))
 
 

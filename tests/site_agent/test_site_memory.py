@@ -7,15 +7,22 @@ stays well under one model where the replaced path held a whole model more.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from _agent_helpers import AgentThread, make_agent, make_certs, start_coordinator
 from torch.profiler import ProfilerActivity, profile
 
+from geoloco.algorithms import strategy as strategy_module
 from geoloco.algorithms.diloco import pseudo_gradient
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy
+from geoloco.compression.casts import Lossless
+from geoloco.scenarios.workloads import build_workload
 from geoloco.site_agent.state import SiteState
 from geoloco.site_agent.uplink import StrategyUplink, UplinkUpdate
 
@@ -154,3 +161,42 @@ def test_a_lossless_update_goes_to_bytes_without_a_payload_copy() -> None:
     assert sent[0].data == reference
     # The codec's encode copies the update into a payload tensor (one model) before the bytes.
     assert peak < MODEL_BYTES // 2, peak
+
+
+@pytest.mark.parametrize("codec", ["int8", "none"])
+def test_a_real_sites_rounds_take_none_of_the_model_sized_copy_paths(
+    codec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whole rounds over gRPC: the site thread never flattens the model with error feedback,
+    never decodes a broadcast into a new vector, never copies a lossless update into a payload
+    (each a model-sized buffer); it ends on the coordinator's weights."""
+    calls: list[str] = []
+
+    def on_site(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name.startswith("site-"):
+                calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(ParamLayout, "flatten", on_site("flatten", ParamLayout.flatten))
+    monkeypatch.setattr(
+        strategy_module, "apply_downlink", on_site("apply_downlink", strategy_module.apply_downlink)
+    )
+    monkeypatch.setattr(Lossless, "encode_into", on_site("lossless payload", Lossless.encode_into))
+    certs = make_certs(tmp_path / "certs", ["solo"])
+    mlp = build_workload("mlp")
+    server = start_coordinator(
+        certs, mlp.build_model(0), total_rounds=2, min_sites=1,
+        algorithm=AlgorithmConfig(inner_steps=2, uplink_codec=codec, downlink_codec=codec),
+    )
+    try:
+        thread = AgentThread(make_agent(mlp, server, certs, "solo", index=0, num_sites=1, seed=0))
+        thread.start()
+        summary = thread.finish()
+    finally:
+        server.stop(grace=0)
+    assert summary.weights_digest == server.rounds.digest_hex
+    # ``none`` has no residual to form the update in: one flattened copy per round remains.
+    assert calls == ([] if codec == "int8" else ["flatten", "flatten"]), calls

@@ -181,6 +181,18 @@ class UpdateEncoder:
                 return self.codec.encode(update, seed=seed)
             return self.error_feedback.encode(update, seed=seed)
 
+    def encode_added(
+        self, pieces: Callable[[], Iterator[tuple[int, torch.Tensor]]], numel: int, *,
+        device: torch.device, seed: int,
+    ) -> Encoded | None:
+        """``encode`` of an update given piece by piece, formed in the error-feedback residual
+        (``ErrorFeedback.encode_added``, same bits, no model-sized update vector); None where
+        only ``encode`` applies (no error feedback, or the residual refused the pieces)."""
+        if self.error_feedback is None:
+            return None
+        with _seeded_rng(seed, device):
+            return self.error_feedback.encode_added(pieces, numel, device=device, seed=seed)
+
     def restore(self, encoded: Encoded) -> None:
         """The upload ``encoded`` was not aggregated (a straggler): keep all of it for next time.
 

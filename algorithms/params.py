@@ -124,6 +124,11 @@ class ParamLayout:
         )
         return cls(entries=entries, numel=int(data["numel"]))
 
+    def tensors(self, model: nn.Module) -> Iterator[tuple[ParamEntry, torch.Tensor]]:
+        """Each entry with the model's parameter at its place (checked against the layout):
+        for reading the weights piece by piece, without ``flatten``'s model-sized copy."""
+        return zip(self.entries, self._params(model), strict=True)
+
     def _params(self, model: nn.Module) -> Iterator[torch.Tensor]:
         named = list(model.named_parameters())
         if len(named) != len(self.entries):
@@ -166,7 +171,7 @@ def weights_digest(flat: torch.Tensor) -> str:
     if flat.dtype != torch.float32:
         raise ValueError(f"weights_digest expects fp32 weights, got {flat.dtype}")
     data = flat.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-    return hashlib.sha256(data.tobytes()).hexdigest()
+    return hashlib.sha256(data.data).hexdigest()  # the buffer itself: no bytes copy
 
 
 def derive_seed(*parts: int | str) -> int:

@@ -14,6 +14,8 @@ decode.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 
 from geoloco.compression.codec import Codec
@@ -69,6 +71,53 @@ class ErrorFeedback:
                     torch.sub(corrected, residual, out=residual)
                 else:
                     residual = corrected - self.codec.decode(encoded).to(work_dtype)
+        self.residual = residual
+        return encoded
+
+    def encode_added(
+        self, pieces: Callable[[], Iterator[tuple[int, torch.Tensor]]], numel: int, *,
+        device: torch.device, seed: int = 0,
+    ) -> Encoded | None:
+        """``encode`` of a float32 vector ``x`` of ``numel`` values that is never materialised:
+        ``pieces()`` yields ``(offset, x[offset : offset + n])`` in order, small pieces computed
+        on demand (a site's pseudo-gradient, parameter by parameter). ``u = e + x`` is formed
+        in the residual, so encoding costs no model-sized buffer besides the residual itself.
+
+        ``pieces`` is called twice: once to check that ``u`` is encodable (finite, within half
+        float32's range) before the residual changes, once to add. None (residual unchanged)
+        where this cannot give ``encode``'s bits, or ``u`` is not encodable: the caller then
+        takes the dense path (``encode``), which handles those cases. The bits are
+        ``encode``'s: ``e + x`` piece by piece is the same elementwise sum (``decay = 1`` only:
+        a scaled sum may round differently between vectorised and scalar code)."""
+        residual = self.residual
+        if self.decay != 1.0 or (
+            residual is not None and (
+                residual.shape != (numel,) or residual.dtype != torch.float32
+                or residual.device != device or not residual.is_contiguous()
+            )
+        ):
+            return None
+        if residual is None:
+            residual = torch.zeros(numel, dtype=torch.float32, device=device)
+        limit = torch.finfo(torch.float32).max / 2
+        with torch.no_grad():
+            covered = 0
+            for offset, piece in pieces():
+                if piece.dtype != torch.float32 or piece.device != device or offset != covered:
+                    return None
+                covered = offset + piece.numel()
+                if not piece.numel():
+                    continue
+                low, high = torch.aminmax(torch.add(residual[offset:covered], piece))
+                if not (-limit <= float(low) and float(high) <= limit):  # NaN fails too
+                    return None
+            if covered != numel:
+                return None
+            for offset, piece in pieces():
+                target = residual[offset : offset + piece.numel()]
+                torch.add(target, piece, out=target)
+            encoded = self.codec.encode(residual, seed=seed)
+            self.codec.add_decoded_into(encoded, residual, scale=-1.0)
         self.residual = residual
         return encoded
 

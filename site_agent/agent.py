@@ -216,7 +216,9 @@ class SiteAgent:
 
     @property
     def global_weights(self) -> torch.Tensor | None:
-        """The global weights this site holds (flat fp32), or None before the first join."""
+        """The global weights this site holds (flat fp32), or None before the first join: the
+        site's own copy, to which later broadcasts are added in place (clone it to keep a
+        round's weights)."""
         flat = self.state.global_weights_or_none
         return None if flat is None else flat.detach().cpu()
 

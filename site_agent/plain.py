@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -39,6 +40,9 @@ PENDING_DROPPED: Final = "dropped"
 """Nothing to send (non-finite, refused, not in the secure round): only the broadcast is taken."""
 
 PendingState = Literal["new", "uploaded", "late", "dropped"]
+
+_PIECE_ELEMENTS: Final = 1 << 20
+"""Values per piece of a pseudo-gradient formed in the residual (a 4 MB temporary)."""
 
 
 @dataclass(slots=True)
@@ -162,11 +166,11 @@ class PlainRounds(RoundRunner):
         update = None
         if saved["update"] is not None:
             data = tensors["pending.data"].numpy().tobytes()
-            encoded = Encoded.from_bytes(data)
+            Encoded.from_bytes(data)  # a damaged saved update fails here, at the restore
             update = UplinkUpdate(
                 fragment=int(saved["update"]["fragment"]), data=data,
                 sample_weight=float(saved["update"]["sample_weight"]),
-                wire=dict(saved["update"]["wire"]), encoded=encoded,
+                wire=dict(saved["update"]["wire"]),
             )
         trained = TrainedUpdate(
             round=int(saved["round"]), update=update, loss=float(saved["loss"]),
@@ -203,10 +207,15 @@ class PlainRounds(RoundRunner):
         training_at = time.monotonic()
         result = trainer.train_round(state.global_weights, round_number, inner_steps, budget_s)
         trained_at = time.monotonic()
-        update = pseudo_gradient_into_local(state.global_weights, trainer.flatten())
+        encoded = self._encode_added(round_number, result.samples)
         encoding_at = time.monotonic()
-        encoded = self._encode(update, round_number, 0, result.samples)
-        del update
+        if encoded is None:
+            update = pseudo_gradient_into_local(state.global_weights, trainer.flatten())
+            encoding_at = time.monotonic()
+            encoded = self._encode(update, round_number, 0, result.samples)
+            del update
+        else:
+            trained_at = encoding_at  # formed in the residual as it was encoded: all "encode"
         phases.update(
             train=trained_at - training_at, pseudo_gradient=encoding_at - trained_at,
             encode=time.monotonic() - encoding_at,
@@ -216,6 +225,36 @@ class PlainRounds(RoundRunner):
             inner_steps=result.steps, inner_time_s=result.seconds, started_s=started, phases_s=phases,
         )
         return PendingUpdate(trained, state=PENDING_NEW if encoded is not None else PENDING_DROPPED)
+
+    def _encode_added(self, round_number: int, samples: int) -> UplinkUpdate | None:
+        """The round's update encoded with the pseudo-gradient ``θ_t − θ_k`` added into the
+        uplink's error-feedback residual piece by piece (``StrategyUplink.encode_added``), so
+        no model-sized update vector exists; None where the dense path must run instead (no
+        error feedback, secure aggregation, weights not fp32 on one device, a non-finite or
+        unencodable update)."""
+        uplink, trainer = self.uplink, self.trainer
+        held = self.state.global_weights
+        if not isinstance(uplink, StrategyUplink) or uplink.encoders.encoders[0].error_feedback is None:
+            return None
+        tensors = list(trainer.layout.tensors(trainer.module))
+        if held.dtype != torch.float32 or not held.is_contiguous() or any(
+            p.dtype != torch.float32 or p.device != held.device for _, p in tensors
+        ):
+            return None
+
+        def pieces() -> Iterator[tuple[int, torch.Tensor]]:
+            with torch.no_grad():
+                for entry, param in tensors:
+                    local = param.detach().reshape(-1)
+                    for start in range(0, entry.numel, _PIECE_ELEMENTS):
+                        stop = min(entry.numel, start + _PIECE_ELEMENTS)
+                        at = entry.offset + start
+                        yield at, torch.sub(held[at : at + stop - start], local[start:stop])
+
+        return uplink.encode_added(
+            pieces, trainer.layout.numel, device=held.device,
+            round_seed=self.state.round_seed(round_number), fragment=0, samples=samples,
+        )
 
     def _upload(self, pending: PendingUpdate) -> bool:
         """Upload ``pending``; True when it reached its own round before that round closed."""
@@ -286,6 +325,7 @@ class PlainRounds(RoundRunner):
         if not included and trained.update is not None:
             self.uplink.restore(trained.update)
         resynced = self._apply_broadcast(pending.round, header, data)
+        del answer, data  # the download buffer (model-sized for a lossless downlink) goes now
         self.pending = None
         self.state.take_broadcast_header(header)
         uploaded = pending.state == PENDING_UPLOADED and trained.update is not None

@@ -173,7 +173,8 @@ class RoundRunner(ABC):
                 check_crc=header.delta.checksum.algorithm != pb.CHECKSUM_ALGORITHM_SHA256,
             )
             timings["apply"] = timings.get("apply", 0.0) + time.monotonic() - started
-            if self.state.apply_broadcast(
+            # Into the held weights (no second model-sized vector); a mismatch drops them.
+            if self.state.apply_broadcast_in_place(
                 self.strategy, round_number, downlink, header.weights_digest.digest.hex(), timings=timings,
             ):
                 del downlink

@@ -23,7 +23,7 @@ from geoloco.algorithms.config import config_from_dict
 from geoloco.algorithms.params import weights_digest
 from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig, Strategy
-from geoloco.compression import Encoded
+from geoloco.compression import Encoded, PipelineCodec, parse_codec
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import SiteAgentError
 from geoloco.site_agent.persist import b64decode, b64encode
@@ -210,6 +210,40 @@ class SiteState:
         if digest != expected_digest:
             return False
         self._global, self._digest, self._held_round = new, digest, round_number + 1
+        return True
+
+    def apply_broadcast_in_place(
+        self, strategy: Strategy, round_number: int, downlink: Encoded, expected_digest: str,
+        timings: dict[str, float] | None = None,
+    ) -> bool:
+        """``apply_broadcast`` without a second model-sized vector: the delta is decoded piece
+        by piece into the held weights themselves (``Codec.add_decoded_into``: the same sum, bit
+        for bit, as ``strategy.apply_downlink``). The price is that a digest mismatch leaves
+        nothing usable: the site then holds no weights (``has_weights`` is False, so the next
+        join fetches them) and the caller fetches at once. Falls back to ``apply_broadcast``
+        where the pieces would not give the same bits: a fragment of the model, weights that
+        are not one contiguous fp32 vector, and sparse codecs (which leave the coordinates they
+        did not select as they are, where the dense sum turns a ``-0.0`` into ``0.0``)."""
+        held = self.global_weights
+        codec = parse_codec(downlink.spec)
+        if not (
+            strategy.partition.is_whole and held.dtype == torch.float32 and held.is_contiguous()
+            and downlink.dtype == torch.float32 and downlink.numel == held.numel()
+            and isinstance(codec, PipelineCodec)
+            and codec.sparsifier is None
+        ):
+            return self.apply_broadcast(strategy, round_number, downlink, expected_digest, timings)
+        started = time.monotonic()
+        codec.add_decoded_into(downlink, held.view(-1))
+        applied = time.monotonic()
+        digest = weights_digest(held)
+        if timings is not None:
+            timings["apply"] = timings.get("apply", 0.0) + applied - started
+            timings["verify"] = timings.get("verify", 0.0) + time.monotonic() - applied
+        if digest != expected_digest:
+            self._global = self._digest = None
+            return False
+        self._digest, self._held_round = digest, round_number + 1
         return True
 
     def take_broadcast_header(self, header: pb.BroadcastHeader) -> None:

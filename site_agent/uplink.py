@@ -18,11 +18,13 @@ residual (after a non-finite update).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from geoloco.algorithms.diloco import LOSSLESS_SPEC
 from geoloco.algorithms.strategy import Strategy, uplink_seed
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.compression import Encoded
@@ -46,13 +48,17 @@ class UplinkUpdate:
     """``w_k`` sent with it."""
     wire: dict[str, Any] = field(default_factory=dict)
     """How the bytes are read: ``codec`` and ``shape`` (and, masked, ``dtype`` and ``chunk_size``)."""
-    encoded: Encoded | None = None
-    """The plain encoding (what ``restore`` gives back to its residual); None when masked."""
+    masked: bool = False
+    """A secure-aggregation input: it belongs to its own round's secure sum."""
 
-    @property
-    def masked(self) -> bool:
-        """A secure-aggregation input: it belongs to its own round's secure sum."""
-        return self.encoded is None
+    def encoded(self) -> Encoded:
+        """The plain encoding, parsed from ``data`` when ``restore`` needs it (rarely: a round
+        that did not aggregate the update). Kept only as bytes meanwhile: holding the
+        ``Encoded`` too would keep its payload, a second copy of every byte (for ``none``, a
+        model-sized one), alive for the whole round."""
+        if self.masked:
+            raise ValueError("a masked update has no plain encoding")
+        return Encoded.from_bytes(self.data)
 
 
 class SiteUplink(Protocol):
@@ -95,6 +101,10 @@ def _upload(
     )
 
 
+def _raw_fp32(update: torch.Tensor) -> bool:
+    return update.dtype == torch.float32 and update.is_contiguous() and update.device.type == "cpu"
+
+
 class StrategyUplink:
     """The strategy's per-fragment encoders with error feedback (see the module docstring)."""
 
@@ -113,11 +123,36 @@ class StrategyUplink:
     def encode(
         self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: int
     ) -> UplinkUpdate:
-        seed = uplink_seed(round_seed, self.site, self.strategy.config.uplink_codec)
-        encoded = self.encoders.encode(update, seed=seed, fragment=fragment)
+        encoder = self.encoders.encoders[fragment]
+        if encoder.error_feedback is None and encoder.spec == LOSSLESS_SPEC and _raw_fp32(update):
+            # What the lossless codec's encode would give, bit for bit, with the update's own
+            # memory as the payload instead of a model-sized copy of it (the caller checked
+            # the update is finite, which is all ``none`` checks).
+            flat = update.detach().reshape(-1)
+            encoded = Encoded(encoder.spec, tuple(update.shape), update.dtype, flat.view(torch.uint8))
+        else:
+            seed = uplink_seed(round_seed, self.site, self.strategy.config.uplink_codec)
+            encoded = self.encoders.encode(update, seed=seed, fragment=fragment)
         return UplinkUpdate(
             fragment=fragment, data=encoded.to_bytes(), sample_weight=float(max(samples, 1)),
-            wire={"codec": encoded.spec, "shape": list(encoded.shape)}, encoded=encoded,
+            wire={"codec": encoded.spec, "shape": list(encoded.shape)},
+        )
+
+    def encode_added(
+        self, pieces: Callable[[], Iterator[tuple[int, torch.Tensor]]], numel: int, *,
+        device: torch.device, round_seed: int, fragment: int, samples: int,
+    ) -> UplinkUpdate | None:
+        """``encode`` of an update given piece by piece (``UpdateEncoder.encode_added``): the
+        pseudo-gradient is added into the error-feedback residual and never held whole. None
+        where the dense ``encode`` must do it (no error feedback; pieces that are not finite
+        or not encodable, which ``encode`` then reports as it always has)."""
+        seed = uplink_seed(round_seed, self.site, self.strategy.config.uplink_codec)
+        encoded = self.encoders.encoders[fragment].encode_added(pieces, numel, device=device, seed=seed)
+        if encoded is None:
+            return None
+        return UplinkUpdate(
+            fragment=fragment, data=encoded.to_bytes(), sample_weight=float(max(samples, 1)),
+            wire={"codec": encoded.spec, "shape": list(encoded.shape)},
         )
 
     def upload(
@@ -130,8 +165,9 @@ class StrategyUplink:
         """Nothing follows a plain upload until the broadcast."""
 
     def restore(self, update: UplinkUpdate) -> None:
-        assert update.encoded is not None
-        self.encoders.restore(update.encoded, fragment=update.fragment)
+        if self.encoders.encoders[update.fragment].error_feedback is None:
+            return  # nothing to keep without error feedback: no need to parse the bytes
+        self.encoders.restore(update.encoded(), fragment=update.fragment)
 
     def reset(self, fragment: int) -> None:
         self.encoders.encoders[fragment] = self.strategy.uplink_encoder()
@@ -194,7 +230,8 @@ class MaskedUplink:
         if masked is None:
             return None
         return UplinkUpdate(
-            fragment=fragment, data=masked, sample_weight=1.0, wire=self.secure.upload_kwargs()
+            fragment=fragment, data=masked, sample_weight=1.0, wire=self.secure.upload_kwargs(),
+            masked=True,
         )
 
     def upload(

@@ -149,15 +149,21 @@ class FragmentOuter:
     coordinator's round phases)."""
 
     def step(
-        self, global_part: torch.Tensor, mean_update: torch.Tensor, seed: int, *, consume_mean: bool
+        self, global_part: torch.Tensor, mean_box: list[torch.Tensor], seed: int, *, consume_mean: bool
     ) -> tuple[Encoded, torch.Tensor]:
-        """Outer step on the fragment, then ``d_t`` and the fragment's ``θ_{t+1}``."""
+        """Outer step on the fragment, then ``d_t`` and the fragment's ``θ_{t+1}``.
+
+        The mean comes in a one-element list that this call empties, and ``θ'`` goes to the
+        downlink encoder straight from a list too: a local name in any frame would keep a
+        model-sized tensor alive through the downlink encode, the coordinator's peak.
+        """
         started = time.perf_counter()
-        new_part = self.outer.step(global_part, mean_update, consume_gradient=consume_mean)
-        del mean_update
+        new_box = [self.outer.step(global_part, mean_box.pop(), consume_gradient=consume_mean)]
         stepped = time.perf_counter()
         # θ' is this call's own tensor: θ' − θ_t is computed in its memory.
-        result = encode_downlink(self.downlink, global_part, new_part, seed=seed, consume_new_flat=True)
+        result = encode_downlink(
+            self.downlink, global_part, new_box.pop(), seed=seed, consume_new_flat=True
+        )
         self.last_step_s = {"outer_step": stepped - started, "downlink_encode": time.perf_counter() - stepped}
         return result
 
@@ -338,14 +344,16 @@ class Strategy:
         """
         fragment = self.partition[plan.fragment]
         whole = self.partition.is_whole
-        mean_update = mean_update.to(global_flat.device)  # a secure or DP mean may come from the CPU
+        # A secure or DP mean may come from the CPU. The list is the only holder from here on, so
+        # the step frees the mean before the downlink encode (see ``FragmentOuter.step``).
+        mean_box = [mean_update.to(global_flat.device)]
+        del mean_update
         # Taken before the outer step, which may overwrite the mean (consume_mean).
-        mean_norm = float(torch.linalg.vector_norm(mean_update))
+        mean_norm = float(torch.linalg.vector_norm(mean_box[0]))
         downlink, next_part = self.fragments[plan.fragment].step(
-            global_flat if whole else fragment.gather(global_flat), mean_update,
+            global_flat if whole else fragment.gather(global_flat), mean_box,
             plan.downlink_seed, consume_mean=consume_mean,
         )
-        del mean_update
         next_flat = next_part if whole else fragment.scatter_(global_flat.clone(), next_part)
         return RoundUpdate(
             global_flat=next_flat, downlink=downlink, digest=weights_digest(next_flat), sites=sites,

@@ -208,3 +208,45 @@ def test_algorithm_config_errors(data, key, fragment) -> None:
 def test_outer_config_defaults_resolve_per_algorithm() -> None:
     cfg = OuterOptimizerConfig(lr=0.5)
     assert cfg.resolved("nesterov").momentum == 0.9 and cfg.resolved("nesterov").lr == 0.5
+
+
+def _model_sized_storages(numel: int) -> set[int]:
+    """Distinct storages of the live fp32 tensors of ``numel`` elements (a census by GC)."""
+    import gc
+
+    return {
+        o.untyped_storage().data_ptr()
+        for o in gc.get_objects()
+        if isinstance(o, torch.Tensor) and o.numel() == numel
+    }
+
+
+def test_the_mean_and_theta_prime_are_freed_before_the_new_weights_are_built(monkeypatch) -> None:
+    # The coordinator's peak is where the downlink builds θ_{t+1}: by then the round's mean and θ'
+    # are dead, and no frame may keep them alive (each is a whole model at a billion parameters).
+    import geoloco.algorithms.diloco as diloco
+
+    numel = 1 << 15
+    strategy = build_strategy(AlgorithmConfig(inner_steps=1), numel=numel)
+    theta = torch.randn(numel)
+    plan = strategy.configure_round(0, ["0", "1"])
+    agg = strategy.new_aggregator(0)
+    encoder = strategy.build_uplink()
+    for k in plan.sites:
+        agg.add(encoder.encode(torch.randn(numel), seed=plan.uplink_seed(k)), 1.0, site=k)
+    seen: list[set[int]] = []
+    original = diloco.apply_downlink
+
+    def census_then_apply(global_flat: torch.Tensor, encoded):  # type: ignore[no-untyped-def]
+        seen.append(_model_sized_storages(numel))
+        return original(global_flat, encoded)
+
+    monkeypatch.setattr(diloco, "apply_downlink", census_then_apply)
+    update = strategy.aggregate_round(theta, agg, plan)
+    momentum = strategy.fragments[0].outer.state_tensors()
+    live = {t.untyped_storage().data_ptr() for t in momentum.values() if t.numel() == numel}
+    assert seen and seen[0] == {theta.untyped_storage().data_ptr()} | live, (
+        f"{len(seen[0])} model-sized storages alive while θ_(t+1) is built; expected θ_t and the "
+        f"outer state ({1 + len(live)})"
+    )
+    assert update.global_flat.numel() == numel

@@ -217,7 +217,7 @@ def build_uplinks(
             fragments=len(strategy.partition), session=session,
         )
     else:
-        uplinks = {site: strategy.build_uplink() for site in sites}
+        uplinks = {site: strategy.build_uplink(site) for site in sites}
         kind = PlainUplinks(strategy, uplinks, privacy)
     return (AttackedUplinks(kind, attacks) if attacks else kind), uplinks
 

@@ -283,6 +283,20 @@ class Strategy:
         """Elements of round ``round_index``'s uploads and broadcast (its fragment's)."""
         return self.fragment(round_index).numel
 
+    def upload_numel(self, round_index: int, site: str) -> int:
+        """Elements of site ``site``'s upload for round ``round_index``: its partial-updates
+        group's subset, or the round's update (``update_numel``)."""
+        if self.partial is not None:
+            return self.partial.partial_numel(self.partial.site_group(site))
+        return self.update_numel(round_index)
+
+    def upload_part(self, update: torch.Tensor, site: str) -> torch.Tensor:
+        """What site ``site`` encodes of its update: its group's subset with partial updates
+        (in layout order), else the update itself."""
+        if self.partial is None:
+            return update
+        return self.partial.gather(update, self.partial.site_group(site))
+
     def configure_round(self, round_index: int, sites: Sequence[str]) -> RoundPlan:
         """The plan of round ``round_index`` (from 0, as on the wire)."""
         return RoundPlan(

@@ -70,6 +70,11 @@ class Codec(ABC):
         """True when every site must encode with the round's shared seed (``randk:F,shared``)."""
         return False
 
+    def with_shapes(self, shapes: Sequence[Sequence[int]]) -> Codec:
+        """This codec bound to the tensors a flat vector is made of (a model's parameter
+        shapes, in order); only codecs that tile per tensor (``tiletopk``) use them."""
+        return self
+
     def add_decoded_into(self, encoded: Encoded, out: torch.Tensor, *, scale: float = 1.0) -> None:
         """``out.add_(decode(encoded), alpha=scale)`` for a flat ``out`` of ``encoded.numel``
         values: the same numbers, and :class:`CodecError` before ``out`` is touched when the
@@ -124,7 +129,7 @@ class PipelineCodec(Codec):
         """This codec bound to the tensors a flat vector is made of, in order (a model's
         parameter shapes): ``tiletopk`` then tiles each tensor; other codecs ignore shapes.
         The spec is unchanged: a ``tiletopk`` payload names its shapes itself."""
-        if self.sparsifier is None or not hasattr(self.sparsifier, "with_shapes"):
+        if not isinstance(self.sparsifier, TileTopK):
             return self
         return PipelineCodec(self.values, self.sparsifier.with_shapes(shapes))
 

@@ -103,7 +103,7 @@ class StrategyUplink:
     def __init__(self, strategy: Strategy, site: str) -> None:
         self.strategy = strategy
         self.site = site
-        self.encoders: FragmentUplink = strategy.build_uplink()
+        self.encoders: FragmentUplink = strategy.build_uplink(site)
 
     def begin_round(
         self, client: CoordinatorClient, *, round_number: int, round_seed: int, numel: int
@@ -114,7 +114,8 @@ class StrategyUplink:
         self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: int
     ) -> UplinkUpdate:
         seed = uplink_seed(round_seed, self.site, self.strategy.config.uplink_codec)
-        encoded = self.encoders.encode(update, seed=seed, fragment=fragment)
+        # Partial updates: only the site's group's subset travels (the coordinator knows which).
+        encoded = self.encoders.encode(self.strategy.upload_part(update, self.site), seed=seed, fragment=fragment)
         return UplinkUpdate(
             fragment=fragment, data=encoded.to_bytes(), sample_weight=float(max(samples, 1)),
             wire={"codec": encoded.spec, "shape": list(encoded.shape)}, encoded=encoded,
@@ -134,7 +135,7 @@ class StrategyUplink:
         self.encoders.restore(update.encoded, fragment=update.fragment)
 
     def reset(self, fragment: int) -> None:
-        self.encoders.encoders[fragment] = self.strategy.uplink_encoder()
+        self.encoders.encoders[fragment] = self.strategy.uplink_encoder(self.site)
 
     def residual(self, fragment: int = 0) -> torch.Tensor | None:
         return self.encoders.encoders[fragment].residual

@@ -1,7 +1,7 @@
-"""Partial Parameter Updates through the real system: a coordinator and two sites over gRPC with
-mutual TLS (sites as threads, as in test_real_system_matches_simulator) end on the simulator's
-weights, each site trains and uploads only its group's tensors, and the coordinator refuses an
-upload of the wrong size.
+"""Partial Parameter Updates and SparseLoCo's per-tensor tiles through the real system: a
+coordinator and two sites over gRPC with mutual TLS (sites as threads, as in
+test_real_system_matches_simulator) end on the simulator's weights; with partial updates each site
+trains and uploads only its group's tensors.
 
 Equality: with ``mode = "blocks"`` every coordinate is trained by exactly one site, so the
 coordinator's per-coordinate mean does not depend on the order uploads arrive in, and the run is
@@ -78,7 +78,34 @@ def test_two_sites_over_grpc_end_on_the_simulators_weights_uploading_only_their_
         assert record["bytes_up"]["1"] + 1000 < full  # site 1 trains 164 of 1,732 values
 
 
-def test_the_coordinator_refuses_an_upload_of_the_whole_model_from_a_partial_site() -> None:
+@pytest.mark.parametrize("partial", [False, True], ids=["sparseloco", "sparseloco-ppu"])
+def test_sparseloco_tiles_per_tensor_over_grpc_and_matches_the_simulator(certs: Path, partial: bool) -> None:
+    """The sites' uplink codec is bound to the model's (or their group's) tensor shapes, the
+    coordinator decodes the tiles from the payload alone, and both end bit for bit equal."""
+    extra = {"partial_updates": PARTIAL} if partial else {}
+    run = Run(
+        workload=build_workload("mlp"), num_sites=2, rounds=3, seed=6,
+        algorithm=AlgorithmConfig.preset("sparseloco", inner_steps=3, uplink_codec="tiletopk:0.1,tile=8|int2", **extra),
+    )
+    server = run.start_coordinator(certs)
+    threads = [AgentThread(run.agent(certs, server.port, k)) for k in range(run.num_sites)]
+    try:
+        for t in threads:
+            t.start()
+        summaries = [t.finish() for t in threads]
+        assert server.wait_until_finished(30)
+    finally:
+        server.stop(grace=0)
+    assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
+    assert torch.equal(server.rounds.weights, run.simulate())
+    for t in threads:
+        # Bound to the tensors the site uploads: the MLP's 6, or its blocks/2 group's 3.
+        encoder = t.agent._rounds.uplink.encoders.encoders[0]  # type: ignore[union-attr]
+        shapes = encoder.codec.sparsifier.shapes
+        assert shapes is not None and len(shapes) == (3 if partial else 6)
+
+
+def test_upload_numel_is_the_sites_group_subset() -> None:
     from geoloco.algorithms.strategy import build_strategy
 
     mlp = build_workload("mlp")

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from geoloco.algorithms.fixed_point import clip_l2, secure_generator
+from geoloco.algorithms.partial import PartialAssignment, PartialMean
 from geoloco.algorithms.robust import RobustAggregation, RobustRule
 from geoloco.compression import Encoded, add_decoded_into, decode
 
@@ -204,11 +205,18 @@ def new_aggregation(
     central_dp: tuple[float, float] | None = None,
     robust: RobustRule | None = None,
     device: torch.device | str | None = None,
+    partial: PartialAssignment | None = None,
 ) -> Aggregation:
     """The aggregation of a round whose updates the aggregator sees one by one (not masked):
-    a ``RunningSum``, with ``central_dp = (clip_norm, noise_multiplier)`` a ``CentralDPSum``, or
-    with an enabled ``robust`` rule a ``RobustAggregation``. The coordinator's plain intake and
-    the simulator both build their rounds' sums here."""
+    a ``RunningSum``, with ``central_dp = (clip_norm, noise_multiplier)`` a ``CentralDPSum``,
+    with an enabled ``robust`` rule a ``RobustAggregation``, with partial updates a
+    ``PartialMean`` (each coordinate over the sites that trained it; configuration refuses it
+    with the other two). The coordinator's plain intake and the simulator both build their
+    rounds' sums here."""
+    if partial is not None:
+        if central_dp is not None or (robust is not None and robust.enabled):
+            raise ValueError("partial updates combine with neither central DP nor robust aggregation")
+        return PartialMean(partial, device=device)
     if robust is not None and robust.enabled:
         if central_dp is not None:
             raise ValueError(

@@ -16,6 +16,7 @@ from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.algorithms.weighting import LATE_UPDATE_POLICIES, WEIGHTINGS
 from geoloco.compression import CodecError, parse_codec
 from geoloco.compression.sparsify import TopK
+from geoloco.compression.tiles import TileTopK
 
 __all__ = ["ALGORITHM_NAMES", "PRESETS", "AlgorithmConfig"]
 
@@ -23,21 +24,23 @@ ALGORITHM_NAMES: tuple[str, ...] = ("diloco", "fedavg", "fedopt", "ddp", "sparse
 """The names ``[algorithm] name`` takes (``geoloco.algorithms.strategy.ALGORITHMS`` maps each to
 its strategy class)."""
 
-SPARSELOCO_CHUNK = 4096
+SPARSELOCO_TILE = 64
 """SparseLoCo's top-k chunk: the paper tiles each weight matrix into 64 x 64 = 4096 values."""
 
 PRESETS: dict[str, dict[str, Any]] = {
     "sparseloco": {
-        "uplink_codec": f"topk:0.03,chunk={SPARSELOCO_CHUNK}|int2",
+        "uplink_codec": f"tiletopk:0.03,tile={SPARSELOCO_TILE}|int2",
         "error_feedback": True,
         "error_feedback_decay": 0.95,
     },
 }
 """``[algorithm]`` keys an algorithm name implies (a preset). ``config_from_dict`` fills in those a
-file or dict leaves out; keys given explicitly win. SparseLoCo (Sarfi et al. 2025): chunked top-k
-(3 % of each chunk of 4096) with 2-bit values and error feedback whose residual decays by 0.95
-per round; its outer optimizer, plain SGD lr 1, is the strategy's default
-(``geoloco.algorithms.strategy.SparseLoCo``)."""
+file or dict leaves out; keys given explicitly win. SparseLoCo (Sarfi et al. 2025): top-k per
+tensor tile (3 % of each 64 x 64 tile of a weight matrix, of each chunk of 4096 values of a 1-D
+tensor; ``geoloco.compression.tiles``) with 2-bit values and error feedback whose residual decays
+by 0.95 per round; its outer optimizer, plain SGD lr 1, is the strategy's default
+(``geoloco.algorithms.strategy.SparseLoCo``). The flat-chunk variant of earlier versions,
+``topk:0.03,chunk=4096|int2``, is still accepted as the codec of a ``sparseloco`` run."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -121,11 +124,12 @@ class AlgorithmConfig:
                 raise ConfigError(key, str(err)) from None
         if self.name == "sparseloco":
             require(
-                isinstance(getattr(parse_codec(self.uplink_codec), "sparsifier", None), TopK),
+                isinstance(getattr(parse_codec(self.uplink_codec), "sparsifier", None), (TopK, TileTopK)),
                 "uplink_codec",
                 f"sparseloco sends chunked top-k updates, got {self.uplink_codec!r}; leave "
                 f"uplink_codec unset for the preset's {PRESETS['sparseloco']['uplink_codec']!r} "
-                "(in code: AlgorithmConfig.preset(\"sparseloco\", ...)) or give a 'topk:F' codec",
+                "(in code: AlgorithmConfig.preset(\"sparseloco\", ...)) or give a 'tiletopk:F' or "
+                "'topk:F' codec",
             )
         require(
             0 < self.error_feedback_decay <= 1,

@@ -8,8 +8,10 @@ group's coordinates: the subset, gathered in layout order, is encoded as one vec
 (``partial_numel`` values; the bytes counted are that encoding's), and the coordinator scatters
 it back.
 
-Assignment (``[algorithm.partial_updates]``), fixed for the whole run, site ``k`` (the
-simulator's ``str(k)``) training group ``k mod groups``:
+Assignment (``[algorithm.partial_updates]``), fixed for the whole run, site ``k`` training group
+``k mod groups``, where ``k`` is the number a site's name ends with (the simulator's ``"0"`` ..
+``"N-1"``; a real site named ``"site-3"`` is site 3), so the coordinator and every site derive
+the same assignment from the name alone:
 
 - ``mode = "blocks"``: the model's parameter tensors, in ``named_parameters()`` order, are cut
   into ``groups`` contiguous runs of whole tensors of about equal size (each run ends at the
@@ -23,7 +25,10 @@ Aggregation: each coordinate is the weighted mean of the updates of the sites th
 sites); a coordinate no site of the round trained gets 0 (with a momentum outer optimizer its
 momentum still moves it). Every group needs a site, so a run needs at least ``groups`` sites.
 
-Simulator only for now: the real coordinator refuses the key (``coordinator/config.py``). With a
+The real system does the same over gRPC: a site freezes the tensors of the other groups
+(``geoloco.site_agent.trainer.SiteTrainer.train_only``) and uploads its group's subset; the
+coordinator expects an upload of exactly that many values from that site and averages with
+``PartialMean``. Not combined with privacy, robust aggregation or streaming fragments. With a
 data-parallel warm-up (``warmup_steps > 0``) every site starts from the warm-up's optimizer state
 for all tensors, so frozen tensors then hold state they never use (the weights are still
 untouched: a tensor without a gradient is skipped by the optimizer step).
@@ -45,6 +50,7 @@ __all__ = ["PartialAssignment", "PartialMean", "PartialUpdatesConfig"]
 
 PARTIAL_MODES = ("blocks", "layers")
 _LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+_SITE_NUMBER = re.compile(r"(\d+)$")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,14 +124,14 @@ class PartialAssignment:
         return assignment
 
     def site_group(self, site: str) -> int:
-        """The group site ``site`` trains: ``k mod groups`` for the simulator's site ``str(k)``."""
-        try:
-            return int(site) % self.groups
-        except ValueError:
+        """The group site ``site`` trains: ``k mod groups``, ``k`` the number its name ends with."""
+        match = _SITE_NUMBER.search(site)
+        if match is None:
             raise ValueError(
-                f"partial updates assign groups by site index; site {site!r} is not one "
-                "(the simulator names its sites '0'..'N-1')"
-            ) from None
+                f"partial updates assign groups by the number a site's name ends with; site {site!r} "
+                "has none (name sites '0', '1', ... or 'site-0', 'site-1', ...)"
+            )
+        return int(match.group(1)) % self.groups
 
     def trained(self, group: int) -> tuple[bool, ...]:
         """Per layout entry: whether a site of ``group`` trains it."""

@@ -30,7 +30,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from geoloco.algorithms.aggregation import Aggregation, new_aggregation
 from geoloco.algorithms.config import require
-from geoloco.algorithms.partial import PartialMean
 from geoloco.algorithms.privacy import (
     PrivacyConfig,
     PrivateUpdateEncoder,
@@ -92,17 +91,13 @@ class PlainUplinks:
         self.privacy = privacy
 
     def begin(self, plan: RoundPlan) -> Aggregation:
-        if self.strategy.partial is not None:
-            return PartialMean(self.strategy.partial, device=self.strategy.device)
         return new_aggregation(
             self.strategy.update_numel(plan.round), central_dp=self.privacy.unmasked_central_dp,
-            robust=self.strategy.config.robust_rule, device=self.strategy.device,
+            robust=self.strategy.config.robust_rule, device=self.strategy.device, partial=self.strategy.partial,
         )
 
     def encode(self, site: str, update: torch.Tensor, plan: RoundPlan, aggregation: Aggregation) -> Payload:
-        partial = self.strategy.partial
-        if partial is not None:  # only the site's own group travels (zero elsewhere)
-            update = partial.gather(update, partial.site_group(site))
+        update = self.strategy.upload_part(update, site)  # partial updates: only the site's group travels
         return self.uplinks[site].encode(update, seed=plan.uplink_seed(site), fragment=plan.fragment)
 
     def nbytes(self, site: str, payload: Payload, aggregation: Aggregation) -> int:
@@ -217,7 +212,7 @@ def build_uplinks(
             fragments=len(strategy.partition), session=session,
         )
     else:
-        uplinks = {site: strategy.build_uplink() for site in sites}
+        uplinks = {site: strategy.build_uplink(site) for site in sites}
         kind = PlainUplinks(strategy, uplinks, privacy)
     return (AttackedUplinks(kind, attacks) if attacks else kind), uplinks
 

@@ -226,6 +226,8 @@ class Strategy:
             )
         else:
             self.partition = FragmentPartition.whole(numel)
+        self.layout = layout
+        """The model's parameter layout, when given: uplink codecs that tile per tensor use it."""
         self.partial: PartialAssignment | None = None
         """Partial Parameter Updates: which tensors each site trains (None: all of them)."""
         if config.partial_updates.enabled:
@@ -252,9 +254,14 @@ class Strategy:
     def _build_outer(self, numel: int) -> OuterOptimizer:
         return OuterOptimizer(self.outer_optimizer_config, numel, device=self.device)
 
-    def _build_encoder(self, direction: Literal["uplink", "downlink"]) -> UpdateEncoder:
+    def _build_encoder(
+        self, direction: Literal["uplink", "downlink"], shapes: Sequence[tuple[int, ...]] | None = None
+    ) -> UpdateEncoder:
+        codec = parse_codec(self.config.uplink_codec if direction == "uplink" else self.config.downlink_codec)
+        if direction == "downlink":
+            shapes = self.update_shapes()
         return UpdateEncoder(
-            self.config.uplink_codec if direction == "uplink" else self.config.downlink_codec,
+            codec if shapes is None else codec.with_shapes(shapes),
             error_feedback=self.config.error_feedback,
             decay=self.config.error_feedback_decay,
         )
@@ -282,6 +289,20 @@ class Strategy:
         """Elements of round ``round_index``'s uploads and broadcast (its fragment's)."""
         return self.fragment(round_index).numel
 
+    def upload_numel(self, round_index: int, site: str) -> int:
+        """Elements of site ``site``'s upload for round ``round_index``: its partial-updates
+        group's subset, or the round's update (``update_numel``)."""
+        if self.partial is not None:
+            return self.partial.partial_numel(self.partial.site_group(site))
+        return self.update_numel(round_index)
+
+    def upload_part(self, update: torch.Tensor, site: str) -> torch.Tensor:
+        """What site ``site`` encodes of its update: its group's subset with partial updates
+        (in layout order), else the update itself."""
+        if self.partial is None:
+            return update
+        return self.partial.gather(update, self.partial.site_group(site))
+
     def configure_round(self, round_index: int, sites: Sequence[str]) -> RoundPlan:
         """The plan of round ``round_index`` (from 0, as on the wire)."""
         return RoundPlan(
@@ -294,13 +315,28 @@ class Strategy:
             seed=derive_seed(self.seed, self.name, round_index),
         )
 
-    def build_uplink(self) -> FragmentUplink:
-        """A site's uplink encoders (one per fragment, kept across rounds for their residuals)."""
-        return FragmentUplink([self.uplink_encoder() for _ in self.partition.fragments])
+    def update_shapes(self, site: str | None = None) -> list[tuple[int, ...]] | None:
+        """The parameter tensors an update vector is made of, in order, where the strategy
+        knows them (for codecs that tile per tensor, ``tiletopk``): the model's, or with partial
+        updates site ``site``'s group's; None with streaming fragments, without a layout, or
+        with partial updates but no site (such codecs then read the vector as one 1-D tensor)."""
+        if self.layout is None or len(self.partition.fragments) > 1:
+            return None
+        if self.partial is None:
+            return [entry.shape for entry in self.layout.entries]
+        if site is None:
+            return None
+        trained = self.partial.trained(self.partial.site_group(site))
+        return [entry.shape for entry, on in zip(self.layout.entries, trained, strict=True) if on]
 
-    def uplink_encoder(self) -> UpdateEncoder:
+    def build_uplink(self, site: str | None = None) -> FragmentUplink:
+        """A site's uplink encoders (one per fragment, kept across rounds for their residuals);
+        ``site`` names whose group's tensors a partial-updates upload holds."""
+        return FragmentUplink([self.uplink_encoder(site) for _ in self.partition.fragments])
+
+    def uplink_encoder(self, site: str | None = None) -> UpdateEncoder:
         """One fresh uplink encoder (empty residual), e.g. to reset a fragment's after NaNs."""
-        return self._build_encoder("uplink")
+        return self._build_encoder("uplink", self.update_shapes(site))
 
     def site_weight(self, samples: int, inner_steps: int = 1) -> float:
         """``w_k`` for a site that ran ``inner_steps`` steps on ``samples`` samples this round."""

@@ -10,6 +10,7 @@ Specs (see :func:`describe_codecs` for the generated list)::
     int8 | int4 | int2 | int1 block-wise quantization, options block=N (default 256, multiple of 8)
                               and the flag stochastic (unbiased rounding); see quantize.py
     topk:F[,chunk=N]          per-chunk top-k by magnitude, indices bit-packed; see sparsify.py
+    tiletopk:F[,tile=T]       top-k per TxT tile of each tensor (SparseLoCo); see tiles.py
     randk:F[,unbiased][,shared]
                               random-k from encode()'s seed, indices not sent: per-site coordinates
                               by default, the same coordinates at every site with shared (the
@@ -27,6 +28,8 @@ for ``n`` values of original dtype size ``d`` bytes is
 - ``topk:F,chunk=c|V``: ``roundup8(ceil(k * max(1, ceil(log2 c)) / 8)) + V(k)`` with
   ``k = (n // c) * ceil(F * c) + ceil(F * (n % c))``
 - ``randk:F|V``: ``8 + V(ceil(F * n))`` (the seed)
+- ``tiletopk:F,tile=T|V``: ``8 + 8 * tensors + roundup8(ceil(k * ceil(log2 T²) / 8)) + V(k)``,
+  ``k`` summed over the tiles (tiles.py)
 
 ``Codec.encoded_nbytes(shape, dtype)`` gives that size without encoding (for simulated links);
 ``decode(..., out=buffer)`` decodes into a preallocated tensor. Decoding data that is truncated,

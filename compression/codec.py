@@ -13,7 +13,7 @@ import functools
 import math
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -25,6 +25,7 @@ from geoloco.compression.encoded import DTYPE_CODES, CodecError, Encoded
 from geoloco.compression.quantize import BLOCK_OPTION, STOCHASTIC_OPTION, BlockQuantizer
 from geoloco.compression.sparsify import RandK, TopK
 from geoloco.compression.stages import Option, Sparsifier, Stage, ValueCodec, check_payload_nbytes
+from geoloco.compression.tiles import TileTopK
 
 
 class Codec(ABC):
@@ -68,6 +69,11 @@ class Codec(ABC):
     def shared_coordinates(self) -> bool:
         """True when every site must encode with the round's shared seed (``randk:F,shared``)."""
         return False
+
+    def with_shapes(self, shapes: Sequence[Sequence[int]]) -> Codec:
+        """This codec bound to the tensors a flat vector is made of (a model's parameter
+        shapes, in order); only codecs that tile per tensor (``tiletopk``) use them."""
+        return self
 
     def add_decoded_into(self, encoded: Encoded, out: torch.Tensor, *, scale: float = 1.0) -> None:
         """``out.add_(decode(encoded), alpha=scale)`` for a flat ``out`` of ``encoded.numel``
@@ -119,18 +125,27 @@ class PipelineCodec(Codec):
         ``encode`` so that every site keeps the same coordinates."""
         return isinstance(self.sparsifier, RandK) and self.sparsifier.shared
 
-    def payload_nbytes(self, numel: int, dtype: torch.dtype) -> int:
-        """Exact payload size for a tensor of ``numel`` elements of ``dtype``."""
-        if self.sparsifier is None:
+    def with_shapes(self, shapes: Sequence[Sequence[int]]) -> PipelineCodec:
+        """This codec bound to the tensors a flat vector is made of, in order (a model's
+        parameter shapes): ``tiletopk`` then tiles each tensor; other codecs ignore shapes.
+        The spec is unchanged: a ``tiletopk`` payload names its shapes itself."""
+        if not isinstance(self.sparsifier, TileTopK):
+            return self
+        return PipelineCodec(self.values, self.sparsifier.with_shapes(shapes))
+
+    def payload_nbytes(self, numel: int, dtype: torch.dtype, sparsifier: Sparsifier | None = None) -> int:
+        """Exact payload size for a tensor of ``numel`` elements of ``dtype`` (``sparsifier``:
+        the pipeline's own bound to a shape or payload, when its size depends on it)."""
+        sparsifier = sparsifier or self.sparsifier
+        if sparsifier is None:
             return self.values.payload_nbytes(numel, dtype)
-        return self.sparsifier.index_nbytes(numel) + self.values.payload_nbytes(
-            self.sparsifier.num_selected(numel), dtype
-        )
+        return sparsifier.index_nbytes(numel) + self.values.payload_nbytes(sparsifier.num_selected(numel), dtype)
 
     def encoded_nbytes(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> int:
         numel = math.prod(shape)
         probe = Encoded(self.spec, tuple(shape), dtype, torch.empty(0, dtype=torch.uint8))
-        return probe.nbytes + self.payload_nbytes(numel, dtype)
+        sparsifier = None if self.sparsifier is None else self.sparsifier.for_shape(tuple(shape))
+        return probe.nbytes + self.payload_nbytes(numel, dtype, sparsifier)
 
     def encode(self, tensor: torch.Tensor, *, seed: int = 0) -> Encoded:
         if not isinstance(tensor, torch.Tensor):
@@ -147,12 +162,13 @@ class PipelineCodec(Codec):
             if self.sparsifier is not None or not self.values.checks_finite or flat.dtype == torch.float64:
                 absmax = _check_encodable(flat, self.spec, float32_range=not lossless_values)
             numel = flat.numel()
-            payload = _memory.empty(self.payload_nbytes(numel, flat.dtype), torch.uint8, flat.device)
-            if self.sparsifier is None:
+            sparsifier = None if self.sparsifier is None else self.sparsifier.for_shape(tuple(tensor.shape))
+            payload = _memory.empty(self.payload_nbytes(numel, flat.dtype, sparsifier), torch.uint8, flat.device)
+            if sparsifier is None:
                 self.values.encode_into(flat, payload, absmax=absmax)
             else:
-                index_nbytes = self.sparsifier.index_nbytes(numel)
-                chosen = self.sparsifier.select(flat, payload[:index_nbytes], seed=seed)
+                index_nbytes = sparsifier.index_nbytes(numel)
+                chosen = sparsifier.select(flat, payload[:index_nbytes], seed=seed)
                 self.values.encode_into(chosen, payload[index_nbytes:], absmax=absmax)
         return Encoded(self.spec, tuple(tensor.shape), tensor.dtype, payload)
 
@@ -213,8 +229,15 @@ class PipelineCodec(Codec):
     def _checked(self, encoded: Encoded) -> Encoded:
         if encoded.spec != self.spec and _canonical_or_none(encoded.spec) != self.spec:
             raise CodecError(f"data was encoded with {encoded.spec!r} but this codec is {self.spec!r}")
-        check_payload_nbytes(self.spec, encoded.payload, self.payload_nbytes(encoded.numel, encoded.dtype))
+        sparsifier = self._sparsifier_for(encoded.payload, encoded.numel)
+        check_payload_nbytes(
+            self.spec, encoded.payload, self.payload_nbytes(encoded.numel, encoded.dtype, sparsifier)
+        )
         return encoded
+
+    def _sparsifier_for(self, payload: torch.Tensor, numel: int) -> Sparsifier | None:
+        """The sparsifier that decodes ``payload``: bound to the shapes it names, if any."""
+        return None if self.sparsifier is None else self.sparsifier.for_payload(payload, numel)
 
     def _pieces(self, encoded: Encoded, device: torch.device) -> Iterator[tuple[int | torch.Tensor, torch.Tensor]]:
         """``(offset, values)`` runs or one ``(indices, values)`` set of the decoded tensor."""
@@ -225,10 +248,12 @@ class PipelineCodec(Codec):
                 if self.sparsifier is None:
                     yield from self.values.decode_pieces(payload, numel, encoded.dtype, device)
                     return
-                index_nbytes = self.sparsifier.index_nbytes(numel)
-                chosen = torch.empty(self.sparsifier.num_selected(numel), dtype=torch.float32, device=device)
+                sparsifier = self._sparsifier_for(payload, numel)
+                assert sparsifier is not None
+                index_nbytes = sparsifier.index_nbytes(numel)
+                chosen = torch.empty(sparsifier.num_selected(numel), dtype=torch.float32, device=device)
                 self.values.decode_into(payload[index_nbytes:], chosen, encoded.dtype)
-                yield self.sparsifier.selected(payload[:index_nbytes], chosen, numel)
+                yield sparsifier.selected(payload[:index_nbytes], chosen, numel)
         except CodecError:
             raise
         except (RuntimeError, IndexError, ValueError) as exc:
@@ -245,17 +270,18 @@ class PipelineCodec(Codec):
         if out is not None:
             _check_out(out, numel, target)
         payload = encoded.payload.to(target).contiguous()
-        check_payload_nbytes(self.spec, payload, self.payload_nbytes(numel, encoded.dtype))
+        sparsifier = self._sparsifier_for(payload, numel)
+        check_payload_nbytes(self.spec, payload, self.payload_nbytes(numel, encoded.dtype, sparsifier))
         result = out.view(-1) if out is not None else _memory.empty(numel, encoded.dtype, target)
         try:
             with torch.no_grad():
-                if self.sparsifier is None:
+                if sparsifier is None:
                     self.values.decode_into(payload, result, encoded.dtype)
                 else:
-                    index_nbytes = self.sparsifier.index_nbytes(numel)
-                    chosen = torch.empty(self.sparsifier.num_selected(numel), dtype=result.dtype, device=target)
+                    index_nbytes = sparsifier.index_nbytes(numel)
+                    chosen = torch.empty(sparsifier.num_selected(numel), dtype=result.dtype, device=target)
                     self.values.decode_into(payload[index_nbytes:], chosen, encoded.dtype)
-                    self.sparsifier.scatter_into(payload[:index_nbytes], chosen, result)
+                    sparsifier.scatter_into(payload[:index_nbytes], chosen, result)
         except CodecError:
             raise
         except (RuntimeError, IndexError, ValueError) as exc:
@@ -360,6 +386,7 @@ CODECS: Final[dict[str, CodecType]] = {
         _quantizer_type(1, "1-bit sign quantization scaled by the block's mean |x| (stochastic: by absmax)"),
         CodecType("topk", "sparsifier", TopK.summary, TopK.options, TopK.positional, TopK),
         CodecType("randk", "sparsifier", RandK.summary, RandK.options, RandK.positional, RandK),
+        CodecType("tiletopk", "sparsifier", TileTopK.summary, TileTopK.options, TileTopK.positional, TileTopK),
     )
 }
 """Every stage name a spec may use, in the order help lists them."""

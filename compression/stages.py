@@ -149,6 +149,16 @@ class Sparsifier(Stage):
 
     kind: ClassVar[Literal["sparsifier"]] = "sparsifier"
 
+    def for_shape(self, shape: tuple[int, ...]) -> Sparsifier:
+        """The sparsifier that encodes a tensor of ``shape``: itself, unless its choice depends
+        on tensor shapes (``tiletopk``) and it is not bound to any yet."""
+        return self
+
+    def for_payload(self, payload: torch.Tensor, numel: int) -> Sparsifier:
+        """The sparsifier that decodes ``payload`` (the whole pipeline payload) of ``numel``
+        values: itself, unless the payload names the shapes it was encoded with (``tiletopk``)."""
+        return self
+
     @abstractmethod
     def num_selected(self, numel: int) -> int:
         """How many values are kept out of ``numel``."""

@@ -163,10 +163,10 @@ class CoordinatorConfig:
             "a data-parallel warm-up is only available in the simulator; set warmup_steps = 0",
         )
         require(
-            not self.algorithm.partial_updates.enabled,
+            not (self.algorithm.partial_updates.enabled and self.privacy.enabled),
             "algorithm.partial_updates.enabled",
-            "partial parameter updates run in the simulator only for now (`geoloco simulate`); "
-            "set enabled = false for the coordinator",
+            "partial updates are not combined with [privacy] (secure sums and DP clip whole "
+            "updates); disable one of them",
         )
         num_sites = len(self.allowed_sites) if self.allowed_sites is not None else None
         self.training.validate(COORDINATOR_KEYS, num_sites=num_sites)

@@ -74,6 +74,7 @@ class RoundContext:
             central_dp=self.config.privacy.unmasked_central_dp,
             robust=self.config.algorithm.robust_rule,
             device=self.strategy.device,
+            partial=self.strategy.partial,
         )
         return CoordinatorRound(core=Round(number=number, aggregation=aggregation, opened_s=now))
 

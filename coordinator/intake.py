@@ -269,7 +269,10 @@ class PlainIntake:
                 f"upload for round {spec.round} names fragment {spec.fragment}; that round "
                 f"synchronises fragment {fragment} (fragment = round mod fragments)"
             )
-        numel = ctx.update_numel(spec.round)
+        try:
+            numel = ctx.strategy.upload_numel(spec.round, site)  # partial updates: the site's group's
+        except ValueError as err:
+            raise InvalidUpdateError(str(err)) from None
         if spec.codec != self.uplink_codec:
             raise InvalidUpdateError(
                 f"upload codec {quoted(spec.codec)} is not the run's uplink codec {self.uplink_codec!r}; "
@@ -280,7 +283,11 @@ class PlainIntake:
                 f"upload dtype {quoted(spec.dtype)} is not allowed; pseudo-gradients are 'float32'"
             )
         if list(spec.shape) != [numel]:
-            what = "" if numel == self.numel else f" of fragment {fragment}"
+            what = (
+                "" if numel == self.numel
+                else " of this site's partial-updates group" if ctx.strategy.partial is not None
+                else f" of fragment {fragment}"
+            )
             raise InvalidUpdateError(
                 f"upload shape {quoted(list(spec.shape))} does not match the model: expected "
                 f"[{numel}] (the flat parameter vector{what})"
@@ -408,7 +415,8 @@ class PlainIntake:
         """(update to add, its norm, all finite): encoded for a running sum (``upload_check``)."""
         return checked_update(
             f"site {site!r}'s update for round {round_number}", data, spec.checksum[0],
-            codec=self.uplink_codec, numel=self.ctx.update_numel(round_number), device=self.device, dense=dense,
+            codec=self.uplink_codec, numel=self.ctx.strategy.upload_numel(round_number, site), device=self.device,
+            dense=dense,
         )
 
     def _verify_and_add(self, site: str, assembler: PlainUpload) -> UploadProgress:

@@ -399,6 +399,8 @@ class SiteAgent:
         state = self.state
         algorithm, privacy = state.algorithm, state.privacy
         strategy = build_strategy(algorithm, numel=self.layout.numel, layout=self.layout)
+        partial = strategy.partial  # Partial Parameter Updates: this site trains its group only
+        self.trainer.train_only(None if partial is None else partial.trained(partial.site_group(self.site)))
         uplink: SiteUplink
         if privacy.secure_aggregation:
             uplink = MaskedUplink(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +147,26 @@ class SiteTrainer:
     def flatten(self) -> torch.Tensor:
         """The model's parameters as one flat fp32 vector (a copy)."""
         return self.layout.flatten(self.module)
+
+    def train_only(self, trained: Sequence[bool] | None) -> None:
+        """Partial Parameter Updates: train only the tensors marked True (layout order), as the
+        simulator does: the others get ``requires_grad`` off, so backward computes no weight
+        gradient for them and the inner optimizer (which skips tensors without a gradient)
+        never creates state for them. ``None``: train every tensor again."""
+        params = list(self.module.parameters())
+        if trained is None:
+            trained = [True] * len(params)
+        if len(trained) != len(params):
+            raise SiteAgentError(f"train_only got {len(trained)} flags for {len(params)} parameter tensors")
+        if self.is_distributed and not all(trained):
+            raise SiteAgentError(
+                "partial parameter updates are not supported on a multi-rank site yet (DDP fixes "
+                "the trained parameters when it wraps the model); run the site on one rank"
+            )
+        for p, on in zip(params, trained, strict=True):
+            p.requires_grad_(on)
+            if not on:
+                p.grad = None
 
     # ---------------------------------------------------------------------------------------
     # Training

@@ -113,7 +113,7 @@ class StrategyUplink:
     def __init__(self, strategy: Strategy, site: str) -> None:
         self.strategy = strategy
         self.site = site
-        self.encoders: FragmentUplink = strategy.build_uplink()
+        self.encoders: FragmentUplink = strategy.build_uplink(site)
 
     def begin_round(
         self, client: CoordinatorClient, *, round_number: int, round_seed: int, numel: int
@@ -124,15 +124,17 @@ class StrategyUplink:
         self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: int
     ) -> UplinkUpdate:
         encoder = self.encoders.encoders[fragment]
-        if encoder.error_feedback is None and encoder.spec == LOSSLESS_SPEC and _raw_fp32(update):
+        # Partial updates: only the site's group's subset travels (the coordinator knows which).
+        part = self.strategy.upload_part(update, self.site)
+        if encoder.error_feedback is None and encoder.spec == LOSSLESS_SPEC and _raw_fp32(part):
             # What the lossless codec's encode would give, bit for bit, with the update's own
             # memory as the payload instead of a model-sized copy of it (the caller checked
             # the update is finite, which is all ``none`` checks).
-            flat = update.detach().reshape(-1)
-            encoded = Encoded(encoder.spec, tuple(update.shape), update.dtype, flat.view(torch.uint8))
+            flat = part.detach().reshape(-1)
+            encoded = Encoded(encoder.spec, tuple(part.shape), part.dtype, flat.view(torch.uint8))
         else:
             seed = uplink_seed(round_seed, self.site, self.strategy.config.uplink_codec)
-            encoded = self.encoders.encode(update, seed=seed, fragment=fragment)
+            encoded = self.encoders.encode(part, seed=seed, fragment=fragment)
         return UplinkUpdate(
             fragment=fragment, data=encoded.to_bytes(), sample_weight=float(max(samples, 1)),
             wire={"codec": encoded.spec, "shape": list(encoded.shape)},
@@ -145,7 +147,10 @@ class StrategyUplink:
         """``encode`` of an update given piece by piece (``UpdateEncoder.encode_added``): the
         pseudo-gradient is added into the error-feedback residual and never held whole. None
         where the dense ``encode`` must do it (no error feedback; pieces that are not finite
-        or not encodable, which ``encode`` then reports as it always has)."""
+        or not encodable, which ``encode`` then reports as it always has; partial updates,
+        whose upload is a subset the pieces do not follow)."""
+        if self.strategy.partial is not None:
+            return None
         seed = uplink_seed(round_seed, self.site, self.strategy.config.uplink_codec)
         encoded = self.encoders.encoders[fragment].encode_added(pieces, numel, device=device, seed=seed)
         if encoded is None:
@@ -170,7 +175,7 @@ class StrategyUplink:
         self.encoders.restore(update.encoded(), fragment=update.fragment)
 
     def reset(self, fragment: int) -> None:
-        self.encoders.encoders[fragment] = self.strategy.uplink_encoder()
+        self.encoders.encoders[fragment] = self.strategy.uplink_encoder(self.site)
 
     def residual(self, fragment: int = 0) -> torch.Tensor | None:
         return self.encoders.encoders[fragment].residual

@@ -118,9 +118,16 @@ def test_refused_combinations_name_the_key(make_workload, sections, key, message
     assert err.value.key == key
 
 
-def test_the_coordinator_refuses_partial_updates_as_simulator_only() -> None:
+def test_the_coordinator_runs_partial_updates_but_not_with_privacy() -> None:
+    """The real system runs them (tests/integration/test_partial_updates_system.py); like the
+    simulator, not combined with [privacy]."""
     from geoloco.coordinator.config import CoordinatorConfig
 
-    with pytest.raises(ConfigError, match="simulator only for now") as err:
-        CoordinatorConfig.from_dict({"insecure": True, "algorithm": {"partial_updates": {"enabled": True}}})
+    config = CoordinatorConfig.from_dict({"insecure": True, "algorithm": {"partial_updates": {"enabled": True}}})
+    assert config.algorithm.partial_updates.enabled
+    with pytest.raises(ConfigError, match="not combined with \\[privacy\\]") as err:
+        CoordinatorConfig.from_dict({
+            "insecure": True, "algorithm": {"partial_updates": {"enabled": True}},
+            "privacy": {"secure_aggregation": True, "clip_norm": 1.0},
+        })
     assert err.value.key == "algorithm.partial_updates.enabled"

@@ -16,7 +16,7 @@ from geoloco.algorithms.strategy import ALGORITHMS, SparseLoCo, build_strategy
 
 def test_sparseloco_resolves_to_the_papers_settings() -> None:
     config = config_from_dict(AlgorithmConfig, {"name": "sparseloco", "inner_steps": 15})
-    assert config.uplink_codec == "topk:0.03,chunk=4096|int2"
+    assert config.uplink_codec == "tiletopk:0.03,tile=64|int2"
     assert config.error_feedback is True
     assert config.error_feedback_decay == 0.95
     assert config.inner_steps == 15
@@ -51,7 +51,7 @@ def _int2_single(x: float) -> float:
 
 
 def test_sparseloco_two_rounds_by_hand() -> None:
-    """Two sites, 8 weights: top-k keeps ceil(0.03 * 8) = 1 value each (one chunk: 8 < 4096),
+    """Two sites, 8 weights (no layout: one 1-D tensor): top-k keeps ceil(0.03 * 8) = 1 value each,
     2-bit codes carry it as ``±3 s`` (exact for 3 and -6), outer SGD lr 1 subtracts the mean;
     round 2 adds 0.95 times the residual to the new update."""
     strategy = build_strategy(AlgorithmConfig.preset("sparseloco"), numel=8, seed=1)
@@ -84,6 +84,29 @@ def test_sparseloco_two_rounds_by_hand() -> None:
     assert residual_b.tolist() == pytest.approx([0.95 - sent_b, 0, 0, 0, 0, 0, 0, 0.5], abs=1e-6)
 
 
+def test_sparseloco_tiles_each_tensor_of_the_model() -> None:
+    """With the model's layout (a 128x128 weight, a bias of 100), the uplink keeps 123 values per
+    64x64 tile (ceil(0.03 * 4096)) and ceil(0.03 * 100) = 3 of the bias; the flat-chunk codec of
+    earlier versions, still accepted, keeps a different set (its chunks are 32-row strips)."""
+    from geoloco.algorithms.params import ParamEntry, ParamLayout
+    from geoloco.compression import decode
+
+    layout = ParamLayout(entries=(ParamEntry("w", (128, 128), 0), ParamEntry("b", (100,), 16384)), numel=16484)
+    update = torch.randn(16484, generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for codec in ("tiletopk:0.03,tile=64|int2", "topk:0.03,chunk=4096|int2"):
+        config = AlgorithmConfig.preset("sparseloco", uplink_codec=codec)
+        strategy = build_strategy(config, numel=layout.numel, layout=layout, seed=1)
+        encoded = strategy.build_uplink("0").encode(update, seed=0, fragment=0)
+        dense = decode(encoded).view(-1)
+        weight = dense[:16384].view(128, 128)
+        counts[codec] = [
+            int(weight[r : r + 64, c : c + 64].count_nonzero()) for r in (0, 64) for c in (0, 64)
+        ] + [int(dense[16384:].count_nonzero())]
+    assert counts["tiletopk:0.03,tile=64|int2"] == [123, 123, 123, 123, 3]
+    assert counts["topk:0.03,chunk=4096|int2"] != counts["tiletopk:0.03,tile=64|int2"]
+
+
 def test_print_config_shows_the_resolved_preset(capsys: pytest.CaptureFixture[str]) -> None:
     from geoloco.scenarios.cli import main
 
@@ -95,7 +118,7 @@ def test_print_config_shows_the_resolved_preset(capsys: pytest.CaptureFixture[st
     resolved = json.loads(capsys.readouterr().out)
     algorithm = resolved["algorithm"]
     assert (algorithm["name"], algorithm["uplink_codec"], algorithm["error_feedback"]) == (
-        "sparseloco", "topk:0.03,chunk=4096|int2", True,
+        "sparseloco", "tiletopk:0.03,tile=64|int2", True,
     )
     assert algorithm["error_feedback_decay"] == 0.9  # the explicit key wins
     outer = resolved["outer_optimizer"]

@@ -1,0 +1,241 @@
+"""Secure aggregation through two regional relays, over real gRPC and mutual TLS.
+
+Four sites (two per relay) run one secure round as the real site code does it (``SecureSite``:
+identity bound to the TLS certificate, key advertisement, encrypted shares, masked upload,
+survivor signature, unmask answer), every call going through their region's relay. ``site-d``
+drops out after sending its shares (it leaves without uploading), so the coordinator must
+rebuild its mask key from the survivors' shares and remove its pairwise masks.
+
+- The relayed result equals the flat secure result (same sites, same updates, no relay) and the
+  plain mean of the three survivors within the secure-vs-plain tolerance (1e-5).
+- Each relay forwards the ring sum of its sites' masked uploads, listing them; at that moment
+  nothing the relay holds for the round contains a single site's masked vector, except the sum
+  itself when the partial has one site (``us``: ``site-d`` dropped, so ``site-c``'s masked
+  vector goes up alone, exactly what a flat coordinator receives from ``site-c``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay, tiny_weights, updates
+from google.protobuf.message import Message
+
+from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, secure_index_seed
+from geoloco.algorithms.secagg import StageMessage
+from geoloco.coordinator.server import CoordinatorServer
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import secagg_wire
+from geoloco.protos.transport import TLSFiles
+from geoloco.protos.wire import blob_manifest, upload_requests
+from geoloco.relay import RelayServer
+from geoloco.site_agent.secure_site import SecureSite, SiteIdentity
+
+NUMEL = 37
+PRIVACY = PrivacyConfig(secure_aggregation=True, clip_norm=10.0, chunk_size=16)
+DROPPED = "site-d"
+SURVIVORS = ["site-a", "site-b", "site-c"]
+SECURE_VS_PLAIN = 1e-5
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+class SecureTestSite:
+    """A site's secure round over raw gRPC calls, with the real site-side protocol code."""
+
+    def __init__(self, name: str, certs: Path, target: str) -> None:
+        self.site = Site(name, certs, target)
+        self.tls = TLSFiles.from_dir(certs, name)
+        self.masked = b""
+        self.round_seed = 0
+
+    def join(self) -> None:
+        self.round_seed = int(self.site.join().round.round_seed)
+
+    def _call(self, stage: str, message: StageMessage) -> tuple[StageMessage, str]:
+        request = secagg_wire.stage_request(
+            stage, message, site="", session_id=self.site.session, round_number=0, wait_ms=1000
+        )
+        for _ in range(120):
+            response: pb.SecureStageResponse = self.site.stub.SecureStage(request, timeout=30)
+            if response.aborted:
+                return None, response.abort_reason or "aborted"
+            if response.ready:
+                return secagg_wire.reply_message(stage, response), ""
+        raise AssertionError(f"{self.site.name}: stage {stage} never closed")
+
+    def run(self, update: torch.Tensor, before_upload: threading.Event) -> None:
+        ca, cert, key = self.tls.read()
+        secure = SecureSite(
+            SiteIdentity.create(self.site.name, cert, key), PRIVACY, "none", numel=NUMEL,
+            session=self.site.session, round_number=0, index_seed=secure_index_seed(self.round_seed),
+            call=self._call, ca_pem=ca,
+        )
+        secure.share_keys()
+        if self.site.name == DROPPED:
+            # Dropped after sending its shares: it never uploads nor answers the unmasking.
+            self.site.stub.Leave(pb.LeaveRequest(session_id=self.site.session, reason="dropout"), timeout=20)
+            before_upload.set()
+            return
+        before_upload.wait(timeout=60)
+        self.masked = secure.masked_upload(update, PrivateUpdateEncoder(PRIVACY, "none"))
+        manifest = pb.UploadManifest(
+            session_id=self.site.session, round=0, sample_weight=1.0, inner_steps=1, metrics={"train_loss": 1.5},
+            blob=blob_manifest(
+                self.masked, codec="secagg", shape=[secure.context.numel], dtype="uint32",
+                chunk_size=PRIVACY.chunk_size * 4,
+            ),
+        )
+        response: pb.UploadResponse = self.site.stub.Upload(upload_requests(manifest, self.masked), timeout=60)
+        assert response.complete, self.site.name
+        try:
+            secure.unmask()
+        except grpc.RpcError as err:
+            # The round closed as soon as enough answers arrived: a repeated poll of the last
+            # stage is then a late call (a site agent treats it as RoundClosed).
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION or "at round 1" not in (err.details() or ""):
+                raise
+
+
+def _secure_coordinator(certs: Path, *, relays: bool) -> CoordinatorServer:
+    return coordinator(
+        certs, numel=NUMEL, min_sites=3, rounds=2, relays=relays, privacy=PRIVACY, weighting="uniform",
+        heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0, secure_stage_timeout_s=60.0,
+    )
+
+
+def _secure_round(
+    certs: Path, server: CoordinatorServer, targets: dict[str, str], ups: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, pb.BroadcastHeader], dict[str, bytes]]:
+    sites = [SecureTestSite(name, certs, targets[name]) for name in SITES]
+    try:
+        for s in sites:
+            s.join()
+        dropped = threading.Event()
+        with ThreadPoolExecutor(len(sites)) as pool:
+            for future in [pool.submit(s.run, ups[s.site.name], dropped) for s in sites]:
+                future.result(timeout=120)
+        headers = {s.site.name: s.site.await_broadcast()[0] for s in sites if s.site.name != DROPPED}
+        return server.rounds.weights.clone(), headers, {s.site.name: s.masked for s in sites}
+    finally:
+        for s in sites:
+            s.site.close()
+
+
+def _plain_result(certs: Path, ups: dict[str, torch.Tensor]) -> torch.Tensor:
+    server = coordinator(certs, numel=NUMEL, min_sites=3, relays=False, weighting="uniform")
+    sites = [Site(name, certs, f"localhost:{server.port}") for name in SURVIVORS]
+    try:
+        for s in sites:
+            s.join()
+        for s in sites:
+            assert s.upload(ups[s.name], "none", weight=1.0).complete
+        sites[0].await_broadcast()
+        return server.rounds.weights.clone()
+    finally:
+        for s in sites:
+            s.close()
+        server.stop(grace=0)
+
+
+def _held_bytes(root: object) -> list[bytes]:
+    """Every byte string, array and tensor reachable from ``root`` (protobuf messages, which
+    carry manifests only, and locks are skipped)."""
+    seen: set[int] = set()
+    out: list[bytes] = []
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (str, int, float, bool, type(None), Message, threading.Thread)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            out.append(obj.tobytes())
+        elif isinstance(obj, torch.Tensor):
+            out.append(obj.detach().cpu().numpy().tobytes())
+        elif isinstance(obj, (bytes, bytearray, memoryview)):
+            out.append(bytes(obj))
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        else:
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            for cls in type(obj).__mro__:
+                stack.extend(getattr(obj, name) for name in getattr(cls, "__slots__", ()) if hasattr(obj, name))
+    return out
+
+
+def _spy(relay_server: RelayServer, seen: list[tuple[pb.UploadManifest, bytes, list[bytes]]]) -> None:
+    """Record each partial the relay sends upward and everything it holds for the round then."""
+    upload: Callable[..., Any] = relay_server.upstream.upload
+
+    def spied(manifest: pb.UploadManifest, data: bytes) -> Any:
+        seen.append((manifest, bytes(data), _held_bytes(relay_server.hub.round)))
+        return upload(manifest, data)
+
+    relay_server.upstream.upload = spied  # type: ignore[method-assign]
+
+
+def test_secure_round_through_two_relays_with_a_dropout_equals_flat_and_plain(certs: Path) -> None:
+    ups = {name: u / 4 for name, u in updates(NUMEL, dyadic=False, seed=3).items()}
+    plain = _plain_result(certs, ups)
+
+    flat = _secure_coordinator(certs, relays=False)
+    try:
+        flat_weights, flat_headers, _ = _secure_round(
+            certs, flat, {name: f"localhost:{flat.port}" for name in SITES}, ups
+        )
+        flat_record = flat.rounds.status()
+    finally:
+        flat.stop(grace=0)
+
+    server = _secure_coordinator(certs, relays=True)
+    relays = {name: relay(certs, name, server.port) for name in REGIONS}
+    partials: dict[str, list[tuple[pb.UploadManifest, bytes, list[bytes]]]] = {name: [] for name in REGIONS}
+    for name, r in relays.items():
+        _spy(r, partials[name])
+    try:
+        targets = {site: f"localhost:{relays[region].port}" for region, names in REGIONS.items() for site in names}
+        weights, headers, masked = _secure_round(certs, server, targets, ups)
+        status = server.rounds.status()
+    finally:
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+
+    # The coordinator unmasked the survivors' sum, site-d's masks removed: flat == relayed == plain.
+    assert flat_record["round"] == status["round"] == 1
+    torch.testing.assert_close(weights, flat_weights, rtol=0, atol=SECURE_VS_PLAIN)
+    torch.testing.assert_close(weights, plain, rtol=0, atol=SECURE_VS_PLAIN)
+    assert (weights - tiny_weights(NUMEL)[0]).abs().max() > 100 * SECURE_VS_PLAIN  # the round changed them
+    for name in SURVIVORS:
+        assert headers[name].included and flat_headers[name].included, name
+        assert headers[name].num_contributors == flat_headers[name].num_contributors == 3
+
+    # One partial per relay, the ring sum of the sites it lists; the relay held no site's
+    # masked vector alone when it sent it (but for the one-site partial's sum itself).
+    (eu,) = partials["eu"]
+    (us,) = partials["us"]
+    assert sorted(s.site for s in eu[0].relayed_sites) == ["site-a", "site-b"]
+    assert [s.site for s in us[0].relayed_sites] == ["site-c"]
+    ring = (np.frombuffer(masked["site-a"], np.uint32) + np.frombuffer(masked["site-b"], np.uint32)).tobytes()
+    assert eu[1] == ring
+    assert eu[1] not in (masked["site-a"], masked["site-b"])
+    assert us[1] == masked["site-c"]
+    for (_manifest, data, held), region in ((eu, "eu"), (us, "us")):
+        own = [masked[s] for s in REGIONS[region] if masked[s]]
+        holding = [b for b in held if any(m in b for m in own)]
+        assert all(b == data for b in holding), region

@@ -34,8 +34,8 @@ from geoloco.algorithms.secagg import StageMessage
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import secagg_wire
-from geoloco.protos.transport import TLSFiles
-from geoloco.protos.wire import blob_manifest, upload_requests
+from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub
+from geoloco.protos.wire import PROTOCOL_VERSION, blob_manifest, upload_requests
 from geoloco.relay import RelayServer
 from geoloco.site_agent.secure_site import SecureSite, SiteIdentity
 
@@ -239,3 +239,40 @@ def test_secure_round_through_two_relays_with_a_dropout_equals_flat_and_plain(ce
         own = [masked[s] for s in REGIONS[region] if masked[s]]
         holding = [b for b in held if any(m in b for m in own)]
         assert all(b == data for b in holding), region
+
+
+def test_a_relay_cannot_advertise_keys_in_a_sites_name(certs: Path) -> None:
+    """The relay's own certificate cannot vouch for a site's identity key: an advertisement it
+    makes for ``site-a`` is refused by the coordinator (and would be by every site)."""
+    server = _secure_coordinator(certs, relays=True)
+    channels = {
+        name: client_channel(f"localhost:{server.port}", tls=TLSFiles.from_dir(certs, name)) for name in REGIONS
+    }
+    stubs = {name: coordinator_stub(channel) for name, channel in channels.items()}
+    try:
+        joined = {
+            site: stubs[region].Join(pb.JoinRequest(site=site, protocol_version=PROTOCOL_VERSION), timeout=20)
+            for region, site in (("eu", "site-a"), ("eu", "site-b"), ("us", "site-c"))
+        }
+        _ca, relay_cert, relay_key = TLSFiles.from_dir(certs, "eu").read()
+        forged = SiteIdentity.create("site-a", relay_cert, relay_key)
+
+        def call(stage: str, message: StageMessage) -> tuple[StageMessage, str]:
+            request = secagg_wire.stage_request(
+                stage, message, site="site-a", session_id=joined["site-a"].session_id, round_number=0, wait_ms=0
+            )
+            stubs["eu"].SecureStage(request, timeout=20)
+            raise AssertionError("the forged advertisement was accepted")
+
+        secure = SecureSite(
+            forged, PRIVACY, "none", numel=NUMEL, session=joined["site-a"].session_id, round_number=0,
+            index_seed=secure_index_seed(joined["site-a"].round.round_seed), call=call, ca_pem=None,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            secure.share_keys()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "is not bound to a certificate of this run's CA" in (info.value.details() or "")
+    finally:
+        for channel in channels.values():
+            channel.close()
+        server.stop(grace=0)

@@ -4,12 +4,17 @@ from every upload is dropped and its masks are removed as usual."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from geoloco.algorithms.fixed_point import lift
 from geoloco.algorithms.secagg import RoundContext, SecAggClient, SecAggServer, num_chunks
-from geoloco.relay.masked import MaskedSum, SecureRun
+from geoloco.coordinator.errors import InvalidUpdateError
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.wire import blob_manifest
+from geoloco.relay.masked import MaskedSum, SecureRun, check_masked_manifest
 
 NUMEL, CHUNK = 50, 16
 
@@ -104,3 +109,24 @@ def test_the_ring_sum_wraps_at_the_modulus() -> None:
         ring.add("a", bytes(3))
     with pytest.raises(ValueError, match="4 values"):
         ring.add("c", bytes(4))
+
+
+def test_a_relay_refuses_an_upload_that_cannot_be_masked_in_a_secure_run() -> None:
+    secure = SecureRun(modulus_bits=32, chunk_size=16)
+
+    def manifest(codec: str, dtype: str, nbytes: int, chunk: int) -> pb.UploadManifest:
+        data = bytes(nbytes)
+        return pb.UploadManifest(blob=blob_manifest(data, codec=codec, shape=[NUMEL], dtype=dtype, chunk_size=chunk))
+
+    check_masked_manifest(manifest("secagg", "uint32", NUMEL * 4, 64), secure, NUMEL)
+    for bad, needle in [
+        (manifest("none", "float32", NUMEL * 4, 64), "uploads must be masked (codec 'secagg')"),
+        (manifest("secagg", "uint16", NUMEL * 2, 32), "expected uint32 [n]"),
+        (manifest("secagg", "uint32", NUMEL * 4, 128), "in chunks of 64 (one protocol chunk each)"),
+    ]:
+        with pytest.raises(InvalidUpdateError, match=re.escape(needle)):
+            check_masked_manifest(bad, secure, NUMEL)
+    assert SecureRun.of('{"privacy": {"secure_aggregation": true, "modulus_bits": 16, "chunk_size": 8}}') == (
+        SecureRun(modulus_bits=16, chunk_size=8)
+    )
+    assert SecureRun.of('{"privacy": {"secure_aggregation": false}}') is None

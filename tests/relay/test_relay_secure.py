@@ -31,6 +31,7 @@ from google.protobuf.message import Message
 
 from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, secure_index_seed
 from geoloco.algorithms.secagg import StageMessage
+from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import secagg_wire
@@ -54,8 +55,9 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class SecureTestSite:
     """A site's secure round over raw gRPC calls, with the real site-side protocol code."""
 
-    def __init__(self, name: str, certs: Path, target: str) -> None:
+    def __init__(self, name: str, certs: Path, target: str, privacy: PrivacyConfig) -> None:
         self.site = Site(name, certs, target)
+        self.privacy = privacy
         self.tls = TLSFiles.from_dir(certs, name)
         self.masked = b""
         self.round_seed = 0
@@ -78,7 +80,7 @@ class SecureTestSite:
     def run(self, update: torch.Tensor, before_upload: threading.Event) -> None:
         ca, cert, key = self.tls.read()
         secure = SecureSite(
-            SiteIdentity.create(self.site.name, cert, key), PRIVACY, "none", numel=NUMEL,
+            SiteIdentity.create(self.site.name, cert, key), self.privacy, "none", numel=NUMEL,
             session=self.site.session, round_number=0, index_seed=secure_index_seed(self.round_seed),
             call=self._call, ca_pem=ca,
         )
@@ -89,12 +91,12 @@ class SecureTestSite:
             before_upload.set()
             return
         before_upload.wait(timeout=60)
-        self.masked = secure.masked_upload(update, PrivateUpdateEncoder(PRIVACY, "none"))
+        self.masked = secure.masked_upload(update, PrivateUpdateEncoder(self.privacy, "none"))
         manifest = pb.UploadManifest(
             session_id=self.site.session, round=0, sample_weight=1.0, inner_steps=1, metrics={"train_loss": 1.5},
             blob=blob_manifest(
                 self.masked, codec="secagg", shape=[secure.context.numel], dtype="uint32",
-                chunk_size=PRIVACY.chunk_size * 4,
+                chunk_size=self.privacy.chunk_size * 4,
             ),
         )
         response: pb.UploadResponse = self.site.stub.Upload(upload_requests(manifest, self.masked), timeout=60)
@@ -108,17 +110,21 @@ class SecureTestSite:
                 raise
 
 
-def _secure_coordinator(certs: Path, *, relays: bool) -> CoordinatorServer:
+def _secure_coordinator(
+    certs: Path, *, relays: bool, privacy: PrivacyConfig = PRIVACY, metrics_path: Path | None = None
+) -> CoordinatorServer:
     return coordinator(
-        certs, numel=NUMEL, min_sites=3, rounds=2, relays=relays, privacy=PRIVACY, weighting="uniform",
+        certs, numel=NUMEL, min_sites=3, rounds=2, relays=relays, privacy=privacy, weighting="uniform",
+        metrics_path=metrics_path,
         heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0, secure_stage_timeout_s=60.0,
     )
 
 
 def _secure_round(
-    certs: Path, server: CoordinatorServer, targets: dict[str, str], ups: dict[str, torch.Tensor]
+    certs: Path, server: CoordinatorServer, targets: dict[str, str], ups: dict[str, torch.Tensor],
+    privacy: PrivacyConfig = PRIVACY,
 ) -> tuple[torch.Tensor, dict[str, pb.BroadcastHeader], dict[str, bytes]]:
-    sites = [SecureTestSite(name, certs, targets[name]) for name in SITES]
+    sites = [SecureTestSite(name, certs, targets[name], privacy) for name in SITES]
     try:
         for s in sites:
             s.join()
@@ -276,3 +282,35 @@ def test_a_relay_cannot_advertise_keys_in_a_sites_name(certs: Path) -> None:
         for channel in channels.values():
             channel.close()
         server.stop(grace=0)
+
+
+def test_distributed_dp_through_relays_is_accounted_as_flat(certs: Path, tmp_path: Path) -> None:
+    """DP accounting is the coordinator's, unchanged: the same round with distributed noise
+    reports the same epsilon and survivors through relays as flat."""
+    privacy = PrivacyConfig(
+        secure_aggregation=True, clip_norm=10.0, chunk_size=16, dp="distributed", noise_multiplier=1.0
+    )
+    ups = updates(NUMEL, dyadic=False, seed=4)
+    records = {}
+    for relayed in (False, True):
+        metrics = tmp_path / f"{'relayed' if relayed else 'flat'}.jsonl"
+        server = _secure_coordinator(certs, relays=relayed, privacy=privacy, metrics_path=metrics)
+        relays = {name: relay(certs, name, server.port) for name in REGIONS} if relayed else {}
+        try:
+            targets = {
+                site: f"localhost:{relays[region].port if relayed else server.port}"
+                for region, names in REGIONS.items()
+                for site in names
+            }
+            _secure_round(certs, server, targets, ups, privacy)
+        finally:
+            for r in relays.values():
+                r.stop(grace=0)
+            server.stop(grace=0)
+        (records[relayed], *_) = read_metrics(metrics)
+    flat, through = records[False], records[True]
+    assert sorted(through["participants"]) == sorted(flat["participants"]) == SURVIVORS
+    assert through["epsilon"] == flat["epsilon"] > 0
+    for key in ("survivors", "noise_multiplier", "epsilon"):
+        assert through["privacy"][key] == flat["privacy"][key], key
+    assert through["privacy"]["survivors"] == SURVIVORS

@@ -8,7 +8,6 @@ passes on (Join, Heartbeat, the broadcast's next round) and from its sites' uplo
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -19,7 +18,6 @@ from typing import Any
 import grpc
 import torch
 
-from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.weighting import site_weight
 from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
 from geoloco.coordinator.update_guard import UpdateGuard, UpdateGuardConfig
@@ -37,56 +35,18 @@ from geoloco.protos.wire import (
 from geoloco.relay.config import RelayConfig
 from geoloco.relay.masked import SecureRun, check_masked_manifest
 from geoloco.relay.partial import RelayRound, encode_partial, masked_partial
+from geoloco.relay.run_info import RunInfo
 from geoloco.relay.upstream import Traffic, Upstream
 
 __all__ = ["CachedBroadcast", "RelayHub", "RunInfo"]
 
 logger = logging.getLogger(__name__)
 
-_WEIGHTING = {pb.WEIGHTING_SAMPLES: "samples", pb.WEIGHTING_UNIFORM: "uniform", pb.WEIGHTING_STEPS: "steps"}
 ACCEPT_WAIT_S = 20.0
 """Longest an Upload is held waiting for the coordinator to take its partial sum (below the
 sites' 30 s minimum transfer deadline); the site then asks again."""
 KEEP_BROADCASTS = 3
 """Rounds whose broadcast stays cached for sites that ask late."""
-
-
-@dataclass(frozen=True, slots=True)
-class RunInfo:
-    """What the relay needs of the coordinator's ``RunConfig``."""
-
-    weighting: str
-    uplink_codec: str
-    numel: int
-    quorum: int
-    heartbeat_timeout_s: float
-    guard: UpdateGuardConfig
-    secure: SecureRun | None = None
-    """Secure aggregation: the partial is the ring sum of masked uploads (``relay.masked``)."""
-
-    @classmethod
-    def of(cls, response: pb.JoinResponse) -> RunInfo:
-        c = response.config
-        return cls(
-            guard=_guard_config(c.config_json),
-            weighting=_WEIGHTING.get(c.weighting, "uniform"),
-            uplink_codec=c.uplink_codec,
-            numel=int(response.layout.numel),
-            quorum=int(c.quorum),
-            heartbeat_timeout_s=c.heartbeat_timeout_ms / 1000 if c.heartbeat_timeout_ms else 15.0,
-            secure=SecureRun.of(c.config_json),
-        )
-
-
-def _guard_config(config_json: str) -> UpdateGuardConfig:
-    """The coordinator's ``[update_guard]`` from ``RunConfig.config_json`` (defaults when it has
-    none, e.g. an older coordinator)."""
-    try:
-        table = json.loads(config_json or "{}").get("update_guard") or {}
-        return config_from_dict(UpdateGuardConfig, table)
-    except (ValueError, AttributeError, ConfigError):
-        logger.warning("the coordinator's update_guard settings cannot be read; the relay uses the defaults")
-        return UpdateGuardConfig()
 
 
 @dataclass(slots=True)
@@ -184,6 +144,14 @@ class RelayHub:
     def left(self, site: str) -> None:
         with self.cond:
             self.members.pop(site, None)
+            self.cond.notify_all()
+
+    def withdrew(self, site: str, round_number: int) -> None:
+        """``site`` gave up secure round ``round_number`` (it will not upload): not waited for."""
+        with self.cond:
+            self._learn_round(round_number)
+            if self.round.number == round_number:
+                self.round.withdrawn.add(site)
             self.cond.notify_all()
 
     def live_sites(self, now: float) -> set[str]:

@@ -68,6 +68,8 @@ class RelayRound:
     """site -> its verified update's weight, in arrival order."""
     rejected: dict[str, str] = field(default_factory=dict)
     """site -> why its upload was refused this round."""
+    withdrawn: set[str] = field(default_factory=set)
+    """Secure rounds: sites that gave the round up (a ``withdraw`` stage call): not waited for."""
     first_upload_s: float | None = None
     forwarded: bool = False
     """The partial went upward (or is going): later uploads are too late for this round."""
@@ -143,7 +145,7 @@ class RelayRound:
         update was refused still goes up, to tell the coordinator so."""
         if self.forwarded or not (self.updates or self.rejected):
             return False
-        if live_sites <= set(self.updates) | set(self.rejected):
+        if live_sites <= set(self.updates) | set(self.rejected) | self.withdrawn:
             return True
         return self.first_upload_s is not None and now - self.first_upload_s >= max_wait_s
 

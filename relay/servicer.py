@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from geoloco.algorithms.secagg import STAGE_WITHDRAW
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos.transport import resolve_site
@@ -154,4 +155,6 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
         site = self._site(context, request.site)
         response: pb.SecureStageResponse = self._forward(site, "SecureStage", request)
         self.hub.heard(site)
+        if request.stage == STAGE_WITHDRAW:
+            self.hub.withdrew(site, int(request.round))
         return response

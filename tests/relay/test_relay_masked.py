@@ -15,6 +15,7 @@ from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.wire import blob_manifest
 from geoloco.relay.masked import MaskedSum, SecureRun, check_masked_manifest
+from geoloco.relay.partial import RelayRound
 
 NUMEL, CHUNK = 50, 16
 
@@ -130,3 +131,17 @@ def test_a_relay_refuses_an_upload_that_cannot_be_masked_in_a_secure_run() -> No
         SecureRun(modulus_bits=16, chunk_size=8)
     )
     assert SecureRun.of('{"privacy": {"secure_aggregation": false}}') is None
+
+
+def test_a_secure_partial_does_not_wait_for_a_site_that_withdrew() -> None:
+    secure = SecureRun(modulus_bits=32, chunk_size=16)
+    r = RelayRound(number=2, opened_s=0.0, shape=(NUMEL,), first_upload_s=0.0)
+    buffer = bytearray(b"\x01" * NUMEL * 4)
+    r.buffers["site-a"] = buffer
+    r.add_masked("site-a", memoryview(buffer), secure, inner_steps=3, upload_bytes=NUMEL * 4)
+    assert buffer == bytes(NUMEL * 4)  # the site's masked upload is gone once in the ring sum
+    assert r.masked is not None and r.masked.to_bytes() == b"\x01" * NUMEL * 4 and r.weight == 1.0
+    live = {"site-a", "site-b"}
+    assert not r.due(1.0, live, max_wait_s=30.0)
+    r.withdrawn.add("site-b")  # its withdraw stage call passed through the relay
+    assert r.due(1.0, live, max_wait_s=30.0)

@@ -61,6 +61,9 @@ class SecureTestSite:
         self.tls = TLSFiles.from_dir(certs, name)
         self.masked = b""
         self.round_seed = 0
+        self.certs = certs
+        self.fail_over_to = ""
+        """Set: the site's relay is gone before it uploads; it goes on with this address."""
 
     def join(self) -> None:
         self.round_seed = int(self.site.join().round.round_seed)
@@ -77,7 +80,7 @@ class SecureTestSite:
                 return secagg_wire.reply_message(stage, response), ""
         raise AssertionError(f"{self.site.name}: stage {stage} never closed")
 
-    def run(self, update: torch.Tensor, before_upload: threading.Event) -> None:
+    def run(self, update: torch.Tensor, dropped: threading.Event, go: threading.Event) -> None:
         ca, cert, key = self.tls.read()
         secure = SecureSite(
             SiteIdentity.create(self.site.name, cert, key), self.privacy, "none", numel=NUMEL,
@@ -88,9 +91,12 @@ class SecureTestSite:
         if self.site.name == DROPPED:
             # Dropped after sending its shares: it never uploads nor answers the unmasking.
             self.site.stub.Leave(pb.LeaveRequest(session_id=self.site.session, reason="dropout"), timeout=20)
-            before_upload.set()
+            dropped.set()
             return
-        before_upload.wait(timeout=60)
+        assert go.wait(timeout=60)
+        if self.fail_over_to:
+            self.site.close()
+            self.site = Site(self.site.name, self.certs, self.fail_over_to, session=self.site.session)
         self.masked = secure.masked_upload(update, PrivateUpdateEncoder(self.privacy, "none"))
         manifest = pb.UploadManifest(
             session_id=self.site.session, round=0, sample_weight=1.0, inner_steps=1, metrics={"train_loss": 1.5},
@@ -122,15 +128,22 @@ def _secure_coordinator(
 
 def _secure_round(
     certs: Path, server: CoordinatorServer, targets: dict[str, str], ups: dict[str, torch.Tensor],
-    privacy: PrivacyConfig = PRIVACY,
+    privacy: PrivacyConfig = PRIVACY, between: Callable[[list[SecureTestSite]], None] | None = None,
 ) -> tuple[torch.Tensor, dict[str, pb.BroadcastHeader], dict[str, bytes]]:
+    """One secure round of the four sites, ``site-d`` leaving after its shares; ``between`` runs
+    once it left, before the others upload."""
     sites = [SecureTestSite(name, certs, targets[name], privacy) for name in SITES]
     try:
         for s in sites:
             s.join()
-        dropped = threading.Event()
+        dropped, go = threading.Event(), threading.Event()
         with ThreadPoolExecutor(len(sites)) as pool:
-            for future in [pool.submit(s.run, ups[s.site.name], dropped) for s in sites]:
+            futures = [pool.submit(s.run, ups[s.site.name], dropped, go) for s in sites]
+            assert dropped.wait(timeout=120)
+            if between is not None:
+                between(sites)
+            go.set()
+            for future in futures:
                 future.result(timeout=120)
         headers = {s.site.name: s.site.await_broadcast()[0] for s in sites if s.site.name != DROPPED}
         return server.rounds.weights.clone(), headers, {s.site.name: s.masked for s in sites}
@@ -314,3 +327,35 @@ def test_distributed_dp_through_relays_is_accounted_as_flat(certs: Path, tmp_pat
     for key in ("survivors", "noise_multiplier", "epsilon"):
         assert through["privacy"][key] == flat["privacy"][key], key
     assert through["privacy"]["survivors"] == SURVIVORS
+
+
+def test_a_relay_killed_after_the_key_stages_its_sites_upload_to_the_coordinator(certs: Path) -> None:
+    """Secure round, relay ``eu`` stopped after the key stages: its sites upload their own masked
+    updates to the coordinator (their key-stage messages are already there), ``us`` still sends
+    a partial; the round unmasks to the flat result of the survivors."""
+    ups = {name: u / 4 for name, u in updates(NUMEL, dyadic=False, seed=5).items()}
+    plain = _plain_result(certs, ups)
+    server = _secure_coordinator(certs, relays=True)
+    relays = {name: relay(certs, name, server.port) for name in REGIONS}
+    partials: dict[str, list[tuple[pb.UploadManifest, bytes, list[bytes]]]] = {name: [] for name in REGIONS}
+    for name, r in relays.items():
+        _spy(r, partials[name])
+
+    def kill_eu(sites: list[SecureTestSite]) -> None:
+        relays["eu"].stop(grace=0)
+        for s in sites:
+            if s.site.name in REGIONS["eu"]:
+                s.fail_over_to = f"localhost:{server.port}"
+
+    try:
+        targets = {site: f"localhost:{relays[region].port}" for region, names in REGIONS.items() for site in names}
+        weights, headers, _masked = _secure_round(certs, server, targets, ups, between=kill_eu)
+        record = server.rounds.status()
+    finally:
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+    assert record["round"] == 1
+    assert partials["eu"] == [] and [s.site for s in partials["us"][0][0].relayed_sites] == ["site-c"]
+    torch.testing.assert_close(weights, plain, rtol=0, atol=SECURE_VS_PLAIN)
+    assert all(headers[name].included and headers[name].num_contributors == 3 for name in SURVIVORS)

@@ -339,7 +339,11 @@ class RelayHub:
         manifest = assembler.upload
         with self.cond:
             r = self.round
-            self.still_open(site, assembler)
+            try:
+                self.still_open(site, assembler)
+            except WrongRoundError:
+                r.drop_masked(site)  # too late for the partial: nothing of it stays here
+                raise
             r.add_masked(
                 site, data, secure, inner_steps=int(manifest.inner_steps),
                 upload_bytes=int(manifest.blob.total_bytes), metrics=dict(manifest.metrics),

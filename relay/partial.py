@@ -103,9 +103,7 @@ class RelayRound:
         if self.masked is None:
             self.masked = MaskedSum(self.shape[0], secure)
         self.masked.add(site, data)
-        buffer = self.buffers.pop(site, None)
-        if buffer is not None:
-            buffer[:] = bytes(len(buffer))
+        self.drop_masked(site)
         self.updates[site] = SiteUpdate(
             weight=1.0, inner_steps=inner_steps, upload_bytes=upload_bytes, metrics=dict(metrics or {})
         )
@@ -129,6 +127,12 @@ class RelayRound:
         self.updates[site] = SiteUpdate(
             weight=weight, inner_steps=inner_steps, upload_bytes=upload_bytes, metrics=dict(metrics or {})
         )
+
+    def drop_masked(self, site: str) -> None:
+        """Overwrite ``site``'s masked upload buffer with zeros (added, or too late)."""
+        buffer = self.buffers.pop(site, None)
+        if buffer is not None:
+            buffer[:] = bytes(len(buffer))
 
     def mean(self) -> torch.Tensor:
         """``Σ w_k g_k / W``, the partial the relay sends upward with weight ``W`` (zeros with

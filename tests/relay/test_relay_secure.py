@@ -3,8 +3,9 @@
 Four sites (two per relay) run one secure round as the real site code does it (``SecureSite``:
 identity bound to the TLS certificate, key advertisement, encrypted shares, masked upload,
 survivor signature, unmask answer), every call going through their region's relay. ``site-d``
-drops out after sending its shares (it leaves without uploading), so the coordinator must
-rebuild its mask key from the survivors' shares and remove its pairwise masks.
+drops out after sending its shares (it leaves, or goes silent until the heartbeat timeout drops
+it at its relay and at the coordinator), so the coordinator must rebuild its mask key from the
+survivors' shares and remove its pairwise masks.
 
 - The relayed result equals the flat secure result (same sites, same updates, no relay) and the
   plain mean of the three survivors within the secure-vs-plain tolerance (1e-5).
@@ -45,6 +46,7 @@ PRIVACY = PrivacyConfig(secure_aggregation=True, clip_norm=10.0, chunk_size=16)
 DROPPED = "site-d"
 SURVIVORS = ["site-a", "site-b", "site-c"]
 SECURE_VS_PLAIN = 1e-5
+HEARTBEAT_TIMEOUT_S = 6.0
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +66,20 @@ class SecureTestSite:
         self.certs = certs
         self.fail_over_to = ""
         """Set: the site's relay is gone before it uploads; it goes on with this address."""
+        self.silent = False
+        """The dropped site crashes (stops calling, heartbeats included) instead of leaving."""
+        self.gone = threading.Event()
 
     def join(self) -> None:
         self.round_seed = int(self.site.join().round.round_seed)
+
+    def heartbeats(self, stop: threading.Event) -> None:
+        """What a site agent's heartbeat thread does, until the site is gone or the test stops."""
+        while not stop.wait(0.3) and not self.gone.is_set():
+            try:
+                self.site.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.site.session, round=0), timeout=10)
+            except grpc.RpcError:
+                continue  # a relay stopped under it (the failover test)
 
     def _call(self, stage: str, message: StageMessage) -> tuple[StageMessage, str]:
         request = secagg_wire.stage_request(
@@ -90,7 +103,9 @@ class SecureTestSite:
         secure.share_keys()
         if self.site.name == DROPPED:
             # Dropped after sending its shares: it never uploads nor answers the unmasking.
-            self.site.stub.Leave(pb.LeaveRequest(session_id=self.site.session, reason="dropout"), timeout=20)
+            if not self.silent:
+                self.site.stub.Leave(pb.LeaveRequest(session_id=self.site.session, reason="dropout"), timeout=20)
+            self.gone.set()
             dropped.set()
             return
         assert go.wait(timeout=60)
@@ -119,33 +134,43 @@ class SecureTestSite:
 def _secure_coordinator(
     certs: Path, *, relays: bool, privacy: PrivacyConfig = PRIVACY, metrics_path: Path | None = None
 ) -> CoordinatorServer:
+    # A silent site is dropped after HEARTBEAT_TIMEOUT_S (by the coordinator and by its relay).
     return coordinator(
         certs, numel=NUMEL, min_sites=3, rounds=2, relays=relays, privacy=privacy, weighting="uniform",
         metrics_path=metrics_path,
-        heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0, secure_stage_timeout_s=60.0,
+        heartbeat_interval_s=1.0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, secure_stage_timeout_s=60.0,
     )
 
 
 def _secure_round(
     certs: Path, server: CoordinatorServer, targets: dict[str, str], ups: dict[str, torch.Tensor],
     privacy: PrivacyConfig = PRIVACY, between: Callable[[list[SecureTestSite]], None] | None = None,
+    silent: bool = False,
 ) -> tuple[torch.Tensor, dict[str, pb.BroadcastHeader], dict[str, bytes]]:
-    """One secure round of the four sites, ``site-d`` leaving after its shares; ``between`` runs
-    once it left, before the others upload."""
+    """One secure round of the four sites, ``site-d`` leaving (or going ``silent``) after its
+    shares; ``between`` runs once it dropped, before the others upload."""
     sites = [SecureTestSite(name, certs, targets[name], privacy) for name in SITES]
+    stop = threading.Event()
     try:
         for s in sites:
             s.join()
+            s.silent = silent
         dropped, go = threading.Event(), threading.Event()
-        with ThreadPoolExecutor(len(sites)) as pool:
-            futures = [pool.submit(s.run, ups[s.site.name], dropped, go) for s in sites]
-            assert dropped.wait(timeout=120)
-            if between is not None:
-                between(sites)
-            go.set()
-            for future in futures:
-                future.result(timeout=120)
-        headers = {s.site.name: s.site.await_broadcast()[0] for s in sites if s.site.name != DROPPED}
+        with ThreadPoolExecutor(2 * len(sites)) as pool:
+            try:
+                for s in sites:
+                    pool.submit(s.heartbeats, stop)
+                futures = [pool.submit(s.run, ups[s.site.name], dropped, go) for s in sites]
+                assert dropped.wait(timeout=120)
+                if between is not None:
+                    between(sites)
+                go.set()
+                for future in futures:
+                    future.result(timeout=120)
+                headers = {s.site.name: s.site.await_broadcast()[0] for s in sites if s.site.name != DROPPED}
+            finally:
+                stop.set()
+                go.set()
         return server.rounds.weights.clone(), headers, {s.site.name: s.masked for s in sites}
     finally:
         for s in sites:
@@ -208,14 +233,15 @@ def _spy(relay_server: RelayServer, seen: list[tuple[pb.UploadManifest, bytes, l
     relay_server.upstream.upload = spied  # type: ignore[method-assign]
 
 
-def test_secure_round_through_two_relays_with_a_dropout_equals_flat_and_plain(certs: Path) -> None:
+@pytest.mark.parametrize("silent", [False, True], ids=["dropout-leaves", "dropout-goes-silent"])
+def test_secure_round_through_two_relays_with_a_dropout_equals_flat_and_plain(certs: Path, silent: bool) -> None:
     ups = {name: u / 4 for name, u in updates(NUMEL, dyadic=False, seed=3).items()}
     plain = _plain_result(certs, ups)
 
     flat = _secure_coordinator(certs, relays=False)
     try:
         flat_weights, flat_headers, _ = _secure_round(
-            certs, flat, {name: f"localhost:{flat.port}" for name in SITES}, ups
+            certs, flat, {name: f"localhost:{flat.port}" for name in SITES}, ups, silent=silent
         )
         flat_record = flat.rounds.status()
     finally:
@@ -228,7 +254,7 @@ def test_secure_round_through_two_relays_with_a_dropout_equals_flat_and_plain(ce
         _spy(r, partials[name])
     try:
         targets = {site: f"localhost:{relays[region].port}" for region, names in REGIONS.items() for site in names}
-        weights, headers, masked = _secure_round(certs, server, targets, ups)
+        weights, headers, masked = _secure_round(certs, server, targets, ups, silent=silent)
         status = server.rounds.status()
     finally:
         for r in relays.values():

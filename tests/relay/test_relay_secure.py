@@ -385,3 +385,41 @@ def test_a_relay_killed_after_the_key_stages_its_sites_upload_to_the_coordinator
     assert partials["eu"] == [] and [s.site for s in partials["us"][0][0].relayed_sites] == ["site-c"]
     torch.testing.assert_close(weights, plain, rtol=0, atol=SECURE_VS_PLAIN)
     assert all(headers[name].included and headers[name].num_contributors == 3 for name in SURVIVORS)
+
+
+def test_the_coordinator_refuses_a_masked_partial_it_cannot_count(certs: Path) -> None:
+    """Every listed site is checked as if it uploaded itself: a site of another region, a
+    weight other than 1 and sites that did not share keys are refused; nothing is counted."""
+    server = _secure_coordinator(certs, relays=True)
+    channels = {
+        name: client_channel(f"localhost:{server.port}", tls=TLSFiles.from_dir(certs, name)) for name in REGIONS
+    }
+    stubs = {name: coordinator_stub(channel) for name, channel in channels.items()}
+    try:
+        session = ""
+        for region, site in (("eu", "site-a"), ("eu", "site-b"), ("us", "site-c")):
+            join = pb.JoinRequest(site=site, protocol_version=PROTOCOL_VERSION)
+            session = stubs[region].Join(join, timeout=20).session_id
+        data = bytes(NUMEL * 4)
+
+        def partial(sites: dict[str, float]) -> grpc.RpcError:
+            manifest = pb.UploadManifest(
+                session_id=session, round=0, sample_weight=float(len(sites)), inner_steps=len(sites),
+                blob=blob_manifest(data, codec="secagg", shape=[NUMEL], dtype="uint32", chunk_size=64),
+                relayed_sites=[pb.RelayedSite(site=s, weight=w, inner_steps=1) for s, w in sites.items()],
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                stubs["eu"].Upload(upload_requests(manifest, data), timeout=20)
+            return info.value
+
+        err = partial({"site-a": 1.0, "site-c": 1.0})
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "may not speak for site 'site-c'" in err.details()
+        err = partial({"site-a": 2.0, "site-b": 1.0})
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "counts with weight 1" in err.details()
+        err = partial({"site-a": 1.0, "site-b": 1.0})
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "secure round 0" in err.details()
+        assert server.rounds.status()["contributed"] == []
+    finally:
+        for channel in channels.values():
+            channel.close()
+        server.stop(grace=0)

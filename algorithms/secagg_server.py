@@ -81,6 +81,8 @@ class SecAggServer:
         self._mailbox: dict[int, list[EncryptedShare]] = {}
         self._shared: set[int] = set()
         self._uploads: dict[int, _Upload] = {}
+        self._partials: dict[int, tuple[int, ...]] = {}
+        """site -> the sites of the relay's partial sum it arrived in (``receive_masked_partial``)."""
         self._aggregate: np.ndarray | None = None
         self._survivors: tuple[int, ...] = ()
         self._dropped: tuple[int, ...] = ()
@@ -166,24 +168,54 @@ class SecAggServer:
         self._expect(STAGE_MASKED_INPUT)
         if site not in self._shared:
             raise ValueError(f"site {site} did not share keys this round and cannot upload")
+        if site in self._partials:
+            raise ValueError(f"site {site}'s input already arrives in a relay's partial sum; it cannot upload alone")
+        self._add_chunk((site,), chunk_index, data)
+
+    def receive_masked_partial(self, sites: Sequence[int], chunk_index: int, data: bytes) -> None:
+        """Add one chunk of a relay's partial sum: the ring sum of ``sites``' masked chunks.
+
+        Masked inputs add in ``Z_{2^b}``, so the partial enters the aggregate like one input and
+        each of ``sites`` counts as having sent that chunk: a site in a complete partial is a
+        survivor, a site missing from every upload is dropped (its pairwise masks are removed
+        from its mask-key shares as usual). A site is in one upload only (its own or one
+        partial); a resent identical chunk is ignored.
+        """
+        self._expect(STAGE_MASKED_INPUT)
+        group = tuple(sorted(sites))
+        if not group or len(set(group)) != len(group):
+            raise ValueError(f"a partial sum must name distinct sites, got {list(sites)}")
+        for site in group:
+            if site not in self._shared:
+                raise ValueError(f"site {site} did not share keys this round and cannot be in a partial sum")
+            if self._partials.get(site, group) != group or (site in self._uploads and site not in self._partials):
+                raise ValueError(f"site {site}'s input already arrived in another upload this round")
+        for site in group:
+            self._partials[site] = group
+        self._add_chunk(group, chunk_index, data)
+
+    def _add_chunk(self, sites: tuple[int, ...], chunk_index: int, data: bytes) -> None:
+        """Add a chunk sent for ``sites`` (one site, or a relay's partial) into the aggregate."""
         c = self.context
         start, stop = c.chunk_bounds(chunk_index)
         digest = zlib.crc32(data)
-        upload = self._uploads.setdefault(site, _Upload())
-        previous = upload.chunks.get(chunk_index)
+        who = f"site {sites[0]}" if len(sites) == 1 else f"the partial sum of sites {list(sites)}"
+        uploads = [self._uploads.setdefault(site, _Upload()) for site in sites]
+        previous = uploads[0].chunks.get(chunk_index)
         if previous is not None:
             if previous != digest:
-                raise ValueError(f"site {site} resent chunk {chunk_index} with different bytes")
+                raise ValueError(f"{who} resent chunk {chunk_index} with different bytes")
             return
         dtype = MODULUS_DTYPES[c.modulus_bits]
         if len(data) != (stop - start) * dtype.itemsize:
             raise ValueError(
-                f"site {site} chunk {chunk_index}: {len(data)} bytes, expected {(stop - start) * dtype.itemsize}"
+                f"{who} chunk {chunk_index}: {len(data)} bytes, expected {(stop - start) * dtype.itemsize}"
             )
         if self._aggregate is None:
             self._aggregate = np.zeros(c.numel, dtype=dtype)
         self._aggregate[start:stop] += np.frombuffer(data, dtype=dtype)
-        upload.chunks[chunk_index] = digest
+        for upload in uploads:
+            upload.chunks[chunk_index] = digest
 
     def uploaded(self) -> list[int]:
         return sorted(s for s, u in self._uploads.items() if len(u.chunks) == self._chunks)

@@ -267,15 +267,17 @@ class CoordinatorConfig:
                     f"site {site!r} is not in allowed_sites; add it there too",
                 )
         works = (
-            "relays run plain rounds (no secure aggregation, no DP, aggregation = 'mean', "
-            "late_updates = 'drop'); leave [relays] empty to run this configuration flat"
+            "relays run plain rounds (aggregation = 'mean', late_updates = 'drop') and secure rounds "
+            "(secure_aggregation = true, with or without dp); leave [relays] empty to run this "
+            "configuration flat"
         )
         require(
-            not self.privacy.secure_aggregation,
+            self.privacy.unmasked_central_dp is None,
             "relays",
-            f"secure aggregation through relays is not supported: {works}",
+            "dp = 'central' without secure aggregation clips and noises each site's update at the "
+            "coordinator, which sees only a relay's partial sum; set secure_aggregation = true (the "
+            f"sites clip, the sum is noised) or run flat: {works}",
         )
-        require(not self.privacy.enabled, "relays", f"differential privacy through relays is not supported: {works}")
         require(
             not self.algorithm.robust_rule.enabled,
             "relays",

@@ -15,6 +15,12 @@ coordinator's own protocol and talks to the coordinator on their behalf with its
   as a contributor with its own weight: ``Σ_r W_r m_r / Σ_r W_r`` with ``W_r m_r = Σ_k w_k g_k``
   is the flat mean (up to float32 rounding of the partial mean: see ``docs/architecture.md``).
 
+Secure aggregation. With ``[privacy] secure_aggregation`` the partial is instead the ring sum of
+its sites' masked uploads (codec ``secagg``, each site weight 1): ``SecureIntake.receive_partial``
+adds it to the protocol's sum and counts every listed site as a survivor-to-be; the stage calls
+(keys, shares, unmasking) come through the relay like any call made for a site. Refusals at the
+relay (``rejected``) do not exist there: the relay cannot read a masked update.
+
 Relayed partials are verified like a site's update (checksum, codec, shape, finite values). The
 norm and weight bounds of ``[update_guard]`` apply to each site's own update at the relay, which
 reports the sites it refused (``RelayedSite.rejected``): they are recorded as rejected here, as
@@ -44,6 +50,7 @@ from geoloco.coordinator.intake import (
     PlainIntake,
     PlainUpload,
 )
+from geoloco.coordinator.secure_intake import SecureIntake
 from geoloco.coordinator.upload_check import checked_update
 from geoloco.protos.errors import IdentityError, quoted
 from geoloco.protos.identity import validate_site_name
@@ -85,7 +92,9 @@ class RelayedUploads:
 
     def __init__(self, intake: object, relays: Mapping[str, Sequence[str]], *, insecure: bool) -> None:
         self.intake = intake if isinstance(intake, PlainIntake) else None
-        """The plain intake whose round the partials enter (None: a secure run, no relays)."""
+        """The plain intake whose round the partials enter (None: a secure run)."""
+        self.secure = intake if isinstance(intake, SecureIntake) else None
+        """The secure intake whose protocol sum masked partials enter (None: a plain run)."""
         self.relays = {name: frozenset(sites) for name, sites in relays.items()}
         self.insecure = insecure
         self._uploads: dict[str, PlainUpload] = {}
@@ -131,12 +140,11 @@ class RelayedUploads:
 
     def receive(self, relay: str, spec: UploadSpec, relayed: Sequence[RelayedSite], chunks: Chunks) -> UploadProgress:
         """One Upload stream of a relay's partial sum: check, assemble, verify, add."""
+        if self.secure is not None:
+            return self._receive_masked(self.secure, relay, spec, relayed, chunks)
         intake = self.intake
         if intake is None:
-            raise InvalidUpdateError(
-                "this run uses secure aggregation, which relays do not support; connect the sites "
-                "to the coordinator directly"
-            )
+            raise InvalidUpdateError("this coordinator's round intake takes no relayed partial sums")
         assembler = self._open(intake, relay, spec, relayed)
         started = time.monotonic()
         assembler.timings.upload_started(started)
@@ -152,6 +160,37 @@ class RelayedUploads:
         return UploadProgress(
             complete=True, received=tuple(assembler.received()), received_bytes=assembler.received_bytes,
             manifest=spec.wire,
+        )
+
+    def _receive_masked(
+        self, intake: SecureIntake, relay: str, spec: UploadSpec, relayed: Sequence[RelayedSite], chunks: Chunks
+    ) -> UploadProgress:
+        """A relay's masked partial (module doc): who it lists is checked here, the rest (the
+        protocol's checks for every listed site) by the secure intake."""
+        if not relayed:
+            raise InvalidUpdateError(f"relay {relay!r}'s upload lists no relayed sites")
+        names = [r.site for r in relayed]
+        if len(set(names)) != len(names):
+            raise InvalidUpdateError(f"relay {relay!r}'s upload lists a site twice: {sorted(names)}")
+        for r in relayed:
+            self.speak_for(relay, r.site)
+            if r.rejected or r.weight != 1.0:
+                raise InvalidUpdateError(
+                    f"relay {relay!r} lists site {r.site!r} with weight {r.weight} (rejected: {r.rejected!r}); "
+                    "in a secure round every site of a masked partial counts with weight 1"
+                )
+            if len(r.metrics) > MAX_SITE_METRICS or any(len(k) > MAX_METRIC_NAME_CHARS for k in r.metrics):
+                raise InvalidUpdateError(
+                    f"relay {relay!r} passes on {len(r.metrics)} metrics for site {r.site!r}; at most "
+                    f"{MAX_SITE_METRICS}, names of at most {MAX_METRIC_NAME_CHARS} characters"
+                )
+        if spec.sample_weight != len(relayed):
+            raise InvalidUpdateError(
+                f"relay {relay!r}'s masked partial has sample_weight {spec.sample_weight}; it must be the "
+                f"number of its sites ({len(relayed)})"
+            )
+        return intake.receive_partial(
+            relay, relay_link(relay), spec, {r.site: r.metrics for r in relayed}, chunks
         )
 
     @staticmethod

@@ -10,19 +10,23 @@ aggregated.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import torch
 
 from geoloco.algorithms.aggregation import Aggregation
+from geoloco.algorithms.fixed_point import MODULUS_DTYPES
+from geoloco.algorithms.privacy import SECURE_UPLOAD_CODEC
 from geoloco.algorithms.round import CloseDecision
-from geoloco.algorithms.secagg import StageMessage, StageReply
+from geoloco.algorithms.secagg import StageMessage, StageReply, num_chunks, site_index
 from geoloco.algorithms.strategy import RoundPlan
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext
 from geoloco.coordinator.domain import OPEN_PHASES, RoundPhase, UploadProgress, UploadSpec
-from geoloco.coordinator.errors import InvalidUpdateError
+from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError, WrongRoundError
 from geoloco.coordinator.intake import Chunks, RoundSum
 from geoloco.coordinator.membership import Membership
-from geoloco.coordinator.privacy_rounds import PrivateRounds
+from geoloco.coordinator.privacy_rounds import PrivateRounds, SecureUpload
 
 __all__ = ["SecureIntake"]
 
@@ -41,6 +45,8 @@ class SecureIntake:
         tls = ctx.config.tls_files
         self._ca_pem: bytes | None = tls.read()[0] if tls is not None else None
         """The run's CA: sites' identity bindings are checked against it before they are relayed."""
+        self._partials: dict[str, tuple[tuple[str, ...], SecureUpload]] = {}
+        """relay -> (its sites, its partial upload) of the open round (resumable like a site's)."""
 
     def receive(self, site: str, spec: UploadSpec, chunks: Chunks) -> UploadProgress:
         ctx, privacy = self.ctx, self.privacy
@@ -75,6 +81,116 @@ class SecureIntake:
                     ctx.cond.notify_all()
         with ctx.cond:
             return privacy.upload_progress(upload)
+
+    def receive_partial(
+        self, relay: str, link: str, spec: UploadSpec, sites: Mapping[str, Mapping[str, float]], chunks: Chunks
+    ) -> UploadProgress:
+        """One Upload stream of a relay's masked partial sum over ``sites`` (site -> its own
+        upload metrics; module doc); its bytes are counted on ``link``. Nothing the relay checked
+        is relied on: every check of a site's masked upload is made here again, for each site."""
+        ctx = self.ctx
+        with ctx.cond:
+            group, upload = self._open_partial(relay, spec, sites)
+            ctx.count_up(link, spec.nbytes)
+        indices = [site_index(s) for s in group]
+        for chunk, nbytes in chunks:
+            with ctx.cond:
+                ctx.count_up(link, nbytes)
+                if ctx.round.number != spec.round or ctx.phase not in OPEN_PHASES:
+                    ctx.check_upload_round(spec.round)
+                current = self.privacy.current
+                if current is None or current.round_number != spec.round or current.aborted:
+                    raise WrongRoundError(f"secure round {spec.round} is over or aborted; partial sum refused")
+                if not 0 <= chunk.index < upload.num_chunks:
+                    raise InvalidUpdateError(
+                        f"relay {relay!r}: masked chunk {chunk.index} is outside the partial's "
+                        f"{upload.num_chunks} chunks"
+                    )
+                try:
+                    current.server.receive_masked_partial(indices, chunk.index, chunk.data)
+                except ValueError as err:
+                    raise InvalidUpdateError(f"relay {relay!r}: {err}") from None
+                upload.received.add(chunk.index)
+                if upload.complete:
+                    self._count(group, spec.round, {s: {**sites[s], link: 1.0} for s in group})
+        with ctx.cond:
+            return self.privacy.upload_progress(upload)
+
+    def _open_partial(
+        self, relay: str, spec: UploadSpec, sites: Iterable[str]
+    ) -> tuple[tuple[str, ...], SecureUpload]:
+        """Check a partial's manifest as every listed site's own masked upload would be."""
+        ctx, privacy = self.ctx, self.privacy
+        group = tuple(sorted(sites))
+        for site in group:
+            self.membership.member(site, spec.session_id)
+        ctx.check_upload_round(spec.round)
+        if spec.fragment != ctx.fragment_of(spec.round):
+            raise InvalidUpdateError(
+                f"relay {relay!r}'s masked partial for round {spec.round} names fragment {spec.fragment}; "
+                f"that round's secure sum is over fragment {ctx.fragment_of(spec.round)}"
+            )
+        if spec.codec != SECURE_UPLOAD_CODEC:
+            raise InvalidUpdateError(
+                f"secure aggregation is on: relay {relay!r}'s partial sum must be masked (codec "
+                f"{SECURE_UPLOAD_CODEC!r}, the ring sum of its sites' masked uploads), got {spec.codec!r}"
+            )
+        current = privacy.current
+        if current is None or current.round_number != spec.round:
+            raise WrongRoundError(
+                f"relay {relay!r} cannot upload to secure round {spec.round} (no secure round with that "
+                "number is open here); its sites' updates stay out of this round"
+            )
+        width = privacy.privacy.modulus_bits // 8
+        sent_values = current.context.numel
+        dtype = MODULUS_DTYPES[privacy.privacy.modulus_bits]
+        if spec.dtype != dtype.name or list(spec.shape) != [sent_values]:
+            raise InvalidUpdateError(
+                f"relay {relay!r}'s masked partial is {spec.dtype} {list(spec.shape)}; expected "
+                f"{dtype.name} [{sent_values}]"
+            )
+        if spec.total_bytes != sent_values * width or spec.chunk_size != privacy.wire_chunk_bytes:
+            raise InvalidUpdateError(
+                f"relay {relay!r}'s masked partial is {spec.total_bytes} bytes in chunks of {spec.chunk_size}; "
+                f"expected {sent_values * width} bytes in chunks of {privacy.wire_chunk_bytes}"
+            )
+        if current.aborted:
+            raise WrongRoundError(
+                f"relay {relay!r} cannot upload to secure round {spec.round} ({current.aborted}); its "
+                "sites' updates stay out of this round: wait for the broadcast"
+            )
+        late = [s for s in group if not current.may_upload(s)]
+        if late:
+            raise WrongRoundError(
+                f"relay {relay!r}'s partial lists sites {late} that may not upload to secure round "
+                f"{spec.round} (they did not share keys before the key stage closed, or were left out); "
+                "send a partial of the others"
+            )
+        existing = self._partials.get(relay)
+        if existing is not None and existing[1].spec.round == spec.round:
+            if existing[0] != group or existing[1].spec.total_bytes != spec.total_bytes:
+                raise InvalidUpdateError(f"relay {relay!r} re-opened its masked partial with other sites or size")
+            return existing
+        r = ctx.round
+        for site in group:
+            if site in r.contributed or site in r.rejected:
+                raise UpdateRejectedError(
+                    f"site {site!r} already has an update for round {r.number}; drop it from the partial sum"
+                )
+        upload = SecureUpload(spec=spec, num_chunks=num_chunks(sent_values, privacy.privacy.chunk_size), received=set())
+        self._partials[relay] = (group, upload)
+        return group, upload
+
+    def _count(self, group: tuple[str, ...], round_number: int, metrics: Mapping[str, dict[str, float]]) -> None:
+        """A complete partial: each of its sites is a contributor (weight 1, as a masked upload)."""
+        ctx = self.ctx
+        r = ctx.round
+        for site in group:
+            if site not in r.contributed:
+                r.core.count(site, 1.0, now=ctx.clock())
+                r.site_metrics[site] = metrics[site]
+                ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=1.0)
+        ctx.cond.notify_all()
 
     def status(self, site: str, round_number: int, fragment: int) -> UploadProgress:
         ctx = self.ctx

@@ -50,7 +50,7 @@ class RelayConfig:
     uploaded, or this many seconds after the round's first upload, whichever comes first."""
     upward_codec: str = "none"
     """Codec of the partial sum sent to the coordinator: ``none`` or ``uplink`` (see
-    ``UPWARD_CODECS``)."""
+    ``UPWARD_CODECS``); not used in secure-aggregation runs (the masked ring sum goes up as is)."""
     chunk_size: int = DEFAULT_CHUNK_SIZE
     """Bytes per chunk of the partial sum's upload."""
     progress_interval_s: float = 2.0

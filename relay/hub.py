@@ -8,7 +8,6 @@ passes on (Join, Heartbeat, the broadcast's next round) and from its sites' uplo
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -19,7 +18,6 @@ from typing import Any
 import grpc
 import torch
 
-from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.weighting import site_weight
 from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
 from geoloco.coordinator.update_guard import UpdateGuard, UpdateGuardConfig
@@ -35,54 +33,20 @@ from geoloco.protos.wire import (
     read_broadcast_stream,
 )
 from geoloco.relay.config import RelayConfig
-from geoloco.relay.partial import RelayRound, encode_partial
+from geoloco.relay.masked import SecureRun, check_masked_manifest
+from geoloco.relay.partial import RelayRound, encode_partial, masked_partial
+from geoloco.relay.run_info import RunInfo
 from geoloco.relay.upstream import Traffic, Upstream
 
 __all__ = ["CachedBroadcast", "RelayHub", "RunInfo"]
 
 logger = logging.getLogger(__name__)
 
-_WEIGHTING = {pb.WEIGHTING_SAMPLES: "samples", pb.WEIGHTING_UNIFORM: "uniform", pb.WEIGHTING_STEPS: "steps"}
 ACCEPT_WAIT_S = 20.0
 """Longest an Upload is held waiting for the coordinator to take its partial sum (below the
 sites' 30 s minimum transfer deadline); the site then asks again."""
 KEEP_BROADCASTS = 3
 """Rounds whose broadcast stays cached for sites that ask late."""
-
-
-@dataclass(frozen=True, slots=True)
-class RunInfo:
-    """What the relay needs of the coordinator's ``RunConfig``."""
-
-    weighting: str
-    uplink_codec: str
-    numel: int
-    quorum: int
-    heartbeat_timeout_s: float
-    guard: UpdateGuardConfig
-
-    @classmethod
-    def of(cls, response: pb.JoinResponse) -> RunInfo:
-        c = response.config
-        return cls(
-            guard=_guard_config(c.config_json),
-            weighting=_WEIGHTING.get(c.weighting, "uniform"),
-            uplink_codec=c.uplink_codec,
-            numel=int(response.layout.numel),
-            quorum=int(c.quorum),
-            heartbeat_timeout_s=c.heartbeat_timeout_ms / 1000 if c.heartbeat_timeout_ms else 15.0,
-        )
-
-
-def _guard_config(config_json: str) -> UpdateGuardConfig:
-    """The coordinator's ``[update_guard]`` from ``RunConfig.config_json`` (defaults when it has
-    none, e.g. an older coordinator)."""
-    try:
-        table = json.loads(config_json or "{}").get("update_guard") or {}
-        return config_from_dict(UpdateGuardConfig, table)
-    except (ValueError, AttributeError, ConfigError):
-        logger.warning("the coordinator's update_guard settings cannot be read; the relay uses the defaults")
-        return UpdateGuardConfig()
 
 
 @dataclass(slots=True)
@@ -182,6 +146,14 @@ class RelayHub:
             self.members.pop(site, None)
             self.cond.notify_all()
 
+    def withdrew(self, site: str, round_number: int) -> None:
+        """``site`` gave up secure round ``round_number`` (it will not upload): not waited for."""
+        with self.cond:
+            self._learn_round(round_number)
+            if self.round.number == round_number:
+                self.round.withdrawn.add(site)
+            self.cond.notify_all()
+
     def live_sites(self, now: float) -> set[str]:
         timeout = self.run.heartbeat_timeout_s if self.run is not None else 15.0
         with self.cond:
@@ -228,9 +200,13 @@ class RelayHub:
                 existing.check_same_manifest(_named(manifest, site))
                 return existing
             numel = manifest.blob.shape[0]
+            buffer = bytearray(manifest.blob.total_bytes)
             assembler = UploadAssembler(
-                _named(manifest, site), max_total_bytes=2 * 4 * numel + (1 << 20), max_chunk_size=MAX_CHUNK_SIZE
+                _named(manifest, site), max_total_bytes=2 * 4 * numel + (1 << 20), max_chunk_size=MAX_CHUNK_SIZE,
+                out=buffer,
             )
+            if self.run is not None and self.run.secure is not None:
+                r.buffers[site] = buffer
             r.assemblers[site] = assembler
             if r.first_upload_s is None:
                 r.first_upload_s = self.clock()
@@ -242,11 +218,14 @@ class RelayHub:
         blob = manifest.blob
         if manifest.site and manifest.site != site:
             raise InvalidUpdateError(f"upload manifest names site {quoted(manifest.site)} but the caller is {site!r}")
-        if blob.codec != run.uplink_codec:
+        if run.secure is not None:
+            check_masked_manifest(manifest, run.secure, run.numel)
+        elif blob.codec != run.uplink_codec:
             raise InvalidUpdateError(
                 f"upload codec {quoted(blob.codec)} is not the run's uplink codec {run.uplink_codec!r}"
             )
-        if blob.dtype != "float32" or len(blob.shape) != 1 or not 0 < blob.shape[0] <= run.numel:
+        plain_shape = blob.dtype == "float32" and len(blob.shape) == 1 and 0 < blob.shape[0] <= run.numel
+        if run.secure is None and not plain_shape:
             raise InvalidUpdateError(
                 f"upload is {quoted(blob.dtype)} {list(blob.shape)}; pseudo-gradients are float32 "
                 f"[n] with n <= {run.numel} (the model's size)"
@@ -322,6 +301,9 @@ class RelayHub:
                 run = self.run
                 assert run is not None
             data = assembler.finish()  # a checksum mismatch resets the assembler (DATA_LOSS)
+            if run.secure is not None:
+                self._add_masked(site, assembler, data, run.secure)
+                return
             what = f"site {site!r}'s update for round {manifest.round}"
             update, norm, finite = checked_update(
                 what, data, manifest.blob.checksum.algorithm, codec=run.uplink_codec,
@@ -350,6 +332,25 @@ class RelayHub:
                 self.cond.notify_all()
             if self.on_update is not None:
                 self.on_update(int(manifest.round), site)
+
+    def _add_masked(self, site: str, assembler: UploadAssembler, data: memoryview, secure: SecureRun) -> None:
+        """Secure rounds: a masked upload goes into the ring sum as it is (the relay cannot read
+        it, so no norm or weight check applies; the coordinator checks the partial's size)."""
+        manifest = assembler.upload
+        with self.cond:
+            r = self.round
+            try:
+                self.still_open(site, assembler)
+            except WrongRoundError:
+                r.drop_masked(site)  # too late for the partial: nothing of it stays here
+                raise
+            r.add_masked(
+                site, data, secure, inner_steps=int(manifest.inner_steps),
+                upload_bytes=int(manifest.blob.total_bytes), metrics=dict(manifest.metrics),
+            )
+            self.cond.notify_all()
+        if self.on_update is not None:
+            self.on_update(int(manifest.round), site)
 
     def upload_status(self, site: str, request: pb.UploadStatusRequest) -> pb.UploadStatusResponse:
         with self.cond:
@@ -387,6 +388,8 @@ class RelayHub:
             session = self.session_id
             run = self.run
             assert run is not None
+        if run.secure is not None:
+            return r, *masked_partial(r, session, run.secure)
         codec = run.uplink_codec if self.config.upward_codec == "uplink" else "none"
         fragment = r.fragment or 0
         before = self.residuals.get(fragment)
@@ -521,7 +524,9 @@ class RelayHub:
             assert cached.header is not None
             header = pb.BroadcastHeader()
             header.CopyFrom(cached.header)
-            header.included = site in cached.included
+            # A secure round the coordinator aborted counts no partial: the claim's answer says so.
+            secure = self.run is not None and self.run.secure is not None
+            header.included = site in cached.included and (cached.header.included or not secure)
             header.start_chunk = request.start_chunk
             return header, cached.data
 

@@ -3,7 +3,8 @@
 The partial is the coordinator's own ``RunningSum`` (``geoloco.algorithms.aggregation``): each
 site's encoded update is decoded into it with the site's weight ``w_k`` exactly as the
 coordinator would add it, and what goes upward is its mean ``Σ w_k g_k / W`` with ``W = Σ w_k``,
-which the coordinator adds back with weight ``W``. Nothing here does I/O.
+which the coordinator adds back with weight ``W``. In a secure round the partial is instead the
+ring sum of the sites' masked uploads (``geoloco.relay.masked``). Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.privacy import SECURE_UPLOAD_CODEC
 from geoloco.compression import Encoded, decode, parse_codec
-from geoloco.protos.wire import UploadAssembler
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.wire import UploadAssembler, blob_manifest
+from geoloco.relay.masked import MaskedSum, SecureRun
 
-__all__ = ["RelayRound", "SiteUpdate", "encode_partial"]
+__all__ = ["RelayRound", "SiteUpdate", "encode_partial", "masked_partial"]
 
 
 def encode_partial(
@@ -64,12 +68,18 @@ class RelayRound:
     """site -> its verified update's weight, in arrival order."""
     rejected: dict[str, str] = field(default_factory=dict)
     """site -> why its upload was refused this round."""
+    withdrawn: set[str] = field(default_factory=set)
+    """Secure rounds: sites that gave the round up (a ``withdraw`` stage call): not waited for."""
     first_upload_s: float | None = None
     forwarded: bool = False
     """The partial went upward (or is going): later uploads are too late for this round."""
     outcome: str = ""
     """After forwarding: "accepted", or why the coordinator refused the partial."""
     _sum: RunningSum | None = None
+    masked: MaskedSum | None = None
+    """Secure rounds: the ring sum of the masked uploads (instead of ``_sum``)."""
+    buffers: dict[str, bytearray] = field(default_factory=dict)
+    """Secure rounds: site -> the buffer its masked upload is assembled in (zeroed once added)."""
 
     @property
     def empty(self) -> bool:
@@ -77,8 +87,26 @@ class RelayRound:
 
     @property
     def weight(self) -> float:
-        """``W = Σ w_k`` of the updates added so far."""
+        """``W = Σ w_k`` of the updates added so far (the number of sites in a secure round)."""
+        if self.masked is not None:
+            return float(len(self.masked.sites))
         return 0.0 if self._sum is None else self._sum.total_weight
+
+    def add_masked(
+        self, site: str, data: memoryview, secure: SecureRun, *, inner_steps: int, upload_bytes: int,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
+        """A site's verified masked upload, added into the ring sum; its buffer is then zeroed,
+        so the relay holds no site's masked vector, only the sum (``geoloco.relay.masked``)."""
+        if self.shape is None:
+            raise ValueError("the round's shape is set by its first upload")
+        if self.masked is None:
+            self.masked = MaskedSum(self.shape[0], secure)
+        self.masked.add(site, data)
+        self.drop_masked(site)
+        self.updates[site] = SiteUpdate(
+            weight=1.0, inner_steps=inner_steps, upload_bytes=upload_bytes, metrics=dict(metrics or {})
+        )
 
     def add(
         self,
@@ -100,6 +128,12 @@ class RelayRound:
             weight=weight, inner_steps=inner_steps, upload_bytes=upload_bytes, metrics=dict(metrics or {})
         )
 
+    def drop_masked(self, site: str) -> None:
+        """Overwrite ``site``'s masked upload buffer with zeros (added, or too late)."""
+        buffer = self.buffers.pop(site, None)
+        if buffer is not None:
+            buffer[:] = bytes(len(buffer))
+
     def mean(self) -> torch.Tensor:
         """``Σ w_k g_k / W``, the partial the relay sends upward with weight ``W`` (zeros with
         ``W = 0`` when every update was refused: the partial then only reports the refusals)."""
@@ -115,6 +149,27 @@ class RelayRound:
         update was refused still goes up, to tell the coordinator so."""
         if self.forwarded or not (self.updates or self.rejected):
             return False
-        if live_sites <= set(self.updates) | set(self.rejected):
+        if live_sites <= set(self.updates) | set(self.rejected) | self.withdrawn:
             return True
         return self.first_upload_s is not None and now - self.first_upload_s >= max_wait_s
+
+
+def masked_partial(r: RelayRound, session: str, secure: SecureRun) -> tuple[pb.UploadManifest, bytes]:
+    """A secure round's partial upward: the ring sum, lossless (a masked sum cannot be
+    compressed), listing its sites, each with weight 1 (the coordinator counts sites)."""
+    assert r.masked is not None and r.shape is not None
+    data = r.masked.to_bytes()
+    sites = list(r.masked.sites)
+    manifest = pb.UploadManifest(
+        session_id=session, round=r.number, fragment=r.fragment or 0, sample_weight=float(len(sites)),
+        inner_steps=sum(r.updates[s].inner_steps for s in sites),
+        blob=blob_manifest(
+            data, codec=SECURE_UPLOAD_CODEC, shape=list(r.shape), dtype=secure.dtype.name,
+            chunk_size=secure.wire_chunk_bytes,
+        ),
+        relayed_sites=[
+            pb.RelayedSite(site=s, weight=1.0, inner_steps=r.updates[s].inner_steps, metrics=r.updates[s].metrics)
+            for s in sites
+        ],
+    )
+    return manifest, data

@@ -4,8 +4,8 @@ Join, Heartbeat and Leave are passed to the coordinator on the site's behalf (th
 errors included, comes back unchanged; the relay keeps what it needs: the session, the run's
 settings, the open round). FetchModel is streamed through. Uploads stay at the relay, which
 verifies them and adds them to the round's partial sum (``geoloco.relay.hub``); AwaitBroadcast
-is answered from the one broadcast the relay fetched. Secure aggregation is refused: masked
-uploads would need the relay to take part in the protocol, which it does not yet.
+is answered from the one broadcast the relay fetched. Secure-aggregation stage calls are passed
+through; a secure round's masked uploads are added in the ring (``geoloco.relay.masked``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from geoloco.coordinator.errors import InvalidUpdateError
+from geoloco.algorithms.secagg import STAGE_WITHDRAW
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos.transport import resolve_site
@@ -148,7 +148,13 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
             return
 
     def SecureStage(self, request: pb.SecureStageRequest, context: grpc.ServicerContext) -> pb.SecureStageResponse:
-        raise InvalidUpdateError(
-            "secure aggregation through a relay is not supported; connect this site to the "
-            "coordinator directly (relays run plain rounds)"
-        )
+        """Passed to the coordinator unchanged but for the site's name (the caller's certificate):
+        advertisements and survivor signatures are signed with the site's identity key (bound to
+        its certificate by the run's CA), shares are encrypted for their recipient, so the relay
+        can neither read nor forge what it carries (``geoloco.relay.masked``)."""
+        site = self._site(context, request.site)
+        response: pb.SecureStageResponse = self._forward(site, "SecureStage", request)
+        self.hub.heard(site)
+        if request.stage == STAGE_WITHDRAW:
+            self.hub.withdrew(site, int(request.round))
+        return response

@@ -46,7 +46,7 @@ def tiny_weights(numel: int = 37) -> tuple[torch.Tensor, ParamLayout]:
 
 def coordinator(
     certs: Path, *, codec: str = "none", weighting: str = "samples", rounds: int = 1, numel: int = 37,
-    metrics_path: Path | None = None, min_sites: int = len(SITES),
+    metrics_path: Path | None = None, min_sites: int = len(SITES), relays: bool = True, **extra: Any,
 ) -> CoordinatorServer:
     weights, layout = tiny_weights(numel)
     config = CoordinatorConfig(
@@ -54,9 +54,10 @@ def coordinator(
         certs_dir=str(certs),
         min_sites=min_sites,
         total_rounds=rounds,
-        relays={k: list(v) for k, v in REGIONS.items()},
+        relays={k: list(v) for k, v in REGIONS.items()} if relays else {},
         drain_timeout_s=0.0,
         metrics_path=None if metrics_path is None else str(metrics_path),
+        **extra,
     )
     server = CoordinatorServer(config, weights, layout)
     server.start()

@@ -145,8 +145,8 @@ def test_a_relay_refuses_a_site_outside_its_list(certs: Path, server: Coordinato
     ("extra", "needle"),
     [
         (
-            {"privacy": {"secure_aggregation": True, "clip_norm": 1.0}, "min_sites": 3},
-            "secure aggregation through relays is not supported",
+            {"privacy": {"dp": "central", "clip_norm": 1.0}, "algorithm": {"weighting": "uniform"}},
+            "dp = 'central' without secure aggregation",
         ),
         ({"algorithm": {"aggregation": "median"}}, "robust aggregation"),
         ({"algorithm": {"late_updates": "fold"}}, "late updates are not folded through relays"),
@@ -160,3 +160,15 @@ def test_relay_config_refuses_what_relays_cannot_run(extra: dict[str, object], n
     with pytest.raises(ValueError, match="relays") as info:
         CoordinatorConfig.from_dict(data)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("dp", ["off", "central", "distributed"])
+def test_relay_config_takes_secure_aggregation_with_or_without_dp(dp: str) -> None:
+    config = CoordinatorConfig.from_dict(
+        {
+            "insecure": True, "relays": {"eu": ["site-a", "site-b"], "us": ["site-c"]}, "min_sites": 3,
+            "algorithm": {"weighting": "uniform"},
+            "privacy": {"secure_aggregation": True, "clip_norm": 1.0, "dp": dp},
+        }
+    )
+    assert config.relays == {"eu": ["site-a", "site-b"], "us": ["site-c"]}

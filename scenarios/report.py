@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geoloco.algorithms.clock import transfer_time
+from geoloco.algorithms.clock import SiteConfig, transfer_time
 from geoloco.algorithms.dp_accountant import describe_epsilon
 from geoloco.scenarios.emulation import EmulationResult
 from geoloco.scenarios.progress import human_bytes
@@ -250,41 +250,63 @@ def site_reports(result: EmulationResult) -> list[SiteReport]:
 # -- fidelity --------------------------------------------------------------------------------------
 
 
+def _link_fidelity(
+    name: str, link: SiteConfig, ups: list[int], downs: list[int], bursts: list[dict[str, Any]]
+) -> SiteFidelity | None:
+    """One link's measured vs simulated time per round; None without enough bursts."""
+    if not ups or not downs:
+        return None
+    predicted_up = sum(transfer_time(n, link.uplink_bps, link.latency_s) for n in ups) / len(ups)
+    predicted_down = sum(transfer_time(n, link.downlink_bps, link.latency_s) for n in downs) / len(downs)
+    # Without faults a link's traffic is: TLS handshakes, joins and the full-weights fetch, then
+    # one upload and one broadcast per round. The last transfers of each direction are the rounds'
+    # (heartbeats are below the burst threshold).
+    up = [b for b in bursts if b["direction"] == "up"][-len(ups):]
+    down = [b for b in bursts if b["direction"] == "down"][-len(downs):]
+    if len(up) < len(ups) or len(down) < len(downs):
+        return None
+    measured_up = sum(b["end_s"] - b["start_s"] for b in up) / len(up)
+    measured_down = sum(b["end_s"] - b["start_s"] for b in down) / len(down)
+    return SiteFidelity(
+        name=name, rounds=len(ups), measured_s=measured_up + measured_down, predicted_s=predicted_up + predicted_down
+    )
+
+
+def _relayed_uploads(result: EmulationResult) -> dict[str, list[int]]:
+    """Per relayed site, the bytes of its upload to its relay in each round the relay forwarded it
+    (the relay's records; the coordinator only sees the partial sums)."""
+    uploads: dict[str, list[int]] = {}
+    for records in result.relay_records.values():
+        for record in records:
+            for site in record.get("partial", {}):
+                uploads.setdefault(site, []).append(int(record["bytes"].get(f"site:{site}->relay", 0)))
+    return uploads
+
+
 def fidelity(result: EmulationResult) -> Fidelity:
-    """Measured vs simulated communication time per round, per site (see the module docstring)."""
+    """Measured vs simulated communication time per round, per site (see the module docstring);
+    with ``[[regions]]``, each site's link to its relay and each relay's link to the coordinator."""
     if result.scenario.faults:
         return Fidelity([], skipped="the scenario injects faults (compare fault-free runs only)")
     records = [r for r in result.records if r.get("participants")]
     if not records:
         return Fidelity([], skipped="no round was aggregated")
-    sites = []
+    relayed = _relayed_uploads(result)
+    downs = [int(r["downlink_bytes"]) for r in records]
+    checked = []
     for site in result.scenario.sites:
-        link = site.clock_site()
         rounds = [r for r in records if site.name in r["participants"]]
-        if not rounds:
-            continue
-        ups = [int(r["bytes_up"].get(site.name, 0)) for r in rounds]
-        downs = [int(r["downlink_bytes"]) for r in records]
-        predicted_up = sum(transfer_time(n, link.uplink_bps, link.latency_s) for n in ups) / len(ups)
-        predicted_down = sum(transfer_time(n, link.downlink_bps, link.latency_s) for n in downs) / len(downs)
-        # Without faults a site's traffic is: TLS handshakes, joins and the full-weights fetch,
-        # then one upload and one broadcast per round. The last transfers of each direction are
-        # the rounds' (heartbeats are below the burst threshold).
-        bursts = result.bursts.get(site.name, [])
-        up = [b for b in bursts if b["direction"] == "up"][-len(ups):]
-        down = [b for b in bursts if b["direction"] == "down"][-len(downs):]
-        if len(up) < len(ups) or len(down) < len(downs):
-            continue
-        measured_up = sum(b["end_s"] - b["start_s"] for b in up) / len(up)
-        measured_down = sum(b["end_s"] - b["start_s"] for b in down) / len(down)
-        sites.append(
-            SiteFidelity(
-                name=site.name,
-                rounds=len(rounds),
-                measured_s=measured_up + measured_down,
-                predicted_s=predicted_up + predicted_down,
-            )
+        ups = relayed.get(site.name) or [int(r["bytes_up"].get(site.name, 0)) for r in rounds]
+        checked.append(_link_fidelity(site.name, site.clock_site(), ups, downs, result.bursts.get(site.name, [])))
+    for region in result.scenario.regions:
+        name = f"relay:{region.name}"
+        link = SiteConfig(
+            name=name, uplink_bps=region.uplink_bps, downlink_bps=region.downlink_bps, latency_s=region.latency_s
         )
+        ups = [int(r["bytes_up"][name]) for r in records if name in r["bytes_up"]]
+        down = [int(r["bytes_down"][name]) for r in records if name in r.get("bytes_down", {})]
+        checked.append(_link_fidelity(name, link, ups, down, result.tier_bursts.get(name, [])))
+    sites = [f for f in checked if f is not None]
     if not sites:
         return Fidelity([], skipped="no site completed an upload and a download")
     return Fidelity(sites, links=list(result.scenario.sites))

@@ -14,13 +14,17 @@ moving bytes, in which direction) and the process start/stop times. A site's tim
 download burst, the initial full-weights fetch excluded) is compared with the simulator's clock,
 ``geoloco.algorithms.clock.transfer_time(bytes, bandwidth, latency)`` for the round's upload and
 broadcast payload bytes from the coordinator's metrics — what ``geoloco simulate`` would charge.
+With ``[[regions]]`` the links are each site's link to its relay (its upload bytes from the relay's
+records) and each relay's link; a link whose transfers also cross a shaped ``[coordinator_link]``
+is charged at the slower of the two bandwidths (a transfer alone on the path: waiting behind the
+others on the shared link is not in the per-link figure, only in the two-tier clock's round).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -293,15 +297,23 @@ def fidelity(result: EmulationResult) -> Fidelity:
         return Fidelity([], skipped="no round was aggregated")
     relayed = _relayed_uploads(result)
     downs = [int(r["downlink_bytes"]) for r in records]
+    shared = result.scenario.coordinator_link
+    ingress, egress = shared.ingress_bps or math.inf, shared.egress_bps or math.inf
     checked = []
     for site in result.scenario.sites:
         rounds = [r for r in records if site.name in r["participants"]]
         ups = relayed.get(site.name) or [int(r["bytes_up"].get(site.name, 0)) for r in rounds]
-        checked.append(_link_fidelity(site.name, site.clock_site(), ups, downs, result.bursts.get(site.name, [])))
+        link = site.clock_site()
+        if site.name not in relayed:  # flat: its transfers cross the coordinator's link too
+            link = replace(
+                link, uplink_bps=min(link.uplink_bps, ingress), downlink_bps=min(link.downlink_bps, egress)
+            )
+        checked.append(_link_fidelity(site.name, link, ups, downs, result.bursts.get(site.name, [])))
     for region in result.scenario.regions:
         name = f"relay:{region.name}"
         link = SiteConfig(
-            name=name, uplink_bps=region.uplink_bps, downlink_bps=region.downlink_bps, latency_s=region.latency_s
+            name=name, uplink_bps=min(region.uplink_bps, ingress), downlink_bps=min(region.downlink_bps, egress),
+            latency_s=region.latency_s,
         )
         ups = [int(r["bytes_up"][name]) for r in records if name in r["bytes_up"]]
         down = [int(r["bytes_down"][name]) for r in records if name in r.get("bytes_down", {})]

@@ -16,12 +16,14 @@ from geoloco.scenarios.report import fidelity
 from geoloco.scenarios.scenario import ScenarioError, load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
+MESSAGE_OVERHEAD = 512
+"""Bytes of a broadcast message beyond its payload (header, digest, framing): generous."""
 
 SITES = ["e1", "e2", "u1", "u2"]
 SMALL: dict[str, Any] = {
     "workload": {"name": "mlp"},
     "algorithm": {"name": "diloco", "inner_steps": 3, "uplink_codec": "int8", "downlink_codec": "int8"},
-    "run": {"rounds": 3, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0, "timeout_s": 240.0},
+    "run": {"rounds": 3, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10.0, "timeout_s": 240.0},
     "coordinator_link": {"ingress_bps": 4e6, "egress_bps": 4e6},
     "regions": [
         {"name": "eu", "sites": ["e1", "e2"], "uplink_bps": 2e7, "downlink_bps": 2e7, "latency_s": 0.02,
@@ -76,9 +78,14 @@ def test_two_regions_run_through_their_relays_and_the_coordinator_sends_per_rela
         assert sorted(record["participants"]) == SITES, record
         assert sorted(record["bytes_up"]) == ["relay:eu", "relay:us"], record
         assert sorted(record["bytes_down"]) == ["relay:eu", "relay:us"], record
-        flat_egress = int(record["downlink_bytes"]) * len(SITES)
+    for record in rounds[1:]:
+        # One broadcast per relay, not per site: flat, the coordinator sends len(SITES) of them
+        # (round 0 also carries each site's first full-weights fetch, passed through per site).
+        one = int(record["downlink_bytes"])
+        for link, nbytes in record["bytes_down"].items():
+            assert one <= nbytes <= one + MESSAGE_OVERHEAD, (link, record)
         relayed_egress = sum(int(v) for v in record["bytes_down"].values())
-        assert relayed_egress <= (2 / len(SITES)) * flat_egress * 1.05, record
+        assert relayed_egress <= (2 / len(SITES)) * (len(SITES) * (one + MESSAGE_OVERHEAD)), record
     # Each relay forwarded its own two sites' updates every round, and the coordinator took them.
     for relay, sites in (("eu", ["e1", "e2"]), ("us", ["u1", "u2"])):
         forwarded = [r for r in result.relay_records[relay] if r["counted_by_coordinator"]]

@@ -15,16 +15,17 @@ download burst, the initial full-weights fetch excluded) is compared with the si
 ``geoloco.algorithms.clock.transfer_time(bytes, bandwidth, latency)`` for the round's upload and
 broadcast payload bytes from the coordinator's metrics — what ``geoloco simulate`` would charge.
 With ``[[regions]]`` the links are each site's link to its relay (its upload bytes from the relay's
-records) and each relay's link; a link whose transfers also cross a shaped ``[coordinator_link]``
-is charged at the slower of the two bandwidths (a transfer alone on the path: waiting behind the
-others on the shared link is not in the per-link figure, only in the two-tier clock's round).
+records) and each relay's link; a shaped ``[coordinator_link]`` is one more line: its busy time
+against its wire bytes (TLS, gRPC and the first full-weights fetches included) at its bandwidth,
+per round. Each link is measured by its own shaper, so waiting behind the shared link is not in a
+site's or relay's line.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +277,21 @@ def _link_fidelity(
     )
 
 
+def _shared_link_fidelity(result: EmulationResult, rounds: int) -> SiteFidelity | None:
+    """The shaped coordinator link, shared by every transfer crossing it: its busy time (bursts
+    merge the transfers that overlap) against its wire bytes at its bandwidth, per round."""
+    shared = result.scenario.coordinator_link
+    bursts = result.tier_bursts.get("coordinator", [])
+    if not shared.shaped or not bursts or rounds == 0:
+        return None
+    up, down = result.tier_bytes["coordinator"]
+    predicted = sum(8 * n / bps for n, bps in ((up, shared.ingress_bps), (down, shared.egress_bps)) if bps)
+    measured = sum(b["end_s"] - b["start_s"] for b in bursts)
+    return SiteFidelity(
+        name="coordinator link", rounds=rounds, measured_s=measured / rounds, predicted_s=predicted / rounds
+    )
+
+
 def _relayed_uploads(result: EmulationResult) -> dict[str, list[int]]:
     """Per relayed site, the bytes of its upload to its relay in each round the relay forwarded it
     (the relay's records; the coordinator only sees the partial sums)."""
@@ -297,27 +313,20 @@ def fidelity(result: EmulationResult) -> Fidelity:
         return Fidelity([], skipped="no round was aggregated")
     relayed = _relayed_uploads(result)
     downs = [int(r["downlink_bytes"]) for r in records]
-    shared = result.scenario.coordinator_link
-    ingress, egress = shared.ingress_bps or math.inf, shared.egress_bps or math.inf
     checked = []
     for site in result.scenario.sites:
         rounds = [r for r in records if site.name in r["participants"]]
         ups = relayed.get(site.name) or [int(r["bytes_up"].get(site.name, 0)) for r in rounds]
-        link = site.clock_site()
-        if site.name not in relayed:  # flat: its transfers cross the coordinator's link too
-            link = replace(
-                link, uplink_bps=min(link.uplink_bps, ingress), downlink_bps=min(link.downlink_bps, egress)
-            )
-        checked.append(_link_fidelity(site.name, link, ups, downs, result.bursts.get(site.name, [])))
+        checked.append(_link_fidelity(site.name, site.clock_site(), ups, downs, result.bursts.get(site.name, [])))
     for region in result.scenario.regions:
         name = f"relay:{region.name}"
         link = SiteConfig(
-            name=name, uplink_bps=min(region.uplink_bps, ingress), downlink_bps=min(region.downlink_bps, egress),
-            latency_s=region.latency_s,
+            name=name, uplink_bps=region.uplink_bps, downlink_bps=region.downlink_bps, latency_s=region.latency_s
         )
         ups = [int(r["bytes_up"][name]) for r in records if name in r["bytes_up"]]
         down = [int(r["bytes_down"][name]) for r in records if name in r.get("bytes_down", {})]
         checked.append(_link_fidelity(name, link, ups, down, result.tier_bursts.get(name, [])))
+    checked.append(_shared_link_fidelity(result, len(records)))
     sites = [f for f in checked if f is not None]
     if not sites:
         return Fidelity([], skipped="no site completed an upload and a download")

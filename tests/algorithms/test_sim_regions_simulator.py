@@ -3,12 +3,16 @@ the two-tier clock (``geoloco.algorithms.sim_regions``), the training math is un
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import tomllib
 
 from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.sim_regions import CoordinatorLink, RegionConfig, relayed_round
 from geoloco.algorithms.simulator import SimulatorConfig, simulate
+from geoloco.scenarios.research import load_run_config, prepare_raw
 
 NAMES = ["e1", "e2", "u1", "u2"]
 SITES = [{"name": n, "uplink_bps": 5e7, "downlink_bps": 5e7, "latency_s": 0.005} for n in NAMES]
@@ -73,3 +77,19 @@ def test_a_bad_regions_declaration_names_the_key(extra: dict, key: str, words: s
     with pytest.raises(ConfigError) as err:
         _config(**extra)
     assert err.value.key == key and words in err.value.message
+
+
+def test_a_simulate_file_takes_the_shipped_scenarios_regions_tables() -> None:
+    """``geoloco simulate`` reads the same ``[[regions]]`` / ``[coordinator_link]`` tables as the
+    emulator's ``scenarios/regions.toml``."""
+    shipped = tomllib.loads((Path(__file__).resolve().parents[2] / "scenarios" / "regions.toml").read_text())
+    raw = {
+        "workload": {"name": "mlp"},
+        "sites": [{"name": s["name"], "uplink_bps": s["uplink_bps"]} for s in shipped["sites"]],
+        "regions": shipped["regions"],
+        "coordinator_link": shipped["coordinator_link"],
+    }
+    _, config = load_run_config(prepare_raw(raw, [], "sim.toml"), "sim.toml")
+    clock = config.tier_clock()
+    assert clock is not None and [r.sites for r in clock.regions] == [[0, 1, 2], [3, 4, 5]]
+    assert clock.link.egress_bps == 2e6 and clock.upward_codecs == ["uplink", "uplink"]

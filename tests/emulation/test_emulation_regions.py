@@ -101,4 +101,4 @@ def test_two_regions_run_through_their_relays_and_the_coordinator_sends_per_rela
     # The fidelity check covers both tiers: every site's link to its relay and every relay's link.
     fid = fidelity(result)
     assert fid.skipped is None, fid.skipped
-    assert {s.name for s in fid.sites} == {*SITES, "relay:eu", "relay:us"}
+    assert {s.name for s in fid.sites} == {*SITES, "relay:eu", "relay:us", "coordinator link"}

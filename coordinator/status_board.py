@@ -254,7 +254,7 @@ class StatusBoard:
         """The JSON document of ``/api/status``."""
         with self._lock:
             now = self.clock()
-            sites = []
+            sites: list[dict[str, Any]] = []
             links: dict[str, dict[str, Any]] = {}
             for site in sorted(self._sites.values(), key=lambda s: s.name):
                 if site.name.startswith(RELAY_LINK_PREFIX):
@@ -294,7 +294,7 @@ class StatusBoard:
                 "rounds": list(self._rounds),
                 "events": list(self._events)[::-1],
                 "rejected_total": self._rejected_total,
-                "tree": self._tree(links, [s["name"] for s in sites]),
+                "tree": self._tree(links, [str(s["name"]) for s in sites]),
             }
 
     def _link(self, site: _Site, now: float) -> dict[str, Any]:

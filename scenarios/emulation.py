@@ -214,7 +214,7 @@ class Emulation:
         name = self.scenario.sites[index].name
         relay = self.relays[name]
         link = self.kernel_links.links[index] if self.kernel_links else None
-        address = self.tier.site_address(name, relay) if self.tier else f"{relay.host}:{relay.port}"
+        address = self.tier.site_address(relay) if self.tier else f"{relay.host}:{relay.port}"
         command = site_command(
             self.scenario, index, coordinator=address, certs_dir=self.certs_dir, log_level=self.log_level,
         )

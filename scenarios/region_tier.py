@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,6 @@ class RegionTier:
     relays: dict[str, ChildProcess] = field(default_factory=dict)
     relay_ports: dict[str, int] = field(default_factory=dict)
 
-    @property
-    def active(self) -> bool:
-        """Whether the run has a tier at all (regions, or a shaped coordinator link)."""
-        return bool(self.scenario.regions) or self.scenario.coordinator_link.shaped
-
     def issue_certificates(self) -> None:
         from geoloco.scenarios.certs import issue_relay
 
@@ -88,8 +84,8 @@ class RegionTier:
                 seed=seed,
             )
 
-    def site_address(self, site: str, site_link: LinkRelay) -> str:
-        """What site ``site`` dials: its link, then the coordinator's link (pick-first)."""
+    def site_address(self, site_link: LinkRelay) -> str:
+        """What a site dials: its link, then the coordinator's link (pick-first)."""
         front = self.links[COORDINATOR_LINK]
         return f"ipv4:{site_link.host}:{site_link.port},{front.host}:{front.port}"
 
@@ -145,9 +141,7 @@ class RegionTier:
             self.relays[region.name] = child
             child.start()
         for name, child in self.relays.items():
-            match = wait_for(
-                lambda child=child: self._listening(child), RELAY_START_TIMEOUT_S, what=f"relay {name} listening"
-            )
+            match = wait_for(partial(self._listening, child), RELAY_START_TIMEOUT_S, what=f"relay {name} listening")
             assert isinstance(match, re.Match)
             self.relay_ports[name] = int(match["port"])
 

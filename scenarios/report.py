@@ -555,7 +555,10 @@ def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fi
         "",
         "- `metrics.jsonl`: the coordinator's record of every round (every site's bytes, loss, "
         "participation); `observed_s` is not in it (the emulator's clock is in `rounds.jsonl`)",
-        "- `links.jsonl`: every transfer burst per site and direction (start, end, bytes)",
+        "- `links.jsonl`: every transfer burst per link and direction (start, end, bytes): each site's, "
+        "and with regions each relay's (`relay:NAME`) and the coordinator's (`coordinator`)",
+        *(["- `relays/NAME.jsonl`: each relay's record per round (the sites in its partial, bytes per link)"]
+          if s.regions else []),
         "- `logs/`: each process's output; `coordinator.toml`: the coordinator's config; "
         "`scenario.json`: the scenario as run",
         "",

@@ -12,7 +12,7 @@ import pytest
 from geoloco.scenarios.child_commands import coordinator_table
 from geoloco.scenarios.emulation import Emulation
 from geoloco.scenarios.region_tier import COORDINATOR_LINK
-from geoloco.scenarios.report import fidelity
+from geoloco.scenarios.report import fidelity, write_report
 from geoloco.scenarios.scenario import ScenarioError, load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,3 +102,6 @@ def test_two_regions_run_through_their_relays_and_the_coordinator_sends_per_rela
     fid = fidelity(result)
     assert fid.skipped is None, fid.skipped
     assert {s.name for s in fid.sites} == {*SITES, "relay:eu", "relay:us", "coordinator link"}
+    summary, _ = write_report(result)
+    text = summary.read_text()
+    assert "relay:eu" in text and "coordinator link" in text and "relays/NAME.jsonl" in text

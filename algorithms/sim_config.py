@@ -13,6 +13,7 @@ from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_d
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
 from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.sim_regions import CoordinatorLinkSpec, RegionSpec, TwoTierClock, check_regions
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.training import TrainingConfig, TrainingKeys
 
@@ -156,12 +157,38 @@ class SimulatorConfig:
     """Run length, evaluation, clock and round policy."""
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     """Secure aggregation and differential privacy (``geoloco.algorithms.privacy``)."""
+    regions: list[RegionSpec] = field(default_factory=list)
+    """``[[regions]]``: relays, as in an emulator scenario; the clock then charges two tiers
+    (``geoloco.algorithms.sim_regions``). Sites are named by ``name`` (unset: ``site-K``)."""
+    coordinator_link: CoordinatorLinkSpec = field(default_factory=CoordinatorLinkSpec)
+    """``[coordinator_link]``: the coordinator's link, shared by every transfer crossing it."""
 
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def site_names(self) -> list[str]:
+        return [site.name or f"site-{k}" for k, site in enumerate(self.sites)]
+
+    def tier_clock(self) -> TwoTierClock | None:
+        """The two-tier clock when regions or a shaped coordinator link are declared, else None
+        (every site on its own link: ``geoloco.algorithms.clock``)."""
+        if not self.regions and not self.coordinator_link.shaped:
+            return None
+        return TwoTierClock.from_specs(self.sites, self.site_names, self.regions, self.coordinator_link)
+
     def validate(self) -> None:
         require(len(self.sites) >= 1, "sites", "at least one site is needed")
+        check_regions(self.regions, self.site_names, privacy_enabled=self.privacy.enabled)
+        if self.regions or self.coordinator_link.shaped:
+            algo = self.algorithm
+            require(
+                algo.name != "ddp" and not algo.streaming.enabled and self.simulation.round_deadline_s is None,
+                "regions",
+                "the two-tier clock models plain rounds that wait for every site: drop "
+                "simulation.round_deadline_s, streaming and the ddp baseline, or drop [[regions]] "
+                "and [coordinator_link]",
+            )
         for k, site in enumerate(self.sites):
             require(
                 site.attack is None or self.algorithm.name != "ddp",

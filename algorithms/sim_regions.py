@@ -20,17 +20,43 @@ bytes; the real relay is ``geoloco.relay``):
   to its sites over their links.
 
 Relay processing (decode and sum) takes no virtual time, as aggregation takes none in the clock.
+
+The declaration a run file makes (``[[regions]]`` with site names, ``[coordinator_link]``) is
+``RegionSpec`` / ``CoordinatorLinkSpec``: ``geoloco emulate`` starts relays from it and
+``geoloco simulate`` charges the same two tiers through ``TwoTierClock``, per round, in place of
+``clock.upload_arrivals`` / ``clock.download_ends``.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from geoloco.algorithms.clock import SiteConfig, transfer_time
-from geoloco.algorithms.config import require
+from geoloco.algorithms.config import ConfigError, config_to_dict, require
 
-__all__ = ["CoordinatorLink", "RegionConfig", "TierRound", "flat_round", "relayed_round", "shared_fifo"]
+__all__ = [
+    "CoordinatorLink",
+    "CoordinatorLinkSpec",
+    "RegionConfig",
+    "RegionSpec",
+    "TierRound",
+    "TwoTierClock",
+    "check_regions",
+    "flat_round",
+    "relayed_round",
+    "shared_fifo",
+]
+
+RELAY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+"""A relay's name becomes a certificate and a file name: the site-name rule
+(``geoloco.protos.identity``)."""
+UPWARD_CODECS = ("none", "uplink")
+"""A relay's codecs for its partial sum (``geoloco.relay.config.UPWARD_CODECS``): ``none`` sends
+float32, ``uplink`` the run's uplink codec (about one site's upload)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,3 +179,203 @@ def relayed_round(
         aggregate_s=aggregate, ends=ends, coordinator_bytes_in=partial_bytes * len(regions),
         coordinator_bytes_out=download_bytes * len(regions),
     )
+
+
+# -- the declaration a run file makes --------------------------------------------------------------
+
+
+def _bandwidth(value: float | None, key: str) -> None:
+    require(
+        value is None or (math.isfinite(value) and value >= 1000),
+        key,
+        f"must be a bandwidth >= 1000 bits/s (e.g. 1e8 for 100 Mbit/s) or unset, got {value}",
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class RegionSpec:
+    """``[[regions]]``: one relay, the sites behind it (by name) and its link to the coordinator.
+    A listed site's own link is then its link to the relay."""
+
+    name: str
+    """The relay's name (its certificate, the coordinator's ``[relays]`` key, ``relay:NAME`` in
+    the metrics)."""
+    sites: list[str] = field(default_factory=list)
+    """Names of the sites behind this relay."""
+    uplink_bps: float = 1e8
+    """Relay -> coordinator bandwidth in bits per second."""
+    downlink_bps: float = 1e8
+    """Coordinator -> relay bandwidth in bits per second."""
+    latency_s: float = 0.05
+    """One-way latency between the relay and the coordinator."""
+    upward_codec: str = "none"
+    """Codec of the relay's partial sum: ``none`` (float32, the flat result) or ``uplink`` (the
+    run's uplink codec, with the relay's own error feedback)."""
+    max_wait_s: float = 30.0
+    """The relay sends its partial once every site that joined through it uploaded, or this long
+    after the round's first upload (emulator only: the clock waits for every site)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        require(
+            RELAY_NAME_RE.fullmatch(self.name) is not None,
+            "name",
+            f"invalid relay name {self.name!r}: 1-63 letters, digits, '.', '_', '-', starting with a letter or digit",
+        )
+        require(len(self.sites) > 0, "sites", f"region {self.name!r} needs at least one site")
+        _bandwidth(self.uplink_bps, "uplink_bps")
+        _bandwidth(self.downlink_bps, "downlink_bps")
+        require(0 <= self.latency_s <= 10, "latency_s", f"must be in 0..10 seconds, got {self.latency_s}")
+        require(
+            self.upward_codec in UPWARD_CODECS,
+            "upward_codec",
+            f"got {self.upward_codec!r}; allowed: {', '.join(UPWARD_CODECS)}",
+        )
+        require(self.max_wait_s > 0, "max_wait_s", f"must be > 0 seconds, got {self.max_wait_s}")
+
+    def clock_region(self, site_names: Sequence[str]) -> RegionConfig:
+        """The clock's view of this region (site names to indices into ``site_names``)."""
+        names = list(site_names)
+        return RegionConfig(
+            name=self.name, sites=[names.index(s) for s in self.sites], uplink_bps=self.uplink_bps,
+            downlink_bps=self.downlink_bps, latency_s=self.latency_s,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class CoordinatorLinkSpec:
+    """``[coordinator_link]``: the coordinator's own link, shared by every site (flat) or relay
+    that crosses it; an unset direction is not shaped (infinitely fast on the clock)."""
+
+    ingress_bps: float | None = None
+    """Bits per second into the coordinator (uploads, partial sums)."""
+    egress_bps: float | None = None
+    """Bits per second out of the coordinator (broadcasts, model fetches)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _bandwidth(self.ingress_bps, "ingress_bps")
+        _bandwidth(self.egress_bps, "egress_bps")
+
+    @property
+    def shaped(self) -> bool:
+        return self.ingress_bps is not None or self.egress_bps is not None
+
+    def clock_link(self) -> CoordinatorLink:
+        return CoordinatorLink(
+            ingress_bps=self.ingress_bps if self.ingress_bps is not None else math.inf,
+            egress_bps=self.egress_bps if self.egress_bps is not None else math.inf,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+def check_regions(regions: Sequence[RegionSpec], site_names: Sequence[str], *, privacy_enabled: bool) -> None:
+    """Every site in exactly one region, relay names unique and none a site's; raises
+    ``ConfigError`` naming the ``regions[i]`` key and what is allowed."""
+    if not regions:
+        return
+    require(
+        not privacy_enabled,
+        "regions",
+        "relays run plain rounds: secure aggregation and differential privacy through relays are "
+        "not supported; drop [[regions]] or [privacy]",
+    )
+    owner: dict[str, str] = {}
+    for i, region in enumerate(regions):
+        key = f"regions[{i}]"
+        if any(r.name == region.name for r in regions[:i]):
+            raise ConfigError(f"{key}.name", f"region {region.name!r} is declared twice")
+        require(
+            region.name != "coordinator" and region.name not in site_names,
+            f"{key}.name",
+            f"{region.name!r} is the coordinator's or a site's name; a relay needs its own",
+        )
+        for j, site in enumerate(region.sites):
+            require(site in site_names, f"{key}.sites[{j}]", f"no site named {site!r}; sites: {', '.join(site_names)}")
+            require(
+                site not in owner,
+                f"{key}.sites[{j}]",
+                f"site {site!r} is already in region {owner.get(site)!r}; a site belongs to one region",
+            )
+            owner[site] = region.name
+    missing = [s for s in site_names if s not in owner]
+    require(
+        not missing,
+        "regions",
+        f"every site must be in a region once [[regions]] are declared; not in any: {', '.join(missing)}",
+    )
+
+
+# -- the clock a simulated run uses ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TwoTierClock:
+    """Per round: when each site's update reaches the coordinator, and when each site holds the
+    new weights, over the shared coordinator link and (with regions) the relay tier."""
+
+    sites: list[SiteConfig]
+    link: CoordinatorLink
+    regions: list[RegionConfig]
+    upward_codecs: list[str]
+
+    @classmethod
+    def from_specs(
+        cls, sites: Sequence[SiteConfig], names: Sequence[str], regions: Sequence[RegionSpec], link: CoordinatorLinkSpec
+    ) -> TwoTierClock:
+        return cls(
+            list(sites), link.clock_link(), [r.clock_region(names) for r in regions], [r.upward_codec for r in regions]
+        )
+
+    def partial_bytes(self, region: int, upload_bytes: Sequence[int], numel: int) -> int:
+        """Bytes of a region's partial sum: float32 (``none``), or its largest site upload."""
+        if self.upward_codecs[region] == "none":
+            return 4 * numel
+        return max(upload_bytes[k] for k in self.regions[region].sites)
+
+    def arrivals(self, finished_s: Sequence[float], upload_bytes: Sequence[int], numel: int) -> list[float]:
+        """When each site's update is at the coordinator: its own upload (flat) or its region's
+        partial sum, which leaves once every site of the region reached the relay."""
+        sites = self.sites
+        if not self.regions:
+            private = [(s.uplink_bps, s.latency_s) for s in sites]
+            return _through(finished_s, upload_bytes, private, self.link.ingress_bps)
+        at_relay = [
+            f + transfer_time(n, s.uplink_bps, s.latency_s)
+            for f, n, s in zip(finished_s, upload_bytes, sites, strict=True)
+        ]
+        ready = [max(at_relay[k] for k in r.sites) for r in self.regions]
+        partials = [self.partial_bytes(i, upload_bytes, numel) for i in range(len(self.regions))]
+        up = _through(ready, partials, [(r.uplink_bps, r.latency_s) for r in self.regions], self.link.ingress_bps)
+        result = [0.0] * len(sites)
+        for r, arrival in zip(self.regions, up, strict=True):
+            for k in r.sites:
+                result[k] = arrival
+        return result
+
+    def ends(self, aggregate_s: float, download_bytes: int) -> list[float]:
+        """When each site holds the round's broadcast (sent once per relay with regions)."""
+        sites = self.sites
+        if not self.regions:
+            return _through(
+                [aggregate_s] * len(sites), [download_bytes] * len(sites),
+                [(s.downlink_bps, s.latency_s) for s in sites], self.link.egress_bps,
+            )
+        at_relays = _through(
+            [aggregate_s] * len(self.regions), [download_bytes] * len(self.regions),
+            [(r.downlink_bps, r.latency_s) for r in self.regions], self.link.egress_bps,
+        )
+        ends = [0.0] * len(sites)
+        for r, got in zip(self.regions, at_relays, strict=True):
+            for k in r.sites:
+                ends[k] = got + transfer_time(download_bytes, sites[k].downlink_bps, sites[k].latency_s)
+        return ends

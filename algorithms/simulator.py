@@ -121,6 +121,8 @@ class Simulator:
         self.policy: RoundPolicy = config.training.round_policy(num_sites)
         self.clock_s = 0.0
         self.open_s = 0.0
+        self.tiers = config.tier_clock()
+        """Regions / the coordinator's shared link (``geoloco.algorithms.sim_regions``), or None."""
         self.bytes_up_total = 0
         self.bytes_down_total = 0
         self.inner_steps_total = 0
@@ -246,9 +248,13 @@ class Simulator:
             else:
                 assert p is not None  # an update whose size was not known is still held
                 upload_sizes.append(self.uplinks.nbytes(s.name, p, round_.aggregation))
-        arrivals = upload_arrivals(
-            [s.ready_s for s in self.sites], compute, upload_sizes, [s.config for s in self.sites]
-        )
+        if self.tiers is not None:
+            finished = [s.ready_s + c for s, c in zip(self.sites, compute, strict=True)]
+            arrivals = self.tiers.arrivals(finished, upload_sizes, self.layout.numel)
+        else:
+            arrivals = upload_arrivals(
+                [s.ready_s for s in self.sites], compute, upload_sizes, [s.config for s in self.sites]
+            )
         names = [s.name for s in self.sites]
         aggregate_s = admit_arrivals(
             round_, self.policy, sites=names, arrivals=arrivals, payloads=payloads, weights=weights
@@ -315,7 +321,10 @@ class Simulator:
     ) -> list[float]:
         """Advance every site to the end of its broadcast download and the round clock to
         ``aggregate_s``; returns each site's compute share of its round (utilization)."""
-        ends = download_ends(aggregate_s, arrivals, downlink_bytes, [s.config for s in self.sites])
+        if self.tiers is not None:
+            ends = self.tiers.ends(aggregate_s, downlink_bytes)
+        else:
+            ends = download_ends(aggregate_s, arrivals, downlink_bytes, [s.config for s in self.sites])
         utilization = []
         for k, site in enumerate(self.sites):
             span = ends[k] - site.ready_s

@@ -48,6 +48,8 @@ MAX_EVENTS = 200
 MAX_ROUNDS = 5000
 MAX_EVENT_TEXT = 400
 """Characters of one event's text: it may quote what a request carried."""
+RELAY_LINK_PREFIX = "relay:"
+"""Bytes a relay moved are counted under ``relay:NAME`` (``coordinator.relayed.relay_link``)."""
 
 
 def _phase_table(phases: Any) -> dict[str, float]:
@@ -252,8 +254,12 @@ class StatusBoard:
         """The JSON document of ``/api/status``."""
         with self._lock:
             now = self.clock()
-            sites = []
+            sites: list[dict[str, Any]] = []
+            links: dict[str, dict[str, Any]] = {}
             for site in sorted(self._sites.values(), key=lambda s: s.name):
+                if site.name.startswith(RELAY_LINK_PREFIX):
+                    links[site.name] = self._link(site, now)
+                    continue
                 silent = now - site.last_seen_s
                 state = site.state
                 if site.member and site.heard and silent > self.down_after_s and not self._run_finished:
@@ -288,7 +294,36 @@ class StatusBoard:
                 "rounds": list(self._rounds),
                 "events": list(self._events)[::-1],
                 "rejected_total": self._rejected_total,
+                "tree": self._tree(links, [str(s["name"]) for s in sites]),
             }
+
+    def _link(self, site: _Site, now: float) -> dict[str, Any]:
+        """Bytes and rates of one coordinator <-> relay link."""
+        self._prune(site, now)
+        window = min(RATE_WINDOW_S, max(now - site.first_seen_s, 1e-3))
+        return {
+            "bytes_up": site.bytes_up,
+            "bytes_down": site.bytes_down,
+            "rate_up_bps": 8 * sum(x[1] for x in site.recent) / window,
+            "rate_down_bps": 8 * sum(x[2] for x in site.recent) / window,
+        }
+
+    def _tree(self, links: dict[str, dict[str, Any]], seen: list[str]) -> dict[str, Any]:
+        """coordinator -> relays -> sites: each relay of the ``[relays]`` table with the bytes on
+        its link to the coordinator and its sites (their own rows are in ``sites``), then the
+        sites that talk to the coordinator directly. The bytes between a site and its relay are
+        the relay's to count (its metrics file); the coordinator sees only its own links."""
+        relays = self.config_summary.get("relays") or {}
+        behind = {site for names in relays.values() for site in names}
+        idle = {"bytes_up": 0, "bytes_down": 0, "rate_up_bps": 0.0, "rate_down_bps": 0.0}
+        return {
+            "relays": [
+                {"name": name, "link": RELAY_LINK_PREFIX + name, **links.get(RELAY_LINK_PREFIX + name, idle),
+                 "sites": list(names)}
+                for name, names in sorted(relays.items())
+            ],
+            "direct": [name for name in seen if name not in behind],
+        }
 
 
 def config_summary(config: CoordinatorConfig, rounds: RoundStateMachine) -> dict[str, Any]:
@@ -333,6 +368,7 @@ def config_summary(config: CoordinatorConfig, rounds: RoundStateMachine) -> dict
         "parameters": rounds.numel,
         "transport": "insecure (plain text)" if config.insecure else "mutual TLS",
         "allowed_sites": config.allowed_sites,
+        "relays": {name: list(sites) for name, sites in config.relays.items()},
         "workload": config.workload,
         "full": config.to_dict(),
     }

@@ -378,6 +378,10 @@ class RelayHub:
         now = self.clock()
         live = self.live_sites(now)
         with self.cond:
+            if not self.partials:
+                # Start-up: a listed site still starting would otherwise find the first round
+                # closed here while the coordinator waits for it (bounded by max_wait_s).
+                live |= set(self.config.sites)
             r = self.round
             if not r.due(now, live, self.config.max_wait_s):
                 return None

@@ -103,6 +103,7 @@ def coordinator_table(
         "workload": s.workload.to_table(),
         "http": {"enabled": True, "host": "127.0.0.1", "port": 0},
         **({"privacy": s.privacy.to_dict()} if s.privacy.enabled else {}),
+        **({"relays": {r.name: list(r.sites) for r in s.regions}} if s.regions else {}),
     }
 
 

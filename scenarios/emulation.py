@@ -8,7 +8,8 @@
    with the relay listening at the emulator's end of the pair and the site started inside;
 3. write ``out/coordinator.toml`` and start ``geoloco coordinator --config`` (port 0; the port is
    read back from its log line ``listening on HOST:PORT``), point every relay at it;
-4. start ``geoloco site`` per site, dialling its relay;
+4. with ``[[regions]]``: start a ``geoloco relay`` per region behind its own shaped link
+   (``region_tier``); then ``geoloco site`` per site, dialling its link (to its relay, if any);
 5. poll: new lines of ``metrics.jsonl``, process exits, faults due, the time budget; report
    progress;
 6. stop every child (also on Ctrl-C / SIGTERM / an error) and return an ``EmulationResult`` for
@@ -31,11 +32,17 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from geoloco.scenarios.child_commands import coordinator_table, geoloco_command, site_command, to_toml
+from geoloco.scenarios.emulation_result import (
+    STATUS_COMPLETED,
+    STATUS_FAILED,
+    STATUS_INTERRUPTED,
+    STATUS_TIME_BUDGET,
+    EmulationResult,
+)
 from geoloco.scenarios.fault_schedule import (
     RESTORE_COORDINATOR,
     RESTORE_LINK,
@@ -69,6 +76,7 @@ from geoloco.scenarios.progress import (
     SiteStatus,
     Snapshot,
 )
+from geoloco.scenarios.region_tier import RegionTier, RelayTierError
 from geoloco.scenarios.run_metrics import MetricsTail
 from geoloco.scenarios.scenario import CUT_LINK, KILL_COORDINATOR, KILL_SITE, Fault, Scenario
 from geoloco.scenarios.shaping import LinkRelay, LinkShape, RelayHub
@@ -105,42 +113,9 @@ SITE_NICENESS = 5
 """Sites train at a lower CPU priority than the emulator, whose relays emulate the network: on a
 machine with fewer cores than sites, a starved relay would stretch transfers the links do not."""
 
-STATUS_COMPLETED = "completed"
-STATUS_TIME_BUDGET = "time budget reached"
-STATUS_INTERRUPTED = "interrupted"
-STATUS_FAILED = "failed"
-
 
 class EmulationError(RuntimeError):
     """The run could not start or a process failed; the message says which and where its log is."""
-
-
-@dataclass(slots=True)
-class EmulationResult:
-    scenario: Scenario
-    out: Path
-    status: str
-    """completed, time budget reached, interrupted or failed."""
-    reason: str
-    wall_s: float
-    records: list[dict[str, Any]]
-    """Coordinator metrics records, each with ``observed_s`` (seconds since start) added."""
-    bursts: dict[str, list[dict[str, Any]]]
-    """Per site, its link bursts (``direction``, ``start_s``, ``end_s``, ``bytes``), run time."""
-    wire_bytes: dict[str, tuple[int, int]]
-    """Per site, (bytes up, bytes down) through its link, TLS and gRPC framing included."""
-    site_starts: dict[str, list[float]]
-    """Per site, when its process was (re)started."""
-    site_stops: dict[str, list[float]]
-    """Per site, when its process was killed by a fault or exited."""
-    faults: list[FaultEvent]
-    coordinator_starts: list[float]
-    shaping: str = ""
-    """How the links were shaped (``ShapingPlan.description``), for the summary."""
-
-    @property
-    def ok(self) -> bool:
-        return self.status in (STATUS_COMPLETED, STATUS_TIME_BUDGET)
 
 
 class Emulation:
@@ -182,6 +157,9 @@ class Emulation:
         self._last_progress = 0.0
         self._coordinator_log_seen = 0
         self.status_url: str | None = None
+        self.tier: RegionTier | None = None
+        """Relays and the coordinator's link, when the scenario has them (``region_tier``)."""
+        self._coordinator_port = 0
         self._uploads_seen: dict[tuple[int, str], float] = {}
         """The coordinator's status page (``/metrics`` next to it), once it started."""
 
@@ -213,6 +191,8 @@ class Emulation:
         issue_coordinator(self.certs_dir, hosts=hosts, force=True)
         for site in self.scenario.sites:
             issue_site(self.certs_dir, site.name, force=True)
+        if self.tier is not None:
+            self.tier.issue_certificates()
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -231,13 +211,15 @@ class Emulation:
     def site_command(self, index: int) -> list[str]:
         """``geoloco site ...`` for site ``index`` dialling its relay (inside its namespace under
         kernel shaping)."""
-        relay = self.relays[self.scenario.sites[index].name]
+        name = self.scenario.sites[index].name
+        relay = self.relays[name]
         link = self.kernel_links.links[index] if self.kernel_links else None
+        address = self.tier.site_address(relay) if self.tier else f"{relay.host}:{relay.port}"
         command = site_command(
-            self.scenario, index, coordinator=f"{relay.host}:{relay.port}",
-            certs_dir=self.certs_dir, log_level=self.log_level,
+            self.scenario, index, coordinator=address, certs_dir=self.certs_dir, log_level=self.log_level,
         )
-        return [*(link.exec_prefix() if link else []), *command]
+        server_name = ["--server-name", "localhost"] if self.tier else []  # an ipv4: list names no host
+        return [*(link.exec_prefix() if link else []), *command, *server_name]
 
     def _child_env(self) -> dict[str, str]:
         from geoloco.protos.transport import recommended_env
@@ -263,13 +245,22 @@ class Emulation:
         )
         assert isinstance(match, re.Match)
         port, self._coordinator_serving = int(match["port"]), True
-        self.hub.set_target("127.0.0.1", port)
+        self._coordinator_port = port
+        self._point_links()
         page = STATUS_PAGE_RE.search(match.string)
         if page is not None and page["url"] != self.status_url:
             self.status_url = page["url"]
             self._event(f"status page: {self.status_url}")
             logger.info("status page and /metrics on %s", self.status_url)
         logger.debug("coordinator listening on port %d", port)
+
+    def _point_links(self) -> None:
+        """Every link at its next hop: the coordinator, or the chain of ``region_tier``."""
+        assert self.hub is not None
+        if self.tier is None:
+            self.hub.set_target("127.0.0.1", self._coordinator_port)
+        else:
+            self.hub.set_targets(self.tier.targets(self._coordinator_port, list(self.relays)))
 
     def _listening_line(self) -> re.Match[str] | None:
         assert self.coordinator is not None
@@ -294,6 +285,11 @@ class Emulation:
         for stale in (self.metrics_path, self.out / "links.jsonl"):
             stale.unlink(missing_ok=True)
         (self.out / "scenario.json").write_text(json.dumps(s.to_dict(), indent=2) + "\n")
+        env = self._child_env()
+        if s.regions or s.coordinator_link.shaped:
+            if self.shaping.uses_namespaces:
+                raise EmulationError("[[regions]] and [coordinator_link] need --shaping relay (the default)")
+            self.tier = RegionTier(s, self.out, self.certs_dir, self.log_level, env)
         shapes = [
             (
                 LinkShape(site.uplink_bps, site.latency_s, site.jitter_s, site.loss, site.flow_window_bytes),
@@ -316,9 +312,10 @@ class Emulation:
                 host=link.host_address if link else "127.0.0.1",
                 send_buffer=relay_send_buffer(down, self.shaping.mode),
             )
+        if self.tier is not None:
+            self.tier.add_links(self.hub)
         config_path = self.out / "coordinator.toml"
         config_path.write_text(to_toml(self.coordinator_config()))
-        env = self._child_env()
         self.coordinator = ChildProcess(
             "coordinator",
             geoloco_command("--log-level", self.log_level, "coordinator", "--config", str(config_path.resolve())),
@@ -355,6 +352,9 @@ class Emulation:
             self.stop.check()
             self._t0 = time.monotonic()
             self._start_coordinator()
+            if self.tier is not None:
+                self.tier.start_relays(self.logs_dir)
+                self._point_links()
             for name in self.sites:
                 self.stop.check()
                 self._start_site(name)
@@ -362,7 +362,7 @@ class Emulation:
             status, reason = self._loop()
         except KeyboardInterrupt:
             status, reason = STATUS_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); every child stopped"
-        except (EmulationError, TimeoutError) as err:
+        except (EmulationError, RelayTierError, TimeoutError) as err:
             status, reason = STATUS_FAILED, str(err)
         finally:
             wall = self.now()
@@ -380,6 +380,8 @@ class Emulation:
             self._fire_faults(now)
             self._do_restarts(now)
             self._check_sites()
+            if self.tier is not None:
+                self.tier.check()
             if not self.coordinator.running and not self._coordinator_down():
                 code = self.coordinator.returncode
                 if code == 0:
@@ -561,13 +563,15 @@ class Emulation:
             if child.running:
                 self._site_stops[name].append(self.now())
         stop_all(list(self.sites.values()))
+        if self.tier is not None:
+            self.tier.stop()
         if self.coordinator is not None:
             # Still starting, it holds SIGTERM until it serves, and has nothing to drain yet.
             self.coordinator.stop(STOP_GRACE_S if self._coordinator_serving else STARTING_GRACE_S)
         if self.hub is not None:
             self._bursts_snapshot = {
                 name: [b.to_dict(self._t0) for b in relay.bursts(time.monotonic() + 3600)]
-                for name, relay in self.relays.items()
+                for name, relay in self.hub.relays.items()
             }
             self.hub.close()
             self.hub = None
@@ -575,23 +579,20 @@ class Emulation:
             self.kernel_links.close()
 
     def _result(self, status: str, reason: str, wall: float) -> EmulationResult:
-        bursts = getattr(self, "_bursts_snapshot", {})
+        snapshot = getattr(self, "_bursts_snapshot", {})
+        bursts = {name: items for name, items in snapshot.items() if name in self.relays}
+        tier = self.tier.links if self.tier is not None else {}
         with (self.out / "links.jsonl").open("w") as f:
-            for name, items in bursts.items():
+            for name, items in snapshot.items():
                 for item in items:
                     f.write(json.dumps({"site": name, **item}) + "\n")
         return EmulationResult(
-            scenario=self.scenario,
-            out=self.out,
-            status=status,
-            reason=reason,
-            wall_s=wall,
-            records=self.records,
-            bursts=bursts,
+            scenario=self.scenario, out=self.out, status=status, reason=reason, wall_s=wall,
+            records=self.records, bursts=bursts,
             wire_bytes={n: (r.bytes_up, r.bytes_down) for n, r in self.relays.items()},
-            site_starts=self._site_starts,
-            site_stops=self._site_stops,
-            faults=self.faults,
-            coordinator_starts=self._coordinator_starts,
-            shaping=self.shaping.description,
+            site_starts=self._site_starts, site_stops=self._site_stops, faults=self.faults,
+            coordinator_starts=self._coordinator_starts, shaping=self.shaping.description,
+            tier_bytes={n: (r.bytes_up, r.bytes_down) for n, r in tier.items()},
+            tier_bursts={name: items for name, items in snapshot.items() if name in tier},
+            relay_records=self.tier.relay_records() if self.tier is not None else {},
         )

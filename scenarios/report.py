@@ -14,6 +14,11 @@ moving bytes, in which direction) and the process start/stop times. A site's tim
 download burst, the initial full-weights fetch excluded) is compared with the simulator's clock,
 ``geoloco.algorithms.clock.transfer_time(bytes, bandwidth, latency)`` for the round's upload and
 broadcast payload bytes from the coordinator's metrics — what ``geoloco simulate`` would charge.
+With ``[[regions]]`` the links are each site's link to its relay (its upload bytes from the relay's
+records) and each relay's link; a shaped ``[coordinator_link]`` is one more line: its busy time
+against its wire bytes (TLS, gRPC and the first full-weights fetches included) at its bandwidth,
+per round. Each link is measured by its own shaper, so waiting behind the shared link is not in a
+site's or relay's line.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geoloco.algorithms.clock import transfer_time
+from geoloco.algorithms.clock import SiteConfig, transfer_time
 from geoloco.algorithms.dp_accountant import describe_epsilon
 from geoloco.scenarios.emulation import EmulationResult
 from geoloco.scenarios.overlap_fidelity import overlap_fidelity
@@ -255,41 +260,79 @@ def site_reports(result: EmulationResult) -> list[SiteReport]:
 # -- fidelity --------------------------------------------------------------------------------------
 
 
+def _link_fidelity(
+    name: str, link: SiteConfig, ups: list[int], downs: list[int], bursts: list[dict[str, Any]]
+) -> SiteFidelity | None:
+    """One link's measured vs simulated time per round; None without enough bursts."""
+    if not ups or not downs:
+        return None
+    predicted_up = sum(transfer_time(n, link.uplink_bps, link.latency_s) for n in ups) / len(ups)
+    predicted_down = sum(transfer_time(n, link.downlink_bps, link.latency_s) for n in downs) / len(downs)
+    # Without faults a link's traffic is: TLS handshakes, joins and the full-weights fetch, then
+    # one upload and one broadcast per round. The last transfers of each direction are the rounds'
+    # (heartbeats are below the burst threshold).
+    up = [b for b in bursts if b["direction"] == "up"][-len(ups):]
+    down = [b for b in bursts if b["direction"] == "down"][-len(downs):]
+    if len(up) < len(ups) or len(down) < len(downs):
+        return None
+    measured_up = sum(b["end_s"] - b["start_s"] for b in up) / len(up)
+    measured_down = sum(b["end_s"] - b["start_s"] for b in down) / len(down)
+    return SiteFidelity(
+        name=name, rounds=len(ups), measured_s=measured_up + measured_down, predicted_s=predicted_up + predicted_down
+    )
+
+
+def _shared_link_fidelity(result: EmulationResult, rounds: int) -> SiteFidelity | None:
+    """The shaped coordinator link, shared by every transfer crossing it: its busy time (bursts
+    merge the transfers that overlap) against its wire bytes at its bandwidth, per round."""
+    shared = result.scenario.coordinator_link
+    bursts = result.tier_bursts.get("coordinator", [])
+    if not shared.shaped or not bursts or rounds == 0:
+        return None
+    up, down = result.tier_bytes["coordinator"]
+    predicted = sum(8 * n / bps for n, bps in ((up, shared.ingress_bps), (down, shared.egress_bps)) if bps)
+    measured = sum(b["end_s"] - b["start_s"] for b in bursts)
+    return SiteFidelity(
+        name="coordinator link", rounds=rounds, measured_s=measured / rounds, predicted_s=predicted / rounds
+    )
+
+
+def _relayed_uploads(result: EmulationResult) -> dict[str, list[int]]:
+    """Per relayed site, the bytes of its upload to its relay in each round the relay forwarded it
+    (the relay's records; the coordinator only sees the partial sums)."""
+    uploads: dict[str, list[int]] = {}
+    for records in result.relay_records.values():
+        for record in records:
+            for site in record.get("partial", {}):
+                uploads.setdefault(site, []).append(int(record["bytes"].get(f"site:{site}->relay", 0)))
+    return uploads
+
+
 def fidelity(result: EmulationResult) -> Fidelity:
-    """Measured vs simulated communication time per round, per site (see the module docstring)."""
+    """Measured vs simulated communication time per round, per site (see the module docstring);
+    with ``[[regions]]``, each site's link to its relay and each relay's link to the coordinator."""
     if result.scenario.faults:
         return Fidelity([], skipped="the scenario injects faults (compare fault-free runs only)")
     records = [r for r in result.records if r.get("participants")]
     if not records:
         return Fidelity([], skipped="no round was aggregated")
-    sites = []
+    relayed = _relayed_uploads(result)
+    downs = [int(r["downlink_bytes"]) for r in records]
+    checked = []
     for site in result.scenario.sites:
-        link = site.clock_site()
         rounds = [r for r in records if site.name in r["participants"]]
-        if not rounds:
-            continue
-        ups = [int(r["bytes_up"].get(site.name, 0)) for r in rounds]
-        downs = [int(r["downlink_bytes"]) for r in records]
-        predicted_up = sum(transfer_time(n, link.uplink_bps, link.latency_s) for n in ups) / len(ups)
-        predicted_down = sum(transfer_time(n, link.downlink_bps, link.latency_s) for n in downs) / len(downs)
-        # Without faults a site's traffic is: TLS handshakes, joins and the full-weights fetch,
-        # then one upload and one broadcast per round. The last transfers of each direction are
-        # the rounds' (heartbeats are below the burst threshold).
-        bursts = result.bursts.get(site.name, [])
-        up = [b for b in bursts if b["direction"] == "up"][-len(ups):]
-        down = [b for b in bursts if b["direction"] == "down"][-len(downs):]
-        if len(up) < len(ups) or len(down) < len(downs):
-            continue
-        measured_up = sum(b["end_s"] - b["start_s"] for b in up) / len(up)
-        measured_down = sum(b["end_s"] - b["start_s"] for b in down) / len(down)
-        sites.append(
-            SiteFidelity(
-                name=site.name,
-                rounds=len(rounds),
-                measured_s=measured_up + measured_down,
-                predicted_s=predicted_up + predicted_down,
-            )
+        ups = relayed.get(site.name) or [int(r["bytes_up"].get(site.name, 0)) for r in rounds]
+        checked.append(_link_fidelity(site.name, site.clock_site(), ups, downs, result.bursts.get(site.name, [])))
+    for region in result.scenario.regions:
+        name = f"relay:{region.name}"
+        link = SiteConfig(
+            name=name, uplink_bps=region.uplink_bps, downlink_bps=region.downlink_bps, latency_s=region.latency_s
         )
+        ups = [int(r["bytes_up"][name]) for r in records if name in r["bytes_up"]]
+        down = [int(r["bytes_down"][name]) for r in records if name in r.get("bytes_down", {})]
+        checked.append(_link_fidelity(name, link, ups, down, result.tier_bursts.get(name, [])))
+    checked.append(_shared_link_fidelity(result, len(records)))
+    sites = [f for f in checked if f is not None]
     if not sites:
         return Fidelity([], skipped="no site completed an upload and a download")
     return Fidelity(sites, links=list(result.scenario.sites))
@@ -520,7 +563,10 @@ def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fi
         "",
         "- `metrics.jsonl`: the coordinator's record of every round (every site's bytes, loss, "
         "participation); `observed_s` is not in it (the emulator's clock is in `rounds.jsonl`)",
-        "- `links.jsonl`: every transfer burst per site and direction (start, end, bytes)",
+        "- `links.jsonl`: every transfer burst per link and direction (start, end, bytes): each site's, "
+        "and with regions each relay's (`relay:NAME`) and the coordinator's (`coordinator`)",
+        *(["- `relays/NAME.jsonl`: each relay's record per round (the sites in its partial, bytes per link)"]
+          if s.regions else []),
         "- `logs/`: each process's output; `coordinator.toml`: the coordinator's config; "
         "`scenario.json`: the scenario as run",
         "",

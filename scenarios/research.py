@@ -44,7 +44,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = ("workload", "algorithm", "inner_optimizer", "outer_optimizer", "sites", "simulation", "privacy")
+SECTIONS = (
+    "workload", "algorithm", "inner_optimizer", "outer_optimizer", "sites", "simulation", "privacy",
+    "regions", "coordinator_link",
+)
 """Top-level keys of a simulate config file."""
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"

@@ -12,6 +12,8 @@ comment):
 - ``[[faults]]``: faults fired on schedule (``Fault``).
 - ``[privacy]``: secure aggregation and differential privacy (``PrivacyConfig``, the same table as
   ``geoloco simulate`` and ``geoloco coordinator`` take).
+- ``[[regions]]`` and ``[coordinator_link]``: regional relays and the coordinator's shared link
+  (``RegionSpec``, ``CoordinatorLinkSpec`` in ``geoloco.algorithms.sim_regions``).
 
 Every error names the file, the dotted key and what is allowed (``ScenarioError``), and is raised
 by ``load_scenario`` before any process starts. The parsing reuses the simulator's machinery:
@@ -32,6 +34,7 @@ from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_d
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
 from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.sim_regions import CoordinatorLinkSpec, RegionSpec, check_regions
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.training import TrainingConfig, TrainingKeys
 from geoloco.protos.identity import validate_site_name
@@ -63,7 +66,10 @@ ScenarioError = ConfigFileError
 ``FILE: key: message``. The same class as ``geoloco simulate``'s, so both commands word errors
 alike."""
 
-SECTIONS = ("workload", "algorithm", "inner_optimizer", "outer_optimizer", "run", "sites", "faults", "privacy")
+SECTIONS = (
+    "workload", "algorithm", "inner_optimizer", "outer_optimizer", "run", "sites", "faults", "privacy",
+    "regions", "coordinator_link",
+)
 """Top-level keys of a scenario file."""
 
 KILL_SITE = "kill_site"
@@ -306,6 +312,10 @@ class Scenario:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     """``[privacy]``: secure aggregation / differential privacy, passed to the coordinator (which
     sends it to the sites)."""
+    regions: list[RegionSpec] = field(default_factory=list)
+    """``[[regions]]``: a relay per region; empty = every site talks to the coordinator."""
+    coordinator_link: CoordinatorLinkSpec = field(default_factory=CoordinatorLinkSpec)
+    """``[coordinator_link]``: the coordinator's own link, shared by everything crossing it."""
     source: str = "scenario"
     """Where the scenario came from (the file name in messages)."""
 
@@ -345,6 +355,7 @@ class Scenario:
                 f"sites[{i}].data_shard",
                 f"must be in 0..{len(self.sites) - 1} (one shard per site), got {site.data_shard}",
             )
+        check_regions(self.regions, names, privacy_enabled=self.privacy.enabled)
         self.training.validate(SCENARIO_KEYS, num_sites=len(self.sites))
         for i, fault in enumerate(self.faults):
             key = f"faults[{i}]"
@@ -402,6 +413,10 @@ class Scenario:
     def site(self, name: str) -> EmulatedSite:
         return next(s for s in self.sites if s.name == name)
 
+    def region_of(self, site: str) -> RegionSpec | None:
+        """The region whose relay ``site`` talks to, or None (flat)."""
+        return next((r for r in self.regions if site in r.sites), None)
+
     def to_dict(self) -> dict[str, Any]:
         data = config_to_dict(self)
         data.pop("source")
@@ -427,6 +442,7 @@ def parse_scenario(raw: Mapping[str, Any], source: str = "scenario") -> Scenario
         data["workload"] = parse_workload(data.get("workload"))
         data["sites"] = _table_list(data.get("sites", []), "sites")
         data["faults"] = _table_list(data.get("faults", []), "faults")
+        data["regions"] = _table_list(data.get("regions", []), "regions")
         return config_from_dict(Scenario, {**data, "source": source})
     except ConfigError as err:
         raise ScenarioError(source, err.key, err.message) from None

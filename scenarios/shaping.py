@@ -496,10 +496,15 @@ class RelayHub:
 
     def set_target(self, host: str, port: int) -> None:
         """Point every relay at the coordinator (again, after it restarted on a new port)."""
+        self.set_targets({name: (host, port) for name in self.relays})
+
+    def set_targets(self, targets: dict[str, tuple[str, int]]) -> None:
+        """Point each named relay at its own next hop (a chain of links: site -> regional relay
+        -> the coordinator's link -> the coordinator)."""
 
         async def update() -> None:
-            for relay in self.relays.values():
-                relay.target = (host, port)
+            for name, target in targets.items():
+                self.relays[name].target = target
 
         self._call(update())
 

@@ -93,6 +93,36 @@ function renderSites(sites) {
   }));
 }
 
+function renderTree(tree, sites) {
+  const card = document.getElementById("tree-card");
+  const relays = (tree && tree.relays) || [];
+  card.hidden = relays.length === 0;
+  const state = Object.fromEntries(sites.map((s) => [s.name, s]));
+  const siteItem = (name) => {
+    const s = state[name];
+    const li = el("li", null, { "data-site": name, "data-state": s ? s.state : "unseen" });
+    li.append(el("span", name, { class: "name" }), el("span", s ? s.state : "not seen yet", { class: "state", "data-state": s ? s.state : "" }));
+    return li;
+  };
+  const root = el("li", null, { "data-node": "coordinator" });
+  root.append(el("span", "coordinator", { class: "name" }));
+  const children = el("ul");
+  for (const r of relays) {
+    const li = el("li", null, { "data-relay": r.name });
+    li.append(
+      el("span", "relay " + r.name, { class: "name" }),
+      el("span", "link ↑ " + fmtBytes(r.bytes_up) + " ↓ " + fmtBytes(r.bytes_down) + " (" + fmtRate(r.rate_up_bps) + " / " + fmtRate(r.rate_down_bps) + ")", { class: "link", "data-link": r.link }),
+    );
+    const below = el("ul");
+    below.append(...r.sites.map(siteItem));
+    li.append(below);
+    children.append(li);
+  }
+  children.append(...((tree && tree.direct) || []).map(siteItem));
+  root.append(children);
+  document.getElementById("tree").replaceChildren(root);
+}
+
 function renderLive(rounds) {
   // What the latest aggregated round says about the run now: the deadline in force, the
   // privacy spent, the fragment synced. Empty (and hidden) before the first round.
@@ -273,6 +303,7 @@ async function refresh() {
     conn.textContent = "live"; conn.setAttribute("data-ok", "true");
     if (configShown !== s.session_id) { renderConfig(s.config); configShown = s.session_id; }
     renderSites(s.sites);
+    renderTree(s.tree, s.sites);
     renderEvents(s.events);
     renderLive(s.rounds);
     drawLoss(document.getElementById("loss-chart"), s.rounds);

@@ -205,6 +205,9 @@ class PlainRounds(RoundRunner):
         trained_at = time.monotonic()
         update = pseudo_gradient_into_local(state.global_weights, trainer.flatten())
         encoding_at = time.monotonic()
+        if isinstance(self.uplink, StrategyUplink) and state.algorithm.adaptive_uplink.enabled:
+            # The coordinator's codec for this site and round (empty: the run's uplink codec).
+            self.uplink.use_codec(state.uplink_codec(round_number) or state.algorithm.uplink_codec)
         encoded = self._encode(update, round_number, 0, result.samples)
         del update
         phases.update(

@@ -24,6 +24,7 @@ import torch
 from geoloco.algorithms.clock import download_ends, upload_arrivals
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.diloco import batch_size, compute_gradient, pseudo_gradient
+from geoloco.algorithms.link_codec import CodecPlans, switch_codec
 from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.optimizers import (
     load_optimizer_state_,
@@ -36,7 +37,6 @@ from geoloco.algorithms.robust_attack import parse_attack
 from geoloco.algorithms.round import Round, RoundPolicy, admit_arrivals
 from geoloco.algorithms.sim_config import MEASURE, RoundRecord, SimulationConfig, SimulatorConfig
 from geoloco.algorithms.sim_state import SimSite, SimTrainer
-from geoloco.algorithms.link_codec import CodecPlans, switch_codec
 from geoloco.algorithms.sim_uplinks import Payload, build_uplinks, round_noise_multiplier
 from geoloco.algorithms.strategy import UPDATE_GRADIENT, AlgorithmConfig, DataParallel, Strategy, build_strategy
 from geoloco.algorithms.streaming import FragmentUplink

@@ -1,6 +1,6 @@
 """Uneven links: one codec for all against per-site adaptive codecs, at equal wall-clock.
 
-    python benchmarks/bench_uneven_links.py [--quick] [--wall S] [--size tiny|small]
+    python benchmarks/bench_uneven_links.py [--quick] [--wall S] [--size tiny|small] [--inner-steps H]
 
 Four sites train the byte-level GPT of ``geoloco.scenarios.workloads`` (non-IID) in the
 simulator: site ``slow`` behind a 10 Mbit/s link (both directions), sites ``fast1..3`` on
@@ -149,17 +149,17 @@ def plot(outcomes: Sequence[Outcome], path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny preset, short wall-clock: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="short wall-clock: a smoke run")
     parser.add_argument("--wall", type=float, default=None, help="virtual wall-clock per variant (s)")
-    parser.add_argument("--size", default=None, help="GPT preset (default small; quick: tiny)")
-    parser.add_argument("--inner-steps", type=int, default=25, help="H")
+    parser.add_argument("--size", default="tiny", help="GPT preset (tiny: the 2-core machine's budget)")
+    parser.add_argument("--inner-steps", type=int, default=8, help="H")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one site trains at a time: more threads only contend
-    size = args.size or ("tiny" if args.quick else "small")
-    wall_s = args.wall or (2.0 if args.quick else 20.0)
-    h = 8 if args.quick else args.inner_steps
+    size = args.size
+    wall_s = args.wall or (2.0 if args.quick else 6.0)
+    h = args.inner_steps
     outcomes = []
     for variant in variants(h):
         outcome = run(variant, size=size, wall_s=wall_s, seed=args.seed)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from geoloco.algorithms.clock import download_ends, upload_arrivals
+from geoloco.algorithms.config import require
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.diloco import batch_size, compute_gradient, pseudo_gradient
 from geoloco.algorithms.link_codec import CodecPlans, switch_codec
@@ -126,7 +127,12 @@ class Simulator:
         self.bytes_down_total = 0
         self.inner_steps_total = 0
         adaptive = algo.adaptive_uplink
-        self.link_codecs = CodecPlans(adaptive, algo.uplink_codec) if adaptive.enabled and site_uplinks else None
+        require(
+            not (adaptive.enabled and config.privacy.secure_aggregation), "algorithm.adaptive_uplink.enabled",
+            "a secure sum adds every site's masked update in one codec; disable adaptive_uplink or "
+            "[privacy] secure_aggregation",
+        )
+        self.link_codecs = CodecPlans(adaptive, algo.uplink_codec) if adaptive.enabled else None
         """Per-site uplink codecs (``geoloco.algorithms.link_codec``), measured on the virtual clock."""
         self.streaming: StreamingRounds | None = (
             StreamingRounds(self.strategy, self.trainer, self.uplinks, self.policy, self.sites)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
+from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.simulator import Simulator, SimulatorConfig
 
 SLOW_BPS, FAST_BPS = 1e6, 1e7
@@ -43,3 +46,11 @@ def test_without_adaptive_uplink_every_site_sends_the_same_bytes(make_workload) 
     records = list(Simulator(_config(adaptive=False), make_workload(hidden=2048)).run())
     assert all(len(set(r.bytes_up.values())) == 1 for r in records)
     assert _upload_s(records[-1], "0", SLOW_BPS) > 5 * _upload_s(records[-1], "1", FAST_BPS)
+
+
+def test_adaptive_uplink_with_secure_aggregation_is_refused(make_workload) -> None:
+    data = _config(adaptive=True).to_dict()
+    data["privacy"] = {"secure_aggregation": True, "clip_norm": 1.0}
+    data["algorithm"]["uplink_codec"] = "none"
+    with pytest.raises(ConfigError, match="adaptive_uplink.enabled.*secure"):
+        Simulator(SimulatorConfig.from_dict(data), make_workload(hidden=4))

@@ -17,8 +17,10 @@ import pytest
 import torch
 from _round_helpers import chunk_requests, tiny_weights, upload_manifest
 
+from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.link_codec import AdaptiveUplinkConfig
 from geoloco.algorithms.optimizers import OuterOptimizerConfig
+from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.compression import decode, parse_codec
 from geoloco.compression.encoded import Encoded
@@ -156,3 +158,12 @@ def test_sites_with_different_links_get_different_codecs_and_an_exact_weighted_m
     finally:
         fast.close()
         slow.close()
+
+
+def test_adaptive_uplink_with_secure_aggregation_is_refused() -> None:
+    with pytest.raises(ConfigError, match="adaptive_uplink.enabled.*one codec"):
+        CoordinatorConfig(
+            algorithm=AlgorithmConfig(uplink_codec="none", adaptive_uplink=AdaptiveUplinkConfig(enabled=True)),
+            privacy=PrivacyConfig(secure_aggregation=True, clip_norm=1.0), insecure=True,
+            allowed_sites=["a", "b", "c"], min_sites=3,
+        )

@@ -38,7 +38,7 @@ def test_each_agent_uploads_in_the_codec_assigned_to_it(certs: Path) -> None:
         ),
         total_rounds=3, min_sites=2, heartbeat_timeout_s=600.0, on_round_end=records.append,
     )
-    plans = server.rounds._ctx.link_codecs  # noqa: SLF001 - seeding the measurements
+    plans = server.rounds._ctx.link_codecs
     assert plans is not None
     plans.observe_upload("fast", 10**9, 1.0)
     plans.observe_upload("slow", 10**3, 1.0)

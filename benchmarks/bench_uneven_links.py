@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{outcome.eval_loss:.4f}, {outcome.seconds:.0f} s", file=sys.stderr, flush=True)
         outcomes.append(outcome)
     text = table(outcomes)
-    command = "python benchmarks/bench_uneven_links.py" + (" --quick" if args.quick else "")
+    command = " ".join(["python benchmarks/bench_uneven_links.py", *(argv if argv is not None else sys.argv[1:])])
     header = (
         f"`{command}` — GPT {size!r}, 4 sites: slow at 10 Mbit/s, fast1..3 at 1 Gbit/s (both "
         f"directions), {LATENCY_S * 1000:g} ms one way, H={h}, step {STEP_TIME_S:g} virtual s, "
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(header + text)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "uneven_links-quick" if args.quick else "uneven_links"
+    name = "uneven_links" + ("" if size == "tiny" else f"-{size}") + ("-quick" if args.quick else "")
     (args.out / f"{name}.md").write_text(header + text + "\n")
     (args.out / f"{name}.json").write_text(json.dumps(
         [{"variant": o.variant.key, "label": o.variant.label, "algorithm": o.variant.algorithm,

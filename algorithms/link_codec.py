@@ -198,27 +198,21 @@ def _fitting_codec(
 
 @dataclass(slots=True)
 class LinkMeter:
-    """Each site's measured upload (and download) throughput, bytes per second: an exponential
-    average of the transfers seen, ``smoothing`` the newest one's weight."""
+    """Each site's measured upload throughput, bytes per second: an exponential average of the
+    uploads seen, ``smoothing`` the newest one's weight. (Downloads are not measured: the rule
+    chooses uplink codecs only.)"""
 
     smoothing: float = 0.5
     min_seconds: float = 1e-4
     """Shorter transfers are not measured (a clock tick says nothing about the link)."""
     up: dict[str, float] = field(default_factory=dict)
-    down: dict[str, float] = field(default_factory=dict)
 
     def observe_up(self, site: str, nbytes: int, seconds: float) -> None:
-        self._observe(self.up, site, nbytes, seconds)
-
-    def observe_down(self, site: str, nbytes: int, seconds: float) -> None:
-        self._observe(self.down, site, nbytes, seconds)
-
-    def _observe(self, table: dict[str, float], site: str, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or not math.isfinite(seconds) or seconds < self.min_seconds:
             return
         rate = nbytes / seconds
-        old = table.get(site)
-        table[site] = rate if old is None else self.smoothing * rate + (1 - self.smoothing) * old
+        old = self.up.get(site)
+        self.up[site] = rate if old is None else self.smoothing * rate + (1 - self.smoothing) * old
 
 
 def switch_codec(

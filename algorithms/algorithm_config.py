@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
+from geoloco.algorithms.link_codec import AdaptiveUplinkConfig
 from geoloco.algorithms.partial import PartialUpdatesConfig
 from geoloco.algorithms.robust import RobustRule, check_robust_config
 from geoloco.algorithms.streaming import StreamingConfig
@@ -93,6 +94,9 @@ class AlgorithmConfig:
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     """Streaming DiLoCo (``[algorithm.streaming]``): fragments on a staggered schedule, transfers
     overlapped with training; see ``geoloco.algorithms.streaming``."""
+    adaptive_uplink: AdaptiveUplinkConfig = field(default_factory=AdaptiveUplinkConfig)
+    """Per-site uplink codecs that fit each site's measured link (``[algorithm.adaptive_uplink]``);
+    see ``geoloco.algorithms.link_codec``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -188,6 +192,15 @@ class AlgorithmConfig:
                 "partial_updates.enabled",
                 "robust aggregation compares whole updates coordinate by coordinate; partial "
                 "updates cover different coordinates per site: use aggregation = \"mean\"",
+            )
+        if self.adaptive_uplink.enabled:
+            why = self.adaptive_uplink.check_base_codec(self.uplink_codec)
+            require(why is None, "uplink_codec", why or "")
+            require(
+                self.name != "ddp" and not self.streaming.enabled and not self.partial_updates.enabled,
+                "adaptive_uplink.enabled",
+                "per-site codecs apply to plain DiLoCo-family rounds; disable ddp, streaming or "
+                "partial_updates, or adaptive_uplink",
             )
         # Streaming DiLoCo: checks that need H and the algorithm.
         if self.streaming.enabled:

@@ -22,8 +22,10 @@ from typing import Any
 import torch
 
 from geoloco.algorithms.clock import download_ends, upload_arrivals
+from geoloco.algorithms.config import require
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.diloco import batch_size, compute_gradient, pseudo_gradient
+from geoloco.algorithms.link_codec import CodecPlans, switch_codec
 from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.optimizers import (
     load_optimizer_state_,
@@ -126,6 +128,14 @@ class Simulator:
         self.bytes_up_total = 0
         self.bytes_down_total = 0
         self.inner_steps_total = 0
+        adaptive = algo.adaptive_uplink
+        require(
+            not (adaptive.enabled and config.privacy.secure_aggregation), "algorithm.adaptive_uplink.enabled",
+            "a secure sum adds every site's masked update in one codec; disable adaptive_uplink or "
+            "[privacy] secure_aggregation",
+        )
+        self.link_codecs = CodecPlans(adaptive, algo.uplink_codec) if adaptive.enabled else None
+        """Per-site uplink codecs (``geoloco.algorithms.link_codec``), measured on the virtual clock."""
         self.streaming: StreamingRounds | None = (
             StreamingRounds(self.strategy, self.trainer, self.uplinks, self.policy, self.sites)
             if algo.streaming.enabled else None
@@ -223,6 +233,7 @@ class Simulator:
             result, seconds = self._inner_steps(site, plan.inner_steps)
             steps = len(result.losses)
             pseudo = pseudo_gradient(self.global_flat, self.trainer.flatten())
+            self._use_assigned_codec(site, plan.round, plan.fragment)
             encoded = self.uplinks.encode(site.name, pseudo, plan, round_.aggregation)
             del pseudo
             weights.append(strategy.site_weight(result.samples, steps))
@@ -255,6 +266,11 @@ class Simulator:
             arrivals = upload_arrivals(
                 [s.ready_s for s in self.sites], compute, upload_sizes, [s.config for s in self.sites]
             )
+        if self.link_codecs is not None:  # what the coordinator would measure of each upload
+            for k, site in enumerate(self.sites):
+                self.link_codecs.observe_upload(
+                    site.name, upload_sizes[k], arrivals[k] - site.ready_s - compute[k]
+                )
         names = [s.name for s in self.sites]
         aggregate_s = admit_arrivals(
             round_, self.policy, sites=names, arrivals=arrivals, payloads=payloads, weights=weights
@@ -291,6 +307,18 @@ class Simulator:
             "peak_bytes_in_flight": [max(up, update.downlink.nbytes) for up in upload_sizes],
             "weights_digest": update.digest,
         }
+
+    def _use_assigned_codec(self, site: SimSite, round_number: int, fragment: int) -> None:
+        """Adaptive uplink codecs: switch the site's encoder to its codec for this round (its
+        error-feedback residual carries over), as the site agent does."""
+        if self.link_codecs is None or site.uplink is None:
+            return
+        algo = self.config.algorithm
+        spec = self.link_codecs.codec_for(site.name, round_number, self.strategy.update_numel(round_number))
+        encoders = site.uplink.encoders
+        encoders[fragment] = switch_codec(
+            encoders[fragment], spec, error_feedback=algo.error_feedback, decay=algo.error_feedback_decay
+        )
 
     def _inner_steps(self, site: SimSite, inner_steps: int) -> tuple[Any, float]:
         """One site's inner steps of a round: ``inner_steps``, or as many as fit in the time

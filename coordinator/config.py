@@ -294,6 +294,12 @@ class CoordinatorConfig:
         privacy = self.privacy
         if not privacy.secure_aggregation:
             return
+        require(
+            not self.algorithm.adaptive_uplink.enabled,
+            "algorithm.adaptive_uplink.enabled",
+            "a secure sum adds every site's masked update in one codec; disable adaptive_uplink "
+            "or [privacy] secure_aggregation",
+        )
         width = privacy.modulus_bits // 8
         require(
             privacy.chunk_size * width <= MAX_CHUNK_SIZE,

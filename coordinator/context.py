@@ -12,8 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from geoloco.algorithms.aggregation import new_aggregation
+from geoloco.algorithms.link_codec import CodecPlans
 from geoloco.algorithms.round import Round, RoundPolicy
 from geoloco.algorithms.strategy import Strategy
+from geoloco.compression import parse_codec
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.domain import CoordinatorRound, RoundInfo, RoundPhase
@@ -65,6 +67,10 @@ class RoundContext:
         """round t -> sites whose round-t update was folded into round t + 1."""
         self.bytes_up_total = 0
         self.bytes_down_total = 0
+        self.base_uplink_codec = parse_codec(config.algorithm.uplink_codec).spec
+        adaptive = config.algorithm.adaptive_uplink
+        self.link_codecs = CodecPlans(adaptive, config.algorithm.uplink_codec) if adaptive.enabled else None
+        """Per-site uplink codecs (``[algorithm.adaptive_uplink]``); None: one codec for all."""
 
     def new_round(self, number: int, now: float) -> CoordinatorRound:
         """Round ``number``, opened at ``now`` (its buffer allocates on the first add, sized for
@@ -92,9 +98,10 @@ class RoundContext:
         """Seed shared by every site for round ``round_number``."""
         return self.strategy.configure_round(round_number, ()).seed
 
-    def round_info(self, now: float) -> RoundInfo:
-        """The open round: its seed, and the time left before its deadline (the deadline the
-        next round will run under while this one waits for its quorum)."""
+    def round_info(self, now: float, site: str = "") -> RoundInfo:
+        """The open round: its seed, the time left before its deadline (the deadline the
+        next round will run under while this one waits for its quorum) and, with adaptive
+        uplink codecs, ``site``'s codec for it."""
         r = self.round.core
         if (deadline_at := r.deadline_at) is not None:
             remaining = max(0.0, deadline_at - now)
@@ -102,7 +109,22 @@ class RoundContext:
             remaining = upcoming
         else:
             remaining = 0.0
-        return RoundInfo(round=r.number, round_seed=self.round_seed(r.number), deadline_remaining_s=remaining)
+        codec = self.uplink_codec_for(site, r.number) if site and self.link_codecs is not None else ""
+        return RoundInfo(
+            round=r.number, round_seed=self.round_seed(r.number), deadline_remaining_s=remaining,
+            uplink_codec=codec,
+        )
+
+    def uplink_codec_for(self, site: str, round_number: int) -> str:
+        """The canonical codec ``site``'s upload of ``round_number`` must use."""
+        if self.link_codecs is None:
+            return self.base_uplink_codec
+        return self.link_codecs.codec_for(site, round_number, self.update_numel(round_number))
+
+    def observe_upload(self, site: str, nbytes: int, seconds: float) -> None:
+        """An upload received whole in one stream: a measurement of ``site``'s uplink."""
+        if self.link_codecs is not None:
+            self.link_codecs.observe_upload(site, nbytes, seconds)
 
     # -- checks shared by several calls --
 

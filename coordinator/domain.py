@@ -57,6 +57,8 @@ class RoundInfo:
     round: int
     round_seed: int
     deadline_remaining_s: float
+    uplink_codec: str = ""
+    """The site's own uplink codec this round (adaptive uplink); empty: the run's."""
 
 
 @dataclass(frozen=True, slots=True)

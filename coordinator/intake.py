@@ -196,10 +196,15 @@ class PlainIntake:
     def receive(self, site: str, spec: UploadSpec, chunks: Chunks) -> UploadProgress:
         started = time.monotonic()
         assembler = self.open(site, spec)
+        whole_stream = assembler.received_count == 0
         assembler.timings.upload_started(started)
         assembler.consume(self.live_chunks(site, assembler, chunks))
         if assembler.complete:
-            assembler.timings.upload_received(time.monotonic())
+            received = time.monotonic()
+            assembler.timings.upload_received(received)
+            if whole_stream:  # adaptive uplink codecs: this stream measured the site's link
+                with self.ctx.cond:
+                    self.ctx.observe_upload(site, spec.total_bytes, received - started)
         return self.finish(site, assembler)
 
     def status(self, site: str, round_number: int, fragment: int) -> UploadProgress:
@@ -273,10 +278,11 @@ class PlainIntake:
             numel = ctx.strategy.upload_numel(spec.round, site)  # partial updates: the site's group's
         except ValueError as err:
             raise InvalidUpdateError(str(err)) from None
-        if spec.codec != self.uplink_codec:
+        codec = ctx.uplink_codec_for(site, spec.round)
+        if spec.codec != codec:
             raise InvalidUpdateError(
-                f"upload codec {quoted(spec.codec)} is not the run's uplink codec {self.uplink_codec!r}; "
-                "encode with RunConfig.uplink_codec"
+                f"upload codec {quoted(spec.codec)} is not {site!r}'s uplink codec {codec!r} for round "
+                f"{spec.round}; encode with RoundInfo.uplink_codec (empty: RunConfig.uplink_codec)"
             )
         if spec.dtype != "float32":
             raise InvalidUpdateError(
@@ -413,10 +419,12 @@ class PlainIntake:
         self, site: str, round_number: int, data: memoryview, spec: UploadSpec, *, dense: bool
     ) -> tuple[Encoded | torch.Tensor, float, bool]:
         """(update to add, its norm, all finite): encoded for a running sum (``upload_check``)."""
+        with self.ctx.cond:
+            codec = self.ctx.uplink_codec_for(site, round_number)
         return checked_update(
             f"site {site!r}'s update for round {round_number}", data, spec.checksum[0],
-            codec=self.uplink_codec, numel=self.ctx.strategy.upload_numel(round_number, site), device=self.device,
-            dense=dense,
+            codec=codec, numel=self.ctx.strategy.upload_numel(round_number, site),
+            device=self.device, dense=dense,
         )
 
     def _verify_and_add(self, site: str, assembler: PlainUpload) -> UploadProgress:

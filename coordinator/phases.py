@@ -409,7 +409,7 @@ class RoundPhases:
         for an older round a resync to the current weights (lock held)."""
         ctx = self.ctx
         record = self.broadcast
-        next_round = ctx.round_info(now)
+        next_round = ctx.round_info(now, site)
         if record is not None and record.round == round_number:
             num_chunks = num_chunks_for(len(record.data), record.chunk_size)
             if start_chunk > num_chunks:

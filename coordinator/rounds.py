@@ -276,7 +276,7 @@ class RoundStateMachine:
             result = JoinResult(
                 session_id=self.session_id,
                 site=site,
-                round=self._ctx.round_info(now),
+                round=self._ctx.round_info(now, site),
                 weights_digest=self.digest_hex,
                 must_fetch_model=not (has_weights and weights_digest == self.digest_hex),
             )
@@ -307,7 +307,7 @@ class RoundStateMachine:
             )
             return HeartbeatResult(
                 rejoin_required=rejoin,
-                round=self._ctx.round_info(now),
+                round=self._ctx.round_info(now, site),
                 run_finished=self._ctx.phase is RoundPhase.FINISHED,
             )
 

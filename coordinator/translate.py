@@ -117,6 +117,7 @@ def round_info(info: RoundInfo) -> pb.RoundInfo:
         round=info.round,
         round_seed=info.round_seed,
         deadline_remaining_ms=int(info.deadline_remaining_s * 1000),
+        uplink_codec=info.uplink_codec,
     )
 
 

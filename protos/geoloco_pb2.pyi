@@ -166,14 +166,16 @@ class RunConfig(_message.Message):
     def __init__(self, inner_steps: _Optional[int] = ..., uplink_codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., seed: _Optional[int] = ..., weighting: _Optional[_Union[Weighting, str]] = ..., total_rounds: _Optional[int] = ..., quorum: _Optional[int] = ..., round_deadline_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round", "round_seed", "deadline_remaining_ms")
+    __slots__ = ("round", "round_seed", "deadline_remaining_ms", "uplink_codec")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_SEED_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    UPLINK_CODEC_FIELD_NUMBER: _ClassVar[int]
     round: int
     round_seed: int
     deadline_remaining_ms: int
-    def __init__(self, round: _Optional[int] = ..., round_seed: _Optional[int] = ..., deadline_remaining_ms: _Optional[int] = ...) -> None: ...
+    uplink_codec: str
+    def __init__(self, round: _Optional[int] = ..., round_seed: _Optional[int] = ..., deadline_remaining_ms: _Optional[int] = ..., uplink_codec: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("site", "protocol_version", "software_version", "has_weights", "weights_round", "weights_digest")

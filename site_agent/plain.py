@@ -207,6 +207,9 @@ class PlainRounds(RoundRunner):
         training_at = time.monotonic()
         result = trainer.train_round(state.global_weights, round_number, inner_steps, budget_s)
         trained_at = time.monotonic()
+        if isinstance(self.uplink, StrategyUplink) and state.algorithm.adaptive_uplink.enabled:
+            # The coordinator's codec for this site and round (empty: the run's uplink codec).
+            self.uplink.use_codec(state.uplink_codec(round_number) or state.algorithm.uplink_codec)
         encoded = self._encode_added(round_number, result.samples)
         encoding_at = time.monotonic()
         if encoded is None:

@@ -160,6 +160,11 @@ class SiteState:
             )
         return int(self._round_info.round_seed)
 
+    def uplink_codec(self, round_number: int) -> str:
+        """This site's uplink codec for ``round_number`` from its ``RoundInfo`` (adaptive
+        uplink codecs); empty: the run's ``uplink_codec``."""
+        return self._round_info.uplink_codec if self._round_info.round == round_number else ""
+
     # ---------------------------------------------------------------------------------------
     # Changing
 

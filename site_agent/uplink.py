@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from geoloco.algorithms.diloco import LOSSLESS_SPEC
+from geoloco.algorithms.link_codec import switch_codec
 from geoloco.algorithms.strategy import Strategy, uplink_seed
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.compression import Encoded
@@ -120,6 +121,15 @@ class StrategyUplink:
     ) -> None:
         """Nothing to prepare: plain updates need no key exchange."""
 
+    def use_codec(self, spec: str, fragment: int = 0) -> None:
+        """Encode ``fragment``'s next update with ``spec`` (the round's codec the coordinator
+        assigned with adaptive uplink codecs); the error-feedback residual carries over."""
+        config = self.strategy.config
+        encoders = self.encoders.encoders
+        encoders[fragment] = switch_codec(
+            encoders[fragment], spec, error_feedback=config.error_feedback, decay=config.error_feedback_decay
+        )
+
     def encode(
         self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: int
     ) -> UplinkUpdate:
@@ -133,7 +143,8 @@ class StrategyUplink:
             flat = part.detach().reshape(-1)
             encoded = Encoded(encoder.spec, tuple(part.shape), part.dtype, flat.view(torch.uint8))
         else:
-            seed = uplink_seed(round_seed, self.site, self.strategy.config.uplink_codec)
+            # The encoder's own codec: with adaptive uplink codecs, the one assigned this round.
+            seed = uplink_seed(round_seed, self.site, encoder.spec)
             encoded = self.encoders.encode(part, seed=seed, fragment=fragment)
         return UplinkUpdate(
             fragment=fragment, data=encoded.to_bytes(), sample_weight=float(max(samples, 1)),
@@ -151,8 +162,9 @@ class StrategyUplink:
         whose upload is a subset the pieces do not follow)."""
         if self.strategy.partial is not None:
             return None
-        seed = uplink_seed(round_seed, self.site, self.strategy.config.uplink_codec)
-        encoded = self.encoders.encoders[fragment].encode_added(pieces, numel, device=device, seed=seed)
+        encoder = self.encoders.encoders[fragment]
+        seed = uplink_seed(round_seed, self.site, encoder.spec)
+        encoded = encoder.encode_added(pieces, numel, device=device, seed=seed)
         if encoded is None:
             return None
         return UplinkUpdate(
@@ -200,6 +212,9 @@ class StrategyUplink:
             )
         for fragment, encoder in enumerate(encoders):
             saved = meta[str(fragment)]
+            if self.strategy.config.adaptive_uplink.enabled and isinstance(saved.get("codec"), str):
+                self.use_codec(saved["codec"], fragment)  # the codec of the saved pending update
+                encoder = encoders[fragment]
             if saved.get("codec") != encoder.spec:
                 raise SiteStateError(
                     f"the saved uplink of fragment {fragment} used codec {saved.get('codec')!r}, "

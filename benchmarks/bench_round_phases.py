@@ -1,8 +1,9 @@
 """Where a big model's round goes: whole rounds beside a raw TCP transfer, phase by phase.
 
 A coordinator process (``CoordinatorServer``, checkpoints on, as deployed) and ``--sites`` site
-processes (``SiteAgent``, one each) run ``--rounds`` FedAvg/DiLoCo rounds of a 64M-parameter (256 MiB fp32) model,
-laid out as 16 tensors, over loopback with mutual TLS; the inner step is trivial (one SGD step
+processes (``SiteAgent``, one each) run ``--rounds`` FedAvg/DiLoCo rounds of a 64M-parameter
+(256 MiB fp32) model, laid out as 16 tensors, over loopback with mutual TLS (or plain text:
+``--plain``); the inner step is trivial (one SGD step
 on a loss that touches a few weights), so what is measured is the round's fixed cost: pseudo-
 gradient, encoding, upload, verification, aggregation, outer step, downlink, checkpoint,
 broadcast, apply and digest. In the same run two plain processes move the same bytes up and
@@ -25,6 +26,7 @@ Reported per uplink/downlink codec (``none`` and ``int8``):
     python benchmarks/bench_round_phases.py                     # both codecs, 3 rounds
     python benchmarks/bench_round_phases.py --codecs int8 --numel 16000000
     python benchmarks/bench_round_phases.py --sites 4 --rounds 2
+    python benchmarks/bench_round_phases.py --plain              # no TLS
 
 Needs about 3 GB for each process at 64M parameters (site ~0.5 GB + 5x the model, coordinator
 ~0.6 GB + 8x the model with dense uploads).
@@ -104,7 +106,8 @@ def _role_coordinator(args: argparse.Namespace) -> None:
     config = CoordinatorConfig(
         algorithm=AlgorithmConfig(inner_steps=1, uplink_codec=args.codec, downlink_codec=args.codec),
         inner_optimizer=InnerOptimizerConfig(lr=1e-3),
-        total_rounds=args.rounds, min_sites=args.sites, certs_dir=args.certs,
+        total_rounds=args.rounds, min_sites=args.sites,
+        certs_dir=None if args.plain else args.certs, insecure=args.plain,
         checkpoint_dir=str(out / "checkpoints"), metrics_path=str(out / "metrics.jsonl"),
     )
     server = CoordinatorServer(config, flat, layout)
@@ -131,11 +134,13 @@ def _role_site(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     site = getattr(args, "site", _SITE)
+    plain = bool(getattr(args, "plain", False))
     model = _model(args.numel, 0)
     results: list[RoundResult] = []
     agent = SiteAgent(
         model, torch.optim.SGD(model.parameters(), lr=1e-3), itertools.repeat(torch.ones(8)), _loss,
-        coordinator=f"localhost:{args.port}", site=site, tls=TLSFiles.from_dir(Path(args.certs), site),
+        coordinator=f"localhost:{args.port}", site=site,
+        tls=None if plain else TLSFiles.from_dir(Path(args.certs), site), insecure=plain,
         config=SiteAgentConfig(device="cpu"), hooks=SiteHooks(on_round_end=results.append),
     )
     agent.run()
@@ -227,7 +232,7 @@ def _run_codec(codec: str, args: argparse.Namespace, certs: Path, work: Path) ->
     out.mkdir()
     common = ["--codec", codec, "--numel", str(args.numel), "--rounds", str(args.rounds),
               "--certs", str(certs), "--out", str(out), "--timeout", str(args.timeout),
-              "--sites", str(args.sites)]
+              "--sites", str(args.sites), *(["--plain"] if args.plain else [])]
     coordinator = _spawn("coordinator", *common)
     port = _wait_file(out / "port", coordinator, 300)
     sites = [_spawn("site", *common, "--port", port, "--site", str(i)) for i in range(args.sites)]
@@ -250,6 +255,7 @@ def _run_codec(codec: str, args: argparse.Namespace, certs: Path, work: Path) ->
     return {
         "codec": codec,
         "sites": args.sites,
+        "plain": args.plain,
         "round_s": statistics.median(later),
         "round_times_s": per_round,
         "raw_tcp_s": raw_s,
@@ -276,7 +282,8 @@ def _report(results: list[dict[str, Any]], numel: int) -> None:
     model_mib = 4 * numel / MiB
     sites = results[0]["sites"] if results else 1
     target = 3 if sites == 1 else 4
-    print(f"\n{numel:,} parameters ({model_mib:.0f} MiB fp32), {sites} site(s), mutual TLS, loopback\n")
+    transport = "plain text" if results and results[0]["plain"] else "mutual TLS"
+    print(f"\n{numel:,} parameters ({model_mib:.0f} MiB fp32), {sites} site(s), {transport}, loopback\n")
     print("| codec | round (median) | raw TCP up+down | ratio (target <= "
           f"{target}x) | upload | downlink | coordinator peak RSS / target | site peak RSS / target |")
     print("|---|---|---|---|---|---|---|---|")
@@ -317,6 +324,7 @@ def main() -> None:
     parser.add_argument("--port")
     parser.add_argument("--sites", type=int, default=1, help="site processes, one site each")
     parser.add_argument("--site", default=_SITE, help=argparse.SUPPRESS)
+    parser.add_argument("--plain", action="store_true", help="plain text instead of mutual TLS")
     parser.add_argument("--up", type=int, default=0)
     parser.add_argument("--down", type=int, default=0)
     args = parser.parse_args()

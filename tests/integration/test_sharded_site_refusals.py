@@ -14,6 +14,7 @@ from _cluster import make_certs
 from torch import nn
 
 from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.shard_split import shard_numel, shard_ranges
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.compression import Encoded
@@ -147,3 +148,25 @@ def test_shards_that_do_not_tile_the_vector_are_refused(
     # Nothing was lost: the model is intact and the site can still complete its update.
     assert _upload(fs, torch.zeros(shard_numel(shapes, 1, 2)), (1, 2, "dim0"))
     fs.close()
+
+
+def test_shards_are_refused_with_secure_aggregation(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs", SITES)
+    model = _model()
+    layout = ParamLayout.from_model(model)
+    server = CoordinatorServer(
+        CoordinatorConfig(
+            certs_dir=str(certs), min_sites=3, total_rounds=1, heartbeat_timeout_s=600.0,
+            algorithm=AlgorithmConfig(inner_steps=1, uplink_codec="none", weighting="uniform"),
+            privacy=PrivacyConfig(secure_aggregation=True, clip_norm=10.0, chunk_size=1024),
+        ),
+        layout.flatten(model), layout, None,
+    )
+    server.start()
+    try:
+        fs = _client(server, certs, "fs")
+        with pytest.raises(SiteAgentError, match="do not combine with secure aggregation.*data-parallel"):
+            _upload(fs, torch.zeros(shard_numel(_shapes(layout), 0, 2)), (0, 2, "dim0"))
+        fs.close()
+    finally:
+        server.stop(grace=0)

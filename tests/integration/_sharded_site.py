@@ -33,10 +33,11 @@ from geoloco.site_agent.distributed import init_from_env, rank_data_seed
 
 SEED = 0
 LR = 0.05
-CHUNK_SIZE = 1024
+CHUNK_SIZE = 512
 """Small chunks: an upload is a stream of many messages, as a big model's is."""
-WORKLOAD = MLPWorkloadConfig(input_dim=16, hidden_dim=48, num_classes=5)
-"""5 classes: the last layer's 5 rows split 3 + 2, FSDP2's uneven case."""
+WORKLOAD = MLPWorkloadConfig(input_dim=16, hidden_dim=256, num_classes=5)
+"""5 classes: the last layer's 5 rows split 3 + 2, FSDP2's uneven case; 256 wide: ~72k parameters, so a
+rank's shard is ~140 KB, ~280 chunks, and the two uploads last long enough to overlap."""
 
 
 def site_config() -> SiteAgentConfig:

@@ -5,9 +5,12 @@ over gRPC with mutual TLS on port 0, temp dirs.
   on the same weights: within 1e-5 relative, 1e-6 absolute, because FSDP2 reduce-scatters the
   gradients (sum, then divide by the world size) where DDP all-reduces bucketed gradients: the
   same numbers added in another order, one float32 rounding apart per step; 3 rounds of 3 SGD
-  steps keep that far below the bound. Every FSDP rank's rows equal the coordinator's exactly
+  steps keep that far below the bound (with 2 ranks on gloo the two came out bitwise equal on
+  this machine, which the test does not rely on). Every FSDP rank's rows equal the coordinator's exactly
   (the broadcast is added with the same float sum on both sides).
-* The two ranks' uploads overlap in time (from their recorded timestamps).
+* The two ranks' uploads overlap in time (from their recorded timestamps: in some round each
+  rank's upload started before the other's ended; a shard of ~280 chunks takes tens of ms, the
+  ranks start theirs within a few ms of each other after the same all-reduce).
 * A rank SIGKILLed half-way through its shard's upload: its site is a straggler for that round
   (nothing of it enters the sum) and the run finishes.
 """

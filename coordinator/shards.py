@@ -317,14 +317,18 @@ class ShardedUploads:
                     logger.debug("round %d: %s holds %d of %d shards", round_number, site,
                                  len(shards.verified), shards.count)
                     return _progress(upload, complete=True)
-            self._add_site(site, shards, round_number)
+                held = sorted(shards.verified.items())
+            self._add_site(site, shards, held, round_number)
         return _progress(upload, complete=True)
 
-    def _add_site(self, site: str, shards: _SiteShards, round_number: int) -> None:
-        """Every shard is here: check the site's norm, build its update, add it once."""
+    def _add_site(
+        self, site: str, shards: _SiteShards, held: list[tuple[int, tuple[Encoded, float]]], round_number: int
+    ) -> None:
+        """Every shard is here (``held``, taken under the lock): check the site's norm, build
+        its update, add it once."""
         host, ctx = self.host, self.host.ctx
         started = time.monotonic()
-        norm = math.sqrt(sum(n * n for _, n in shards.verified.values()))
+        norm = math.sqrt(sum(n * n for _, (_, n) in held))
         why = host.guard.check_norm(norm)
         if why is not None:
             self._drop_site(site, round_number, why)
@@ -333,7 +337,7 @@ class ShardedUploads:
                 f"refused: {why}; it is dropped for this round"
             )
         dense = torch.zeros(host.numel, dtype=torch.float32, device=host.device)
-        for index, (encoded, _) in sorted(shards.verified.items()):
+        for index, (encoded, _) in held:
             try:
                 values = decode(encoded, device=host.device).reshape(-1)
             except CodecError as err:
@@ -347,8 +351,9 @@ class ShardedUploads:
         with ctx.cond:
             ctx.check_upload_round(round_number)
             r = ctx.round
-            if self._current().get(site) is not shards:
-                raise NotAMemberError(f"site {site!r}'s shards for round {round_number} were discarded")
+            if self._current().get(site) is not shards or len(shards.verified) < shards.count:
+                # A rank re-sent a different shard meanwhile: its verification adds the site.
+                raise NotAMemberError(f"site {site!r}'s shards for round {round_number} were discarded or replaced")
             try:
                 r.core.add(dense, weight, site=site, now=ctx.clock())
             except Exception as err:

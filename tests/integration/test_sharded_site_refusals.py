@@ -19,9 +19,10 @@ from geoloco.algorithms.shard_split import shard_numel, shard_ranges
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.compression import Encoded
 from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.coordinator.intake import PlainIntake
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos.transport import TLSFiles
-from geoloco.site_agent.client import CoordinatorClient
+from geoloco.site_agent.client import CoordinatorClient, RoundClosed
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.errors import SiteAgentError
 
@@ -170,3 +171,26 @@ def test_shards_are_refused_with_secure_aggregation(tmp_path: Path) -> None:
         fs.close()
     finally:
         server.stop(grace=0)
+
+
+def test_a_non_finite_shard_drops_the_whole_site_for_the_round(
+    cluster: tuple[CoordinatorServer, Path, ParamLayout],
+) -> None:
+    server, certs, layout = cluster
+    fs, other = _client(server, certs, "fs"), _client(server, certs, "other")
+    shapes = _shapes(layout)
+    before = server.rounds.weights.clone()
+    assert _upload(fs, torch.ones(shard_numel(shapes, 0, 2)), (0, 2, "dim0"))
+    bad = torch.zeros(shard_numel(shapes, 1, 2))
+    bad[0] = float("nan")
+    with pytest.raises(SiteAgentError, match="NaN or Inf.*whole update is dropped"):
+        _upload(fs, bad, (1, 2, "dim0"))
+    with pytest.raises(RoundClosed, match="was rejected"):
+        _upload(fs, torch.zeros(shard_numel(shapes, 1, 2)), (1, 2, "dim0"))
+    # fs's held shard 0 went with it, and nothing of fs entered the sum.
+    intake = server.rounds.intake
+    assert isinstance(intake, PlainIntake)
+    assert not intake.shards.holds("fs")
+    assert torch.equal(server.rounds.weights, before)
+    fs.close()
+    other.close()

@@ -168,6 +168,10 @@ class UploadSpec:
     compares (opaque here)."""
     raw: Any = field(compare=False, repr=False)
     """The manifest as received (opaque here)."""
+    shard_index: int = 0
+    shard_count: int = 0
+    """> 1: one rank's shard of a sharded site's update (``geoloco.coordinator.shards``)."""
+    shard_split: str = ""
 
 
 @dataclass(frozen=True, slots=True)

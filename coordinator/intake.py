@@ -46,6 +46,7 @@ from geoloco.coordinator.errors import (
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.round_timing import RoundTimings
+from geoloco.coordinator.shards import ShardedUploads
 from geoloco.coordinator.update_guard import UpdateGuard
 from geoloco.coordinator.upload_check import checked_update
 from geoloco.protos.errors import quoted
@@ -177,6 +178,7 @@ class PlainIntake:
         device: torch.device,
         privacy: PrivateRounds | None,
         guard: UpdateGuard,
+        shapes: Iterable[tuple[int, ...]] = (),
     ) -> None:
         self.ctx = ctx
         self.guard = guard
@@ -190,10 +192,14 @@ class PlainIntake:
         self.membership = membership
         self._verify_lock = threading.Lock()
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geoloco-verify")
+        self.shards = ShardedUploads(self, list(shapes))
+        """Sharded sites' uploads (``shard_count > 0``), held until all of a site's arrived."""
 
     # -- the interface --
 
     def receive(self, site: str, spec: UploadSpec, chunks: Chunks) -> UploadProgress:
+        if spec.shard_count:
+            return self.shards.receive(site, spec, chunks)
         started = time.monotonic()
         assembler = self.open(site, spec)
         whole_stream = assembler.received_count == 0
@@ -352,6 +358,11 @@ class PlainIntake:
                     "and is dropped for this round; wait for the broadcast (AwaitBroadcast)"
                 )
             self.validate(site, spec)
+            if self.shards.holds(site):
+                raise InvalidUpdateError(
+                    f"site {site!r} already sent shards of its update for round {r.number}; a site "
+                    "uploads either one whole update or all of its shards"
+                )
             existing = r.uploads.get(site)
             if existing is not None:
                 if site in r.contributed or existing.spec == spec:

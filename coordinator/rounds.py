@@ -60,7 +60,7 @@ from geoloco.coordinator.domain import (
     UploadSpec,
     WaitResult,
 )
-from geoloco.coordinator.errors import RunFinishedError, ShuttingDownError, WrongRoundError
+from geoloco.coordinator.errors import InvalidUpdateError, RunFinishedError, ShuttingDownError, WrongRoundError
 from geoloco.coordinator.intake import Chunks, PlainIntake, UploadIntake
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.phases import EvalFn, GlobalWeights, RoundPhases
@@ -160,7 +160,7 @@ class RoundStateMachine:
             else PlainIntake(
                 ctx, self.membership, uplink_codec=self.uplink_codec, numel=self.numel,
                 max_upload_bytes=self.max_upload_bytes, device=self.device, privacy=self.privacy,
-                guard=guard,
+                guard=guard, shapes=[e.shape for e in layout.entries],
             )
         )
         weights = initial_weights.detach().to(self.device, torch.float32).clone()
@@ -330,6 +330,12 @@ class RoundStateMachine:
 
     def receive_upload(self, site: str, spec: UploadSpec, chunks: Chunks) -> UploadProgress:
         """One Upload stream: its manifest, then its chunks as ``(chunk, message bytes)``."""
+        if spec.shard_count and self.intake.secure:
+            raise InvalidUpdateError(
+                "sharded uploads do not combine with secure aggregation (a masked update is one "
+                "ring sum per site); run the site data-parallel ([site] sharding = \"none\") or "
+                "turn [privacy] secure_aggregation off"
+            )
         return self.intake.receive(site, spec, chunks)
 
     def upload_status(self, site: str, session_id: str, round_number: int, fragment: int) -> UploadProgress:

@@ -206,6 +206,9 @@ def upload_spec(manifest: pb.UploadManifest, site: str) -> UploadSpec:
         nbytes=message_nbytes(manifest),
         wire=normalized,
         raw=manifest,
+        shard_index=manifest.shard_index,
+        shard_count=manifest.shard_count,
+        shard_split=manifest.shard_split,
     )
 
 

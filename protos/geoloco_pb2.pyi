@@ -286,7 +286,7 @@ class FetchModelResponse(_message.Message):
     def __init__(self, manifest: _Optional[_Union[ModelManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class UploadManifest(_message.Message):
-    __slots__ = ("site", "session_id", "round", "fragment", "sample_weight", "blob", "metrics", "inner_steps", "relayed_sites")
+    __slots__ = ("site", "session_id", "round", "fragment", "sample_weight", "blob", "metrics", "inner_steps", "relayed_sites", "shard_index", "shard_count", "shard_split")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,9 @@ class UploadManifest(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_SITES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SPLIT_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     round: int
@@ -312,7 +315,10 @@ class UploadManifest(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     inner_steps: int
     relayed_sites: _containers.RepeatedCompositeFieldContainer[RelayedSite]
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., sample_weight: _Optional[float] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., inner_steps: _Optional[int] = ..., relayed_sites: _Optional[_Iterable[_Union[RelayedSite, _Mapping]]] = ...) -> None: ...
+    shard_index: int
+    shard_count: int
+    shard_split: str
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., sample_weight: _Optional[float] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., inner_steps: _Optional[int] = ..., relayed_sites: _Optional[_Iterable[_Union[RelayedSite, _Mapping]]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., shard_split: _Optional[str] = ...) -> None: ...
 
 class RelayedSite(_message.Message):
     __slots__ = ("site", "weight", "inner_steps", "metrics", "rejected")

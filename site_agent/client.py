@@ -372,10 +372,12 @@ class CoordinatorClient:
         dtype: str = "float32",
         chunk_size: int | None = None,
         fragment: int = 0,
+        shard: tuple[int, int, str] | None = None,
     ) -> pb.UploadResponse:
         """Upload one encoded update for ``round_number``; resumes a broken stream.
 
         ``fragment``: the Streaming DiLoCo fragment the update covers (0 = the whole model).
+        ``shard``: (index, count, split) of a sharded site's rank (``geoloco.site_agent.sharded``).
 
         Raises ``RoundClosed`` when the round closed before the upload completed, and
         ``UpdateRejected`` when the coordinator refused its content. ``dtype`` and ``chunk_size``
@@ -394,6 +396,8 @@ class CoordinatorClient:
             metrics=metrics,
             inner_steps=inner_steps,
         )
+        if shard is not None:
+            manifest.shard_index, manifest.shard_count, manifest.shard_split = shard
         num_chunks = manifest.blob.num_chunks
         streams = self.streams.for_upload(len(data), num_chunks)
         started = time.perf_counter()

@@ -1,0 +1,314 @@
+"""Sharded sites: FSDP inside a site, every rank uploading its own shard in parallel.
+
+A data-parallel site (``geoloco.site_agent.distributed``) needs the model on every rank and
+has rank 0 alone move the whole update. A sharded site wraps the model with FSDP2
+(``torch.distributed.fsdp.fully_shard`` over a 1-D device mesh; gloo on CPU, NCCL on GPU) and
+every rank takes part in the run under the site's identity (the same certificate) as rank ``r``
+of ``n``:
+
+* rank 0 joins; the session, the run config and the round are shared with the other ranks over
+  the site's process group, and rank 0 alone sends heartbeats;
+* every rank keeps the global weights of its own shard only (FSDP2's dim-0 rows of every
+  parameter, ``param.to_local()``; ``geoloco.algorithms.shard_split``), trains the inner steps
+  with FSDP (gradients reduce-scattered across ranks), forms the pseudo-gradient of its shard,
+  encodes it with its own error-feedback residual (shard-sized) and uploads it itself
+  (``UploadManifest.shard_index/shard_count/shard_split``), in parallel with the other ranks;
+* the coordinator holds the shards until all of the site's arrived and counts the site once
+  (``geoloco.coordinator.shards``); every rank then applies its rows of the broadcast.
+
+Limits of this first version, said where they bite:
+
+* The broadcast is one model-wide delta: every rank downloads and decodes the whole delta
+  (transiently) and adds only its rows; the join-time fetch of the weights likewise reads the
+  whole vector once and keeps only the rank's rows. The weights themselves, the pseudo-gradient
+  and the residual are never held whole on a rank.
+* The weights digest of a broadcast covers the whole model, so a rank cannot check it; a rank
+  trusts the TLS channel and the download's checksum instead.
+* No re-join, saved state, late folding or inner lr schedule of the coordinator's: a rank that
+  loses its session stops with an error, and users step their own scheduler in ``loss_fn``'s
+  caller. Secure aggregation, Streaming DiLoCo fragments, partial updates and relays are refused
+  (by the site at join and by the coordinator).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from geoloco.algorithms.diloco import UpdateEncoder
+from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.shard_split import DIM0, ShardRange, shard_ranges
+from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy, uplink_seed
+from geoloco.compression import Encoded, decode, parse_codec
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.transport import TLSFiles
+from geoloco.site_agent.client import CoordinatorClient, OpenBroadcast, RoundClosed, RunFinished, UpdateRejected
+from geoloco.site_agent.config import SiteAgentConfig
+from geoloco.site_agent.errors import SiteAgentError
+from geoloco.site_agent.state import SiteState
+
+__all__ = ["ShardedRunSummary", "ShardedSite", "local_shard"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of an FSDP2 parameter (``DTensor.to_local()``), or the tensor itself."""
+    to_local = getattr(param, "to_local", None)
+    return param if to_local is None else to_local()
+
+
+def _samples(batch: Any) -> int:
+    """Samples in a batch: the leading size of its first tensor (1 when there is none)."""
+    first = batch[0] if isinstance(batch, list | tuple) and batch else batch
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 1
+
+
+@dataclass(slots=True)
+class ShardedRunSummary:
+    """What one rank of a sharded site did (the test and the user's logs read it)."""
+
+    rounds_trained: int = 0
+    rounds_included: int = 0
+    final_round: int = 0
+    run_finished: bool = False
+    upload_spans: list[tuple[int, float, float]] = field(default_factory=list)
+    """(round, start, end) of every upload, ``time.time()`` seconds (comparable across ranks)."""
+
+
+class ShardedSite:
+    """One rank of a sharded (FSDP) site; call ``run()`` on every rank (module doc)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        data: Iterable[Any],
+        loss_fn: LossFn,
+        *,
+        coordinator: str,
+        site: str,
+        tls: TLSFiles | None = None,
+        insecure: bool = False,
+        config: SiteAgentConfig | None = None,
+        group: dist.ProcessGroup | None = None,
+        server_name: str | None = None,
+    ) -> None:
+        """
+        Args:
+            model: the user's model, already wrapped with ``fully_shard`` over this site's
+                1-D mesh (every parameter a DTensor sharded on dim 0).
+            inner_optimizer: optimizer over ``model.parameters()`` (the DTensors).
+            data: endless iterable of this rank's batches.
+            loss_fn: ``loss_fn(model, batch) -> scalar``.
+            group: the site's process group (default: the world group torchrun made).
+        """
+        if not dist.is_initialized():
+            raise SiteAgentError(
+                "a sharded site runs under torchrun with an initialised process group "
+                "(torch.distributed.init_process_group); start it with torchrun --nproc_per_node=N"
+            )
+        self.site, self.model, self.optimizer, self.loss_fn = site, model, inner_optimizer, loss_fn
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.config = config or SiteAgentConfig(device="cpu")
+        self._data: Iterator[Any] = iter(data)
+        self.layout = ParamLayout.from_model(model)  # DTensor shapes are the global ones
+        shapes = [e.shape for e in self.layout.entries]
+        self.ranges: list[ShardRange] = shard_ranges(shapes, self.rank, self.world_size, DIM0)
+        self._locals = self._local_views(shapes)
+        self.shard_numel = sum(n for _, n in self.ranges)
+        self.held = torch.zeros(self.shard_numel, dtype=torch.float32)
+        """The global weights of this rank's shard (``θ_t`` rows), never the whole vector."""
+        self._stop = threading.Event()
+        self.client = CoordinatorClient(
+            coordinator, site=site, tls=tls, insecure=insecure, config=self.config,
+            stop_event=self._stop, server_name=server_name,
+        )
+        self.encoder: UpdateEncoder | None = None
+        self._heartbeat_s = 1.0
+        self.summary = ShardedRunSummary()
+
+    def _local_views(self, shapes: list[tuple[int, ...]]) -> list[tuple[int, torch.Tensor]]:
+        """(position in the rank's shard, flat view of the local rows) per parameter with rows
+        here, checked against the split the coordinator computes."""
+        views: list[tuple[int, torch.Tensor]] = []
+        ranges = iter(self.ranges)
+        at = 0
+        for (name, param), shape in zip(self.model.named_parameters(), shapes, strict=True):
+            local = local_shard(param).detach()
+            n = local.numel()
+            if n == 0:
+                continue
+            _, expected = next(ranges, (0, -1))
+            if expected != n:
+                raise SiteAgentError(
+                    f"parameter {name!r} {list(shape)}: this rank holds {n} elements but FSDP2's dim-0 "
+                    f"split gives rank {self.rank} of {self.world_size} {max(expected, 0)}; wrap the model "
+                    "with fully_shard over a 1-D mesh of the site's ranks (Shard(0) placements)"
+                )
+            if not local.is_contiguous():
+                raise SiteAgentError(f"parameter {name!r}: this rank's rows are not contiguous; FSDP2 keeps them so")
+            views.append((at, local.view(-1)))
+            at += n
+        return views
+
+    # -- the run --
+
+    def run(self, max_rounds: int | None = None) -> ShardedRunSummary:
+        """Take part in the run until it finishes (or ``max_rounds`` rounds); every rank calls it."""
+        heartbeat: threading.Thread | None = None
+        try:
+            round_number, round_seed, algorithm, total_rounds = self._join()
+            if self.rank == 0:
+                heartbeat = threading.Thread(target=self._heartbeats, name="geoloco-heartbeat", daemon=True)
+                heartbeat.start()
+            while round_number < total_rounds and (max_rounds is None or self.summary.rounds_trained < max_rounds):
+                header = self._round(round_number, round_seed, algorithm)
+                if header is None or header.run_finished:
+                    self.summary.run_finished = True
+                    break
+                round_number, round_seed = header.next_round.round, header.next_round.round_seed
+            else:
+                self.summary.run_finished = round_number >= total_rounds
+        finally:
+            self._stop.set()
+            if heartbeat is not None:
+                heartbeat.join(timeout=5.0)
+            self.client.close()
+        return self.summary
+
+    def _join(self) -> tuple[int, int, AlgorithmConfig, int]:
+        """Rank 0 joins; every rank takes its session, run config and its rows of the weights."""
+        shared: list[Any] = [None]
+        if self.rank == 0:
+            response = self.client.join(has_weights=False, weights_round=0, digest_hex=None)
+            shared[0] = (response.session_id, response.config.SerializeToString(), response.round.round,
+                         response.round.round_seed)
+        dist.broadcast_object_list(shared, src=0, group=self.group)
+        session_id, config_bytes, round_number, round_seed = shared[0]
+        self.client.session_id = session_id
+        run_config = pb.RunConfig.FromString(config_bytes)
+        state = SiteState()
+        state.adopt_run_config(run_config)
+        algorithm, privacy = state.algorithm, state.privacy
+        if privacy.secure_aggregation:
+            raise SiteAgentError(
+                "sharded sites do not combine with secure aggregation; run the site data-parallel "
+                "(SiteAgent with an IntraSiteGroup) or turn [privacy] secure_aggregation off"
+            )
+        strategy = build_strategy(algorithm, numel=self.layout.numel, layout=self.layout)
+        if not strategy.partition.is_whole or strategy.partial is not None:
+            raise SiteAgentError(
+                "sharded sites do not combine with Streaming DiLoCo fragments or partial updates; "
+                "run the site data-parallel or use fragments = 1 without partial_updates"
+            )
+        self._heartbeat_s = max(0.05, run_config.heartbeat_interval_ms / 1000.0 or 1.0)
+        self.encoder = UpdateEncoder(
+            parse_codec(algorithm.uplink_codec).with_shapes([(self.shard_numel,)]),
+            error_feedback=algorithm.error_feedback, decay=algorithm.error_feedback_decay,
+        )
+        self._fetch()
+        return int(round_number), int(round_seed), algorithm, int(run_config.total_rounds)
+
+    def _fetch(self) -> None:
+        """The global weights' rows of this rank (the download is whole: module doc, limits)."""
+        _, weights = self.client.fetch_model(self.layout.numel)
+        at = 0
+        for offset, n in self.ranges:
+            self.held[at : at + n].copy_(weights[offset : offset + n])
+            at += n
+        del weights
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            try:
+                self.client.heartbeat(round_number=self.summary.final_round, phase=pb.SITE_PHASE_TRAINING,
+                                      inner_steps_done=0)
+            except Exception:  # a missed heartbeat is retried at the next tick
+                logger.debug("site %s: heartbeat failed", self.site, exc_info=True)
+
+    def _load_held(self) -> None:
+        with torch.no_grad():
+            for at, view in self._locals:
+                view.copy_(self.held[at : at + view.numel()].view_as(view))
+
+    def _local_flat(self) -> torch.Tensor:
+        """This rank's trained rows, concatenated like ``held`` (a shard-sized copy)."""
+        return torch.cat([view.detach().reshape(-1) for _, view in self._locals]) if self._locals else self.held[:0]
+
+    def _round(self, round_number: int, round_seed: int, algorithm: AlgorithmConfig) -> pb.BroadcastHeader | None:
+        assert self.encoder is not None
+        self._load_held()
+        samples = 0
+        inner_steps = int(algorithm.inner_steps)
+        for _ in range(inner_steps):
+            batch = next(self._data)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.loss_fn(self.model, batch).backward()
+            self.optimizer.step()
+            samples += _samples(batch)
+        total = torch.tensor([float(samples)])
+        dist.all_reduce(total, group=self.group)  # the site's weight covers every rank's batches
+        update = self.held - self._local_flat()
+        if not bool(torch.isfinite(update).all()):
+            raise SiteAgentError(f"site {self.site} rank {self.rank}: the pseudo-gradient of round "
+                                 f"{round_number} has NaN or Inf values; lower the inner lr")
+        seed = uplink_seed(round_seed, self.site, algorithm.uplink_codec)
+        encoded = self.encoder.encode(update, seed=seed)
+        del update
+        self.summary.rounds_trained += 1
+        opened: OpenBroadcast | None = self.client.open_broadcast(round_number)
+        started = time.time()
+        on_time = True
+        try:
+            self.client.upload(
+                round_number=round_number, data=encoded.to_bytes(), codec=encoded.spec,
+                shape=list(encoded.shape), sample_weight=float(total.item()), inner_steps=inner_steps,
+                metrics={}, shard=(self.rank, self.world_size, DIM0),
+            )
+        except (RoundClosed, UpdateRejected) as why:
+            logger.info("site %s rank %d: shard of round %d not counted (%s)", self.site, self.rank, round_number, why)
+            on_time = False
+        except RunFinished:
+            assert opened is not None
+            opened.cancel()
+            return None
+        self.summary.upload_spans.append((round_number, started, time.time()))
+        if not on_time and opened is not None:
+            opened.cancel()
+            opened = None
+        try:
+            header, data = self.client.await_broadcast(round_number, opened=opened)
+        except RunFinished:
+            return None
+        if not header.included:
+            self.encoder.restore(encoded)  # the update goes back into the residual
+        else:
+            self.summary.rounds_included += 1
+        self._apply(header, data)
+        self.summary.final_round = round_number + 1
+        return header
+
+    def _apply(self, header: pb.BroadcastHeader, data: memoryview | bytes | None) -> None:
+        """Add this rank's rows of the broadcast delta (the same float sum as the coordinator's)."""
+        if header.action != pb.BROADCAST_ACTION_APPLY_DELTA or data is None:
+            self._fetch()
+            return
+        delta = decode(Encoded.from_bytes(data, copy=False), device=self.held.device).reshape(-1)
+        at = 0
+        for offset, n in self.ranges:
+            self.held[at : at + n].add_(delta[offset : offset + n])
+            at += n
+        del delta

@@ -1,0 +1,180 @@
+"""Sharded (FSDP2) sites through the real system: torchrun ranks on gloo/CPU, a real coordinator
+over gRPC with mutual TLS on port 0, temp dirs.
+
+* A 2-rank FSDP site and a 2-rank data-parallel site (two runs, same model, data and SGD) end
+  on the same weights: within 1e-5 relative, 1e-6 absolute, because FSDP2 reduce-scatters the
+  gradients (sum, then divide by the world size) where DDP all-reduces bucketed gradients: the
+  same numbers added in another order, one float32 rounding apart per step; 3 rounds of 3 SGD
+  steps keep that far below the bound (with 2 ranks on gloo the two came out bitwise equal on
+  this machine, which the test does not rely on). Every FSDP rank's rows equal the coordinator's exactly
+  (the broadcast is added with the same float sum on both sides).
+* The two ranks' uploads overlap in time (from their recorded timestamps: in some round each
+  rank's upload started before the other's ended; a shard of ~280 chunks takes tens of ms, the
+  ranks start theirs within a few ms of each other after the same all-reduce).
+* A rank SIGKILLed half-way through its shard's upload: its site is a straggler for that round
+  (nothing of it enters the sum) and the run finishes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _cluster import AgentThread, make_certs
+from _sharded_site import SEED, WORKLOAD
+
+from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.coordinator.metrics import read_metrics
+from geoloco.coordinator.server import CoordinatorServer
+from geoloco.protos.transport import TLSFiles
+from geoloco.scenarios.workloads.mlp import MLPWorkload
+from geoloco.site_agent.agent import SiteAgent
+from geoloco.site_agent.config import SiteAgentConfig
+
+pytest.importorskip("torch.distributed.fsdp")
+
+
+WORKER = Path(__file__).with_name("_sharded_site.py")
+LAUNCH_TIMEOUT_S = 240.0
+"""Upper bound for one torchrun launch (seconds when idle); only a hang gets near it."""
+ROUNDS = 3
+INNER_STEPS = 3
+
+
+def _coordinator(certs: Path, metrics: Path, **config: Any) -> CoordinatorServer:
+    model = MLPWorkload(WORKLOAD).build_model(SEED)
+    layout = ParamLayout.from_model(model)
+    server = CoordinatorServer(
+        CoordinatorConfig(
+            certs_dir=str(certs), metrics_path=str(metrics), min_sites=1,
+            total_rounds=ROUNDS,
+            algorithm=AlgorithmConfig(inner_steps=INNER_STEPS, uplink_codec="none", weighting="samples"),
+            **config,
+        ),
+        layout.flatten(model), layout, None,
+    )
+    server.start()
+    return server
+
+
+def _launch(mode: str, site: str, server: CoordinatorServer, certs: Path, out: Path,
+            **env_extra: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", **env_extra)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "--max-restarts=0", str(WORKER), mode, site, f"localhost:{server.port}", str(certs), str(out),
+    ]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen[str]) -> str:
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        output = "(timed out)"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return output
+
+
+def test_fsdp_site_matches_data_parallel_site_and_uploads_shards_in_parallel(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs", ["fs", "dp"])
+    out = tmp_path / "out"
+    out.mkdir()
+    fs_server = _coordinator(certs, tmp_path / "fs.jsonl")
+    dp_server = _coordinator(certs, tmp_path / "dp.jsonl")
+    try:
+        procs = {mode: _launch(mode, site, server, certs, out)
+                 for mode, site, server in (("fsdp", "fs", fs_server), ("dp", "dp", dp_server))}
+        outputs = {mode: _finish(proc) for mode, proc in procs.items()}
+        for mode, proc in procs.items():
+            assert proc.returncode == 0, f"{mode} site failed:\n{outputs[mode][-6000:]}"
+        fs_weights, dp_weights = fs_server.rounds.weights.clone(), dp_server.rounds.weights.clone()
+    finally:
+        fs_server.stop(grace=0)
+        dp_server.stop(grace=0)
+    initial = ParamLayout.from_model(MLPWorkload(WORKLOAD).build_model(SEED))
+    assert not torch.equal(fs_weights, initial.flatten(MLPWorkload(WORKLOAD).build_model(SEED)))
+    torch.testing.assert_close(fs_weights, dp_weights, rtol=1e-5, atol=1e-6)
+
+    ranks = [torch.load(out / f"fsdp-rank{r}.pt", weights_only=False) for r in range(2)]
+    covered = torch.zeros(fs_weights.numel(), dtype=torch.int64)
+    for rank, saved in enumerate(ranks):
+        rows = torch.cat([fs_weights[o : o + n] for o, n in saved["ranges"]])
+        assert torch.equal(saved["held"], rows), f"rank {rank}'s rows differ from the coordinator's"
+        assert saved["held"].numel() < fs_weights.numel()  # a shard, not the model
+        for o, n in saved["ranges"]:
+            covered[o : o + n] += 1
+        summary = saved["summary"]
+        assert summary["rounds_trained"] == summary["rounds_included"] == ROUNDS
+        assert summary["run_finished"]
+    assert bool((covered == 1).all()), "the two ranks' shards must tile the vector exactly once"
+    for dp_rank in range(2):
+        dp = torch.load(out / f"dp-rank{dp_rank}.pt", weights_only=False)
+        assert torch.equal(dp["weights"], dp_weights)
+
+    # The ranks uploaded concurrently: in some round each started before the other ended.
+    spans = [{r: (s, e) for r, s, e in saved["summary"]["upload_spans"]} for saved in ranks]
+    overlapping = [
+        t for t in range(ROUNDS)
+        if max(spans[0][t][0], spans[1][t][0]) < min(spans[0][t][1], spans[1][t][1])
+    ]
+    assert overlapping, f"the ranks' uploads never overlapped: {spans}"
+
+    records = read_metrics(tmp_path / "fs.jsonl")
+    assert [r["participants"] for r in records] == [["fs"]] * ROUNDS
+    batch = WORKLOAD.batch_size
+    # One site, counted once per round, with the weight of both ranks' batches.
+    assert all(r["sample_weights"]["fs"] == 2 * INNER_STEPS * batch for r in records)
+
+
+def test_rank_killed_mid_upload_makes_its_site_a_straggler_and_the_run_finishes(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs", ["fs", "solo"])
+    out = tmp_path / "out"
+    out.mkdir()
+    metrics = tmp_path / "fs.jsonl"
+    server = _coordinator(certs, metrics, round_deadline_s=3.0, heartbeat_timeout_s=6.0)
+    workload = MLPWorkload(WORKLOAD)
+    model = workload.build_model(SEED)
+    solo = AgentThread(SiteAgent(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), workload.site_batches(0, 1, SEED + 1), workload.loss,
+        coordinator=f"localhost:{server.port}", site="solo", tls=TLSFiles.from_dir(certs, "solo"),
+        config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05),
+    ))
+    try:
+        proc = _launch("fsdp", "fs", server, certs, out, KILL_AT_ROUND="1")
+        # The single-process site starts once the sharded one joined (torchrun starts slowly),
+        # so both take part from round 0 on.
+        give_up = time.monotonic() + LAUNCH_TIMEOUT_S
+        while "fs" not in server.rounds.members and proc.poll() is None and time.monotonic() < give_up:
+            time.sleep(0.05)
+        solo.start()
+        output = _finish(proc)
+        solo.join(timeout=LAUNCH_TIMEOUT_S)
+        records = read_metrics(metrics)
+    finally:
+        solo.agent.stop()
+        server.stop(grace=0)
+    assert proc.returncode != 0, f"the killed rank's launch should fail:\n{output[-3000:]}\n{records}"
+    assert solo.error is None and solo.summary is not None and solo.summary.run_finished, solo.error
+    by_round = {r["round"]: r for r in records}
+    assert sorted(by_round) == list(range(ROUNDS)), f"the run did not finish: {records}"
+    assert sorted(by_round[0]["participants"]) == ["fs", "solo"]
+    # Round 1: rank 0's shard arrived whole, rank 1's only half: the site did not count at all.
+    assert by_round[1]["participants"] == ["solo"]
+    assert "fs" not in by_round[1]["sample_weights"]

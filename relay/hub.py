@@ -82,6 +82,8 @@ class RelayHub:
         self.run: RunInfo | None = None
         self.members: dict[str, float] = {}
         """site -> when the relay last heard of it."""
+        self.ever_joined: set[str] = set()
+        """Sites that joined through this relay at least once (left or silent ones included)."""
         self.round = RelayRound(number=0, opened_s=clock())
         self.broadcasts: dict[int, CachedBroadcast] = {}
         self.included: dict[int, frozenset[str]] = {}
@@ -130,6 +132,7 @@ class RelayHub:
                 self.guard = UpdateGuard(run.guard)
             self.run = run
             self.members[site] = self.clock()
+            self.ever_joined.add(site)
             self._learn_round(response.round.round)
             self.cond.notify_all()
 
@@ -380,8 +383,9 @@ class RelayHub:
         with self.cond:
             if not self.partials:
                 # Start-up: a listed site still starting would otherwise find the first round
-                # closed here while the coordinator waits for it (bounded by max_wait_s).
-                live |= set(self.config.sites)
+                # closed here while the coordinator waits for it (bounded by max_wait_s). A site
+                # that joined and then left or went silent is not waited for.
+                live |= set(self.config.sites) - self.ever_joined
             r = self.round
             if not r.due(now, live, self.config.max_wait_s):
                 return None

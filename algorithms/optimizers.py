@@ -419,8 +419,9 @@ class OuterOptimizer:
         return optimizer_state_tensors(self.optimizer, copy=False)[0]
 
     def state_meta(self) -> dict[str, Any]:
-        """JSON-able part of the state: hyper-parameters per param group."""
-        return optimizer_state_tensors(self.optimizer)[1]
+        """JSON-able part of the state: hyper-parameters per param group (read from the live
+        buffers: a clone of the momentum here was the coordinator's peak while checkpointing)."""
+        return optimizer_state_tensors(self.optimizer, copy=False)[1]
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
         """Restore what ``state_tensors()`` / ``state_meta()`` returned."""

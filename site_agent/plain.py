@@ -218,7 +218,7 @@ class PlainRounds(RoundRunner):
             encoded = self._encode(update, round_number, 0, result.samples)
             del update
         else:
-            trained_at = encoding_at  # formed in the residual as it was encoded: all "encode"
+            encoding_at = trained_at  # formed in the residual as it was encoded: all "encode"
         phases.update(
             train=trained_at - training_at, pseudo_gradient=encoding_at - trained_at,
             encode=time.monotonic() - encoding_at,

@@ -39,3 +39,16 @@ def test_consumed_gradient_gives_the_same_steps(name: str) -> None:
         b = consuming.step(b, g.clone(), consume_gradient=True)
         assert torch.equal(a, b)
     assert theta.equal(_vectors(500, 1)[0]), "step must leave the caller's weights untouched"
+
+
+def test_state_meta_reads_the_live_state_without_cloning_it() -> None:
+    # state_meta runs during every checkpoint write; a clone of the momentum there is one more
+    # model-sized buffer at the coordinator's peak.
+    numel = 1 << 16
+    outer = OuterOptimizer(OuterOptimizerConfig(name="nesterov").resolved(), numel)
+    outer.step(torch.zeros(numel), torch.ones(numel))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        meta = outer.state_meta()
+    allocated = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+    assert max(allocated, default=0) < numel * 4 // 2, f"state_meta allocated {max(allocated)} bytes"
+    assert meta["param_groups"][0]["momentum"] == outer.optimizer.param_groups[0]["momentum"]

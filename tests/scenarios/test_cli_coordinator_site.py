@@ -106,11 +106,13 @@ def test_shipped_example_config_is_valid_and_every_key_is_commented() -> None:
     shown = {m[1] for line in lines if (m := re.match(r"^#? ?([a-z_]+) = ", line))}
     top_level = set(CoordinatorConfig.__dataclass_fields__) - {
         "algorithm", "outer_optimizer", "inner_optimizer", "workload", "http", "adaptive_deadline",
-        "privacy", "admission", "update_guard",
+        "privacy", "admission", "update_guard", "relays",
     }
     assert top_level <= shown, f"keys missing from the example: {top_level - shown}"
     tables = {m[1] for line in lines if (m := re.match(r"^\[([a-z_]+)\]$", line))}
     assert {"admission", "update_guard", "adaptive_deadline", "http"} <= tables
+    # Optional tables are shown commented out.
+    assert {"# [privacy]", "# [relays]"} <= {line.strip() for line in lines}
 
 
 def test_flags_override_the_file(tmp_path: Path) -> None:

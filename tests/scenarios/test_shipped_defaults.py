@@ -44,6 +44,14 @@ DELIBERATE: dict[str, dict[str, str]] = {
         "": "the README's recorded H x codec study (benchmarks/README.md): its settings are the "
         "study's, kept so the table can be reproduced",
     },
+    "headline.toml": {
+        "": "the headline table's base (benchmarks/bench_headline.py): the tiny GPT at a fixed "
+        "number of inner steps, tuned inner optimizer, 100 Mbit/s links",
+    },
+    "uneven_links.toml": {
+        "": "the adaptive uplink codec study (benchmarks/bench_uneven_links.py): one site behind "
+        "10 Mbit/s and three on 1 Gbit/s are what it measures",
+    },
     "privacy_frontier.toml": {
         "": "the privacy-utility frontier study (benchmarks/bench_privacy_frontier.py): a tiny "
         "workload, many sites and [privacy] are what it measures",

@@ -53,7 +53,9 @@ def _encoded(what: str, data: memoryview, checksum: int, *, codec: str, numel: i
     except CodecError as err:
         raise InvalidUpdateError(f"{what} is not a valid encoded tensor: {err}") from None
     if encoded.spec != codec:
-        raise InvalidUpdateError(f"{what} was encoded with {encoded.spec!r}; the run's uplink codec is {codec!r}")
+        raise InvalidUpdateError(
+            f"{what} was encoded with {encoded.spec!r}; its uplink codec for that round is {codec!r}"
+        )
     if encoded.shape != (numel,) or encoded.dtype != torch.float32:
         raise InvalidUpdateError(
             f"{what} decodes to {encoded.dtype} {list(encoded.shape)}; expected float32 [{numel}]"

@@ -217,7 +217,8 @@ def _model_sized_storages(numel: int) -> set[int]:
     return {
         o.untyped_storage().data_ptr()
         for o in gc.get_objects()
-        if isinstance(o, torch.Tensor) and o.numel() == numel
+        # type(), not isinstance: the latter reads __class__, which warns on deprecated objects.
+        if issubclass(type(o), torch.Tensor) and o.numel() == numel
     }
 
 

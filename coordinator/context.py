@@ -19,7 +19,12 @@ from geoloco.compression import parse_codec
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.domain import CoordinatorRound, RoundInfo, RoundPhase
-from geoloco.coordinator.errors import RunFinishedError, ShuttingDownError, WrongRoundError
+from geoloco.coordinator.errors import (
+    RunFinishedError,
+    ShuttingDownError,
+    UpdateRejectedError,
+    WrongRoundError,
+)
 
 __all__ = ["CONTRIBUTOR_HISTORY", "Member", "RoundContext"]
 
@@ -151,6 +156,16 @@ class RoundContext:
         if round_number > current:
             raise WrongRoundError(
                 f"round {round_number} is not open yet; the coordinator is at round {current}"
+            )
+
+    def check_not_rejected(self, site: str) -> None:
+        """Refuse another upload (or shard) from a site whose update this round was rejected."""
+        r = self.round
+        if site in r.rejected:
+            why = r.rejected_why.get(site, "bad values")
+            raise UpdateRejectedError(
+                f"site {site!r}'s update for round {r.number} was rejected ({why}) "
+                "and is dropped for this round; wait for the broadcast (AwaitBroadcast)"
             )
 
     # -- byte accounting --

@@ -41,7 +41,6 @@ from geoloco.coordinator.errors import (
     InvalidUpdateError,
     NotAMemberError,
     ShuttingDownError,
-    UpdateRejectedError,
 )
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds
@@ -351,12 +350,7 @@ class PlainIntake:
                 return self._open_late(site, spec)
             ctx.check_upload_round(spec.round)
             r = ctx.round
-            if site in r.rejected:
-                why = r.rejected_why.get(site, "bad values")
-                raise UpdateRejectedError(
-                    f"site {site!r}'s update for round {r.number} was rejected ({why}) "
-                    "and is dropped for this round; wait for the broadcast (AwaitBroadcast)"
-                )
+            ctx.check_not_rejected(site)
             self.validate(site, spec)
             if self.shards.holds(site):
                 raise InvalidUpdateError(

@@ -46,7 +46,6 @@ from geoloco.coordinator.errors import (
     InvalidUpdateError,
     NotAMemberError,
     ShuttingDownError,
-    UpdateRejectedError,
 )
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.round_timing import RoundTimings
@@ -158,12 +157,7 @@ class ShardedUploads:
             host.membership.member(site, spec.session_id)
             ctx.check_upload_round(spec.round)  # a late shard is refused: no late folding
             r = ctx.round
-            if site in r.rejected:
-                why = r.rejected_why.get(site, "bad values")
-                raise UpdateRejectedError(
-                    f"site {site!r}'s update for round {r.number} was rejected ({why}) "
-                    "and is dropped for this round; wait for the broadcast (AwaitBroadcast)"
-                )
+            ctx.check_not_rejected(site)
             self._check_combination(site, spec)
             numel = self._check_shard(spec)
             # The plain checks (site, fragment, codec, dtype, weight, metrics, size) on the

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
@@ -309,30 +310,20 @@ def upload_in_streams(
     if len(subsets) <= 1:
         return stub.Upload(upload_requests(manifest, data, missing=missing), timeout=timeout)
     stubs = [stub, *channels.stubs(len(subsets) - 1)]
-    responses: list[pb.UploadResponse | None] = [None] * len(subsets)
-    errors: list[grpc.RpcError | None] = [None] * len(subsets)
 
-    def send(index: int) -> None:
+    def send(index: int) -> tuple[pb.UploadResponse | None, grpc.RpcError | None]:
+        # A stream's error is kept, not raised: another stream may still complete the upload.
         try:
-            responses[index] = stubs[index].Upload(
-                upload_requests(manifest, data, missing=subsets[index]), timeout=timeout
-            )
+            requests = upload_requests(manifest, data, missing=subsets[index])
+            return stubs[index].Upload(requests, timeout=timeout), None
         except grpc.RpcError as error:
-            errors[index] = error
+            return None, error
 
-    threads = [
-        threading.Thread(target=send, args=(index,), name=f"geoloco-upload-{index}", daemon=True)
-        for index in range(1, len(subsets))
-    ]
-    for thread in threads:
-        thread.start()
-    send(0)
-    for thread in threads:
-        thread.join()
-    for response in responses:
+    outcomes = run_streams([partial(send, index) for index in range(len(subsets))])
+    for response, _ in outcomes:
         if response is not None and response.complete:
             return response
-    for error in errors:
+    for _, error in outcomes:
         if error is not None:
             raise error
     return pb.UploadResponse(complete=False)

@@ -55,7 +55,7 @@ from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.errors import SiteAgentError
 from geoloco.site_agent.state import SiteState
 
-__all__ = ["ShardedRunSummary", "ShardedSite", "local_shard"]
+__all__ = ["ShardedRound", "ShardedRunSummary", "ShardedSite", "local_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,20 @@ def _samples(batch: Any) -> int:
     """Samples in a batch: the leading size of its first tensor (1 when there is none)."""
     first = batch[0] if isinstance(batch, list | tuple) and batch else batch
     return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 1
+
+
+@dataclass(slots=True)
+class ShardedRound:
+    """One round's inner training, handed to the user's loop by ``ShardedSite.rounds()``."""
+
+    number: int
+    """The round being trained (the model holds its start weights ``θ_number``)."""
+    inner_steps: int
+    """Optimizer steps the coordinator asks of every rank this round."""
+    samples: float = 0.0
+    """What this rank trained on this round (samples or tokens, as the run's weighting counts);
+    the loop adds to it. The site's weight is the sum over its ranks; left at 0, each rank
+    counts its inner steps instead."""
 
 
 @dataclass(slots=True)
@@ -93,8 +107,8 @@ class ShardedSite:
         self,
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
-        data: Iterable[Any],
-        loss_fn: LossFn,
+        data: Iterable[Any] | None = None,
+        loss_fn: LossFn | None = None,
         *,
         coordinator: str,
         site: str,
@@ -103,15 +117,20 @@ class ShardedSite:
         config: SiteAgentConfig | None = None,
         group: dist.ProcessGroup | None = None,
         server_name: str | None = None,
+        offload: bool = False,
     ) -> None:
         """
         Args:
             model: the user's model, already wrapped with ``fully_shard`` over this site's
-                1-D mesh (every parameter a DTensor sharded on dim 0).
-            inner_optimizer: optimizer over ``model.parameters()`` (the DTensors).
-            data: endless iterable of this rank's batches.
-            loss_fn: ``loss_fn(model, batch) -> scalar``.
+                1-D mesh (every parameter a DTensor sharded on dim 0), on CPU or a GPU.
+            inner_optimizer: optimizer over ``model.parameters()`` (the DTensors); ``run()``
+                steps it, a ``rounds()`` loop steps it itself.
+            data: endless iterable of this rank's batches (``run()`` only).
+            loss_fn: ``loss_fn(model, batch) -> scalar`` (``run()`` only).
             group: the site's process group (default: the world group torchrun made).
+            offload: keep the global copy of this rank's rows and its error-feedback residual
+                in CPU memory (pinned when the model is on CUDA) instead of beside the model,
+                so the GPU holds only the training state; they are touched once per round.
         """
         if not dist.is_initialized():
             raise SiteAgentError(
@@ -123,13 +142,17 @@ class ShardedSite:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.config = config or SiteAgentConfig(device="cpu")
-        self._data: Iterator[Any] = iter(data)
+        self._data: Iterator[Any] | None = None if data is None else iter(data)
         self.layout = ParamLayout.from_model(model)  # DTensor shapes are the global ones
         shapes = [e.shape for e in self.layout.entries]
         self.ranges: list[ShardRange] = shard_ranges(shapes, self.rank, self.world_size, DIM0)
         self._locals = self._local_views(shapes)
         self.shard_numel = sum(n for _, n in self.ranges)
-        self.held = torch.zeros(self.shard_numel, dtype=torch.float32)
+        model_device = self._locals[0][1].device if self._locals else torch.device("cpu")
+        self.device = torch.device("cpu") if offload else model_device
+        """Where the global rows and the residual live (module doc: offload)."""
+        self.held = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device,
+                                pin_memory=offload and model_device.type == "cuda")
         """The global weights of this rank's shard (``θ_t`` rows), never the whole vector."""
         self._stop = threading.Event()
         self.client = CoordinatorClient(
@@ -166,8 +189,16 @@ class ShardedSite:
 
     # -- the run --
 
-    def run(self, max_rounds: int | None = None) -> ShardedRunSummary:
-        """Take part in the run until it finishes (or ``max_rounds`` rounds); every rank calls it."""
+    def rounds(self, max_rounds: int | None = None) -> Iterator[ShardedRound]:
+        """The run as a loop the user writes: join, then one ``ShardedRound`` per round.
+
+        When a round is yielded the model's local rows hold the round's global weights; the
+        loop body runs ``round.inner_steps`` optimizer steps its own way (its optimizer, LR
+        scheduler, autocast, gradient clipping) and adds what it trained on to
+        ``round.samples``. Asking for the next round uploads this rank's shard, waits for the
+        broadcast and applies it. Every rank iterates alike (the collectives inside must
+        match); leaving the loop early leaves the run (the client closes).
+        """
         heartbeat: threading.Thread | None = None
         try:
             round_number, round_seed, algorithm, total_rounds = self._join()
@@ -175,7 +206,10 @@ class ShardedSite:
                 heartbeat = threading.Thread(target=self._heartbeats, name="geoloco-heartbeat", daemon=True)
                 heartbeat.start()
             while round_number < total_rounds and (max_rounds is None or self.summary.rounds_trained < max_rounds):
-                header = self._round(round_number, round_seed, algorithm)
+                self._load_held()
+                current = ShardedRound(number=round_number, inner_steps=int(algorithm.inner_steps))
+                yield current
+                header = self._sync(current, round_seed, algorithm)
                 if header is None or header.run_finished:
                     self.summary.run_finished = True
                     break
@@ -187,6 +221,20 @@ class ShardedSite:
             if heartbeat is not None:
                 heartbeat.join(timeout=5.0)
             self.client.close()
+
+    def run(self, max_rounds: int | None = None) -> ShardedRunSummary:
+        """``rounds()`` with the inner loop written for you: ``loss_fn(model, batch)``, backward
+        and ``inner_optimizer.step()`` per batch of ``data``; every rank calls it."""
+        if self._data is None or self.loss_fn is None:
+            raise SiteAgentError("run() trains on data with loss_fn; pass both to ShardedSite, or write "
+                                 "the inner loop yourself with rounds()")
+        for current in self.rounds(max_rounds):
+            for _ in range(current.inner_steps):
+                batch = next(self._data)
+                self.optimizer.zero_grad(set_to_none=True)
+                self.loss_fn(self.model, batch).backward()
+                self.optimizer.step()
+                current.samples += _samples(batch)
         return self.summary
 
     def _join(self) -> tuple[int, int, AlgorithmConfig, int]:
@@ -245,23 +293,22 @@ class ShardedSite:
                 view.copy_(self.held[at : at + view.numel()].view_as(view))
 
     def _local_flat(self) -> torch.Tensor:
-        """This rank's trained rows, concatenated like ``held`` (a shard-sized copy)."""
-        return torch.cat([view.detach().reshape(-1) for _, view in self._locals]) if self._locals else self.held[:0]
+        """This rank's trained rows, concatenated like ``held`` on its device (a shard-sized copy)."""
+        flat = torch.empty_like(self.held)
+        for at, view in self._locals:
+            flat[at : at + view.numel()].copy_(view.detach().reshape(-1))
+        return flat
 
-    def _round(self, round_number: int, round_seed: int, algorithm: AlgorithmConfig) -> pb.BroadcastHeader | None:
+    def _sync(self, current: ShardedRound, round_seed: int, algorithm: AlgorithmConfig) -> pb.BroadcastHeader | None:
+        """Upload this rank's shard of the round's pseudo-gradient, then apply the broadcast;
+        None when the run finished meanwhile."""
         assert self.encoder is not None
-        self._load_held()
-        samples = 0
-        inner_steps = int(algorithm.inner_steps)
-        for _ in range(inner_steps):
-            batch = next(self._data)
-            self.optimizer.zero_grad(set_to_none=True)
-            self.loss_fn(self.model, batch).backward()
-            self.optimizer.step()
-            samples += _samples(batch)
-        total = torch.tensor([float(samples)])
+        round_number, inner_steps = current.number, current.inner_steps
+        own = float(current.samples) if current.samples > 0 else float(inner_steps)
+        total = torch.tensor([own], dtype=torch.float64)
         dist.all_reduce(total, group=self.group)  # the site's weight covers every rank's batches
-        update = self.held - self._local_flat()
+        update = self._local_flat()
+        torch.sub(self.held, update, out=update)
         if not bool(torch.isfinite(update).all()):
             raise SiteAgentError(f"site {self.site} rank {self.rank}: the pseudo-gradient of round "
                                  f"{round_number} has NaN or Inf values; lower the inner lr")

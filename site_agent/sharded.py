@@ -10,28 +10,34 @@ of ``n``:
   the site's process group, and rank 0 alone sends heartbeats;
 * every rank keeps the global weights of its own shard only (FSDP2's dim-0 rows of every
   parameter, ``param.to_local()``; ``geoloco.algorithms.shard_split``), trains the inner steps
-  with FSDP (gradients reduce-scattered across ranks), forms the pseudo-gradient of its shard,
-  encodes it with its own error-feedback residual (shard-sized) and uploads it itself
-  (``UploadManifest.shard_index/shard_count/shard_split``), in parallel with the other ranks;
+  with FSDP (gradients reduce-scattered across ranks) in the user's own loop (``rounds()``) or
+  in ``run()``, forms the pseudo-gradient of its shard, encodes it with its own error-feedback
+  residual (shard-sized) and uploads it itself (``UploadManifest.shard_index/shard_count/
+  shard_split``), in parallel with the other ranks;
 * the coordinator holds the shards until all of the site's arrived and counts the site once
-  (``geoloco.coordinator.shards``); every rank then applies its rows of the broadcast.
+  (``geoloco.coordinator.shards``);
+* every rank downloads its own rows (``ShardRef`` on FetchModel and AwaitBroadcast;
+  ``geoloco.coordinator.shard_views``): of the weights at join, and of the broadcast delta when
+  the downlink codec is elementwise (``none``, ``fp16``, ``bf16``), so the site downloads one
+  model's worth in total; then it checks its rows against the coordinator's digest of them.
 
-Limits of this first version, said where they bite:
+``offload=True`` keeps the global rows and the residual in CPU memory (the outer optimizer's
+state lives on the coordinator already), so a GPU holds only the training state.
 
-* The broadcast is one model-wide delta: every rank downloads and decodes the whole delta
-  (transiently) and adds only its rows; the join-time fetch of the weights likewise reads the
-  whole vector once and keeps only the rank's rows. The weights themselves, the pseudo-gradient
-  and the residual are never held whole on a rank.
-* The weights digest of a broadcast covers the whole model, so a rank cannot check it; a rank
-  trusts the TLS channel and the download's checksum instead.
+Limits of this version, said where they bite:
+
+* A quantized or sparse downlink codec (``int8``, ``topk`` ...) cannot be sliced: every rank then
+  downloads the whole (compressed) delta, decodes it transiently and keeps its rows.
 * No re-join, saved state, late folding or inner lr schedule of the coordinator's: a rank that
-  loses its session stops with an error, and users step their own scheduler in ``loss_fn``'s
-  caller. Secure aggregation, Streaming DiLoCo fragments, partial updates and relays are refused
-  (by the site at join and by the coordinator).
+  loses its session stops with an error. Secure aggregation, Streaming DiLoCo fragments, partial
+  updates and relays are refused (by the site at join and by the coordinator).
+* Tested on CPU with gloo; the code moves tensors between the model's device and ``held``'s, but
+  no run on GPUs with NCCL has been made.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -50,6 +56,7 @@ from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy, uplink_
 from geoloco.compression import Encoded, decode, parse_codec
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.transport import TLSFiles
+from geoloco.protos.wire import as_byte_view
 from geoloco.site_agent.client import CoordinatorClient, OpenBroadcast, RoundClosed, RunFinished, UpdateRejected
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.errors import SiteAgentError
@@ -96,6 +103,12 @@ class ShardedRunSummary:
     rounds_included: int = 0
     final_round: int = 0
     run_finished: bool = False
+    resyncs: int = 0
+    digests_checked: int = 0
+    """Broadcasts after which this rank's rows were checked against the coordinator's digest."""
+    bytes_received: int = 0
+    """Message bytes this rank received from the coordinator (its rows, not the model)."""
+    """Rounds after which this rank's rows did not match the coordinator's digest and were fetched."""
     upload_spans: list[tuple[int, float, float]] = field(default_factory=list)
     """(round, start, end) of every upload, ``time.time()`` seconds (comparable across ranks)."""
 
@@ -159,6 +172,7 @@ class ShardedSite:
             coordinator, site=site, tls=tls, insecure=insecure, config=self.config,
             stop_event=self._stop, server_name=server_name,
         )
+        self.client.shard = pb.ShardRef(index=self.rank, count=self.world_size, split=DIM0)
         self.encoder: UpdateEncoder | None = None
         self._heartbeat_s = 1.0
         self.summary = ShardedRunSummary()
@@ -220,6 +234,7 @@ class ShardedSite:
             self._stop.set()
             if heartbeat is not None:
                 heartbeat.join(timeout=5.0)
+            self.summary.bytes_received = self.client.stats.received
             self.client.close()
 
     def run(self, max_rounds: int | None = None) -> ShardedRunSummary:
@@ -271,13 +286,13 @@ class ShardedSite:
         return int(round_number), int(round_seed), algorithm, int(run_config.total_rounds)
 
     def _fetch(self) -> None:
-        """The global weights' rows of this rank (the download is whole: module doc, limits)."""
-        _, weights = self.client.fetch_model(self.layout.numel)
-        at = 0
-        for offset, n in self.ranges:
-            self.held[at : at + n].copy_(weights[offset : offset + n])
-            at += n
-        del weights
+        """The global weights' rows of this rank, and only those (``ModelManifest.shard_rows``;
+        their checksum, checked by the download, is the SHA-256 of the coordinator's rows)."""
+        manifest, rows = self.client.fetch_model(self.shard_numel)
+        if not manifest.shard_rows:
+            raise SiteAgentError("the coordinator served the whole model to a rank that asked for its rows; "
+                                 "run a coordinator of this version with sharded sites")
+        self.held.copy_(rows)
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self._heartbeat_s):
@@ -349,13 +364,26 @@ class ShardedSite:
         return header
 
     def _apply(self, header: pb.BroadcastHeader, data: memoryview | bytes | None) -> None:
-        """Add this rank's rows of the broadcast delta (the same float sum as the coordinator's)."""
+        """Add this rank's rows of the broadcast delta (the same float sum as the coordinator's),
+        then check them against the coordinator's digest of its rows."""
         if header.action != pb.BROADCAST_ACTION_APPLY_DELTA or data is None:
             self._fetch()
             return
         delta = decode(Encoded.from_bytes(data, copy=False), device=self.held.device).reshape(-1)
-        at = 0
-        for offset, n in self.ranges:
-            self.held[at : at + n].add_(delta[offset : offset + n])
-            at += n
+        if header.shard_rows:  # the rank's rows only (an elementwise downlink)
+            self.held.add_(delta)
+        else:  # a quantized or sparse downlink cannot be sliced: the whole delta, transiently
+            at = 0
+            for offset, n in self.ranges:
+                self.held[at : at + n].add_(delta[offset : offset + n])
+                at += n
         del delta
+        expected = header.shard_weights_digest.digest if header.HasField("shard_weights_digest") else b""
+        if not expected:
+            return
+        self.summary.digests_checked += 1
+        if hashlib.sha256(as_byte_view(self.held.cpu())).digest() != expected:
+            logger.warning("site %s rank %d: rows after round %d differ from the coordinator's; fetching them",
+                           self.site, self.rank, header.round)
+            self.summary.resyncs += 1
+            self._fetch()

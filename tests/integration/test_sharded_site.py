@@ -123,6 +123,10 @@ def test_fsdp_site_matches_data_parallel_site_and_uploads_shards_in_parallel(tmp
         summary = saved["summary"]
         assert summary["rounds_trained"] == summary["rounds_included"] == ROUNDS
         assert summary["run_finished"]
+        # Each rank downloaded its rows, not the model: the join's weights and 3 deltas of
+        # ``none`` are 4 model-sized transfers for a whole site; a rank's are about half that.
+        assert summary["bytes_received"] < 0.6 * 4 * fs_weights.numel() * 4, summary["bytes_received"]
+        assert summary["digests_checked"] == ROUNDS and summary["resyncs"] == 0
     assert bool((covered == 1).all()), "the two ranks' shards must tile the vector exactly once"
     for dp_rank in range(2):
         dp = torch.load(out / f"dp-rank{dp_rank}.pt", weights_only=False)

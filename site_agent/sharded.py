@@ -164,6 +164,9 @@ class ShardedSite:
         model_device = self._locals[0][1].device if self._locals else torch.device("cpu")
         self.device = torch.device("cpu") if offload else model_device
         """Where the global rows and the residual live (module doc: offload)."""
+        nccl = dist.get_backend(group) == dist.Backend.NCCL
+        self._collective_device = model_device if nccl else torch.device("cpu")
+        """Where tensors of the site's own collectives live: NCCL reduces CUDA tensors only."""
         self.held = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device,
                                 pin_memory=offload and model_device.type == "cuda")
         """The global weights of this rank's shard (``θ_t`` rows), never the whole vector."""
@@ -320,7 +323,7 @@ class ShardedSite:
         assert self.encoder is not None
         round_number, inner_steps = current.number, current.inner_steps
         own = float(current.samples) if current.samples > 0 else float(inner_steps)
-        total = torch.tensor([own], dtype=torch.float64)
+        total = torch.tensor([own], dtype=torch.float64, device=self._collective_device)
         dist.all_reduce(total, group=self.group)  # the site's weight covers every rank's batches
         update = self._local_flat()
         torch.sub(self.held, update, out=update)

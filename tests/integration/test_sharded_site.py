@@ -1,13 +1,15 @@
 """Sharded (FSDP2) sites through the real system: torchrun ranks on gloo/CPU, a real coordinator
 over gRPC with mutual TLS on port 0, temp dirs.
 
-* A 2-rank FSDP site and a 2-rank data-parallel site (two runs, same model, data and SGD) end
-  on the same weights: within 1e-5 relative, 1e-6 absolute, because FSDP2 reduce-scatters the
-  gradients (sum, then divide by the world size) where DDP all-reduces bucketed gradients: the
-  same numbers added in another order, one float32 rounding apart per step; 3 rounds of 3 SGD
-  steps keep that far below the bound (with 2 ranks on gloo the two came out bitwise equal on
-  this machine, which the test does not rely on). Every FSDP rank's rows equal the coordinator's exactly
-  (the broadcast is added with the same float sum on both sides).
+* A 2-rank FSDP site, a 2-rank data-parallel site (two runs, same model, data and SGD) and the
+  simulator (one site whose batches are both ranks' together) end on the same weights: within
+  1e-5 relative, 1e-6 absolute, because FSDP2 reduce-scatters the gradients (sum, then divide
+  by the world size), DDP all-reduces bucketed gradients and the simulator takes the gradient
+  of the mean loss over both batches: the same numbers added in another order, one float32
+  rounding apart per step; 3 rounds of 3 SGD steps keep that far below the bound. Every FSDP
+  rank's rows equal the coordinator's exactly (the broadcast is added with the same float sum on
+  both sides), each rank downloaded about half a model per transfer (its rows) and checked its
+  rows against the coordinator's digest after every round.
 * The two ranks' uploads overlap in time (from their recorded timestamps: in some round each
   rank's upload started before the other's ended; a shard of ~280 chunks takes tens of ms, the
   ranks start theirs within a few ms of each other after the same all-reduce).
@@ -22,15 +24,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from _cluster import AgentThread, make_certs
-from _sharded_site import SEED, WORKLOAD
+from _sharded_site import LR, SEED, WORKLOAD
 
+from geoloco.algorithms.clock import SiteConfig
+from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.metrics import read_metrics
@@ -39,6 +45,7 @@ from geoloco.protos.transport import TLSFiles
 from geoloco.scenarios.workloads.mlp import MLPWorkload
 from geoloco.site_agent.agent import SiteAgent
 from geoloco.site_agent.config import SiteAgentConfig
+from geoloco.site_agent.distributed import rank_data_seed
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -48,6 +55,38 @@ LAUNCH_TIMEOUT_S = 240.0
 """Upper bound for one torchrun launch (seconds when idle); only a hang gets near it."""
 ROUNDS = 3
 INNER_STEPS = 3
+
+
+class _TwoRankSite:
+    """The workload as one simulated site sees a 2-rank site: every batch is rank 0's and rank
+    1's batch together, so the mean loss's gradient is the mean of the ranks' mean gradients,
+    which FSDP's reduce-scatter and DDP's all-reduce compute (in another float order)."""
+
+    def __init__(self) -> None:
+        self.inner = MLPWorkload(WORKLOAD)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def site_batches(self, site: int, num_sites: int, seed: int) -> Iterator[tuple[torch.Tensor, ...]]:
+        ranks = [self.inner.site_batches(0, 1, rank_data_seed(SEED, r)) for r in range(2)]
+        while True:
+            parts = [next(stream) for stream in ranks]
+            yield tuple(torch.cat(tensors) for tensors in zip(*parts, strict=True))
+
+
+def _simulated() -> torch.Tensor:
+    """The simulator's weights after the same run (one site, same H, codec, SGD lr, init)."""
+    config = SimulatorConfig(
+        algorithm=AlgorithmConfig(inner_steps=INNER_STEPS, uplink_codec="none", weighting="samples"),
+        inner_optimizer=InnerOptimizerConfig(name="sgd", lr=LR),
+        sites=[SiteConfig()],
+        simulation=SimulationConfig(rounds=ROUNDS, seed=SEED, device="cpu", eval_every=10**6),
+    )
+    simulator = Simulator(config, _TwoRankSite())  # type: ignore[arg-type]
+    for _ in simulator.run():
+        pass
+    return simulator.global_flat
 
 
 def _coordinator(certs: Path, metrics: Path, **config: Any) -> CoordinatorServer:
@@ -111,6 +150,7 @@ def test_fsdp_site_matches_data_parallel_site_and_uploads_shards_in_parallel(tmp
     initial = ParamLayout.from_model(MLPWorkload(WORKLOAD).build_model(SEED))
     assert not torch.equal(fs_weights, initial.flatten(MLPWorkload(WORKLOAD).build_model(SEED)))
     torch.testing.assert_close(fs_weights, dp_weights, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fs_weights, _simulated(), rtol=1e-5, atol=1e-6)
 
     ranks = [torch.load(out / f"fsdp-rank{r}.pt", weights_only=False) for r in range(2)]
     covered = torch.zeros(fs_weights.numel(), dtype=torch.int64)

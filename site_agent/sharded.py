@@ -28,9 +28,13 @@ Limits of this version, said where they bite:
 
 * A quantized or sparse downlink codec (``int8``, ``topk`` ...) cannot be sliced: every rank then
   downloads the whole (compressed) delta, decodes it transiently and keeps its rows.
-* No re-join, saved state, late folding or inner lr schedule of the coordinator's: a rank that
-  loses its session stops with an error. Secure aggregation, Streaming DiLoCo fragments, partial
-  updates and relays are refused (by the site at join and by the coordinator).
+* A rank that loses its session stops with an error; restarting the site's ranks (torchrun
+  ``--max-restarts``) joins them again as the same site. With ``state_dir`` each rank takes up
+  its error-feedback residual as of the last round boundary; the model, the inner optimizer and
+  the data position are the user's (``torch.distributed.checkpoint``). No late folding and no
+  inner lr schedule of the coordinator's (the user steps their own scheduler). Secure
+  aggregation, Streaming DiLoCo fragments, partial updates and relays are refused (by the site
+  at join and by the coordinator).
 * Tested on CPU with gloo; the code moves tensors between the model's device and ``held``'s, but
   no run on GPUs with NCCL has been made.
 """
@@ -39,10 +43,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +66,13 @@ from geoloco.protos.wire import as_byte_view
 from geoloco.site_agent.client import CoordinatorClient, OpenBroadcast, RoundClosed, RunFinished, UpdateRejected
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.errors import SiteAgentError
+from geoloco.site_agent.persist import (
+    SiteSnapshot,
+    SiteStateError,
+    SiteStateStore,
+    layout_fingerprint,
+    run_fingerprint,
+)
 from geoloco.site_agent.state import SiteState
 
 __all__ = ["ShardedRound", "ShardedRunSummary", "ShardedSite", "local_shard"]
@@ -106,6 +119,8 @@ class ShardedRunSummary:
     resyncs: int = 0
     digests_checked: int = 0
     """Broadcasts after which this rank's rows were checked against the coordinator's digest."""
+    restored_round: int | None = None
+    """The round this rank's saved state was taken at (``state_dir``), when one was taken up."""
     bytes_received: int = 0
     """Message bytes this rank received from the coordinator (its rows, not the model)."""
     """Rounds after which this rank's rows did not match the coordinator's digest and were fetched."""
@@ -131,6 +146,7 @@ class ShardedSite:
         group: dist.ProcessGroup | None = None,
         server_name: str | None = None,
         offload: bool = False,
+        state_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         """
         Args:
@@ -144,6 +160,10 @@ class ShardedSite:
             offload: keep the global copy of this rank's rows and its error-feedback residual
                 in CPU memory (pinned when the model is on CUDA) instead of beside the model,
                 so the GPU holds only the training state; they are touched once per round.
+            state_dir: save this rank's error-feedback residual at every round boundary in
+                ``state_dir/rank-R-of-N`` and take it up again when the site restarts (module
+                doc: saved state); the model, optimizer and data position are the user's to
+                checkpoint (``torch.distributed.checkpoint``).
         """
         if not dist.is_initialized():
             raise SiteAgentError(
@@ -177,6 +197,10 @@ class ShardedSite:
         )
         self.client.shard = pb.ShardRef(index=self.rank, count=self.world_size, split=DIM0)
         self.encoder: UpdateEncoder | None = None
+        self.store = None if state_dir is None else SiteStateStore(
+            Path(state_dir) / f"rank-{self.rank}-of-{self.world_size}"
+        )
+        self._run_identity: dict[str, Any] = {}
         self._heartbeat_s = 1.0
         self.summary = ShardedRunSummary()
 
@@ -285,8 +309,51 @@ class ShardedSite:
             parse_codec(algorithm.uplink_codec).with_shapes([(self.shard_numel,)]),
             error_feedback=algorithm.error_feedback, decay=algorithm.error_feedback_decay,
         )
+        self._run_identity = run_fingerprint(run_config.config_json)
+        self._restore()
         self._fetch()
         return int(round_number), int(round_seed), algorithm, int(run_config.total_rounds)
+
+    # -- saved state --
+
+    def _state_meta(self) -> dict[str, Any]:
+        """What a saved state must match to be taken up: the site, the rank's rows, the model, the run."""
+        return {
+            "site": self.site,
+            "shard": [self.rank, self.world_size, DIM0],
+            "layout": layout_fingerprint(self.layout),
+            "run": self._run_identity,
+        }
+
+    def _save(self) -> None:
+        """This rank's residual as of the round boundary just passed (atomically, on every rank)."""
+        if self.store is None or self.encoder is None:
+            return
+        residual = self.encoder.residual
+        tensors = {} if residual is None else {"residual": residual.detach().cpu().contiguous()}
+        self.store.save(SiteSnapshot(tensors=tensors, meta={**self._state_meta(), "round": self.summary.final_round}))
+
+    def _restore(self) -> None:
+        """Take up this rank's saved residual, or refuse a state of another site, shard, model or run."""
+        snapshot = None if self.store is None else self.store.load()
+        if snapshot is None or self.encoder is None:
+            return
+        assert self.store is not None
+        saved = {key: snapshot.meta.get(key) for key in self._state_meta()}
+        if saved != self._state_meta():
+            differs = [key for key, value in self._state_meta().items() if saved[key] != value]
+            raise SiteStateError(
+                f"the state in {self.store.directory} was saved for another {' and '.join(differs)} "
+                f"(site {saved['site']!r}, shard {saved['shard']}); point state_dir at this site's own "
+                "folder, or delete it to start this rank afresh"
+            )
+        saved_residual = snapshot.tensors.get("residual")
+        feedback = self.encoder.error_feedback
+        if feedback is not None and saved_residual is not None:
+            feedback.residual = saved_residual.to(device=self.device, dtype=torch.float32).reshape(self.shard_numel)
+        self.summary.restored_round = int(snapshot.meta.get("round", 0))
+        logger.info("site %s rank %d: took up the residual saved after round %d", self.site, self.rank,
+                    self.summary.restored_round - 1)
 
     def _fetch(self) -> None:
         """The global weights' rows of this rank, and only those (``ModelManifest.shard_rows``;
@@ -364,6 +431,7 @@ class ShardedSite:
             self.summary.rounds_included += 1
         self._apply(header, data)
         self.summary.final_round = round_number + 1
+        self._save()
         return header
 
     def _apply(self, header: pb.BroadcastHeader, data: memoryview | bytes | None) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ class ShardViews:
         self._spill_directory = spill_directory
         self._lock = threading.Lock()
         self._record: BroadcastRecord | None = None
-        self._slices: dict[ShardKey, ShardSlice | None] = {}
+        self._slices: dict[ShardKey, Future[ShardSlice | None]] = {}
         self._digests: dict[tuple[str, ShardKey], str] = {}
 
     def ranges(self, key: ShardKey) -> list[ShardRange]:
@@ -105,16 +106,28 @@ class ShardViews:
         return hex_digest
 
     def delta_rows(self, record: BroadcastRecord, key: ShardKey) -> ShardSlice | None:
-        """``key``'s rows of ``record``'s delta, or None when its codec cannot be sliced."""
+        """``key``'s rows of ``record``'s delta, or None when its codec cannot be sliced.
+
+        Made once per shard: the first request makes it while requests for the same shard
+        wait for it, and requests for other shards make theirs meanwhile (no lock is held
+        while a model-sized slice is read and written)."""
         ranges = self.ranges(key)
         with self._lock:
             if self._record is not record:
                 self._record, self._slices = record, {}
-            if key in self._slices:
-                return self._slices[key]
-            made = self._slice(record, ranges)
-            self._slices[key] = made
-            return made
+            pending = self._slices.get(key)
+            owner = pending is None
+            if pending is None:
+                pending = self._slices[key] = Future()
+        if owner:
+            try:
+                pending.set_result(self._slice(record, ranges))
+            except BaseException as err:  # noqa: BLE001 - raised to every waiter; the next request retries
+                pending.set_exception(err)
+                with self._lock:
+                    if self._slices.get(key) is pending:
+                        del self._slices[key]
+        return pending.result()
 
     def _slice(self, record: BroadcastRecord, ranges: list[ShardRange]) -> ShardSlice | None:
         if slicing.element_nbytes(record.codec, torch.float32) is None:

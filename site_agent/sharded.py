@@ -106,6 +106,9 @@ class ShardedRound:
     """What this rank trained on this round (samples or tokens, as the run's weighting counts);
     the loop adds to it. The site's weight is the sum over its ranks; left at 0, each rank
     counts its inner steps instead."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the loop wants the coordinator's metrics to show for the site (e.g. ``{"loss": x}``);
+    averaged over the ranks key by key, reported with the upload."""
 
 
 @dataclass(slots=True)
@@ -117,19 +120,20 @@ class ShardedRunSummary:
     final_round: int = 0
     run_finished: bool = False
     resyncs: int = 0
+    """Rounds after which this rank's rows did not match the coordinator's digest and were fetched."""
     digests_checked: int = 0
     """Broadcasts after which this rank's rows were checked against the coordinator's digest."""
     restored_round: int | None = None
     """The round this rank's saved state was taken at (``state_dir``), when one was taken up."""
     bytes_received: int = 0
     """Message bytes this rank received from the coordinator (its rows, not the model)."""
-    """Rounds after which this rank's rows did not match the coordinator's digest and were fetched."""
     upload_spans: list[tuple[int, float, float]] = field(default_factory=list)
     """(round, start, end) of every upload, ``time.time()`` seconds (comparable across ranks)."""
 
 
 class ShardedSite:
-    """One rank of a sharded (FSDP) site; call ``run()`` on every rank (module doc)."""
+    """One rank of a sharded (FSDP) site; every rank iterates ``rounds()`` or calls ``run()``
+    (module doc)."""
 
     def __init__(
         self,
@@ -271,12 +275,17 @@ class ShardedSite:
             raise SiteAgentError("run() trains on data with loss_fn; pass both to ShardedSite, or write "
                                  "the inner loop yourself with rounds()")
         for current in self.rounds(max_rounds):
+            losses = []
             for _ in range(current.inner_steps):
                 batch = next(self._data)
                 self.optimizer.zero_grad(set_to_none=True)
-                self.loss_fn(self.model, batch).backward()
+                loss = self.loss_fn(self.model, batch)
+                loss.backward()
                 self.optimizer.step()
                 current.samples += _samples(batch)
+                losses.append(loss.detach())
+            if losses:
+                current.metrics["loss"] = float(torch.stack(losses).float().mean())
         return self.summary
 
     def _join(self) -> tuple[int, int, AlgorithmConfig, int]:
@@ -384,6 +393,14 @@ class ShardedSite:
             flat[at : at + view.numel()].copy_(view.detach().reshape(-1))
         return flat
 
+    def _site_metrics(self, own: dict[str, float]) -> dict[str, float]:
+        """The ranks' metrics averaged key by key (a key some rank lacks is averaged over those
+        that have it), so every shard reports the same site-level numbers."""
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, {str(k): float(v) for k, v in own.items()}, group=self.group)
+        keys = sorted({key for ranks in everyone for key in ranks})
+        return {key: sum(r[key] for r in everyone if key in r) / sum(key in r for r in everyone) for key in keys}
+
     def _sync(self, current: ShardedRound, round_seed: int, algorithm: AlgorithmConfig) -> pb.BroadcastHeader | None:
         """Upload this rank's shard of the round's pseudo-gradient, then apply the broadcast;
         None when the run finished meanwhile."""
@@ -392,6 +409,7 @@ class ShardedSite:
         own = float(current.samples) if current.samples > 0 else float(inner_steps)
         total = torch.tensor([own], dtype=torch.float64, device=self._collective_device)
         dist.all_reduce(total, group=self.group)  # the site's weight covers every rank's batches
+        metrics = self._site_metrics(current.metrics)
         update = self._local_flat()
         torch.sub(self.held, update, out=update)
         if not bool(torch.isfinite(update).all()):
@@ -408,7 +426,7 @@ class ShardedSite:
             self.client.upload(
                 round_number=round_number, data=encoded.to_bytes(), codec=encoded.spec,
                 shape=list(encoded.shape), sample_weight=float(total.item()), inner_steps=inner_steps,
-                metrics={}, shard=(self.rank, self.world_size, DIM0),
+                metrics=metrics, shard=(self.rank, self.world_size, DIM0),
             )
         except (RoundClosed, UpdateRejected) as why:
             logger.info("site %s rank %d: shard of round %d not counted (%s)", self.site, self.rank, round_number, why)

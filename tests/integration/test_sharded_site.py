@@ -185,6 +185,8 @@ def test_fsdp_site_matches_data_parallel_site_and_uploads_shards_in_parallel(tmp
     batch = WORKLOAD.batch_size
     # One site, counted once per round, with the weight of both ranks' batches.
     assert all(r["sample_weights"]["fs"] == 2 * INNER_STEPS * batch for r in records)
+    # The site's loss, the two ranks' mean, reported by every shard alike.
+    assert all(0 < r["site_metrics"]["fs"]["loss"] < 10 for r in records), records
 
 
 def test_rank_killed_mid_upload_makes_its_site_a_straggler_and_torchrun_brings_it_back(tmp_path: Path) -> None:

@@ -7,11 +7,12 @@ downloads one model's worth, not one per rank. The rows are the ones the rank up
 
 * Weights: the rows of ``θ`` as float32 bytes; the manifest's checksum is their SHA-256, so the
   download itself checks the rank's rows against the coordinator's.
-* Broadcast delta: with an elementwise downlink codec (``none``, ``fp16``, ``bf16``) the rows'
-  encoding is a byte-range slice of the delta (``geoloco.compression.slicing``): the same
-  values every whole-delta site adds. A quantized or sparse downlink cannot be sliced; the rank
-  then gets the whole delta (``shard_rows`` false) and keeps its rows. Either way the header
-  carries the SHA-256 of the rank's rows of ``θ_{r+1}``.
+* Broadcast delta: without a sparsifier in the downlink codec (``none``, the casts, the block
+  quantizers) the rows' encoding is made of byte ranges of the delta
+  (``geoloco.compression.slicing``; whole quantizer blocks around the rows): the same values
+  every whole-delta site adds. A sparse downlink cannot be sliced; the rank then gets the whole
+  delta (``shard_rows`` false) and keeps its rows. Either way the header carries the SHA-256 of
+  the rank's rows of ``θ_{r+1}``.
 
 A round's slices are made once per (count, index) on first request and kept until the next
 broadcast replaces the record; large slices live in unnamed files like the delta itself.
@@ -20,6 +21,7 @@ broadcast replaces the record; large slices live in unnamed files like the delta
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import threading
 from concurrent.futures import Future
@@ -130,7 +132,8 @@ class ShardViews:
         return pending.result()
 
     def _slice(self, record: BroadcastRecord, ranges: list[ShardRange]) -> ShardSlice | None:
-        if slicing.element_nbytes(record.codec, torch.float32) is None:
+        block = slicing.slice_block(record.codec)
+        if block is None:
             return None
         data = record.data
         digest = hashlib.sha256()
@@ -145,4 +148,5 @@ class ShardViews:
                 digest.update(served)
         except CodecError as err:
             raise InvalidUpdateError(f"the broadcast of round {record.round} cannot be sliced: {err}") from None
-        return ShardSlice(served, digest.digest(), record.codec, sum(count for _, count in ranges))
+        numel = sum(count for _, count in slicing.covering_runs(ranges, block, math.prod(record.shape)))
+        return ShardSlice(served, digest.digest(), record.codec, numel)

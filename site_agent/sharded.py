@@ -18,16 +18,18 @@ of ``n``:
   (``geoloco.coordinator.shards``);
 * every rank downloads its own rows (``ShardRef`` on FetchModel and AwaitBroadcast;
   ``geoloco.coordinator.shard_views``): of the weights at join, and of the broadcast delta when
-  the downlink codec is elementwise (``none``, ``fp16``, ``bf16``), so the site downloads one
-  model's worth in total; then it checks its rows against the coordinator's digest of them.
+  the downlink codec has no sparsifier (``none``, the casts, the block quantizers), so the site
+  downloads one model's worth in total; then it checks its rows against the coordinator's
+  digest of them.
 
 ``offload=True`` keeps the global rows and the residual in CPU memory (the outer optimizer's
 state lives on the coordinator already), so a GPU holds only the training state.
 
 Limits of this version, said where they bite:
 
-* A quantized or sparse downlink codec (``int8``, ``topk`` ...) cannot be sliced: every rank then
-  downloads the whole (compressed) delta, decodes it transiently and keeps its rows.
+* A sparse downlink codec (``topk`` ...) cannot be sliced: every rank then downloads the whole
+  (compressed) delta, decodes it transiently and keeps its rows. With a block quantizer
+  (``int8`` ...) a rank gets the whole blocks around its rows.
 * A rank that loses its session stops with an error; restarting the site's ranks (torchrun
   ``--max-restarts``) joins them again as the same site. With ``state_dir`` each rank takes up
   its error-feedback residual as of the last round boundary; the model, the inner optimizer and
@@ -59,7 +61,7 @@ from geoloco.algorithms.diloco import UpdateEncoder
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.shard_split import DIM0, ShardRange, shard_ranges
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy, uplink_seed
-from geoloco.compression import Encoded, decode, parse_codec
+from geoloco.compression import Encoded, decode, parse_codec, slicing
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.transport import TLSFiles
 from geoloco.protos.wire import as_byte_view
@@ -459,12 +461,17 @@ class ShardedSite:
             self._fetch()
             return
         delta = decode(Encoded.from_bytes(data, copy=False), device=self.held.device).reshape(-1)
-        if header.shard_rows:  # the rank's rows only (an elementwise downlink)
+        block = slicing.slice_block(header.delta.codec) if header.shard_rows else None
+        if block == 1:  # ``none`` or a cast: exactly the rank's rows
             self.held.add_(delta)
-        else:  # a quantized or sparse downlink cannot be sliced: the whole delta, transiently
+        else:  # quantizer blocks around the rows, or (sparse downlink) the whole delta
+            positions = (
+                [offset for offset, _ in self.ranges] if block is None
+                else slicing.row_positions(self.ranges, block, self.layout.numel)
+            )
             at = 0
-            for offset, n in self.ranges:
-                self.held[at : at + n].add_(delta[offset : offset + n])
+            for (_, n), position in zip(self.ranges, positions, strict=True):
+                self.held[at : at + n].add_(delta[position : position + n])
                 at += n
         del delta
         expected = header.shard_weights_digest.digest if header.HasField("shard_weights_digest") else b""

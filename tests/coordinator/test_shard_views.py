@@ -10,6 +10,7 @@ import torch
 
 from geoloco.algorithms.shard_split import shard_ranges
 from geoloco.compression import Encoded, decode, parse_codec
+from geoloco.compression.slicing import row_positions
 from geoloco.coordinator.domain import BroadcastRecord
 from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.shard_views import ShardViews
@@ -49,8 +50,22 @@ def test_delta_rows_are_the_rows_of_the_decoded_delta(in_file: bool) -> None:
     assert views.delta_rows(record, (1, 3, "dim0")) is views.delta_rows(record, (1, 3, "dim0"))  # made once
 
 
-def test_a_quantized_delta_has_no_rows_and_the_rank_gets_the_whole() -> None:
-    assert ShardViews(SHAPES).delta_rows(_record("int8", torch.randn(NUMEL), in_file=False), (0, 2, "dim0")) is None
+def test_a_sparse_delta_has_no_rows_and_the_rank_gets_the_whole() -> None:
+    assert ShardViews(SHAPES).delta_rows(_record("topk:0.5", torch.randn(NUMEL), in_file=False), (0, 2, "dim0")) is None
+
+
+def test_a_quantized_delta_is_served_as_the_blocks_around_the_rows() -> None:
+    values = torch.randn(NUMEL, generator=torch.Generator().manual_seed(3))
+    whole = decode(parse_codec("int8:block=8").encode(values)).reshape(-1)
+    record = _record("int8:block=8", values, in_file=False)
+    ranges = shard_ranges(SHAPES, 1, 2)
+    rows = ShardViews(SHAPES).delta_rows(record, (1, 2, "dim0"))
+    assert rows is not None and isinstance(rows.data, bytes)
+    served = decode(Encoded.from_bytes(rows.data)).reshape(-1)
+    assert served.numel() == rows.numel
+    positions = row_positions(ranges, 8, NUMEL)
+    picked = torch.cat([served[p : p + n] for (_, n), p in zip(ranges, positions, strict=True)])
+    assert torch.equal(picked, _rows(whole, 1, 2))
 
 
 def test_weight_rows_and_their_digest() -> None:

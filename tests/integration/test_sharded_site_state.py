@@ -1,5 +1,6 @@
 """A sharded site's saved state (``ShardedSite(state_dir=...)``): a restarted rank takes up its
-error-feedback residual, and a state saved for another site or shard is refused by name.
+error-feedback residual, and a state saved for another site or shard is refused by name. The
+run's int8 downlink reaches the rank as the quantizer blocks around its rows.
 
 One rank (a world of one, gloo, in this process) is enough to see what every rank does with its
 own folder; the coordinator is real (gRPC, mutual TLS, port 0).
@@ -66,7 +67,9 @@ def test_a_restarted_rank_takes_up_its_residual_and_refuses_another_sites_state(
     server = CoordinatorServer(
         CoordinatorConfig(
             certs_dir=str(certs), min_sites=1, total_rounds=5, heartbeat_timeout_s=600.0,
-            algorithm=AlgorithmConfig(inner_steps=2, uplink_codec="int8", error_feedback=True),
+            algorithm=AlgorithmConfig(
+                inner_steps=2, uplink_codec="int8", downlink_codec="int8:block=64", error_feedback=True
+            ),
         ),
         layout.flatten(model), layout, None,
     )
@@ -75,6 +78,9 @@ def test_a_restarted_rank_takes_up_its_residual_and_refuses_another_sites_state(
     try:
         first = _sharded(certs, server.port, state)
         first.run(max_rounds=2)
+        # The int8 broadcast reached the rank sliced (the blocks around its rows; with one rank,
+        # every block), and what it added matched the coordinator's digest of its rows both times.
+        assert first.summary.digests_checked == 2 and first.summary.resyncs == 0
         assert first.encoder is not None and first.encoder.residual is not None
         saved = first.encoder.residual.clone()
         assert saved.abs().sum() > 0  # int8 left something behind

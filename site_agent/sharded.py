@@ -203,6 +203,9 @@ class ShardedSite:
         )
         self.client.shard = pb.ShardRef(index=self.rank, count=self.world_size, split=DIM0)
         self.encoder: UpdateEncoder | None = None
+        self.last_broadcast: pb.BroadcastHeader | None = None
+        """The header of the last broadcast applied (whether this site was included, how many
+        sites were, the weights digest, the next round): what a loop logs after each round."""
         self.store = None if state_dir is None else SiteStateStore(
             Path(state_dir) / f"rank-{self.rank}-of-{self.world_size}"
         )
@@ -293,11 +296,19 @@ class ShardedSite:
     def _join(self) -> tuple[int, int, AlgorithmConfig, int]:
         """Rank 0 joins; every rank takes its session, run config and its rows of the weights."""
         shared: list[Any] = [None]
+        failure: BaseException | None = None
         if self.rank == 0:
-            response = self.client.join(has_weights=False, weights_round=0, digest_hex=None)
-            shared[0] = (response.session_id, response.config.SerializeToString(), response.round.round,
-                         response.round.round_seed)
+            try:
+                response = self.client.join(has_weights=False, weights_round=0, digest_hex=None)
+                shared[0] = (response.session_id, response.config.SerializeToString(), response.round.round,
+                             response.round.round_seed)
+            except Exception as err:  # noqa: BLE001 - re-raised once the other ranks heard of it
+                failure, shared[0] = err, f"{type(err).__name__}: {err}"
         dist.broadcast_object_list(shared, src=0, group=self.group)
+        if failure is not None:
+            raise failure
+        if isinstance(shared[0], str):
+            raise SiteAgentError(f"site {self.site}: rank 0 could not join the run ({shared[0]})")
         session_id, config_bytes, round_number, round_seed = shared[0]
         self.client.session_id = session_id
         run_config = pb.RunConfig.FromString(config_bytes)
@@ -450,6 +461,7 @@ class ShardedSite:
         else:
             self.summary.rounds_included += 1
         self._apply(header, data)
+        self.last_broadcast = header
         self.summary.final_round = round_number + 1
         self._save()
         return header

@@ -230,3 +230,20 @@ def test_rank_killed_mid_upload_makes_its_site_a_straggler_and_torchrun_brings_i
     back = [r for r in range(2, rounds) if "fs" in by_round[r]["participants"]]
     assert back, f"the restarted site never counted again:\n{output[-3000:]}\n{records}"
     assert proc.returncode == 0, f"the restarted site failed:\n{output[-3000:]}"
+
+
+def test_a_refused_join_stops_every_rank_with_the_reason(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs", ["fs", "solo"])
+    out = tmp_path / "out"
+    out.mkdir()
+    server = _coordinator(certs, tmp_path / "fs.jsonl", allowed_sites=["solo"])
+    try:
+        proc = _launch("fsdp", "fs", server, certs, out)
+        output = _finish(proc)
+    finally:
+        server.stop(grace=0)
+    assert proc.returncode != 0
+    # Rank 1 heard of rank 0's refusal over the site's process group, instead of waiting in the
+    # collective until its timeout.
+    assert "[rank1]:" in output and "rank 0 could not join the run" in output, output[-3000:]
+    assert "not in this run's allowed_sites" in output

@@ -18,7 +18,6 @@ DiLoCo fragments or partial updates (the coordinator's config says so at the pro
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -77,13 +76,6 @@ def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _world_size() -> int:
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1  # init_from_env names the bad variable
-
-
 def check_sharding_flags(args: argparse.Namespace) -> None:
     """Refuse, before anything starts, flags that do not combine with the chosen sharding."""
     if args.sharding != "fsdp":
@@ -106,8 +98,8 @@ def check_sharding_flags(args: argparse.Namespace) -> None:
             "sharded sites serve no /metrics yet; drop --metrics-port (the coordinator's metrics "
             "cover the site), or use --sharding none",
         )
-    world_size = _world_size()
-    if world_size < 2:
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if world_size.isdecimal() and int(world_size) < 2:  # a malformed value: init_from_env names it
         raise ConfigFileError(
             COMMAND_LINE, "--sharding",
             f"fsdp shards the model over the site's ranks, but this process is alone (world size "
@@ -145,14 +137,14 @@ def check_sharded_run(advertised: dict[str, Any]) -> None:
 def shard_model(model: Any, device_type: str, world_size: int) -> Any:
     """``model`` wrapped with FSDP2 over a 1-D mesh of the site's ranks: one all-gather unit per
     transformer block (every child of a ``ModuleList``), else per ``Linear`` layer, then the
-    root for what is left (embeddings, tied heads, norms)."""
+    root for what is left (embeddings, tied heads, norms). Innermost first, as FSDP2 wants."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device_type, (world_size,))
     blocks = [child for module in model.modules() if isinstance(module, nn.ModuleList) for child in module]
-    for unit in blocks or [m for m in model.modules() if isinstance(m, nn.Linear)]:
+    for unit in reversed(blocks or [m for m in model.modules() if isinstance(m, nn.Linear)]):
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -187,7 +179,7 @@ def run_sharded(
             lr_schedule = lr_schedule_for(inner, optimizer)
             site = ShardedSite(
                 model, optimizer, coordinator=args.coordinator, site=args.name, tls=tls,
-                insecure=args.insecure, config=dataclasses.replace(agent_config, state_dir=None),
+                insecure=args.insecure, config=agent_config,
                 server_name=args.server_name, offload=args.offload,
             )
         except (ConfigFileError, SiteAgentError) as err:

@@ -14,9 +14,11 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from geoloco.algorithms.config import config_from_dict
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.strategy import AlgorithmConfig
@@ -38,6 +40,27 @@ INNER_STEPS = 3
 WORKLOAD = {"name": "mlp", "hidden_dim": 16, "num_classes": 5}
 """5 classes: the last layer's 5 rows split 3 + 2 over the two ranks, FSDP2's uneven case."""
 BASE = ["site", "--coordinator", "localhost:1", "--name", "0", "--insecure"]
+
+
+def _torchrun_site(port: int, stderr: Any, *flags: str) -> subprocess.Popen[str]:
+    """``geoloco site --sharding fsdp`` as 2 torchrun ranks on CPU, in its own process group."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
+        "-m", "geoloco.scenarios.cli", "site", "--coordinator", f"localhost:{port}", "--name", "0",
+        "--sharding", "fsdp", "--device", "cpu", *flags,
+    ]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
+                            start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 @pytest.fixture(autouse=True)
@@ -98,20 +121,19 @@ def test_an_unknown_sharding_is_a_usage_error(capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.parametrize(
-    ("change", "key"),
+    ("table", "key"),
     [
-        ({"privacy": {"secure_aggregation": True, "clip_norm": 1.0}}, "privacy.secure_aggregation"),
+        ({"min_sites": 3, "privacy": {"secure_aggregation": True, "clip_norm": 1.0}}, "privacy.secure_aggregation"),
         ({"algorithm": {"streaming": {"enabled": True, "fragments": 2}}}, "algorithm.streaming.fragments"),
         ({"algorithm": {"partial_updates": {"enabled": True}}}, "algorithm.partial_updates.enabled"),
     ],
 )
 def test_a_run_sharded_sites_do_not_combine_with_is_refused_naming_the_setting(
-    change: dict[str, object], key: str
+    table: dict[str, object], key: str
 ) -> None:
-    """What the coordinator advertises (its whole config, ``CoordinatorConfig.to_dict()``)."""
-    advertised = {**CoordinatorConfig(insecure=True).to_dict(), **change}
+    """Read from what the coordinator advertises: its whole config, ``CoordinatorConfig.to_dict()``."""
     with pytest.raises(ConfigFileError) as refused:
-        check_sharded_run(advertised)
+        check_sharded_run(config_from_dict(CoordinatorConfig, {"insecure": True, **table}).to_dict())
     assert refused.value.key == key
     assert "--sharding none" in str(refused.value)
     check_sharded_run(CoordinatorConfig(insecure=True).to_dict())  # the defaults combine
@@ -136,15 +158,7 @@ def test_fsdp_site_under_torchrun_finishes_the_run_as_one_site_and_prints_the_co
         layout.flatten(model), layout,
     )
     server.start()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
-        "-m", "geoloco.scenarios.cli", "site", "--coordinator", f"localhost:{server.port}", "--name", "0",
-        "--certs", str(certs), "--sharding", "fsdp", "--device", "cpu", "--offload",
-    ]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = _torchrun_site(server.port, subprocess.PIPE, "--certs", str(certs), "--offload")
     try:
         try:
             stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
@@ -152,11 +166,7 @@ def test_fsdp_site_under_torchrun_finishes_the_run_as_one_site_and_prints_the_co
             stdout, stderr = "(timed out)", ""
         final_digest = server.rounds.digest_hex
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        _kill(proc)
         server.stop(grace=0)
     assert proc.returncode == 0, f"{stdout}\n{stderr[-6000:]}"
 
@@ -187,3 +197,48 @@ def test_fsdp_site_under_torchrun_finishes_the_run_as_one_site_and_prints_the_co
         f"geoloco-site 0 finished: final_round={ROUNDS} rounds_trained={ROUNDS} rounds_included={ROUNDS} "
         f"run_finished=yes digest={final_digest}"
     ], lines
+
+
+def test_sigterm_stops_every_rank_at_the_same_round_boundary_and_the_site_leaves(tmp_path: Path) -> None:
+    """SIGTERM to the torchrun job mid-round (torchrun passes it on to every rank): the ranks
+    finish the round, agree to stop before the next (one rank leaving alone would leave the other
+    waiting in a collective), rank 0 leaves the run and prints the ``stopped`` line. torchrun's
+    own exit status reports that it was signalled, so only the site's lines are checked."""
+    workload = build_workload("mlp")
+    model = workload.build_model(0)
+    layout = ParamLayout.from_model(model)
+    server = CoordinatorServer(
+        CoordinatorConfig(
+            insecure=True, min_sites=1, total_rounds=1000, metrics_path=str(tmp_path / "m.jsonl"),
+            workload={"name": "mlp"}, algorithm=AlgorithmConfig(inner_steps=50),
+        ),
+        layout.flatten(model), layout,
+    )
+    server.start()
+    with (tmp_path / "stderr.txt").open("w") as stderr:
+        proc = _torchrun_site(server.port, stderr, "--insecure")
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if line.startswith("geoloco-site 0 round 2 training"):
+                os.killpg(proc.pid, signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        members = list(server.rounds.members)
+    finally:
+        _kill(proc)
+        server.stop(grace=0)
+    lines += rest.splitlines()
+    # Every round that started training finished and was reported (the test may read the line
+    # late on a loaded machine, so which round the signal lands in is not fixed).
+    started = [int(m[1]) for line in lines if (m := re.fullmatch(r"geoloco-site 0 round (\d+) training", line))]
+    reported = [int(m[1]) for line in lines if (m := re.match(r"geoloco-site 0 round (\d+): loss=", line))]
+    assert started == reported == list(range(len(started))) and len(started) >= 3, lines
+    stopped = [line for line in lines if " stopped " in line]
+    assert len(stopped) == 1, lines
+    assert stopped[0].startswith(
+        f"geoloco-site 0 stopped (SIGTERM): final_round={len(started)} rounds_trained={len(started)} "
+    ), lines
+    assert members == [], "the site should have left the run"

@@ -68,6 +68,16 @@ def _no_reexec(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GEOLOCO_NO_MALLOC_REEXEC", "1")
 
 
+def test_help_names_the_choice_and_the_offload(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["site", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for expected in ("--sharding {none,fsdp}", "'none' (default) = data-parallel", "--nproc_per_node >= 2",
+                     "--offload", "with --sharding fsdp"):
+        assert expected in text, expected
+
+
 @pytest.mark.parametrize(
     ("flags", "world_size", "line"),
     [

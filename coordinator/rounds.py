@@ -340,7 +340,8 @@ class RoundStateMachine:
         if spec.shard_count and self.intake.secure:
             raise InvalidUpdateError(
                 "sharded uploads do not combine with secure aggregation (a masked update is one "
-                "ring sum per site); run the site data-parallel ([site] sharding = \"none\") or "
+                "ring sum per site); run the site data-parallel (geoloco site --sharding none; "
+                "SiteAgent instead of ShardedSite in Python) or "
                 "turn [privacy] secure_aggregation off"
             )
         return self.intake.receive(site, spec, chunks)

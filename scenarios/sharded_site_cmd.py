@@ -9,8 +9,12 @@ wrap. The inner loop is the data-parallel site's (``run_inner_steps``: the coord
 ``[inner_optimizer]`` with its lr schedule and gradient clipping, the same per-rank data seeds),
 and rank 0 prints the same stdout lines (``site_cmd``'s module doc).
 
+``--state-dir`` saves each rank's error-feedback residual at round boundaries and takes it up
+after a restart (``ShardedSite(state_dir=...)``); the inner optimizer and the data position start
+afresh, unlike a data-parallel site's saved state.
+
 What a sharded site does not do yet is refused at start with exit status 2, before anything
-joins: ``--state-dir`` (no saved state), ``--metrics-port`` (no /metrics), a single process
+joins: ``--metrics-port`` (no /metrics), a single process
 (nothing to shard over: use ``--sharding none``), and a run with secure aggregation, Streaming
 DiLoCo fragments or partial updates (the coordinator's config says so at the probe).
 """
@@ -86,12 +90,6 @@ def check_sharding_flags(args: argparse.Namespace) -> None:
                 "device); add --sharding fsdp or drop --offload",
             )
         return
-    if args.state_dir is not None:
-        raise ConfigFileError(
-            COMMAND_LINE, "--state-dir",
-            "sharded sites keep no saved state yet; drop --state-dir, or use --sharding none to "
-            "resume a restarted site from its state",
-        )
     if args.metrics_port is not None:
         raise ConfigFileError(
             COMMAND_LINE, "--metrics-port",
@@ -180,7 +178,7 @@ def run_sharded(
             site = ShardedSite(
                 model, optimizer, coordinator=args.coordinator, site=args.name, tls=tls,
                 insecure=args.insecure, config=agent_config,
-                server_name=args.server_name, offload=args.offload,
+                server_name=args.server_name, offload=args.offload, state_dir=args.state_dir,
             )
         except (ConfigFileError, SiteAgentError) as err:
             if probe_client is not None:
@@ -244,17 +242,6 @@ def _train(
 
     from geoloco.algorithms.diloco import run_inner_steps
 
-    headers: dict[int, Any] = {}
-    await_broadcast = site.client.await_broadcast
-
-    def recording(round_number: int, **kwargs: Any) -> Any:
-        """``ShardedSite`` keeps the round's broadcast header to itself; the round line needs
-        its verdict, contributors and digest."""
-        header, payload = await_broadcast(round_number, **kwargs)
-        headers[round_number] = header
-        return header, payload
-
-    site.client.await_broadcast = recording
     pending: tuple[int, float] | None = None
     lr_round: int | None = None
     digest = ""
@@ -262,7 +249,8 @@ def _train(
     try:
         for current in rounds:
             if pending is not None:
-                digest = _report(args.name, group, pending, headers, current.number) or digest
+                digest = _report(args.name, group, pending, site.last_broadcast, current.number) or digest
+                pending = None
             elif group.is_leader:
                 print(join_line(args.name, _Joined(site.client.session_id, current.number)), flush=True)
             flag = torch.tensor([1.0 if stopping.is_set() else 0.0], dtype=torch.float64)
@@ -286,8 +274,8 @@ def _train(
     finally:
         rounds.close()
     summary = site.summary
-    if pending is not None and pending[0] in headers:
-        digest = _report(args.name, group, pending, headers, summary.final_round) or digest
+    if pending is not None:
+        digest = _report(args.name, group, pending, site.last_broadcast, summary.final_round) or digest
     return _Outcome(
         run_finished=summary.run_finished, final_round=summary.final_round,
         rounds_trained=summary.rounds_trained, rounds_included=summary.rounds_included, weights_digest=digest,
@@ -300,14 +288,12 @@ class _Joined:
     round: int
 
 
-def _report(
-    site: str, group: Any, pending: tuple[int, float], headers: dict[int, Any], next_round: int
-) -> str:
-    """Print the round line of ``pending`` (round, loss) once its broadcast came; the new
-    weights' digest ("" when the broadcast never came: the run finished meanwhile)."""
+def _report(site: str, group: Any, pending: tuple[int, float], header: Any, next_round: int) -> str:
+    """Print the round line of ``pending`` (round, loss) once its broadcast came (``header``,
+    the site's last applied one); the new weights' digest ("" when the broadcast never came:
+    the run finished meanwhile)."""
     number, loss = pending
-    header = headers.pop(number, None)
-    if header is None:
+    if header is None or header.round != number:
         return ""
     digest = header.weights_digest.digest.hex()
     if group.is_leader:

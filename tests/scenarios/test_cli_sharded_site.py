@@ -8,6 +8,7 @@ connection); the run is real processes (torchrun, gloo on CPU).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -81,11 +82,6 @@ def test_help_names_the_choice_and_the_offload(capsys: pytest.CaptureFixture[str
 @pytest.mark.parametrize(
     ("flags", "world_size", "line"),
     [
-        (
-            ["--sharding", "fsdp", "--state-dir", "state"], "2",
-            "geoloco site: error: command line: --state-dir: sharded sites keep no saved state yet; "
-            "drop --state-dir, or use --sharding none",
-        ),
         (
             ["--sharding", "fsdp", "--metrics-port", "0"], "2",
             "geoloco site: error: command line: --metrics-port: sharded sites serve no /metrics yet",
@@ -168,7 +164,8 @@ def test_fsdp_site_under_torchrun_finishes_the_run_as_one_site_and_prints_the_co
         layout.flatten(model), layout,
     )
     server.start()
-    proc = _torchrun_site(server.port, subprocess.PIPE, "--certs", str(certs), "--offload")
+    state = tmp_path / "state"
+    proc = _torchrun_site(server.port, subprocess.PIPE, "--certs", str(certs), "--offload", "--state-dir", str(state))
     try:
         try:
             stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
@@ -207,6 +204,10 @@ def test_fsdp_site_under_torchrun_finishes_the_run_as_one_site_and_prints_the_co
         f"geoloco-site 0 finished: final_round={ROUNDS} rounds_trained={ROUNDS} rounds_included={ROUNDS} "
         f"run_finished=yes digest={final_digest}"
     ], lines
+    # --state-dir: every rank saved its int8 residual at the last round boundary.
+    for rank in range(2):
+        pointer = json.loads((state / f"rank-{rank}-of-2" / "site-state.json").read_text())
+        assert pointer["meta"]["round"] == ROUNDS and pointer["meta"]["shard"] == [rank, 2, "dim0"]
 
 
 def test_sigterm_stops_every_rank_at_the_same_round_boundary_and_the_site_leaves(tmp_path: Path) -> None:

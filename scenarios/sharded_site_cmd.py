@@ -255,9 +255,7 @@ def _train(
                 print(join_line(args.name, _Joined(site.client.session_id, current.number)), flush=True)
             flag = torch.tensor([1.0 if stopping.is_set() else 0.0], dtype=torch.float64)
             if float(group.all_reduce_(flag, "max")[0]) > 0:
-                if group.is_leader:
-                    site.client.leave("site stopped by a signal")
-                break
+                break  # closing the rounds leaves the run (rank 0)
             if group.is_leader:
                 print(f"{PROGRAM} {args.name} round {current.number} training", flush=True)
             if lr_schedule is not None and lr_round != current.number:

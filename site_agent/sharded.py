@@ -104,6 +104,8 @@ class ShardedRound:
     """The round being trained (the model holds its start weights ``θ_number``)."""
     inner_steps: int
     """Optimizer steps the coordinator asks of every rank this round."""
+    total_rounds: int = 0
+    """Rounds the run has (0: unbounded), so the loop can size its own lr schedule."""
     samples: float = 0.0
     """What this rank trained on this round (samples or tokens, as the run's weighting counts);
     the loop adds to it. The site's weight is the sum over its ranks; left at 0, each rank
@@ -250,6 +252,7 @@ class ShardedSite:
         match); leaving the loop early leaves the run (the client closes).
         """
         heartbeat: threading.Thread | None = None
+        leaving = "run finished"
         try:
             round_number, round_seed, algorithm, total_rounds = self._join()
             if self.rank == 0:
@@ -257,19 +260,32 @@ class ShardedSite:
                 heartbeat.start()
             while round_number < total_rounds and (max_rounds is None or self.summary.rounds_trained < max_rounds):
                 self._load_held()
-                current = ShardedRound(number=round_number, inner_steps=int(algorithm.inner_steps))
+                current = ShardedRound(
+                    number=round_number, inner_steps=int(algorithm.inner_steps), total_rounds=total_rounds
+                )
+                leaving = "the site's loop stopped"
                 yield current
                 header = self._sync(current, round_seed, algorithm)
+                leaving = "run finished"
                 if header is None or header.run_finished:
                     self.summary.run_finished = True
                     break
                 round_number, round_seed = header.next_round.round, header.next_round.round_seed
             else:
                 self.summary.run_finished = round_number >= total_rounds
+                if not self.summary.run_finished:
+                    leaving = f"max_rounds={max_rounds} trained"
+        except GeneratorExit:  # the loop left early (break, or the generator was closed)
+            raise
+        except BaseException:
+            leaving = ""  # a failure: the coordinator drops the site by its heartbeat timeout
+            raise
         finally:
             self._stop.set()
             if heartbeat is not None:
                 heartbeat.join(timeout=5.0)
+            if leaving and self.rank == 0 and self.client.session_id:
+                self.client.leave(leaving)  # the coordinator need not wait for a silent site
             self.summary.bytes_received = self.client.stats.received
             self.client.close()
 

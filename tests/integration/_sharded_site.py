@@ -7,7 +7,7 @@ checks to ``OUT_DIR/<mode>-rank<r>.pt``.
 
 Usage: ``torchrun --standalone --nproc_per_node=2 _sharded_site.py MODE SITE COORDINATOR CERTS OUT_DIR``
 (MODE ``fsdp`` or ``dp``; with ``KILL_AT_ROUND=k`` the fsdp rank 1 SIGKILLs itself during its
-upload of round k, in torchrun's first attempt only).
+upload of round k).
 """
 
 from __future__ import annotations
@@ -60,8 +60,7 @@ def run_fsdp(site: str, coordinator: str, certs: Path) -> dict[str, Any]:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    kill_at = int(os.environ.get("KILL_AT_ROUND", "-1")) if first_attempt else -1
+    kill_at = int(os.environ.get("KILL_AT_ROUND", "-1"))
     sharded = ShardedSite(
         model, optimizer, workload.site_batches(0, 1, rank_data_seed(SEED, rank)), workload.loss,
         coordinator=coordinator, site=site, tls=TLSFiles.from_dir(certs, site), config=site_config(),

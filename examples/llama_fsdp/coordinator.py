@@ -40,7 +40,7 @@ def start_coordinator(
     seq_len: int = 128,
 ) -> CoordinatorServer:
     """Start serving the run (port 0 picks a free port: read ``server.port``)."""
-    model = build_model(ModelSize(), seed=seed)  # θ_0: the sites build the same one
+    model = build_model(ModelSize(), seed=seed)  # θ_0: the sites build the same architecture
     layout = ParamLayout.from_model(model)
     windows = eval_windows(eval_windows_count, seq_len)
 
@@ -77,7 +77,7 @@ def main() -> None:
                         help="a DNS name or IP address the sites dial (for the coordinator's certificate)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--inner-steps", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0, help="initial weights; every site must use the same")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the run's initial weights")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--metrics", type=Path, default=Path("llama-metrics.jsonl"))
     args = parser.parse_args()

@@ -1,8 +1,10 @@
 """What the coordinator and every site rank share: the model and the text.
 
-Both sides must build the *same* model (same class, same parameter names and shapes, same
-initial values): the coordinator starts the run from its flattened weights and a site's ranks
-upload the rows of those same parameters. Keep this file identical on every machine.
+Both sides must build the *same* model (same class, same parameter names and shapes, in the
+same order): the coordinator starts the run from its flattened weights and a site's ranks
+upload the rows of those same parameters. The sites' own initial values do not matter: every
+rank takes its rows of the coordinator's weights when the site joins. Keep this file identical
+on every machine.
 
 The model is a Llama-style decoder from Hugging Face ``transformers`` built from a config with
 random initialisation, so nothing is downloaded. Tokens are bytes (a vocabulary of 256), so no
@@ -46,8 +48,8 @@ class ModelSize:
 
 
 def build_model(size: ModelSize, seed: int = 0) -> LlamaForCausalLM:
-    """The decoder with the run's initial weights: the same ``seed`` gives the same weights on
-    every machine (the coordinator checks nothing but the layout, so keep the seed in sync)."""
+    """The decoder, randomly initialised from ``seed`` (the coordinator's seed sets the run's
+    initial weights; a site's are overwritten by them at join)."""
     torch.manual_seed(seed)
     return LlamaForCausalLM(size.llama_config())
 

@@ -40,7 +40,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-sites", type=int, default=2, help="how many shares the corpus is cut into")
     parser.add_argument("--rounds", type=int, default=10,
                         help="the coordinator's total_rounds: sets the length of the LR schedule")
-    parser.add_argument("--seed", type=int, default=0, help="initial weights; the coordinator's must match")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the data order (the weights come from the coordinator)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
@@ -58,18 +59,21 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous; NCCL on GPUs, gloo on CPUs.
+    # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous. On GPUs, FSDP's collectives
+    # (CUDA tensors) go over NCCL and ShardedSite's few small CPU-tensor collectives (the site's
+    # sample count) over gloo, hence both backends; CPU-only machines use gloo alone.
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=10))
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timedelta(minutes=10))
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    # The same model as the coordinator's (same seed), then sharded: one FSDP unit per decoder
-    # layer (all-gathered one at a time during forward and backward), the rest in the root unit.
+    # The same model as the coordinator's (its values are replaced by the coordinator's weights
+    # at join), then sharded: one FSDP unit per decoder layer (all-gathered one at a time during
+    # forward and backward), the embedding, final norm and head in the root unit.
     model = build_model(ModelSize(), seed=args.seed).to(device)
     mesh = init_device_mesh(device.type, (world,))
     for layer in model.model.layers:

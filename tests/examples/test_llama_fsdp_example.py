@@ -7,8 +7,9 @@ What could go wrong and is checked: the site counted once per round with the tok
 ranks; the coordinator's weights moved and stayed finite; the ranks' rows tile the model exactly
 once; every rank starts round 1 from the coordinator's weights after round 0 (its fp32 held-out
 loss equals the coordinator's, the same fixed windows through the sharded model: equal on this
-machine, compared within 1e-5 relative for another float order of the sharded forward); the
-held-out loss fell.
+machine, compared within 1e-5 relative for another float order of the sharded forward), and
+round 0 from the coordinator's initial weights although the site built its model from another
+seed; the held-out loss fell.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ INNER_STEPS = 3
 BATCH_SIZE = 4
 SEQ_LEN = 64
 RANKS = 2
+EVAL_WINDOWS = 4
+SITE_SEED = 7
+"""The site's own initial weights differ from the coordinator's (seed 0): the join replaces them."""
 LAUNCH_TIMEOUT_S = 300.0
 """Upper bound for the torchrun launch (about 20 s on an idle 2-core machine); only a hang nears it."""
 
@@ -67,7 +71,8 @@ def _run_site(port: int, certs: Path, log_dir: Path) -> tuple[int, str]:
         "--max-restarts=0", str(EXAMPLE / "train_site.py"),
         "--coordinator", f"localhost:{port}", "--site", SITE, "--certs", str(certs),
         "--rounds", str(ROUNDS), "--batch-size", str(BATCH_SIZE), "--seq-len", str(SEQ_LEN),
-        "--eval-windows", "4", "--warmup-steps", "2", "--round-log", str(log_dir),
+        "--eval-windows", str(EVAL_WINDOWS), "--warmup-steps", "2", "--round-log", str(log_dir),
+        "--seed", str(SITE_SEED),
     ]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
@@ -94,7 +99,7 @@ def test_llama_fsdp_example_trains_two_rounds_through_a_sharded_site(example: Mo
     example.make_certs(certs, [SITE], [])
     metrics = tmp_path / "metrics.jsonl"
     server = example.start_coordinator(certs, [SITE], rounds=ROUNDS, inner_steps=INNER_STEPS, metrics=metrics,
-                                       eval_windows_count=4, seq_len=SEQ_LEN)
+                                       eval_windows_count=EVAL_WINDOWS, seq_len=SEQ_LEN)
     initial = server.rounds.weights.clone()
     try:
         returncode, output = _run_site(server.port, certs, tmp_path / "logs")
@@ -117,6 +122,10 @@ def test_llama_fsdp_example_trains_two_rounds_through_a_sharded_site(example: Mo
     assert [r["sample_weights"] for r in records] == [{SITE: float(RANKS * tokens_per_rank)}] * ROUNDS
     assert all(math.isfinite(r["eval_loss"]) for r in records)
 
+    model = sys.modules["model"]  # the example's model.py, as the fixture loaded it
+    windows = model.eval_windows(EVAL_WINDOWS, SEQ_LEN)
+    initial_loss = model.eval_loss(model.build_model(model.ModelSize(), seed=0), windows)
+    site_seed_loss = model.eval_loss(model.build_model(model.ModelSize(), seed=SITE_SEED), windows)
     covered = torch.zeros(final.numel(), dtype=torch.int64)
     for rank in range(RANKS):
         rounds, summary = _rank_log(tmp_path / "logs" / f"rank{rank}.jsonl")
@@ -128,7 +137,10 @@ def test_llama_fsdp_example_trains_two_rounds_through_a_sharded_site(example: Mo
         assert 0 < rounds[0]["shard_numel"] < final.numel()  # a shard, not the model
         for offset, n in rounds[0]["shard_ranges"]:
             covered[offset : offset + n] += 1
-        # Round 1 started from the weights the coordinator scored after round 0.
+        # Round 0 started from the coordinator's initial weights, not the site's own seed's ...
+        assert rounds[0]["eval_loss"] == pytest.approx(initial_loss, rel=1e-5)
+        assert rounds[0]["eval_loss"] != pytest.approx(site_seed_loss, rel=1e-5)
+        # ... and round 1 from the weights the coordinator scored after round 0.
         assert rounds[1]["eval_loss"] == pytest.approx(records[0]["eval_loss"], rel=1e-5)
         # Two rounds of training lowered the held-out loss from the initial weights'.
         assert records[-1]["eval_loss"] < rounds[0]["eval_loss"] - 0.05

@@ -38,8 +38,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--certs", type=Path, required=True, help="folder with ca.crt and SITE.crt/SITE.key")
     parser.add_argument("--site-index", type=int, default=0, help="which share of the corpus this site trains on")
     parser.add_argument("--num-sites", type=int, default=2, help="how many shares the corpus is cut into")
-    parser.add_argument("--rounds", type=int, default=10,
-                        help="the coordinator's total_rounds: sets the length of the LR schedule")
+    parser.add_argument("--schedule-rounds", type=int, default=10,
+                        help="LR schedule length in rounds when the run has no total_rounds (unbounded)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the data order (the weights come from the coordinator)")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -60,8 +60,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous. On GPUs, FSDP's collectives
-    # (CUDA tensors) go over NCCL and ShardedSite's few small CPU-tensor collectives (the site's
-    # sample count) over gloo, hence both backends; CPU-only machines use gloo alone.
+    # (CUDA tensors) go over NCCL; gloo beside it carries CPU-tensor collectives if the loop
+    # has any (ShardedSite's own run on the model's device under NCCL); CPU-only machines use
+    # gloo alone.
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -100,8 +101,9 @@ def main() -> None:
 
     for rnd in site.rounds():
         # The model's local rows now hold the round's global weights.
-        if schedule is None:  # the coordinator sets inner_steps; the schedule spans every round's steps
-            schedule = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.rounds * rnd.inner_steps)
+        if schedule is None:  # the coordinator sets the rounds and inner steps; the schedule spans them all
+            total_steps = (rnd.total_rounds or args.schedule_rounds) * rnd.inner_steps
+            schedule = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, total_steps)
         # Held-out loss of the global weights, in fp32: the number the coordinator logged as the
         # previous round's eval_loss. Every rank runs it (FSDP's all-gathers must match).
         start_loss = eval_loss(model, held_out)

@@ -1,6 +1,7 @@
 """A sharded site's saved state (``ShardedSite(state_dir=...)``): a restarted rank takes up its
 error-feedback residual, and a state saved for another site or shard is refused by name. The
-run's int8 downlink reaches the rank as the quantizer blocks around its rows.
+run's int8 downlink reaches the rank as the quantizer blocks around its rows. A model built on the
+meta device gets its rows from the coordinator at join.
 
 One rank (a world of one, gloo, in this process) is enough to see what every rank does with its
 own folder; the coordinator is real (gRPC, mutual TLS, port 0).
@@ -100,5 +101,42 @@ def test_a_restarted_rank_takes_up_its_residual_and_refuses_another_sites_state(
         other = _sharded(certs, server.port, state)
         with pytest.raises(SiteStateError, match=r"saved for another site .*site 'elsewhere'.*delete it"):
             next(other.rounds())
+    finally:
+        server.stop(grace=0)
+
+
+def test_a_model_built_on_the_meta_device_gets_its_rows_from_the_coordinator(world: None, tmp_path: Path) -> None:
+    """No rank need ever hold the whole model: built on ``meta``, sharded, given storage with
+    ``to_empty`` (uninitialised), the rows are filled with the coordinator's weights at join."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    certs = make_certs(tmp_path / "certs", ["fs"])
+    reference = MLPWorkload(WORKLOAD).build_model(0)
+    layout = ParamLayout.from_model(reference)
+    server = CoordinatorServer(
+        CoordinatorConfig(certs_dir=str(certs), min_sites=1, total_rounds=1, heartbeat_timeout_s=600.0,
+                          algorithm=AlgorithmConfig(inner_steps=1, uplink_codec="none")),
+        layout.flatten(reference), layout, None,
+    )
+    server.start()
+    try:
+        with torch.device("meta"):
+            model = MLPWorkload(WORKLOAD).build_model(0)
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        site = ShardedSite(
+            model, torch.optim.SGD(model.parameters(), lr=0.05), coordinator=f"localhost:{server.port}",
+            site="fs", tls=TLSFiles.from_dir(certs, "fs"), config=SiteAgentConfig(device="cpu"),
+        )
+        rounds = site.rounds()
+        next(rounds)
+        held = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+        assert torch.equal(held, layout.flatten(reference))
+        rounds.close()
     finally:
         server.stop(grace=0)

@@ -4,8 +4,9 @@ Under ``torchrun --nproc_per_node=N`` (N >= 2) the workload's model is wrapped w
 (``fully_shard`` per transformer block, or per ``Linear`` layer for a model without blocks, then
 the whole model) over a 1-D device mesh of the site's ranks (gloo on CPU, NCCL on CUDA), and
 ``geoloco.site_agent.sharded.ShardedSite`` runs it: every rank uploads its own shard of the
-pseudo-gradient and applies its rows of the broadcast, so no rank holds the whole model after the
-wrap. The inner loop is the data-parallel site's (``run_inner_steps``: the coordinator's
+pseudo-gradient and applies its rows of the broadcast. The model is built on the meta device and
+only its rows get storage, so no rank ever holds the whole model (the coordinator's weights fill
+the rows at join). The inner loop is the data-parallel site's (``run_inner_steps``: the coordinator's
 ``[inner_optimizer]`` with its lr schedule and gradient clipping, the same per-rank data seeds),
 and rank 0 prints the same stdout lines (``site_cmd``'s module doc).
 
@@ -132,20 +133,26 @@ def check_sharded_run(advertised: dict[str, Any]) -> None:
             )
 
 
-def shard_model(model: Any, device_type: str, world_size: int) -> Any:
-    """``model`` wrapped with FSDP2 over a 1-D mesh of the site's ranks: one all-gather unit per
-    transformer block (every child of a ``ModuleList``), else per ``Linear`` layer, then the
-    root for what is left (embeddings, tied heads, norms). Innermost first, as FSDP2 wants."""
+def shard_model(build: Callable[[], Any], device: Any, world_size: int) -> Any:
+    """The model ``build()`` makes, wrapped with FSDP2 over a 1-D mesh of the site's ranks: one
+    all-gather unit per transformer block (every child of a ``ModuleList``), else per ``Linear``
+    layer, then the root for what is left (embeddings, tied heads, norms). Innermost first, as
+    FSDP2 wants. Built on the meta device and given storage for this rank's rows only: no rank
+    holds the whole model, and the coordinator's weights fill the rows at join (the built-in
+    workloads keep no buffers besides parameters)."""
+    import torch
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device_type, (world_size,))
+    with torch.device("meta"):
+        model = build()
+    mesh = init_device_mesh(device.type, (world_size,))
     blocks = [child for module in model.modules() if isinstance(module, nn.ModuleList) for child in module]
     for unit in reversed(blocks or [m for m in model.modules() if isinstance(m, nn.Linear)]):
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model
+    return model.to_empty(device=device)
 
 
 def run_sharded(
@@ -172,7 +179,7 @@ def run_sharded(
         try:
             check_sharded_run(advertised)
             plan, inner, workload = setup()
-            model = shard_model(workload.build_model(plan.seed), group.device.type, group.world_size)
+            model = shard_model(lambda: workload.build_model(plan.seed), group.device, group.world_size)
             optimizer = inner.build(model.parameters())
             lr_schedule = lr_schedule_for(inner, optimizer)
             site = ShardedSite(

@@ -1,0 +1,433 @@
+"""A big model through sharded (FSDP2) sites and through data-parallel sites, beside raw TCP.
+
+One coordinator process (``CoordinatorServer``, mutual TLS on loopback, port 0) and ``--sites``
+sites, each a ``torchrun`` job of ``--ranks`` processes on gloo/CPU, run ``--rounds`` DiLoCo
+rounds of a model of ``--params`` fp32 parameters: ``LAYERS`` square ``nn.Linear`` layers (no
+bias), batch ``BATCH``, plain SGD inner optimizer (no optimizer state), ``--inner-steps`` inner
+steps, so the round is the system's cost (shard pseudo-gradient, encode, upload, verify,
+aggregate, outer step, broadcast, apply), not training's. Two modes, one after the other:
+
+* ``sharded``: every rank wraps each layer with ``fully_shard`` over the site's 1-D mesh, builds
+  the model on the meta device (no rank materialises it whole) and runs ``ShardedSite.rounds()``:
+  each rank uploads its own shard and applies its rows of the broadcast;
+* ``dp``: every rank builds the whole model and runs ``SiteAgent`` with an ``IntraSiteGroup``
+  (DDP inside the site, rank 0 alone moves the whole update).
+
+Per mode: the round time (slowest rank of the slowest site, from the start of training to the
+broadcast applied; median over the rounds after the first), the raw TCP time of the same bytes
+(``bench_round_phases._raw_tcp_s``: one connection per uploader, all at once, each sending the
+largest upload and receiving the largest download a rank or leader moved), the ratio, the
+coordinator's peak RSS against the fp32 model, and each rank's peak RSS (``ru_maxrss``) against
+its shard (sharded) or the model (dp). A watchdog in the driver kills the run when the machine's
+``MemAvailable`` falls below ``--min-free-gib`` and reports that mode as not finished.
+
+    python benchmarks/bench_sharded.py --params 16e6                       # quick check
+    python benchmarks/bench_sharded.py --params 250e6 --modes sharded      # the big one
+    python benchmarks/bench_sharded.py --params 64e6 --modes sharded,dp --codec int8
+
+Memory (measured, README): the coordinator ~0.5 GB + 5-7 x the model; a sharded rank ~0.4 GB +
+a few shards (+ the whole broadcast delta while the downlink is model-wide); a data-parallel rank
+~0.4 GB + 4-6 x the model. Results are also written as JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_round_phases as phases
+
+MiB = 1 << 20
+GiB = 1 << 30
+LAYERS = 16
+BATCH = 2
+LR = 1e-3
+WIDTH_STEP = 64
+
+
+def _width(params: float) -> int:
+    """The layers' width: the smallest multiple of ``WIDTH_STEP`` with ``LAYERS`` x width^2 >=
+    ``params``."""
+    return WIDTH_STEP * math.ceil(math.sqrt(params / LAYERS) / WIDTH_STEP)
+
+
+def _model(width: int) -> Any:
+    from torch import nn
+
+    return nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(LAYERS)))
+
+
+def _loss(model: Any, batch: Any) -> Any:
+    return model(batch).square().mean()
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MiB
+
+
+# --- roles (each runs in its own process) ----------------------------------------------------
+
+
+def _role_coordinator(args: argparse.Namespace) -> None:
+    import torch
+
+    from geoloco.algorithms.optimizers import InnerOptimizerConfig
+    from geoloco.algorithms.params import ParamLayout
+    from geoloco.algorithms.strategy import AlgorithmConfig
+    from geoloco.coordinator.config import CoordinatorConfig
+    from geoloco.coordinator.server import CoordinatorServer
+
+    out = Path(args.out)
+    torch.manual_seed(0)
+    model = _model(args.width)
+    layout = ParamLayout.from_model(model)
+    flat = layout.flatten(model)
+    del model
+    config = CoordinatorConfig(
+        algorithm=AlgorithmConfig(inner_steps=args.inner_steps, uplink_codec=args.codec, downlink_codec=args.codec),
+        inner_optimizer=InnerOptimizerConfig(lr=LR),
+        total_rounds=args.rounds, min_sites=args.sites, certs_dir=args.certs,
+        checkpoint_dir=str(out / "checkpoints") if args.checkpoint else None,
+        metrics_path=str(out / "metrics.jsonl"),
+    )
+    server = CoordinatorServer(config, flat, layout)
+    del flat
+    server.start()
+    (out / "port").write_text(str(server.port))
+    try:
+        if not server.wait_until_finished(args.timeout):
+            raise SystemExit("the run did not finish in time")
+        deadline = time.monotonic() + 60
+        while server.rounds.members and time.monotonic() < deadline:
+            time.sleep(0.1)  # let the sites take the last broadcast and leave
+    finally:
+        server.stop(grace=1.0)
+    (out / "coordinator.json").write_text(json.dumps({"peak_rss_mib": _peak_rss_mib()}))
+
+
+def _role_rank(args: argparse.Namespace) -> None:
+    """One rank of a site under torchrun; writes ``<mode>-site<s>-rank<r>.json``."""
+    import grpc  # noqa: F401 (in the baseline)
+    import torch
+
+    from geoloco.protos.transport import TLSFiles
+    from geoloco.site_agent.config import SiteAgentConfig
+
+    baseline = _rss_mib()
+    tls = TLSFiles.from_dir(Path(args.certs), args.site)
+    config = SiteAgentConfig(device="cpu")
+    batch = torch.randn(BATCH, args.width, generator=torch.Generator().manual_seed(int(args.site)))
+    coordinator = f"localhost:{args.port}"
+    run = _run_sharded if args.mode == "sharded" else _run_dp
+    result = run(args, coordinator, tls, config, batch)
+    result.update(peak_rss_mib=_peak_rss_mib(), baseline_mib=baseline, site=args.site)
+    name = f"{args.mode}-site{args.site}-rank{result['rank']}.json"
+    (Path(args.out) / name).write_text(json.dumps(result))
+
+
+def _run_sharded(args: argparse.Namespace, coordinator: str, tls: Any, config: Any, batch: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from geoloco.site_agent.sharded import ShardedSite, local_shard
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with torch.device("meta"):
+        model = _model(args.width)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")  # the rows only; the join loads the coordinator's weights
+    with torch.no_grad():
+        for param in model.parameters():
+            local_shard(param).zero_()
+    site = ShardedSite(model, torch.optim.SGD(model.parameters(), lr=LR), coordinator=coordinator,
+                       site=args.site, tls=tls, config=config)
+    sent: list[int] = []
+    upload = site.client.upload
+
+    def counted_upload(**kwargs: Any) -> Any:
+        sent.append(len(kwargs["data"]))
+        return upload(**kwargs)
+
+    site.client.upload = counted_upload  # type: ignore[method-assign]
+    starts: list[float] = []
+    received: list[int] = []
+    for current in site.rounds():
+        starts.append(time.perf_counter())
+        received.append(site.client.stats.received)
+        for _ in range(current.inner_steps):
+            site.optimizer.zero_grad(set_to_none=True)
+            _loss(model, batch).backward()
+            site.optimizer.step()
+        current.samples += BATCH * current.inner_steps
+    starts.append(time.perf_counter())
+    received.append(site.client.stats.received)
+    dist.destroy_process_group()
+    return {
+        "rank": rank,
+        "shard_bytes": 4 * site.shard_numel,
+        "round_time_s": [b - a for a, b in zip(starts, starts[1:], strict=False)],
+        "bytes_up": sent,
+        "bytes_down": [b - a for a, b in zip(received, received[1:], strict=False)],
+    }
+
+
+def _run_dp(args: argparse.Namespace, coordinator: str, tls: Any, config: Any, batch: Any) -> dict[str, Any]:
+    import itertools
+
+    import torch
+
+    from geoloco.site_agent.agent import SiteAgent
+    from geoloco.site_agent.config import RoundResult, SiteHooks
+    from geoloco.site_agent.distributed import init_from_env
+
+    results: list[RoundResult] = []
+    with init_from_env(backend="gloo", device="cpu", timeout=timedelta(seconds=args.timeout)) as group:
+        model = _model(args.width)
+        agent = SiteAgent(
+            model, torch.optim.SGD(model.parameters(), lr=LR), itertools.repeat(batch), _loss,
+            coordinator=coordinator, site=args.site, tls=tls, config=config, group=group,
+            hooks=SiteHooks(on_round_end=results.append),
+        )
+        agent.run()
+        rank = group.rank
+    return {  # the hooks run on the leader only: the other ranks report memory alone
+        "rank": rank,
+        "shard_bytes": 4 * sum(p.numel() for p in model.parameters()),
+        "round_time_s": [r.round_time_s for r in results],
+        "bytes_up": [r.bytes_up for r in results],
+        "bytes_down": [r.bytes_down for r in results],
+    }
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+class _Watchdog:
+    """Kills every process group it was given when ``MemAvailable`` falls below a floor: a run
+    that would take the shared machine out of memory is stopped and reported, not finished."""
+
+    def __init__(self, floor_gib: float) -> None:
+        self.floor = floor_gib * GiB
+        self.groups: list[int] = []
+        self.fired = False
+        self.lowest = math.inf
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.kill()
+
+    def kill(self) -> None:
+        for pgid in self.groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            available = _mem_available()
+            self.lowest = min(self.lowest, available)
+            if available < self.floor:
+                self.fired = True
+                self.kill()
+                return
+
+
+def _mem_available() -> float:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024.0
+    return math.inf
+
+
+def _spawn(command: list[str], watchdog: _Watchdog) -> subprocess.Popen[bytes]:
+    from geoloco.protos.transport import recommended_env
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(recommended_env(), OMP_NUM_THREADS="1")
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    watchdog.groups.append(process.pid)
+    return process
+
+
+def _run_mode(mode: str, args: argparse.Namespace, certs: Path, work: Path) -> dict[str, Any]:
+    out = work / mode
+    out.mkdir()
+    common = ["--width", str(args.width), "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps),
+              "--codec", args.codec, "--certs", str(certs), "--out", str(out), "--timeout", str(args.timeout),
+              "--sites", str(args.sites)]
+    load_before = os.getloadavg()
+    available_before = _mem_available()
+    started = time.perf_counter()
+    with _Watchdog(args.min_free_gib) as watchdog:
+        try:
+            coordinator = _spawn([sys.executable, __file__, "--role", "coordinator", *common,
+                                  *(["--checkpoint"] if args.checkpoint else [])], watchdog)
+            port = phases._wait_file(out / "port", coordinator, 600)
+            sites = [
+                _spawn([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc_per_node={args.ranks}", "--max-restarts=0", __file__, "--role", "rank",
+                        "--mode", mode, "--site", str(s), "--port", port, *common], watchdog)
+                for s in range(args.sites)
+            ]
+            for process in (*sites, coordinator):
+                if process.wait(args.timeout) != 0:
+                    raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
+        except (RuntimeError, SystemExit, subprocess.TimeoutExpired) as why:
+            reason = "memory watchdog (MemAvailable below the floor)" if watchdog.fired else str(why)
+            return {"mode": mode, "failed": reason, "lowest_available_gib": watchdog.lowest / GiB,
+                    "load_before": load_before}
+    wall = time.perf_counter() - started
+    from geoloco.coordinator.metrics import read_metrics
+
+    records = read_metrics(out / "metrics.jsonl")
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"{mode}-site*-rank*.json"))]
+    movers = [r for r in ranks if r["round_time_s"]]  # sharded: every rank; dp: the leaders
+    per_round = [max(times) for times in zip(*(r["round_time_s"] for r in movers), strict=False)]
+    up = max(max(r["bytes_up"]) for r in movers)
+    down = max(max(r["bytes_down"]) for r in movers)
+    raw_s = phases._raw_tcp_s(up, down, out, len(movers))
+    return {
+        "mode": mode,
+        "round_s": statistics.median(per_round[1:] or per_round),
+        "round_times_s": per_round,
+        "raw_tcp_s": raw_s,
+        "connections": len(movers),
+        "upload_bytes": up,
+        "download_bytes": down,
+        "coordinator_peak_rss_mib": json.loads((out / "coordinator.json").read_text())["peak_rss_mib"],
+        "coordinator_phases_s": records[-1].get("phases_s", {}),
+        "round_wall_s": records[-1].get("round_wall_s") or 0.0,
+        "ranks": [{k: r[k] for k in ("site", "rank", "peak_rss_mib", "baseline_mib", "shard_bytes")} for r in ranks],
+        "wall_s": wall,
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "available_before_gib": available_before / GiB,
+        "lowest_available_gib": watchdog.lowest / GiB,
+    }
+
+
+def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    numel = LAYERS * args.width * args.width
+    model_mib = 4 * numel / MiB
+    print(f"\n{numel:,} parameters ({model_mib:.0f} MiB fp32; {LAYERS} x Linear({args.width}, {args.width})), "
+          f"{args.sites} sites x {args.ranks} ranks, codec {args.codec}, {args.inner_steps} inner step(s), "
+          f"{args.rounds} rounds, checkpoints {'on' if args.checkpoint else 'off'}, mutual TLS, loopback\n")
+    print("| mode | round (median) | raw TCP same bytes | round / raw | up / down per mover | "
+          "coordinator peak (/ model) | rank peak (max) | rank peak / shard | (peak - baseline) / shard | "
+          "lowest MemAvailable | load before |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    done = {r["mode"]: r for r in results if "failed" not in r}
+    for r in results:
+        load = "/".join(f"{x:.1f}" for x in r["load_before"])
+        if "failed" in r:
+            print(f"| {r['mode']} | not finished: {r['failed']} | | | | | | | | "
+                  f"{r['lowest_available_gib']:.1f} GiB | {load} |")
+            continue
+        worst = max(r["ranks"], key=lambda k: k["peak_rss_mib"])
+        shard_mib = worst["shard_bytes"] / MiB
+        print(
+            f"| {r['mode']} | {r['round_s']:.2f} s | {r['raw_tcp_s']:.2f} s ({r['connections']} conn.) "
+            f"| **{r['round_s'] / r['raw_tcp_s']:.1f}x** "
+            f"| {r['upload_bytes'] / MiB:.0f} / {r['download_bytes'] / MiB:.0f} MiB "
+            f"| {r['coordinator_peak_rss_mib']:.0f} MiB ({r['coordinator_peak_rss_mib'] / model_mib:.1f}x) "
+            f"| {worst['peak_rss_mib']:.0f} MiB | {worst['peak_rss_mib'] / shard_mib:.1f}x of {shard_mib:.0f} MiB "
+            f"| {(worst['peak_rss_mib'] - worst['baseline_mib']) / shard_mib:.1f}x "
+            f"| {r['lowest_available_gib']:.1f} GiB | {load} |"
+        )
+    if "sharded" in done and "dp" in done:
+        ratio = done["sharded"]["round_s"] / done["dp"]["round_s"]
+        print(f"\nsharded round / data-parallel round: **{ratio:.2f}x**")
+    for r in done.values():
+        print(f"\n{r['mode']}: rounds {', '.join(f'{t:.2f}' for t in r['round_times_s'])} s; per rank peak RSS "
+              + ", ".join(f"s{k['site']}r{k['rank']} {k['peak_rss_mib']:.0f} (base {k['baseline_mib']:.0f})"
+                          for k in r["ranks"]) + " MiB")
+        phases_s = r["coordinator_phases_s"]
+        print("  coordinator, last round: " + ", ".join(f"{k} {v:.2f}" for k, v in phases_s.items())
+              + f"; wall {r['round_wall_s']:.2f} s")
+    print("\n" + json.dumps(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--role", choices=["coordinator", "rank"], help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=["sharded", "dp"], help=argparse.SUPPRESS)
+    parser.add_argument("--site", help=argparse.SUPPRESS)
+    parser.add_argument("--port", help=argparse.SUPPRESS)
+    parser.add_argument("--certs", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--params", type=float, default=250e6, help="model parameters, at least (default 250e6)")
+    parser.add_argument("--modes", default="sharded,dp", help="comma-separated: sharded, dp")
+    parser.add_argument("--sites", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="torchrun processes per site")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--inner-steps", type=int, default=1)
+    parser.add_argument("--codec", default="none", help="uplink = downlink codec (default none)")
+    parser.add_argument("--checkpoint", action="store_true", help="coordinator checkpoints every round")
+    parser.add_argument("--min-free-gib", type=float, default=1.5,
+                        help="kill the run when MemAvailable falls below this (default 1.5)")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    if args.role == "coordinator":
+        _role_coordinator(args)
+        return
+    if args.role == "rank":
+        _role_rank(args)
+        return
+    args.width = _width(args.params)
+    from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
+
+    work = Path(tempfile.mkdtemp(prefix="geoloco-sharded-"))
+    try:
+        certs = work / "certs"
+        init_ca(certs)
+        issue_coordinator(certs)
+        for site in range(args.sites):
+            issue_site(certs, str(site))
+        results = [_run_mode(mode, args, certs, work) for mode in args.modes.split(",")]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _report(results, args)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

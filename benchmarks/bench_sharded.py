@@ -33,6 +33,7 @@ a few shards (+ the whole broadcast delta while the downlink is model-wide); a d
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -135,6 +136,13 @@ def _role_rank(args: argparse.Namespace) -> None:
     from geoloco.site_agent.config import SiteAgentConfig
 
     baseline = _rss_mib()
+    sampler = None
+    if args.where:
+        from bench_site_memory import _PeakSampler
+
+        sampler = _PeakSampler()  # the census (a gc walk) from round 1 on: earlier it races
+        sampler.start()           # torch's lazy imports (SystemError in a tuple being built)
+        args.sampler = sampler
     tls = TLSFiles.from_dir(Path(args.certs), args.site)
     config = SiteAgentConfig(device="cpu")
     batch = torch.randn(BATCH, args.width, generator=torch.Generator().manual_seed(int(args.site)))
@@ -142,6 +150,10 @@ def _role_rank(args: argparse.Namespace) -> None:
     run = _run_sharded if args.mode == "sharded" else _run_dp
     result = run(args, coordinator, tls, config, batch)
     result.update(peak_rss_mib=_peak_rss_mib(), baseline_mib=baseline, site=args.site)
+    if sampler is not None:
+        sampler.stop()
+        result.update(peak_stack=sampler.stack, tensors_at_peak_mib=sampler.tensors_mib,
+                      malloc_at_peak_mib=sampler.malloc_mib)
     name = f"{args.mode}-site{args.site}-rank{result['rank']}.json"
     (Path(args.out) / name).write_text(json.dumps(result))
 
@@ -179,6 +191,8 @@ def _run_sharded(args: argparse.Namespace, coordinator: str, tls: Any, config: A
     starts: list[float] = []
     received: list[int] = []
     for current in site.rounds():
+        if len(starts) == 1 and getattr(args, "sampler", None) is not None:
+            args.sampler.census = True
         starts.append(time.perf_counter())
         received.append(site.client.stats.received)
         for _ in range(current.inner_steps):
@@ -192,15 +206,13 @@ def _run_sharded(args: argparse.Namespace, coordinator: str, tls: Any, config: A
     return {
         "rank": rank,
         "shard_bytes": 4 * site.shard_numel,
-        "round_time_s": [b - a for a, b in zip(starts, starts[1:], strict=False)],
+        "round_time_s": [b - a for a, b in itertools.pairwise(starts)],
         "bytes_up": sent,
-        "bytes_down": [b - a for a, b in zip(received, received[1:], strict=False)],
+        "bytes_down": [b - a for a, b in itertools.pairwise(received)],
     }
 
 
 def _run_dp(args: argparse.Namespace, coordinator: str, tls: Any, config: Any, batch: Any) -> dict[str, Any]:
-    import itertools
-
     import torch
 
     from geoloco.site_agent.agent import SiteAgent
@@ -275,14 +287,37 @@ def _mem_available() -> float:
     return math.inf
 
 
-def _spawn(command: list[str], watchdog: _Watchdog) -> subprocess.Popen[bytes]:
+def _spawn(command: list[str], watchdog: _Watchdog, tunables: bool = True) -> subprocess.Popen[bytes]:
     from geoloco.protos.transport import recommended_env
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(recommended_env(), OMP_NUM_THREADS="1")
+    env = {k: v for k, v in (recommended_env() if tunables else os.environ).items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
     process = subprocess.Popen(command, env=env, start_new_session=True)
     watchdog.groups.append(process.pid)
     return process
+
+
+def _wait_all(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    """Wait for every process; the first to fail (or the deadline) ends the wait: the others
+    of a run with a dead site would wait for it until their own timeouts."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in processes):
+        failed = [p for p in processes if p.returncode not in (None, 0)]
+        if failed:
+            raise RuntimeError(f"{_name(failed[0])} exited with {failed[0].returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the run did not finish within {timeout_s:.0f} s")
+        time.sleep(0.2)
+    failed = [p for p in processes if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"{_name(failed[0])} exited with {failed[0].returncode}")
+
+
+def _name(process: subprocess.Popen[bytes]) -> str:
+    """``coordinator`` or ``site N`` from a process's command line."""
+    command = [str(a) for a in process.args] if isinstance(process.args, list) else [str(process.args)]
+    return f"site {command[command.index('--site') + 1]}" if "--site" in command else "coordinator"
 
 
 def _run_mode(mode: str, args: argparse.Namespace, certs: Path, work: Path) -> dict[str, Any]:
@@ -290,7 +325,7 @@ def _run_mode(mode: str, args: argparse.Namespace, certs: Path, work: Path) -> d
     out.mkdir()
     common = ["--width", str(args.width), "--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps),
               "--codec", args.codec, "--certs", str(certs), "--out", str(out), "--timeout", str(args.timeout),
-              "--sites", str(args.sites)]
+              "--sites", str(args.sites), *(["--where"] if args.where else [])]
     load_before = os.getloadavg()
     available_before = _mem_available()
     started = time.perf_counter()
@@ -302,13 +337,12 @@ def _run_mode(mode: str, args: argparse.Namespace, certs: Path, work: Path) -> d
             sites = [
                 _spawn([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc_per_node={args.ranks}", "--max-restarts=0", __file__, "--role", "rank",
-                        "--mode", mode, "--site", str(s), "--port", port, *common], watchdog)
+                        "--mode", mode, "--site", str(s), "--port", port, *common], watchdog,
+                       tunables=not args.sites_without_tunables)
                 for s in range(args.sites)
             ]
-            for process in (*sites, coordinator):
-                if process.wait(args.timeout) != 0:
-                    raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
-        except (RuntimeError, SystemExit, subprocess.TimeoutExpired) as why:
+            _wait_all([*sites, coordinator], args.timeout)
+        except (RuntimeError, SystemExit) as why:
             reason = "memory watchdog (MemAvailable below the floor)" if watchdog.fired else str(why)
             return {"mode": mode, "failed": reason, "lowest_available_gib": watchdog.lowest / GiB,
                     "load_before": load_before}
@@ -333,7 +367,8 @@ def _run_mode(mode: str, args: argparse.Namespace, certs: Path, work: Path) -> d
         "coordinator_peak_rss_mib": json.loads((out / "coordinator.json").read_text())["peak_rss_mib"],
         "coordinator_phases_s": records[-1].get("phases_s", {}),
         "round_wall_s": records[-1].get("round_wall_s") or 0.0,
-        "ranks": [{k: r[k] for k in ("site", "rank", "peak_rss_mib", "baseline_mib", "shard_bytes")} for r in ranks],
+        "ranks": [{k: r[k] for k in ("site", "rank", "peak_rss_mib", "baseline_mib", "shard_bytes", "peak_stack",
+                                     "tensors_at_peak_mib", "malloc_at_peak_mib") if k in r} for r in ranks],
         "wall_s": wall,
         "load_before": load_before,
         "load_after": os.getloadavg(),
@@ -377,6 +412,14 @@ def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         print(f"\n{r['mode']}: rounds {', '.join(f'{t:.2f}' for t in r['round_times_s'])} s; per rank peak RSS "
               + ", ".join(f"s{k['site']}r{k['rank']} {k['peak_rss_mib']:.0f} (base {k['baseline_mib']:.0f})"
                           for k in r["ranks"]) + " MiB")
+        for k in r["ranks"]:
+            if k.get("peak_stack"):
+                stack = " <- ".join(k["peak_stack"][::-1][:8])
+                print(f"  site {k['site']} rank {k['rank']}: stack at the peak: {stack}")
+                sizes = k.get("tensors_at_peak_mib") or []
+                print(f"    live tensors >= 1 MiB (from round 1 on): {sum(sizes):.0f} MiB: "
+                      + ", ".join(f"{n:.0f}" for n in sizes[:12]) + "; malloc: "
+                      + ", ".join(f"{a} {b:.0f}" for a, b in (k.get("malloc_at_peak_mib") or {}).items()))
         phases_s = r["coordinator_phases_s"]
         print("  coordinator, last round: " + ", ".join(f"{k} {v:.2f}" for k, v in phases_s.items())
               + f"; wall {r['round_wall_s']:.2f} s")
@@ -403,6 +446,10 @@ def main() -> None:
     parser.add_argument("--min-free-gib", type=float, default=1.5,
                         help="kill the run when MemAvailable falls below this (default 1.5)")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--sites-without-tunables", action="store_true",
+                        help="start the site ranks without transport.recommended_env()'s malloc tunables")
+    parser.add_argument("--where", action="store_true",
+                        help="sample each rank's RSS and keep the stack and live tensors at its peak (slower)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if args.role == "coordinator":

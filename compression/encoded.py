@@ -106,11 +106,7 @@ class Encoded:
         return HEADER_FIXED_NBYTES + len(self.spec) + _U64.size * len(self.shape) + self.payload.numel()
 
     def _header(self) -> bytes:
-        spec = self.spec.encode("ascii")
-        parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[self.dtype], len(self.shape), len(spec)), spec]
-        parts.extend(_U64.pack(d) for d in self.shape)
-        parts.append(_U64.pack(self.payload.numel()))
-        return b"".join(parts)
+        return wire_header(self.spec, self.shape, self.dtype, self.payload.numel())
 
     def to_bytes(self) -> bytes:
         """Serialize to the wire format described in the module docstring (moves the payload to host)."""
@@ -145,30 +141,7 @@ class Encoded:
         """
         view = memoryview(data).cast("B")
         total = len(view)
-        if total < HEADER_FIXED_NBYTES:
-            raise CodecError(f"encoded data is truncated: {total} bytes, a header alone needs {HEADER_FIXED_NBYTES}")
-        magic, version, dtype_code, ndim, spec_len = _PREFIX.unpack_from(view, 0)
-        if magic != MAGIC:
-            raise CodecError(f"not geoloco encoded data: magic {bytes(magic)!r}, expected {MAGIC!r}")
-        if version != FORMAT_VERSION:
-            raise CodecError(
-                f"encoded data has format version {version}; this build reads version {FORMAT_VERSION} only"
-            )
-        dtype = _CODE_DTYPES.get(dtype_code)
-        if dtype is None:
-            raise CodecError(f"encoded data names unknown dtype code {dtype_code}")
-        offset = _PREFIX.size
-        header_end = offset + spec_len + _U64.size * (ndim + 1)
-        if total < header_end + _CRC.size:
-            raise CodecError(
-                f"encoded data is truncated: {total} bytes, its header alone needs {header_end + _CRC.size}"
-            )
-        spec_raw = bytes(view[offset : offset + spec_len])
-        offset += spec_len
-        shape = tuple(_U64.unpack_from(view, offset + _U64.size * i)[0] for i in range(ndim))
-        offset += _U64.size * ndim
-        (payload_len,) = _U64.unpack_from(view, offset)
-        offset += _U64.size
+        spec_raw, shape, dtype, offset, payload_len = _parse_header(view)
         expected = offset + payload_len + _CRC.size
         if total != expected:
             kind = "truncated" if total < expected else "followed by trailing bytes"
@@ -177,10 +150,7 @@ class Encoded:
         crc = zlib.crc32(view[offset : offset + payload_len], zlib.crc32(view[:offset])) if check_crc else crc_stored
         if crc != crc_stored:
             raise CodecError(f"encoded data is corrupted: CRC32 {crc:#010x} does not match stored {crc_stored:#010x}")
-        try:
-            spec = spec_raw.decode("ascii")
-        except UnicodeDecodeError as exc:
-            raise CodecError(f"encoded data has a non-ASCII codec spec {spec_raw!r}") from exc
+        spec = _ascii_spec(spec_raw)
         if payload_len:
             raw = view[offset : offset + payload_len]
             payload = torch.frombuffer(raw if not copy and not raw.readonly else bytearray(raw), dtype=torch.uint8)
@@ -210,3 +180,68 @@ class Encoded:
 
     def __repr__(self) -> str:
         return f"Encoded(spec={self.spec!r}, shape={self.shape}, dtype={self.dtype}, nbytes={self.nbytes})"
+
+
+def wire_header(spec: str, shape: tuple[int, ...], dtype: torch.dtype, payload_nbytes: int) -> bytes:
+    """The wire format's bytes before the payload (module doc), for writers that assemble an
+    encoding from pieces (a slice of a served delta) instead of one payload tensor."""
+    raw = spec.encode("ascii")
+    parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], len(shape), len(raw)), raw]
+    parts.extend(_U64.pack(d) for d in shape)
+    parts.append(_U64.pack(payload_nbytes))
+    return b"".join(parts)
+
+
+def wire_trailer(crc32: int) -> bytes:
+    """The CRC-32 trailer of an encoding whose header and payload hash to ``crc32``."""
+    return _CRC.pack(crc32)
+
+
+def read_wire_header(view: memoryview) -> tuple[str, tuple[int, ...], torch.dtype, int, int]:
+    """(spec, shape, dtype, payload offset, payload length) from the start of encoded data;
+    ``view`` needs only the header's bytes (``header_nbytes_needed``), not the payload.
+    Raises :class:`CodecError` for a wrong magic, version or dtype, or a truncated header."""
+    spec_raw, shape, dtype, offset, payload_len = _parse_header(view)
+    return _ascii_spec(spec_raw), shape, dtype, offset, payload_len
+
+
+def _parse_header(view: memoryview) -> tuple[bytes, tuple[int, ...], torch.dtype, int, int]:
+    if len(view) < HEADER_FIXED_NBYTES:
+        raise CodecError(f"encoded data is truncated: {len(view)} bytes, a header alone needs {HEADER_FIXED_NBYTES}")
+    magic, version, dtype_code, ndim, spec_len = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CodecError(f"not geoloco encoded data: magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise CodecError(f"encoded data has format version {version}; this build reads version {FORMAT_VERSION} only")
+    dtype = _CODE_DTYPES.get(dtype_code)
+    if dtype is None:
+        raise CodecError(f"encoded data names unknown dtype code {dtype_code}")
+    offset = _PREFIX.size
+    header_end = offset + spec_len + _U64.size * (ndim + 1)
+    if len(view) < header_end + _CRC.size:
+        raise CodecError(
+            f"encoded data is truncated: {len(view)} bytes, its header alone needs {header_end + _CRC.size}"
+        )
+    spec_raw = bytes(view[offset : offset + spec_len])
+    offset += spec_len
+    shape = tuple(_U64.unpack_from(view, offset + _U64.size * i)[0] for i in range(ndim))
+    offset += _U64.size * ndim
+    (payload_len,) = _U64.unpack_from(view, offset)
+    return spec_raw, shape, dtype, offset + _U64.size, payload_len
+
+
+def _ascii_spec(raw: bytes) -> str:
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise CodecError(f"encoded data has a non-ASCII codec spec {raw!r}") from exc
+
+
+def header_nbytes_needed(prefix: memoryview) -> int:
+    """Bytes ``read_wire_header`` needs, from the first ``PREFIX_NBYTES`` bytes of the data."""
+    _, _, _, ndim, spec_len = _PREFIX.unpack_from(prefix, 0)
+    return _PREFIX.size + spec_len + _U64.size * (ndim + 1) + _CRC.size
+
+
+PREFIX_NBYTES: Final = _PREFIX.size
+"""Bytes at the start of encoded data that say how long its header is (``header_nbytes_needed``)."""

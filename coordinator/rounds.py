@@ -320,6 +320,13 @@ class RoundStateMachine:
             w = self.phases.weights
             return ModelSnapshot(round=self._ctx.round.number, weights=w.cpu, digest=w.digest)
 
+    def weights_with_digest(self, digest: str) -> torch.Tensor | None:
+        """The current global weights (CPU fp32) if their digest is ``digest``, else None (a
+        later round replaced them meanwhile)."""
+        with self._cond:
+            w = self.phases.weights
+            return w.cpu if w.digest == digest else None
+
     def count_bytes_down(self, site: str, nbytes: int) -> None:
         """Bytes sent to ``site`` (FetchModel, AwaitBroadcast), counted in the current round."""
         with self._cond:
@@ -333,7 +340,8 @@ class RoundStateMachine:
         if spec.shard_count and self.intake.secure:
             raise InvalidUpdateError(
                 "sharded uploads do not combine with secure aggregation (a masked update is one "
-                "ring sum per site); run the site data-parallel ([site] sharding = \"none\") or "
+                "ring sum per site); run the site data-parallel (geoloco site --sharding none; "
+                "SiteAgent instead of ShardedSite in Python) or "
                 "turn [privacy] secure_aggregation off"
             )
         return self.intake.receive(site, spec, chunks)

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 
 import grpc
 
 from geoloco.coordinator import translate
+from geoloco.coordinator.domain import BroadcastHeader
+from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.relayed import RelayedSite, RelayedUploads, relay_link
 from geoloco.coordinator.rounds import SECURE_STAGE_WAIT_S, RoundStateMachine
+from geoloco.coordinator.shard_views import ShardKey, ShardViews
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos import secagg_wire
@@ -26,6 +30,7 @@ from geoloco.protos.errors import IdentityError
 from geoloco.protos.transport import resolve_site
 from geoloco.protos.wire import (
     ChunkRef,
+    FileBlob,
     broadcast_responses,
     message_nbytes,
     model_responses,
@@ -60,6 +65,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         self._layout = translate.model_layout(rounds.layout)
         self._blobs = translate.BlobCache()
+        self._shard_views = ShardViews(
+            [tuple(e.shape) for e in rounds.layout.entries], spill_directory=rounds.config.checkpoint_dir
+        )
         self.relays = RelayedUploads(rounds.intake, rounds.config.relays, insecure=insecure)
         """Regional relays: whom each may speak for, and their partial sums."""
 
@@ -113,7 +121,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ) -> Iterator[pb.FetchModelResponse | ChunkRef]:
         site = self._site(context, request.site)
         snapshot = self.rounds.model_snapshot(site, request.session_id)
+        if request.HasField("shard"):  # a sharded site's rank: its rows only
+            key = translate.shard_key(request.shard)
+            snapshot = replace(
+                snapshot,
+                weights=self._shard_views.weight_rows(snapshot.weights, key),
+                digest=self._shard_views.rows_digest(snapshot.weights, snapshot.digest, key),
+            )
         manifest = translate.model_manifest(snapshot, request, layout=self._layout, chunk_size=self.chunk_size)
+        manifest.shard_rows = request.HasField("shard")
         link = self._link(context, site)
         for response in model_responses(manifest, snapshot.weights, stride=request.chunk_stride):
             self.rounds.count_bytes_down(link, message_nbytes(response))
@@ -176,10 +192,37 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             assert result.header is not None
             header = translate.broadcast_header(result.header, self._blobs)
             data = result.header.record.data if result.header.record is not None else None
+            if request.HasField("shard"):
+                data = self._shard_header(header, result.header, translate.shard_key(request.shard), data)
             for message in broadcast_responses(header, data, stride=request.chunk_stride):
                 self.rounds.count_bytes_down(link, message_nbytes(message))
                 yield message
             return
+
+    def _shard_header(
+        self, header: pb.BroadcastHeader, found: BroadcastHeader, key: ShardKey, data: bytes | FileBlob | None
+    ) -> bytes | FileBlob | None:
+        """Turn a broadcast header into a rank's (``geoloco.coordinator.shard_views``): the
+        digest of its rows of the new weights and, where the codec allows, only its rows of the
+        delta; returns the bytes to serve."""
+        weights = self.rounds.weights_with_digest(found.weights_digest)
+        if weights is not None:
+            header.shard_weights_digest.CopyFrom(
+                translate.checksum(self._shard_views.rows_digest(weights, found.weights_digest, key))
+            )
+        record = found.record
+        if record is None:
+            return data
+        rows = self._shard_views.delta_rows(record, key)
+        if rows is None:
+            return data
+        header.delta.CopyFrom(translate.shard_blob(rows, chunk_size=record.chunk_size))
+        if header.start_chunk > header.delta.num_chunks:
+            raise InvalidUpdateError(
+                f"start_chunk {header.start_chunk} is past the shard's {header.delta.num_chunks} chunks of the delta"
+            )
+        header.shard_rows = True
+        return rows.data
 
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext

@@ -205,12 +205,12 @@ class ShardedUploads:
         if ctx.strategy.partial is not None:
             raise InvalidUpdateError(
                 "sharded uploads do not combine with partial updates ([algorithm] partial_updates); "
-                "run the site data-parallel ([site] sharding = \"none\") or turn partial updates off"
+                "run the site data-parallel (SiteAgent; geoloco site without --sharding) or turn partial updates off"
             )
         if ctx.update_numel(spec.round) != self.host.numel:
             raise InvalidUpdateError(
                 "sharded uploads do not combine with Streaming DiLoCo fragments; run the site "
-                "data-parallel ([site] sharding = \"none\") or use fragments = 1"
+                "data-parallel (SiteAgent; geoloco site without --sharding) or use fragments = 1"
             )
         if spec.raw is not None and len(getattr(spec.raw, "relayed_sites", ())) > 0:
             raise InvalidUpdateError("a relay's partial sum cannot be sharded; relays upload whole partials")

@@ -27,6 +27,7 @@ from geoloco.coordinator.domain import (
     UploadSpec,
 )
 from geoloco.coordinator.errors import InvalidUpdateError
+from geoloco.coordinator.shard_views import ShardKey, ShardSlice
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.wire import (
     PROTOCOL_VERSION,
@@ -274,6 +275,19 @@ def _blob(record: BroadcastRecord) -> pb.BlobManifest:
     return blob_manifest(
         record.data, codec=record.codec, shape=list(record.shape), dtype="float32", chunk_size=record.chunk_size,
         checksum_algorithm=pb.CHECKSUM_ALGORITHM_SHA256, digest=record.data_sha256,
+    )
+
+
+def shard_key(ref: pb.ShardRef) -> ShardKey:
+    """A request's ``ShardRef`` as (index, count, split)."""
+    return int(ref.index), int(ref.count), str(ref.split)
+
+
+def shard_blob(rows: ShardSlice, *, chunk_size: int) -> pb.BlobManifest:
+    """The manifest of a rank's rows of a delta (``geoloco.coordinator.shard_views``)."""
+    return blob_manifest(
+        rows.data, codec=rows.codec, shape=[rows.numel], dtype="float32", chunk_size=chunk_size,
+        checksum_algorithm=pb.CHECKSUM_ALGORITHM_SHA256, digest=rows.sha256,
     )
 
 

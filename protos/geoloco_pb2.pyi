@@ -252,30 +252,44 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FetchModelRequest(_message.Message):
-    __slots__ = ("site", "session_id", "start_chunk", "expect_digest", "chunk_stride")
+    __slots__ = ("site", "session_id", "start_chunk", "expect_digest", "chunk_stride", "shard")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_CHUNK_FIELD_NUMBER: _ClassVar[int]
     EXPECT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     start_chunk: int
     expect_digest: Checksum
     chunk_stride: int
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., start_chunk: _Optional[int] = ..., expect_digest: _Optional[_Union[Checksum, _Mapping]] = ..., chunk_stride: _Optional[int] = ...) -> None: ...
+    shard: ShardRef
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., start_chunk: _Optional[int] = ..., expect_digest: _Optional[_Union[Checksum, _Mapping]] = ..., chunk_stride: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ...) -> None: ...
+
+class ShardRef(_message.Message):
+    __slots__ = ("index", "count", "split")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    count: int
+    split: str
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ..., split: _Optional[str] = ...) -> None: ...
 
 class ModelManifest(_message.Message):
-    __slots__ = ("round", "layout", "blob", "start_chunk")
+    __slots__ = ("round", "layout", "blob", "start_chunk", "shard_rows")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOB_FIELD_NUMBER: _ClassVar[int]
     START_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ROWS_FIELD_NUMBER: _ClassVar[int]
     round: int
     layout: ModelLayout
     blob: BlobManifest
     start_chunk: int
-    def __init__(self, round: _Optional[int] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., start_chunk: _Optional[int] = ...) -> None: ...
+    shard_rows: bool
+    def __init__(self, round: _Optional[int] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., start_chunk: _Optional[int] = ..., shard_rows: bool = ...) -> None: ...
 
 class FetchModelResponse(_message.Message):
     __slots__ = ("manifest", "chunk")
@@ -390,23 +404,25 @@ class UploadStatusResponse(_message.Message):
     def __init__(self, known: bool = ..., manifest: _Optional[_Union[UploadManifest, _Mapping]] = ..., received: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., complete: bool = ..., folded_late: bool = ...) -> None: ...
 
 class AwaitBroadcastRequest(_message.Message):
-    __slots__ = ("site", "session_id", "round", "fragment", "start_chunk", "chunk_stride")
+    __slots__ = ("site", "session_id", "round", "fragment", "start_chunk", "chunk_stride", "shard")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     START_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     round: int
     fragment: int
     start_chunk: int
     chunk_stride: int
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., start_chunk: _Optional[int] = ..., chunk_stride: _Optional[int] = ...) -> None: ...
+    shard: ShardRef
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., start_chunk: _Optional[int] = ..., chunk_stride: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ...) -> None: ...
 
 class BroadcastHeader(_message.Message):
-    __slots__ = ("action", "round", "included", "num_contributors", "delta", "weights_digest", "next_round", "run_finished", "start_chunk")
+    __slots__ = ("action", "round", "included", "num_contributors", "delta", "weights_digest", "next_round", "run_finished", "start_chunk", "shard_rows", "shard_weights_digest")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +432,8 @@ class BroadcastHeader(_message.Message):
     NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     RUN_FINISHED_FIELD_NUMBER: _ClassVar[int]
     START_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     action: BroadcastAction
     round: int
     included: bool
@@ -425,7 +443,9 @@ class BroadcastHeader(_message.Message):
     next_round: RoundInfo
     run_finished: bool
     start_chunk: int
-    def __init__(self, action: _Optional[_Union[BroadcastAction, str]] = ..., round: _Optional[int] = ..., included: bool = ..., num_contributors: _Optional[int] = ..., delta: _Optional[_Union[BlobManifest, _Mapping]] = ..., weights_digest: _Optional[_Union[Checksum, _Mapping]] = ..., next_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., run_finished: bool = ..., start_chunk: _Optional[int] = ...) -> None: ...
+    shard_rows: bool
+    shard_weights_digest: Checksum
+    def __init__(self, action: _Optional[_Union[BroadcastAction, str]] = ..., round: _Optional[int] = ..., included: bool = ..., num_contributors: _Optional[int] = ..., delta: _Optional[_Union[BlobManifest, _Mapping]] = ..., weights_digest: _Optional[_Union[Checksum, _Mapping]] = ..., next_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., run_finished: bool = ..., start_chunk: _Optional[int] = ..., shard_rows: bool = ..., shard_weights_digest: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
 
 class RoundProgress(_message.Message):
     __slots__ = ("round", "uploads_complete", "quorum", "deadline_remaining_ms")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -51,7 +51,7 @@ class FileBlob:
 
     @classmethod
     def spill_parts(
-        cls, parts: Sequence[Buffer], directory: str | os.PathLike[str] | None = None, *, digest: Any = None
+        cls, parts: Iterable[Buffer], directory: str | os.PathLike[str] | None = None, *, digest: Any = None
     ) -> FileBlob:
         """``spill`` of the concatenation of ``parts``, never joined in memory."""
         folder = None if directory is None else Path(directory)

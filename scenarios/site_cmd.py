@@ -22,7 +22,9 @@ named with a number ("3") takes that number and ``num_sites`` = the coordinator'
 same command runs again after a crash (``geoloco.site_agent.persist``).
 
 Multi-GPU sites run under ``torchrun`` (``torchrun --nproc_per_node=G -m geoloco.scenarios.cli
-site ...``): every rank trains with DDP, only rank 0 talks to the coordinator.
+site ...``): every rank trains with DDP, only rank 0 talks to the coordinator. With
+``--sharding fsdp`` the ranks shard the model with FSDP2 instead and every rank uploads its own
+shard (``geoloco.scenarios.sharded_site_cmd``).
 
 Contract with launchers and tests (stdout of rank 0, one line each, flushed):
 
@@ -65,6 +67,8 @@ from geoloco.scenarios.config_file import (
     tomllib,
 )
 from geoloco.scenarios.coordinator_cmd import GracefulStop
+from geoloco.scenarios.sharded_site_cmd import add_sharding_arguments, check_sharding_flags, run_sharded
+from geoloco.scenarios.site_lines import ADVERTISED, PROGRAM, join_line, round_line, summary_line
 from geoloco.site_agent.client_streams import parse_parallel_streams
 
 if TYPE_CHECKING:  # the workloads import torch; `geoloco --help` stays fast without it
@@ -72,15 +76,9 @@ if TYPE_CHECKING:  # the workloads import torch; `geoloco --help` stays fast wit
 
 logger = logging.getLogger(__name__)
 
-PROGRAM = "geoloco-site"
-"""Prefix of every machine-readable stdout line."""
-
 DEFAULT_GIVE_UP_S = 300.0
 DEFAULT_BACKOFF_MAX_S = 10.0
 
-
-ADVERTISED = "the coordinator's config"
-"""``source`` of an error in what the coordinator advertised (``RunConfig.config_json``)."""
 
 SiteCommandError = ConfigFileError
 """A flag or run setting this site cannot work with: ``SiteCommandError(source, key, message)``,
@@ -129,7 +127,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "round, upload the compressed pseudo-gradient, apply the broadcast. The workload, "
             "the inner optimizer and the seed come from the coordinator's config unless flags "
             "override them. Survives coordinator restarts (reconnects with backoff and jitter). "
-            "Under torchrun every rank trains with DDP and only rank 0 talks to the coordinator. "
+            "Under torchrun every rank trains with DDP and only rank 0 talks to the coordinator "
+            "(--sharding none), or the ranks shard the model with FSDP2 and each uploads its own "
+            "shard (--sharding fsdp). "
             "The process first re-executes itself once with GLIBC_TUNABLES malloc settings that "
             "keep chunk buffers warm (set GEOLOCO_NO_MALLOC_REEXEC=1 to skip). SIGTERM or SIGINT "
             "leaves the run gracefully (a second signal exits at once)."
@@ -242,6 +242,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="serve this site's Prometheus /metrics on 127.0.0.1:PORT (0: a free one, printed); "
         "off unless given",
     )
+    add_sharding_arguments(parser)
     parser.set_defaults(handler=run)
 
 
@@ -372,18 +373,6 @@ def _probe(
     return json.loads(response.config.config_json or "{}"), client
 
 
-def _join_line(site: str, info: Any) -> str:
-    return f"{PROGRAM} {site} joined session {info.session_id} at round {info.round}"
-
-
-def _round_line(site: str, result: Any) -> str:
-    return (
-        f"{PROGRAM} {site} round {result.round}: loss={result.train_loss:.6g} "
-        f"included={'yes' if result.included else 'no'} contributors={result.num_contributors} "
-        f"next_round={result.next_round} digest={result.weights_digest}"
-    )
-
-
 def _announcing_rounds(batches: Iterator[Any], site: str, agent: list[Any]) -> Iterator[Any]:
     """``batches``, printing ``geoloco-site NAME round R training`` when the agent (``agent[0]``,
     set once it exists) draws the first batch of a round: rounds of a big model can take minutes,
@@ -396,18 +385,24 @@ def _announcing_rounds(batches: Iterator[Any], site: str, agent: list[Any]) -> I
         yield batch
 
 
-def _summary_line(site: str, summary: Any, stopped_by: str | None) -> str:
-    how = "finished" if summary.run_finished or stopped_by is None else f"stopped ({stopped_by})"
-    return (
-        f"{PROGRAM} {site} {how}: final_round={summary.final_round} "
-        f"rounds_trained={summary.rounds_trained} rounds_included={summary.rounds_included} "
-        f"run_finished={'yes' if summary.run_finished else 'no'} digest={summary.weights_digest}"
-    )
+def _setup(args: argparse.Namespace, advertised: dict[str, Any]) -> tuple[SitePlan, Any, Any]:
+    """The plan, the inner optimizer's config and the built workload, or the config error."""
+    from geoloco.algorithms.config import ConfigError, config_from_dict
+    from geoloco.algorithms.optimizers import InnerOptimizerConfig
+
+    plan = resolve_plan(args, advertised)
+    try:
+        inner = config_from_dict(InnerOptimizerConfig, plan.inner_optimizer)
+    except ConfigError as err:
+        raise from_config_error(ADVERTISED, err, prefix="inner_optimizer") from None
+    try:
+        workload = plan.workload.build()
+    except ValueError as err:  # e.g. the GPT corpus is missing
+        raise ConfigFileError(ADVERTISED, "workload", str(err)) from None
+    return plan, inner, workload
 
 
 def _run(args: argparse.Namespace) -> int:
-    from geoloco.algorithms.config import ConfigError, config_from_dict
-    from geoloco.algorithms.optimizers import InnerOptimizerConfig
     from geoloco.protos.identity import validate_site_name
     from geoloco.protos.transport import TLSFiles
     from geoloco.scenarios.workloads import WORKLOADS
@@ -432,6 +427,7 @@ def _run(args: argparse.Namespace) -> int:
             "--workload",
             f"got {args.workload!r}; allowed values: {', '.join(WORKLOADS)}",
         )
+    check_sharding_flags(args)
     if args.insecure:
         print(
             "geoloco site: WARNING: --insecure: plain-text gRPC without authentication; use only "
@@ -488,16 +484,15 @@ def _run(args: argparse.Namespace) -> int:
 
             # The probe made this site a member: if it cannot start, say so (Leave) rather than
             # have the round wait for it until its heartbeat times out.
+            if args.sharding == "fsdp":
+                return run_sharded(
+                    args, advertised=advertised, group=group, tls=tls, agent_config=agent_config, stop=stop,
+                    probe_client=probe_client,
+                    setup=lambda: _setup(args, advertised),
+                    lr_schedule_for=lambda inner, optimizer: _build_lr_schedule(inner, optimizer, advertised),
+                )
             try:
-                plan = resolve_plan(args, advertised)
-                try:
-                    inner = config_from_dict(InnerOptimizerConfig, plan.inner_optimizer)
-                except ConfigError as err:
-                    raise from_config_error(ADVERTISED, err, prefix="inner_optimizer") from None
-                try:
-                    workload = plan.workload.build()
-                except ValueError as err:  # e.g. the GPT corpus is missing
-                    raise ConfigFileError(ADVERTISED, "workload", str(err)) from None
+                plan, inner, workload = _setup(args, advertised)
                 logger.info(
                     "site %s: workload %s %s, data shard %d of %d, seed %d, inner %s lr %g%s",
                     args.name, plan.workload.name, plan.workload.options, plan.site_index, plan.num_sites, plan.seed,
@@ -520,8 +515,8 @@ def _run(args: argparse.Namespace) -> int:
                     data = _announcing_rounds(data, args.name, agent_ref)
                 site_config = dataclasses.replace(agent_config, grad_clip_norm=inner.grad_clip_norm)
                 hooks = SiteHooks(
-                    on_join=lambda info: print(_join_line(args.name, info), flush=True),
-                    on_round_end=lambda result: print(_round_line(args.name, result), flush=True),
+                    on_join=lambda info: print(join_line(args.name, info), flush=True),
+                    on_round_end=lambda result: print(round_line(args.name, result), flush=True),
                 )
                 if args.metrics_port is not None and group.is_leader:
                     from geoloco.site_agent.prometheus import SiteMetrics
@@ -576,5 +571,5 @@ def _run(args: argparse.Namespace) -> int:
             if site_metrics is not None:
                 site_metrics.stop()
         if group.is_leader:
-            print(_summary_line(args.name, summary, stop.signal_name), flush=True)
+            print(summary_line(args.name, summary, stop.signal_name), flush=True)
     return EXIT_OK

@@ -161,6 +161,9 @@ class CoordinatorClient:
         self._raw_channel = channel
         self._stub = coordinator_stub(self._channel)
         self.session_id: str = ""
+        self.shard: pb.ShardRef | None = None
+        """Set on the client of one rank of a sharded site: downloads ask for that rank's rows
+        (``geoloco.site_agent.sharded``); None: the whole model."""
         self.stats = TransferStats()
         self._active_calls: set[Any] = set()
         self._lock = threading.Lock()
@@ -299,7 +302,8 @@ class CoordinatorClient:
     # FetchModel
 
     def fetch_model(self, numel: int) -> tuple[pb.ModelManifest, torch.Tensor]:
-        """The current global weights (a new CPU fp32 tensor), resuming broken downloads."""
+        """The current global weights (a new CPU fp32 tensor), resuming broken downloads; with
+        ``shard`` set, only that shard's ``numel`` rows (``ModelManifest.shard_rows``)."""
         weights = torch.empty(numel, dtype=torch.float32)
 
         def out_factory(blob: pb.BlobManifest) -> torch.Tensor:
@@ -307,6 +311,7 @@ class CoordinatorClient:
                 raise SiteAgentError(
                     f"the coordinator serves {blob.total_bytes} bytes of {blob.dtype} weights but "
                     f"this site's model has {numel} float32 parameters; use the same model class"
+                    + ("" if self.shard is None else " (and a coordinator that serves a rank's rows: this version)")
                 )
             return weights.view(torch.uint8)
 
@@ -327,6 +332,7 @@ class CoordinatorClient:
             request = pb.FetchModelRequest(
                 site=self.site, session_id=self.session_id, start_chunk=start,
                 chunk_stride=streams if streams > 1 else 0,  # absent: what older coordinators know
+                shard=self.shard,
             )
             if digest is not None:
                 request.expect_digest.CopyFrom(digest)
@@ -481,6 +487,7 @@ class CoordinatorClient:
         request = pb.AwaitBroadcastRequest(
             site=self.site, session_id=self.session_id, round=round_number, start_chunk=start_chunk,
             chunk_stride=stride if stride > 1 else 0,  # absent: what older coordinators know
+            shard=self.shard,
         )
         stub = stub if stub is not None else self._stub
         return self._track(stub.AwaitBroadcast(request, timeout=self.config.await_timeout_s))

@@ -10,33 +10,47 @@ of ``n``:
   the site's process group, and rank 0 alone sends heartbeats;
 * every rank keeps the global weights of its own shard only (FSDP2's dim-0 rows of every
   parameter, ``param.to_local()``; ``geoloco.algorithms.shard_split``), trains the inner steps
-  with FSDP (gradients reduce-scattered across ranks), forms the pseudo-gradient of its shard,
-  encodes it with its own error-feedback residual (shard-sized) and uploads it itself
-  (``UploadManifest.shard_index/shard_count/shard_split``), in parallel with the other ranks;
+  with FSDP (gradients reduce-scattered across ranks) in the user's own loop (``rounds()``) or
+  in ``run()``, forms the pseudo-gradient of its shard, encodes it with its own error-feedback
+  residual (shard-sized) and uploads it itself (``UploadManifest.shard_index/shard_count/
+  shard_split``), in parallel with the other ranks;
 * the coordinator holds the shards until all of the site's arrived and counts the site once
-  (``geoloco.coordinator.shards``); every rank then applies its rows of the broadcast.
+  (``geoloco.coordinator.shards``);
+* every rank downloads its own rows (``ShardRef`` on FetchModel and AwaitBroadcast;
+  ``geoloco.coordinator.shard_views``): of the weights at join, and of the broadcast delta when
+  the downlink codec has no sparsifier (``none``, the casts, the block quantizers), so the site
+  downloads one model's worth in total; then it checks its rows against the coordinator's
+  digest of them.
 
-Limits of this first version, said where they bite:
+``offload=True`` keeps the global rows and the residual in CPU memory (the outer optimizer's
+state lives on the coordinator already), so a GPU holds only the training state.
 
-* The broadcast is one model-wide delta: every rank downloads and decodes the whole delta
-  (transiently) and adds only its rows; the join-time fetch of the weights likewise reads the
-  whole vector once and keeps only the rank's rows. The weights themselves, the pseudo-gradient
-  and the residual are never held whole on a rank.
-* The weights digest of a broadcast covers the whole model, so a rank cannot check it; a rank
-  trusts the TLS channel and the download's checksum instead.
-* No re-join, saved state, late folding or inner lr schedule of the coordinator's: a rank that
-  loses its session stops with an error, and users step their own scheduler in ``loss_fn``'s
-  caller. Secure aggregation, Streaming DiLoCo fragments, partial updates and relays are refused
-  (by the site at join and by the coordinator).
+Limits of this version, said where they bite:
+
+* A sparse downlink codec (``topk`` ...) cannot be sliced: every rank then downloads the whole
+  (compressed) delta, decodes it transiently and keeps its rows. With a block quantizer
+  (``int8`` ...) a rank gets the whole blocks around its rows.
+* A rank that loses its session stops with an error; restarting the site's ranks (torchrun
+  ``--max-restarts``) joins them again as the same site. With ``state_dir`` each rank takes up
+  its error-feedback residual as of the last round boundary; the model, the inner optimizer and
+  the data position are the user's (``torch.distributed.checkpoint``). No late folding and no
+  inner lr schedule of the coordinator's (the user steps their own scheduler). Secure
+  aggregation, Streaming DiLoCo fragments, partial updates and relays are refused (by the site
+  at join and by the coordinator).
+* Tested on CPU with gloo; the code moves tensors between the model's device and ``held``'s, but
+  no run on GPUs with NCCL has been made.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,12 +61,20 @@ from geoloco.algorithms.diloco import UpdateEncoder
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.shard_split import DIM0, ShardRange, shard_ranges
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy, uplink_seed
-from geoloco.compression import Encoded, decode, parse_codec
+from geoloco.compression import Encoded, decode, parse_codec, slicing
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.transport import TLSFiles
+from geoloco.protos.wire import as_byte_view
 from geoloco.site_agent.client import CoordinatorClient, OpenBroadcast, RoundClosed, RunFinished, UpdateRejected
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.errors import SiteAgentError
+from geoloco.site_agent.persist import (
+    SiteSnapshot,
+    SiteStateError,
+    SiteStateStore,
+    layout_fingerprint,
+    run_fingerprint,
+)
 from geoloco.site_agent.state import SiteState
 
 __all__ = ["ShardedRound", "ShardedRunSummary", "ShardedSite", "local_shard"]
@@ -82,10 +104,15 @@ class ShardedRound:
     """The round being trained (the model holds its start weights ``θ_number``)."""
     inner_steps: int
     """Optimizer steps the coordinator asks of every rank this round."""
+    total_rounds: int = 0
+    """Rounds the run has (0: unbounded), so the loop can size its own lr schedule."""
     samples: float = 0.0
     """What this rank trained on this round (samples or tokens, as the run's weighting counts);
     the loop adds to it. The site's weight is the sum over its ranks; left at 0, each rank
     counts its inner steps instead."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the loop wants the coordinator's metrics to show for the site (e.g. ``{"loss": x}``);
+    averaged over the ranks key by key, reported with the upload."""
 
 
 @dataclass(slots=True)
@@ -96,12 +123,21 @@ class ShardedRunSummary:
     rounds_included: int = 0
     final_round: int = 0
     run_finished: bool = False
+    resyncs: int = 0
+    """Rounds after which this rank's rows did not match the coordinator's digest and were fetched."""
+    digests_checked: int = 0
+    """Broadcasts after which this rank's rows were checked against the coordinator's digest."""
+    restored_round: int | None = None
+    """The round this rank's saved state was taken at (``state_dir``), when one was taken up."""
+    bytes_received: int = 0
+    """Message bytes this rank received from the coordinator (its rows, not the model)."""
     upload_spans: list[tuple[int, float, float]] = field(default_factory=list)
     """(round, start, end) of every upload, ``time.time()`` seconds (comparable across ranks)."""
 
 
 class ShardedSite:
-    """One rank of a sharded (FSDP) site; call ``run()`` on every rank (module doc)."""
+    """One rank of a sharded (FSDP) site; every rank iterates ``rounds()`` or calls ``run()``
+    (module doc)."""
 
     def __init__(
         self,
@@ -118,6 +154,7 @@ class ShardedSite:
         group: dist.ProcessGroup | None = None,
         server_name: str | None = None,
         offload: bool = False,
+        state_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         """
         Args:
@@ -131,6 +168,10 @@ class ShardedSite:
             offload: keep the global copy of this rank's rows and its error-feedback residual
                 in CPU memory (pinned when the model is on CUDA) instead of beside the model,
                 so the GPU holds only the training state; they are touched once per round.
+            state_dir: save this rank's error-feedback residual at every round boundary in
+                ``state_dir/rank-R-of-N`` and take it up again when the site restarts (module
+                doc: saved state); the model, optimizer and data position are the user's to
+                checkpoint (``torch.distributed.checkpoint``).
         """
         if not dist.is_initialized():
             raise SiteAgentError(
@@ -151,6 +192,9 @@ class ShardedSite:
         model_device = self._locals[0][1].device if self._locals else torch.device("cpu")
         self.device = torch.device("cpu") if offload else model_device
         """Where the global rows and the residual live (module doc: offload)."""
+        nccl = dist.get_backend(group) == dist.Backend.NCCL
+        self._collective_device = model_device if nccl else torch.device("cpu")
+        """Where tensors of the site's own collectives live: NCCL reduces CUDA tensors only."""
         self.held = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device,
                                 pin_memory=offload and model_device.type == "cuda")
         """The global weights of this rank's shard (``θ_t`` rows), never the whole vector."""
@@ -159,7 +203,15 @@ class ShardedSite:
             coordinator, site=site, tls=tls, insecure=insecure, config=self.config,
             stop_event=self._stop, server_name=server_name,
         )
+        self.client.shard = pb.ShardRef(index=self.rank, count=self.world_size, split=DIM0)
         self.encoder: UpdateEncoder | None = None
+        self.last_broadcast: pb.BroadcastHeader | None = None
+        """The header of the last broadcast applied (whether this site was included, how many
+        sites were, the weights digest, the next round): what a loop logs after each round."""
+        self.store = None if state_dir is None else SiteStateStore(
+            Path(state_dir) / f"rank-{self.rank}-of-{self.world_size}"
+        )
+        self._run_identity: dict[str, Any] = {}
         self._heartbeat_s = 1.0
         self.summary = ShardedRunSummary()
 
@@ -200,6 +252,7 @@ class ShardedSite:
         match); leaving the loop early leaves the run (the client closes).
         """
         heartbeat: threading.Thread | None = None
+        leaving = "run finished"
         try:
             round_number, round_seed, algorithm, total_rounds = self._join()
             if self.rank == 0:
@@ -207,19 +260,33 @@ class ShardedSite:
                 heartbeat.start()
             while round_number < total_rounds and (max_rounds is None or self.summary.rounds_trained < max_rounds):
                 self._load_held()
-                current = ShardedRound(number=round_number, inner_steps=int(algorithm.inner_steps))
+                current = ShardedRound(
+                    number=round_number, inner_steps=int(algorithm.inner_steps), total_rounds=total_rounds
+                )
+                leaving = "the site's loop stopped"
                 yield current
                 header = self._sync(current, round_seed, algorithm)
+                leaving = "run finished"
                 if header is None or header.run_finished:
                     self.summary.run_finished = True
                     break
                 round_number, round_seed = header.next_round.round, header.next_round.round_seed
             else:
                 self.summary.run_finished = round_number >= total_rounds
+                if not self.summary.run_finished:
+                    leaving = f"max_rounds={max_rounds} trained"
+        except GeneratorExit:  # the loop left early (break, or the generator was closed)
+            raise
+        except BaseException:
+            leaving = ""  # a failure: the coordinator drops the site by its heartbeat timeout
+            raise
         finally:
             self._stop.set()
             if heartbeat is not None:
                 heartbeat.join(timeout=5.0)
+            if leaving and self.rank == 0 and self.client.session_id:
+                self.client.leave(leaving)  # the coordinator need not wait for a silent site
+            self.summary.bytes_received = self.client.stats.received
             self.client.close()
 
     def run(self, max_rounds: int | None = None) -> ShardedRunSummary:
@@ -229,22 +296,35 @@ class ShardedSite:
             raise SiteAgentError("run() trains on data with loss_fn; pass both to ShardedSite, or write "
                                  "the inner loop yourself with rounds()")
         for current in self.rounds(max_rounds):
+            losses = []
             for _ in range(current.inner_steps):
                 batch = next(self._data)
                 self.optimizer.zero_grad(set_to_none=True)
-                self.loss_fn(self.model, batch).backward()
+                loss = self.loss_fn(self.model, batch)
+                loss.backward()
                 self.optimizer.step()
                 current.samples += _samples(batch)
+                losses.append(loss.detach())
+            if losses:
+                current.metrics["loss"] = float(torch.stack(losses).float().mean())
         return self.summary
 
     def _join(self) -> tuple[int, int, AlgorithmConfig, int]:
         """Rank 0 joins; every rank takes its session, run config and its rows of the weights."""
         shared: list[Any] = [None]
+        failure: BaseException | None = None
         if self.rank == 0:
-            response = self.client.join(has_weights=False, weights_round=0, digest_hex=None)
-            shared[0] = (response.session_id, response.config.SerializeToString(), response.round.round,
-                         response.round.round_seed)
+            try:
+                response = self.client.join(has_weights=False, weights_round=0, digest_hex=None)
+                shared[0] = (response.session_id, response.config.SerializeToString(), response.round.round,
+                             response.round.round_seed)
+            except Exception as err:  # noqa: BLE001 - re-raised once the other ranks heard of it
+                failure, shared[0] = err, f"{type(err).__name__}: {err}"
         dist.broadcast_object_list(shared, src=0, group=self.group)
+        if failure is not None:
+            raise failure
+        if isinstance(shared[0], str):
+            raise SiteAgentError(f"site {self.site}: rank 0 could not join the run ({shared[0]})")
         session_id, config_bytes, round_number, round_seed = shared[0]
         self.client.session_id = session_id
         run_config = pb.RunConfig.FromString(config_bytes)
@@ -267,17 +347,60 @@ class ShardedSite:
             parse_codec(algorithm.uplink_codec).with_shapes([(self.shard_numel,)]),
             error_feedback=algorithm.error_feedback, decay=algorithm.error_feedback_decay,
         )
+        self._run_identity = run_fingerprint(run_config.config_json)
+        self._restore()
         self._fetch()
         return int(round_number), int(round_seed), algorithm, int(run_config.total_rounds)
 
+    # -- saved state --
+
+    def _state_meta(self) -> dict[str, Any]:
+        """What a saved state must match to be taken up: the site, the rank's rows, the model, the run."""
+        return {
+            "site": self.site,
+            "shard": [self.rank, self.world_size, DIM0],
+            "layout": layout_fingerprint(self.layout),
+            "run": self._run_identity,
+        }
+
+    def _save(self) -> None:
+        """This rank's residual as of the round boundary just passed (atomically, on every rank)."""
+        if self.store is None or self.encoder is None:
+            return
+        residual = self.encoder.residual
+        tensors = {} if residual is None else {"residual": residual.detach().cpu().contiguous()}
+        self.store.save(SiteSnapshot(tensors=tensors, meta={**self._state_meta(), "round": self.summary.final_round}))
+
+    def _restore(self) -> None:
+        """Take up this rank's saved residual, or refuse a state of another site, shard, model or run."""
+        snapshot = None if self.store is None else self.store.load()
+        if snapshot is None or self.encoder is None:
+            return
+        assert self.store is not None
+        saved = {key: snapshot.meta.get(key) for key in self._state_meta()}
+        if saved != self._state_meta():
+            differs = [key for key, value in self._state_meta().items() if saved[key] != value]
+            raise SiteStateError(
+                f"the state in {self.store.directory} was saved for another {' and '.join(differs)} "
+                f"(site {saved['site']!r}, shard {saved['shard']}); point state_dir at this site's own "
+                "folder, or delete it to start this rank afresh"
+            )
+        saved_residual = snapshot.tensors.get("residual")
+        feedback = self.encoder.error_feedback
+        if feedback is not None and saved_residual is not None:
+            feedback.residual = saved_residual.to(device=self.device, dtype=torch.float32).reshape(self.shard_numel)
+        self.summary.restored_round = int(snapshot.meta.get("round", 0))
+        logger.info("site %s rank %d: took up the residual saved after round %d", self.site, self.rank,
+                    self.summary.restored_round - 1)
+
     def _fetch(self) -> None:
-        """The global weights' rows of this rank (the download is whole: module doc, limits)."""
-        _, weights = self.client.fetch_model(self.layout.numel)
-        at = 0
-        for offset, n in self.ranges:
-            self.held[at : at + n].copy_(weights[offset : offset + n])
-            at += n
-        del weights
+        """The global weights' rows of this rank, and only those (``ModelManifest.shard_rows``;
+        their checksum, checked by the download, is the SHA-256 of the coordinator's rows)."""
+        manifest, rows = self.client.fetch_model(self.shard_numel)
+        if not manifest.shard_rows:
+            raise SiteAgentError("the coordinator served the whole model to a rank that asked for its rows; "
+                                 "run a coordinator of this version with sharded sites")
+        self.held.copy_(rows)
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self._heartbeat_s):
@@ -299,14 +422,23 @@ class ShardedSite:
             flat[at : at + view.numel()].copy_(view.detach().reshape(-1))
         return flat
 
+    def _site_metrics(self, own: dict[str, float]) -> dict[str, float]:
+        """The ranks' metrics averaged key by key (a key some rank lacks is averaged over those
+        that have it), so every shard reports the same site-level numbers."""
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, {str(k): float(v) for k, v in own.items()}, group=self.group)
+        keys = sorted({key for ranks in everyone for key in ranks})
+        return {key: sum(r[key] for r in everyone if key in r) / sum(key in r for r in everyone) for key in keys}
+
     def _sync(self, current: ShardedRound, round_seed: int, algorithm: AlgorithmConfig) -> pb.BroadcastHeader | None:
         """Upload this rank's shard of the round's pseudo-gradient, then apply the broadcast;
         None when the run finished meanwhile."""
         assert self.encoder is not None
         round_number, inner_steps = current.number, current.inner_steps
         own = float(current.samples) if current.samples > 0 else float(inner_steps)
-        total = torch.tensor([own], dtype=torch.float64)
+        total = torch.tensor([own], dtype=torch.float64, device=self._collective_device)
         dist.all_reduce(total, group=self.group)  # the site's weight covers every rank's batches
+        metrics = self._site_metrics(current.metrics)
         update = self._local_flat()
         torch.sub(self.held, update, out=update)
         if not bool(torch.isfinite(update).all()):
@@ -323,7 +455,7 @@ class ShardedSite:
             self.client.upload(
                 round_number=round_number, data=encoded.to_bytes(), codec=encoded.spec,
                 shape=list(encoded.shape), sample_weight=float(total.item()), inner_steps=inner_steps,
-                metrics={}, shard=(self.rank, self.world_size, DIM0),
+                metrics=metrics, shard=(self.rank, self.world_size, DIM0),
             )
         except (RoundClosed, UpdateRejected) as why:
             logger.info("site %s rank %d: shard of round %d not counted (%s)", self.site, self.rank, round_number, why)
@@ -345,17 +477,37 @@ class ShardedSite:
         else:
             self.summary.rounds_included += 1
         self._apply(header, data)
+        self.last_broadcast = header
         self.summary.final_round = round_number + 1
+        self._save()
         return header
 
     def _apply(self, header: pb.BroadcastHeader, data: memoryview | bytes | None) -> None:
-        """Add this rank's rows of the broadcast delta (the same float sum as the coordinator's)."""
+        """Add this rank's rows of the broadcast delta (the same float sum as the coordinator's),
+        then check them against the coordinator's digest of its rows."""
         if header.action != pb.BROADCAST_ACTION_APPLY_DELTA or data is None:
             self._fetch()
             return
         delta = decode(Encoded.from_bytes(data, copy=False), device=self.held.device).reshape(-1)
-        at = 0
-        for offset, n in self.ranges:
-            self.held[at : at + n].add_(delta[offset : offset + n])
-            at += n
+        block = slicing.slice_block(header.delta.codec) if header.shard_rows else None
+        if block == 1:  # ``none`` or a cast: exactly the rank's rows
+            self.held.add_(delta)
+        else:  # quantizer blocks around the rows, or (sparse downlink) the whole delta
+            positions = (
+                [offset for offset, _ in self.ranges] if block is None
+                else slicing.row_positions(self.ranges, block, self.layout.numel)
+            )
+            at = 0
+            for (_, n), position in zip(self.ranges, positions, strict=True):
+                self.held[at : at + n].add_(delta[position : position + n])
+                at += n
         del delta
+        expected = header.shard_weights_digest.digest if header.HasField("shard_weights_digest") else b""
+        if not expected:
+            return
+        self.summary.digests_checked += 1
+        if hashlib.sha256(as_byte_view(self.held.cpu())).digest() != expected:
+            logger.warning("site %s rank %d: rows after round %d differ from the coordinator's; fetching them",
+                           self.site, self.rank, header.round)
+            self.summary.resyncs += 1
+            self._fetch()

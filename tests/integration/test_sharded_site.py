@@ -1,18 +1,21 @@
 """Sharded (FSDP2) sites through the real system: torchrun ranks on gloo/CPU, a real coordinator
 over gRPC with mutual TLS on port 0, temp dirs.
 
-* A 2-rank FSDP site and a 2-rank data-parallel site (two runs, same model, data and SGD) end
-  on the same weights: within 1e-5 relative, 1e-6 absolute, because FSDP2 reduce-scatters the
-  gradients (sum, then divide by the world size) where DDP all-reduces bucketed gradients: the
-  same numbers added in another order, one float32 rounding apart per step; 3 rounds of 3 SGD
-  steps keep that far below the bound (with 2 ranks on gloo the two came out bitwise equal on
-  this machine, which the test does not rely on). Every FSDP rank's rows equal the coordinator's exactly
-  (the broadcast is added with the same float sum on both sides).
+* A 2-rank FSDP site, a 2-rank data-parallel site (two runs, same model, data and SGD) and the
+  simulator (one site whose batches are both ranks' together) end on the same weights: within
+  1e-5 relative, 1e-6 absolute, because FSDP2 reduce-scatters the gradients (sum, then divide
+  by the world size), DDP all-reduces bucketed gradients and the simulator takes the gradient
+  of the mean loss over both batches: the same numbers added in another order, one float32
+  rounding apart per step; 3 rounds of 3 SGD steps keep that far below the bound. Every FSDP
+  rank's rows equal the coordinator's exactly (the broadcast is added with the same float sum on
+  both sides), each rank downloaded about half a model per transfer (its rows) and checked its
+  rows against the coordinator's digest after every round.
 * The two ranks' uploads overlap in time (from their recorded timestamps: in some round each
   rank's upload started before the other's ended; a shard of ~280 chunks takes tens of ms, the
   ranks start theirs within a few ms of each other after the same all-reduce).
 * A rank SIGKILLed half-way through its shard's upload: its site is a straggler for that round
-  (nothing of it enters the sum) and the run finishes.
+  (nothing of it enters the sum); the job started again joins as the same site and counts again
+  in a later round, and the run finishes.
 """
 
 from __future__ import annotations
@@ -22,15 +25,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from _cluster import AgentThread, make_certs
-from _sharded_site import SEED, WORKLOAD
+from _sharded_site import LR, SEED, WORKLOAD
 
+from geoloco.algorithms.clock import SiteConfig
+from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.metrics import read_metrics
@@ -39,6 +46,7 @@ from geoloco.protos.transport import TLSFiles
 from geoloco.scenarios.workloads.mlp import MLPWorkload
 from geoloco.site_agent.agent import SiteAgent
 from geoloco.site_agent.config import SiteAgentConfig
+from geoloco.site_agent.distributed import rank_data_seed
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -50,15 +58,46 @@ ROUNDS = 3
 INNER_STEPS = 3
 
 
+class _TwoRankSite:
+    """The workload as one simulated site sees a 2-rank site: every batch is rank 0's and rank
+    1's batch together, so the mean loss's gradient is the mean of the ranks' mean gradients,
+    which FSDP's reduce-scatter and DDP's all-reduce compute (in another float order)."""
+
+    def __init__(self) -> None:
+        self.inner = MLPWorkload(WORKLOAD)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def site_batches(self, site: int, num_sites: int, seed: int) -> Iterator[tuple[torch.Tensor, ...]]:
+        ranks = [self.inner.site_batches(0, 1, rank_data_seed(SEED, r)) for r in range(2)]
+        while True:
+            parts = [next(stream) for stream in ranks]
+            yield tuple(torch.cat(tensors) for tensors in zip(*parts, strict=True))
+
+
+def _simulated() -> torch.Tensor:
+    """The simulator's weights after the same run (one site, same H, codec, SGD lr, init)."""
+    config = SimulatorConfig(
+        algorithm=AlgorithmConfig(inner_steps=INNER_STEPS, uplink_codec="none", weighting="samples"),
+        inner_optimizer=InnerOptimizerConfig(name="sgd", lr=LR),
+        sites=[SiteConfig()],
+        simulation=SimulationConfig(rounds=ROUNDS, seed=SEED, device="cpu", eval_every=10**6),
+    )
+    simulator = Simulator(config, _TwoRankSite())  # type: ignore[arg-type]
+    for _ in simulator.run():
+        pass
+    return simulator.global_flat
+
+
 def _coordinator(certs: Path, metrics: Path, **config: Any) -> CoordinatorServer:
     model = MLPWorkload(WORKLOAD).build_model(SEED)
     layout = ParamLayout.from_model(model)
     server = CoordinatorServer(
         CoordinatorConfig(
             certs_dir=str(certs), metrics_path=str(metrics), min_sites=1,
-            total_rounds=ROUNDS,
             algorithm=AlgorithmConfig(inner_steps=INNER_STEPS, uplink_codec="none", weighting="samples"),
-            **config,
+            **{"total_rounds": ROUNDS, **config},
         ),
         layout.flatten(model), layout, None,
     )
@@ -111,6 +150,7 @@ def test_fsdp_site_matches_data_parallel_site_and_uploads_shards_in_parallel(tmp
     initial = ParamLayout.from_model(MLPWorkload(WORKLOAD).build_model(SEED))
     assert not torch.equal(fs_weights, initial.flatten(MLPWorkload(WORKLOAD).build_model(SEED)))
     torch.testing.assert_close(fs_weights, dp_weights, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fs_weights, _simulated(), rtol=1e-5, atol=1e-6)
 
     ranks = [torch.load(out / f"fsdp-rank{r}.pt", weights_only=False) for r in range(2)]
     covered = torch.zeros(fs_weights.numel(), dtype=torch.int64)
@@ -123,6 +163,10 @@ def test_fsdp_site_matches_data_parallel_site_and_uploads_shards_in_parallel(tmp
         summary = saved["summary"]
         assert summary["rounds_trained"] == summary["rounds_included"] == ROUNDS
         assert summary["run_finished"]
+        # Each rank downloaded its rows, not the model: the join's weights and 3 deltas of
+        # ``none`` are 4 model-sized transfers for a whole site; a rank's are about half that.
+        assert summary["bytes_received"] < 0.6 * 4 * fs_weights.numel() * 4, summary["bytes_received"]
+        assert summary["digests_checked"] == ROUNDS and summary["resyncs"] == 0
     assert bool((covered == 1).all()), "the two ranks' shards must tile the vector exactly once"
     for dp_rank in range(2):
         dp = torch.load(out / f"dp-rank{dp_rank}.pt", weights_only=False)
@@ -141,14 +185,17 @@ def test_fsdp_site_matches_data_parallel_site_and_uploads_shards_in_parallel(tmp
     batch = WORKLOAD.batch_size
     # One site, counted once per round, with the weight of both ranks' batches.
     assert all(r["sample_weights"]["fs"] == 2 * INNER_STEPS * batch for r in records)
+    # The site's loss, the two ranks' mean, reported by every shard alike.
+    assert all(0 < r["site_metrics"]["fs"]["loss"] < 10 for r in records), records
 
 
-def test_rank_killed_mid_upload_makes_its_site_a_straggler_and_the_run_finishes(tmp_path: Path) -> None:
+def test_rank_killed_mid_upload_makes_its_site_a_straggler_and_torchrun_brings_it_back(tmp_path: Path) -> None:
     certs = make_certs(tmp_path / "certs", ["fs", "solo"])
     out = tmp_path / "out"
     out.mkdir()
     metrics = tmp_path / "fs.jsonl"
-    server = _coordinator(certs, metrics, round_deadline_s=3.0, heartbeat_timeout_s=6.0)
+    rounds = 6
+    server = _coordinator(certs, metrics, round_deadline_s=3.0, heartbeat_timeout_s=6.0, total_rounds=rounds)
     workload = MLPWorkload(WORKLOAD)
     model = workload.build_model(SEED)
     solo = AgentThread(SiteAgent(
@@ -165,16 +212,43 @@ def test_rank_killed_mid_upload_makes_its_site_a_straggler_and_the_run_finishes(
             time.sleep(0.05)
         solo.start()
         output = _finish(proc)
+        killed_returncode = proc.returncode
+        # The job is started again (as a supervisor or torchrun's --max-restarts would; a fresh
+        # launch here, because gloo's re-rendezvous inside one torchrun is flaky on a loaded
+        # machine); its ranks join again as the same site, with no saved state.
+        proc = _launch("fsdp", "fs", server, certs, out)
+        output += _finish(proc)
         solo.join(timeout=LAUNCH_TIMEOUT_S)
         records = read_metrics(metrics)
     finally:
         solo.agent.stop()
         server.stop(grace=0)
-    assert proc.returncode != 0, f"the killed rank's launch should fail:\n{output[-3000:]}\n{records}"
+    assert killed_returncode != 0, f"the killed rank's launch should fail:\n{output[-3000:]}"
     assert solo.error is None and solo.summary is not None and solo.summary.run_finished, solo.error
     by_round = {r["round"]: r for r in records}
-    assert sorted(by_round) == list(range(ROUNDS)), f"the run did not finish: {records}"
+    assert sorted(by_round) == list(range(rounds)), f"the run did not finish: {records}"
     assert sorted(by_round[0]["participants"]) == ["fs", "solo"]
     # Round 1: rank 0's shard arrived whole, rank 1's only half: the site did not count at all.
     assert by_round[1]["participants"] == ["solo"]
     assert "fs" not in by_round[1]["sample_weights"]
+    # The restarted site joined again and counted, once, in a later round.
+    back = [r for r in range(2, rounds) if "fs" in by_round[r]["participants"]]
+    assert back, f"the restarted site never counted again:\n{output[-8000:]}"
+    assert proc.returncode == 0, f"the restarted site failed:\n{output[-3000:]}"
+
+
+def test_a_refused_join_stops_every_rank_with_the_reason(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs", ["fs", "solo"])
+    out = tmp_path / "out"
+    out.mkdir()
+    server = _coordinator(certs, tmp_path / "fs.jsonl", allowed_sites=["solo"])
+    try:
+        proc = _launch("fsdp", "fs", server, certs, out)
+        output = _finish(proc)
+    finally:
+        server.stop(grace=0)
+    assert proc.returncode != 0
+    # Rank 1 heard of rank 0's refusal over the site's process group, instead of waiting in the
+    # collective until its timeout.
+    assert "[rank1]:" in output and "rank 0 could not join the run" in output, output[-3000:]
+    assert "not in this run's allowed_sites" in output

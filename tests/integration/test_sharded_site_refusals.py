@@ -4,6 +4,7 @@ a tile of the vector are refused with errors that say what is allowed."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,10 +18,11 @@ from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.shard_split import shard_numel, shard_ranges
 from geoloco.algorithms.strategy import AlgorithmConfig
-from geoloco.compression import Encoded
+from geoloco.compression import Encoded, decode
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.intake import PlainIntake
 from geoloco.coordinator.server import CoordinatorServer
+from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.transport import TLSFiles
 from geoloco.site_agent.client import CoordinatorClient, RoundClosed
 from geoloco.site_agent.config import SiteAgentConfig
@@ -192,5 +194,38 @@ def test_a_non_finite_shard_drops_the_whole_site_for_the_round(
     assert isinstance(intake, PlainIntake)
     assert not intake.shards.holds("fs")
     assert torch.equal(server.rounds.weights, before)
+    fs.close()
+    other.close()
+
+
+def test_a_rank_downloads_its_rows_of_the_weights_and_of_the_broadcast(
+    cluster: tuple[CoordinatorServer, Path, ParamLayout],
+) -> None:
+    server, certs, layout = cluster
+    shapes = _shapes(layout)
+    fs, other = _client(server, certs, "fs"), _client(server, certs, "other")
+    before = server.rounds.weights.clone()
+    fs.shard = pb.ShardRef(index=1, count=2, split="dim0")
+    rows_of = lambda flat: torch.cat([flat[o : o + n] for o, n in shard_ranges(shapes, 1, 2)])  # noqa: E731
+    manifest, rows = fs.fetch_model(shard_numel(shapes, 1, 2))
+    assert manifest.shard_rows and torch.equal(rows, rows_of(before))
+    assert manifest.blob.checksum.digest == hashlib.sha256(rows_of(before).numpy().tobytes()).digest()
+
+    full = torch.linspace(-1.0, 1.0, layout.numel)
+    for index in range(2):
+        assert _upload(fs, torch.cat([full[o : o + n] for o, n in shard_ranges(shapes, index, 2)]), (index, 2, "dim0"))
+    assert _upload(other, torch.zeros(layout.numel), None)
+    header, data = fs.await_broadcast(0)
+    after = server.rounds.weights.clone()
+    assert header.shard_rows and data is not None
+    delta = decode(Encoded.from_bytes(data))
+    assert delta.numel() == shard_numel(shapes, 1, 2)
+    assert torch.equal(rows_of(before) + delta, rows_of(after))  # the coordinator's own float sum
+    assert header.shard_weights_digest.digest == hashlib.sha256(rows_of(after).numpy().tobytes()).digest()
+
+    fs.shard = pb.ShardRef(index=2, count=2, split="dim0")
+    with pytest.raises(SiteAgentError, match=r"shard 2 of 2; count must be 1 \.\. \d+ and index 0 \.\. count-1"):
+        fs.fetch_model(shard_numel(shapes, 1, 2))
+    assert torch.equal(server.rounds.weights, after)
     fs.close()
     other.close()

@@ -1,0 +1,104 @@
+"""A sharded site's saved state (``ShardedSite(state_dir=...)``): a restarted rank takes up its
+error-feedback residual, and a state saved for another site or shard is refused by name. The
+run's int8 downlink reaches the rank as the quantizer blocks around its rows.
+
+One rank (a world of one, gloo, in this process) is enough to see what every rank does with its
+own folder; the coordinator is real (gRPC, mutual TLS, port 0).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _cluster import make_certs
+from torch import nn
+
+from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.coordinator.server import CoordinatorServer
+from geoloco.protos.transport import TLSFiles
+from geoloco.scenarios.workloads.mlp import MLPWorkload, MLPWorkloadConfig
+from geoloco.site_agent.config import SiteAgentConfig
+from geoloco.site_agent.persist import POINTER_NAME, SiteStateError
+from geoloco.site_agent.sharded import ShardedSite
+
+pytest.importorskip("torch.distributed.fsdp")
+
+WORKLOAD = MLPWorkloadConfig(input_dim=8, hidden_dim=32, num_classes=3)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg-store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(certs: Path, port: int, state_dir: Path) -> ShardedSite:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    workload = MLPWorkload(WORKLOAD)
+    model = workload.build_model(0)
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return ShardedSite(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), workload.site_batches(0, 1, 0), workload.loss,
+        coordinator=f"localhost:{port}", site="fs", tls=TLSFiles.from_dir(certs, "fs"),
+        config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05), state_dir=state_dir,
+    )
+
+
+def test_a_restarted_rank_takes_up_its_residual_and_refuses_another_sites_state(world: None, tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs", ["fs"])
+    model = MLPWorkload(WORKLOAD).build_model(0)
+    layout = ParamLayout.from_model(model)
+    server = CoordinatorServer(
+        CoordinatorConfig(
+            certs_dir=str(certs), min_sites=1, total_rounds=5, heartbeat_timeout_s=600.0,
+            algorithm=AlgorithmConfig(
+                inner_steps=2, uplink_codec="int8", downlink_codec="int8:block=64", error_feedback=True
+            ),
+        ),
+        layout.flatten(model), layout, None,
+    )
+    server.start()
+    state = tmp_path / "state"
+    try:
+        first = _sharded(certs, server.port, state)
+        first.run(max_rounds=2)
+        # The int8 broadcast reached the rank sliced (the blocks around its rows; with one rank,
+        # every block), and what it added matched the coordinator's digest of its rows both times.
+        assert first.summary.digests_checked == 2 and first.summary.resyncs == 0
+        assert first.encoder is not None and first.encoder.residual is not None
+        saved = first.encoder.residual.clone()
+        assert saved.abs().sum() > 0  # int8 left something behind
+
+        restarted = _sharded(certs, server.port, state)
+        rounds = restarted.rounds()
+        current = next(rounds)  # joined: the state is taken up before the first round
+        assert current.number == 2 and restarted.summary.restored_round == 2
+        assert restarted.encoder is not None and restarted.encoder.residual is not None
+        assert torch.equal(restarted.encoder.residual, saved)
+        rounds.close()
+
+        pointer = state / "rank-0-of-1" / POINTER_NAME
+        data = json.loads(pointer.read_text())
+        data["meta"]["site"] = "elsewhere"
+        pointer.write_text(json.dumps(data))
+        other = _sharded(certs, server.port, state)
+        with pytest.raises(SiteStateError, match=r"saved for another site .*site 'elsewhere'.*delete it"):
+            next(other.rounds())
+    finally:
+        server.stop(grace=0)

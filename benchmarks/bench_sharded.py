@@ -336,7 +336,7 @@ def _run_mode(mode: str, args: argparse.Namespace, certs: Path, work: Path) -> d
             port = phases._wait_file(out / "port", coordinator, 600)
             sites = [
                 _spawn([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={args.ranks}", "--max-restarts=0", __file__, "--role", "rank",
+                        f"--nproc_per_node={args.dp_ranks if mode == 'dp' else args.ranks}", "--max-restarts=0", __file__, "--role", "rank",
                         "--mode", mode, "--site", str(s), "--port", port, *common], watchdog,
                        tunables=not args.sites_without_tunables)
                 for s in range(args.sites)
@@ -381,7 +381,7 @@ def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     numel = LAYERS * args.width * args.width
     model_mib = 4 * numel / MiB
     print(f"\n{numel:,} parameters ({model_mib:.0f} MiB fp32; {LAYERS} x Linear({args.width}, {args.width})), "
-          f"{args.sites} sites x {args.ranks} ranks, codec {args.codec}, {args.inner_steps} inner step(s), "
+          f"{args.sites} sites x {args.ranks} ranks (dp: x {args.dp_ranks}), codec {args.codec}, {args.inner_steps} inner step(s), "
           f"{args.rounds} rounds, checkpoints {'on' if args.checkpoint else 'off'}, mutual TLS, loopback\n")
     print("| mode | round (median) | raw TCP same bytes | round / raw | up / down per mover | "
           "coordinator peak (/ model) | rank peak (max) | rank peak / shard | (peak - baseline) / shard | "
@@ -439,6 +439,7 @@ def main() -> None:
     parser.add_argument("--modes", default="sharded,dp", help="comma-separated: sharded, dp")
     parser.add_argument("--sites", type=int, default=2)
     parser.add_argument("--ranks", type=int, default=2, help="torchrun processes per site")
+    parser.add_argument("--dp-ranks", type=int, help="processes per data-parallel site (default: --ranks)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--inner-steps", type=int, default=1)
     parser.add_argument("--codec", default="none", help="uplink = downlink codec (default none)")
@@ -459,6 +460,7 @@ def main() -> None:
         _role_rank(args)
         return
     args.width = _width(args.params)
+    args.dp_ranks = args.dp_ranks or args.ranks
     from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 
     work = Path(tempfile.mkdtemp(prefix="geoloco-sharded-"))

@@ -189,6 +189,7 @@ def _run_sharded(args: argparse.Namespace, coordinator: str, tls: Any, config: A
 
     site.client.upload = counted_upload  # type: ignore[method-assign]
     starts: list[float] = []
+    trained: list[float] = []
     received: list[int] = []
     for current in site.rounds():
         if len(starts) == 1 and getattr(args, "sampler", None) is not None:
@@ -200,6 +201,7 @@ def _run_sharded(args: argparse.Namespace, coordinator: str, tls: Any, config: A
             _loss(model, batch).backward()
             site.optimizer.step()
         current.samples += BATCH * current.inner_steps
+        trained.append(time.perf_counter() - starts[-1])
     starts.append(time.perf_counter())
     received.append(site.client.stats.received)
     dist.destroy_process_group()
@@ -207,6 +209,7 @@ def _run_sharded(args: argparse.Namespace, coordinator: str, tls: Any, config: A
         "rank": rank,
         "shard_bytes": 4 * site.shard_numel,
         "round_time_s": [b - a for a, b in itertools.pairwise(starts)],
+        "train_time_s": trained,
         "bytes_up": sent,
         "bytes_down": [b - a for a, b in itertools.pairwise(received)],
     }
@@ -233,6 +236,7 @@ def _run_dp(args: argparse.Namespace, coordinator: str, tls: Any, config: Any, b
         "rank": rank,
         "shard_bytes": 4 * sum(p.numel() for p in model.parameters()),
         "round_time_s": [r.round_time_s for r in results],
+        "train_time_s": [r.inner_time_s for r in results],
         "bytes_up": [r.bytes_up for r in results],
         "bytes_down": [r.bytes_down for r in results],
     }
@@ -334,9 +338,10 @@ def _run_mode(mode: str, args: argparse.Namespace, certs: Path, work: Path) -> d
             coordinator = _spawn([sys.executable, __file__, "--role", "coordinator", *common,
                                   *(["--checkpoint"] if args.checkpoint else [])], watchdog)
             port = phases._wait_file(out / "port", coordinator, 600)
+            nproc = args.dp_ranks if mode == "dp" else args.ranks
             sites = [
                 _spawn([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={args.dp_ranks if mode == 'dp' else args.ranks}", "--max-restarts=0", __file__, "--role", "rank",
+                        f"--nproc_per_node={nproc}", "--max-restarts=0", __file__, "--role", "rank",
                         "--mode", mode, "--site", str(s), "--port", port, *common], watchdog,
                        tunables=not args.sites_without_tunables)
                 for s in range(args.sites)
@@ -353,6 +358,7 @@ def _run_mode(mode: str, args: argparse.Namespace, certs: Path, work: Path) -> d
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"{mode}-site*-rank*.json"))]
     movers = [r for r in ranks if r["round_time_s"]]  # sharded: every rank; dp: the leaders
     per_round = [max(times) for times in zip(*(r["round_time_s"] for r in movers), strict=False)]
+    per_round_train = [max(times) for times in zip(*(r["train_time_s"] for r in movers), strict=False)]
     up = max(max(r["bytes_up"]) for r in movers)
     down = max(max(r["bytes_down"]) for r in movers)
     raw_s = phases._raw_tcp_s(up, down, out, len(movers))
@@ -360,6 +366,7 @@ def _run_mode(mode: str, args: argparse.Namespace, certs: Path, work: Path) -> d
         "mode": mode,
         "round_s": statistics.median(per_round[1:] or per_round),
         "round_times_s": per_round,
+        "train_s": statistics.median(per_round_train[1:] or per_round_train),
         "raw_tcp_s": raw_s,
         "connections": len(movers),
         "upload_bytes": up,
@@ -381,23 +388,25 @@ def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     numel = LAYERS * args.width * args.width
     model_mib = 4 * numel / MiB
     print(f"\n{numel:,} parameters ({model_mib:.0f} MiB fp32; {LAYERS} x Linear({args.width}, {args.width})), "
-          f"{args.sites} sites x {args.ranks} ranks (dp: x {args.dp_ranks}), codec {args.codec}, {args.inner_steps} inner step(s), "
+          f"{args.sites} sites x {args.ranks} ranks (dp: x {args.dp_ranks}), codec {args.codec}, "
+          f"{args.inner_steps} inner step(s), "
           f"{args.rounds} rounds, checkpoints {'on' if args.checkpoint else 'off'}, mutual TLS, loopback\n")
-    print("| mode | round (median) | raw TCP same bytes | round / raw | up / down per mover | "
+    print("| mode | round (median) | of which training | raw TCP same bytes | round / raw | up / down per mover | "
           "coordinator peak (/ model) | rank peak (max) | rank peak / shard | (peak - baseline) / shard | "
           "lowest MemAvailable | load before |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     done = {r["mode"]: r for r in results if "failed" not in r}
     for r in results:
         load = "/".join(f"{x:.1f}" for x in r["load_before"])
         if "failed" in r:
-            print(f"| {r['mode']} | not finished: {r['failed']} | | | | | | | | "
+            print(f"| {r['mode']} | not finished: {r['failed']} | | | | | | | | | "
                   f"{r['lowest_available_gib']:.1f} GiB | {load} |")
             continue
         worst = max(r["ranks"], key=lambda k: k["peak_rss_mib"])
         shard_mib = worst["shard_bytes"] / MiB
         print(
-            f"| {r['mode']} | {r['round_s']:.2f} s | {r['raw_tcp_s']:.2f} s ({r['connections']} conn.) "
+            f"| {r['mode']} | {r['round_s']:.2f} s | {r['train_s']:.2f} s "
+            f"| {r['raw_tcp_s']:.2f} s ({r['connections']} conn.) "
             f"| **{r['round_s'] / r['raw_tcp_s']:.1f}x** "
             f"| {r['upload_bytes'] / MiB:.0f} / {r['download_bytes'] / MiB:.0f} MiB "
             f"| {r['coordinator_peak_rss_mib']:.0f} MiB ({r['coordinator_peak_rss_mib'] / model_mib:.1f}x) "

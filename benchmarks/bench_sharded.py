@@ -246,12 +246,12 @@ def _run_dp(args: argparse.Namespace, coordinator: str, tls: Any, config: Any, b
 
 
 class _Watchdog:
-    """Kills every process group it was given when ``MemAvailable`` falls below a floor: a run
+    """Kills every process it was given (and their descendants) when ``MemAvailable`` falls below a floor: a run
     that would take the shared machine out of memory is stopped and reported, not finished."""
 
     def __init__(self, floor_gib: float) -> None:
         self.floor = floor_gib * GiB
-        self.groups: list[int] = []
+        self.pids: list[int] = []
         self.fired = False
         self.lowest = math.inf
         self._stop = threading.Event()
@@ -267,9 +267,11 @@ class _Watchdog:
         self.kill()
 
     def kill(self) -> None:
-        for pgid in self.groups:
+        """SIGKILL every process started and all their descendants: torchrun starts its workers
+        in sessions of their own, so killing its process group alone leaves the ranks running."""
+        for pid in [*_descendants(self.pids), *self.pids]:
             try:
-                os.killpg(pgid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
@@ -281,6 +283,24 @@ class _Watchdog:
                 self.fired = True
                 self.kill()
                 return
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    """Every live descendant of ``roots`` (from ``/proc/*/stat``), children before parents."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found: list[int] = []
+    frontier = list(roots)
+    while frontier:
+        kids = [k for pid in frontier for k in children.get(pid, [])]
+        found.extend(kids)
+        frontier = kids
+    return found[::-1]
 
 
 def _mem_available() -> float:
@@ -298,7 +318,7 @@ def _spawn(command: list[str], watchdog: _Watchdog, tunables: bool = True) -> su
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     process = subprocess.Popen(command, env=env, start_new_session=True)
-    watchdog.groups.append(process.pid)
+    watchdog.pids.append(process.pid)
     return process
 
 
@@ -453,8 +473,8 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=1)
     parser.add_argument("--codec", default="none", help="uplink = downlink codec (default none)")
     parser.add_argument("--checkpoint", action="store_true", help="coordinator checkpoints every round")
-    parser.add_argument("--min-free-gib", type=float, default=1.5,
-                        help="kill the run when MemAvailable falls below this (default 1.5)")
+    parser.add_argument("--min-free-gib", type=float, default=2.0,
+                        help="kill the run when MemAvailable falls below this (default 2.0)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--sites-without-tunables", action="store_true",
                         help="start the site ranks without transport.recommended_env()'s malloc tunables")

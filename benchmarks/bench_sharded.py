@@ -21,13 +21,18 @@ coordinator's peak RSS against the fp32 model, and each rank's peak RSS (``ru_ma
 its shard (sharded) or the model (dp). A watchdog in the driver kills the run when the machine's
 ``MemAvailable`` falls below ``--min-free-gib`` and reports that mode as not finished.
 
-    python benchmarks/bench_sharded.py --params 16e6                       # quick check
-    python benchmarks/bench_sharded.py --params 250e6 --modes sharded      # the big one
-    python benchmarks/bench_sharded.py --params 64e6 --modes sharded,dp --codec int8
+    python benchmarks/bench_sharded.py --params 16e6                       # quick check, ~1 min
+    python benchmarks/bench_sharded.py --params 64e6                       # both modes, 2 x 2
+    python benchmarks/bench_sharded.py --params 250e6 --dp-ranks 1         # the issue's size
+    python benchmarks/bench_sharded.py --params 64e6 --modes sharded --where   # where the peaks are
 
-Memory (measured, README): the coordinator ~0.5 GB + 5-7 x the model; a sharded rank ~0.4 GB +
-a few shards (+ the whole broadcast delta while the downlink is model-wide); a data-parallel rank
-~0.4 GB + 4-6 x the model. Results are also written as JSON (``--json``).
+Memory at 250M (measured, benchmarks/README.md): the coordinator ~8x the fp32 model with two
+sites, a sharded rank ~8x its shard, a data-parallel rank ~6x the model (a second rank per
+data-parallel site adds DDP's buckets): the peaks of two 2-rank sharded sites and the coordinator
+add up to ~23 GiB (~19 GiB was in use at once), so at that size a 23 GiB machine takes two-rank
+sharded sites but only one-rank data-parallel ones (``--dp-ranks 1``). ``--where``
+samples each rank's RSS and keeps the stack, the live tensors and glibc's heap at its peak;
+``--site-malloc`` starts the ranks with other malloc tunables. ``--json`` writes the results.
 """
 
 from __future__ import annotations
@@ -246,8 +251,8 @@ def _run_dp(args: argparse.Namespace, coordinator: str, tls: Any, config: Any, b
 
 
 class _Watchdog:
-    """Kills every process it was given (and their descendants) when ``MemAvailable`` falls below a floor: a run
-    that would take the shared machine out of memory is stopped and reported, not finished."""
+    """Kills every process it was given, and their descendants, when ``MemAvailable`` falls below
+    a floor: a run that would take the shared machine out of memory is stopped and reported."""
 
     def __init__(self, floor_gib: float) -> None:
         self.floor = floor_gib * GiB
@@ -311,11 +316,16 @@ def _mem_available() -> float:
     return math.inf
 
 
-def _spawn(command: list[str], watchdog: _Watchdog, tunables: bool = True) -> subprocess.Popen[bytes]:
+def _spawn(command: list[str], watchdog: _Watchdog, tunables: str = "recommended") -> subprocess.Popen[bytes]:
+    """Start a role in a session of its own; ``tunables``: ``recommended`` (the malloc tunables
+    of ``transport.recommended_env()``), ``none`` (glibc's defaults) or a ``GLIBC_TUNABLES`` string."""
     from geoloco.protos.transport import recommended_env
 
-    env = {k: v for k, v in (recommended_env() if tunables else os.environ).items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GLIBC_TUNABLES")}
+    if tunables == "recommended":
+        env = recommended_env(env)
+    elif tunables != "none":
+        env["GLIBC_TUNABLES"] = tunables
     env["OMP_NUM_THREADS"] = "1"
     process = subprocess.Popen(command, env=env, start_new_session=True)
     watchdog.pids.append(process.pid)
@@ -363,7 +373,7 @@ def _run_mode(mode: str, args: argparse.Namespace, certs: Path, work: Path) -> d
                 _spawn([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc_per_node={nproc}", "--max-restarts=0", __file__, "--role", "rank",
                         "--mode", mode, "--site", str(s), "--port", port, *common], watchdog,
-                       tunables=not args.sites_without_tunables)
+                       tunables=args.site_malloc)
                 for s in range(args.sites)
             ]
             _wait_all([*sites, coordinator], args.timeout)
@@ -476,8 +486,9 @@ def main() -> None:
     parser.add_argument("--min-free-gib", type=float, default=2.0,
                         help="kill the run when MemAvailable falls below this (default 2.0)")
     parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--sites-without-tunables", action="store_true",
-                        help="start the site ranks without transport.recommended_env()'s malloc tunables")
+    parser.add_argument("--site-malloc", default="recommended",
+                        help="the ranks' glibc malloc: recommended (transport.recommended_env(), as deployed), "
+                             "none (glibc's defaults) or a GLIBC_TUNABLES string")
     parser.add_argument("--where", action="store_true",
                         help="sample each rank's RSS and keep the stack and live tensors at its peak (slower)")
     parser.add_argument("--json", type=Path, help="also write the results here")

@@ -78,18 +78,7 @@ class RunningSum:
         ``stale=True``: the site's update of an earlier round, folded in late (a site may have
         one fresh and one stale update in the same round; each only once).
         """
-        if self._taken:
-            raise ValueError(
-                f"site {site!r}: this round's mean was already taken (take_result); "
-                "start a new aggregator for the next round"
-            )
-        added = self.stale_sites if stale else self.sites
-        if site in added:
-            raise ValueError(
-                f"site {site!r} was already aggregated this round{' (late update)' if stale else ''}"
-            )
-        if not weight > 0:
-            raise ValueError(f"site {site!r}: aggregation weight must be > 0, got {weight}")
+        added = self._check_new(site, weight, stale)
         numel = update.numel() if isinstance(update, torch.Tensor) else update.numel
         if numel != self.numel:
             raise ValueError(f"site {site!r} sent {numel} values; the model has {self.numel}")
@@ -103,6 +92,44 @@ class RunningSum:
             add_decoded_into(update, self._buffer, scale=float(weight))
         self.total_weight += float(weight)
         added.append(site)
+
+    def add_rows(self, rows: list[tuple[int, torch.Tensor]], weight: float = 1.0, *, site: str) -> None:
+        """Add ``weight * update`` for an update given as pieces ``(offset, values)`` that tile
+        the vector once (a sharded site's shards, ``geoloco.coordinator.shards``): each piece
+        straight into its rows of the sum, the same numbers as ``add`` of the assembled vector
+        with no model-sized vector assembled. The tiling is checked before anything is added."""
+        self._check_new(site, weight, stale=False)
+        covered = torch.zeros(self.numel + 1, dtype=torch.int32)
+        for offset, values in rows:
+            if offset < 0 or offset + values.numel() > self.numel:
+                raise ValueError(f"site {site!r}: rows {offset}..{offset + values.numel()} lie outside the model")
+            covered[offset] += 1
+            covered[offset + values.numel()] -= 1
+        if not bool((covered.cumsum(0)[: self.numel] == 1).all()):
+            raise ValueError(f"site {site!r}: its pieces do not cover every value of the update exactly once")
+        if self._buffer is None:
+            self._buffer = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        for offset, values in rows:
+            piece = self._buffer[offset : offset + values.numel()]
+            piece.add_(values.reshape(-1).to(self._buffer), alpha=float(weight))
+        self.total_weight += float(weight)
+        self.sites.append(site)
+
+    def _check_new(self, site: str, weight: float, stale: bool) -> list[str]:
+        """The list ``site`` joins; an error when it may not be added now."""
+        if self._taken:
+            raise ValueError(
+                f"site {site!r}: this round's mean was already taken (take_result); "
+                "start a new aggregator for the next round"
+            )
+        added = self.stale_sites if stale else self.sites
+        if site in added:
+            raise ValueError(
+                f"site {site!r} was already aggregated this round{' (late update)' if stale else ''}"
+            )
+        if not weight > 0:
+            raise ValueError(f"site {site!r}: aggregation weight must be > 0, got {weight}")
+        return added
 
     @property
     def count(self) -> int:

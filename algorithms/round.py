@@ -222,6 +222,22 @@ class Round:
         self.aggregation.add(update, weight, site=site)
         self._arrived(site, weight, now)
 
+    def add_rows(
+        self, rows: list[tuple[int, torch.Tensor]], weight: float, *, numel: int, site: str, now: float
+    ) -> None:
+        """A site's verified update given as pieces ``(offset, values)`` tiling the vector (a
+        sharded site): added piece by piece where the aggregation can (``RunningSum``),
+        assembled into one vector for aggregations that keep or clip whole updates."""
+        add_rows = getattr(self.aggregation, "add_rows", None)
+        if add_rows is not None:
+            add_rows(rows, weight, site=site)
+        else:
+            dense = torch.zeros(numel, dtype=torch.float32, device=rows[0][1].device if rows else None)
+            for offset, values in rows:
+                dense[offset : offset + values.numel()].copy_(values.reshape(-1))
+            self.aggregation.add(dense, weight, site=site)
+        self._arrived(site, weight, now)
+
     def _arrived(self, site: str, weight: float, now: float) -> None:
         self.contributed[site] = weight
         # An update in before the round's clock started took no time of the deadline's.

@@ -10,7 +10,7 @@ every index arrived).
 Each shard is checked and verified like a whole upload (membership, round, codec, dtype, weight,
 checksum, finite values) and then *held*, still encoded, until all ``shard_count`` shards of the
 site arrived. Then the site's update norm (over all shards) meets ``[update_guard]``, the shards
-are decoded into one dense vector and that enters the round's sum once, with the site's weight,
+are decoded and enter the round's sum once, each into its rows, with the site's weight,
 and the site counts once (all or nothing). A site missing a shard when the round closes never
 entered the sum: it is a straggler like any other, and its held shards are dropped with the
 round. A non-finite shard rejects the whole site for the round.
@@ -20,9 +20,11 @@ ring sum per site; ``SecureIntake`` never sees shard fields as anything but a wr
 Streaming DiLoCo fragments, partial updates, late folding (a sharded update one round late is
 refused like with ``late_updates = "drop"``) and relays.
 
-Memory: the held shards are the encoded uploads (one site's update in total, compressed); the
-dense vector is built on the one verifier thread, so at most one is alive whatever the number of
-sharded sites, as for whole uploads.
+Memory: the held shards are the encoded uploads (one site's update in total, compressed); they
+are decoded on the one verifier thread (one site's update at a time, whatever the number of
+sharded sites) and added row range by row range into the plain sum (``RunningSum.add_rows``),
+with no model-sized vector assembled; aggregations that keep or clip whole updates (robust,
+central DP) get them assembled.
 """
 
 from __future__ import annotations
@@ -330,7 +332,7 @@ class ShardedUploads:
                 f"site {site!r}'s update for round {round_number} (all {shards.count} shards) is "
                 f"refused: {why}; it is dropped for this round"
             )
-        dense = torch.zeros(host.numel, dtype=torch.float32, device=host.device)
+        rows: list[tuple[int, torch.Tensor]] = []
         for index, (encoded, _) in held:
             try:
                 values = decode(encoded, device=host.device).reshape(-1)
@@ -339,7 +341,7 @@ class ShardedUploads:
                 raise InvalidUpdateError(f"site {site!r}'s shard {index} cannot be decoded: {err}") from None
             at = 0
             for offset, n in shard_ranges(self.shapes, index, shards.count, shards.split):
-                dense[offset : offset + n].copy_(values[at : at + n])
+                rows.append((offset, values[at : at + n]))
                 at += n
         weight = host._upload_weight(shards.first)
         with ctx.cond:
@@ -349,7 +351,7 @@ class ShardedUploads:
                 # A rank re-sent a different shard meanwhile: its verification adds the site.
                 raise NotAMemberError(f"site {site!r}'s shards for round {round_number} were discarded or replaced")
             try:
-                r.core.add(dense, weight, site=site, now=ctx.clock())
+                r.core.add_rows(rows, weight, numel=host.numel, site=site, now=ctx.clock())
             except Exception as err:
                 logger.exception("round %d: adding the sharded update of %s failed", round_number, site)
                 r.aborted = r.aborted or f"adding the update of {site} failed ({type(err).__name__})"

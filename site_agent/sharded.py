@@ -61,7 +61,7 @@ from geoloco.algorithms.diloco import UpdateEncoder
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.shard_split import DIM0, ShardRange, shard_ranges
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy, uplink_seed
-from geoloco.compression import Encoded, decode, parse_codec, slicing
+from geoloco.compression import Encoded, add_decoded_into, decode, parse_codec, slicing
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.transport import TLSFiles
 from geoloco.protos.wire import as_byte_view
@@ -435,6 +435,7 @@ class ShardedSite:
         None when the run finished meanwhile."""
         assert self.encoder is not None
         round_number, inner_steps = current.number, current.inner_steps
+        self.optimizer.zero_grad(set_to_none=True)  # spent: a shard of gradients less through the sync
         own = float(current.samples) if current.samples > 0 else float(inner_steps)
         total = torch.tensor([own], dtype=torch.float64, device=self._collective_device)
         dist.all_reduce(total, group=self.group)  # the site's weight covers every rank's batches
@@ -488,11 +489,12 @@ class ShardedSite:
         if header.action != pb.BROADCAST_ACTION_APPLY_DELTA or data is None:
             self._fetch()
             return
-        delta = decode(Encoded.from_bytes(data, copy=False), device=self.held.device).reshape(-1)
+        encoded = Encoded.from_bytes(data, copy=False)
         block = slicing.slice_block(header.delta.codec) if header.shard_rows else None
-        if block == 1:  # ``none`` or a cast: exactly the rank's rows
-            self.held.add_(delta)
+        if block == 1:  # ``none`` or a cast: exactly the rank's rows, added piece by piece
+            add_decoded_into(encoded.to(self.held.device), self.held)
         else:  # quantizer blocks around the rows, or (sparse downlink) the whole delta
+            delta = decode(encoded, device=self.held.device).reshape(-1)
             positions = (
                 [offset for offset, _ in self.ranges] if block is None
                 else slicing.row_positions(self.ranges, block, self.layout.numel)
@@ -501,7 +503,8 @@ class ShardedSite:
             for (_, n), position in zip(self.ranges, positions, strict=True):
                 self.held[at : at + n].add_(delta[position : position + n])
                 at += n
-        del delta
+            del delta
+        del encoded
         expected = header.shard_weights_digest.digest if header.HasField("shard_weights_digest") else b""
         if not expected:
             return

@@ -99,14 +99,16 @@ class RunningSum:
         straight into its rows of the sum, the same numbers as ``add`` of the assembled vector
         with no model-sized vector assembled. The tiling is checked before anything is added."""
         self._check_new(site, weight, stale=False)
-        covered = torch.zeros(self.numel + 1, dtype=torch.int32)
-        for offset, values in rows:
-            if offset < 0 or offset + values.numel() > self.numel:
-                raise ValueError(f"site {site!r}: rows {offset}..{offset + values.numel()} lie outside the model")
-            covered[offset] += 1
-            covered[offset + values.numel()] -= 1
-        if not bool((covered.cumsum(0)[: self.numel] == 1).all()):
-            raise ValueError(f"site {site!r}: its pieces do not cover every value of the update exactly once")
+        at = 0
+        for offset, length in sorted((offset, values.numel()) for offset, values in rows):
+            if offset != at:  # a gap or an overlap (or a piece outside the vector)
+                raise ValueError(
+                    f"site {site!r}: its pieces do not cover every value of the update exactly once "
+                    f"(a piece starts at {offset}, the previous ones end at {at})"
+                )
+            at = offset + length
+        if at != self.numel:
+            raise ValueError(f"site {site!r}: its pieces end at {at}; the model has {self.numel} values")
         if self._buffer is None:
             self._buffer = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         for offset, values in rows:

@@ -93,14 +93,14 @@ class RunningSum:
         self.total_weight += float(weight)
         added.append(site)
 
-    def add_rows(self, rows: list[tuple[int, torch.Tensor]], weight: float = 1.0, *, site: str) -> None:
+    def add_rows(self, rows: list[tuple[int, Encoded | torch.Tensor]], weight: float = 1.0, *, site: str) -> None:
         """Add ``weight * update`` for an update given as pieces ``(offset, values)`` that tile
         the vector once (a sharded site's shards, ``geoloco.coordinator.shards``): each piece
         straight into its rows of the sum, the same numbers as ``add`` of the assembled vector
         with no model-sized vector assembled. The tiling is checked before anything is added."""
         self._check_new(site, weight, stale=False)
         at = 0
-        for offset, length in sorted((offset, values.numel()) for offset, values in rows):
+        for offset, length in sorted((offset, _numel(values)) for offset, values in rows):
             if offset != at:  # a gap or an overlap (or a piece outside the vector)
                 raise ValueError(
                     f"site {site!r}: its pieces do not cover every value of the update exactly once "
@@ -112,8 +112,11 @@ class RunningSum:
         if self._buffer is None:
             self._buffer = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         for offset, values in rows:
-            piece = self._buffer[offset : offset + values.numel()]
-            piece.add_(values.reshape(-1).to(self._buffer), alpha=float(weight))
+            piece = self._buffer[offset : offset + _numel(values)]
+            if isinstance(values, Encoded):  # decoded piece by piece into the sum, as ``add``
+                add_decoded_into(values, piece, scale=float(weight))
+            else:
+                piece.add_(values.reshape(-1).to(self._buffer), alpha=float(weight))
         self.total_weight += float(weight)
         self.sites.append(site)
 
@@ -217,6 +220,10 @@ class CentralDPSum:
             raise ValueError("no uploads were aggregated this round; cannot take a mean of nothing")
         total, self._total = self._total, None
         return add_gaussian_noise(total, self.noise_multiplier * self.clip_norm, self.generator) / len(self._sites)
+
+
+def _numel(values: Encoded | torch.Tensor) -> int:
+    return values.numel() if isinstance(values, torch.Tensor) else values.numel
 
 
 def add_gaussian_noise(total: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:

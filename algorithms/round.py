@@ -27,7 +27,7 @@ import torch
 from geoloco.algorithms.aggregation import Aggregation
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig, RoundDeadline
 from geoloco.algorithms.weighting import stale_weight
-from geoloco.compression import Encoded
+from geoloco.compression import Encoded, decode
 
 __all__ = ["CloseDecision", "Round", "RoundOutcome", "RoundPolicy", "admit_arrivals", "close_time"]
 
@@ -223,7 +223,7 @@ class Round:
         self._arrived(site, weight, now)
 
     def add_rows(
-        self, rows: list[tuple[int, torch.Tensor]], weight: float, *, numel: int, site: str, now: float
+        self, rows: list[tuple[int, Encoded | torch.Tensor]], weight: float, *, numel: int, site: str, now: float
     ) -> None:
         """A site's verified update given as pieces ``(offset, values)`` tiling the vector (a
         sharded site): added piece by piece where the aggregation can (``RunningSum``),
@@ -232,9 +232,10 @@ class Round:
         if add_rows is not None:
             add_rows(rows, weight, site=site)
         else:
-            dense = torch.zeros(numel, dtype=torch.float32, device=rows[0][1].device if rows else None)
+            dense = torch.zeros(numel, dtype=torch.float32)
             for offset, values in rows:
-                dense[offset : offset + values.numel()].copy_(values.reshape(-1))
+                piece = values if isinstance(values, torch.Tensor) else decode(values)
+                dense[offset : offset + piece.numel()].copy_(piece.reshape(-1))
             self.aggregation.add(dense, weight, site=site)
         self._arrived(site, weight, now)
 

@@ -29,6 +29,7 @@ from geoloco.compression.codec import PipelineCodec, parse_codec
 from geoloco.compression.encoded import (
     PREFIX_NBYTES,
     CodecError,
+    Encoded,
     header_nbytes_needed,
     read_wire_header,
     wire_header,
@@ -36,7 +37,7 @@ from geoloco.compression.encoded import (
 )
 from geoloco.compression.quantize import BlockQuantizer
 
-__all__ = ["covering_runs", "row_positions", "slice_block", "sliced_parts"]
+__all__ = ["covering_runs", "element_pieces", "row_positions", "slice_block", "sliced_parts"]
 
 Reader = Callable[[int, int], bytes]
 """``read(offset, size)``: ``size`` bytes of the encoded data from ``offset``."""
@@ -59,6 +60,24 @@ def slice_block(spec: str) -> int | None:
     if isinstance(codec.values, BlockQuantizer):
         return codec.values.block
     return None
+
+
+def element_pieces(encoded: Encoded, lengths: Sequence[int]) -> list[Encoded] | None:
+    """``encoded`` cut into consecutive pieces of ``lengths`` elements, each an encoding of its
+    own that views the payload (no copy), for ``none`` and the casts; None for other codecs.
+    A receiver adds the pieces where they belong without decoding the whole first."""
+    if slice_block(encoded.spec) != 1 or sum(lengths) != encoded.numel:
+        return None
+    codec = parse_codec(encoded.spec)
+    assert isinstance(codec, PipelineCodec)
+    item = codec.payload_nbytes(1, encoded.dtype)
+    pieces: list[Encoded] = []
+    at = 0
+    for length in lengths:
+        payload = encoded.payload[at * item : (at + length) * item]
+        pieces.append(Encoded(encoded.spec, (length,), encoded.dtype, payload))
+        at += length
+    return pieces
 
 
 def covering_runs(ranges: Ranges, block: int, numel: int) -> list[tuple[int, int]]:

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from geoloco.algorithms.shard_split import SHARD_SPLITS, shard_numel, shard_ranges
-from geoloco.compression import CodecError, Encoded, decode
+from geoloco.compression import CodecError, Encoded, decode, slicing
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext
 from geoloco.coordinator.domain import OPEN_PHASES, UploadProgress, UploadSpec
@@ -332,15 +332,20 @@ class ShardedUploads:
                 f"site {site!r}'s update for round {round_number} (all {shards.count} shards) is "
                 f"refused: {why}; it is dropped for this round"
             )
-        rows: list[tuple[int, torch.Tensor]] = []
+        rows: list[tuple[int, Encoded | torch.Tensor]] = []
         for index, (encoded, _) in held:
+            ranges = shard_ranges(self.shapes, index, shards.count, shards.split)
+            pieces = slicing.element_pieces(encoded, [n for _, n in ranges])
+            if pieces is not None:  # ``none`` or a cast: each range added from the received bytes
+                rows.extend((offset, piece) for (offset, _), piece in zip(ranges, pieces, strict=True))
+                continue
             try:
                 values = decode(encoded, device=host.device).reshape(-1)
             except CodecError as err:
                 self._drop_site(site, round_number, f"shard {index} cannot be decoded")
                 raise InvalidUpdateError(f"site {site!r}'s shard {index} cannot be decoded: {err}") from None
             at = 0
-            for offset, n in shard_ranges(self.shapes, index, shards.count, shards.split):
+            for offset, n in ranges:
                 rows.append((offset, values[at : at + n]))
                 at += n
         weight = host._upload_weight(shards.first)

@@ -10,11 +10,30 @@ import torch
 from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.robust import RobustAggregation, RobustRule
 from geoloco.algorithms.round import Round
+from geoloco.compression import parse_codec
+from geoloco.compression.slicing import element_pieces
 
 
 def _pieces(update: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     cuts = [0, 3, 10, 11, 40, update.numel()]
     return [(a, update[a:b].clone()) for a, b in zip(cuts, cuts[1:], strict=False)][::-1]  # any order
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16"])
+def test_encoded_pieces_add_the_same_numbers_as_the_decoded_update(spec: str) -> None:
+    """A shard's elementwise encoding cut into pieces (views of its payload) and added into its
+    rows: what the coordinator does with a sharded site's ``none`` or cast shards."""
+    gen = torch.Generator().manual_seed(5)
+    update = torch.randn(50, generator=gen)
+    encoded = parse_codec(spec).encode(update)
+    lengths = [3, 7, 1, 29, 10]
+    pieces = element_pieces(encoded, lengths)
+    assert pieces is not None and element_pieces(parse_codec("int8").encode(update), lengths) is None
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    whole, rows = RunningSum(50), RunningSum(50)
+    whole.add(encoded, 0.3, site="b")
+    rows.add_rows(list(zip(offsets, pieces, strict=True))[::-1], 0.3, site="b")
+    assert torch.equal(whole.take_result(), rows.take_result())
 
 
 def test_rows_add_the_same_numbers_as_the_assembled_update() -> None:

@@ -258,7 +258,10 @@ class ShardedSite:
             if self.rank == 0:
                 heartbeat = threading.Thread(target=self._heartbeats, name="geoloco-heartbeat", daemon=True)
                 heartbeat.start()
-            while round_number < total_rounds and (max_rounds is None or self.summary.rounds_trained < max_rounds):
+            unbounded = total_rounds == 0  # the coordinator's total_rounds = 0: until it stops
+            while (unbounded or round_number < total_rounds) and (
+                max_rounds is None or self.summary.rounds_trained < max_rounds
+            ):
                 self._load_held()
                 current = ShardedRound(
                     number=round_number, inner_steps=int(algorithm.inner_steps), total_rounds=total_rounds
@@ -272,7 +275,7 @@ class ShardedSite:
                     break
                 round_number, round_seed = header.next_round.round, header.next_round.round_seed
             else:
-                self.summary.run_finished = round_number >= total_rounds
+                self.summary.run_finished = not unbounded and round_number >= total_rounds
                 if not self.summary.run_finished:
                     leaving = f"max_rounds={max_rounds} trained"
         except GeneratorExit:  # the loop left early (break, or the generator was closed)

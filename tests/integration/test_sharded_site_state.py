@@ -140,3 +140,22 @@ def test_a_model_built_on_the_meta_device_gets_its_rows_from_the_coordinator(wor
         rounds.close()
     finally:
         server.stop(grace=0)
+
+
+def test_a_run_without_a_round_count_trains_until_the_site_stops(world: None, tmp_path: Path) -> None:
+    """``total_rounds = 0`` (run until stopped): the site trains rounds, not none."""
+    certs = make_certs(tmp_path / "certs", ["fs"])
+    model = MLPWorkload(WORKLOAD).build_model(0)
+    layout = ParamLayout.from_model(model)
+    server = CoordinatorServer(
+        CoordinatorConfig(certs_dir=str(certs), min_sites=1, total_rounds=0, heartbeat_timeout_s=600.0,
+                          algorithm=AlgorithmConfig(inner_steps=1, uplink_codec="none")),
+        layout.flatten(model), layout, None,
+    )
+    server.start()
+    try:
+        site = _sharded(certs, server.port, tmp_path / "state")
+        summary = site.run(max_rounds=2)
+        assert summary.rounds_trained == 2 and summary.rounds_included == 2 and not summary.run_finished
+    finally:
+        server.stop(grace=0)

@@ -112,14 +112,20 @@ def _role_coordinator(args: argparse.Namespace) -> None:
     )
     server = CoordinatorServer(config, flat, layout)
     del flat
+    serve_run(server, out, args.timeout)
+
+
+def serve_run(server: Any, out: Path, timeout: float) -> None:
+    """Serve a started-to-be coordinator until its run finished and its sites left; write its
+    port to ``out/port`` first and its peak RSS to ``out/coordinator.json`` last."""
     server.start()
     (out / "port").write_text(str(server.port))
     try:
-        if not server.wait_until_finished(args.timeout):
+        if not server.wait_until_finished(timeout):
             raise SystemExit("the run did not finish in time")
         deadline = time.monotonic() + 60
         while server.rounds.members and time.monotonic() < deadline:
-            time.sleep(0.1)  # let the site take the last broadcast and leave
+            time.sleep(0.1)  # let the sites take the last broadcast and leave
     finally:
         server.stop(grace=1.0)
     (out / "coordinator.json").write_text(json.dumps({"peak_rss_mib": _peak_rss_mib()}))

@@ -119,17 +119,7 @@ def _role_coordinator(args: argparse.Namespace) -> None:
     )
     server = CoordinatorServer(config, flat, layout)
     del flat
-    server.start()
-    (out / "port").write_text(str(server.port))
-    try:
-        if not server.wait_until_finished(args.timeout):
-            raise SystemExit("the run did not finish in time")
-        deadline = time.monotonic() + 60
-        while server.rounds.members and time.monotonic() < deadline:
-            time.sleep(0.1)  # let the sites take the last broadcast and leave
-    finally:
-        server.stop(grace=1.0)
-    (out / "coordinator.json").write_text(json.dumps({"peak_rss_mib": _peak_rss_mib()}))
+    phases.serve_run(server, out, args.timeout)
 
 
 def _role_rank(args: argparse.Namespace) -> None:

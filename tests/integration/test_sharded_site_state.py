@@ -43,6 +43,19 @@ def world(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def _coordinator(certs: Path, total_rounds: int, algorithm: AlgorithmConfig) -> CoordinatorServer:
+    """A started coordinator of one site "fs" for the workload's model (seed 0)."""
+    model = MLPWorkload(WORKLOAD).build_model(0)
+    layout = ParamLayout.from_model(model)
+    server = CoordinatorServer(
+        CoordinatorConfig(certs_dir=str(certs), min_sites=1, total_rounds=total_rounds, heartbeat_timeout_s=600.0,
+                          algorithm=algorithm),
+        layout.flatten(model), layout, None,
+    )
+    server.start()
+    return server
+
+
 def _sharded(certs: Path, port: int, state_dir: Path) -> ShardedSite:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -63,18 +76,9 @@ def _sharded(certs: Path, port: int, state_dir: Path) -> ShardedSite:
 
 def test_a_restarted_rank_takes_up_its_residual_and_refuses_another_sites_state(world: None, tmp_path: Path) -> None:
     certs = make_certs(tmp_path / "certs", ["fs"])
-    model = MLPWorkload(WORKLOAD).build_model(0)
-    layout = ParamLayout.from_model(model)
-    server = CoordinatorServer(
-        CoordinatorConfig(
-            certs_dir=str(certs), min_sites=1, total_rounds=5, heartbeat_timeout_s=600.0,
-            algorithm=AlgorithmConfig(
-                inner_steps=2, uplink_codec="int8", downlink_codec="int8:block=64", error_feedback=True
-            ),
-        ),
-        layout.flatten(model), layout, None,
-    )
-    server.start()
+    server = _coordinator(certs, 5, AlgorithmConfig(
+        inner_steps=2, uplink_codec="int8", downlink_codec="int8:block=64", error_feedback=True
+    ))
     state = tmp_path / "state"
     try:
         first = _sharded(certs, server.port, state)
@@ -114,12 +118,7 @@ def test_a_model_built_on_the_meta_device_gets_its_rows_from_the_coordinator(wor
     certs = make_certs(tmp_path / "certs", ["fs"])
     reference = MLPWorkload(WORKLOAD).build_model(0)
     layout = ParamLayout.from_model(reference)
-    server = CoordinatorServer(
-        CoordinatorConfig(certs_dir=str(certs), min_sites=1, total_rounds=1, heartbeat_timeout_s=600.0,
-                          algorithm=AlgorithmConfig(inner_steps=1, uplink_codec="none")),
-        layout.flatten(reference), layout, None,
-    )
-    server.start()
+    server = _coordinator(certs, 1, AlgorithmConfig(inner_steps=1, uplink_codec="none"))
     try:
         with torch.device("meta"):
             model = MLPWorkload(WORKLOAD).build_model(0)
@@ -145,14 +144,7 @@ def test_a_model_built_on_the_meta_device_gets_its_rows_from_the_coordinator(wor
 def test_a_run_without_a_round_count_trains_until_the_site_stops(world: None, tmp_path: Path) -> None:
     """``total_rounds = 0`` (run until stopped): the site trains rounds, not none."""
     certs = make_certs(tmp_path / "certs", ["fs"])
-    model = MLPWorkload(WORKLOAD).build_model(0)
-    layout = ParamLayout.from_model(model)
-    server = CoordinatorServer(
-        CoordinatorConfig(certs_dir=str(certs), min_sites=1, total_rounds=0, heartbeat_timeout_s=600.0,
-                          algorithm=AlgorithmConfig(inner_steps=1, uplink_codec="none")),
-        layout.flatten(model), layout, None,
-    )
-    server.start()
+    server = _coordinator(certs, 0, AlgorithmConfig(inner_steps=1, uplink_codec="none"))
     try:
         site = _sharded(certs, server.port, tmp_path / "state")
         summary = site.run(max_rounds=2)

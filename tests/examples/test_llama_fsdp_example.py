@@ -17,9 +17,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from _torchrun import finish, torchrun
 
 from geoloco.coordinator.metrics import read_metrics
 
@@ -64,28 +62,15 @@ def example(require_extra: Callable[[str, str], ModuleType], monkeypatch: pytest
 
 
 def _run_site(port: int, certs: Path, log_dir: Path) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU, also on a GPU machine
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
-        "--max-restarts=0", str(EXAMPLE / "train_site.py"),
+        str(EXAMPLE / "train_site.py"),
         "--coordinator", f"localhost:{port}", "--site", SITE, "--certs", str(certs),
         "--batch-size", str(BATCH_SIZE), "--seq-len", str(SEQ_LEN),
         "--eval-windows", str(EVAL_WINDOWS), "--warmup-steps", "2", "--round-log", str(log_dir),
         "--seed", str(SITE_SEED),
     ]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        output = "(timed out)"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    proc = torchrun(command, nproc=RANKS, CUDA_VISIBLE_DEVICES="")  # gloo on CPU, also on a GPU machine
+    output = finish(proc, LAUNCH_TIMEOUT_S)
     return proc.returncode, output
 
 

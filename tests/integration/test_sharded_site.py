@@ -20,10 +20,7 @@ over gRPC with mutual TLS on port 0, temp dirs.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +30,7 @@ import pytest
 import torch
 from _cluster import AgentThread, make_certs
 from _sharded_site import LR, SEED, WORKLOAD
+from _torchrun import finish, torchrun
 
 from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
@@ -107,28 +105,11 @@ def _coordinator(certs: Path, metrics: Path, **config: Any) -> CoordinatorServer
 
 def _launch(mode: str, site: str, server: CoordinatorServer, certs: Path, out: Path,
             **env_extra: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", **env_extra)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "--max-restarts=0", str(WORKER), mode, site, f"localhost:{server.port}", str(certs), str(out),
-    ]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    return torchrun([str(WORKER), mode, site, f"localhost:{server.port}", str(certs), str(out)], **env_extra)
 
 
 def _finish(proc: subprocess.Popen[str]) -> str:
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        output = "(timed out)"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return output
+    return finish(proc, LAUNCH_TIMEOUT_S)
 
 
 def test_fsdp_site_matches_data_parallel_site_and_uploads_shards_in_parallel(tmp_path: Path) -> None:

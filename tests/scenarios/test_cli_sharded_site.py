@@ -13,11 +13,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _torchrun import kill_group, torchrun
 
 from geoloco.algorithms.config import config_from_dict
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
@@ -45,23 +45,11 @@ BASE = ["site", "--coordinator", "localhost:1", "--name", "0", "--insecure"]
 
 def _torchrun_site(port: int, stderr: Any, *flags: str) -> subprocess.Popen[str]:
     """``geoloco site --sharding fsdp`` as 2 torchrun ranks on CPU, in its own process group."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
         "-m", "geoloco.scenarios.cli", "site", "--coordinator", f"localhost:{port}", "--name", "0",
         "--sharding", "fsdp", "--device", "cpu", *flags,
     ]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
-                            start_new_session=True)
-
-
-def _kill(proc: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+    return torchrun(command, stderr=stderr)
 
 
 @pytest.fixture(autouse=True)
@@ -173,7 +161,7 @@ def test_fsdp_site_under_torchrun_finishes_the_run_as_one_site_and_prints_the_co
             stdout, stderr = "(timed out)", ""
         final_digest = server.rounds.digest_hex
     finally:
-        _kill(proc)
+        kill_group(proc)
         server.stop(grace=0)
     assert proc.returncode == 0, f"{stdout}\n{stderr[-6000:]}"
 
@@ -239,7 +227,7 @@ def test_sigterm_stops_every_rank_at_the_same_round_boundary_and_the_site_leaves
         rest, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
         members = list(server.rounds.members)
     finally:
-        _kill(proc)
+        kill_group(proc)
         server.stop(grace=0)
     lines += rest.splitlines()
     # Every round that started training finished and was reported (the test may read the line

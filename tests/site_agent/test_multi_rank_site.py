@@ -6,15 +6,12 @@ weights. The coordinator sees one site whose sample weight covers both ranks' ba
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _agent_helpers import make_certs, start_coordinator
+from _torchrun import finish, torchrun
 
 from geoloco.algorithms.lr_schedule import lr_multiplier
 from geoloco.algorithms.strategy import AlgorithmConfig
@@ -42,26 +39,10 @@ def test_two_rank_site_trains_as_one_site_and_every_rank_ends_in_sync(tmp_path: 
     )
     out = tmp_path / "out"
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "--max-restarts=0", str(WORKER), f"localhost:{server.port}", str(certs), str(out),
-    ]
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,
-    )
+    proc = torchrun([str(WORKER), f"localhost:{server.port}", str(certs), str(out)])
     try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        output = "(timed out)"
+        output = finish(proc, LAUNCH_TIMEOUT_S)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
         server.stop(grace=0)
     assert proc.returncode == 0, f"torchrun failed:\n{output[-6000:]}"
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]

@@ -162,8 +162,8 @@ class CoordinatorClient:
         self._stub = coordinator_stub(self._channel)
         self.session_id: str = ""
         self.shard: pb.ShardRef | None = None
-        """Set on the client of one rank of a sharded site: downloads ask for that rank's rows
-        (``geoloco.site_agent.sharded``); None: the whole model."""
+        """Set on the client of one rank of a sharded site (``geoloco.site_agent.sharded``):
+        uploads name that shard and downloads ask for its rows; None: the whole model."""
         self.stats = TransferStats()
         self._active_calls: set[Any] = set()
         self._lock = threading.Lock()
@@ -378,12 +378,11 @@ class CoordinatorClient:
         dtype: str = "float32",
         chunk_size: int | None = None,
         fragment: int = 0,
-        shard: tuple[int, int, str] | None = None,
     ) -> pb.UploadResponse:
         """Upload one encoded update for ``round_number``; resumes a broken stream.
 
         ``fragment``: the Streaming DiLoCo fragment the update covers (0 = the whole model).
-        ``shard``: (index, count, split) of a sharded site's rank (``geoloco.site_agent.sharded``).
+        With ``shard`` set (a sharded site's rank) the manifest names that shard.
 
         Raises ``RoundClosed`` when the round closed before the upload completed, and
         ``UpdateRejected`` when the coordinator refused its content. ``dtype`` and ``chunk_size``
@@ -402,8 +401,9 @@ class CoordinatorClient:
             metrics=metrics,
             inner_steps=inner_steps,
         )
-        if shard is not None:
-            manifest.shard_index, manifest.shard_count, manifest.shard_split = shard
+        if self.shard is not None:
+            manifest.shard_index, manifest.shard_count = self.shard.index, self.shard.count
+            manifest.shard_split = self.shard.split
         num_chunks = manifest.blob.num_chunks
         streams = self.streams.for_upload(len(data), num_chunks)
         started = time.perf_counter()

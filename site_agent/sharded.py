@@ -459,7 +459,7 @@ class ShardedSite:
             self.client.upload(
                 round_number=round_number, data=encoded.to_bytes(), codec=encoded.spec,
                 shape=list(encoded.shape), sample_weight=float(total.item()), inner_steps=inner_steps,
-                metrics=metrics, shard=(self.rank, self.world_size, DIM0),
+                metrics=metrics,
             )
         except (RoundClosed, UpdateRejected) as why:
             logger.info("site %s rank %d: shard of round %d not counted (%s)", self.site, self.rank, round_number, why)

@@ -68,10 +68,11 @@ def _client(server: CoordinatorServer, certs: Path, site: str) -> CoordinatorCli
 def _upload(client: CoordinatorClient, values: torch.Tensor, shard: tuple[int, int, str] | None,
             weight: float = 10.0) -> bool:
     values = values.contiguous()
+    client.shard = None if shard is None else pb.ShardRef(index=shard[0], count=shard[1], split=shard[2])
     encoded = Encoded("none", tuple(values.shape), torch.float32, values.view(torch.uint8))
     response = client.upload(
         round_number=0, data=encoded.to_bytes(), codec="none", shape=list(values.shape), sample_weight=weight,
-        metrics={}, inner_steps=1, shard=shard,
+        metrics={}, inner_steps=1,
     )
     return bool(response.complete)
 

@@ -54,7 +54,7 @@ from geoloco.protos.wire import (
 )
 from geoloco.site_agent.backoff import Backoff, describe_error
 from geoloco.site_agent.client_broadcast import ExtraStreams, OpenBroadcast, on_header
-from geoloco.site_agent.client_retry import TransientWireError, wire_retrying
+from geoloco.site_agent.client_retry import TRANSIENT_CODES, TransientWireError, wire_retrying
 from geoloco.site_agent.client_streams import (
     StreamChannels,
     StreamPlanner,
@@ -87,19 +87,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-TRANSIENT_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.INTERNAL,  # e.g. RST_STREAM when a connection dies mid-stream
-        grpc.StatusCode.CANCELLED,  # the server cancelled our call while shutting down
-        grpc.StatusCode.UNKNOWN,  # a request iterator that failed locally mid-stream
-        grpc.StatusCode.DATA_LOSS,  # checksum mismatch: send (or fetch) again
-    }
-)
-"""Statuses worth retrying: the same call may succeed once the network or coordinator is back."""
 
 def _software_version() -> str:
     try:

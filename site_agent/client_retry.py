@@ -1,4 +1,5 @@
-"""Wire errors retried like network failures, for the coordinator client (``client``)."""
+"""What the coordinator client (``client``) retries: transient statuses, and wire errors retried
+like network failures."""
 
 from __future__ import annotations
 
@@ -9,9 +10,22 @@ import grpc
 
 from geoloco.protos.wire import WireError
 
-__all__ = ["TransientWireError", "wire_retrying"]
+__all__ = ["TRANSIENT_CODES", "TransientWireError", "wire_retrying"]
 
 T = TypeVar("T")
+
+TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.INTERNAL,  # e.g. RST_STREAM when a connection dies mid-stream
+        grpc.StatusCode.CANCELLED,  # the server cancelled our call while shutting down
+        grpc.StatusCode.UNKNOWN,  # a request iterator that failed locally mid-stream
+        grpc.StatusCode.DATA_LOSS,  # checksum mismatch: send (or fetch) again
+    }
+)
+"""Statuses worth retrying: the same call may succeed once the network or coordinator is back."""
 
 
 class TransientWireError(grpc.RpcError):

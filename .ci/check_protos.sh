@@ -51,7 +51,25 @@ import grpc
 
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
-from geoloco.protos import transport, wire
+from geoloco.protos.transport_endpoints import (
+    add_coordinator_servicer,
+    build_server,
+    client_channel,
+    coordinator_stub,
+    stop_server,
+)
+from geoloco.protos.transport_errors import error_reason
+from geoloco.protos.transport_tls import TLSFiles, resolve_site
+from geoloco.protos.wire_assembly import (
+    Download,
+    UploadAssembler,
+    read_model_stream,
+    read_upload_manifest,
+    upload_chunks,
+)
+from geoloco.protos.wire_buffers import ManifestError
+from geoloco.protos.wire_chunks import as_messages, model_responses, upload_requests
+from geoloco.protos.wire_manifests import blob_manifest
 from google.protobuf.internal import api_implementation
 
 warnings.simplefilter("default")
@@ -77,49 +95,49 @@ class Servicer(pb_grpc.CoordinatorServicer):
         self.sites = []
 
     def Upload(self, requests, context):
-        manifest = wire.read_upload_manifest(requests)
-        self.sites.append(transport.resolve_site(context, manifest.site, insecure=False))
-        assembler = wire.UploadAssembler(manifest)
-        assembler.consume(wire.upload_chunks(requests))
+        manifest = read_upload_manifest(requests)
+        self.sites.append(resolve_site(context, manifest.site, insecure=False))
+        assembler = UploadAssembler(manifest)
+        assembler.consume(upload_chunks(requests))
         assert bytes(assembler.finish()) == MODEL
         return assembler.upload_response()
 
     def FetchModel(self, request, context):
-        manifest = pb.ModelManifest(round=1, blob=wire.blob_manifest(MODEL, chunk_size=1 << 18))
-        yield from wire.model_responses(manifest, MODEL)
+        manifest = pb.ModelManifest(round=1, blob=blob_manifest(MODEL, chunk_size=1 << 18))
+        yield from model_responses(manifest, MODEL)
 
     def Heartbeat(self, request, context):
-        raise wire.ManifestError("reason travels")
+        raise ManifestError("reason travels")
 
 
-server, port = transport.build_server(tls=transport.TLSFiles.from_dir(pki, "coordinator"))
+server, port = build_server(tls=TLSFiles.from_dir(pki, "coordinator"))
 servicer = Servicer()
-transport.add_coordinator_servicer(servicer, server)
+add_coordinator_servicer(servicer, server)
 server.start()
 try:
-    channel = transport.client_channel(
-        f"localhost:{port}", tls=transport.TLSFiles.from_dir(pki, "site-a")
+    channel = client_channel(
+        f"localhost:{port}", tls=TLSFiles.from_dir(pki, "site-a")
     )
-    stub = transport.coordinator_stub(channel)  # chunk fast path
-    manifest = pb.UploadManifest(round=1, blob=wire.blob_manifest(MODEL))
-    response = stub.Upload(wire.upload_requests(manifest, MODEL), timeout=60)
+    stub = coordinator_stub(channel)  # chunk fast path
+    manifest = pb.UploadManifest(round=1, blob=blob_manifest(MODEL))
+    response = stub.Upload(upload_requests(manifest, MODEL), timeout=60)
     assert response.complete and response.received_bytes == len(MODEL), response
     plain = pb_grpc.CoordinatorStub(channel)  # the bare generated stub, protobuf messages
     manifest.round = 2
-    requests = wire.as_messages(wire.upload_requests(manifest, MODEL), pb.UploadRequest)
+    requests = as_messages(upload_requests(manifest, MODEL), pb.UploadRequest)
     assert plain.Upload(requests, timeout=60).complete
     assert servicer.sites == ["site-a", "site-a"], servicer.sites
-    download = wire.Download()
-    wire.read_model_stream(stub.FetchModel(pb.FetchModelRequest(), timeout=60), download)
+    download = Download()
+    read_model_stream(stub.FetchModel(pb.FetchModelRequest(), timeout=60), download)
     assert bytes(download.result()) == MODEL
     try:
         stub.Heartbeat(pb.HeartbeatRequest(), timeout=10)
         raise AssertionError("Heartbeat should have failed")
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
-        assert transport.error_reason(e) == pb.ERROR_REASON_BAD_MANIFEST, e.trailing_metadata()
+        assert error_reason(e) == pb.ERROR_REASON_BAD_MANIFEST, e.trailing_metadata()
 finally:
-    transport.stop_server(server, grace_s=1.0)
+    stop_server(server, grace_s=1.0)
 print("ok: import, round trip, TLS upload (fast path and generated stub), download, error reasons")
 PY
 

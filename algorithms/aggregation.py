@@ -25,7 +25,7 @@ from geoloco.algorithms.partial import PartialAssignment, PartialMean
 from geoloco.algorithms.robust import RobustAggregation, RobustRule
 from geoloco.compression import Encoded, add_decoded_into, decode
 
-__all__ = ["Aggregation", "CentralDPSum", "RunningSum", "add_gaussian_noise", "new_aggregation"]
+__all__ = ["Aggregation", "CentralDPSum", "CountingAggregation", "RunningSum", "add_gaussian_noise", "new_aggregation"]
 
 
 class Aggregation(Protocol):
@@ -43,6 +43,24 @@ class Aggregation(Protocol):
     def take_result(self) -> torch.Tensor:
         """The mean update, handed over once at the close."""
         ...
+
+
+class CountingAggregation:
+    """Who arrived, without tensors: the aggregation of a host that only counts arrivals (the
+    planner's rounds, which close by the same engine as the simulator's)."""
+
+    def __init__(self) -> None:
+        self._sites: list[str] = []
+
+    @property
+    def sites(self) -> list[str]:
+        return list(self._sites)
+
+    def add(self, update: Encoded | torch.Tensor, weight: float = 1.0, *, site: str, stale: bool = False) -> None:
+        self._sites.append(site)
+
+    def take_result(self) -> torch.Tensor:
+        raise ValueError("a counting aggregation holds no updates: its round cannot be stepped")
 
 
 @dataclass(slots=True)

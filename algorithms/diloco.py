@@ -1,4 +1,4 @@
-"""The math of one synchronous DiLoCo round (DESIGN.md, "The round"), as pure functions.
+"""The math of one synchronous DiLoCo round (docs/architecture.md, "One round"), as pure functions.
 
 Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023.
 
@@ -34,6 +34,7 @@ __all__ = [
     "compute_gradient",
     "encode_downlink",
     "pseudo_gradient",
+    "pseudo_gradient_into_local",
     "run_inner_steps",
 ]
 
@@ -123,6 +124,17 @@ def pseudo_gradient(global_flat: torch.Tensor, local_flat: torch.Tensor) -> torc
             f"{tuple(local_flat.shape)} differ in shape"
         )
     return global_flat.to(torch.float32) - local_flat.to(global_flat.device, torch.float32)
+
+
+def pseudo_gradient_into_local(global_flat: torch.Tensor, local_flat: torch.Tensor) -> torch.Tensor:
+    """``pseudo_gradient`` (bit for bit) computed in the memory of ``local_flat``, a fresh copy
+    the caller drops: one model-sized vector fewer on a site."""
+    if (
+        local_flat.dtype == torch.float32 and global_flat.dtype == torch.float32
+        and local_flat.device == global_flat.device and local_flat.shape == global_flat.shape
+    ):
+        return torch.sub(global_flat, local_flat, out=local_flat)
+    return pseudo_gradient(global_flat, local_flat)
 
 
 # --------------------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def weights_digest(flat: torch.Tensor) -> str:
     """SHA-256 (hex) over the exact little-endian fp32 bytes of ``flat``.
 
     Replicas compare digests after each broadcast: equal digests mean bit-identical weights, which
-    is what the downlink protocol promises (DESIGN.md, round step 1).
+    is what the downlink protocol promises (docs/architecture.md, "One round", step 6).
     """
     if flat.dtype != torch.float32:
         raise ValueError(f"weights_digest expects fp32 weights, got {flat.dtype}")

@@ -6,7 +6,7 @@ the bytes on every link and a peak-memory estimate per process (``geoloco.algori
 
 It is the simulator's clock without the training: the same functions advance the same times
 (``geoloco.algorithms.clock``: compute is ``steps · step_time_s / speed_factor``, a transfer
-``latency + 8 · bytes / bandwidth``; rounds close by the same ``RoundPolicy``/``close_time`` as the
+``latency + 8 · bytes / bandwidth``; rounds close through the same round engine and ``RoundPolicy`` as the
 simulator and the coordinator; Streaming DiLoCo sites follow ``streaming_site_time``), and the
 bytes are the codecs' exact wire sizes (``Codec.encoded_nbytes``), which do not depend on the
 values encoded. So for a fixed ``step_time_s`` the planner's times and bytes equal the
@@ -28,11 +28,13 @@ from typing import Any
 
 import torch
 
+from geoloco.algorithms.aggregation import CountingAggregation
 from geoloco.algorithms.clock import SiteConfig, download_ends, upload_arrivals
+from geoloco.algorithms.engine import UNSCREENED, RoundEngine
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.planner_memory import MemoryEstimate, estimate_memory
 from geoloco.algorithms.planner_sizes import PlanError, encoded_nbytes, fragment_numels
-from geoloco.algorithms.round import Round, RoundPolicy, admit_arrivals
+from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.streaming import StreamingSchedule
 from geoloco.algorithms.streaming_sim import streaming_site_time
 from geoloco.algorithms.time_budget import steps_in_budget
@@ -140,35 +142,21 @@ class _SiteClock:
     """Streaming: when the broadcast it merges next reached it."""
 
 
-class _NoAggregation:
-    """The planner's rounds carry no tensors; ``Round.count`` records arrivals without them."""
-
-    @property
-    def sites(self) -> list[str]:
-        return []
-
-    def add(self, update: Any, weight: float = 1.0, *, site: str, stale: bool = False) -> None:
-        raise AssertionError("the planner counts arrivals; it never adds updates")
-
-    def take_result(self) -> torch.Tensor:
-        raise AssertionError("the planner never aggregates")
-
-
 def _close_round(
     policy: RoundPolicy, number: int, open_s: float, names: list[str], arrivals: list[float]
 ) -> tuple[float, list[str], float | None]:
-    """Close a round opened at ``open_s`` whose uploads arrive at ``arrivals``, as the simulator
-    does (``admit_arrivals``), and let the policy learn from it: (close time, excluded, deadline)."""
-    round_ = Round(number=number, aggregation=_NoAggregation(), opened_s=open_s)
-    round_.start(open_s, policy)
-    closed = admit_arrivals(
-        round_, policy, sites=names, arrivals=arrivals, payloads=[None] * len(names), weights=[1.0] * len(names)
+    """Close a round opened at ``open_s`` whose uploads arrive at ``arrivals`` through the round
+    engine, as the simulator does (``admit_arrivals``) but counting arrivals only, and let the
+    policy learn from it: (close time, excluded, deadline)."""
+    engine = RoundEngine(None, policy, None)
+    round_ = engine.open(number, CountingAggregation(), open_s)
+    engine.maybe_start(round_, open_s, members=len(names))
+    nothing = torch.empty(0)
+    closed = engine.admit_arrivals(
+        round_, sites=names, arrivals=arrivals, payloads=[nothing] * len(names), weights=[1.0] * len(names),
+        screen=lambda _: UNSCREENED,
     )
-    for name, arrival in zip(names, arrivals, strict=True):
-        if arrival <= closed:
-            round_.count(name, 1.0, now=arrival)
-    outcome = round_.close(now=closed, expected=names)
-    policy.observe(outcome)
+    outcome = engine.close(round_, now=closed, expected=names)
     return closed, list(outcome.excluded), outcome.deadline_s
 
 

@@ -57,7 +57,8 @@ from geoloco.algorithms.aggregation import add_gaussian_noise
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
 from geoloco.algorithms.dp_accountant import PrivacyAccountant
 from geoloco.algorithms.fixed_point import FixedPoint, plan_fixed_point, secure_generator, stochastic_round
-from geoloco.algorithms.secagg import MIN_SITES, RoundContext, check_threshold, neighbour_graph, secure_threshold
+from geoloco.algorithms.secagg_crypto import check_threshold, neighbour_graph, secure_threshold
+from geoloco.algorithms.secagg_messages import MIN_SITES, RoundContext
 from geoloco.compression import parse_codec
 from geoloco.compression.sparsify import RandK, random_indices
 
@@ -553,6 +554,7 @@ def private_round_in_memory(
     index_seed: int,
     drop_after_upload: tuple[int, ...] = (),
     traffic: dict[int, int] | None = None,
+    masked_traffic: dict[int, int] | None = None,
 ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """One secure (and optionally DP) round with all parties in this process: the mean update.
 
@@ -560,7 +562,7 @@ def private_round_in_memory(
     ``SecAggServer`` stages over gRPC. Raises ``SecAggAbort`` when too few sites remain.
     """
     from geoloco.algorithms.fixed_point import lift
-    from geoloco.algorithms.secagg import run_round_in_memory
+    from geoloco.algorithms.secagg_in_memory import run_round_in_memory
 
     numel = next(iter(updates.values())).numel()
     context, fixed = plan_secure_round(
@@ -573,7 +575,8 @@ def private_round_in_memory(
         for site, update in updates.items()
     }
     total, survivors = run_round_in_memory(
-        context, inputs, identity_keys, drop_after_upload=drop_after_upload, traffic=traffic
+        context, inputs, identity_keys, drop_after_upload=drop_after_upload, traffic=traffic,
+        masked_traffic=masked_traffic,
     )
     mean = decode_secure_sum(
         lift(total, context.modulus_bits), fixed, count=len(survivors), numel=numel,

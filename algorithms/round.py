@@ -18,7 +18,7 @@ Times are seconds on whichever clock drives the round; the round never reads a c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -29,7 +29,7 @@ from geoloco.algorithms.deadline import AdaptiveDeadlineConfig, RoundDeadline
 from geoloco.algorithms.weighting import stale_weight
 from geoloco.compression import Encoded, decode
 
-__all__ = ["CloseDecision", "Round", "RoundOutcome", "RoundPolicy", "admit_arrivals", "close_time"]
+__all__ = ["CloseDecision", "Round", "RoundOutcome", "RoundPolicy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +93,35 @@ class RoundPolicy:
             return CloseDecision(close=True, deadline_hit=True)
         return _KEEP_OPEN
 
+    def may_start(self, members: int) -> bool:
+        """A round's clock starts once ``min_sites`` sites are members (``ClosePolicy``)."""
+        return members >= self.min_sites
+
+    def decide_round(self, round_: Round, *, now: float, expected: Collection[str]) -> CloseDecision:
+        """``decide`` for ``round_`` waiting for ``expected`` (``ClosePolicy``)."""
+        return self.decide(
+            now=now, started=round_.started, deadline_at=round_.deadline_at,
+            contributed=len(round_.contributed), pending=len(round_.pending(expected)),
+        )
+
+    def close_time(self, arrivals: Sequence[float], *, start_s: float, deadline_s: float | None) -> float:
+        """When a round whose updates arrive at ``arrivals`` (absolute times) closes: the first
+        arrival or the deadline at which ``decide`` says close. The coordinator asks ``decide``
+        as events happen; a virtual clock knows every arrival up front and asks this."""
+        if not arrivals:
+            raise ValueError("a round needs at least one site")
+        deadline_at = None if deadline_s is None else start_s + deadline_s
+        events = sorted({*arrivals, *(() if deadline_at is None else (deadline_at,))})
+        for now in events:
+            contributed = sum(1 for a in arrivals if a <= now)
+            decision = self.decide(
+                now=now, started=True, deadline_at=deadline_at,
+                contributed=contributed, pending=len(arrivals) - contributed,
+            )
+            if decision.close:
+                return now
+        return max(arrivals)  # unreachable: with every arrival in, nobody is pending
+
     def stale_weight(self, weight: float) -> float:
         """Weight of an update folded in one round late."""
         return stale_weight(weight, discount=self.staleness_discount, staleness=1)
@@ -111,54 +140,6 @@ class RoundPolicy:
         self.deadline.load_state(rounds)
 
 
-def close_time(
-    policy: RoundPolicy, arrivals: Sequence[float], *, start_s: float, deadline_s: float | None
-) -> float:
-    """When a round whose updates arrive at ``arrivals`` (absolute times) closes under
-    ``policy``: the first arrival or the deadline at which ``policy.decide`` says close. The
-    simulator's virtual clock asks this; the coordinator asks ``decide`` as events happen."""
-    if not arrivals:
-        raise ValueError("a round needs at least one site")
-    deadline_at = None if deadline_s is None else start_s + deadline_s
-    events = sorted({*arrivals, *(() if deadline_at is None else (deadline_at,))})
-    for now in events:
-        contributed = sum(1 for a in arrivals if a <= now)
-        decision = policy.decide(
-            now=now, started=True, deadline_at=deadline_at,
-            contributed=contributed, pending=len(arrivals) - contributed,
-        )
-        if decision.close:
-            return now
-    return max(arrivals)  # unreachable: with every arrival in, nobody is pending
-
-
-def admit_arrivals(
-    round_: Round,
-    policy: RoundPolicy,
-    *,
-    sites: Sequence[str],
-    arrivals: Sequence[float],
-    payloads: Sequence[Encoded | torch.Tensor | None],
-    weights: Sequence[float],
-) -> float:
-    """A round on a virtual clock, where every site's arrival time is known up front: when the
-    policy closes it, and every update in by then added, in site order (those before the deadline
-    first, then those the quorum rule pulled in after it). Returns the close time.
-
-    A ``None`` payload is an update already added when it arrived before the deadline (a caller
-    that knew its size at once need not hold every site's update until the close)."""
-    start = round_.started_s if round_.started_s is not None else round_.opened_s
-    closed = close_time(policy, arrivals, start_s=start, deadline_s=round_.deadline_s)
-    deadline = round_.deadline_at
-    on_time = [k for k, a in enumerate(arrivals) if deadline is None or a <= deadline]
-    pulled_in = [k for k, a in enumerate(arrivals) if k not in on_time and a <= closed]
-    for k in on_time + pulled_in:
-        payload = payloads[k]
-        if payload is not None:
-            round_.add(payload, weights[k], site=sites[k], now=arrivals[k])
-    return closed
-
-
 @dataclass(frozen=True, slots=True)
 class RoundOutcome:
     """How a round closed."""
@@ -172,8 +153,8 @@ class RoundOutcome:
     """Expected sites without an update at the close (stragglers), sorted."""
     folded: dict[str, float]
     """site -> discounted weight of its previous round's late update folded into this round."""
-    rejected: tuple[str, ...]
-    """Sites whose update was refused (bad values), sorted."""
+    rejected: dict[str, str]
+    """site -> why its update was refused (bad values, out of the guard's bounds), by site."""
     deadline_s: float | None
     """The deadline in force (seconds after the start); None: none."""
     deadline_hit: bool
@@ -199,7 +180,11 @@ class Round:
     """site -> aggregation weight, in arrival order."""
     arrivals_s: dict[str, float] = field(default_factory=dict)
     folded: dict[str, float] = field(default_factory=dict)
-    rejected: set[str] = field(default_factory=set)
+    rejected: dict[str, str] = field(default_factory=dict)
+    """site -> why its update was refused; a rejected site counts as done for the close."""
+    aborted: str = ""
+    """Non-empty: adding an update failed midway, so the aggregate cannot be trusted and the round
+    is aborted at its close with the model unchanged (the reason)."""
 
     def start(self, now: float, policy: RoundPolicy) -> None:
         """Start the round's clock under the policy's current deadline."""
@@ -258,18 +243,17 @@ class Round:
         self.folded[site] = discounted
         return discounted
 
-    def reject(self, site: str) -> None:
-        self.rejected.add(site)
+    def reject(self, site: str, why: str) -> None:
+        self.rejected[site] = why
+
+    def abort(self, why: str) -> None:
+        """The round's aggregate cannot be trusted: it closes with the model unchanged (the
+        first reason is kept)."""
+        self.aborted = self.aborted or why
 
     def pending(self, expected: Iterable[str]) -> set[str]:
         """Expected sites that neither contributed nor were rejected."""
-        return set(expected) - set(self.contributed) - self.rejected
-
-    def decide(self, policy: RoundPolicy, *, now: float, expected: Iterable[str]) -> CloseDecision:
-        return policy.decide(
-            now=now, started=self.started, deadline_at=self.deadline_at,
-            contributed=len(self.contributed), pending=len(self.pending(expected)),
-        )
+        return set(expected) - set(self.contributed) - set(self.rejected)
 
     def close(self, *, now: float, expected: Iterable[str]) -> RoundOutcome:
         """The outcome at ``now``; ``expected`` are the sites the round waited for."""
@@ -281,7 +265,7 @@ class Round:
             weights=dict(self.contributed),
             excluded=tuple(sorted(self.pending(expected))),
             folded=dict(self.folded),
-            rejected=tuple(sorted(self.rejected)),
+            rejected=dict(sorted(self.rejected.items())),
             deadline_s=self.deadline_s,
             deadline_hit=deadline_at is not None and now >= deadline_at and bool(self.pending(expected)),
             arrivals_s=dict(self.arrivals_s),

@@ -1,6 +1,6 @@
 """Secure aggregation, a site's side: the ``SecAggClient`` state machine of one round.
 
-The protocol is described in ``geoloco.algorithms.secagg``. The client verifies every
+The protocol is described in ``geoloco.algorithms.secagg_messages``. The client verifies every
 advertisement against the sites' identity keys, Shamir-shares its self-mask seed and mask key
 (each share AES-GCM encrypted for its holder), masks its input chunk by chunk, signs the survivor
 list once, and answers one unmask request, never revealing both secrets of one site. Any detected

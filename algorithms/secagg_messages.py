@@ -1,4 +1,49 @@
-"""Secure aggregation's protocol vocabulary: stage names, errors, the round context and the messages.
+"""Secure aggregation's protocol: its stages, errors, the round context and the messages.
+
+The coordinator learns the sum of the sites' integer vectors, never one site's. Bonawitz et al.,
+"Practical Secure Aggregation for Privacy-Preserving Machine Learning", CCS 2017, with the optional
+sparse neighbour graph of Bell et al., "Secure Single-Server Aggregation with (Poly)Logarithmic
+Overhead", CCS 2020 ("SecAgg+"). Split the way Flower splits it: pure crypto helpers
+(``secagg_crypto``: X25519 / HKDF / ChaCha20 mask PRG, the neighbour graph), a site's state
+machine (``secagg_client.SecAggClient``) and the coordinator's workflow
+(``secagg_server.SecAggServer``), with the protocol stages as named constants (here);
+``secagg_stages`` says what each stage call of the real system carries either way, and
+``secagg_in_memory`` runs a whole round in one process.
+
+One round, for sites ``U``:
+
+1. ``STAGE_ADVERTISE_KEYS`` — each site makes two X25519 key pairs (``c`` to encrypt shares,
+   ``s`` for pairwise masks), draws its self-mask seed ``b_u`` and signs ``(session, round,
+   site, c_pk, s_pk, H(b_u))`` with its Ed25519 identity key (``seed_commitment``). The
+   coordinator checks each signature against the sender's identity key and leaves a badly
+   signed one out; it relays the rest. A site refuses the round if any relayed signature fails
+   (key substitution by the coordinator), names another session or round (replay), or its own
+   advertisement was altered.
+2. ``STAGE_SHARE_KEYS`` — each site draws a self-mask seed ``b_u`` and Shamir-shares ``b_u`` and
+   its ``s`` private key among its holders (its neighbours and itself, threshold ``t``); each share
+   is encrypted with AES-GCM under an ECDH(``c``) + HKDF key bound to (session, round, sender,
+   recipient).
+3. ``STAGE_MASKED_INPUT`` — ``y_u = x_u + PRG(b_u) + Σ_v ±PRG(s_uv)  (mod 2^b)`` over the
+   neighbours ``v`` that shared keys, ``+`` when ``u < v``. Masks are ChaCha20 keystream (from
+   ``cryptography``) generated **chunk by chunk** as the upload streams, from a 256-bit HKDF key
+   with domain separation by session, round, pair (or site for the self-mask) and chunk (nonce).
+   The coordinator adds each arriving chunk into one aggregate buffer and keeps no site's vector.
+4. ``STAGE_CONSISTENCY`` — the coordinator tells the sites which of them uploaded (``survivors``);
+   each signs that list. An unmask request must carry at least ``t`` valid such signatures
+   (invalid ones are not counted), and every threshold satisfies ``2 t > h + c`` (``h`` share
+   holders, ``c`` = ``colluding_sites`` assumed; ``split_view_bound``, checked by every site
+   before it shares keys), so two disjoint groups of honest sites can never both reach ``t``: the
+   coordinator cannot tell different sites different survivor sets.
+5. ``STAGE_UNMASK`` — a site returns, for every survivor, its share of ``b_u`` and for every
+   dropped site its share of ``s_u`` — never both for one site, and only once per round. With
+   ``t`` answers the coordinator removes the self-masks of survivors and the pairwise masks the
+   survivors shared with dropped sites: the exact integer sum is left. Fewer than ``t`` answers:
+   ``SecAggAbort``, nothing is revealed. A malformed answer is refused; a rebuilt seed that
+   misses its commitment (or mask key that misses its public key) aborts the round.
+
+Honest sites raise ``SecAggViolation`` (with the reason) on any detected misbehaviour. With fewer
+than 3 sites a sum reveals the other site's input to each of them, so a round needs at least
+``MIN_SITES``.
 
 The messages are frozen dataclasses with no encoding of their own on the wire: the real system
 translates them to and from protobuf in ``geoloco.protos.secagg_wire`` (one place per side), the

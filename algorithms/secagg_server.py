@@ -1,6 +1,6 @@
 """Secure aggregation, the coordinator's side: the ``SecAggServer`` workflow of one round.
 
-The protocol is described in ``geoloco.algorithms.secagg``. The server relays advertisements and
+The protocol is described in ``geoloco.algorithms.secagg_messages``. The server relays advertisements and
 encrypted shares, adds masked chunks into one aggregate buffer in ``Z_{2^b}`` (keeping CRC-32s of
 chunks, never a site's vector), freezes the survivor list, and with ``t`` unmask answers removes
 the survivors' self-masks and the pairwise masks shared with dropped sites. Too few sites at any

@@ -50,6 +50,8 @@ class InMemorySecureSum:
         self.survivors: tuple[str, ...] = ()
         self.traffic: dict[str, int] = {}
         """site -> bytes it sent in the protocol (keys, shares, masked vector, unmask answers)."""
+        self.masked_traffic: dict[str, int] = {}
+        """site -> the masked vector's part of ``traffic`` (a relay adds it into its ring sum)."""
 
     @property
     def sites(self) -> list[str]:
@@ -66,12 +68,13 @@ class InMemorySecureSum:
     def _run(self) -> None:
         by_index = {self._index[s]: u for s, u in self._updates.items()}
         traffic: dict[int, int] = {}
+        masked: dict[int, int] = {}
         mean, survivors = private_round_in_memory(
             self.privacy, self.uplink_codec, dict(sorted(by_index.items())),
             {self._index[s]: e for s, e in self.encoders.items()},
             {self._index[s]: k for s, k in self.identity_keys.items()},
             session=self.session, round_index=self.round_index, index_seed=self.index_seed,
-            traffic=traffic,
+            traffic=traffic, masked_traffic=masked,
         )
         if self.privacy.dp == "central":
             mean = central_dp_mean(mean, len(survivors), self.privacy)
@@ -79,6 +82,7 @@ class InMemorySecureSum:
         self._updates.clear()
         self.survivors = tuple(self.expected[k] for k in survivors)
         self.traffic = {self.expected[k]: n for k, n in traffic.items()}
+        self.masked_traffic = {self.expected[k]: n for k, n in masked.items()}
 
     def add(
         self, update: Encoded | torch.Tensor, weight: float = 1.0, *, site: str, stale: bool = False

@@ -16,11 +16,13 @@ from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.sim_regions import CoordinatorLinkSpec, RegionSpec, TwoTierClock, check_regions
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.training import TrainingConfig, TrainingKeys
+from geoloco.algorithms.update_guard import UpdateGuardConfig
 
 __all__ = [
     "DEFAULT_EVAL_EVERY",
     "DEFAULT_ROUNDS",
     "MEASURE",
+    "SHARED_RECORD_KEYS",
     "SIMULATOR_KEYS",
     "RoundRecord",
     "SimulationConfig",
@@ -125,11 +127,6 @@ class SimulationConfig:
             "target_eval_loss",
             f"must be a finite number or unset, got {self.target_eval_loss}",
         )
-        require(
-            self.round_deadline_s is None or self.round_deadline_s > 0,
-            "round_deadline_s",
-            f"must be > 0 seconds or unset, got {self.round_deadline_s}",
-        )
         require(self.min_sites >= 1, "min_sites", f"must be >= 1, got {self.min_sites}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,6 +159,10 @@ class SimulatorConfig:
     (``geoloco.algorithms.sim_regions``). Sites are named by ``name`` (unset: ``site-K``)."""
     coordinator_link: CoordinatorLinkSpec = field(default_factory=CoordinatorLinkSpec)
     """``[coordinator_link]``: the coordinator's link, shared by every transfer crossing it."""
+    update_guard: UpdateGuardConfig = field(default_factory=UpdateGuardConfig)
+    """``[update_guard]``: the coordinator's bounds on each update and on the new weights, the
+    same section as a coordinator file's; an update outside is rejected and a round whose mean
+    or weights go out of bounds is aborted, as the real coordinator does."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -179,13 +180,13 @@ class SimulatorConfig:
 
     def validate(self) -> None:
         require(len(self.sites) >= 1, "sites", "at least one site is needed")
-        check_regions(self.regions, self.site_names, privacy_enabled=self.privacy.enabled)
+        check_regions(self.regions, self.site_names, privacy=self.privacy, algorithm=self.algorithm)
         if self.regions or self.coordinator_link.shaped:
             algo = self.algorithm
             require(
                 algo.name != "ddp" and not algo.streaming.enabled and self.simulation.round_deadline_s is None,
                 "regions",
-                "the two-tier clock models plain rounds that wait for every site: drop "
+                "the two-tier clock models rounds that wait for every site: drop "
                 "simulation.round_deadline_s, streaming and the ddp baseline, or drop [[regions]] "
                 "and [coordinator_link]",
             )
@@ -300,20 +301,34 @@ class SimulatorConfig:
         return config_to_dict(self)
 
 
+SHARED_RECORD_KEYS = (
+    "round", "fragment", "participants", "excluded", "rejected", "rejected_reasons", "folded_late",
+    "inner_steps", "bytes_up", "bytes_down", "bytes_up_total", "bytes_down_total", "deadline_s",
+    "eval_loss", "weights_digest", "aborted", "round_time_s",
+)
+"""Facts a simulator's ``RoundRecord`` and a coordinator's ``metrics.jsonl`` record both hold,
+under these keys with the same types and meanings."""
+
+
 @dataclass(slots=True)
 class RoundRecord:
     """What one round (or the warm-up, ``round = -1``) cost and achieved.
 
-    The keys and types are those of the coordinator's ``metrics.jsonl`` records for the same
-    facts (rounds from 0; ``participants``, ``excluded``, ``folded_late``, ``weights_digest``;
-    per-site values as ``{site: value}`` tables, e.g. ``bytes_up``)."""
+    Every fact this record shares with the coordinator's ``metrics.jsonl`` records has the same
+    key and type there (``SHARED_RECORD_KEYS``; a test compares both from one run): rounds from
+    0; ``participants``, ``excluded``, ``rejected`` as lists of site names; per-site values as
+    ``{site: value}`` tables (``inner_steps``, ``bytes_up``, ``folded_late``,
+    ``rejected_reasons``); ``aborted`` None or the reason. ``round_time_s`` is the one shared
+    name whose span differs: the coordinator's round is open to closed, the simulator's record
+    spans from the previous record's end to this one's (the broadcast's download included)."""
 
     round: int
     """Round number from 0, as on the wire; -1 is the data-parallel warm-up before round 0."""
     phase: Literal["warmup", "train"]
     """``"warmup"`` for the synchronous warm-up, ``"train"`` for algorithm rounds."""
-    inner_steps: int
-    """Training steps each site ran in this record."""
+    inner_steps: dict[str, int]
+    """site -> training steps it ran in this record (they differ with ``round_time_budget_s``
+    and adaptive overlap); the coordinator's record has the steps each counted update reports."""
     inner_steps_total: int
     """Cumulative inner steps per site since the start, warm-up included (for ``ddp`` every
     synchronous step counts one): the x axis that compares runs of different H."""
@@ -345,9 +360,6 @@ class RoundRecord:
     """``weights_digest`` of the global weights after the round."""
     epsilon: float | None = None
     """Accounted epsilon (at ``privacy.delta``) after this round; ``None`` without DP."""
-    site_inner_steps: dict[str, int] = field(default_factory=dict)
-    """site -> inner steps it ran in this record (they differ with ``round_time_budget_s``;
-    ``inner_steps`` is then the most any site ran)."""
     deadline_s: float | None = None
     """The round deadline in force (seconds after the round opened); ``None``: none."""
     folded_late: dict[str, float] = field(default_factory=dict)
@@ -358,6 +370,13 @@ class RoundRecord:
     tracked (the ddp baseline and the warm-up)."""
     fragment: int | None = None
     """Streaming DiLoCo: the fragment this round synchronised; ``None`` otherwise."""
+    rejected: list[str] = field(default_factory=list)
+    """Sites whose update the update guard refused this round, sorted."""
+    rejected_reasons: dict[str, str] = field(default_factory=dict)
+    """site -> why its update was refused (NaN or Inf values, its norm beyond the bound)."""
+    aborted: str | None = None
+    """Why the round was aborted with the model unchanged (its mean or new weights out of the
+    update guard's bounds); ``None``: it was not."""
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)

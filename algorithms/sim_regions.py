@@ -18,13 +18,21 @@ bytes; the real relay is ``geoloco.relay``):
   its sites are in, over the region's link and the coordinator's ingress; the coordinator sends
   one broadcast per relay through its egress and the region's downlink, and each relay sends it on
   to its sites over their links.
+- Secure rounds (``[privacy] secure_aggregation``, with or without DP): a site's upload is every
+  message it sends in the protocol (keys, shares, masked vector, signature, unmask answers), as
+  flat. What its relay sends upward is what ``geoloco.relay`` sends: the ring sum of its sites'
+  masked vectors, one masked vector's bytes whatever the ``upward_codec``, plus each site's stage
+  messages passed on unchanged (``TwoTierClock.partial_bytes``). As flat, a round's messages are
+  charged as one transfer per site (per relay), not stage by stage.
 
 Relay processing (decode and sum) takes no virtual time, as aggregation takes none in the clock.
 
 The declaration a run file makes (``[[regions]]`` with site names, ``[coordinator_link]``) is
 ``RegionSpec`` / ``CoordinatorLinkSpec``: ``geoloco emulate`` starts relays from it and
 ``geoloco simulate`` charges the same two tiers through ``TwoTierClock``, per round, in place of
-``clock.upload_arrivals`` / ``clock.download_ends``.
+``clock.upload_arrivals`` / ``clock.download_ends``. Both take and refuse what the coordinator
+takes and refuses with ``[relays]`` (``check_regions``): plain and secure rounds, with DP when
+secure.
 """
 
 from __future__ import annotations
@@ -35,8 +43,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from geoloco.algorithms.algorithm_config import AlgorithmConfig
 from geoloco.algorithms.clock import SiteConfig, transfer_time
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
+from geoloco.algorithms.privacy import PrivacyConfig
 
 __all__ = [
     "CoordinatorLink",
@@ -46,6 +56,7 @@ __all__ = [
     "TierRound",
     "TwoTierClock",
     "check_regions",
+    "check_relayed_round",
     "flat_round",
     "relayed_round",
     "shared_fifo",
@@ -278,17 +289,14 @@ class CoordinatorLinkSpec:
         return config_to_dict(self)
 
 
-def check_regions(regions: Sequence[RegionSpec], site_names: Sequence[str], *, privacy_enabled: bool) -> None:
-    """Every site in exactly one region, relay names unique and none a site's; raises
-    ``ConfigError`` naming the ``regions[i]`` key and what is allowed."""
+def check_regions(
+    regions: Sequence[RegionSpec], site_names: Sequence[str], *, privacy: PrivacyConfig, algorithm: AlgorithmConfig
+) -> None:
+    """Every site in exactly one region, relay names unique and none a site's, and a round a
+    relay can carry (``check_relayed_round``); raises ``ConfigError`` naming the key
+    (``regions[i]...``, ``privacy.dp``, ``algorithm...``) and what is allowed."""
     if not regions:
         return
-    require(
-        not privacy_enabled,
-        "regions",
-        "relays run plain rounds: secure aggregation and differential privacy through relays are "
-        "not supported; drop [[regions]] or [privacy]",
-    )
     owner: dict[str, str] = {}
     for i, region in enumerate(regions):
         key = f"regions[{i}]"
@@ -313,6 +321,39 @@ def check_regions(regions: Sequence[RegionSpec], site_names: Sequence[str], *, p
         "regions",
         f"every site must be in a region once [[regions]] are declared; not in any: {', '.join(missing)}",
     )
+    check_relayed_round(privacy, algorithm)
+
+
+def check_relayed_round(privacy: PrivacyConfig, algorithm: AlgorithmConfig) -> None:
+    """What the coordinator refuses with ``[relays]`` (``CoordinatorConfig``), refused alike by
+    ``geoloco simulate`` and ``geoloco emulate`` with ``[[regions]]``: a relay sends a partial sum
+    (plain rounds) or a masked ring sum (secure rounds, with or without DP), never a site's own
+    update."""
+    require(
+        privacy.unmasked_central_dp is None,
+        "privacy.dp",
+        "dp = 'central' without secure aggregation clips and noises each site's update at the "
+        "coordinator, which sees only a relay's partial sum; with [[regions]] allowed: 'off', or "
+        "'central' / 'distributed' with secure_aggregation = true (the sites clip); or drop [[regions]]",
+    )
+    require(
+        algorithm.aggregation == "mean",
+        "algorithm.aggregation",
+        f"got {algorithm.aggregation!r}; with [[regions]] allowed: 'mean' (robust rules need every "
+        "site's own update, a relay sends a partial sum); or drop [[regions]]",
+    )
+    require(
+        algorithm.clip_to_median_norm is None,
+        "algorithm.clip_to_median_norm",
+        "must be unset with [[regions]] (the median norm needs every site's own update, a relay "
+        "sends a partial sum); or drop [[regions]]",
+    )
+    require(
+        algorithm.late_updates == "drop",
+        "algorithm.late_updates",
+        f"got {algorithm.late_updates!r}; with [[regions]] allowed: 'drop' (late updates are not "
+        "folded through relays); or drop [[regions]]",
+    )
 
 
 # -- the clock a simulated run uses ----------------------------------------------------------------
@@ -336,15 +377,33 @@ class TwoTierClock:
             list(sites), link.clock_link(), [r.clock_region(names) for r in regions], [r.upward_codec for r in regions]
         )
 
-    def partial_bytes(self, region: int, upload_bytes: Sequence[int], numel: int) -> int:
-        """Bytes of a region's partial sum: float32 (``none``), or its largest site upload."""
+    def partial_bytes(
+        self, region: int, upload_bytes: Sequence[int], numel: int, masked_bytes: Sequence[int | None] | None = None
+    ) -> int:
+        """Bytes a region's relay sends upward in a round: its partial sum, float32 (``none``) or
+        its largest site upload (``uplink``). In a secure round (``masked_bytes``: per site, the
+        bytes of its masked vector within its upload) the ring sum, one masked vector, plus the
+        rest of each site's protocol messages, which the relay passes on unchanged (module doc)."""
+        sites = self.regions[region].sites
+        if masked_bytes is not None:
+            masked = [m for k in sites if (m := masked_bytes[k]) is not None]
+            if len(masked) == len(sites):
+                return max(masked) + sum(upload_bytes[k] for k in sites) - sum(masked)
         if self.upward_codecs[region] == "none":
             return 4 * numel
-        return max(upload_bytes[k] for k in self.regions[region].sites)
+        return max(upload_bytes[k] for k in sites)
 
-    def arrivals(self, finished_s: Sequence[float], upload_bytes: Sequence[int], numel: int) -> list[float]:
+    def arrivals(
+        self,
+        finished_s: Sequence[float],
+        upload_bytes: Sequence[int],
+        numel: int,
+        masked_bytes: Sequence[int | None] | None = None,
+    ) -> list[float]:
         """When each site's update is at the coordinator: its own upload (flat) or its region's
-        partial sum, which leaves once every site of the region reached the relay."""
+        partial sum, which leaves once every site of the region reached the relay.
+        ``masked_bytes``: a secure round's masked vectors within the uploads (``partial_bytes``);
+        None, or None for a site, in a plain round."""
         sites = self.sites
         if not self.regions:
             private = [(s.uplink_bps, s.latency_s) for s in sites]
@@ -354,7 +413,7 @@ class TwoTierClock:
             for f, n, s in zip(finished_s, upload_bytes, sites, strict=True)
         ]
         ready = [max(at_relay[k] for k in r.sites) for r in self.regions]
-        partials = [self.partial_bytes(i, upload_bytes, numel) for i in range(len(self.regions))]
+        partials = [self.partial_bytes(i, upload_bytes, numel, masked_bytes) for i in range(len(self.regions))]
         up = _through(ready, partials, [(r.uplink_bps, r.latency_s) for r in self.regions], self.link.ingress_bps)
         result = [0.0] * len(sites)
         for r, arrival in zip(self.regions, up, strict=True):

@@ -16,8 +16,9 @@ One interface, two implementations, chosen once per run by ``build_uplinks``:
 ``AttackedUplinks`` wraps either for poisoned sites (a research hook, ``SiteConfig.attack``).
 
 The simulator's round asks ``begin`` for the round's aggregation, ``encode`` for each site's
-payload, ``nbytes`` for its size on the wire, and ``keep`` for an update that missed its round;
-it never asks which kind of round it runs.
+payload, ``nbytes`` for its size on the wire (``masked_nbytes``: its masked vector's part, which
+a relay sums, for the two-tier clock), and ``keep`` for an update that missed its round; it never
+asks which kind of round it runs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from geoloco.algorithms.aggregation import Aggregation, new_aggregation
 from geoloco.algorithms.config import require
+from geoloco.algorithms.engine import UNSCREENED, Screen
 from geoloco.algorithms.privacy import (
     PrivacyConfig,
     PrivateUpdateEncoder,
@@ -76,6 +78,17 @@ class SimUplinks(Protocol):
         tells it (then the round holds every update until all sites have encoded)."""
         ...
 
+    def masked_nbytes(self, site: str, aggregation: Aggregation) -> int | None:
+        """The masked vector's bytes within ``nbytes`` (a secure round: what a relay adds into
+        its ring sum instead of passing it on), or None for a plain upload (a relay decodes it
+        into its partial sum)."""
+        ...
+
+    def screen(self, payload: Payload) -> Screen:
+        """What the coordinator's update guard would measure of the upload (nothing of a
+        masked one)."""
+        ...
+
     def keep(self, site: str, payload: Payload, fragment: int) -> None:
         """An upload that missed its round goes back into the site's residual."""
         ...
@@ -107,6 +120,12 @@ class PlainUplinks:
     def nbytes_now(self, payload: Payload) -> int | None:
         assert isinstance(payload, Encoded)
         return payload.nbytes
+
+    def masked_nbytes(self, site: str, aggregation: Aggregation) -> int | None:
+        return None
+
+    def screen(self, payload: Payload) -> Screen:
+        return Screen.of(payload, device=self.strategy.device)
 
     def keep(self, site: str, payload: Payload, fragment: int) -> None:
         assert isinstance(payload, Encoded)
@@ -153,6 +172,13 @@ class SecureUplinks:
     def nbytes_now(self, payload: Payload) -> int | None:
         return None
 
+    def masked_nbytes(self, site: str, aggregation: Aggregation) -> int | None:
+        assert isinstance(aggregation, InMemorySecureSum)
+        return aggregation.masked_traffic[site]
+
+    def screen(self, payload: Payload) -> Screen:
+        return UNSCREENED  # a masked update: nobody may measure it
+
     def keep(self, site: str, payload: Payload, fragment: int) -> None:
         raise ValueError("a secure round waits for every site (no deadline): nothing can miss it")
 
@@ -181,6 +207,12 @@ class AttackedUplinks:
     def nbytes_now(self, payload: Payload) -> int | None:
         return self.inner.nbytes_now(payload)
 
+    def masked_nbytes(self, site: str, aggregation: Aggregation) -> int | None:
+        return self.inner.masked_nbytes(site, aggregation)
+
+    def screen(self, payload: Payload) -> Screen:
+        return self.inner.screen(payload)
+
     def keep(self, site: str, payload: Payload, fragment: int) -> None:
         self.inner.keep(site, payload, fragment)
 
@@ -194,12 +226,6 @@ def build_uplinks(
     uplinks: dict[str, FragmentUplink] = {}
     kind: SimUplinks
     if strategy.partial is not None:
-        require(
-            not privacy.enabled,
-            "algorithm.partial_updates.enabled",
-            "partial updates are not combined with [privacy] (secure sums and DP clip whole "
-            "updates); disable one of them",
-        )
         require(
             len(sites) >= strategy.partial.groups,
             "algorithm.partial_updates.groups",

@@ -1,7 +1,8 @@
 """The single-process simulator: N sites in a loop on a virtual network clock, same math as the real system.
 
-The sites take turns on one shared model (``geoloco.algorithms.sim_state``); rounds close through
-the same ``Round``/``RoundPolicy`` as the coordinator's (``geoloco.algorithms.round``), uploads
+The sites take turns on one shared model (``geoloco.algorithms.sim_state``); rounds run through
+the same round engine as the coordinator's (``geoloco.algorithms.engine``: admission with the
+update guard, the close policy, late folding, the guarded outer step with abort), uploads
 are encoded and aggregated through one interface whatever the privacy settings
 (``geoloco.algorithms.sim_uplinks``), and Streaming DiLoCo rounds run in
 ``geoloco.algorithms.streaming_sim``.
@@ -25,6 +26,7 @@ from geoloco.algorithms.clock import download_ends, upload_arrivals
 from geoloco.algorithms.config import require
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.diloco import batch_size, compute_gradient, pseudo_gradient
+from geoloco.algorithms.engine import RoundEngine
 from geoloco.algorithms.link_codec import CodecPlans, switch_codec
 from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.optimizers import (
@@ -35,13 +37,14 @@ from geoloco.algorithms.optimizers import (
 from geoloco.algorithms.params import ParamLayout, weights_digest
 from geoloco.algorithms.privacy import PrivacyAccountant
 from geoloco.algorithms.robust_attack import parse_attack
-from geoloco.algorithms.round import Round, RoundPolicy, admit_arrivals
+from geoloco.algorithms.round import Round, RoundPolicy
 from geoloco.algorithms.sim_config import MEASURE, RoundRecord, SimulationConfig, SimulatorConfig
 from geoloco.algorithms.sim_state import SimSite, SimTrainer
 from geoloco.algorithms.sim_uplinks import Payload, build_uplinks, round_noise_multiplier
 from geoloco.algorithms.strategy import UPDATE_GRADIENT, AlgorithmConfig, DataParallel, Strategy, build_strategy
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.algorithms.streaming_sim import StreamingRounds
+from geoloco.algorithms.update_guard import UpdateGuard
 from geoloco.algorithms.workload import Workload
 from geoloco.compression import Encoded
 
@@ -70,15 +73,18 @@ class Simulator:
         self.model = workload.build_model(sim.seed).to(self.device)
         self.layout = ParamLayout.from_model(self.model)
         self.global_flat = self.layout.flatten(self.model)
-        self.strategy: Strategy = build_strategy(
-            algo,
-            numel=self.layout.numel,
-            outer_optimizer=config.outer_optimizer,
-            inner_optimizer=config.inner_optimizer,
-            seed=sim.seed,
-            device=self.device,
-            layout=self.layout,
-        )
+        def new_strategy() -> Strategy:
+            return build_strategy(
+                algo,
+                numel=self.layout.numel,
+                outer_optimizer=config.outer_optimizer,
+                inner_optimizer=config.inner_optimizer,
+                seed=sim.seed,
+                device=self.device,
+                layout=self.layout,
+            )
+
+        self.strategy: Strategy = new_strategy()
         self.data_parallel = self.strategy.update_kind == UPDATE_GRADIENT
         self.trainer = SimTrainer(
             self.model, self.layout, workload, device=self.device, step_time_s=sim.step_time_s,
@@ -121,6 +127,10 @@ class Simulator:
             self.ddp_lr_schedule = config.inner_optimizer.build_schedule(self.strategy.outer.optimizer, **horizon)
         self.accountant = PrivacyAccountant(config.privacy.delta) if config.privacy.dp != "off" else None
         self.policy: RoundPolicy = config.training.round_policy(num_sites)
+        self.engine = RoundEngine(
+            self.strategy, self.policy, UpdateGuard(config.update_guard), fresh_strategy=new_strategy
+        )
+        """The rounds' lifecycle, the coordinator's (``geoloco.algorithms.engine``), on the virtual clock."""
         self.clock_s = 0.0
         self.open_s = 0.0
         self.tiers = config.tier_clock()
@@ -137,7 +147,7 @@ class Simulator:
         self.link_codecs = CodecPlans(adaptive, algo.uplink_codec) if adaptive.enabled else None
         """Per-site uplink codecs (``geoloco.algorithms.link_codec``), measured on the virtual clock."""
         self.streaming: StreamingRounds | None = (
-            StreamingRounds(self.strategy, self.trainer, self.uplinks, self.policy, self.sites)
+            StreamingRounds(self.strategy, self.trainer, self.uplinks, self.engine, self.sites)
             if algo.streaming.enabled else None
         )
         """Streaming DiLoCo (``geoloco.algorithms.streaming_sim``): per-site weights and overlap."""
@@ -220,8 +230,9 @@ class Simulator:
         virtual clock; late uploads are folded next round or kept in the site's residual."""
         strategy = self.strategy
         plan = strategy.configure_round(round_number, [s.name for s in self.sites])
-        round_ = Round(number=plan.round, aggregation=self.uplinks.begin(plan), opened_s=self.open_s)
-        round_.start(self.open_s, self.policy)
+        engine = self.engine
+        round_ = engine.open(plan.round, self.uplinks.begin(plan), self.open_s)
+        engine.maybe_start(round_, self.open_s, members=len(self.sites))
         payloads: list[Payload | None] = []
         weights: list[float] = []
         site_steps: list[int] = []
@@ -245,9 +256,9 @@ class Simulator:
             if size is not None:
                 known[k] = size
                 (arrival,) = upload_arrivals([site.ready_s], [seconds], [size], [site.config])
-                if round_.deadline_at is None or arrival <= round_.deadline_at:
-                    # Surely in the round: added now, so no site's update waits for the close.
-                    round_.add(encoded, weights[k], site=site.name, now=arrival)
+                if engine.admit_if_on_time(
+                    round_, site.name, encoded, weights[k], screen=self.uplinks.screen(encoded), arrival=arrival
+                ):
                     held = None
             del encoded
             payloads.append(held)
@@ -261,7 +272,8 @@ class Simulator:
                 upload_sizes.append(self.uplinks.nbytes(s.name, p, round_.aggregation))
         if self.tiers is not None:
             finished = [s.ready_s + c for s, c in zip(self.sites, compute, strict=True)]
-            arrivals = self.tiers.arrivals(finished, upload_sizes, self.layout.numel)
+            masked = [self.uplinks.masked_nbytes(s.name, round_.aggregation) for s in self.sites]
+            arrivals = self.tiers.arrivals(finished, upload_sizes, self.layout.numel, masked)
         else:
             arrivals = upload_arrivals(
                 [s.ready_s for s in self.sites], compute, upload_sizes, [s.config for s in self.sites]
@@ -272,12 +284,11 @@ class Simulator:
                     site.name, upload_sizes[k], arrivals[k] - site.ready_s - compute[k]
                 )
         names = [s.name for s in self.sites]
-        aggregate_s = admit_arrivals(
-            round_, self.policy, sites=names, arrivals=arrivals, payloads=payloads, weights=weights
+        aggregate_s = engine.admit_arrivals(
+            round_, sites=names, arrivals=arrivals, payloads=payloads, weights=weights, screen=self.uplinks.screen
         )
         self._fold_late_updates(round_, aggregate_s)
-        outcome = round_.close(now=aggregate_s, expected=names)
-        self.policy.observe(outcome)
+        outcome = engine.close(round_, now=aggregate_s, expected=names)
         # The others go back to the sites' residuals (with error feedback) so their work arrives
         # next round, or wait to be folded into the next round's average.
         for k, site in enumerate(self.sites):
@@ -290,7 +301,8 @@ class Simulator:
                 site.late = (payload, weights[k], arrivals[k], plan.fragment)
             else:
                 self.uplinks.keep(site.name, payload, plan.fragment)
-        update = strategy.aggregate_round(self.global_flat, round_.aggregation, plan)
+        stepped = engine.step(round_, self.global_flat, plan, list(outcome.contributors))
+        update = stepped.result.update
         self.global_flat = update.global_flat
         utilization = self._close_round_clock(aggregate_s, arrivals, update.downlink.nbytes, compute)
         return {
@@ -300,12 +312,14 @@ class Simulator:
             "compute_s": compute,
             "utilization": utilization,
             "excluded": list(outcome.excluded),
-            "participants": list(outcome.contributors),
+            "participants": list(stepped.result.contributors),
             "site_inner_steps": site_steps,
             "deadline_s": outcome.deadline_s,
             "folded_late": dict(outcome.folded),
             "peak_bytes_in_flight": [max(up, update.downlink.nbytes) for up in upload_sizes],
             "weights_digest": update.digest,
+            "rejected": dict(outcome.rejected),
+            "aborted": stepped.aborted,
         }
 
     def _use_assigned_codec(self, site: SimSite, round_number: int, fragment: int) -> None:
@@ -331,16 +345,17 @@ class Simulator:
         return result, seconds
 
     def _fold_late_updates(self, round_: Round, aggregate_s: float) -> None:
-        """Add last round's late updates that arrived before this round aggregated, with the
-        policy's staleness discount; those that did not go back into their site's residual (the
-        real coordinator accepts an update exactly one round late, no later)."""
+        """Offer last round's late updates that arrived before this round aggregated to the
+        engine (folded with the staleness discount, or refused by the guard and dropped, as the
+        real site drops a refused update); those that did not arrive go back into their site's
+        residual (the real coordinator accepts an update exactly one round late, no later)."""
         for site in self.sites:
             if site.late is None:
                 continue
             encoded, weight, arrival, fragment = site.late
             site.late = None
             if arrival <= aggregate_s:
-                round_.fold(encoded, weight, site=site.name, policy=self.policy)
+                self.engine.fold_late(round_, site.name, encoded, weight, screen=self.uplinks.screen(encoded))
             else:
                 self.uplinks.keep(site.name, encoded, fragment)
 
@@ -377,7 +392,7 @@ class Simulator:
         record = RoundRecord(
             round=round_number,
             phase=phase,  # type: ignore[arg-type]
-            inner_steps=steps,
+            inner_steps=by_site(stats.get("site_inner_steps", [steps] * len(self.sites))) or {},
             inner_steps_total=self.inner_steps_total,
             train_loss=stats["train_loss"],
             eval_loss=eval_loss,
@@ -393,11 +408,13 @@ class Simulator:
             utilization=by_site(stats["utilization"]) or {},
             weights_digest=stats.get("weights_digest") or weights_digest(self.global_flat),
             epsilon=None if self.accountant is None else self.accountant.epsilon(),
-            site_inner_steps=by_site(stats.get("site_inner_steps", [steps] * len(self.sites))) or {},
             deadline_s=stats.get("deadline_s"),
             folded_late=stats.get("folded_late", {}),
             peak_bytes_in_flight=by_site(stats.get("peak_bytes_in_flight")),
             fragment=stats.get("fragment"),
+            rejected=sorted(stats.get("rejected", {})),
+            rejected_reasons=stats.get("rejected", {}),
+            aborted=stats.get("aborted"),
         )
         self.clock_s = end
         return record

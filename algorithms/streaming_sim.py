@@ -28,7 +28,7 @@ import torch
 
 from geoloco.algorithms.clock import SiteConfig, download_ends, transfer_time
 from geoloco.algorithms.diloco import pseudo_gradient
-from geoloco.algorithms.round import Round, RoundPolicy, admit_arrivals
+from geoloco.algorithms.engine import RoundEngine
 from geoloco.algorithms.sim_state import SimSite, SimTrainer
 from geoloco.algorithms.sim_uplinks import Payload, SimUplinks
 from geoloco.algorithms.strategy import Strategy
@@ -108,13 +108,13 @@ class StreamingRounds:
     the global weights and the round clock go in and come back out of ``round``."""
 
     def __init__(
-        self, strategy: Strategy, trainer: SimTrainer, uplinks: SimUplinks, policy: RoundPolicy,
+        self, strategy: Strategy, trainer: SimTrainer, uplinks: SimUplinks, engine: RoundEngine,
         sites: list[SimSite],
     ) -> None:
         self.strategy = strategy
         self.trainer = trainer
         self.uplinks = uplinks
-        self.policy = policy
+        self.engine = engine
         self.sites = sites
         self.streams = [_SiteStream() for _ in sites]
         self.bounds = OverlapBounds.from_config(strategy.config.inner_steps, strategy.streaming)
@@ -137,8 +137,9 @@ class StreamingRounds:
         plan = strategy.configure_round(round_number, names)
         p = plan.fragment
         fragment = strategy.partition[p]
-        round_ = Round(number=plan.round, aggregation=uplinks.begin(plan), opened_s=open_s)
-        round_.start(open_s, self.policy)
+        engine = self.engine
+        round_ = engine.open(plan.round, uplinks.begin(plan), open_s)
+        engine.maybe_start(round_, open_s, members=len(sites))
         global_fragment = fragment.gather(global_flat)
         payloads: list[Payload | None] = []
         weights: list[float] = []
@@ -187,9 +188,9 @@ class StreamingRounds:
                     start_s=stream.upload_s, overlap_compute_s=first_s, rest_compute_s=rest_s,
                     previous_broadcast_s=previous, upload_bytes=size, site=site.config,
                 ).arrival_s
-                if round_.deadline_at is None or arrival <= round_.deadline_at:
-                    # Surely in the round: added now, so no site's update waits for the close.
-                    round_.add(encoded, weights[k], site=site.name, now=arrival)
+                if engine.admit_if_on_time(
+                    round_, site.name, encoded, weights[k], screen=uplinks.screen(encoded), arrival=arrival
+                ):
                     held = None
             del encoded
             payloads.append(held)
@@ -209,18 +210,18 @@ class StreamingRounds:
             for (start, first_s, previous, rest_s), size, site in zip(computed, upload_sizes, sites, strict=True)
         ]
         arrivals = [t.arrival_s for t in times]
-        aggregate_s = admit_arrivals(
-            round_, self.policy, sites=names, arrivals=arrivals, payloads=payloads, weights=weights
+        aggregate_s = engine.admit_arrivals(
+            round_, sites=names, arrivals=arrivals, payloads=payloads, weights=weights, screen=uplinks.screen
         )
-        outcome = round_.close(now=aggregate_s, expected=names)
-        self.policy.observe(outcome)
+        outcome = engine.close(round_, now=aggregate_s, expected=names)
         # Streaming never folds (the next round syncs another fragment): late work stays in the
         # fragment's residual.
         for k, site in enumerate(sites):
             payload = payloads[k]
             if site.name in outcome.excluded and payload is not None:
                 uplinks.keep(site.name, payload, p)
-        update = strategy.aggregate_round(global_flat, round_.aggregation, plan)
+        stepped = engine.step(round_, global_flat, plan, list(outcome.contributors))
+        update = stepped.result.update
         ends = download_ends(aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in sites])
         for site, stream, timing, end in zip(sites, self.streams, times, ends, strict=True):
             stream.merge_round = plan.round
@@ -237,7 +238,7 @@ class StreamingRounds:
             "compute_s": [t.compute_s for t in times],
             "utilization": [t.utilization for t in times],
             "excluded": list(outcome.excluded),
-            "participants": list(outcome.contributors),
+            "participants": list(stepped.result.contributors),
             "end_s": max(ends),
             "peak_bytes_in_flight": [max(up, down) for up in upload_sizes],
             "fragment": p,
@@ -245,4 +246,6 @@ class StreamingRounds:
             "overlap_steps": [s.choice.overlap_steps if s.choice else 0 for s in self.streams],
             "deadline_s": outcome.deadline_s,
             "weights_digest": update.digest,
+            "rejected": dict(outcome.rejected),
+            "aborted": stepped.aborted,
         }

@@ -99,6 +99,12 @@ class TrainingConfig:
                 "privacy",
                 "privacy applies to pseudo-gradient rounds; use diloco, fedavg or fedopt with warmup_steps = 0",
             )
+            require(
+                not self.algorithm.partial_updates.enabled,
+                "algorithm.partial_updates.enabled",
+                "partial updates are not combined with [privacy] (secure sums and DP clip whole "
+                "updates); disable one of them",
+            )
         check_robust_privacy(
             self.algorithm.robust_rule, secure_aggregation=self.privacy.secure_aggregation,
             dp=self.privacy.dp, num_sites=num_sites,

@@ -26,7 +26,7 @@ RSS reaches a new high (``peak_stack``: where the peak is). Reported against the
         # a sweep, its rows as JSON, and peak RSS against sites and model size as a PNG
     python benchmarks/bench_coordinator_memory.py --plot-only a.json b.json --plot memory.png
 
-Processes run with ``transport.recommended_env()`` (the malloc tunables the CLI applies). Needs
+Processes run with ``transport_malloc.recommended_env()`` (the malloc tunables the CLI applies). Needs
 about 2.5x the model per site process at its peak (the random update and its encoding) and
 about 6.5x the model for the coordinator.
 """
@@ -380,7 +380,7 @@ def main() -> None:
         args.params, args.sites = _counts(args.params)[0], _counts(args.sites)[0]
         return _role_coordinator(args) if args.role == "coordinator" else _role_site(args)
 
-    from geoloco.protos.transport import recommended_env
+    from geoloco.protos.transport_malloc import recommended_env
 
     env = recommended_env()
     env["OMP_NUM_THREADS"] = "1"

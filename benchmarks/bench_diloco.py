@@ -49,6 +49,7 @@ from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerCo
 from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.workload import Workload
+from geoloco.scenarios.progress import human_bytes
 from geoloco.scenarios.workloads import build_workload
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -295,7 +296,7 @@ def run_variant(
     started = time.perf_counter()
     done = 0
     for record in simulator.run():
-        done += record.inner_steps
+        done += max(record.inner_steps.values())
         assert record.eval_loss is not None  # eval_every = 1
         outcome.points.append(
             Point(
@@ -314,14 +315,6 @@ def run_variant(
 
 # --------------------------------------------------------------------------------------------
 # Reporting
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
 
 
 def summarise(outcomes: Sequence[Outcome], steps: int) -> list[dict[str, Any]]:

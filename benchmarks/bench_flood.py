@@ -45,7 +45,8 @@ def flood_worker(port: int, certs: Path, count: int, reopen_s: float, connection
     import grpc.aio
 
     from geoloco.protos import geoloco_pb2 as pb
-    from geoloco.protos.transport import CHANNEL_OPTIONS, SERVICE_NAME, TLSFiles
+    from geoloco.protos.transport_options import CHANNEL_OPTIONS, SERVICE_NAME
+    from geoloco.protos.transport_tls import TLSFiles
 
     ca, cert, key = TLSFiles.from_dir(certs, "intruder").read()
     ended: Counter[str] = Counter()
@@ -106,7 +107,7 @@ def run(certs: Path, *, flood: int, rounds: int, inner_steps: int, reopen_s: flo
     from geoloco.coordinator import events as ev
     from geoloco.coordinator.config import CoordinatorConfig
     from geoloco.coordinator.server import CoordinatorServer
-    from geoloco.protos.transport import TLSFiles
+    from geoloco.protos.transport_tls import TLSFiles
     from geoloco.scenarios.workloads import build_workload
     from geoloco.site_agent.agent import SiteAgent
     from geoloco.site_agent.config import SiteAgentConfig

@@ -27,7 +27,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.partial import PartialAssignment, PartialUpdatesConfig
 from geoloco.scenarios.config_file import read_toml
-from geoloco.scenarios.sweep import human_bytes, parse_seeds, sweep
+from geoloco.scenarios.progress import human_bytes
+from geoloco.scenarios.sweep import parse_seeds, sweep
 from geoloco.scenarios.workloads import build_workload
 
 BASE = Path(__file__).resolve().parent.parent / "scenarios" / "headline.toml"

@@ -109,7 +109,7 @@ def run(variant: Variant, *, size: str, wall_s: float, seed: int) -> Outcome:
         wall = record.wall_clock_s
         for k in range(len(SPEEDS)):
             compute[k] += list(record.compute_s.values())[k]
-            steps[k] += list(record.site_inner_steps.values())[k]
+            steps[k] += list(record.inner_steps.values())[k]
         folded += len(record.folded_late)
         stragglers += len(record.excluded)
         deadlines.append(record.deadline_s)

@@ -4,7 +4,7 @@ A manifest's checksum must identify its bytes (resume and MANIFEST_CONFLICT comp
 which CRC-32 cannot for encoded updates (they end with their own CRC-32). This measures the price
 of SHA-256 on both sides of an upload, in one process, one core:
 
-* sender: ``wire.blob_manifest`` of the update (the site hashes it once per upload);
+* sender: ``wire_manifests.blob_manifest`` of the update (the site hashes it once per upload);
 * receiver: ``BlobAssembler`` fed the update in 1 MiB chunks and ``finish()`` (the coordinator
   copies each chunk into place and hashes it while chunks arrive).
 
@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos import wire
+from geoloco.protos.wire_assembly import BlobAssembler
+from geoloco.protos.wire_manifests import blob_manifest
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -49,15 +50,15 @@ def main() -> None:
     rows: dict[str, tuple[float, float]] = {}
     for name, algorithm in ALGORITHMS.items():
         # A raw buffer, so CRC-32 is allowed; for the cost the content does not matter.
-        manifest = wire.blob_manifest(data, chunk_size=chunk, checksum_algorithm=algorithm)
+        manifest = blob_manifest(data, chunk_size=chunk, checksum_algorithm=algorithm)
 
         def describe(a: pb.ChecksumAlgorithm = algorithm) -> None:
-            wire.blob_manifest(data, chunk_size=chunk, checksum_algorithm=a)
+            blob_manifest(data, chunk_size=chunk, checksum_algorithm=a)
 
         send = _best(describe, args.repeats)
 
         def receive(m: pb.BlobManifest = manifest) -> None:
-            assembler = wire.BlobAssembler(m)
+            assembler = BlobAssembler(m)
             view = memoryview(data)
             for index in range(m.num_chunks):
                 assembler.add(index, view[index * chunk : (index + 1) * chunk])

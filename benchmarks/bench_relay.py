@@ -30,8 +30,12 @@ from geoloco.coordinator import events as ev
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub
-from geoloco.protos.wire import PROTOCOL_VERSION, Download, blob_manifest, read_broadcast_stream, upload_requests
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
+from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+from geoloco.protos.transport_tls import TLSFiles
+from geoloco.protos.wire_assembly import Download, read_broadcast_stream
+from geoloco.protos.wire_chunks import upload_requests
+from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay import RelayConfig, RelayServer
 from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_relay, issue_site
 

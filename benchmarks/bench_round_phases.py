@@ -134,7 +134,7 @@ def serve_run(server: Any, out: Path, timeout: float) -> None:
 def _role_site(args: argparse.Namespace) -> None:
     import torch
 
-    from geoloco.protos.transport import TLSFiles
+    from geoloco.protos.transport_tls import TLSFiles
     from geoloco.site_agent.agent import SiteAgent
     from geoloco.site_agent.config import RoundResult, SiteAgentConfig, SiteHooks
 
@@ -178,7 +178,7 @@ def _role_echo(args: argparse.Namespace) -> None:
 
 
 def _spawn(role: str, *extra: str) -> subprocess.Popen[bytes]:
-    from geoloco.protos.transport import recommended_env
+    from geoloco.protos.transport_malloc import recommended_env
 
     env = {**os.environ, **recommended_env()}
     return subprocess.Popen([sys.executable, __file__, "--role", role, *extra], env=env)

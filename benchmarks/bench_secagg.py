@@ -41,7 +41,9 @@ from geoloco.algorithms.privacy import (
     decode_secure_sum,
     plan_secure_round,
 )
-from geoloco.algorithms.secagg import SecAggClient, SecAggServer, keystream_into, num_chunks
+from geoloco.algorithms.secagg_client import SecAggClient
+from geoloco.algorithms.secagg_crypto import keystream_into, num_chunks
+from geoloco.algorithms.secagg_server import SecAggServer
 
 
 def _timed(fn):  # type: ignore[no-untyped-def]
@@ -185,7 +187,7 @@ def _site_main(port: int, name: str, certs: str, params: int) -> None:
     """One site process: a SiteAgent that trains one SGD step per round until the run ends."""
     import itertools
 
-    from geoloco.protos.transport import TLSFiles
+    from geoloco.protos.transport_tls import TLSFiles
     from geoloco.site_agent.agent import SiteAgent
     from geoloco.site_agent.config import SiteAgentConfig
 

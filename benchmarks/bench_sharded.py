@@ -127,7 +127,7 @@ def _role_rank(args: argparse.Namespace) -> None:
     import grpc  # noqa: F401 (in the baseline)
     import torch
 
-    from geoloco.protos.transport import TLSFiles
+    from geoloco.protos.transport_tls import TLSFiles
     from geoloco.site_agent.config import SiteAgentConfig
 
     baseline = _rss_mib()
@@ -308,8 +308,8 @@ def _mem_available() -> float:
 
 def _spawn(command: list[str], watchdog: _Watchdog, tunables: str = "recommended") -> subprocess.Popen[bytes]:
     """Start a role in a session of its own; ``tunables``: ``recommended`` (the malloc tunables
-    of ``transport.recommended_env()``), ``none`` (glibc's defaults) or a ``GLIBC_TUNABLES`` string."""
-    from geoloco.protos.transport import recommended_env
+    of ``transport_malloc.recommended_env()``), ``none`` (glibc's defaults) or a ``GLIBC_TUNABLES`` string."""
+    from geoloco.protos.transport_malloc import recommended_env
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GLIBC_TUNABLES")}
     if tunables == "recommended":
@@ -477,7 +477,7 @@ def main() -> None:
                         help="kill the run when MemAvailable falls below this (default 2.0)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--site-malloc", default="recommended",
-                        help="the ranks' glibc malloc: recommended (transport.recommended_env(), as deployed), "
+                        help="the ranks' glibc malloc: recommended (transport_malloc.recommended_env(), as deployed), "
                              "none (glibc's defaults) or a GLIBC_TUNABLES string")
     parser.add_argument("--where", action="store_true",
                         help="sample each rank's RSS and keep the stack and live tensors at its peak (slower)")

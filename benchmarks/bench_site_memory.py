@@ -141,7 +141,7 @@ def _role_site(args: argparse.Namespace) -> None:
 
 
 def _spawn(role: str, *extra: str) -> subprocess.Popen[bytes]:
-    from geoloco.protos.transport import recommended_env
+    from geoloco.protos.transport_malloc import recommended_env
 
     env = {**os.environ, **recommended_env()}
     return subprocess.Popen([sys.executable, __file__, "--role", role, *extra], env=env)

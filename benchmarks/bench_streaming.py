@@ -145,7 +145,7 @@ def run_case(case: Case, *, steps: int, step_time_s: float, workload: Any, seed:
                 steady_compute[k] += c
                 steady_span[k] += c / u if u > 0 else 0.0
         peak = max([peak, *(record.peak_bytes_in_flight or {}).values()])
-        done_steps += record.inner_steps
+        done_steps += max(record.inner_steps.values())
         if record.eval_loss is not None:
             evals.append((done_steps, record.wall_clock_s, record.eval_loss))
         last = record

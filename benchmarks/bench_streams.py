@@ -6,11 +6,11 @@ K = 1, 2, 4, 8, once with one TCP connection per stream (``StreamChannels``, wha
 does) and once with all K streams multiplexed over one channel (one HTTP/2 connection). The
 receiving side feeds every stream of one manifest into one ``UploadAssembler`` and verifies
 its SHA-256, as the coordinator's intake does. Then the same payload comes back as K strided
-FetchModel calls (``chunk_stride``, one connection each) into one ``wire.Download``, checksum
+FetchModel calls (``chunk_stride``, one connection each) into one ``wire_assembly.Download``, checksum
 verified, as ``CoordinatorClient.fetch_model`` makes them. The same bytes also go once through a plain TCP
 socket between two processes (``sendall`` / ``recv_into``). Each cell runs once (the machine is
 shared); ratios are against the raw socket of the same run. Every process runs with
-``transport.recommended_env()``, the malloc tunables the ``geoloco`` commands apply.
+``transport_malloc.recommended_env()``, the malloc tunables the ``geoloco`` commands apply.
 
     python benchmarks/bench_streams.py                  # 1 GiB, K = 1, 2, 4, 8
     python benchmarks/bench_streams.py --size-mib 256 --streams 1,4
@@ -60,43 +60,47 @@ def _cpu_seconds() -> float:
 
 def _role_server(args: argparse.Namespace) -> None:
     from geoloco.protos import geoloco_pb2 as pb
-    from geoloco.protos import transport, wire
+    from geoloco.protos.transport_endpoints import add_coordinator_servicer, build_server, stop_server
+    from geoloco.protos.transport_tls import TLSFiles, resolve_site
+    from geoloco.protos.wire_assembly import UploadAssembler, read_upload_manifest, upload_chunks
+    from geoloco.protos.wire_chunks import model_responses
+    from geoloco.protos.wire_manifests import blob_manifest
 
     buffer = bytearray(args.size)  # reused by every upload, as a coordinator would
     assemblers: dict[int, Any] = {}
     serve = _payload(args.size)  # what FetchModel serves
-    served = [wire.blob_manifest(serve, chunk_size=args.chunk_mib * MiB)]
+    served = [blob_manifest(serve, chunk_size=args.chunk_mib * MiB)]
     lock = threading.Lock()
 
     class BenchCoordinator:
         def Upload(self, request_iterator: Any, context: Any) -> Any:
-            manifest = wire.read_upload_manifest(request_iterator)
-            transport.resolve_site(context, manifest.site, insecure=False)
+            manifest = read_upload_manifest(request_iterator)
+            resolve_site(context, manifest.site, insecure=False)
             with lock:
                 assembler = assemblers.get(manifest.round)
                 if assembler is None:
                     assemblers.clear()
-                    assembler = wire.UploadAssembler(manifest, out=buffer)
+                    assembler = UploadAssembler(manifest, out=buffer)
                     assemblers[manifest.round] = assembler
-            assembler.consume(wire.upload_chunks(request_iterator))
+            assembler.consume(upload_chunks(request_iterator))
             if assembler.complete:
                 assembler.finish()
             return assembler.upload_response()
 
         def FetchModel(self, request: Any, context: Any) -> Any:
             manifest = pb.ModelManifest(round=0, blob=served[0], start_chunk=request.start_chunk)
-            yield from wire.model_responses(manifest, serve, stride=request.chunk_stride)
+            yield from model_responses(manifest, serve, stride=request.chunk_stride)
 
     from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 
     servicer = type("Servicer", (BenchCoordinator, pb_grpc.CoordinatorServicer), {})()
-    tls = transport.TLSFiles.from_dir(args.tls_dir, "coordinator")
-    server, port = transport.build_server(tls=tls, insecure=False, max_workers=16)
-    transport.add_coordinator_servicer(servicer, server)
+    tls = TLSFiles.from_dir(args.tls_dir, "coordinator")
+    server, port = build_server(tls=tls, insecure=False, max_workers=16)
+    add_coordinator_servicer(servicer, server)
     server.start()
     print(port, flush=True)
     sys.stdin.read()  # the driver closes stdin to stop us
-    transport.stop_server(server, grace_s=1.0)
+    stop_server(server, grace_s=1.0)
 
 
 class _OneChannel:
@@ -114,20 +118,23 @@ def _role_client(args: argparse.Namespace) -> None:
     import grpc
 
     from geoloco.protos import geoloco_pb2 as pb
-    from geoloco.protos import transport, wire
+    from geoloco.protos.transport_endpoints import client_channel, coordinator_stub, wait_for_channel
+    from geoloco.protos.transport_tls import TLSFiles
+    from geoloco.protos.wire_assembly import Download
+    from geoloco.protos.wire_manifests import blob_manifest
     from geoloco.site_agent.client_streams import StreamChannels, run_streams, upload_in_streams
 
-    tls = transport.TLSFiles.from_dir(args.tls_dir, _SITE)
+    tls = TLSFiles.from_dir(args.tls_dir, _SITE)
     target = f"localhost:{args.port}"
-    channel = transport.client_channel(target, tls=tls)
-    transport.wait_for_channel(channel, 30)
-    stub = transport.coordinator_stub(channel)
+    channel = client_channel(target, tls=tls)
+    wait_for_channel(channel, 30)
+    stub = coordinator_stub(channel)
     extra = StreamChannels(
         target, tls=tls, insecure=False, server_name=None, extra_options=(), intercept=lambda c: c
     )
     data = _payload(args.size)
     receive = bytearray(args.size)
-    blob = wire.blob_manifest(data, chunk_size=args.chunk_mib * MiB)
+    blob = blob_manifest(data, chunk_size=args.chunk_mib * MiB)
     results = []
     round_number = 0
     for layout in args.layouts.split(","):
@@ -156,7 +163,7 @@ def _role_client(args: argparse.Namespace) -> None:
             )
     for streams in (int(k) for k in args.streams.split(",")):
         stubs = [stub, *extra.stubs(streams - 1)]
-        download = wire.Download(max_total_bytes=args.size, out_factory=lambda _b: receive, parallel=streams > 1)
+        download = Download(max_total_bytes=args.size, out_factory=lambda _b: receive, parallel=streams > 1)
         cpu0 = _cpu_seconds()
         t0 = time.perf_counter()
         run_streams([
@@ -175,10 +182,10 @@ def _role_client(args: argparse.Namespace) -> None:
 def _fetch_share(stub: Any, download: Any, residue: int, streams: int) -> None:
     """One strided FetchModel call, as ``CoordinatorClient.fetch_model`` makes it."""
     from geoloco.protos import geoloco_pb2 as pb
-    from geoloco.protos import wire
+    from geoloco.protos.wire_assembly import read_model_stream
 
     request = pb.FetchModelRequest(start_chunk=residue, chunk_stride=streams if streams > 1 else 0)
-    wire.read_model_stream(stub.FetchModel(request, timeout=900), download)
+    read_model_stream(stub.FetchModel(request, timeout=900), download)
 
 
 def _role_raw_server(args: argparse.Namespace) -> None:
@@ -210,7 +217,7 @@ def _role_raw_client(args: argparse.Namespace) -> None:
 def _pair(server_role: str, client_role: str, common: list[str], hub: Any = None) -> list[dict[str, Any]]:
     """Run a server and a client process; with ``hub`` (a ``RelayHub`` holding one shaped
     relay) the client dials the relay, which forwards to the server."""
-    from geoloco.protos.transport import recommended_env
+    from geoloco.protos.transport_malloc import recommended_env
 
     # The malloc tunables the coordinator and site commands run with (``transport_malloc``):
     # without them every 1 MiB message is a fresh mmap and its page faults.

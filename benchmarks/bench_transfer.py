@@ -1,13 +1,13 @@
 """Upload throughput through geoloco's real transport, beside a raw TCP socket.
 
 A site process streams one update (default 256 MiB) to a coordinator process over loopback:
-``transport.client_channel`` + ``wire.upload_requests`` on one side, ``transport.build_server``
-+ a servicer built from ``wire.read_upload_manifest`` / ``UploadAssembler`` (checksum verified)
-on the other -- the code path the coordinator uses. The same bytes also go through a plain TCP
-socket between two processes (``sendall`` / ``recv_into``), the ceiling for a Python process on
-this machine. Every combination of TLS on/off, chunk size and glibc malloc tunables on/off
-(``transport.recommended_env()``) runs in fresh processes; the best of ``--repeats`` runs is
-reported, as a markdown table.
+``transport_endpoints.client_channel`` + ``wire_chunks.upload_requests`` on one side,
+``transport_endpoints.build_server`` + a servicer built from ``wire_assembly.read_upload_manifest``
+/ ``UploadAssembler`` (checksum verified) on the other -- the code path the coordinator uses. The
+same bytes also go through a plain TCP socket between two processes (``sendall`` / ``recv_into``),
+the ceiling for a Python process on this machine. Every combination of TLS on/off, chunk size
+and glibc malloc tunables on/off (``transport_malloc.recommended_env()``) runs in fresh processes;
+the best of ``--repeats`` runs is reported, as a markdown table.
 
     python benchmarks/bench_transfer.py                 # full table (~1 min on 2 cores)
     python benchmarks/bench_transfer.py --profile       # where the time goes (cProfile, 1 MiB)
@@ -55,7 +55,9 @@ def _role_server(args: argparse.Namespace) -> None:
 
     from geoloco.protos import geoloco_pb2 as pb
     from geoloco.protos import geoloco_pb2_grpc as pb_grpc
-    from geoloco.protos import transport, wire
+    from geoloco.protos.transport_endpoints import add_coordinator_servicer, build_server, stop_server
+    from geoloco.protos.transport_tls import TLSFiles, resolve_site
+    from geoloco.protos.wire_assembly import UploadAssembler, read_upload_manifest, upload_chunks
 
     insecure = args.tls_dir is None
     receive_buffer = bytearray(args.size)  # reused across uploads, as a coordinator would
@@ -63,21 +65,21 @@ def _role_server(args: argparse.Namespace) -> None:
     class BenchCoordinator(pb_grpc.CoordinatorServicer):
         def Upload(self, request_iterator, context):
             cpu0 = _cpu_seconds()
-            manifest = wire.read_upload_manifest(request_iterator)
-            transport.resolve_site(context, manifest.site, insecure=insecure)
+            manifest = read_upload_manifest(request_iterator)
+            resolve_site(context, manifest.site, insecure=insecure)
             out = receive_buffer if manifest.blob.total_bytes == len(receive_buffer) else None
-            assembler = wire.UploadAssembler(manifest, out=out)
-            assembler.consume(wire.upload_chunks(request_iterator))
+            assembler = UploadAssembler(manifest, out=out)
+            assembler.consume(upload_chunks(request_iterator))
             if assembler.complete:
                 assembler.finish()
             # Process-wide CPU (all threads, gRPC's own included) spent on this upload.
             context.set_trailing_metadata((("bench-cpu-s", f"{_cpu_seconds() - cpu0:.6f}"),))
             return assembler.upload_response()
 
-    tls = None if insecure else transport.TLSFiles.from_dir(args.tls_dir, "coordinator")
-    server, port = transport.build_server(tls=tls, insecure=insecure, max_workers=4)
+    tls = None if insecure else TLSFiles.from_dir(args.tls_dir, "coordinator")
+    server, port = build_server(tls=tls, insecure=insecure, max_workers=4)
     if args.path == "fast":
-        transport.add_coordinator_servicer(BenchCoordinator(), server)
+        add_coordinator_servicer(BenchCoordinator(), server)
     else:
         pb_grpc.add_CoordinatorServicer_to_server(BenchCoordinator(), server)
     profiler = cProfile.Profile() if args.profile_out else None
@@ -86,7 +88,7 @@ def _role_server(args: argparse.Namespace) -> None:
     server.start()
     print(port, flush=True)
     sys.stdin.read()  # the driver closes stdin to stop us
-    transport.stop_server(server, grace_s=1.0)
+    stop_server(server, grace_s=1.0)
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile_out)
@@ -101,14 +103,17 @@ def _cpu_seconds() -> float:
 def _role_client(args: argparse.Namespace) -> None:
     from geoloco.protos import geoloco_pb2 as pb
     from geoloco.protos import geoloco_pb2_grpc as pb_grpc
-    from geoloco.protos import transport, wire
+    from geoloco.protos.transport_endpoints import client_channel, coordinator_stub, wait_for_channel
+    from geoloco.protos.transport_tls import TLSFiles
+    from geoloco.protos.wire_chunks import as_messages, upload_requests
+    from geoloco.protos.wire_manifests import blob_manifest
 
     insecure = args.tls_dir is None
-    tls = None if insecure else transport.TLSFiles.from_dir(args.tls_dir, _SITE)
-    channel = transport.client_channel(f"localhost:{args.port}", tls=tls, insecure=insecure)
-    transport.wait_for_channel(channel, 30)
+    tls = None if insecure else TLSFiles.from_dir(args.tls_dir, _SITE)
+    channel = client_channel(f"localhost:{args.port}", tls=tls, insecure=insecure)
+    wait_for_channel(channel, 30)
     if args.path == "fast":
-        stub = transport.coordinator_stub(channel)
+        stub = coordinator_stub(channel)
     else:
         stub = pb_grpc.CoordinatorStub(channel)
     data = _payload(args.size)
@@ -117,16 +122,16 @@ def _role_client(args: argparse.Namespace) -> None:
     for name in args.chunks.split(","):
         chunk_size = CHUNK_SIZES[name]
         t0 = time.perf_counter()
-        blob = wire.blob_manifest(data, chunk_size=chunk_size)
+        blob = blob_manifest(data, chunk_size=chunk_size)
         checksum_s = time.perf_counter() - t0
         manifest = pb.UploadManifest(site=_SITE if insecure else "", round=1, blob=blob)
         best = float("inf")
         client_cpu, server_cpu = [], []
         for repeat in range(args.repeats):
             manifest.round = repeat + 1
-            requests = wire.upload_requests(manifest, data)
+            requests = upload_requests(manifest, data)
             if args.path != "fast":
-                requests = wire.as_messages(requests, pb.UploadRequest)
+                requests = as_messages(requests, pb.UploadRequest)
             if profiler:
                 profiler.enable()
             cpu0 = _cpu_seconds()
@@ -238,11 +243,11 @@ def _pair(
 
 
 def _environments(which: str) -> dict[str, dict[str, str]]:
-    from geoloco.protos import transport
+    from geoloco.protos.transport_malloc import recommended_env
 
     plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     plain["GEOLOCO_NO_MALLOC_REEXEC"] = "1"
-    envs = {"off": plain, "on": transport.recommended_env(plain)}
+    envs = {"off": plain, "on": recommended_env(plain)}
     return envs if which == "both" else {which: envs[which]}
 
 
@@ -278,8 +283,8 @@ def main() -> None:
     parser.add_argument(
         "--path",
         default="fast,protobuf",
-        help="code paths: 'fast' (transport.coordinator_stub / add_coordinator_servicer, "
-        "chunks as wire.ChunkRef) and/or 'protobuf' (generated stub and registration, chunks "
+        help="code paths: 'fast' (transport_endpoints.coordinator_stub / add_coordinator_servicer, "
+        "chunks as wire_chunks.ChunkRef) and/or 'protobuf' (generated stub and registration, chunks "
         "as protobuf messages)",
     )
     parser.add_argument("--malloc", choices=["both", "on", "off"], default="both")

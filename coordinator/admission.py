@@ -48,7 +48,8 @@ import grpc
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.admission_config import AdmissionLimits
 from geoloco.coordinator.errors import SiteNotAllowedError, StatusError
-from geoloco.protos.transport import THREAD_POOL_ATTRIBUTE, peer_relay, peer_site, rebuild_handler
+from geoloco.protos.transport_errors import THREAD_POOL_ATTRIBUTE, rebuild_handler
+from geoloco.protos.transport_tls import peer_relay, peer_site
 
 __all__ = [
     "CONTROL_METHODS",

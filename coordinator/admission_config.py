@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from geoloco.algorithms.config import require
-from geoloco.protos.transport import server_workers
+from geoloco.protos.transport_options import server_workers
 
 __all__ = ["AdmissionConfig", "AdmissionLimits"]
 

@@ -16,7 +16,7 @@ import os
 import threading
 
 from geoloco.compression import Encoded
-from geoloco.protos.wire import FileBlob
+from geoloco.protos.wire_files import FileBlob
 
 __all__ = ["SPILL_MIN_BYTES", "PreparedBroadcast"]
 

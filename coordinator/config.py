@@ -20,12 +20,12 @@ from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerCo
 from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.training import TrainingConfig, TrainingKeys
+from geoloco.algorithms.update_guard import UpdateGuardConfig
 from geoloco.coordinator.admission_config import AdmissionConfig, AdmissionLimits
 from geoloco.coordinator.http_config import HTTPStatusConfig
-from geoloco.coordinator.update_guard import UpdateGuardConfig
 from geoloco.protos.identity import validate_site_name
-from geoloco.protos.transport import TLSFiles
-from geoloco.protos.wire import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
+from geoloco.protos.transport_tls import TLSFiles
+from geoloco.protos.wire_buffers import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 
 __all__ = ["COORDINATOR_KEYS", "SUPPORTED_ALGORITHMS", "CoordinatorConfig"]
 
@@ -135,7 +135,7 @@ class CoordinatorConfig:
     update_guard: UpdateGuardConfig = field(default_factory=UpdateGuardConfig)
     """``[update_guard]``: bounds on each update's norm and weight and on the global weights;
     an update beyond them is rejected, a round whose aggregate goes beyond them is aborted with
-    the model unchanged (``geoloco.coordinator.update_guard``)."""
+    the model unchanged (``geoloco.algorithms.update_guard``)."""
 
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     """``[admission]``: bounds on the calls the gRPC server takes on (per peer, in total, idle
@@ -161,12 +161,6 @@ class CoordinatorConfig:
             self.algorithm.warmup_steps == 0,
             "algorithm.warmup_steps",
             "a data-parallel warm-up is only available in the simulator; set warmup_steps = 0",
-        )
-        require(
-            not (self.algorithm.partial_updates.enabled and self.privacy.enabled),
-            "algorithm.partial_updates.enabled",
-            "partial updates are not combined with [privacy] (secure sums and DP clip whole "
-            "updates); disable one of them",
         )
         num_sites = len(self.allowed_sites) if self.allowed_sites is not None else None
         self.training.validate(COORDINATOR_KEYS, num_sites=num_sites)

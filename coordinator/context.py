@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from geoloco.algorithms.aggregation import new_aggregation
+from geoloco.algorithms.engine import RoundEngine
 from geoloco.algorithms.link_codec import CodecPlans
-from geoloco.algorithms.round import Round, RoundPolicy
+from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.strategy import Strategy
 from geoloco.compression import parse_codec
 from geoloco.coordinator import events as ev
@@ -21,7 +22,6 @@ from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.domain import CoordinatorRound, RoundInfo, RoundPhase
 from geoloco.coordinator.errors import (
     RunFinishedError,
-    ShuttingDownError,
     UpdateRejectedError,
     WrongRoundError,
 )
@@ -49,7 +49,7 @@ class RoundContext:
         self,
         config: CoordinatorConfig,
         strategy: Strategy,
-        policy: RoundPolicy,
+        engine: RoundEngine,
         *,
         session_id: str,
         clock: Callable[[], float],
@@ -57,7 +57,8 @@ class RoundContext:
     ) -> None:
         self.config = config
         self.strategy = strategy
-        self.policy = policy
+        self.engine = engine
+        """The round's lifecycle (``geoloco.algorithms.engine``): admission, close, guard, step."""
         self.session_id = session_id
         self.clock = clock
         self.events = events
@@ -87,7 +88,12 @@ class RoundContext:
             device=self.strategy.device,
             partial=self.strategy.partial,
         )
-        return CoordinatorRound(core=Round(number=number, aggregation=aggregation, opened_s=now))
+        return CoordinatorRound(core=self.engine.open(number, aggregation, now))
+
+    @property
+    def policy(self) -> RoundPolicy:
+        """Quorum, deadline in force and the late-update rule (the engine's)."""
+        return self.engine.policy
 
     # -- the strategy's view of rounds --
 
@@ -133,10 +139,6 @@ class RoundContext:
 
     # -- checks shared by several calls --
 
-    def check_open(self) -> None:
-        if self.closing:
-            raise ShuttingDownError("the coordinator is shutting down; retry to reach its successor")
-
     def check_upload_round(self, round_number: int) -> None:
         """Refuse an upload (or stage call) for a round that is not the open one."""
         current = self.round.number
@@ -161,8 +163,8 @@ class RoundContext:
     def check_not_rejected(self, site: str) -> None:
         """Refuse another upload (or shard) from a site whose update this round was rejected."""
         r = self.round
-        if site in r.rejected:
-            why = r.rejected_why.get(site, "bad values")
+        why = r.rejected.get(site)
+        if why is not None:
             raise UpdateRejectedError(
                 f"site {site!r}'s update for round {r.number} was rejected ({why}) "
                 "and is dropped for this round; wait for the broadcast (AwaitBroadcast)"

@@ -206,13 +206,8 @@ class CoordinatorRound:
     site_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     inner_steps: dict[str, int] = field(default_factory=dict)
     """site -> inner steps its upload reports."""
-    rejected_why: dict[str, str] = field(default_factory=dict)
-    """site -> why its update was rejected (``core.rejected`` holds the sites)."""
     timings: RoundTimings = field(default_factory=RoundTimings)
     """Where the round's time goes (``geoloco.coordinator.round_timing``)."""
-    aborted: str = ""
-    """Non-empty: adding an update failed midway, the aggregate cannot be trusted and the round
-    is aborted at its close with the model unchanged (the reason)."""
 
     @property
     def number(self) -> int:
@@ -223,7 +218,8 @@ class CoordinatorRound:
         return self.core.contributed
 
     @property
-    def rejected(self) -> set[str]:
+    def rejected(self) -> dict[str, str]:
+        """site -> why its update was rejected."""
         return self.core.rejected
 
     @property

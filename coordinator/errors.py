@@ -1,9 +1,9 @@
 """Domain errors of the coordinator, each carrying the gRPC status and ``ErrorReason`` a site sees.
 
-The round state machine raises them; ``geoloco.protos.transport.ErrorStatusInterceptor`` turns
-them into ``context.abort(code, message)`` plus the ``geoloco-error-reason`` trailing metadata, so
-the servicer never translates errors by hand. The wire-level errors (bad manifests, chunk bounds,
-checksums) live in ``geoloco.protos.wire`` and the session/membership/round ones in
+The round state machine raises them; ``geoloco.protos.transport_errors.ErrorStatusInterceptor``
+turns them into ``context.abort(code, message)`` plus the ``geoloco-error-reason`` trailing
+metadata, so the servicer never translates errors by hand. The wire-level errors (bad manifests,
+chunk bounds, checksums) live in ``geoloco.protos.wire_buffers`` and the session/membership/round ones in
 ``geoloco.protos.errors``; this module adds what only the coordinator knows about.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import grpc
 
+from geoloco.algorithms.engine import NOT_FINITE
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import (
     IdentityError,
@@ -34,6 +35,7 @@ __all__ = [
     "StatusError",
     "UpdateRejectedError",
     "WrongRoundError",
+    "rejection_message",
 ]
 
 
@@ -64,3 +66,12 @@ class ShuttingDownError(StatusError):
 
     code = grpc.StatusCode.UNAVAILABLE
     reason = pb.ERROR_REASON_UNSPECIFIED
+
+
+def rejection_message(what: str, why: str, *, aborted: bool) -> str:
+    """What a site is told when the engine rejected ``what`` for ``why``."""
+    if aborted:
+        return f"{what} could not be added to the aggregate; the round is aborted with the model unchanged"
+    if why == NOT_FINITE:
+        return f"{what} contains NaN or Inf values; it is dropped (check the site's loss and learning rate)"
+    return f"{what} is refused: {why}; it is dropped (check the site's loss and learning rate)"

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from geoloco.protos.errors import StatusError
-from geoloco.protos.transport import rebuild_handler
+from geoloco.protos.transport_errors import rebuild_handler
 
 __all__ = [
     "BYTES_RECEIVED",

@@ -53,7 +53,7 @@ from geoloco.coordinator.status_board import (
 if TYPE_CHECKING:
     from geoloco.coordinator.config import CoordinatorConfig
     from geoloco.coordinator.rounds import RoundStateMachine
-    from geoloco.protos.transport import TLSFiles
+    from geoloco.protos.transport_tls import TLSFiles
 
 __all__ = [
     "DEFAULT_HTTP_PORT",

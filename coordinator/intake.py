@@ -23,15 +23,14 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from geoloco.algorithms.aggregation import Aggregation, RunningSum
-from geoloco.algorithms.round import CloseDecision
-from geoloco.algorithms.secagg import StageMessage, StageReply
-from geoloco.algorithms.strategy import RoundPlan, RoundUpdate
+from geoloco.algorithms.engine import UNSCREENED, RoundSum, Screen
+from geoloco.algorithms.secagg_stages import StageMessage, StageReply
+from geoloco.algorithms.strategy import RoundPlan
 from geoloco.algorithms.weighting import site_weight
 from geoloco.compression import Encoded
 from geoloco.coordinator import events as ev
@@ -41,15 +40,16 @@ from geoloco.coordinator.errors import (
     InvalidUpdateError,
     NotAMemberError,
     ShuttingDownError,
+    rejection_message,
 )
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.round_timing import RoundTimings
 from geoloco.coordinator.shards import ShardedUploads
-from geoloco.coordinator.update_guard import UpdateGuard
 from geoloco.coordinator.upload_check import checked_update
 from geoloco.protos.errors import quoted
-from geoloco.protos.wire import MAX_CHUNK_SIZE, ManifestTooLargeError, UploadAssembler
+from geoloco.protos.wire_assembly import UploadAssembler
+from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
 
 __all__ = [
     "MAX_METRIC_NAME_CHARS",
@@ -57,7 +57,6 @@ __all__ = [
     "Chunks",
     "PlainIntake",
     "PlainUpload",
-    "RoundSum",
     "UploadIntake",
 ]
 
@@ -70,18 +69,6 @@ MAX_SITE_METRICS = 32
 """Entries an upload's ``metrics`` map may have (they go into every round's record)."""
 MAX_METRIC_NAME_CHARS = 64
 """Characters of one metric's name."""
-
-@dataclass(slots=True)
-class RoundSum:
-    """A closed round's aggregate, applied: the new weights and downlink, who counted."""
-
-    update: RoundUpdate
-    contributors: list[str]
-    update_norm: float
-    """L2 norm of the mean update (0 for a round that changed nothing)."""
-    privacy: dict[str, Any] = field(default_factory=dict)
-    """Privacy metrics of the round (secure aggregation survivors, epsilon...); empty without."""
-
 
 def _discarded(site: str, round_number: int) -> NotAMemberError:
     return NotAMemberError(
@@ -129,10 +116,6 @@ class UploadIntake(Protocol):
         """The open round's quorum is there and its clock started (lock held)."""
         ...
 
-    def decide(self, now: float) -> CloseDecision:
-        """Whether the open round closes now; called with the lock held, phase open."""
-        ...
-
     def begin_close(self, now: float) -> None:
         """The round closed to uploads (lock held)."""
         ...
@@ -176,12 +159,9 @@ class PlainIntake:
         max_upload_bytes: int,
         device: torch.device,
         privacy: PrivateRounds | None,
-        guard: UpdateGuard,
         shapes: Iterable[tuple[int, ...]] = (),
     ) -> None:
         self.ctx = ctx
-        self.guard = guard
-        """Norm and weight bounds (``[update_guard]``), shared with the round phases."""
         self.uplink_codec = uplink_codec
         self.numel = numel
         self.max_upload_bytes = max_upload_bytes
@@ -189,8 +169,8 @@ class PlainIntake:
         self.privacy = privacy
         """Central DP without secure aggregation: the trusted coordinator clips each update."""
         self.membership = membership
-        self._verify_lock = threading.Lock()
-        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geoloco-verify")
+        self.verify_lock = threading.Lock()
+        self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geoloco-verify")
         self.shards = ShardedUploads(self, list(shapes))
         """Sharded sites' uploads (``shard_count > 0``), held until all of a site's arrived."""
 
@@ -233,9 +213,6 @@ class PlainIntake:
     def start_round(self, now: float) -> None:
         """Nothing to set up: plain uploads need no per-round protocol state."""
 
-    def decide(self, now: float) -> CloseDecision:
-        return self.ctx.round.core.decide(self.ctx.policy, now=now, expected=self.ctx.members)
-
     def begin_close(self, now: float) -> None:
         """Nothing to finish: the sum is complete the moment the round closes."""
 
@@ -263,7 +240,7 @@ class PlainIntake:
         """Nothing to withdraw from: only secure rounds wait for a site's key stages."""
 
     def shutdown(self) -> None:
-        self._verifier.shutdown(wait=False)
+        self.verifier.shutdown(wait=False)
 
     # -- opening an upload --
 
@@ -314,9 +291,12 @@ class PlainIntake:
                 f"sample_weight {weight} is not allowed; send the samples (or tokens) trained on "
                 "this round, a finite number > 0"
             )
-        why = self.guard.check_weight("sample_weight", weight) or self.guard.check_weight(
-            f"the update's weight under weighting {ctx.config.algorithm.weighting!r}",
-            self._upload_weight(spec),
+        why = ctx.engine.screen(
+            UNSCREENED,
+            weights=[
+                ("sample_weight", weight),
+                (f"the update's weight under weighting {ctx.config.algorithm.weighting!r}", self.upload_weight(spec)),
+            ],
         )
         if why is not None:
             raise InvalidUpdateError(f"upload refused: {why}")
@@ -405,7 +385,7 @@ class PlainIntake:
         with self.ctx.cond:
             late = self.ctx.round.stale_uploads.get(site) is assembler
         try:
-            future = self._verifier.submit(self._verify_and_fold if late else self._verify_and_add, site, assembler)
+            future = self.verifier.submit(self._verify_and_fold if late else self._verify_and_add, site, assembler)
         except RuntimeError:  # the executor is shut down: close() was called
             raise ShuttingDownError(
                 "the coordinator is shutting down; retry to reach its successor"
@@ -414,7 +394,7 @@ class PlainIntake:
 
     # -- verification --
 
-    def _upload_weight(self, spec: UploadSpec) -> float:
+    def upload_weight(self, spec: UploadSpec) -> float:
         """``w_k`` of an upload under the run's weighting (``geoloco.algorithms.weighting``)."""
         return site_weight(
             self.ctx.config.algorithm.weighting, samples=float(spec.sample_weight), inner_steps=int(spec.inner_steps)
@@ -435,7 +415,7 @@ class PlainIntake:
     def _verify_and_add(self, site: str, assembler: PlainUpload) -> UploadProgress:
         ctx = self.ctx
         round_number = assembler.spec.round
-        with self._verify_lock:
+        with self.verify_lock:
             with ctx.cond:
                 if site in ctx.round.contributed and ctx.round.number == round_number:
                     return _progress(assembler)
@@ -445,20 +425,7 @@ class PlainIntake:
             data = assembler.finish()  # checksum; a mismatch resets the assembler (DATA_LOSS)
             decoded, norm, finite = self._verified(site, round_number, data, assembler.spec, dense=dense)
             del data
-            why = self.guard.check_norm(norm) if finite else None
-            if not finite:
-                self._reject(site, round_number, "NaN or Inf values")
-                raise InvalidUpdateError(
-                    f"site {site!r}'s update for round {round_number} contains NaN or Inf values; "
-                    "it is dropped for this round (check the site's loss and learning rate)"
-                )
-            if why is not None:
-                self._reject(site, round_number, why)
-                raise InvalidUpdateError(
-                    f"site {site!r}'s update for round {round_number} is refused: {why}; it is "
-                    "dropped for this round (check the site's loss and learning rate)"
-                )
-            weight = self._upload_weight(assembler.spec)
+            weight = self.upload_weight(assembler.spec)
             add_start = time.monotonic()
             assembler.timings.spent("verify", verify_start, add_start)
             with ctx.cond:
@@ -466,19 +433,17 @@ class PlainIntake:
                 r = ctx.round
                 if r.uploads.get(site) is not assembler:
                     raise _discarded(site, round_number)
-                try:
-                    r.core.add(decoded, weight, site=site, now=ctx.clock())
-                except Exception as err:
-                    # The sum may hold part of this update: the round cannot be trusted.
-                    logger.exception("round %d: adding the update of %s failed", round_number, site)
-                    r.aborted = r.aborted or f"adding the update of {site} failed ({type(err).__name__})"
-                    self._reject(site, round_number, f"it could not be added to the aggregate ({type(err).__name__})")
-                    raise InvalidUpdateError(
-                        f"site {site!r}'s update for round {round_number} could not be added to the "
-                        "aggregate; the round is aborted with the model unchanged"
-                    ) from None
+                admission = ctx.engine.admit(
+                    r.core, site, decoded, weight, screen=Screen(norm, finite), now=ctx.clock()
+                )
+                if not admission.ok:
+                    assert admission.reason is not None
+                    self.rejected(site, round_number, admission.reason)
+                    raise InvalidUpdateError(rejection_message(
+                        f"site {site!r}'s update for round {round_number}", admission.reason,
+                        aborted=bool(r.core.aborted),
+                    ))
                 assembler.timings.spent("add", add_start, time.monotonic())
-                self.guard.accepted(round_number, site, norm)
                 r.site_metrics[site] = dict(assembler.spec.metrics)
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
                 logger.debug(
@@ -489,17 +454,13 @@ class PlainIntake:
             del decoded
         return _progress(assembler)
 
-    def _reject(self, site: str, round_number: int, why: str) -> None:
-        """Drop ``site``'s update of the open round ``round_number`` for that round, saying why
-        (in the round's metrics, on the status page, to the site's next upload)."""
+    def rejected(self, site: str, round_number: int, why: str) -> None:
+        """The engine rejected ``site``'s update of the open round ``round_number`` (the reason
+        is on the round): drop its upload and tell the observers (lock held)."""
         ctx = self.ctx
-        with ctx.cond:
-            r = ctx.round
-            if r.number == round_number:
-                r.core.reject(site)
-                r.rejected_why[site] = why
-                r.uploads.pop(site, None)
-                ctx.cond.notify_all()
+        if ctx.round.number == round_number:
+            ctx.round.uploads.pop(site, None)
+        ctx.cond.notify_all()
         ctx.events.emit(ev.UPDATE_REJECTED, site=site, round=round_number, why=why)
 
     # -- late updates (``late_updates = "fold"``) --
@@ -508,11 +469,9 @@ class PlainIntake:
         """Whether an upload for ``round_number`` is a late update to fold into the open round:
         exactly one round late, folding on, and the site's update did not count in its round."""
         ctx = self.ctx
-        return (
-            ctx.policy.folds_late_updates
-            and round_number + 1 == ctx.round.number
-            and ctx.phase in OPEN_PHASES
-            and site not in ctx.contributor_history.get(round_number, frozenset())
+        return ctx.phase in OPEN_PHASES and ctx.engine.late_foldable(
+            round_number, ctx.round.number,
+            counted=site in ctx.contributor_history.get(round_number, frozenset()),
         )
 
     def _open_late(self, site: str, spec: UploadSpec) -> PlainUpload:
@@ -535,7 +494,7 @@ class PlainIntake:
         discount; it does not count towards the quorum (``contributed``)."""
         ctx = self.ctx
         round_number = assembler.spec.round
-        with self._verify_lock:
+        with self.verify_lock:
             with ctx.cond:
                 if site in ctx.round.folded:
                     return _progress(assembler, folded=True)
@@ -544,16 +503,7 @@ class PlainIntake:
             data = assembler.finish()
             decoded, norm, finite = self._verified(site, round_number, data, assembler.spec, dense=dense)
             del data
-            why = self.guard.check_norm(norm) if finite else None
-            if not finite:
-                raise InvalidUpdateError(
-                    f"site {site!r}'s late update for round {round_number} contains NaN or Inf "
-                    "values; it is dropped"
-                )
-            if why is not None:
-                ctx.events.emit(ev.UPDATE_REJECTED, site=site, round=round_number, why=why)
-                raise InvalidUpdateError(f"site {site!r}'s late update for round {round_number} is refused: {why}")
-            weight = self._upload_weight(assembler.spec)
+            weight = self.upload_weight(assembler.spec)
             add_start = time.monotonic()
             assembler.timings.spent("verify", verify_start, add_start)
             with ctx.cond:
@@ -562,15 +512,15 @@ class PlainIntake:
                     ctx.check_upload_round(round_number)  # raises WRONG_ROUND: it is too late
                 if r.stale_uploads.get(site) is not assembler:
                     raise _discarded(site, round_number)
-                try:
-                    weight = r.core.fold(decoded, weight, site=site, policy=ctx.policy)
-                except Exception as err:
-                    logger.exception("round %d: folding the late update of %s failed", r.number, site)
-                    r.aborted = r.aborted or f"folding the late update of {site} failed ({type(err).__name__})"
-                    raise InvalidUpdateError(
-                        f"site {site!r}'s late update for round {round_number} could not be added to "
-                        "the aggregate; the open round is aborted with the model unchanged"
-                    ) from None
+                admission = ctx.engine.fold_late(r.core, site, decoded, weight, screen=Screen(norm, finite))
+                if not admission.ok:
+                    assert admission.reason is not None
+                    ctx.events.emit(ev.UPDATE_REJECTED, site=site, round=round_number, why=admission.reason)
+                    raise InvalidUpdateError(rejection_message(
+                        f"site {site!r}'s late update for round {round_number}", admission.reason,
+                        aborted=bool(r.core.aborted),
+                    ))
+                weight = admission.weight
                 assembler.timings.spent("add", add_start, time.monotonic())
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight, late=True)
                 logger.info(

@@ -18,7 +18,7 @@ from geoloco.coordinator.errors import (
     SiteNotAllowedError,
     StaleSessionError,
 )
-from geoloco.protos.wire import PROTOCOL_VERSION
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
 
 __all__ = ["Membership"]
 

@@ -5,18 +5,20 @@ Phases of a round::
     WAITING_FOR_QUORUM --(min_sites members)--> RUNNING --(close)--> AGGREGATING --> next round
                                                                                  \\-> FINISHED
 
-The round itself is the round core's ``Round`` (``geoloco.algorithms.round``) under the run's
-``RoundPolicy``; the upload intake says when it closes (the policy's rule, or the secure
-aggregation protocol's). Aggregation (outer step, downlink encoding, checkpoint) runs outside
+The round's lifecycle is the round engine's (``geoloco.algorithms.engine``): it starts and closes
+the round by its close policy (the run's ``RoundPolicy``, or the secure aggregation protocol's
+stages), and guards and steps it; this module does the coordinator's I/O around it. Aggregation
+(outer step, downlink encoding, checkpoint) runs outside
 the lock while the phase is AGGREGATING, so heartbeats and waiting sites are served meanwhile.
 A checkpoint is written *before* the new weights are broadcast: no site ever holds weights newer
 than the newest checkpoint (with ``checkpoint_every = 1``), so after a coordinator restart sites
 find their own digest and simply re-send the update they already computed.
 
-Before either, the round's mean update and the new weights are checked (``[update_guard]``):
+Before either, the engine checks the round's mean update and the new weights (``[update_guard]``):
 a round whose arithmetic overflowed or went out of bounds, or failed in any other way, is
 *aborted* instead of taking the coordinator down: no outer step, the broadcast carries the
-unchanged model (``Strategy.no_change``), and the reason is in the round's metrics
+unchanged model (``Strategy.no_change``), the outer state is rewound (from the checkpoint of the
+unchanged weights when there is one: ``restore_outer``), and the reason is in the round's metrics
 (``aborted``) and on the status page. The next round runs as usual.
 """
 
@@ -32,7 +34,6 @@ import torch
 
 from geoloco.algorithms.params import ParamLayout, weights_digest
 from geoloco.algorithms.round import RoundOutcome
-from geoloco.algorithms.strategy import RoundPlan, build_strategy
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.broadcast_store import SPILL_MIN_BYTES, PreparedBroadcast
 from geoloco.coordinator.checkpoint import load_latest_checkpoint, save_checkpoint
@@ -45,13 +46,11 @@ from geoloco.coordinator.domain import (
     RoundPhase,
 )
 from geoloco.coordinator.errors import InvalidUpdateError
-from geoloco.coordinator.intake import RoundSum, UploadIntake
+from geoloco.coordinator.intake import UploadIntake
 from geoloco.coordinator.metrics import plain_record
 from geoloco.coordinator.privacy_rounds import PrivateRounds
-from geoloco.coordinator.update_guard import GuardedAggregation, RoundAbortedError, UpdateGuard
-from geoloco.protos.errors import clip
 from geoloco.protos.round_phases import site_phases_from_metrics
-from geoloco.protos.wire import num_chunks_for
+from geoloco.protos.wire_buffers import num_chunks_for
 
 __all__ = ["HISTORY_KEY", "PRIVACY_KEY", "STRATEGY_PREFIX", "WEIGHTS_KEY", "EvalFn", "GlobalWeights", "RoundPhases"]
 
@@ -112,12 +111,8 @@ class RoundPhases:
         weights: GlobalWeights,
         privacy: PrivateRounds | None,
         eval_fn: EvalFn | None,
-        guard: UpdateGuard,
     ) -> None:
         self.ctx = ctx
-        self.guard = guard
-        """Bounds on the mean update and the new weights, and the norm history of the intake's
-        per-update bound (``geoloco.coordinator.update_guard``)."""
         self.intake = intake
         self.layout = layout
         self.weights = weights
@@ -135,8 +130,7 @@ class RoundPhases:
         """Start the open round's clock once ``min_sites`` sites are members (lock held)."""
         ctx = self.ctx
         r = ctx.round
-        if ctx.phase is RoundPhase.WAITING_FOR_QUORUM and len(ctx.members) >= ctx.policy.min_sites:
-            r.core.start(now, ctx.policy)
+        if ctx.phase is RoundPhase.WAITING_FOR_QUORUM and ctx.engine.maybe_start(r.core, now, members=len(ctx.members)):
             ctx.phase = RoundPhase.RUNNING
             self.intake.start_round(now)
             ctx.events.emit(ev.ROUND_STARTED, round=r.number, members=len(ctx.members))
@@ -160,15 +154,14 @@ class RoundPhases:
         if self._closed is None:
             if ctx.phase not in OPEN_PHASES:
                 return False
-            decision = self.intake.decide(now)
-            if not decision.close:
+            r = ctx.round
+            if not ctx.engine.decide(r.core, now=now, expected=ctx.members).close:
                 return False
             ctx.phase = RoundPhase.AGGREGATING
-            r = ctx.round
             self._closed = _Closed(
                 round=r,
                 closed_s=now,
-                outcome=r.core.close(now=now, expected=ctx.members),
+                outcome=ctx.engine.close(r.core, now=now, expected=ctx.members),
                 partial=sorted(set(r.uploads) - set(r.contributed)),
             )
             ctx.cond.notify_all()
@@ -192,13 +185,12 @@ class RoundPhases:
         t0 = time.perf_counter()
         timings = r.timings
         contributors = list(outcome.contributors)
-        ctx.policy.observe(outcome)
         plan = ctx.strategy.configure_round(r.number, contributors)
         fragment_outer = ctx.strategy.fragments[plan.fragment]
         fragment_outer.last_step_s = {}
-        result, aborted = self._outer_step(r, plan, contributors)
-        with ctx.cond:
-            self.guard.round_done(r.number, None if aborted else result.contributors)
+        stepped = ctx.engine.step(r.core, self.weights.flat, plan, contributors, self.intake.aggregate)
+        result, aborted = stepped.result, stepped.aborted
+        del stepped
         update, contributors, update_norm, privacy_record = (
             result.update, result.contributors, result.update_norm, result.privacy
         )
@@ -250,7 +242,7 @@ class RoundPhases:
             "folded_late": dict(outcome.folded),
             "update_norm": update_norm,
             "aborted": aborted,
-            "rejected_reasons": dict(r.rejected_why),
+            "rejected_reasons": dict(outcome.rejected),
             "site_metrics": {site: m for site, m in r.site_metrics.items() if site in contributors},
             "weights_digest": new_digest,
             "run_finished": finished,
@@ -332,68 +324,24 @@ class RoundPhases:
         ctx.events.emit(ev.ROUND_AGGREGATED, round=r.number, data=metrics)
         return metrics
 
-    def _outer_step(
-        self, r: CoordinatorRound, plan: RoundPlan, contributors: list[str]
-    ) -> tuple[RoundSum, str | None]:
-        """The round's outer step, checked; (result, why the round was aborted or None).
-
-        An aborted round gets ``Strategy.no_change``: no outer step, the model unchanged. A mean
-        that is not finite is caught before the outer step touches the optimizer's state; new
-        weights out of bounds are caught before they are checkpointed or broadcast. Any other
-        failure of the round's arithmetic aborts the round too: it must not stop the run.
-        """
-        ctx = self.ctx
-        why = r.aborted or None
-        if why is None:
-            stepped = False
-            try:
-                result = self.intake.aggregate(
-                    self.weights.flat, GuardedAggregation(r.core.aggregation, self.guard), plan, contributors
-                )
-                stepped = True
-                self.guard.check_weights(result.update.global_flat)
-                return result, None
-            except RoundAbortedError as err:  # the mean's check runs before the outer step
-                why = str(err)
-            except Exception as err:
-                stepped = True
-                logger.exception("round %d: aggregation failed", r.number)
-                why = f"the aggregation failed: {type(err).__name__}: {clip(str(err), 200)}"
-            if stepped:
-                why += self._rewind_strategy()
-        logger.warning("round %d aborted, the model is unchanged: %s", r.number, why)
-        return RoundSum(ctx.strategy.no_change(self.weights.flat, plan), [], 0.0), why
-
-    def _rewind_strategy(self) -> str:
-        """After an outer step whose result is thrown away, put the outer optimizer's state
-        (momentum, downlink residual) back to what goes with the unchanged weights: the newest
-        checkpoint's when it holds them, else a fresh state. Left as the step made it, the
-        refused step's momentum would push every following round out of bounds too. Says how."""
-        ctx = self.ctx
-        config = ctx.config
-        try:
-            checkpoint = None if config.checkpoint_dir is None else load_latest_checkpoint(config.checkpoint_dir)
-            if checkpoint is not None and checkpoint.metadata.get("weights_digest") == self.weights.digest:
-                device = self.weights.flat.device
-                ctx.strategy.load_state(
-                    {
-                        k.removeprefix(STRATEGY_PREFIX): v.to(device)
-                        for k, v in checkpoint.tensors.items()
-                        if k.startswith(STRATEGY_PREFIX)
-                    },
-                    checkpoint.metadata["strategy"],
-                )
-                return "; the outer optimizer state is restored from the checkpoint of these weights"
-            fresh = build_strategy(
-                config.algorithm, numel=self.layout.numel, outer_optimizer=config.outer_optimizer,
-                inner_optimizer=config.inner_optimizer, seed=config.seed, device=ctx.strategy.device,
-                layout=self.layout,
-            )
-            ctx.strategy.load_state(fresh.state_tensors(), fresh.state_meta())
-            return "; the outer optimizer state is reset (no checkpoint holds these weights)"
-        except Exception:
-            logger.exception("could not rewind the outer optimizer state")
-            return "; the outer optimizer state could not be rewound"
+    def restore_outer(self, weights: torch.Tensor) -> str | None:
+        """The engine's rewind after an aborted step: the outer optimizer's state (momentum,
+        downlink residual) of the newest checkpoint, when that checkpoint holds ``weights`` (the
+        unchanged weights); None when none does (the engine then resets the state)."""
+        config = self.ctx.config
+        checkpoint = None if config.checkpoint_dir is None else load_latest_checkpoint(config.checkpoint_dir)
+        if checkpoint is None or checkpoint.metadata.get("weights_digest") != self.weights.digest:
+            return None
+        device = weights.device
+        self.ctx.strategy.load_state(
+            {
+                k.removeprefix(STRATEGY_PREFIX): v.to(device)
+                for k, v in checkpoint.tensors.items()
+                if k.startswith(STRATEGY_PREFIX)
+            },
+            checkpoint.metadata["strategy"],
+        )
+        return "; the outer optimizer state is restored from the checkpoint of these weights"
 
     # -- broadcast --
 
@@ -469,7 +417,8 @@ class RoundPhases:
         }
         ctx.folded_history = {int(t): frozenset(sites) for t, sites in history.get("folded", {}).items()}
         ctx.policy.load_state(history.get("deadline", []))
-        self.guard.load_state(history.get("update_norms", []))
+        if ctx.engine.guard is not None:
+            ctx.engine.guard.load_state(history.get("update_norms", []))
         logger.info("resumed from checkpoint in %s at round %d", config.checkpoint_dir, round_number)
         return weights.to(device, torch.float32).contiguous()
 
@@ -499,7 +448,7 @@ class RoundPhases:
                 if t > last - 1 - CONTRIBUTOR_HISTORY and sites
             },
             "deadline": ctx.policy.state(),
-            "update_norms": self.guard.state(),
+            "update_norms": [] if ctx.engine.guard is None else ctx.engine.guard.state(),
         }
         tensors = {WEIGHTS_KEY: weights}
         tensors.update({STRATEGY_PREFIX + k: v for k, v in ctx.strategy.state_tensors().items()})

@@ -46,13 +46,9 @@ from geoloco.algorithms.privacy import (
     secure_context,
     secure_index_seed,
 )
-from geoloco.algorithms.secagg import (
-    SecAggAbort,
-    SecAggViolation,
-    StageMessage,
-    num_chunks,
-    site_index,
-)
+from geoloco.algorithms.secagg_crypto import num_chunks, site_index
+from geoloco.algorithms.secagg_messages import SecAggAbort, SecAggViolation
+from geoloco.algorithms.secagg_stages import StageMessage
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate, Strategy
 from geoloco.coordinator.domain import UploadProgress, UploadSpec
 from geoloco.coordinator.errors import InvalidUpdateError, WrongRoundError

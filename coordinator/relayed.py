@@ -40,6 +40,7 @@ from typing import Any
 
 import grpc
 
+from geoloco.algorithms.engine import UNSCREENED
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.domain import OPEN_PHASES, UploadProgress, UploadSpec
 from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
@@ -54,7 +55,7 @@ from geoloco.coordinator.secure_intake import SecureIntake
 from geoloco.coordinator.upload_check import checked_update
 from geoloco.protos.errors import IdentityError, quoted
 from geoloco.protos.identity import validate_site_name
-from geoloco.protos.transport import peer_relay
+from geoloco.protos.transport_tls import peer_relay
 
 __all__ = ["RELAYED_CODEC", "RelayedSite", "RelayedUploads", "relay_link"]
 
@@ -233,7 +234,7 @@ class RelayedUploads:
                     f"relay {relay!r} passes on {len(r.metrics)} metrics for site {r.site!r}; at most "
                     f"{MAX_SITE_METRICS}, names of at most {MAX_METRIC_NAME_CHARS} characters"
                 )
-            why = intake.guard.check_weight(f"site {r.site!r}'s weight", r.weight)
+            why = intake.ctx.engine.screen(UNSCREENED, weights=[(f"site {r.site!r}'s weight", r.weight)])
             if why is not None:
                 raise InvalidUpdateError(f"relay {relay!r}'s partial refused: {why}")
         total = math.fsum(r.weight for r in relayed if not r.rejected)
@@ -317,11 +318,11 @@ class RelayedUploads:
             for r in relayed:
                 if r.rejected:
                     # Refused at the relay, as the coordinator would have: not waited for.
-                    cr.core.reject(r.site)
-                    cr.rejected_why[r.site] = f"{r.rejected} (at relay {relay})"
-                    ctx.events.emit(ev.UPDATE_REJECTED, site=r.site, round=spec.round, why=cr.rejected_why[r.site])
+                    why = f"{r.rejected} (at relay {relay})"
+                    cr.core.reject(r.site, why)
+                    ctx.events.emit(ev.UPDATE_REJECTED, site=r.site, round=spec.round, why=why)
             for r in counted:
-                cr.core.count(r.site, r.weight, now=now)
+                ctx.engine.admit(cr.core, r.site, None, r.weight, screen=UNSCREENED, now=now)
                 cr.inner_steps[r.site] = r.inner_steps
                 cr.site_metrics[r.site] = {**r.metrics, f"relay:{relay}": 1.0}
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=r.site, round=spec.round, weight=r.weight)

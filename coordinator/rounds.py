@@ -42,10 +42,12 @@ from typing import Any
 import torch
 
 from geoloco.algorithms.device import resolve_device
+from geoloco.algorithms.engine import RoundEngine
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.round import RoundPolicy
-from geoloco.algorithms.secagg import StageMessage, StageReply
-from geoloco.algorithms.strategy import build_strategy
+from geoloco.algorithms.secagg_stages import StageMessage, StageReply
+from geoloco.algorithms.strategy import Strategy, build_strategy
+from geoloco.algorithms.update_guard import UpdateGuard
 from geoloco.compression import parse_codec
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.config import CoordinatorConfig
@@ -67,7 +69,6 @@ from geoloco.coordinator.phases import EvalFn, GlobalWeights, RoundPhases
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.resume import start_round as start_round_of
 from geoloco.coordinator.secure_intake import SecureIntake
-from geoloco.coordinator.update_guard import UpdateGuard
 
 __all__ = [
     "SECURE_STAGE_WAIT_S",
@@ -126,17 +127,24 @@ class RoundStateMachine:
         """Observers (metrics, status page) listen here; see ``geoloco.coordinator.events``."""
         self.uplink_codec = canonical_codec(config.algorithm.uplink_codec)
         self.downlink_codec = canonical_codec(config.algorithm.downlink_codec)
-        self.strategy = build_strategy(
-            config.algorithm,
-            numel=self.numel,
-            outer_optimizer=config.outer_optimizer,
-            inner_optimizer=config.inner_optimizer,
-            seed=config.seed,
-            device=self.device,
-            layout=layout,
-        )
+        def new_strategy() -> Strategy:
+            return build_strategy(
+                config.algorithm,
+                numel=self.numel,
+                outer_optimizer=config.outer_optimizer,
+                inner_optimizer=config.inner_optimizer,
+                seed=config.seed,
+                device=self.device,
+                layout=layout,
+            )
+
+        self.strategy = new_strategy()
         self.policy: RoundPolicy = config.training.round_policy()
         """Quorum, deadline in force (fixed or adaptive) and the late-update rule."""
+        self.engine = RoundEngine(
+            self.strategy, self.policy, UpdateGuard(config.update_guard), fresh_strategy=new_strategy
+        )
+        """The rounds' lifecycle (``geoloco.algorithms.engine``); this class does their I/O."""
         self.max_upload_bytes = config.max_upload_bytes or (2 * 4 * self.numel + (1 << 20))
         self.privacy: PrivateRounds | None = (
             PrivateRounds(
@@ -148,26 +156,27 @@ class RoundStateMachine:
         )
         """Secure aggregation / DP of this session (``geoloco.coordinator.privacy_rounds``)."""
         self._ctx = ctx = RoundContext(
-            config, self.strategy, self.policy, session_id=self.session_id, clock=clock, events=self.events
+            config, self.strategy, self.engine, session_id=self.session_id, clock=clock, events=self.events
         )
         self._cond = ctx.cond
         self._poll_lock = threading.Lock()
         self.membership = Membership(ctx)
-        guard = UpdateGuard(config.update_guard)
-        self.intake: UploadIntake = (
-            SecureIntake(ctx, self.membership, self.privacy)
-            if self.privacy is not None and self.privacy.secure
-            else PlainIntake(
+        if self.privacy is not None and self.privacy.secure:
+            secure = SecureIntake(ctx, self.membership, self.privacy)
+            self.engine.close_policy = secure  # the protocol's stages close a secure round
+            self.intake: UploadIntake = secure
+        else:
+            self.intake = PlainIntake(
                 ctx, self.membership, uplink_codec=self.uplink_codec, numel=self.numel,
                 max_upload_bytes=self.max_upload_bytes, device=self.device, privacy=self.privacy,
-                guard=guard, shapes=[e.shape for e in layout.entries],
+                shapes=[e.shape for e in layout.entries],
             )
-        )
         weights = initial_weights.detach().to(self.device, torch.float32).clone()
         self.phases = RoundPhases(
             ctx, self.intake, layout=layout, weights=GlobalWeights.of(weights), privacy=self.privacy,
-            eval_fn=eval_fn, guard=guard,
+            eval_fn=eval_fn,
         )
+        self.engine.restore_outer = self.phases.restore_outer
         start_round = start_round_of(config, self.phases)
         now = self.clock()
         ctx.round = ctx.new_round(start_round, now)

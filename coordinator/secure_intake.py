@@ -10,27 +10,29 @@ aggregated.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 import torch
 
 from geoloco.algorithms.aggregation import Aggregation
+from geoloco.algorithms.engine import UNSCREENED, RoundSum
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES
 from geoloco.algorithms.privacy import SECURE_UPLOAD_CODEC
-from geoloco.algorithms.round import CloseDecision
-from geoloco.algorithms.secagg import StageMessage, StageReply, num_chunks, site_index
+from geoloco.algorithms.round import CloseDecision, Round
+from geoloco.algorithms.secagg_crypto import num_chunks, site_index
+from geoloco.algorithms.secagg_stages import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext
 from geoloco.coordinator.domain import OPEN_PHASES, RoundPhase, UploadProgress, UploadSpec
 from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError, WrongRoundError
-from geoloco.coordinator.intake import Chunks, RoundSum
+from geoloco.coordinator.intake import Chunks
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds, SecureUpload
 
 __all__ = ["SecureIntake"]
 
-_CLOSED = CloseDecision(close=False)
+_KEEP_OPEN = CloseDecision(close=False)
 
 
 class SecureIntake:
@@ -76,7 +78,7 @@ class SecureIntake:
                     ctx.check_upload_round(spec.round)
                 privacy.add_chunk(site, upload, chunk.index, chunk.data)
                 if upload.complete and site not in ctx.round.contributed:
-                    ctx.round.core.count(site, 1.0, now=ctx.clock())
+                    ctx.engine.admit(ctx.round.core, site, None, 1.0, screen=UNSCREENED, now=ctx.clock())
                     ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=spec.round, weight=1.0)
                     ctx.cond.notify_all()
         with ctx.cond:
@@ -187,7 +189,7 @@ class SecureIntake:
         r = ctx.round
         for site in group:
             if site not in r.contributed:
-                r.core.count(site, 1.0, now=ctx.clock())
+                ctx.engine.admit(r.core, site, None, 1.0, screen=UNSCREENED, now=ctx.clock())
                 r.site_metrics[site] = metrics[site]
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=1.0)
         ctx.cond.notify_all()
@@ -208,17 +210,21 @@ class SecureIntake:
             number, ctx.round_seed(number), now, numel=ctx.update_numel(number), ca_pem=self._ca_pem
         )
 
-    def decide(self, now: float) -> CloseDecision:
-        # Secure rounds have no deadline (the config refuses one) and never close before their
-        # quorum started them: the protocol decides once key sharing ran. The poll calls this,
-        # so the key stages' deadlines hold even when no site calls, and a round whose quorum
-        # can no longer upload aborts (closing with "no change") instead of waiting forever.
-        r = self.ctx.round.core
-        if not r.started:
-            return _CLOSED
-        members = set(self.ctx.members)
+    # -- the secure close rule (the round engine's ``ClosePolicy`` in a secure run) --
+
+    def may_start(self, members: int) -> bool:
+        """The quorum starts a secure round as it starts a plain one."""
+        return self.ctx.policy.may_start(members)
+
+    def decide_round(self, round_: Round, *, now: float, expected: Collection[str]) -> CloseDecision:
+        """Secure rounds have no deadline (the config refuses one) and never close before their
+        quorum started them: the protocol decides once key sharing ran. The poll calls this, so
+        the key stages' deadlines hold even when no site calls, and a round whose quorum can no
+        longer upload aborts (closing with "no change") instead of waiting forever."""
+        if not round_.started:
+            return _KEEP_OPEN
         return CloseDecision(
-            close=self.privacy.close_decision(members, set(r.contributed), self.ctx.policy.min_sites, now)
+            close=self.privacy.close_decision(set(expected), set(round_.contributed), self.ctx.policy.min_sites, now)
         )
 
     def begin_close(self, now: float) -> None:

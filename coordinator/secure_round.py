@@ -1,6 +1,6 @@
 """The coordinator's side of one secure-aggregation round, as stage calls from named sites.
 
-``geoloco.algorithms.secagg.SecAggServer`` is the protocol; this class adapts it to the real
+``geoloco.algorithms.secagg_server.SecAggServer`` is the protocol; this class adapts it to the real
 system: sites are names (``site_index`` maps them to protocol ids), stages close when every live
 site has answered or a stage deadline passes (a site that vanished is waited for no longer than
 that, or than the heartbeat timeout that drops it), and stage calls carry the dataclasses of
@@ -9,7 +9,7 @@ that, or than the heartbeat timeout that drops it), and stage calls carry the da
 thread-safe: ``RoundStateMachine`` calls it under its lock and runs ``result()`` (the unmasking,
 the heavy part) outside the lock.
 
-Stage calls of a site, in order (``stage`` names from ``geoloco.algorithms.secagg``):
+Stage calls of a site, in order (``stage`` names from ``geoloco.algorithms.secagg_messages``):
 
 1. ``advertise_keys`` with ``AdvertiseKeys`` (advertisement + identity binding) -> ``Advertisements``.
 2. ``share_keys`` with its ``ShareBundle`` -> a ``ShareBundle`` of the shares addressed to it.
@@ -48,7 +48,8 @@ from geoloco.algorithms.privacy import (
     secure_context,
     secure_fixed_point,
 )
-from geoloco.algorithms.secagg import (
+from geoloco.algorithms.secagg_crypto import site_index
+from geoloco.algorithms.secagg_messages import (
     MIN_SITES,
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
@@ -56,21 +57,22 @@ from geoloco.algorithms.secagg import (
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
     STAGE_WITHDRAW,
+    RoundContext,
+    SecAggAbort,
+    SecAggViolation,
+    UnmaskResponse,
+)
+from geoloco.algorithms.secagg_server import SecAggServer
+from geoloco.algorithms.secagg_stages import (
     AdvertiseKeys,
     Advertisements,
     IdentityBinding,
-    RoundContext,
-    SecAggAbort,
-    SecAggServer,
-    SecAggViolation,
     ShareBundle,
     StageMessage,
     StageReply,
     SurvivorList,
     SurvivorSignature,
-    UnmaskResponse,
     check_stage_message,
-    site_index,
 )
 from geoloco.protos.secagg_identity import load_ca, verify_binding
 

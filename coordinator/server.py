@@ -30,13 +30,9 @@ from geoloco.coordinator.http_status import CoordinatorStatus
 from geoloco.coordinator.metrics import MetricsWriter
 from geoloco.coordinator.rounds import EvalFn, RoundStateMachine
 from geoloco.coordinator.servicer import CoordinatorServicer
-from geoloco.protos.transport import (
-    SHUTDOWN_GRACE_S,
-    add_coordinator_servicer,
-    build_server,
-    default_interceptors,
-    stop_server,
-)
+from geoloco.protos.transport_endpoints import add_coordinator_servicer, build_server, stop_server
+from geoloco.protos.transport_errors import default_interceptors
+from geoloco.protos.transport_options import SHUTDOWN_GRACE_S
 
 __all__ = ["CoordinatorServer"]
 

@@ -1,10 +1,11 @@
 """The gRPC servicer: proto in -> one round-state-machine call -> proto out.
 
 No decision is taken here; ``geoloco.coordinator.translate`` turns requests into domain objects
-and answers into responses. Identity comes from ``geoloco.protos.transport.resolve_site`` (the
+and answers into responses. Identity comes from ``geoloco.protos.transport_tls.resolve_site`` (the
 client certificate with TLS), errors are ``StatusError`` exceptions that
 ``ErrorStatusInterceptor`` turns into a status code plus the ``geoloco-error-reason`` trailing
-metadata, and big buffers go through the chunking helpers of ``geoloco.protos.wire``. Every
+metadata, and big buffers go through the chunk streams of ``geoloco.protos.wire_chunks`` and
+``geoloco.protos.wire_assembly``. Every
 message sent to or received from a site is counted (serialized protobuf bytes, without HTTP/2 and
 TLS framing) for the per-round metrics.
 """
@@ -27,15 +28,10 @@ from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos import secagg_wire
 from geoloco.protos.errors import IdentityError
-from geoloco.protos.transport import resolve_site
-from geoloco.protos.wire import (
-    ChunkRef,
-    FileBlob,
-    broadcast_responses,
-    message_nbytes,
-    model_responses,
-    read_upload_manifest,
-)
+from geoloco.protos.transport_tls import resolve_site
+from geoloco.protos.wire_assembly import read_upload_manifest
+from geoloco.protos.wire_chunks import ChunkRef, broadcast_responses, message_nbytes, model_responses
+from geoloco.protos.wire_files import FileBlob
 
 __all__ = ["CoordinatorServicer"]
 

@@ -35,7 +35,8 @@ from geoloco.coordinator.domain import BroadcastRecord
 from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.shards import MAX_SHARDS
 from geoloco.protos.errors import quoted
-from geoloco.protos.wire import FileBlob, as_byte_view
+from geoloco.protos.wire_buffers import as_byte_view
+from geoloco.protos.wire_files import FileBlob
 
 __all__ = ["ShardKey", "ShardSlice", "ShardViews"]
 

@@ -34,11 +34,13 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
+from geoloco.algorithms.engine import NOT_FINITE, Screen
 from geoloco.algorithms.shard_split import SHARD_SPLITS, shard_numel, shard_ranges
 from geoloco.compression import CodecError, Encoded, decode, slicing
 from geoloco.coordinator import events as ev
@@ -48,13 +50,14 @@ from geoloco.coordinator.errors import (
     InvalidUpdateError,
     NotAMemberError,
     ShuttingDownError,
+    rejection_message,
 )
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.round_timing import RoundTimings
-from geoloco.coordinator.update_guard import UpdateGuard
 from geoloco.coordinator.upload_check import checked_update
 from geoloco.protos.errors import quoted
-from geoloco.protos.wire import MAX_CHUNK_SIZE, UploadAssembler
+from geoloco.protos.wire_assembly import UploadAssembler
+from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE
 
 __all__ = ["MAX_SHARDS", "ShardHost", "ShardedUploads"]
 
@@ -71,19 +74,19 @@ class ShardHost(Protocol):
 
     ctx: RoundContext
     membership: Membership
-    guard: UpdateGuard
     uplink_codec: str
     numel: int
     max_upload_bytes: int
     device: torch.device
-    _verifier: Any
-    _verify_lock: threading.Lock
+    verifier: ThreadPoolExecutor
+    """The one thread that verifies and adds updates (the aggregation's memory bound)."""
+    verify_lock: threading.Lock
 
     def validate(self, site: str, spec: UploadSpec) -> None: ...
 
-    def _upload_weight(self, spec: UploadSpec) -> float: ...
+    def upload_weight(self, spec: UploadSpec) -> float: ...
 
-    def _reject(self, site: str, round_number: int, why: str) -> None: ...
+    def rejected(self, site: str, round_number: int, why: str) -> None: ...
 
 
 class ShardUpload(UploadAssembler):
@@ -270,7 +273,7 @@ class ShardedUploads:
         if not upload.complete:
             return _progress(upload, complete=False)
         try:
-            future = self.host._verifier.submit(self._verify, site, upload)
+            future = self.host.verifier.submit(self._verify, site, upload)
         except RuntimeError:
             raise ShuttingDownError("the coordinator is shutting down; retry to reach its successor") from None
         result: UploadProgress = future.result()
@@ -284,7 +287,7 @@ class ShardedUploads:
         index, round_number = spec.shard_index, spec.round
         what = f"site {site!r}'s shard {index} of {spec.shard_count} for round {round_number}"
         numel = shard_numel(self.shapes, index, spec.shard_count, spec.shard_split)
-        with host._verify_lock:
+        with host.verify_lock:
             with ctx.cond:
                 ctx.check_upload_round(round_number)
                 shards = self._current().get(site)
@@ -298,7 +301,7 @@ class ShardedUploads:
             )
             assert isinstance(encoded, Encoded)
             if not finite:
-                self._drop_site(site, round_number, "NaN or Inf values in a shard")
+                self._drop_site(site, round_number, f"{NOT_FINITE} in a shard")
                 raise InvalidUpdateError(
                     f"{what} contains NaN or Inf values; the site's whole update is dropped for this "
                     "round (check the site's loss and learning rate)"
@@ -325,7 +328,8 @@ class ShardedUploads:
         host, ctx = self.host, self.host.ctx
         started = time.monotonic()
         norm = math.sqrt(sum(n * n for _, (_, n) in held))
-        why = host.guard.check_norm(norm)
+        screen = Screen(norm)
+        why = ctx.engine.screen(screen)
         if why is not None:
             self._drop_site(site, round_number, why)
             raise InvalidUpdateError(
@@ -348,25 +352,26 @@ class ShardedUploads:
             for offset, n in ranges:
                 rows.append((offset, values[at : at + n]))
                 at += n
-        weight = host._upload_weight(shards.first)
+        weight = host.upload_weight(shards.first)
         with ctx.cond:
             ctx.check_upload_round(round_number)
             r = ctx.round
             if self._current().get(site) is not shards or len(shards.verified) < shards.count:
                 # A rank re-sent a different shard meanwhile: its verification adds the site.
                 raise NotAMemberError(f"site {site!r}'s shards for round {round_number} were discarded or replaced")
-            try:
-                r.core.add_rows(rows, weight, numel=host.numel, site=site, now=ctx.clock())
-            except Exception as err:
-                logger.exception("round %d: adding the sharded update of %s failed", round_number, site)
-                r.aborted = r.aborted or f"adding the update of {site} failed ({type(err).__name__})"
-                raise InvalidUpdateError(
-                    f"site {site!r}'s sharded update for round {round_number} could not be added to "
-                    "the aggregate; the round is aborted with the model unchanged"
-                ) from None
+            admission = ctx.engine.admit_rows(
+                r.core, site, rows, weight, numel=host.numel, screen=screen, now=ctx.clock()
+            )
+            if not admission.ok:
+                assert admission.reason is not None
+                self._current().pop(site, None)
+                host.rejected(site, round_number, admission.reason)
+                raise InvalidUpdateError(rejection_message(
+                    f"site {site!r}'s sharded update for round {round_number}", admission.reason,
+                    aborted=bool(r.core.aborted),
+                ))
             shards.added = True
             shards.verified.clear()  # the encoded shards are in the sum now
-            host.guard.accepted(round_number, site, norm)
             r.site_metrics[site] = dict(shards.first.metrics)
             ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
             logger.debug("round %d: sharded update of %s aggregated (%d shards)", round_number, site, shards.count)
@@ -375,7 +380,9 @@ class ShardedUploads:
 
     def _drop_site(self, site: str, round_number: int, why: str) -> None:
         """Reject ``site`` for the round: its held shards go, it is not waited for."""
-        with self.host.ctx.cond:
-            if self.host.ctx.round.number == round_number:
+        ctx = self.host.ctx
+        with ctx.cond:
+            if ctx.round.number == round_number:
                 self._current().pop(site, None)
-        self.host._reject(site, round_number, why)
+                ctx.round.core.reject(site, why)
+            self.host.rejected(site, round_number, why)

@@ -3,7 +3,7 @@
 The only module below the servicer that builds or reads ``pb.*`` messages: requests become
 ``geoloco.coordinator.domain`` objects here, and domain answers become responses. The state
 machine, membership, intake and phases never see a message (the wire-level upload assembler of
-``geoloco.protos.wire`` carries the manifest it was opened with, opaque to them).
+``geoloco.protos.wire_assembly`` carries the manifest it was opened with, opaque to them).
 """
 
 from __future__ import annotations
@@ -29,16 +29,10 @@ from geoloco.coordinator.domain import (
 from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.shard_views import ShardKey, ShardSlice
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.wire import (
-    PROTOCOL_VERSION,
-    RAW_CODEC,
-    ChunkRef,
-    ManifestError,
-    blob_manifest,
-    message_nbytes,
-    num_chunks_for,
-    to_index_ranges,
-)
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
+from geoloco.protos.wire_buffers import RAW_CODEC, ManifestError, num_chunks_for, to_index_ranges
+from geoloco.protos.wire_chunks import ChunkRef, message_nbytes
+from geoloco.protos.wire_manifests import blob_manifest
 
 __all__ = [
     "BlobCache",

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 
 from geoloco.algorithms.finite import all_finite
+from geoloco.algorithms.update_guard import update_norm
 from geoloco.compression import CodecError, Encoded, decode, decoded_norm
 from geoloco.coordinator.errors import InvalidUpdateError
-from geoloco.coordinator.update_guard import update_norm
-from geoloco.protos.wire import DEFAULT_CHECKSUM
+from geoloco.protos.wire_buffers import DEFAULT_CHECKSUM
 
 __all__ = ["checked_update"]
 

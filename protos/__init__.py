@@ -3,8 +3,13 @@
 - ``geoloco.proto`` -- the schema (package ``geoloco.v1``, service ``Coordinator``);
   ``geoloco_pb2`` / ``geoloco_pb2_grpc`` -- its generated code (committed; regenerate with
   ``python protos/regenerate.py``, checked by ``.ci/check_protos.sh``).
-- ``wire`` -- big buffers as chunk streams: manifests, checksums, validated reassembly, resume.
-- ``transport`` -- gRPC options, deadlines, TLS servers and channels, site identity, errors.
+- ``wire_buffers`` / ``wire_manifests`` / ``wire_chunks`` / ``wire_assembly`` / ``wire_files`` --
+  big buffers as chunk streams: sizes and checksums, manifests, send streams, validated
+  reassembly and resume, blobs served from a file.
+- ``transport_options`` / ``transport_tls`` / ``transport_errors`` / ``transport_malloc`` /
+  ``transport_endpoints`` -- gRPC options and deadlines, TLS and the site a certificate names,
+  errors to statuses, malloc tunables, and servers, channels and stubs with the chunk fast path.
+- ``protocol_version`` -- ``PROTOCOL_VERSION``, which a site sends in Join.
 - ``identity`` -- site names and how certificates carry them.
 - ``errors`` -- exceptions that carry the gRPC status a peer should see.
 

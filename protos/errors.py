@@ -1,10 +1,10 @@
 """Errors that know which gRPC status they become.
 
 Core code raises these; the servicer does not translate them by hand: the
-``geoloco.protos.transport.ErrorStatusInterceptor`` turns any ``StatusError`` escaping a handler
+``geoloco.protos.transport_errors.ErrorStatusInterceptor`` turns any ``StatusError`` escaping a handler
 into ``context.abort(error.code, str(error))`` with the machine-readable ``ErrorReason`` in the
 trailing metadata key ``geoloco-error-reason``. Clients read it back with
-``geoloco.protos.transport.error_reason(rpc_error)``.
+``geoloco.protos.transport_errors.error_reason(rpc_error)``.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class WrongRoundError(StatusError):
 
 
 class ProtocolVersionError(StatusError):
-    """The peer speaks another protocol version (``wire.PROTOCOL_VERSION``)."""
+    """The peer speaks another protocol version (``protocol_version.PROTOCOL_VERSION``)."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = pb.ERROR_REASON_PROTOCOL_VERSION

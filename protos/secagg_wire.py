@@ -1,5 +1,6 @@
-"""Secure aggregation on the wire: the one translation between ``geoloco.algorithms.secagg``'s
-dataclasses and the ``SecAgg*`` protobuf messages of the SecureStage RPC.
+"""Secure aggregation on the wire: the one translation between the dataclasses of
+``geoloco.algorithms.secagg_messages`` / ``secagg_stages`` and the ``SecAgg*`` protobuf messages
+of the SecureStage RPC.
 
 Each side calls it in one place: the coordinator's servicer (``request_message`` in,
 ``stage_response`` out) and the site's coordinator client (``stage_request`` out,

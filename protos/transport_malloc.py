@@ -1,4 +1,4 @@
-"""glibc malloc tunables for chunk-sized buffers (see ``geoloco.protos.transport``'s docstring).
+"""glibc malloc tunables for chunk-sized buffers (measured with ``benchmarks/bench_transfer.py``).
 
 gRPC allocates a new buffer per message; glibc serves allocations above its mmap threshold with
 fresh mmaps, whose page faults cost more than the copy itself. ``MALLOC_TUNABLES`` keep

@@ -1,7 +1,7 @@
 """gRPC options, deadlines and server sizing, each with the reason for it.
 
 Every gRPC option geoloco sets lives here, so the coordinator and the site agent cannot drift
-apart (``geoloco.protos.transport`` re-exports these names and applies them).
+apart (``geoloco.protos.transport_endpoints`` applies them to servers and channels).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Receiving: validated, idempotent, resumable reassembly of chunk streams.
 
-``BlobAssembler`` copies each chunk into a preallocated buffer (which may be the caller's own
-tensor, so weights land in place), records which indices arrived, ignores duplicates and verifies
-the checksum (computed while in-order chunks arrive) once all are there. ``UploadAssembler`` adds
+Chunks may arrive in any order, more than once, and over several streams. ``BlobAssembler``
+copies each chunk into a preallocated buffer (which may be the caller's own tensor, so weights
+land in place), records which indices arrived, ignores duplicates and verifies the checksum
+(computed while in-order chunks arrive) once all are there. ``UploadAssembler`` adds
 the (site, round, fragment) identity and the UploadStatus/Upload responses; ``Download`` keeps a
 client's partial FetchModel/AwaitBroadcast download across broken streams.
 """
@@ -328,7 +329,7 @@ class UploadAssembler(BlobAssembler):
     """Coordinator-side state of one (site, round, fragment) upload, kept across streams.
 
     The coordinator keys its assemblers by (site, round, fragment) with the site name from
-    ``transport.resolve_site`` (the certificate's name with TLS), not by the manifest's field.
+    ``transport_tls.resolve_site`` (the certificate's name with TLS), not by the manifest's field.
     """
 
     def __init__(

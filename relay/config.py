@@ -9,8 +9,8 @@ from typing import Any
 
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.protos.identity import validate_site_name
-from geoloco.protos.transport import TLSFiles
-from geoloco.protos.wire import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
+from geoloco.protos.transport_tls import TLSFiles
+from geoloco.protos.wire_buffers import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 
 __all__ = ["UPWARD_CODECS", "RelayConfig"]
 

@@ -18,20 +18,16 @@ from typing import Any
 import grpc
 import torch
 
+from geoloco.algorithms.engine import Screen, screen_update
+from geoloco.algorithms.update_guard import UpdateGuard, UpdateGuardConfig
 from geoloco.algorithms.weighting import site_weight
 from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
-from geoloco.coordinator.update_guard import UpdateGuard, UpdateGuardConfig
 from geoloco.coordinator.upload_check import checked_update
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import NotAMemberError, StaleSessionError, StatusError, WrongRoundError, quoted
-from geoloco.protos.wire import (
-    MAX_CHUNK_SIZE,
-    Download,
-    ManifestTooLargeError,
-    UploadAssembler,
-    blob_manifest,
-    read_broadcast_stream,
-)
+from geoloco.protos.wire_assembly import Download, UploadAssembler, read_broadcast_stream
+from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
+from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay.config import RelayConfig
 from geoloco.relay.masked import SecureRun, check_masked_manifest
 from geoloco.relay.partial import RelayRound, encode_partial, masked_partial
@@ -315,9 +311,7 @@ class RelayHub:
             weight = site_weight(
                 run.weighting, samples=float(manifest.sample_weight), inner_steps=int(manifest.inner_steps)
             )
-            why = "NaN or Inf values" if not finite else self.guard.check_norm(norm) or self.guard.check_weight(
-                "the update's weight", weight
-            )
+            why = screen_update(self.guard, Screen(norm, finite), weights=[("the update's weight", weight)])
             with self.cond:
                 if why is not None:
                     # Told upward with the round's partial, so the coordinator does not wait for it.

@@ -17,7 +17,8 @@ from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.privacy import SECURE_UPLOAD_CODEC
 from geoloco.compression import Encoded, decode, parse_codec
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.wire import UploadAssembler, blob_manifest
+from geoloco.protos.wire_assembly import UploadAssembler
+from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay.masked import MaskedSum, SecureRun
 
 __all__ = ["RelayRound", "SiteUpdate", "encode_partial", "masked_partial"]

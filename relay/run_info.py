@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from geoloco.algorithms.config import ConfigError, config_from_dict
-from geoloco.coordinator.update_guard import UpdateGuardConfig
+from geoloco.algorithms.update_guard import UpdateGuardConfig
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.relay.masked import SecureRun
 

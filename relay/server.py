@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from geoloco.protos.errors import StatusError
-from geoloco.protos.transport import add_coordinator_servicer, build_server, stop_server
+from geoloco.protos.transport_endpoints import add_coordinator_servicer, build_server, stop_server
 from geoloco.relay.config import RelayConfig
 from geoloco.relay.hub import RelayHub
 from geoloco.relay.servicer import RelayServicer

@@ -16,17 +16,12 @@ from typing import Any
 
 import grpc
 
-from geoloco.algorithms.secagg import STAGE_WITHDRAW
+from geoloco.algorithms.secagg_messages import STAGE_WITHDRAW
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
-from geoloco.protos.transport import resolve_site
-from geoloco.protos.wire import (
-    ChunkRef,
-    broadcast_responses,
-    message_nbytes,
-    read_upload_manifest,
-    upload_chunks,
-)
+from geoloco.protos.transport_tls import resolve_site
+from geoloco.protos.wire_assembly import read_upload_manifest, upload_chunks
+from geoloco.protos.wire_chunks import ChunkRef, broadcast_responses, message_nbytes
 from geoloco.relay.hub import RelayHub
 from geoloco.relay.upstream import Traffic, Upstream
 

@@ -18,8 +18,9 @@ import grpc
 
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import StatusError
-from geoloco.protos.transport import client_channel, coordinator_stub, error_reason
-from geoloco.protos.wire import message_nbytes, upload_requests
+from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+from geoloco.protos.transport_errors import error_reason
+from geoloco.protos.wire_chunks import message_nbytes, upload_requests
 from geoloco.relay.config import RelayConfig
 
 __all__ = ["UPLOAD_ATTEMPTS", "Traffic", "Upstream", "passed_through"]

@@ -306,7 +306,7 @@ def issue_coordinator(
 
     It is valid for ``localhost`` and ``127.0.0.1`` plus ``hosts`` (DNS names or IP addresses
     the sites dial). Sites that dial another name set the channel's target name override to one
-    of these (``geoloco.protos.transport.client_channel(..., server_name=...)``).
+    of these (``geoloco.protos.transport_endpoints.client_channel(..., server_name=...)``).
     """
     _check_name(name)
     authority = load_ca(directory)

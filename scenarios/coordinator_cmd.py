@@ -51,9 +51,9 @@ from geoloco.scenarios.config_file import (
     ConfigFileError,
     from_config_error,
     port_number,
-    read_toml,
     report_config_error,
 )
+from geoloco.scenarios.config_kinds import COORDINATOR, read_config
 from geoloco.scenarios.overrides import add_set_argument, apply_overrides
 from geoloco.scenarios.research import require_tensorboard
 
@@ -69,7 +69,7 @@ STOPPED_LINE = PROGRAM + " stopped ({signal}): round={round} digest={digest}"
 
 STOP_GRACE_S = 5.0
 """On SIGTERM/SIGINT running calls get this long to finish before they are cancelled (the
-same value as ``geoloco.protos.transport.SHUTDOWN_GRACE_S``; an upload cut off here resumes
+same value as ``geoloco.protos.transport_options.SHUTDOWN_GRACE_S``; an upload cut off here resumes
 after a restart). A round being aggregated is completed and checkpointed first."""
 
 EXAMPLE_CONFIG = Path(__file__).with_name("coordinator.toml")
@@ -214,29 +214,38 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
 
 def load_config(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(CoordinatorConfig, WorkloadSpec)`` from ``--config`` and the flags."""
-    from geoloco.algorithms.config import ConfigError
     from geoloco.coordinator.config import CoordinatorConfig
-    from geoloco.scenarios.workloads import WORKLOAD_TABLE, parse_workload
 
     source = str(args.config)
-    raw = read_toml(args.config)
+    raw = read_config(args.config, (COORDINATOR,))[0]
     apply_overrides(raw, getattr(args, "overrides", []), source, CoordinatorConfig)
     _apply_flags(raw, args, source)
-    try:
-        workload = parse_workload(raw.get(WORKLOAD_TABLE))
-        # The table as parsed (defaults named) goes to the sites with the rest of the config.
-        raw[WORKLOAD_TABLE] = workload.to_table()
-        config = CoordinatorConfig.from_dict(raw)
-    except ConfigError as err:
-        raise from_config_error(source, err) from None
+    config, workload = parse_config(raw, source)
     if config.tensorboard_dir is not None:
         require_tensorboard(source, "tensorboard_dir")
     return config, workload
 
 
+def parse_config(raw: dict[str, Any], source: str) -> tuple[Any, Any]:
+    """``(CoordinatorConfig, WorkloadSpec)`` from a parsed file (changed in place: its
+    ``[workload]`` table gets the defaults named), without the flags; ``geoloco plan`` reads a
+    coordinator file through it."""
+    from geoloco.algorithms.config import ConfigError
+    from geoloco.coordinator.config import CoordinatorConfig
+    from geoloco.scenarios.workloads import WORKLOAD_TABLE, parse_workload
+
+    try:
+        workload = parse_workload(raw.get(WORKLOAD_TABLE))
+        # The table as parsed (defaults named) goes to the sites with the rest of the config.
+        raw[WORKLOAD_TABLE] = workload.to_table()
+        return CoordinatorConfig.from_dict(raw), workload
+    except ConfigError as err:
+        raise from_config_error(source, err) from None
+
+
 def run(args: argparse.Namespace) -> int:
     # First, before any thread or gRPC starts: glibc reads GLIBC_TUNABLES only at process start.
-    from geoloco.protos.transport import reexec_with_malloc_tunables
+    from geoloco.protos.transport_malloc import reexec_with_malloc_tunables
 
     reexec_with_malloc_tunables()
     try:

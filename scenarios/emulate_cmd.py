@@ -41,12 +41,6 @@ logger = logging.getLogger(__name__)
 SHAPING_RELAY = "relay"
 SHAPING_KERNEL = "kernel"
 SCENARIO_DIR = Path(__file__).parent
-NOT_SCENARIOS = ("simulate.toml", "coordinator.toml")
-"""TOML files shipped next to the scenarios that configure other commands."""
-
-
-def _shipped_scenarios() -> str:
-    return ", ".join(sorted(p.name for p in SCENARIO_DIR.glob("*.toml") if p.name not in NOT_SCENARIOS))
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -57,9 +51,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "Emulate a geo-distributed run on this machine: the coordinator and one process per "
             "site talk real gRPC with mutual TLS through per-site shaped links (bandwidth, "
             "latency, jitter, loss); faults fire on schedule; progress is shown live; metrics, "
-            "summary.md and PNG plots go to the output folder. Shipped scenarios: "
-            f"{_shipped_scenarios()} "
-            f"in {SCENARIO_DIR}."
+            f"summary.md and PNG plots go to the output folder. Shipped scenarios are in {SCENARIO_DIR} "
+            "(the README's 'Shipped scenarios' says what each shows); a simulate or coordinator "
+            "config there is refused, naming the command that runs it."
         ),
     )
     parser.add_argument("scenario", type=Path, metavar="SCENARIO.toml", help="scenario file")
@@ -110,11 +104,11 @@ def describe(scenario: object) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from geoloco.scenarios.config_file import read_toml
+    from geoloco.scenarios.config_kinds import SCENARIO, read_config
     from geoloco.scenarios.scenario import Scenario, parse_scenario
 
     try:
-        raw = apply_overrides(read_toml(args.scenario), args.overrides, str(args.scenario), Scenario)
+        raw = apply_overrides(read_config(args.scenario, (SCENARIO,))[0], args.overrides, str(args.scenario), Scenario)
         scenario = parse_scenario(raw, str(args.scenario))
     except ConfigFileError as err:
         return report_config_error("emulate", err)

@@ -222,7 +222,7 @@ class Emulation:
         return [*(link.exec_prefix() if link else []), *command, *server_name]
 
     def _child_env(self) -> dict[str, str]:
-        from geoloco.protos.transport import recommended_env
+        from geoloco.protos.transport_malloc import recommended_env
 
         env = recommended_env()
         # Every site gets one compute thread: N sites share this machine's cores, and

@@ -17,11 +17,9 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Union
 
-import tomllib
+from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError, tomllib
 
-from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError
-
-__all__ = ["add_set_argument", "apply_overrides", "parse_override"]
+__all__ = ["add_set_argument", "apply_overrides", "parse_override", "parse_value"]
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z_][A-Za-z0-9_]*|[0-9]+))*$")
 
@@ -52,10 +50,19 @@ def parse_override(text: str) -> tuple[str, str]:
     return key, value.strip()
 
 
-def _literal(text: str) -> Any:
+def parse_value(text: str, *, strict: bool = False) -> Any:
+    """The value of a ``KEY=VALUE`` argument read as one TOML literal (``10``, ``0.5``, ``true``,
+    ``"text"``, ``[1, 2]``); text that is not one is returned as typed (``topk:0.01|int4``,
+    ``small``) or, with ``strict``, raises ``ValueError`` saying why. The one reader of such
+    values: ``--set``, ``--grid``, ``--workload-option``."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+        parsed = tomllib.loads(f"v = {text}")
+        if parsed.keys() != {"v"}:  # "1\nw = 2" would set a second key
+            raise ValueError(f"expected one value, got {text!r}")
+        return parsed["v"]
+    except ValueError:  # tomllib.TOMLDecodeError is a ValueError
+        if strict:
+            raise
         return text
 
 
@@ -91,7 +98,7 @@ def _field_type(schema: Any, path: Sequence[str]) -> Any:
 def _typed(text: str, annotation: Any) -> Any:
     if annotation is str:
         return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text
-    return _literal(text)
+    return parse_value(text)
 
 
 def apply_overrides(

@@ -2,9 +2,14 @@
 
 Two ways to describe the run:
 
-- a scenario file (``geoloco plan scenarios/quickstart.toml --step-time 0.2``): its sites, links,
-  algorithm, round policy and rounds; the parameter count comes from building its workload's model
-  (or ``--params``);
+- a config file of the run, whichever command runs it (``geoloco.scenarios.config_kinds``): an
+  emulator scenario (``geoloco plan scenarios/quickstart.toml --step-time 0.2``) or a simulate
+  file (``geoloco plan scenarios/simulate.toml``; its ``step_time_s`` is the default step time)
+  bring their sites, links, algorithm, round policy and rounds; a coordinator file
+  (``geoloco plan scenarios/coordinator.toml --link 100mbit,40ms --step-time 0.2``) brings all
+  but the links, which the flags give (its ``allowed_sites`` name the sites). The parameter count
+  comes from building the file's workload's model (or ``--params``). A relay file is refused,
+  naming ``geoloco relay``;
 - flags (``geoloco plan --params 1e9 --sites 8 --link 1gbit,50ms --step-time 0.5 --algorithm
   diloco --inner-steps 500 --codec int8 --total-steps 50000``).
 
@@ -17,11 +22,13 @@ Bad input exits with status 2 and a message naming the flag or key and what is a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from geoloco.scenarios.config_file import (
     COMMAND_LINE,
@@ -30,7 +37,13 @@ from geoloco.scenarios.config_file import (
     positive_int,
     report_config_error,
 )
-from geoloco.scenarios.progress import human_seconds
+from geoloco.scenarios.config_kinds import COORDINATOR, SCENARIO, SIMULATE, read_config
+from geoloco.scenarios.progress import human_bytes, human_seconds
+
+if TYPE_CHECKING:  # torch; `geoloco --help` stays fast without it
+    from geoloco.algorithms.clock import SiteConfig
+    from geoloco.algorithms.training import TrainingConfig
+    from geoloco.scenarios.workloads import WorkloadSpec
 
 PLAN_ALGORITHMS = ("diloco", "streaming", "fedavg", "fedopt", "ddp")
 """``--algorithm`` / ``--compare`` names: the simulator's algorithms plus ``streaming``
@@ -49,35 +62,40 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "Predict a run with the simulator's virtual clock (latency + bytes/bandwidth per link, "
             "step time / speed factor per site, the real round policy and the codecs' exact sizes) "
             "without training: per-round and total wall clock, compute utilization per site, bytes "
-            "per link and peak memory per process. Describe the run with a scenario file or flags."
+            "per link and peak memory per process. Describe the run with a config file (an "
+            "emulate scenario, a simulate or a coordinator config) or flags."
         ),
     )
-    parser.add_argument("scenario", nargs="?", type=Path, metavar="SCENARIO.toml",
-                        help="emulator scenario file (sites, links, algorithm, rounds)")
+    parser.add_argument("config", nargs="?", type=Path, metavar="CONFIG.toml",
+                        help="the run's config file: an emulate scenario or a simulate file (sites, "
+                        "links, algorithm, rounds), or a coordinator config (links from the flags)")
     parser.add_argument("--params", type=_count, help="parameter count, e.g. 1e9, 124M, 1.3B "
-                        "(default with a scenario: its workload's model)")
-    parser.add_argument("--step-time", required=True, type=_step_time, metavar="SECONDS|measure",
+                        "(default with a config file: its workload's model)")
+    parser.add_argument("--step-time", type=_step_time, metavar="SECONDS|measure",
                         help="seconds per inner step at speed_factor 1, or 'measure' (time the "
-                        "scenario workload's steps on this machine)")
-    parser.add_argument("--sites", type=positive_int, help="number of identical sites (flags mode; default 8)")
+                        "config file's workload's steps on this machine); default with a simulate "
+                        "file: its simulation.step_time_s")
+    parser.add_argument("--sites", type=positive_int,
+                        help="number of identical sites (flags or a coordinator file; default: the "
+                        "coordinator file's allowed_sites, else 8)")
     parser.add_argument("--link", action="append", metavar="BANDWIDTH,LATENCY",
                         help="link of every site (once) or of each site (once per site), both "
                         "directions: e.g. 1gbit,50ms or 100mbit,0.03s (default 1gbit,50ms)")
     parser.add_argument("--speed-factors", type=_float_list, metavar="F,F,...",
                         help="compute speed of each site relative to the reference (default all 1)")
-    parser.add_argument("--algorithm", choices=PLAN_ALGORITHMS, help="default diloco (or the scenario's)")
-    parser.add_argument("--inner-steps", type=positive_int, help="H (default 500, or the scenario's)")
+    parser.add_argument("--algorithm", choices=PLAN_ALGORITHMS, help="default diloco (or the config file's)")
+    parser.add_argument("--inner-steps", type=positive_int, help="H (default 500, or the config file's)")
     parser.add_argument("--codec", help="codec both ways, e.g. int8, topk:0.01|int4 (default none)")
     parser.add_argument("--uplink-codec", help="uplink codec (overrides --codec)")
     parser.add_argument("--downlink-codec", help="downlink codec (overrides --codec)")
     parser.add_argument("--ddp-codec", default="none",
                         help="the ddp baseline's codec in --compare (default none: fp32 gradients)")
     parser.add_argument("--fragments", type=positive_int,
-                        help="Streaming DiLoCo fragments P (default the scenario's, else 4)")
+                        help="Streaming DiLoCo fragments P (default the config file's, else 4)")
     parser.add_argument("--overlap-steps", type=int,
-                        help="Streaming DiLoCo overlap steps (default the scenario's, else min(5, H/P))")
+                        help="Streaming DiLoCo overlap steps (default the config file's, else min(5, H/P))")
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--rounds", type=positive_int, help="rounds to plan (default the scenario's)")
+    length.add_argument("--rounds", type=positive_int, help="rounds to plan (default the config file's)")
     length.add_argument("--total-steps", type=positive_int,
                         help="inner steps per site over the run; rounds = ceil(steps / steps per round)")
     parser.add_argument("--compare", type=_algorithm_list, metavar="A,B,...",
@@ -150,20 +168,86 @@ def parse_link(text: str) -> tuple[float, float]:
     return bps, seconds
 
 
+# -- the run's config file -------------------------------------------------------------------------
+
+PLANNABLE = (SCENARIO, SIMULATE, COORDINATOR)
+"""The config files ``geoloco plan`` reads (``geoloco.scenarios.config_kinds``); a file whose
+keys do not tell which it is is read as a scenario."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunFile:
+    """What a config file says about the run to plan, whichever command's file it is."""
+
+    source: str
+    kind: str
+    """``scenario``, ``simulate`` or ``coordinator``."""
+    training: TrainingConfig
+    """Algorithm, optimizers, privacy, round policy, seed and run length (``rounds`` 0: none)."""
+    workload: WorkloadSpec
+    sites: list[SiteConfig] | None
+    """The file's sites on the planner's clock; ``None`` for a coordinator file, which names no
+    links (the flags describe them)."""
+    site_names: list[str] = field(default_factory=list)
+    """A coordinator file's ``allowed_sites``: the names of the flags' sites."""
+    step_time_s: float | str | None = None
+    """A simulate file's ``simulation.step_time_s``: ``--step-time``'s default, so the plan
+    reproduces ``geoloco simulate``'s clock."""
+
+
+def load_run_file(path: Path) -> RunFile:
+    """The run a scenario, simulate or coordinator file describes; ``ConfigFileError`` for any
+    other file (naming the command that runs it) or a bad key."""
+    raw, kind = read_config(path, PLANNABLE)
+    source = str(path)
+    if kind == SIMULATE:
+        from geoloco.scenarios.research import load_run_config, prepare_raw
+
+        workload, config = load_run_config(prepare_raw(raw, [], source), source)
+        _refuse_two_tiers(source, config.regions, config.coordinator_link)
+        return RunFile(source, kind, config.training, workload, list(config.sites),
+                       step_time_s=config.simulation.step_time_s)
+    if kind == COORDINATOR:
+        from geoloco.scenarios.coordinator_cmd import parse_config
+
+        coordinator, workload = parse_config(raw, source)
+        return RunFile(source, kind, coordinator.training, workload, None, list(coordinator.allowed_sites or []))
+    from geoloco.scenarios.scenario import parse_scenario
+
+    scenario = parse_scenario(raw, source)
+    _refuse_two_tiers(source, scenario.regions, scenario.coordinator_link)
+    return RunFile(source, kind, scenario.training, scenario.workload, [s.clock_site() for s in scenario.sites])
+
+
+def _refuse_two_tiers(source: str, regions: list[Any], coordinator_link: Any) -> None:
+    """The planner's clock gives every site its own link to the coordinator; a plan that left the
+    relays and the shared link out would be wrong, so it is not made."""
+    if regions or coordinator_link.shaped:
+        raise ConfigFileError(
+            source, "regions" if regions else "coordinator_link",
+            "the planner gives every site its own link to the coordinator and does not model "
+            "regional relays or a shared coordinator link; measure it with `geoloco simulate` "
+            "(its clock has both tiers), or drop [[regions]] and [coordinator_link] to plan the "
+            "flat network",
+        )
+
+
 # -- building the plans ----------------------------------------------------------------------------
 
 
-def _sites(args: argparse.Namespace, scenario: Any) -> list[Any]:
+def _sites(args: argparse.Namespace, run_file: RunFile | None) -> list[Any]:
     from geoloco.algorithms.clock import SiteConfig
 
-    if scenario is not None:
+    if run_file is not None and run_file.sites is not None:
         if args.sites is not None or args.link or args.speed_factors:
             raise ConfigFileError(
                 COMMAND_LINE, "--sites/--link/--speed-factors",
-                "a scenario file brings its own [[sites]]; edit the file or plan with flags only",
+                f"a {run_file.kind} file brings its own sites ([[sites]] or [sites]); edit the file or "
+                "plan with flags only",
             )
-        return [site.clock_site() for site in scenario.sites]
-    count = args.sites or (len(args.link) if args.link and len(args.link) > 1 else 8)
+        return run_file.sites
+    names = run_file.site_names if run_file is not None else []
+    count = args.sites or (len(args.link) if args.link and len(args.link) > 1 else len(names) or 8)
     links = [parse_link(text) for text in (args.link or ["1gbit,50ms"])]
     if len(links) not in (1, count):
         raise ConfigFileError(
@@ -175,9 +259,11 @@ def _sites(args: argparse.Namespace, scenario: Any) -> list[Any]:
             COMMAND_LINE, "--speed-factors",
             f"give one factor for all sites or one per site ({count}), got {len(speeds)}",
         )
+    if len(names) != count:
+        names = [f"site-{k}" for k in range(count)]
     return [
         SiteConfig(
-            name=f"site-{k}", uplink_bps=links[k % len(links)][0], downlink_bps=links[k % len(links)][0],
+            name=names[k], uplink_bps=links[k % len(links)][0], downlink_bps=links[k % len(links)][0],
             latency_s=links[k % len(links)][1], speed_factor=speeds[k % len(speeds)],
         )
         for k in range(count)
@@ -185,7 +271,7 @@ def _sites(args: argparse.Namespace, scenario: Any) -> list[Any]:
 
 
 def _algorithm_table(args: argparse.Namespace, base: dict[str, Any], name: str) -> dict[str, Any]:
-    """The ``[algorithm]`` table of one planned algorithm: ``base`` (the scenario's, or defaults)
+    """The ``[algorithm]`` table of one planned algorithm: ``base`` (the file's, or defaults)
     with the flags applied."""
     table = dict(base)
     table.pop("streaming", None)
@@ -213,7 +299,7 @@ def _algorithm_table(args: argparse.Namespace, base: dict[str, Any], name: str) 
     return table
 
 
-def _training(args: argparse.Namespace, scenario: Any, name: str) -> Any:
+def _training(args: argparse.Namespace, run_file: RunFile | None, name: str) -> Any:
     from geoloco.algorithms.algorithm_config import AlgorithmConfig
     from geoloco.algorithms.config import ConfigError, config_from_dict
     from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
@@ -221,65 +307,77 @@ def _training(args: argparse.Namespace, scenario: Any, name: str) -> Any:
     from geoloco.algorithms.training import TrainingConfig
 
     base = (
-        scenario.algorithm.to_dict() if scenario is not None
+        run_file.training.algorithm.to_dict() if run_file is not None
         else {"uplink_codec": "none", "downlink_codec": "none"}
     )
     try:
         algorithm = config_from_dict(AlgorithmConfig, _algorithm_table(args, base, name), prefix="algorithm")
     except ConfigError as err:
         raise from_config_error(COMMAND_LINE, err) from None
-    if scenario is None:
+    if run_file is None:
         return TrainingConfig(
             algorithm=algorithm, inner_optimizer=InnerOptimizerConfig(),
             outer_optimizer=OuterOptimizerConfig(), privacy=PrivacyConfig(), rounds=1,
         )
-    training = scenario.training
-    outer = training.outer_optimizer if algorithm.name == scenario.algorithm.name else OuterOptimizerConfig()
-    return TrainingConfig(
-        algorithm=algorithm, inner_optimizer=training.inner_optimizer, outer_optimizer=outer,
-        privacy=training.privacy, seed=training.seed, rounds=training.rounds,
-        min_sites=training.min_sites, round_deadline_s=training.round_deadline_s,
-        adaptive_deadline=training.adaptive_deadline,
-    )
+    training = run_file.training
+    outer = training.outer_optimizer if algorithm.name == training.algorithm.name else OuterOptimizerConfig()
+    return dataclasses.replace(training, algorithm=algorithm, outer_optimizer=outer)
 
 
-def _with_rounds(args: argparse.Namespace, training: Any, default_rounds: int | None) -> Any:
-    import dataclasses
-
+def _with_rounds(args: argparse.Namespace, training: Any, run_file: RunFile | None) -> Any:
     from geoloco.algorithms.planner import rounds_for_steps
 
     if args.total_steps is not None:
         rounds = rounds_for_steps(training, args.total_steps)
     elif args.rounds is not None:
         rounds = args.rounds
-    elif default_rounds:
-        rounds = default_rounds
+    elif run_file is not None and run_file.training.rounds:
+        rounds = run_file.training.rounds
     else:
         raise ConfigFileError(
             COMMAND_LINE, "--rounds", "how long is the run? give --rounds or --total-steps"
-            + (" (the scenario runs on a time budget: run.rounds = 0)" if default_rounds == 0 else "")
+            + (" (the scenario runs on a time budget: run.rounds = 0)"
+               if run_file is not None and run_file.kind == SCENARIO else "")
         )
     return dataclasses.replace(training, rounds=rounds)
 
 
-def _measure_step_time(scenario: Any, steps: int = 5) -> float:
-    """Seconds per inner step of the scenario's workload here (after two warm-up steps), on one
-    CPU thread as the emulator's site processes run (``OMP_NUM_THREADS=1``)."""
+def _step_time_s(args: argparse.Namespace, run_file: RunFile | None, num_sites: int) -> float:
+    """``--step-time``, else a simulate file's ``step_time_s``; ``measure`` times the file's
+    workload here."""
+    value = args.step_time if args.step_time is not None else run_file.step_time_s if run_file else None
+    if value is None:
+        raise ConfigFileError(
+            COMMAND_LINE, "--step-time",
+            "give the seconds per inner step at speed_factor 1 (e.g. --step-time 0.5), or 'measure' "
+            "to time a config file's workload here",
+        )
+    if value != "measure":
+        return float(value)
+    if run_file is None:
+        raise ConfigFileError(COMMAND_LINE, "--step-time", "'measure' times a config file's workload; give seconds")
+    return _measure_step_time(run_file, num_sites)
+
+
+def _measure_step_time(run_file: RunFile, num_sites: int, steps: int = 5) -> float:
+    """Seconds per inner step of the file's workload here (after two warm-up steps), on one CPU
+    thread as the emulator's site processes run (``OMP_NUM_THREADS=1``)."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _time_steps(scenario, steps)
+        return _time_steps(run_file, num_sites, steps)
     finally:
         torch.set_num_threads(threads)
 
 
-def _time_steps(scenario: Any, steps: int) -> float:
-    workload = scenario.workload.build()
-    model = workload.build_model(scenario.run.seed)
-    optimizer = scenario.inner_optimizer.build(model.parameters())
-    batches = workload.site_batches(0, len(scenario.sites), scenario.run.seed)
+def _time_steps(run_file: RunFile, num_sites: int, steps: int) -> float:
+    seed = run_file.training.seed
+    workload = run_file.workload.build()
+    model = workload.build_model(seed)
+    optimizer = run_file.training.inner_optimizer.build(model.parameters())
+    batches = workload.site_batches(0, num_sites, seed)
     elapsed = 0.0
     for step in range(steps + 2):
         t0 = time.perf_counter()
@@ -295,43 +393,35 @@ def build_plans(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
     """The plans the flags ask for, and what they were built from (for the header)."""
     from geoloco.algorithms.params import ParamLayout
     from geoloco.algorithms.planner import PlanError, plan
-    from geoloco.scenarios.scenario import load_scenario
 
-    scenario = load_scenario(args.scenario) if args.scenario is not None else None
-    if scenario is None and args.params is None:
-        raise ConfigFileError(COMMAND_LINE, "--params", "give the model size (e.g. --params 1e9) or a scenario file")
-    if scenario is None and args.step_time == "measure":
-        raise ConfigFileError(COMMAND_LINE, "--step-time", "'measure' times a scenario's workload; give seconds")
+    run_file = load_run_file(args.config) if args.config is not None else None
+    if run_file is None and args.params is None:
+        raise ConfigFileError(
+            COMMAND_LINE, "--params",
+            "give the model size (e.g. --params 1e9) or a scenario, simulate or coordinator file",
+        )
+    sites = _sites(args, run_file)
     layout = None
     numel = args.params
-    if scenario is not None and numel is None:
-        layout = ParamLayout.from_model(scenario.workload.build().build_model(scenario.run.seed))
+    if run_file is not None and numel is None:
+        layout = ParamLayout.from_model(run_file.workload.build().build_model(run_file.training.seed))
         numel = layout.numel
-    step_time = _measure_step_time(scenario) if args.step_time == "measure" else float(args.step_time)
-    sites = _sites(args, scenario)
-    default_name = scenario.algorithm.name if scenario is not None else "diloco"
-    if scenario is not None and scenario.algorithm.streaming.enabled:
-        default_name = "streaming"
+    step_time = _step_time_s(args, run_file, len(sites))
+    algorithm = run_file.training.algorithm if run_file is not None else None
+    default_name = "diloco" if algorithm is None else "streaming" if algorithm.streaming.enabled else algorithm.name
     names = args.compare or [args.algorithm or default_name]
+    source = run_file.source if run_file is not None else COMMAND_LINE
     plans = []
     for name in names:
-        training = _with_rounds(args, _training(args, scenario, name), scenario.run.rounds if scenario else None)
+        training = _with_rounds(args, _training(args, run_file, name), run_file)
         try:
             plans.append(plan(training, numel=numel, sites=sites, step_time_s=step_time, layout=layout))
         except (PlanError, ValueError) as err:
-            raise ConfigFileError(args.scenario or COMMAND_LINE, f"algorithm {name}", str(err)) from None
+            raise ConfigFileError(source, f"algorithm {name}", str(err)) from None
     return plans, {"numel": numel, "sites": sites, "step_time_s": step_time}
 
 
 # -- output ----------------------------------------------------------------------------------------
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def _rate(bps: float) -> str:
@@ -354,7 +444,7 @@ def _site_lines(p: Any, sites: list[Any]) -> list[str]:
     for site, name in zip(sites, p.sites, strict=True):
         rows.append([
             name, f"{_rate(site.uplink_bps)} / {_rate(site.downlink_bps)}, {site.latency_s * 1000:g} ms",
-            f"{site.speed_factor:g}", f"{util[name]:.1%}", _bytes(traffic[name][0]), _bytes(traffic[name][1]),
+            f"{site.speed_factor:g}", f"{util[name]:.1%}", human_bytes(traffic[name][0]), human_bytes(traffic[name][1]),
         ])
     return ["per site, whole run:", *_table(rows)]
 
@@ -381,8 +471,8 @@ def format_plans(plans: list[Any], info: dict[str, Any]) -> str:
         rows.append([
             p.algorithm, str(syncs), str(p.inner_steps_total),
             human_seconds(sum(r.round_time_s for r in train) / max(1, syncs)),
-            human_seconds(p.total_s), f"{sum(util.values()) / n:.1%}", _bytes(up), _bytes(down),
-            _bytes(p.memory.site_total), _bytes(p.memory.coordinator_total),
+            human_seconds(p.total_s), f"{sum(util.values()) / n:.1%}", human_bytes(up), human_bytes(down),
+            human_bytes(p.memory.site_total), human_bytes(p.memory.coordinator_total),
         ])
     lines += _table(rows)
     for p in plans:
@@ -393,9 +483,9 @@ def format_plans(plans: list[Any], info: dict[str, Any]) -> str:
             lines += _site_lines(p, sites)
         memory = p.memory
         lines.append("  peak memory per site:        " + ", ".join(
-            f"{k} {_bytes(v)}" for k, v in memory.site.items() if v) + " (activations not included)")
+            f"{k} {human_bytes(v)}" for k, v in memory.site.items() if v) + " (activations not included)")
         lines.append("  peak memory at coordinator:  " + ", ".join(
-            f"{k} {_bytes(v)}" for k, v in memory.coordinator.items() if v))
+            f"{k} {human_bytes(v)}" for k, v in memory.coordinator.items() if v))
     return "\n".join(lines)
 
 

@@ -24,12 +24,23 @@ STATE_CUT = "link cut"
 STATE_DONE = "done"
 
 
+BYTE_UNITS = ("B", "kB", "MB", "GB", "TB")
+"""Decimal units (powers of 1000), as links and disks are sold."""
+
+
 def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    """A byte count to read at a glance, three significant digits in decimal units: ``512 B``,
+    ``1.50 kB``, ``12.3 MB``, ``456 GB``, ``2.00 TB`` (whole bytes below 1 kB; TB above). The
+    one byte formatter of every command, report and benchmark."""
+    for unit in BYTE_UNITS:
+        # 999.5 and up would print as "1000": that is already the next unit's "1.00".
+        if abs(n) < 999.5 or unit == BYTE_UNITS[-1]:
+            break
         n /= 1000
-    return f"{n:.1f} GB"
+    if unit == "B":
+        return f"{n:.0f} B"
+    digits = 2 if abs(n) < 9.995 else 1 if abs(n) < 99.95 else 0
+    return f"{n:.{digits}f} {unit}"
 
 
 def human_seconds(s: float | None) -> str:

@@ -34,9 +34,9 @@ from geoloco.scenarios.config_file import (
     ConfigFileError,
     from_config_error,
     port_number,
-    read_toml,
     report_config_error,
 )
+from geoloco.scenarios.config_kinds import RELAY, read_config
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def load_config(args: argparse.Namespace) -> Any:
     from geoloco.algorithms.config import ConfigError
     from geoloco.relay import RelayConfig
 
-    raw = read_toml(args.config)
+    raw = read_config(args.config, (RELAY,))[0]
     source = str(args.config)
     for flag, key in (("name", "name"), ("coordinator", "coordinator"), ("host", "host"), ("port", "port")):
         value = getattr(args, flag)

@@ -355,7 +355,7 @@ class Scenario:
                 f"sites[{i}].data_shard",
                 f"must be in 0..{len(self.sites) - 1} (one shard per site), got {site.data_shard}",
             )
-        check_regions(self.regions, names, privacy_enabled=self.privacy.enabled)
+        check_regions(self.regions, names, privacy=self.privacy, algorithm=self.algorithm)
         self.training.validate(SCENARIO_KEYS, num_sites=len(self.sites))
         for i, fault in enumerate(self.faults):
             key = f"faults[{i}]"

@@ -4,7 +4,9 @@ The file's sections map one to one onto ``geoloco.algorithms.simulator.Simulator
 (``[algorithm]``, ``[inner_optimizer]``, ``[outer_optimizer]``, ``[sites]`` or ``[[sites]]``,
 ``[simulation]``) plus ``[workload]`` (``name`` and the workload's options). See the shipped
 ``simulate.toml`` for every key with a comment. A bad value exits with status 2 and a message
-naming the file, the key and what is allowed — never a traceback.
+naming the file, the key and what is allowed — never a traceback; a file of another kind (an
+emulate scenario, a coordinator config) is refused naming the command that runs it
+(``geoloco.scenarios.config_kinds``).
 
 Outputs under ``--out``, a run folder ``geoloco.scenarios.research.RunResult.load`` reads back:
 ``metrics.jsonl`` (one JSON object per round, written as the run goes), ``config.json`` (the
@@ -27,10 +29,11 @@ from geoloco.scenarios.config_file import (
     ConfigFileError,
     from_config_error,
     positive_int,
-    read_toml,
     report_config_error,
 )
+from geoloco.scenarios.config_kinds import SIMULATE, read_config
 from geoloco.scenarios.overrides import add_set_argument
+from geoloco.scenarios.progress import human_bytes
 from geoloco.scenarios.research import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -123,18 +126,10 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
 def load_config(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(WorkloadSpec, SimulatorConfig)`` from ``--config`` and the flags."""
     source = str(args.config) if args.config is not None else COMMAND_LINE
-    raw = read_toml(args.config) if args.config is not None else {}
+    raw = read_config(args.config, (SIMULATE,))[0] if args.config is not None else {}
     raw = prepare_raw(raw, getattr(args, "overrides", []), source)
     _apply_flags(raw, args, source)
     return load_run_config(raw, source)
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
 
 
 def summary_table(rows: list[tuple[str, str]]) -> str:
@@ -231,12 +226,12 @@ def _run(args: argparse.Namespace) -> int:
         ("final eval loss", "n/a" if last_eval is None else f"{last_eval:.4f}"),
         ("final train loss", f"{last.train_loss:.4f}"),
         *([("privacy", describe_epsilon(last.epsilon, config.privacy.delta))] if last.epsilon is not None else []),
-        ("bytes up (total)", _human_bytes(last.bytes_up_total)),
-        ("bytes down (total)", _human_bytes(last.bytes_down_total)),
+        ("bytes up (total)", human_bytes(last.bytes_up_total)),
+        ("bytes down (total)", human_bytes(last.bytes_down_total)),
         ("virtual wall-clock", f"{last.wall_clock_s:.2f} s"),
         ("compute utilization", f"{100 * sum(utilization) / n:.1f} % mean, "
                                 f"{100 * min(utilization):.1f} % min over sites"),
-        ("peak bytes in flight", _human_bytes(peak_in_flight) + " per site (largest transfer)"),
+        ("peak bytes in flight", human_bytes(peak_in_flight) + " per site (largest transfer)"),
         ("real runtime", f"{runtime:.1f} s on {simulator.device}"),
         ("inner steps per site", f"{last.inner_steps_total}"),
         ("output", f"{out}/{METRICS_FILE}, {out}/{CONFIG_FILE}, {out}/{SUMMARY_FILE}"

@@ -64,9 +64,9 @@ from geoloco.scenarios.config_file import (
     positive_float,
     positive_int,
     report_config_error,
-    tomllib,
 )
 from geoloco.scenarios.coordinator_cmd import GracefulStop
+from geoloco.scenarios.overrides import parse_value
 from geoloco.scenarios.sharded_site_cmd import add_sharding_arguments, check_sharding_flags, run_sharded
 from geoloco.scenarios.site_lines import ADVERTISED, PROGRAM, join_line, round_line, summary_line
 from geoloco.site_agent.client_streams import parse_parallel_streams
@@ -111,11 +111,7 @@ def _option(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        parsed = tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
-        parsed = value
-    return key, parsed
+    return key, parse_value(value.strip())
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -248,7 +244,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     # First, before any thread or gRPC starts: glibc reads GLIBC_TUNABLES only at process start.
-    from geoloco.protos.transport import reexec_with_malloc_tunables
+    from geoloco.protos.transport_malloc import reexec_with_malloc_tunables
 
     reexec_with_malloc_tunables()
     try:
@@ -404,7 +400,7 @@ def _setup(args: argparse.Namespace, advertised: dict[str, Any]) -> tuple[SitePl
 
 def _run(args: argparse.Namespace) -> int:
     from geoloco.protos.identity import validate_site_name
-    from geoloco.protos.transport import TLSFiles
+    from geoloco.protos.transport_tls import TLSFiles
     from geoloco.scenarios.workloads import WORKLOADS
     from geoloco.site_agent.agent import SiteAgent
     from geoloco.site_agent.client import AgentStopped, SiteAgentError

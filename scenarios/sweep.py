@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
-from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError, read_toml
-from geoloco.scenarios.overrides import parse_override
+from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError
+from geoloco.scenarios.config_kinds import SIMULATE, read_config
+from geoloco.scenarios.overrides import parse_override, parse_value
+from geoloco.scenarios.progress import human_bytes
 from geoloco.scenarios.research import RunResult, is_finished, prepare_raw, require_tensorboard
 from geoloco.scenarios.sweep_tasks import Backend, BackendOptions, RunTask, run_in_processes
 
@@ -73,8 +73,8 @@ def parse_grid(text: str) -> GridAxis:
     key, value_text = parse_override(text)
     if value_text.startswith("["):
         try:
-            items = tomllib.loads(f"v = {value_text}")["v"]
-        except tomllib.TOMLDecodeError as err:
+            items = parse_value(value_text, strict=True)
+        except ValueError as err:
             raise ConfigFileError(COMMAND_LINE, "--grid", f"{key}: bad TOML array {value_text!r}: {err}") from None
         values = tuple(_value_text(v) for v in items)
     else:
@@ -258,14 +258,6 @@ class SweepResult:
         return "\n".join(lines)
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n:.3g} TB"
-
-
 def _stat_text(stat: tuple[float, float, float] | None, fmt: str | None) -> str:
     if stat is None:
         return "n/a"
@@ -315,7 +307,7 @@ def sweep(
     if jobs is not None and jobs < 1:
         raise ConfigFileError(COMMAND_LINE, "--jobs", f"must be >= 1, got {jobs}")
     source = str(base) if isinstance(base, (str, Path)) else COMMAND_LINE
-    raw = read_toml(Path(base)) if isinstance(base, (str, Path)) else dict(base)
+    raw = read_config(Path(base), (SIMULATE,))[0] if isinstance(base, (str, Path)) else dict(base)
     axes = list(grid) if not isinstance(grid, Mapping) else [
         GridAxis(k, tuple(_value_text(v) for v in values)) for k, values in grid.items()
     ]

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError, read_toml
+from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError
+from geoloco.scenarios.config_kinds import SIMULATE, read_config
 from geoloco.scenarios.overrides import parse_override
 from geoloco.scenarios.research import load_run_config, prepare_raw, run
 
@@ -150,7 +151,7 @@ def tune(
     if trials < 1:
         raise ConfigFileError(COMMAND_LINE, "--trials", f"must be >= 1, got {trials}")
     source = str(base) if isinstance(base, (str, Path)) else COMMAND_LINE
-    raw = read_toml(Path(base)) if isinstance(base, (str, Path)) else dict(base)
+    raw = read_config(Path(base), (SIMULATE,))[0] if isinstance(base, (str, Path)) else dict(base)
     for end in ("low", "high"):
         texts = [*overrides, *(f"{p.key}={p.value_text(getattr(p, end))}" for p in params)]
         load_run_config(prepare_raw(raw, texts, source), source)

@@ -70,7 +70,7 @@ from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.strategy import build_strategy
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.identity import validate_site_name
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.site_agent.client import (
     AgentStopped,
     CoordinatorClient,

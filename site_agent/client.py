@@ -9,7 +9,7 @@ successful call. Statuses that mean "re-join" (stale session, not a member), "to
 
 Transfers resume instead of restarting: an Upload whose stream broke asks ``UploadStatus`` which
 chunks arrived and sends only the rest (a large upload goes over several parallel streams, see
-``client_streams``); FetchModel and AwaitBroadcast keep a ``wire.Download``
+``client_streams``); FetchModel and AwaitBroadcast keep a ``wire_assembly.Download``
 across attempts and ask the coordinator to continue from the first missing chunk.
 """
 
@@ -27,31 +27,25 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from geoloco.algorithms.secagg import StageMessage
+from geoloco.algorithms.secagg_stages import StageMessage
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import secagg_wire
-from geoloco.protos.transport import (
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
+from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+from geoloco.protos.transport_errors import error_reason
+from geoloco.protos.transport_options import (
     HEARTBEAT_TIMEOUT_S,
     JOIN_TIMEOUT_S,
     LEAVE_TIMEOUT_S,
     SECURE_STAGE_TIMEOUT_S,
     UPLOAD_STATUS_TIMEOUT_S,
-    TLSFiles,
-    client_channel,
-    coordinator_stub,
-    error_reason,
     transfer_timeout,
 )
-from geoloco.protos.wire import (
-    PROTOCOL_VERSION,
-    Download,
-    IncompleteError,
-    WireError,
-    blob_manifest,
-    message_nbytes,
-    read_broadcast_stream,
-    read_model_stream,
-)
+from geoloco.protos.transport_tls import TLSFiles
+from geoloco.protos.wire_assembly import Download, read_broadcast_stream, read_model_stream
+from geoloco.protos.wire_buffers import IncompleteError, WireError
+from geoloco.protos.wire_chunks import message_nbytes
+from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.site_agent.backoff import Backoff, describe_error
 from geoloco.site_agent.client_broadcast import ExtraStreams, OpenBroadcast, on_header
 from geoloco.site_agent.client_retry import TRANSIENT_CODES, TransientWireError, wire_retrying

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import grpc
 
-from geoloco.protos.wire import WireError
+from geoloco.protos.wire_buffers import WireError
 
 __all__ = ["TRANSIENT_CODES", "TransientWireError", "wire_retrying"]
 

@@ -24,8 +24,10 @@ from typing import Any, TypeVar
 import grpc
 
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub
-from geoloco.protos.wire import MAX_CHUNK_SIZE, upload_requests
+from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+from geoloco.protos.transport_tls import TLSFiles
+from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE
+from geoloco.protos.wire_chunks import upload_requests
 
 T = TypeVar("T")
 

@@ -19,7 +19,7 @@ from typing import Any, Final, Literal
 
 import torch
 
-from geoloco.algorithms.diloco import pseudo_gradient
+from geoloco.algorithms.diloco import pseudo_gradient, pseudo_gradient_into_local
 from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import OpenBroadcast, RoundClosed, RunFinished, UpdateRejected
@@ -58,17 +58,6 @@ class PendingUpdate:
     @property
     def round(self) -> int:
         return self.trained.round
-
-
-def pseudo_gradient_into_local(global_flat: torch.Tensor, local_flat: torch.Tensor) -> torch.Tensor:
-    """``θ_t − θ_k`` (``geoloco.algorithms.diloco.pseudo_gradient``, bit for bit) computed in the
-    memory of ``local_flat``, a fresh copy the caller drops: one model-sized vector fewer."""
-    if (
-        local_flat.dtype == torch.float32 and global_flat.dtype == torch.float32
-        and local_flat.device == global_flat.device and local_flat.shape == global_flat.shape
-    ):
-        return torch.sub(global_flat, local_flat, out=local_flat)
-    return pseudo_gradient(global_flat, local_flat)
 
 
 class PlainRounds(RoundRunner):
@@ -252,7 +241,7 @@ class PlainRounds(RoundRunner):
                     for start in range(0, entry.numel, _PIECE_ELEMENTS):
                         stop = min(entry.numel, start + _PIECE_ELEMENTS)
                         at = entry.offset + start
-                        yield at, torch.sub(held[at : at + stop - start], local[start:stop])
+                        yield at, pseudo_gradient(held[at : at + stop - start], local[start:stop])
 
         return uplink.encode_added(
             pieces, trainer.layout.numel, device=held.device,

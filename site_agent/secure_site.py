@@ -1,6 +1,6 @@
 """A site's side of secure aggregation over stage calls, with its identity bound to its TLS certificate.
 
-``geoloco.algorithms.secagg.SecAggClient`` is the protocol; this adapts it to the real system:
+``geoloco.algorithms.secagg_client.SecAggClient`` is the protocol; this adapts it to the real system:
 
 * **Identity binding** (``geoloco.protos.secagg_identity``). Each site process makes an Ed25519
   identity key and signs ``(site name, identity public key)`` with its TLS private key; the
@@ -39,31 +39,32 @@ from geoloco.algorithms.privacy import (
     secure_fixed_point,
     secure_index_seed,
 )
-from geoloco.algorithms.secagg import (
+from geoloco.algorithms.secagg_client import SecAggClient
+from geoloco.algorithms.secagg_crypto import public_bytes, site_index
+from geoloco.algorithms.secagg_messages import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
-    STAGE_REPLIES,
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
     STAGE_WITHDRAW,
+    SecAggAbort,
+    SecAggViolation,
+    UnmaskRequest,
+)
+from geoloco.algorithms.secagg_stages import (
+    STAGE_REPLIES,
     AdvertiseKeys,
     Advertisements,
     IdentityBinding,
-    SecAggAbort,
-    SecAggClient,
-    SecAggViolation,
     ShareBundle,
     StageMessage,
     SurvivorList,
     SurvivorSignature,
-    UnmaskRequest,
     check_stage_message,
-    public_bytes,
-    site_index,
 )
 from geoloco.protos.secagg_identity import IDENTITY_DOMAIN, binding_bytes, verify_bindings
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.site_agent.client import RoundClosed, UpdateRejected
 
 __all__ = ["IDENTITY_DOMAIN", "SecureSite", "SecureUplink", "SiteIdentity", "StageCall", "verify_bindings"]

@@ -57,14 +57,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from geoloco.algorithms.diloco import UpdateEncoder
+from geoloco.algorithms.diloco import UpdateEncoder, pseudo_gradient_into_local
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.shard_split import DIM0, ShardRange, shard_ranges
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy, uplink_seed
 from geoloco.compression import Encoded, add_decoded_into, decode, parse_codec, slicing
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.transport import TLSFiles
-from geoloco.protos.wire import as_byte_view
+from geoloco.protos.transport_tls import TLSFiles
+from geoloco.protos.wire_buffers import as_byte_view
 from geoloco.site_agent.client import CoordinatorClient, OpenBroadcast, RoundClosed, RunFinished, UpdateRejected
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.errors import SiteAgentError
@@ -443,8 +443,7 @@ class ShardedSite:
         total = torch.tensor([own], dtype=torch.float64, device=self._collective_device)
         dist.all_reduce(total, group=self.group)  # the site's weight covers every rank's batches
         metrics = self._site_metrics(current.metrics)
-        update = self._local_flat()
-        torch.sub(self.held, update, out=update)
+        update = pseudo_gradient_into_local(self.held, self._local_flat())
         if not bool(torch.isfinite(update).all()):
             raise SiteAgentError(f"site {self.site} rank {self.rank}: the pseudo-gradient of round "
                                  f"{round_number} has NaN or Inf values; lower the inner lr")

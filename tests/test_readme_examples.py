@@ -161,20 +161,13 @@ def test_marker_parsing_and_an_unknown_block_fails() -> None:
 
 
 def detect_toml_kinds(data: Mapping[str, Any]) -> tuple[str, ...]:
-    """The kind of a complete config from its tables: ``[run]``/``[[faults]]``/``[[sites]]`` with
-    names -> scenario, ``[simulation]`` -> simulate, coordinator-only keys -> coordinator."""
-    from geoloco.coordinator.config import CoordinatorConfig
+    """The kind of a complete config, told as every command tells it (``detect_config_kind``:
+    ``[run]``/``[[faults]]`` -> scenario, ``[simulation]`` -> simulate, coordinator-only keys ->
+    coordinator)."""
+    from geoloco.scenarios.config_kinds import detect_config_kind
 
-    if "run" in data or "faults" in data:
-        return ("scenario",)
-    if "simulation" in data:
-        return ("simulate",)
-    coordinator_only = set(CoordinatorConfig.__dataclass_fields__) - {
-        "algorithm", "inner_optimizer", "outer_optimizer", "privacy", "workload",
-    }
-    if set(data) & coordinator_only:
-        return ("coordinator",)
-    return ()
+    kind = detect_config_kind(data)
+    return (kind,) if kind in TOML_KINDS else ()
 
 
 def toml_kinds(block: Block) -> tuple[str, ...]:

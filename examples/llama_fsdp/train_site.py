@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import get_cosine_schedule_with_warmup
 
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.site_agent.sharded import ShardedSite
 
 

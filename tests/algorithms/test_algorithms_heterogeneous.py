@@ -187,7 +187,7 @@ def test_time_budget_round_weights_by_steps_exactly(make_workload) -> None:
     sim = Simulator(config, workload)
     theta0 = sim.global_flat.clone()
     (record,) = list(sim.run())
-    assert record.site_inner_steps == {"0": 8, "1": 4, "2": 2} and record.inner_steps == 8
+    assert record.inner_steps == {"0": 8, "1": 4, "2": 2}
     assert list(record.compute_s.values()) == pytest.approx([0.8, 0.8, 0.8])
 
     model = workload.build_model(0)

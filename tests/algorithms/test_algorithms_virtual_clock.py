@@ -6,14 +6,14 @@ import pytest
 
 from geoloco.algorithms.clock import SiteConfig, download_ends, transfer_time, upload_arrivals
 from geoloco.algorithms.config import ConfigError, config_from_dict
-from geoloco.algorithms.round import RoundPolicy, close_time
+from geoloco.algorithms.round import RoundPolicy
 
 
 def _round(*, open_s, starts, compute_s, upload_bytes, download_bytes, sites, deadline_s=None, min_sites=1):
     """One round on the virtual clock: arrivals, the policy's close, downloads, utilization."""
     arrivals = upload_arrivals(starts, compute_s, upload_bytes, sites)
     policy = RoundPolicy(min_sites=min_sites, round_deadline_s=deadline_s)
-    closed = close_time(policy, arrivals, start_s=open_s, deadline_s=policy.deadline_s())
+    closed = policy.close_time(arrivals, start_s=open_s, deadline_s=policy.deadline_s())
     ends = download_ends(closed, arrivals, download_bytes, sites)
     included = tuple(k for k, a in enumerate(arrivals) if a <= closed)
     utilization = [c / (e - s) for c, e, s in zip(compute_s, ends, starts, strict=True)]
@@ -68,14 +68,14 @@ def test_next_round_starts_from_each_sites_download() -> None:
 
 def test_deadline_excludes_straggler_and_waits_until_deadline() -> None:
     policy = RoundPolicy(round_deadline_s=3.0)
-    assert close_time(policy, [1.0, 1.5, 9.0], start_s=0.0, deadline_s=3.0) == 3.0
+    assert policy.close_time([1.0, 1.5, 9.0], start_s=0.0, deadline_s=3.0) == 3.0
     # Everyone on time: no waiting for the deadline.
-    assert close_time(policy, [1.0, 1.5], start_s=0.0, deadline_s=3.0) == 1.5
+    assert policy.close_time([1.0, 1.5], start_s=0.0, deadline_s=3.0) == 1.5
     # Quorum of 2 not met by the deadline: wait for the 2nd arrival (everyone arrived by then counts).
     quorum = RoundPolicy(min_sites=2, round_deadline_s=3.0)
-    assert close_time(quorum, [1.0, 5.0, 5.0, 9.0], start_s=0.0, deadline_s=3.0) == 5.0
+    assert quorum.close_time([1.0, 5.0, 5.0, 9.0], start_s=0.0, deadline_s=3.0) == 5.0
     # No deadline: wait for everyone.
-    assert close_time(RoundPolicy(), [1.0, 5.0, 9.0], start_s=0.0, deadline_s=None) == 9.0
+    assert RoundPolicy().close_time([1.0, 5.0, 9.0], start_s=0.0, deadline_s=None) == 9.0
 
 
 def test_straggler_downloads_after_its_late_upload() -> None:

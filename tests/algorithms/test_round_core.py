@@ -21,13 +21,13 @@ def test_quorum_then_everyone_or_the_deadline_closes_the_round() -> None:
     round_ = _round(policy)
     expected = ["a", "b", "c"]
     round_.add(torch.ones(2), 1.0, site="a", now=1.0)
-    assert not round_.decide(policy, now=6.0, expected=expected).close, "below quorum, even past the deadline"
+    assert not policy.decide_round(round_, now=6.0, expected=expected).close, "below quorum, even past the deadline"
     round_.add(torch.ones(2), 1.0, site="b", now=2.0)
-    assert not round_.decide(policy, now=4.9, expected=expected).close
-    decision = round_.decide(policy, now=5.0, expected=expected)
+    assert not policy.decide_round(round_, now=4.9, expected=expected).close
+    decision = policy.decide_round(round_, now=5.0, expected=expected)
     assert decision.close and decision.deadline_hit
     round_.add(torch.ones(2), 1.0, site="c", now=5.5)
-    decision = round_.decide(policy, now=5.5, expected=expected)
+    decision = policy.decide_round(round_, now=5.5, expected=expected)
     assert decision.close and not decision.deadline_hit, "nobody pending: closed by completion"
 
 
@@ -37,7 +37,7 @@ def test_a_round_that_never_started_closes_once_the_quorums_updates_are_in() -> 
     round_.add(torch.ones(2), 1.0, site="a", now=1.0)
     round_.add(torch.ones(2), 1.0, site="b", now=1.5)
     # Members left after uploading: nobody is expected any more, but the quorum's updates count.
-    assert round_.decide(policy, now=2.0, expected=["c"]).close
+    assert policy.decide_round(round_, now=2.0, expected=["c"]).close
 
 
 def test_outcome_lists_contributors_excluded_rejected_and_folded() -> None:
@@ -46,11 +46,11 @@ def test_outcome_lists_contributors_excluded_rejected_and_folded() -> None:
     round_.add(torch.tensor([2.0, 0.0]), 2.0, site="b", now=11.0)
     round_.add(torch.tensor([0.0, 2.0]), 1.0, site="a", now=11.5)
     assert round_.fold(torch.tensor([4.0, 4.0]), 2.0, site="c", policy=policy) == 0.5
-    round_.reject("d")
+    round_.reject("d", "NaN or Inf values")
     outcome = round_.close(now=12.0, expected=["a", "b", "c", "d", "e"])
     assert outcome.contributors == ("b", "a")
     assert outcome.weights == {"b": 2.0, "a": 1.0}
-    assert outcome.excluded == ("c", "e") and outcome.rejected == ("d",)
+    assert outcome.excluded == ("c", "e") and outcome.rejected == {"d": "NaN or Inf values"}
     assert outcome.folded == {"c": 0.5}
     assert outcome.arrivals_s == {"b": 1.0, "a": 1.5}
     assert outcome.deadline_s == 2.0 and outcome.deadline_hit and outcome.closed_after_s == 2.0

@@ -94,8 +94,7 @@ def test_received_bytes_are_parsed_without_copying_the_payload() -> None:
 
 
 def test_site_pseudo_gradient_reuses_the_flattened_copy_and_matches_bit_for_bit() -> None:
-    from geoloco.algorithms.diloco import pseudo_gradient
-    from geoloco.site_agent.plain import pseudo_gradient_into_local
+    from geoloco.algorithms.diloco import pseudo_gradient, pseudo_gradient_into_local
 
     global_flat, local_flat = torch.randn(N), torch.randn(N)
     expected = pseudo_gradient(global_flat, local_flat)

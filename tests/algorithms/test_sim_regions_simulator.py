@@ -59,6 +59,43 @@ def test_regions_change_the_clock_not_the_training(make_workload) -> None:
         ready = expected.ends
 
 
+@pytest.mark.parametrize("dp", ["distributed", "central"])
+def test_secure_rounds_through_regions_charge_one_masked_vector_per_relay(make_workload, dp: str) -> None:
+    """Secure aggregation (with distributed or central DP) through relays: the math is the flat
+    secure round's (same sites, same accountant: the same epsilon), and each relay's partial is
+    what ``geoloco.relay`` sends up: one masked vector (the ring sum of its sites', whatever the
+    ``upward_codec``) plus its sites' other protocol messages, passed on unchanged."""
+    secure = {
+        "algorithm": {"inner_steps": 3, "uplink_codec": "none", "downlink_codec": "int8", "weighting": "uniform"},
+        "privacy": {"secure_aggregation": True, "clip_norm": 10.0, "dp": dp, "noise_multiplier": 0.5},
+        "simulation": {"rounds": 2, "eval_every": 2, "device": "cpu", "step_time_s": 0.1},
+    }
+    workload = make_workload(hidden=8)
+    numel = sum(p.numel() for p in workload.build_model(0).parameters())
+    flat = list(simulate(_config(coordinator_link=SLOW_COORDINATOR, **secure), workload))
+    relayed = list(simulate(_config(coordinator_link=SLOW_COORDINATOR, regions=REGIONS, **secure), workload))
+    assert [r.epsilon for r in relayed] == [r.epsilon for r in flat] and relayed[-1].epsilon is not None
+    assert [sorted(r.participants) for r in relayed] == [sorted(r.participants) for r in flat]
+    sites = [SiteConfig(name=s["name"], uplink_bps=5e7, downlink_bps=5e7, latency_s=0.005) for s in SITES]
+    regions = [
+        RegionConfig(name="eu", sites=[0, 1], uplink_bps=2e7, downlink_bps=2e7, latency_s=0.02),
+        RegionConfig(name="us", sites=[2, 3], uplink_bps=2e7, downlink_bps=2e7, latency_s=0.03),
+    ]
+    link = CoordinatorLink(ingress_bps=1e4, egress_bps=1e4)
+    masked = 4 * numel  # one masked vector: numel values in Z_2^32
+    ready = [0.0] * len(SITES)
+    for record in relayed:
+        up = list(record.bytes_up.values())  # every message a site sent in the protocol
+        assert min(up) > masked
+        partials = {r.name: masked + sum(up[k] - masked for k in r.sites) for r in regions}
+        assert partials["eu"] == partials["us"]  # the same messages' sizes at every site
+        down = next(iter(record.bytes_down.values()))
+        computed = [t + c for t, c in zip(ready, record.compute_s.values(), strict=True)]
+        expected = relayed_round(computed, up, down, partials["eu"], sites, regions, link)
+        assert record.wall_clock_s == pytest.approx(expected.end_s)
+        ready = expected.ends
+
+
 def test_an_unshaped_coordinator_link_without_regions_is_the_plain_clock(make_workload) -> None:
     plain = list(simulate(_config(), make_workload(hidden=8)))
     declared = list(simulate(_config(coordinator_link={}), make_workload(hidden=8)))
@@ -71,12 +108,29 @@ def test_an_unshaped_coordinator_link_without_regions_is_the_plain_clock(make_wo
         ({"regions": [{"name": "eu", "sites": ["e1", "e2"]}]}, "regions", "not in any: u1, u2"),
         ({"regions": REGIONS, "simulation": {"rounds": 3, "round_deadline_s": 5.0}}, "regions", "wait for every site"),
         ({"regions": [{"name": "eu", "sites": NAMES, "upward_codec": "topk"}]}, "regions[0].upward_codec", "allowed"),
+        # What the coordinator refuses with [relays]: a relay never forwards a site's own update.
+        ({"regions": REGIONS, "privacy": {"dp": "central", "clip_norm": 1.0}}, "privacy.dp",
+         "allowed: 'off', or 'central' / 'distributed' with secure_aggregation = true"),
+        ({"regions": REGIONS, "algorithm": {"aggregation": "median"}}, "algorithm.aggregation", "allowed: 'mean'"),
+        ({"regions": REGIONS, "algorithm": {"clip_to_median_norm": 2.0}}, "algorithm.clip_to_median_norm",
+         "must be unset with [[regions]]"),
+        ({"regions": REGIONS, "algorithm": {"late_updates": "fold"}}, "algorithm.late_updates", "allowed: 'drop'"),
     ],
 )
 def test_a_bad_regions_declaration_names_the_key(extra: dict, key: str, words: str) -> None:
     with pytest.raises(ConfigError) as err:
         _config(**extra)
     assert err.value.key == key and words in err.value.message
+
+
+@pytest.mark.parametrize("dp", ["off", "central", "distributed"])
+def test_regions_take_secure_aggregation_with_or_without_dp(dp: str) -> None:
+    config = _config(
+        regions=REGIONS,
+        algorithm={"uplink_codec": "none", "weighting": "uniform"},
+        privacy={"secure_aggregation": True, "clip_norm": 1.0, "dp": dp},
+    )
+    assert config.tier_clock() is not None and config.privacy.secure_aggregation
 
 
 def test_a_simulate_file_takes_the_shipped_scenarios_regions_tables() -> None:

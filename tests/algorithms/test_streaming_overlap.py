@@ -207,7 +207,7 @@ def test_simulator_adaptive_choices_follow_the_rule_on_the_virtual_clock(deep) -
     bounds = sim.streaming.bounds
     for k, stream in enumerate(sim.streaming.streams):
         site = sim.sites[k]
-        steps = [r.site_inner_steps[site.name] for r in records]
+        steps = [r.inner_steps[site.name] for r in records]
         assert len(stream.choices) == len(stream.seen) == len(records)
         for choice, (step_s, transfer_s) in zip(stream.choices, stream.seen, strict=True):
             assert choice == choose_overlap(bounds, step_s=step_s, transfer_s=transfer_s)
@@ -232,13 +232,12 @@ def test_simulator_adaptive_overlap_hides_the_transfer_after_start_up(deep) -> N
     # rounds; stalls are zero up to float rounding.
     for record in adaptive[3:]:
         assert min(record.utilization.values()) > 0.999, record.utilization
-    assert max(adaptive[-1].site_inner_steps.values()) > 2
+    assert max(adaptive[-1].inner_steps.values()) > 2
 
 
 def test_simulator_adaptive_without_stretch_keeps_the_cadence(deep) -> None:
     records = list(Simulator(_config({"adaptive_overlap": True}), deep()).run())
-    assert all(set(r.site_inner_steps.values()) == {2} for r in records)
-    assert all(r.inner_steps == 2 for r in records)
+    assert all(set(r.inner_steps.values()) == {2} for r in records)
 
 
 def test_simulator_adaptive_merges_after_the_chosen_overlap(monkeypatch, deep) -> None:
@@ -269,7 +268,7 @@ def test_simulator_adaptive_merges_after_the_chosen_overlap(monkeypatch, deep) -
         done = 0
         expected = []
         for r in range(len(records) - 1):
-            done += records[r].site_inner_steps[name]
+            done += records[r].inner_steps[name]
             expected.append(done + stream.choices[r].overlap_steps)
         assert [step for site, step in merges if site == k] == expected
 
@@ -291,7 +290,7 @@ def test_clock_model_chooses_what_the_simulator_chose(deep) -> None:
         start_s=start,
     )
     for k, name in enumerate(names):
-        assert clock[k].steps == [r.site_inner_steps[name] for r in records]
+        assert clock[k].steps == [r.inner_steps[name] for r in records]
         assert clock[k].choices == sim.streaming.streams[k].choices
         assert clock[k].utilization == pytest.approx([r.utilization[name] for r in records])
     assert len({c.round_steps for c in clock[1].choices}) > 1, "the rule must have acted"

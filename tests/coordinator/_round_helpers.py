@@ -13,7 +13,9 @@ from geoloco.compression import Encoded, parse_codec
 from geoloco.coordinator import translate
 from geoloco.coordinator.rounds import RoundStateMachine, WaitResult
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.wire import PROTOCOL_VERSION, blob_manifest, upload_requests
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
+from geoloco.protos.wire_chunks import upload_requests
+from geoloco.protos.wire_manifests import blob_manifest
 
 
 @dataclass

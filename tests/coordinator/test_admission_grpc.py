@@ -24,8 +24,10 @@ from geoloco.coordinator import events as ev
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.transport import SERVICE_NAME, TLSFiles, client_channel, coordinator_stub, server_workers
-from geoloco.protos.wire import PROTOCOL_VERSION
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
+from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+from geoloco.protos.transport_options import SERVICE_NAME, server_workers
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 
 ALLOWED = ["a", "b", "c"]

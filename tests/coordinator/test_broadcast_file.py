@@ -19,7 +19,9 @@ from geoloco.coordinator import translate
 from geoloco.coordinator.broadcast_store import PreparedBroadcast
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
-from geoloco.protos.wire import FileBlob, blob_manifest, broadcast_responses, iter_chunks
+from geoloco.protos.wire_chunks import broadcast_responses, iter_chunks
+from geoloco.protos.wire_files import FileBlob
+from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.site_agent.client import CoordinatorClient
 from geoloco.site_agent.config import SiteAgentConfig
 

@@ -24,8 +24,9 @@ from geoloco.coordinator.http_config import HTTPStatusConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub
-from geoloco.protos.wire import PROTOCOL_VERSION
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
+from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 
 SITES = ["a", "b"]

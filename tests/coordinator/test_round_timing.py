@@ -86,7 +86,7 @@ def test_broadcast_checksum_is_ready_when_the_round_is_published() -> None:
 
     from geoloco.coordinator import translate
     from geoloco.coordinator.domain import BroadcastHeader
-    from geoloco.protos.wire import blob_manifest
+    from geoloco.protos.wire_manifests import blob_manifest
 
     rounds = make(min_sites=1)
     join(rounds, "a")

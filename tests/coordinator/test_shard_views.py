@@ -14,7 +14,7 @@ from geoloco.compression.slicing import row_positions
 from geoloco.coordinator.domain import BroadcastRecord
 from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.shard_views import ShardViews
-from geoloco.protos.wire import FileBlob
+from geoloco.protos.wire_files import FileBlob
 
 SHAPES = [(5, 3), (7,), (2, 2, 2)]
 NUMEL = 15 + 7 + 8

@@ -13,10 +13,10 @@ from _round_helpers import FakeClock, join, tiny_weights, upload
 from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.update_guard import UpdateGuard, UpdateGuardConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
 from geoloco.coordinator.rounds import RoundStateMachine
-from geoloco.coordinator.update_guard import UpdateGuard, UpdateGuardConfig
 
 
 def make(tmp_path: Path | None = None, **overrides: object) -> RoundStateMachine:
@@ -87,7 +87,7 @@ def test_an_update_far_above_recent_rounds_is_rejected_and_the_history_survives_
     # The norm history is in the checkpoint: a restarted coordinator keeps the same bound.
     again = make(tmp_path, update_guard=UpdateGuardConfig(norm_floor=10.0, norm_factor=20.0))
     assert again.round == 2
-    assert again.phases.guard.norm_bound() == pytest.approx(20.0 * 2.0)  # median of 1, 2, 25
+    assert again.engine.guard.norm_bound() == pytest.approx(20.0 * 2.0)  # median of 1, 2, 25
     again.close()
 
 

@@ -29,8 +29,9 @@ from geoloco.coordinator.http_config import HTTPStatusConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub
-from geoloco.protos.wire import PROTOCOL_VERSION
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
+from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 
 SITES = ["a", "b"]
@@ -199,7 +200,7 @@ def test_float32_max_updates_that_overflow_the_sum_abort_the_round_with_the_mode
     run_factory: Callable[..., Run],
 ) -> None:
     # A norm bound too large to stop them: each update passes, their sum overflows float32.
-    from geoloco.coordinator.update_guard import UpdateGuardConfig
+    from geoloco.algorithms.update_guard import UpdateGuardConfig
 
     run = run_factory(update_guard=UpdateGuardConfig(norm_floor=1e300))
     theta = run.server.rounds.weights.clone()
@@ -243,7 +244,7 @@ def test_huge_sample_weight_is_invalid_argument_and_the_round_still_closes(
 
 
 def test_new_weights_beyond_max_abs_weight_abort_the_round(run_factory: Callable[..., Run]) -> None:
-    from geoloco.coordinator.update_guard import UpdateGuardConfig
+    from geoloco.algorithms.update_guard import UpdateGuardConfig
 
     run = run_factory(update_guard=UpdateGuardConfig(max_abs_weight=5.0))
     theta = run.server.rounds.weights.clone()

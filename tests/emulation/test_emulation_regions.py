@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from geoloco.scenarios.child_commands import coordinator_table
+from geoloco.scenarios.coordinator_cmd import parse_config
 from geoloco.scenarios.emulation import Emulation
 from geoloco.scenarios.region_tier import COORDINATOR_LINK
 from geoloco.scenarios.report import fidelity, write_report
@@ -61,10 +62,34 @@ def test_a_bad_regions_declaration_names_the_key(change: dict[str, Any], key: st
     assert err.value.key == key and words in err.value.message
 
 
-def test_regions_are_refused_with_secure_aggregation() -> None:
+@pytest.mark.parametrize("dp", ["off", "central", "distributed"])
+def test_regions_take_secure_aggregation_and_the_coordinator_takes_the_table(dp: str) -> None:
+    """Relays carry secure rounds (with or without DP): a scenario with [[regions]] takes the same
+    [privacy] the coordinator takes with [relays], and the coordinator's file it becomes parses."""
+    secure = {
+        "algorithm": {**SMALL["algorithm"], "uplink_codec": "none", "weighting": "uniform"},
+        "privacy": {"secure_aggregation": True, "clip_norm": 1.0, "dp": dp},
+    }
+    scenario = parse_scenario({**SMALL, **secure}, "r.toml")
+    table = coordinator_table(scenario, certs_dir=Path("c"), checkpoint_dir=Path("k"), metrics_path=Path("m"))
+    config, _ = parse_config(table, "coordinator.toml")
+    assert config.relays == {"eu": ["e1", "e2"], "us": ["u1", "u2"]}
+    assert config.privacy.secure_aggregation and config.privacy.dp == dp
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "words"),
+    [
+        ({"privacy": {"dp": "central", "clip_norm": 1.0}}, "privacy.dp",
+         "allowed: 'off', or 'central' / 'distributed' with secure_aggregation = true"),
+        ({"algorithm": {**SMALL["algorithm"], "aggregation": "median"}}, "algorithm.aggregation", "allowed: 'mean'"),
+        ({"algorithm": {**SMALL["algorithm"], "late_updates": "fold"}}, "algorithm.late_updates", "allowed: 'drop'"),
+    ],
+)
+def test_regions_refuse_what_the_coordinator_refuses_with_relays(change: dict[str, Any], key: str, words: str) -> None:
     with pytest.raises(ScenarioError) as err:
-        parse_scenario({**SMALL, "privacy": {"secure_aggregation": True, "clip_norm": 1.0}}, "r.toml")
-    assert "relays" in str(err.value)
+        parse_scenario({**SMALL, **change}, "r.toml")
+    assert err.value.key == key and words in err.value.message
 
 
 def test_two_regions_run_through_their_relays_and_the_coordinator_sends_per_relay(tmp_path: Path) -> None:

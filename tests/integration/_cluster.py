@@ -18,11 +18,11 @@ import torch
 from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.simulator import RoundRecord, SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 from geoloco.site_agent.agent import SiteAgent, SiteRunSummary
 from geoloco.site_agent.config import RoundResult, SiteAgentConfig, SiteHooks
@@ -86,6 +86,10 @@ class Run:
         )
 
     def simulate(self) -> torch.Tensor:
+        return self.simulate_records()[0]
+
+    def simulate_records(self) -> tuple[torch.Tensor, list[RoundRecord]]:
+        """The simulator's final weights and its round records for this run."""
         config = SimulatorConfig(
             algorithm=self.algorithm,
             inner_optimizer=self.inner,
@@ -93,9 +97,8 @@ class Run:
             simulation=SimulationConfig(rounds=self.rounds, seed=self.seed, device="cpu", eval_every=10**6),
         )
         simulator = Simulator(config, self.workload)
-        for _ in simulator.run():
-            pass
-        return simulator.global_flat
+        records = list(simulator.run())
+        return simulator.global_flat, records
 
 
 class AgentThread(threading.Thread):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from geoloco.algorithms.params import ParamLayout
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.workloads.mlp import MLPWorkload, MLPWorkloadConfig
 from geoloco.site_agent.agent import SiteAgent
 from geoloco.site_agent.config import SiteAgentConfig

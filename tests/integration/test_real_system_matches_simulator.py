@@ -14,6 +14,7 @@ they apply the same decoded bytes, and the weights digests are compared.
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 from _cluster import AgentThread, Run, make_certs, on_round, relative_difference, wait_for
 
+from geoloco.algorithms.sim_config import SHARED_RECORD_KEYS
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer
@@ -69,7 +71,7 @@ def test_sites_end_with_the_simulators_weights(
     )
     metrics = tmp_path / "metrics.jsonl"
     weights, server, digests = _run(run, certs, metrics_path=str(metrics))
-    expected = run.simulate()
+    expected, predicted = run.simulate_records()
     assert set(digests.values()) == {server.rounds.digest_hex}, "a replica differs from the coordinator"
     if bitwise:
         assert torch.equal(weights, expected)
@@ -81,6 +83,28 @@ def test_sites_end_with_the_simulators_weights(
         assert sorted(record["participants"]) == [str(k) for k in range(num_sites)]
         assert record["excluded"] == [] and record["update_norm"] > 0
         assert all(record["bytes_up"][str(k)] > 0 for k in range(num_sites))
+    # One record schema: every fact both hosts record has the same key and type in both.
+    for real, sim in zip(records, predicted, strict=True):
+        simulated = json.loads(json.dumps(sim.to_dict()))  # as metrics.jsonl would hold it
+        for key in SHARED_RECORD_KEYS:
+            assert key in real and key in simulated, key
+            assert _kind(real[key]) == _kind(simulated[key]) or None in (real[key], simulated[key]), (
+                key, real[key], simulated[key]
+            )
+        assert real["inner_steps"] == simulated["inner_steps"] == {str(k): 4 for k in range(num_sites)}
+        assert real["round"] == simulated["round"]
+        assert real["weights_digest"] == simulated["weights_digest"] or not bitwise
+
+
+def _kind(value: object) -> str:
+    """A JSON value's type, with a table's or list's element types (``dict[str,int]``)."""
+    if isinstance(value, dict):
+        return "dict[" + ",".join(sorted({f"str,{_kind(v)}" for v in value.values()})) + "]"
+    if isinstance(value, list):
+        return "list[" + ",".join(sorted({_kind(v) for v in value})) + "]"
+    if isinstance(value, bool | str) or value is None:
+        return type(value).__name__
+    return "number"
 
 
 def test_coordinator_restart_mid_run_resumes_and_matches_the_simulator(

@@ -23,7 +23,7 @@ from geoloco.protos.round_phases import (
     SITE_PHASES,
     SITE_PHASES_BEFORE_UPLOAD,
 )
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.workloads import build_workload
 
 ROUNDS = 3

@@ -23,13 +23,9 @@ import pytest
 from _cluster import AgentThread, Run, make_certs
 
 from geoloco.algorithms.privacy import PrivacyConfig
-from geoloco.algorithms.secagg import (
-    SecAggClient,
-    SecAggViolation,
-    UnmaskRequest,
-    UnmaskResponse,
-    site_index,
-)
+from geoloco.algorithms.secagg_client import SecAggClient
+from geoloco.algorithms.secagg_crypto import site_index
+from geoloco.algorithms.secagg_messages import SecAggViolation, UnmaskRequest, UnmaskResponse
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.scenarios.workloads import build_workload

@@ -40,7 +40,7 @@ from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.workloads.mlp import MLPWorkload
 from geoloco.site_agent.agent import SiteAgent
 from geoloco.site_agent.config import SiteAgentConfig

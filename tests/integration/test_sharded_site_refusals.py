@@ -23,7 +23,7 @@ from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.intake import PlainIntake
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.site_agent.client import CoordinatorClient, RoundClosed
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.errors import SiteAgentError

@@ -23,7 +23,7 @@ from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.workloads.mlp import MLPWorkload, MLPWorkloadConfig
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.persist import POINTER_NAME, SiteStateError

@@ -21,8 +21,11 @@ from geoloco.compression import parse_codec
 from geoloco.coordinator.checkpoint import load_latest_checkpoint
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub
-from geoloco.protos.wire import PROTOCOL_VERSION, blob_manifest, upload_requests
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
+from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+from geoloco.protos.transport_tls import TLSFiles
+from geoloco.protos.wire_chunks import upload_requests
+from geoloco.protos.wire_manifests import blob_manifest
 
 F32_MAX = torch.finfo(torch.float32).max
 

@@ -24,7 +24,7 @@ from geoloco.algorithms.privacy import (
     private_round_in_memory,
     skellam_noise,
 )
-from geoloco.algorithms.secagg import SecAggAbort
+from geoloco.algorithms.secagg_messages import SecAggAbort
 
 
 def test_headroom_keeps_the_worst_case_sum_from_wrapping() -> None:

@@ -23,22 +23,19 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from geoloco.algorithms import secagg_client, shamir
 from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.fixed_point import lift
-from geoloco.algorithms.secagg import (
+from geoloco.algorithms.secagg_client import SecAggClient
+from geoloco.algorithms.secagg_crypto import add_masks, mask_key, num_chunks, secure_threshold, split_view_bound
+from geoloco.algorithms.secagg_messages import (
     EncryptedShare,
     KeyAdvertisement,
     RoundContext,
     SecAggAbort,
-    SecAggClient,
-    SecAggServer,
     SecAggViolation,
     UnmaskRequest,
     UnmaskResponse,
-    num_chunks,
-    secure_threshold,
-    split_view_bound,
+    survivors_signed_bytes,
 )
-from geoloco.algorithms.secagg_crypto import add_masks, mask_key
-from geoloco.algorithms.secagg_messages import survivors_signed_bytes
+from geoloco.algorithms.secagg_server import SecAggServer
 from geoloco.coordinator.config import CoordinatorConfig
 
 NUMEL, CHUNK = 60, 25

@@ -19,22 +19,18 @@ from geoloco.algorithms.privacy import (
     secure_context,
     secure_fixed_point,
 )
-from geoloco.algorithms.secagg import (
+from geoloco.algorithms.secagg_client import SecAggClient
+from geoloco.algorithms.secagg_crypto import site_index
+from geoloco.algorithms.secagg_messages import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
-    AdvertiseKeys,
-    Advertisements,
-    SecAggClient,
     SecAggViolation,
-    ShareBundle,
-    SurvivorList,
-    SurvivorSignature,
     UnmaskRequest,
-    site_index,
 )
+from geoloco.algorithms.secagg_stages import AdvertiseKeys, Advertisements, ShareBundle, SurvivorList, SurvivorSignature
 from geoloco.coordinator.secure_round import SecureRound
 
 NAMES = ["alpha", "beta", "gamma", "delta"]

@@ -10,24 +10,25 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, secure_context
-from geoloco.algorithms.secagg import (
+from geoloco.algorithms.secagg_client import SecAggClient
+from geoloco.algorithms.secagg_crypto import public_bytes, site_index
+from geoloco.algorithms.secagg_messages import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
     STAGE_WITHDRAW,
+    KeyAdvertisement,
+    SecAggViolation,
+    UnmaskRequest,
+)
+from geoloco.algorithms.secagg_stages import (
     AdvertiseKeys,
     Advertisements,
     IdentityBinding,
-    KeyAdvertisement,
-    SecAggClient,
-    SecAggViolation,
     ShareBundle,
     SurvivorSignature,
-    UnmaskRequest,
-    public_bytes,
-    site_index,
 )
 from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.privacy_rounds import PrivateRounds

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder
-from geoloco.algorithms.secagg import STAGE_ADVERTISE_KEYS, Advertisements, SecAggViolation, StageMessage
+from geoloco.algorithms.secagg_messages import STAGE_ADVERTISE_KEYS, SecAggViolation
+from geoloco.algorithms.secagg_stages import Advertisements, StageMessage
 from geoloco.coordinator.secure_round import SecureRound
 from geoloco.protos import secagg_wire
 from geoloco.scenarios.certs import init_ca, issue_site
@@ -186,7 +187,7 @@ def test_site_agent_uplink_refuses_substitution_logs_why_and_sits_the_round_out(
 ) -> None:
     """``SecureUplink`` (what ``SiteAgent`` calls) turns a detected substitution into a logged
     refusal: no masked update leaves the site, and the reason is kept."""
-    from geoloco.protos.transport import TLSFiles
+    from geoloco.protos.transport_tls import TLSFiles
     from geoloco.site_agent.secure_site import SecureUplink
 
     init_ca(tmp_path)

@@ -10,8 +10,12 @@ import grpc
 
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
-from geoloco.protos import transport, wire
 from geoloco.protos.errors import StaleSessionError
+from geoloco.protos.transport_endpoints import add_coordinator_servicer, build_server
+from geoloco.protos.transport_tls import TLSFiles, resolve_site
+from geoloco.protos.wire_assembly import UploadAssembler, read_upload_manifest, upload_chunks
+from geoloco.protos.wire_chunks import broadcast_responses, model_responses
+from geoloco.protos.wire_manifests import blob_manifest, model_layout
 
 SESSION_ID = "session-1"
 SITES = ("eu-west", "us_east.2")
@@ -26,18 +30,18 @@ class MiniCoordinator(pb_grpc.CoordinatorServicer):
         self.model = model
         self.delta = delta
         self.lock = threading.Lock()
-        self.uploads: dict[tuple[str, int, int], wire.UploadAssembler] = {}
+        self.uploads: dict[tuple[str, int, int], UploadAssembler] = {}
         self.completed: dict[tuple[str, int, int], bytes] = {}
         self.callers: list[tuple[str, str]] = []
         self.upload_streams_ended = 0
         self.upload_ended = threading.Condition(self.lock)
-        layout = wire.model_layout([("w", (len(model) // 4,))])
+        layout = model_layout([("w", (len(model) // 4,))])
         self.model_manifest = pb.ModelManifest(
-            round=3, layout=layout, blob=wire.blob_manifest(model, dtype="float32")
+            round=3, layout=layout, blob=blob_manifest(model, dtype="float32")
         )
 
     def _site(self, context: grpc.ServicerContext, claimed: str, rpc: str) -> str:
-        site = transport.resolve_site(context, claimed, insecure=self.insecure)
+        site = resolve_site(context, claimed, insecure=self.insecure)
         with self.lock:
             self.callers.append((rpc, site))
         return site
@@ -58,16 +62,16 @@ class MiniCoordinator(pb_grpc.CoordinatorServicer):
                 raise TimeoutError(f"only {self.upload_streams_ended} Upload streams ended")
 
     def _upload(self, request_iterator, context):
-        manifest = wire.read_upload_manifest(request_iterator)
+        manifest = read_upload_manifest(request_iterator)
         site = self._site(context, manifest.site, "Upload")
         key = (site, manifest.round, manifest.fragment)
         with self.lock:
             assembler = self.uploads.get(key)
             if assembler is None:
-                assembler = wire.UploadAssembler(manifest, max_total_bytes=256 << 20)
+                assembler = UploadAssembler(manifest, max_total_bytes=256 << 20)
                 self.uploads[key] = assembler
         assembler.check_same_manifest(manifest)
-        assembler.consume(wire.upload_chunks(request_iterator))
+        assembler.consume(upload_chunks(request_iterator))
         if assembler.complete:
             data = assembler.finish()
             with self.lock:
@@ -88,7 +92,7 @@ class MiniCoordinator(pb_grpc.CoordinatorServicer):
         manifest.CopyFrom(self.model_manifest)
         if request.start_chunk and request.expect_digest == manifest.blob.checksum:
             manifest.start_chunk = request.start_chunk
-        yield from wire.model_responses(manifest, self.model)
+        yield from model_responses(manifest, self.model)
 
     def AwaitBroadcast(self, request, context):
         self._site(context, request.site, "AwaitBroadcast")
@@ -97,18 +101,18 @@ class MiniCoordinator(pb_grpc.CoordinatorServicer):
         )
         if request.round != 3:
             header = pb.BroadcastHeader(action=pb.BROADCAST_ACTION_RESYNC, round=request.round)
-            yield from wire.broadcast_responses(header, None)
+            yield from broadcast_responses(header, None)
             return
         header = pb.BroadcastHeader(
             action=pb.BROADCAST_ACTION_APPLY_DELTA,
             round=3,
             included=True,
             num_contributors=2,
-            delta=wire.blob_manifest(self.delta, codec="int8", shape=[len(self.delta)]),
+            delta=blob_manifest(self.delta, codec="int8", shape=[len(self.delta)]),
             next_round=pb.RoundInfo(round=4, round_seed=44),
             start_chunk=request.start_chunk,
         )
-        yield from wire.broadcast_responses(header, self.delta)
+        yield from broadcast_responses(header, self.delta)
 
     def Heartbeat(self, request, context):
         self._site(context, request.site, "Heartbeat")
@@ -118,10 +122,10 @@ class MiniCoordinator(pb_grpc.CoordinatorServicer):
 
 
 def start_server(
-    servicer: MiniCoordinator, tls: transport.TLSFiles | None
+    servicer: MiniCoordinator, tls: TLSFiles | None
 ) -> tuple[grpc.Server, int]:
-    server, port = transport.build_server(tls=tls, insecure=tls is None, max_workers=8)
-    transport.add_coordinator_servicer(servicer, server)
+    server, port = build_server(tls=tls, insecure=tls is None, max_workers=8)
+    add_coordinator_servicer(servicer, server)
     server.start()
     return server, port
 

@@ -24,7 +24,23 @@ from protos_helpers import (
 
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
-from geoloco.protos import transport, wire
+from geoloco.protos.errors import IdentityError
+from geoloco.protos.transport_endpoints import (
+    _METHODS,
+    add_coordinator_servicer,
+    build_server,
+    client_channel,
+    coordinator_stub,
+    stop_server,
+)
+from geoloco.protos.transport_errors import error_reason
+from geoloco.protos.transport_malloc import is_glibc, recommended_env
+from geoloco.protos.transport_options import CHANNEL_OPTIONS, SERVER_OPTIONS, server_workers, transfer_timeout
+from geoloco.protos.transport_tls import TLSFiles, site_from_auth_context
+from geoloco.protos.wire_assembly import Download, read_broadcast_stream, read_model_stream
+from geoloco.protos.wire_buffers import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, ranges_to_indices
+from geoloco.protos.wire_chunks import as_messages, upload_requests
+from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.scenarios import certs
 
 MiB = 1 << 20
@@ -55,14 +71,14 @@ def other_pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tls_server(pki):
     servicer = MiniCoordinator(insecure=False, model=model_bytes(3 * MiB + 123), delta=b"d" * 5000)
-    server, port = start_server(servicer, transport.TLSFiles.from_dir(pki, "coordinator"))
+    server, port = start_server(servicer, TLSFiles.from_dir(pki, "coordinator"))
     yield servicer, port
-    transport.stop_server(server, grace_s=0.5)
+    stop_server(server, grace_s=0.5)
 
 
-def _stub(port: int, tls: transport.TLSFiles | None, **kwargs) -> pb_grpc.CoordinatorStub:
-    channel = transport.client_channel(f"localhost:{port}", tls=tls, insecure=tls is None, **kwargs)
-    return transport.coordinator_stub(channel)
+def _stub(port: int, tls: TLSFiles | None, **kwargs) -> pb_grpc.CoordinatorStub:
+    channel = client_channel(f"localhost:{port}", tls=tls, insecure=tls is None, **kwargs)
+    return coordinator_stub(channel)
 
 
 def _upload(stub, data: bytes, *, site: str = "", round: int = 1, chunk_size: int = 256 * 1024):
@@ -71,16 +87,16 @@ def _upload(stub, data: bytes, *, site: str = "", round: int = 1, chunk_size: in
         session_id=SESSION_ID,
         round=round,
         sample_weight=10.0,
-        blob=wire.blob_manifest(data, codec="none", chunk_size=chunk_size),
+        blob=blob_manifest(data, codec="none", chunk_size=chunk_size),
     )
-    return manifest, stub.Upload(wire.upload_requests(manifest, data), timeout=CALL_TIMEOUT_S)
+    return manifest, stub.Upload(upload_requests(manifest, data), timeout=CALL_TIMEOUT_S)
 
 
 def test_site_certificate_streams_and_is_identified(tls_server, pki):
     servicer, port = tls_server
     data = model_bytes(3 * MiB + 5, seed=1)
     for site in SITES:
-        stub = _stub(port, transport.TLSFiles.from_dir(pki, site))
+        stub = _stub(port, TLSFiles.from_dir(pki, site))
         _, response = _upload(stub, data, round=1)
         assert response.complete and response.received_bytes == len(data)
         assert servicer.completed[(site, 1, 0)] == data
@@ -89,11 +105,11 @@ def test_site_certificate_streams_and_is_identified(tls_server, pki):
 
 def test_claiming_another_site_is_permission_denied(tls_server, pki):
     _, port = tls_server
-    stub = _stub(port, transport.TLSFiles.from_dir(pki, SITES[0]))
+    stub = _stub(port, TLSFiles.from_dir(pki, SITES[0]))
     with pytest.raises(grpc.RpcError) as info:
         _upload(stub, b"abc", site=SITES[1], round=2)
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert transport.error_reason(info.value) == pb.ERROR_REASON_IDENTITY_MISMATCH
+    assert error_reason(info.value) == pb.ERROR_REASON_IDENTITY_MISMATCH
     assert SITES[1] in info.value.details()
 
 
@@ -122,10 +138,10 @@ def test_certificate_from_another_ca_is_rejected(tls_server, pki, other_pki):
     before = len(servicer.callers)
     # The client trusts the real CA (so the server side of the handshake is fine) but presents
     # a certificate for a legitimate site name signed by another CA.
-    rogue = transport.TLSFiles(
+    rogue = TLSFiles(
         ca=pki / "ca.crt", cert=other_pki / f"{SITES[0]}.crt", key=other_pki / f"{SITES[0]}.key"
     )
-    _expect_handshake_failure(transport.client_channel(f"localhost:{port}", tls=rogue))
+    _expect_handshake_failure(client_channel(f"localhost:{port}", tls=rogue))
     assert len(servicer.callers) == before
 
 
@@ -133,8 +149,8 @@ def test_coordinator_certificate_cannot_act_as_a_site(tls_server, pki):
     # Same CA, but issued for server authentication only: the TLS handshake refuses it.
     _, port = tls_server
     _expect_handshake_failure(
-        transport.client_channel(
-            f"localhost:{port}", tls=transport.TLSFiles.from_dir(pki, "coordinator")
+        client_channel(
+            f"localhost:{port}", tls=TLSFiles.from_dir(pki, "coordinator")
         )
     )
 
@@ -151,17 +167,17 @@ def test_same_ca_certificate_that_names_no_site_is_unauthenticated(tls_server, p
         30,
         force=True,
     )
-    stub = transport.coordinator_stub(
-        transport.client_channel(
+    stub = coordinator_stub(
+        client_channel(
             f"localhost:{port}",
-            tls=transport.TLSFiles(ca=pki / "ca.crt", cert=pair.cert, key=pair.key),
+            tls=TLSFiles(ca=pki / "ca.crt", cert=pair.cert, key=pair.key),
         )
     )
     before = len(servicer.callers)
     with pytest.raises(grpc.RpcError) as info:
         stub.Heartbeat(pb.HeartbeatRequest(session_id=SESSION_ID), timeout=CALL_TIMEOUT_S)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert transport.error_reason(info.value) == pb.ERROR_REASON_IDENTITY_MISMATCH
+    assert error_reason(info.value) == pb.ERROR_REASON_IDENTITY_MISMATCH
     assert len(servicer.callers) == before  # the interceptor stopped it before the servicer
 
 
@@ -169,11 +185,11 @@ def test_server_name_is_checked_and_can_be_overridden(tls_server, pki):
     """Sites dialing an address that is not in the coordinator certificate (a tunnel, a NAT)
     name the expected server instead; a name the certificate lacks fails the handshake."""
     _, port = tls_server
-    tls = transport.TLSFiles.from_dir(pki, SITES[0])
-    wrong = transport.client_channel(f"127.0.0.1:{port}", tls=tls, server_name="elsewhere.example")
+    tls = TLSFiles.from_dir(pki, SITES[0])
+    wrong = client_channel(f"127.0.0.1:{port}", tls=tls, server_name="elsewhere.example")
     _expect_handshake_failure(wrong)
-    right = transport.coordinator_stub(
-        transport.client_channel(f"127.0.0.1:{port}", tls=tls, server_name="localhost")
+    right = coordinator_stub(
+        client_channel(f"127.0.0.1:{port}", tls=tls, server_name="localhost")
     )
     response = right.Heartbeat(pb.HeartbeatRequest(session_id=SESSION_ID), timeout=CALL_TIMEOUT_S)
     assert response.round.round == 3
@@ -181,21 +197,21 @@ def test_server_name_is_checked_and_can_be_overridden(tls_server, pki):
 
 def test_status_errors_carry_their_reason(tls_server, pki):
     _, port = tls_server
-    stub = _stub(port, transport.TLSFiles.from_dir(pki, SITES[0]))
+    stub = _stub(port, TLSFiles.from_dir(pki, SITES[0]))
     with pytest.raises(grpc.RpcError) as info:
         stub.Heartbeat(pb.HeartbeatRequest(session_id="old"), timeout=CALL_TIMEOUT_S)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert transport.error_reason(info.value) == pb.ERROR_REASON_STALE_SESSION
+    assert error_reason(info.value) == pb.ERROR_REASON_STALE_SESSION
 
     bad = [pb.UploadRequest(chunk=pb.Chunk(index=0, data=b"x"))]
     with pytest.raises(grpc.RpcError) as info:
         stub.Upload(iter(bad), timeout=CALL_TIMEOUT_S)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert transport.error_reason(info.value) == pb.ERROR_REASON_BAD_MANIFEST
+    assert error_reason(info.value) == pb.ERROR_REASON_BAD_MANIFEST
 
     data = bytes(4096)
     manifest = pb.UploadManifest(
-        session_id=SESSION_ID, round=9, blob=wire.blob_manifest(data, chunk_size=1024)
+        session_id=SESSION_ID, round=9, blob=blob_manifest(data, chunk_size=1024)
     )
     oversize = [
         pb.UploadRequest(manifest=manifest),
@@ -204,21 +220,21 @@ def test_status_errors_carry_their_reason(tls_server, pki):
     with pytest.raises(grpc.RpcError) as info:
         stub.Upload(iter(oversize), timeout=CALL_TIMEOUT_S)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert transport.error_reason(info.value) == pb.ERROR_REASON_CHUNK_OUT_OF_BOUNDS
+    assert error_reason(info.value) == pb.ERROR_REASON_CHUNK_OUT_OF_BOUNDS
 
 
 def test_broken_upload_resumes_with_only_the_missing_chunks(tls_server, pki):
     servicer, port = tls_server
     site = SITES[1]
-    stub = _stub(port, transport.TLSFiles.from_dir(pki, site))
+    stub = _stub(port, TLSFiles.from_dir(pki, site))
     data = model_bytes(2 * MiB, seed=7)
     manifest = pb.UploadManifest(
         session_id=SESSION_ID,
         round=5,
         sample_weight=3.0,
-        blob=wire.blob_manifest(data, chunk_size=128 * 1024),
+        blob=blob_manifest(data, chunk_size=128 * 1024),
     )
-    requests = wire.upload_requests(manifest, data)
+    requests = upload_requests(manifest, data)
     ended = servicer.upload_streams_ended
     with pytest.raises(grpc.RpcError) as info:
         # The site crashes after the manifest and 6 chunks: the stream is cancelled, and chunks
@@ -231,14 +247,14 @@ def test_broken_upload_resumes_with_only_the_missing_chunks(tls_server, pki):
         pb.UploadStatusRequest(session_id=SESSION_ID, round=5), timeout=CALL_TIMEOUT_S
     )
     assert status.known and not status.complete and status.manifest == manifest
-    received = wire.ranges_to_indices(status.received)
+    received = ranges_to_indices(status.received)
     assert received == list(range(len(received))) and len(received) <= 6  # an in-order prefix
-    assert wire.ranges_to_indices(status.missing) == list(range(len(received), 16))
+    assert ranges_to_indices(status.missing) == list(range(len(received), 16))
     assembler = servicer.uploads[(site, 5, 0)]
     bytes_before = assembler.received_bytes
 
     response = stub.Upload(
-        wire.upload_requests(manifest, data, missing=status.missing), timeout=CALL_TIMEOUT_S
+        upload_requests(manifest, data, missing=status.missing), timeout=CALL_TIMEOUT_S
     )
     assert response.complete and not response.missing
     assert assembler.duplicates == 0  # nothing already received was sent again
@@ -246,33 +262,33 @@ def test_broken_upload_resumes_with_only_the_missing_chunks(tls_server, pki):
     assert servicer.completed[(site, 5, 0)] == data
 
     # Idempotent: the whole upload again changes nothing and still reports complete.
-    again = stub.Upload(wire.upload_requests(manifest, data), timeout=CALL_TIMEOUT_S)
+    again = stub.Upload(upload_requests(manifest, data), timeout=CALL_TIMEOUT_S)
     assert again.complete and assembler.duplicates == manifest.blob.num_chunks
 
 
 def test_fetch_model_resumes_and_broadcast_streams(tls_server, pki):
     servicer, port = tls_server
-    stub = _stub(port, transport.TLSFiles.from_dir(pki, SITES[0]))
-    download = wire.Download()
+    stub = _stub(port, TLSFiles.from_dir(pki, SITES[0]))
+    download = Download()
     with pytest.raises(ConnectionError):
         responses = stub.FetchModel(
             pb.FetchModelRequest(session_id=SESSION_ID), timeout=CALL_TIMEOUT_S
         )
-        wire.read_model_stream(fail_after(responses, 3, ConnectionError("dropped")), download)
+        read_model_stream(fail_after(responses, 3, ConnectionError("dropped")), download)
     start, digest = download.resume_point()
     assert start == 2
     responses = stub.FetchModel(
         pb.FetchModelRequest(session_id=SESSION_ID, start_chunk=start, expect_digest=digest),
         timeout=CALL_TIMEOUT_S,
     )
-    manifest = wire.read_model_stream(responses, download)
+    manifest = read_model_stream(responses, download)
     assert manifest.start_chunk == start and manifest.round == 3
     assert bytes(download.result()) == servicer.model
     assert download.assembler.duplicates == 0
 
     progress: list[pb.RoundProgress] = []
-    delta = wire.Download()
-    header = wire.read_broadcast_stream(
+    delta = Download()
+    header = read_broadcast_stream(
         stub.AwaitBroadcast(
             pb.AwaitBroadcastRequest(session_id=SESSION_ID, round=3), timeout=CALL_TIMEOUT_S
         ),
@@ -281,11 +297,11 @@ def test_fetch_model_resumes_and_broadcast_streams(tls_server, pki):
     )
     assert header.action == pb.BROADCAST_ACTION_APPLY_DELTA and header.next_round.round == 4
     assert bytes(delta.result()) == servicer.delta and progress[0].quorum == 2
-    resync = wire.read_broadcast_stream(
+    resync = read_broadcast_stream(
         stub.AwaitBroadcast(
             pb.AwaitBroadcastRequest(session_id=SESSION_ID, round=1), timeout=CALL_TIMEOUT_S
         ),
-        wire.Download(),
+        Download(),
     )
     assert resync.action == pb.BROADCAST_ACTION_RESYNC
 
@@ -297,21 +313,21 @@ def test_64_mib_passes_under_default_message_limits():
     model = os.urandom(64 * MiB)
     servicer = MiniCoordinator(insecure=True, model=model)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    transport.add_coordinator_servicer(servicer, server)
+    add_coordinator_servicer(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        stub = transport.coordinator_stub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-        download = wire.Download()
-        wire.read_model_stream(
+        stub = coordinator_stub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        download = Download()
+        read_model_stream(
             stub.FetchModel(pb.FetchModelRequest(site="eu"), timeout=60), download
         )
         assert bytes(download.result()) == model
 
         manifest = pb.UploadManifest(
-            site="eu", round=1, blob=wire.blob_manifest(model, chunk_size=wire.DEFAULT_CHUNK_SIZE)
+            site="eu", round=1, blob=blob_manifest(model, chunk_size=DEFAULT_CHUNK_SIZE)
         )
-        assert stub.Upload(wire.upload_requests(manifest, model), timeout=60).complete
+        assert stub.Upload(upload_requests(manifest, model), timeout=60).complete
 
         one_message = [pb.UploadRequest(chunk=pb.Chunk(index=0, data=model))]
         with pytest.raises(grpc.RpcError) as info:
@@ -325,7 +341,7 @@ def test_fast_path_and_plain_generated_code_interoperate():
     """The chunk fast path puts protobuf's own bytes on the wire: a plain generated stub talks
     to a fast-path server and a fast-path stub to a plain generated server."""
     data = os.urandom(3 * MiB + 17)
-    manifest = pb.UploadManifest(site="lab", round=1, blob=wire.blob_manifest(data, chunk_size=MiB))
+    manifest = pb.UploadManifest(site="lab", round=1, blob=blob_manifest(data, chunk_size=MiB))
     fast = MiniCoordinator(insecure=True, model=data)
     plain = MiniCoordinator(insecure=True, model=data)
     fast_server, fast_port = start_server(fast, None)
@@ -335,7 +351,7 @@ def test_fast_path_and_plain_generated_code_interoperate():
     plain_server.start()
     try:
         plain_stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{fast_port}"))
-        requests = wire.as_messages(wire.upload_requests(manifest, data), pb.UploadRequest)
+        requests = as_messages(upload_requests(manifest, data), pb.UploadRequest)
         assert plain_stub.Upload(requests, timeout=CALL_TIMEOUT_S).complete
         assert fast.completed[("lab", 1, 0)] == data
         responses = list(
@@ -344,21 +360,21 @@ def test_fast_path_and_plain_generated_code_interoperate():
         assert all(isinstance(r, pb.FetchModelResponse) for r in responses)
         assert b"".join(r.chunk.data for r in responses[1:]) == data
 
-        fast_stub = transport.coordinator_stub(grpc.insecure_channel(f"127.0.0.1:{plain_port}"))
+        fast_stub = coordinator_stub(grpc.insecure_channel(f"127.0.0.1:{plain_port}"))
         assert fast_stub.Upload(
-            wire.upload_requests(manifest, data), timeout=CALL_TIMEOUT_S
+            upload_requests(manifest, data), timeout=CALL_TIMEOUT_S
         ).complete
         assert plain.completed[("lab", 1, 0)] == data
     finally:
-        transport.stop_server(fast_server, grace_s=0.5)
+        stop_server(fast_server, grace_s=0.5)
         plain_server.stop(0)
 
 
 def test_fast_path_method_table_matches_the_schema():
     service = pb.DESCRIPTOR.services_by_name["Coordinator"]
-    assert set(transport._METHODS) == {m.name for m in service.methods}
+    assert set(_METHODS) == {m.name for m in service.methods}
     for method in service.methods:
-        cardinality, request_type, response_type = transport._METHODS[method.name]
+        cardinality, request_type, response_type = _METHODS[method.name]
         assert request_type.DESCRIPTOR.full_name == method.input_type.full_name
         assert response_type.DESCRIPTOR.full_name == method.output_type.full_name
         if hasattr(method, "client_streaming"):
@@ -367,17 +383,17 @@ def test_fast_path_method_table_matches_the_schema():
                 f"{'stream' if method.server_streaming else 'unary'}"
             )
             assert cardinality == expected
-    stub = transport.coordinator_stub(grpc.insecure_channel("127.0.0.1:1"))
-    assert all(callable(getattr(stub, name)) for name in transport._METHODS)
+    stub = coordinator_stub(grpc.insecure_channel("127.0.0.1:1"))
+    assert all(callable(getattr(stub, name)) for name in _METHODS)
 
 
 def test_insecure_mode_requires_explicit_flag_and_site_field(tmp_path):
     with pytest.raises(ValueError, match="insecure"):
-        transport.build_server(tls=None)
+        build_server(tls=None)
     with pytest.raises(ValueError, match="insecure"):
-        transport.client_channel("localhost:1", tls=None)
+        client_channel("localhost:1", tls=None)
     with pytest.raises(FileNotFoundError, match="geoloco certs"):
-        transport.build_server(tls=transport.TLSFiles.from_dir(tmp_path, "coordinator"))
+        build_server(tls=TLSFiles.from_dir(tmp_path, "coordinator"))
 
     servicer = MiniCoordinator(insecure=True, model=b"\x00" * 16)
     server, port = start_server(servicer, None)
@@ -397,7 +413,7 @@ def test_insecure_mode_requires_explicit_flag_and_site_field(tmp_path):
                 )
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
-        transport.stop_server(server, grace_s=0.5)
+        stop_server(server, grace_s=0.5)
 
 
 def test_site_identity_from_auth_context():
@@ -406,46 +422,46 @@ def test_site_identity_from_auth_context():
         "x509_common_name": [b"eu-west"],
         "x509_subject_alternative_name": [b"geoloco:site:eu-west", b"localhost"],
     }
-    assert transport.site_from_auth_context(ctx) == "eu-west"
-    assert transport.site_from_auth_context({"x509_common_name": [b"eu-west"]}) is None
+    assert site_from_auth_context(ctx) == "eu-west"
+    assert site_from_auth_context({"x509_common_name": [b"eu-west"]}) is None
     assert (
-        transport.site_from_auth_context({"x509_common_name": [b"eu-west"]}, allow_common_name=True)
+        site_from_auth_context({"x509_common_name": [b"eu-west"]}, allow_common_name=True)
         == "eu-west"
     )
-    assert transport.site_from_auth_context({"peer_uri": [b"geoloco:site:a/b"]}) is None
-    with pytest.raises(transport.IdentityError, match="several"):
-        transport.site_from_auth_context(
+    assert site_from_auth_context({"peer_uri": [b"geoloco:site:a/b"]}) is None
+    with pytest.raises(IdentityError, match="several"):
+        site_from_auth_context(
             {"x509_subject_alternative_name": [b"geoloco:site:a", b"geoloco:site:b"]}
         )
 
 
 def test_options_and_deadlines_are_consistent():
-    options = dict(transport.CHANNEL_OPTIONS)
-    assert options["grpc.max_receive_message_length"] >= wire.MAX_CHUNK_SIZE + 1024
-    server = dict(transport.SERVER_OPTIONS)
+    options = dict(CHANNEL_OPTIONS)
+    assert options["grpc.max_receive_message_length"] >= MAX_CHUNK_SIZE + 1024
+    server = dict(SERVER_OPTIONS)
     assert (
         server["grpc.http2.min_recv_ping_interval_without_data_ms"]
         < options["grpc.keepalive_time_ms"]
     )
-    assert transport.transfer_timeout(100 * MiB) > transport.transfer_timeout(MiB)
-    assert transport.server_workers(10) >= 2 * 10
+    assert transfer_timeout(100 * MiB) > transfer_timeout(MiB)
+    assert server_workers(10) >= 2 * 10
     with pytest.raises(ValueError):
-        transport.transfer_timeout(1, min_bytes_per_s=0)
+        transfer_timeout(1, min_bytes_per_s=0)
 
 
 def test_malloc_tunables_env_and_reexec():
-    env = transport.recommended_env({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4096"})
+    env = recommended_env({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4096"})
     parts = env["GLIBC_TUNABLES"].split(":")
     assert "glibc.malloc.mmap_threshold=4096" in parts  # the user's own value wins
     assert "glibc.malloc.trim_threshold=1073741824" in parts
-    fresh = transport.recommended_env({})
+    fresh = recommended_env({})
     assert "glibc.malloc.mmap_threshold=33554432" in fresh["GLIBC_TUNABLES"]
 
     code = (
         "import os\n"
-        "from geoloco.protos import transport\n"
-        "transport.reexec_with_malloc_tunables()\n"
-        "print(transport.malloc_tunables_active(), os.environ.get('GEOLOCO_MALLOC_REEXEC'))\n"
+        "from geoloco.protos.transport_malloc import malloc_tunables_active, reexec_with_malloc_tunables\n"
+        "reexec_with_malloc_tunables()\n"
+        "print(malloc_tunables_active(), os.environ.get('GEOLOCO_MALLOC_REEXEC'))\n"
     )
     env = {
         k: v
@@ -456,7 +472,7 @@ def test_malloc_tunables_env_and_reexec():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    if transport._is_glibc():
+    if is_glibc():
         assert result.stdout.split() == ["True", "1"]
     else:
         assert result.stdout.split() == ["False", "None"]

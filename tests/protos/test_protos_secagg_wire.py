@@ -22,33 +22,36 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from geoloco.algorithms.privacy import PrivacyConfig
-from geoloco.algorithms.secagg import (
+from geoloco.algorithms.secagg_client import SecAggClient
+from geoloco.algorithms.secagg_crypto import num_chunks
+from geoloco.algorithms.secagg_messages import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
-    STAGE_REPLIES,
-    STAGE_REQUESTS,
     STAGE_SHARE_KEYS,
     STAGE_UNMASK,
     STAGE_UNMASK_RESPONSE,
     STAGE_WITHDRAW,
-    AdvertiseKeys,
-    Advertisements,
     EncryptedShare,
-    IdentityBinding,
     KeyAdvertisement,
     RoundContext,
-    SecAggClient,
-    SecAggServer,
     SecAggViolation,
+    UnmaskRequest,
+    UnmaskResponse,
+    advert_signed_bytes,
+    survivors_signed_bytes,
+)
+from geoloco.algorithms.secagg_server import SecAggServer
+from geoloco.algorithms.secagg_stages import (
+    STAGE_REPLIES,
+    STAGE_REQUESTS,
+    AdvertiseKeys,
+    Advertisements,
+    IdentityBinding,
     ShareBundle,
     StageReply,
     SurvivorList,
     SurvivorSignature,
-    UnmaskRequest,
-    UnmaskResponse,
-    num_chunks,
 )
-from geoloco.algorithms.secagg_messages import advert_signed_bytes, survivors_signed_bytes
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import secagg_wire
 from geoloco.protos.secagg_wire import StageMessageError, from_pb, to_pb
@@ -339,7 +342,8 @@ def secure_coordinator() -> Iterator[int]:
 
 
 def test_a_mistyped_stage_call_over_grpc_is_invalid_argument(secure_coordinator: int) -> None:
-    from geoloco.protos.transport import client_channel, coordinator_stub, error_reason
+    from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+    from geoloco.protos.transport_errors import error_reason
 
     channel = client_channel(f"127.0.0.1:{secure_coordinator}", tls=None, insecure=True)
     try:
@@ -368,7 +372,8 @@ _WRONG_MESSAGE = {
 def test_every_stage_refuses_another_stages_message_over_grpc_with_invalid_argument(
     secure_coordinator: int, stage: str
 ) -> None:
-    from geoloco.protos.transport import client_channel, coordinator_stub, error_reason
+    from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+    from geoloco.protos.transport_errors import error_reason
 
     assert set(_WRONG_MESSAGE) == set(STAGE_REQUESTS)  # every stage call is covered
     channel = client_channel(f"127.0.0.1:{secure_coordinator}", tls=None, insecure=True)

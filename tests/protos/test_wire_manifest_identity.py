@@ -7,14 +7,9 @@ import torch
 
 from geoloco.compression import parse_codec
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.wire import (
-    CRC32_RESIDUE,
-    Download,
-    ManifestError,
-    blob_manifest,
-    compute_checksum,
-    validate_blob_manifest,
-)
+from geoloco.protos.wire_assembly import Download
+from geoloco.protos.wire_buffers import CRC32_RESIDUE, ManifestError, compute_checksum
+from geoloco.protos.wire_manifests import blob_manifest, validate_blob_manifest
 
 
 def _encoded(seed: int) -> bytes:

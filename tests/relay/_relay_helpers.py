@@ -17,8 +17,12 @@ from geoloco.compression import parse_codec
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub
-from geoloco.protos.wire import PROTOCOL_VERSION, Download, blob_manifest, read_broadcast_stream, upload_requests
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
+from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+from geoloco.protos.transport_tls import TLSFiles
+from geoloco.protos.wire_assembly import Download, read_broadcast_stream
+from geoloco.protos.wire_chunks import upload_requests
+from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay import RelayConfig, RelayServer
 
 REGIONS = {"eu": ["site-a", "site-b"], "us": ["site-c", "site-d"]}
@@ -37,9 +41,14 @@ def make_certs(directory: Path) -> Path:
     return directory
 
 
-def tiny_weights(numel: int = 37) -> tuple[torch.Tensor, ParamLayout]:
+def tiny_model(numel: int = 37) -> torch.nn.Linear:
+    """The model of the relay tests' coordinators: ``numel`` parameters, the same at every call."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(numel - 1, 1)
+    return torch.nn.Linear(numel - 1, 1)
+
+
+def tiny_weights(numel: int = 37) -> tuple[torch.Tensor, ParamLayout]:
+    model = tiny_model(numel)
     layout = ParamLayout.from_model(model)
     return layout.flatten(model), layout
 

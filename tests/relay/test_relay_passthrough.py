@@ -11,7 +11,7 @@ import pytest
 from _relay_helpers import Site, coordinator, make_certs, relay
 
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.transport import error_reason
+from geoloco.protos.transport_errors import error_reason
 from geoloco.relay import RelayServer
 
 

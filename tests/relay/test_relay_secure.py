@@ -31,13 +31,16 @@ from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay,
 from google.protobuf.message import Message
 
 from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, secure_index_seed
-from geoloco.algorithms.secagg import StageMessage
+from geoloco.algorithms.secagg_stages import StageMessage
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import secagg_wire
-from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub
-from geoloco.protos.wire import PROTOCOL_VERSION, blob_manifest, upload_requests
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
+from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+from geoloco.protos.transport_tls import TLSFiles
+from geoloco.protos.wire_chunks import upload_requests
+from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay import RelayServer
 from geoloco.site_agent.secure_site import SecureSite, SiteIdentity
 
@@ -63,6 +66,10 @@ class SecureTestSite:
         self.tls = TLSFiles.from_dir(certs, name)
         self.masked = b""
         self.round_seed = 0
+        self.round_number = 0
+        """The round ``run`` takes part in."""
+        self.drops = name == DROPPED
+        """``run`` drops out after sending its shares."""
         self.certs = certs
         self.fail_over_to = ""
         """Set: the site's relay is gone before it uploads; it goes on with this address."""
@@ -83,7 +90,7 @@ class SecureTestSite:
 
     def _call(self, stage: str, message: StageMessage) -> tuple[StageMessage, str]:
         request = secagg_wire.stage_request(
-            stage, message, site="", session_id=self.site.session, round_number=0, wait_ms=1000
+            stage, message, site="", session_id=self.site.session, round_number=self.round_number, wait_ms=1000
         )
         for _ in range(120):
             response: pb.SecureStageResponse = self.site.stub.SecureStage(request, timeout=30)
@@ -97,11 +104,11 @@ class SecureTestSite:
         ca, cert, key = self.tls.read()
         secure = SecureSite(
             SiteIdentity.create(self.site.name, cert, key), self.privacy, "none", numel=NUMEL,
-            session=self.site.session, round_number=0, index_seed=secure_index_seed(self.round_seed),
+            session=self.site.session, round_number=self.round_number, index_seed=secure_index_seed(self.round_seed),
             call=self._call, ca_pem=ca,
         )
         secure.share_keys()
-        if self.site.name == DROPPED:
+        if self.drops:
             # Dropped after sending its shares: it never uploads nor answers the unmasking.
             if not self.silent:
                 self.site.stub.Leave(pb.LeaveRequest(session_id=self.site.session, reason="dropout"), timeout=20)
@@ -114,7 +121,8 @@ class SecureTestSite:
             self.site = Site(self.site.name, self.certs, self.fail_over_to, session=self.site.session)
         self.masked = secure.masked_upload(update, PrivateUpdateEncoder(self.privacy, "none"))
         manifest = pb.UploadManifest(
-            session_id=self.site.session, round=0, sample_weight=1.0, inner_steps=1, metrics={"train_loss": 1.5},
+            session_id=self.site.session, round=self.round_number, sample_weight=1.0, inner_steps=1,
+            metrics={"train_loss": 1.5},
             blob=blob_manifest(
                 self.masked, codec="secagg", shape=[secure.context.numel], dtype="uint32",
                 chunk_size=self.privacy.chunk_size * 4,
@@ -126,8 +134,11 @@ class SecureTestSite:
             secure.unmask()
         except grpc.RpcError as err:
             # The round closed as soon as enough answers arrived: a repeated poll of the last
-            # stage is then a late call (a site agent treats it as RoundClosed).
-            if err.code() != grpc.StatusCode.FAILED_PRECONDITION or "at round 1" not in (err.details() or ""):
+            # stage is then a late call (a site agent treats it as RoundClosed), or one after
+            # the run's last round.
+            late = (f"at round {self.round_number + 1}", f"the run finished after round {self.round_number}")
+            details = err.details() or ""
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION or not any(m in details for m in late):
                 raise
 
 

@@ -110,3 +110,31 @@ def test_coordinator_config_override_is_checked(tmp_path: Path) -> None:
     args = build_parser().parse_args(["coordinator", "--config", str(config), "--set", "total_rounds=abc"])
     with pytest.raises(ConfigFileError, match="total_rounds: got 'abc'; expected an integer"):
         load_config(args)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("50", 50), ("0.5", 0.5), ("true", True), ('"007"', "007"), ("[0.9, 0.99]", [0.9, 0.99]),
+        ("topk:0.01|int4", "topk:0.01|int4"), ("small", "small"), ("1\nw = 2", "1\nw = 2"),
+    ],
+)
+def test_one_reader_of_values_for_set_grid_and_workload_options(text: str, value: object) -> None:
+    """``--set``, ``--grid`` and the site's ``--workload-option`` read a value alike."""
+    from geoloco.scenarios.overrides import parse_value
+    from geoloco.scenarios.site_cmd import _option
+    from geoloco.scenarios.sweep import parse_grid
+
+    assert parse_value(text) == value
+    assert apply_overrides({}, [f"algorithm.x={text}"], "f.toml")["algorithm"]["x"] == value
+    assert _option(f"x={text}") == ("x", value)
+    if isinstance(value, list):
+        assert parse_grid(f"k={text}").values == tuple(str(v) for v in value)
+
+
+def test_a_strict_read_says_why_text_is_not_a_value() -> None:
+    from geoloco.scenarios.overrides import parse_value
+
+    for text in ("[1, 2", "1\nw = 2", "small"):
+        with pytest.raises(ValueError):
+            parse_value(text, strict=True)

@@ -110,3 +110,101 @@ def test_bad_flag_values_are_argparse_errors(capsys: pytest.CaptureFixture[str],
         main(["plan", *argv])
     assert exc.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# Every config file that describes a run: an emulate scenario, a simulate file, a coordinator file
+
+
+def _simulate_config(path: Path) -> Any:
+    from geoloco.scenarios.config_file import read_toml
+    from geoloco.scenarios.research import load_run_config, prepare_raw
+
+    return load_run_config(prepare_raw(read_toml(path), [], str(path)), str(path))[1]
+
+
+def test_a_simulate_file_plans_its_sites_rounds_and_step_time(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --step-time the file's step_time_s, so the plan is `geoloco simulate`'s clock."""
+    path = SCENARIOS / "simulate.toml"
+    data = _json(capsys, str(path), "--params", "20000")
+    config = _simulate_config(path)
+    expected = plan(config.training, numel=20000, sites=config.sites, step_time_s=config.simulation.step_time_s)
+    (p,) = data["plans"]
+    assert data["step_time_s"] == config.simulation.step_time_s
+    assert p["rounds"] == config.run_rounds
+    assert p["total_s"] == pytest.approx(expected.total_s)
+    assert p["bytes"] == expected.to_dict()["bytes"]
+    assert list(p["utilization"]) == config.site_names
+
+
+def test_a_simulate_file_without_params_plans_its_workloads_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from geoloco.algorithms.params import ParamLayout
+    from geoloco.scenarios.workloads import parse_workload
+
+    path = tmp_path / "sim.toml"
+    path.write_text(
+        '[workload]\nname = "mlp"\n[algorithm]\ninner_steps = 10\n[sites]\ncount = 2\n'
+        "[simulation]\nrounds = 3\nstep_time_s = 0.05\n"
+    )
+    data = _json(capsys, str(path), "--compare", "diloco,ddp")
+    config = _simulate_config(path)
+    model = parse_workload({"name": "mlp"}).build().build_model(config.simulation.seed)
+    numel = ParamLayout.from_model(model).numel
+    assert [p["numel"] for p in data["plans"]] == [numel, numel]
+    assert [p["algorithm"] for p in data["plans"]] == ["diloco", "ddp"]
+    assert data["plans"][0]["rounds"] == 3 and data["step_time_s"] == 0.05
+
+
+def test_a_coordinator_file_plans_with_the_links_of_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from geoloco.algorithms.clock import SiteConfig
+    from geoloco.scenarios.config_file import read_toml
+    from geoloco.scenarios.coordinator_cmd import parse_config
+
+    path = SCENARIOS / "coordinator.toml"
+    data = _json(capsys, str(path), "--params", "20000", "--step-time", "0.2", "--link", "100mbit,40ms")
+    config, _ = parse_config(read_toml(path), str(path))
+    assert config.allowed_sites
+    sites = [SiteConfig(name=n, uplink_bps=1e8, downlink_bps=1e8, latency_s=0.04) for n in config.allowed_sites]
+    expected = plan(config.training, numel=20000, sites=sites, step_time_s=0.2)
+    (p,) = data["plans"]
+    assert list(p["utilization"]) == config.allowed_sites  # the sites the file names
+    assert p["rounds"] == config.total_rounds
+    assert p["total_s"] == pytest.approx(expected.total_s)
+    assert _json(capsys, str(path), "--params", "20000", "--step-time", "0.2", "--sites", "5")["plans"][0][
+        "sites"
+    ] == [f"site-{k}" for k in range(5)]
+
+
+def test_every_kind_of_run_file_prints_a_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    for name, extra in (
+        ("quickstart.toml", ["--step-time", "0.1"]),
+        ("simulate.toml", []),
+        ("coordinator.toml", ["--step-time", "0.1"]),
+    ):
+        assert main(["plan", str(SCENARIOS / name), "--params", "1e5", *extra]) == 0, name
+        out = capsys.readouterr().out
+        assert out.startswith("plan: 100,000 parameters"), out
+        assert "peak memory at coordinator" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([str(SCENARIOS / "simulate.toml"), "--params", "1e6", "--sites", "2"], "a simulate file brings its own sites"),
+        ([str(SCENARIOS / "quickstart.toml"), "--params", "1e6"], "--step-time: give the seconds per inner step"),
+        ([str(SCENARIOS / "regions.toml"), "--params", "1e6", "--step-time", "0.1"],
+         "regions: the planner gives every site its own link"),
+        ([str(SCENARIOS / "uneven_links.toml"), "--params", "1e6", "--step-time", "0.1"], None),
+    ],
+)
+def test_what_a_run_file_cannot_be_planned_with_is_named(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: str | None
+) -> None:
+    code = main(["plan", *argv])
+    err = capsys.readouterr().err
+    if expected is None:  # a simulate file with [[sites]] plans like a scenario
+        assert code == 0, err
+        return
+    assert code == 2 and err.startswith("geoloco plan: error:") and expected in err, err

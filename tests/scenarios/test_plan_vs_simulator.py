@@ -78,7 +78,7 @@ def _assert_same(records: list[Any], predicted: Plan) -> None:
     for sim, mine in zip(records, predicted.rounds, strict=True):
         names = list(sim.bytes_up)
         assert mine.round == sim.round and mine.phase == sim.phase
-        assert mine.inner_steps == sim.inner_steps
+        assert mine.inner_steps == max(sim.inner_steps.values())
         assert mine.bytes_up == [sim.bytes_up[n] for n in names]
         assert mine.bytes_down == [sim.bytes_down[n] for n in names]
         assert mine.wall_clock_s == sim.wall_clock_s

@@ -1,17 +1,12 @@
-"""The shape of ``scenarios/``: modules stay under the size limit, and nothing in it is dead code."""
+"""The shape of ``scenarios/``: nothing in it is dead code."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "scenarios"
-MAX_LINES = 600
-"""STYLE.md: a file past ~600 lines is usually two concepts; split it by responsibility."""
-
 MODULES = sorted(PACKAGE.rglob("*.py"))
 SOURCE_FOLDERS = (
     "protos", "compression", "algorithms", "coordinator", "site_agent", "scenarios", "benchmarks", "examples",
@@ -22,12 +17,6 @@ Only the project's own folders: a virtual environment or a run folder inside the
 README's set-up makes) holds thousands of files that are not uses."""
 
 DEFINITION_RE = re.compile(r"^\s*(?:async\s+)?def ([A-Za-z]\w*)\(|^([A-Z][A-Z0-9_]+)\s*[:=]", re.M)
-
-
-@pytest.mark.parametrize("module", MODULES, ids=[str(p.relative_to(ROOT)) for p in MODULES])
-def test_module_is_under_the_size_limit(module: Path) -> None:
-    lines = len(module.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{module.relative_to(ROOT)} has {lines} lines; split it by responsibility"
 
 
 def defined_names(text: str) -> set[str]:

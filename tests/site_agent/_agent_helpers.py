@@ -13,7 +13,7 @@ import torch
 from geoloco.algorithms.params import ParamLayout
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 from geoloco.site_agent.agent import SiteAgent, SiteRunSummary
 from geoloco.site_agent.config import SiteAgentConfig

@@ -19,7 +19,7 @@ import torch
 
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.params import ParamLayout
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.workloads import MLPWorkload
 from geoloco.site_agent.agent import SiteAgent
 from geoloco.site_agent.config import SiteAgentConfig

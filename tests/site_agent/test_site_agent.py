@@ -21,7 +21,7 @@ from torch import nn
 from geoloco.algorithms.params import load_flat_
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.workloads import build_workload
 from geoloco.site_agent.agent import SiteAgent
 from geoloco.site_agent.client import CoordinatorUnreachableError

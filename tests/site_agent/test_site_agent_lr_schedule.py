@@ -12,7 +12,7 @@ from _agent_helpers import AgentThread, make_agent, make_certs, start_coordinato
 from geoloco.algorithms.lr_schedule import lr_multiplier
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.site_cmd import SiteCommandError, _build_lr_schedule
 from geoloco.scenarios.workloads import build_workload
 from geoloco.site_agent.agent import SiteAgent

@@ -22,7 +22,7 @@ import torch
 from _agent_helpers import AgentThread, make_certs, start_coordinator
 
 from geoloco.algorithms.strategy import AlgorithmConfig
-from geoloco.protos.transport import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.shaping import LinkShape, RelayHub
 from geoloco.scenarios.workloads import MLPWorkload
 from geoloco.site_agent.agent import SiteAgent

@@ -20,8 +20,11 @@ from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.http_status import HTTPStatusConfig
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.transport import TLSFiles, client_channel, coordinator_stub, error_reason
-from geoloco.protos.wire import PROTOCOL_VERSION, message_nbytes
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
+from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+from geoloco.protos.transport_errors import error_reason
+from geoloco.protos.transport_tls import TLSFiles
+from geoloco.protos.wire_chunks import message_nbytes
 from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 
 TOKEN = "correct-horse-battery-staple-42"

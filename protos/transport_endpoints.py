@@ -1,36 +1,17 @@
-"""gRPC plumbing in one place: options, deadlines, TLS, servers, channels, identity, errors.
+"""Both ends of a gRPC connection to the coordinator: stub and servicer registration, servers, channels.
 
-Every gRPC option geoloco sets lives here with the reason for it, so the coordinator and the
-site agent cannot drift apart. Servers bind port 0 by default and report the bound port.
+Servers bind port 0 by default and report the bound port. ``build_server`` and
+``client_channel`` apply the options of ``geoloco.protos.transport_options``, the TLS material of
+``geoloco.protos.transport_tls`` (mutual TLS, or plain text only behind an explicit
+``insecure=True``) and the interceptors of ``geoloco.protos.transport_errors``.
 
-Security. With TLS the server requires a client certificate signed by the run's CA and the
-site name comes from that certificate (``geoloco.protos.identity``). Plain text exists only
-behind an explicit ``insecure=True`` (the CLI's ``--insecure``), for local runs; the site name
-is then whatever the request's ``site`` field says.
-
-Throughput (see ``benchmarks/bench_transfer.py``). Two things matter for chunk streams:
-
-* Copies. protobuf's Python runtimes copy a bytes field when a message is built, serialized,
-  parsed and read. ``coordinator_stub`` and ``add_coordinator_servicer`` register the chunk
-  fast path (``wire.MessageCodec``): chunk messages are written and read by hand, one copy per
-  side, while every byte on the wire stays plain protobuf (peers using the bare generated code
-  interoperate). Use them instead of the generated ``CoordinatorStub`` /
-  ``add_CoordinatorServicer_to_server``.
-* Fresh buffers. gRPC allocates a new buffer per message; glibc serves allocations above its
-  mmap threshold with fresh mmaps, whose page faults cost more than the copy itself. The
-  ``MALLOC_TUNABLES`` keep chunk-sized buffers on the heap. glibc reads ``GLIBC_TUNABLES`` only at
-  process start, so launchers pass ``recommended_env()`` to the processes they start (the
-  emulator), and the CLI entry points of long-running processes (``geoloco coordinator``,
-  ``geoloco site``) call ``reexec_with_malloc_tunables()`` first, which re-executes the
-  interpreter once with the variable set.
-
-Modules (this one registers stubs and servicers and builds servers and channels; it re-exports
-the others' public names, so ``from geoloco.protos import transport; transport.X`` keeps working):
-
-- ``transport_options``: gRPC options, retry policy, deadlines, server sizing.
-- ``transport_tls``: ``TLSFiles`` and the site a peer certificate names (``resolve_site``).
-- ``transport_errors``: domain errors to gRPC statuses and back, the interceptors.
-- ``transport_malloc``: glibc malloc tunables for chunk-sized buffers.
+Copies (see ``benchmarks/bench_transfer.py``). protobuf's Python runtimes copy a bytes field
+when a message is built, serialized, parsed and read. ``coordinator_stub`` and
+``add_coordinator_servicer`` register the chunk fast path (``wire_chunks.MessageCodec``): chunk
+messages are written and read by hand, one copy per side, while every byte on the wire stays
+plain protobuf (peers using the bare generated code interoperate). Use them instead of the
+generated ``CoordinatorStub`` / ``add_CoordinatorServicer_to_server``. The other half of chunk
+throughput, glibc's fresh buffers, is ``geoloco.protos.transport_malloc``'s.
 """
 
 from __future__ import annotations
@@ -45,130 +26,35 @@ from google.protobuf.message import Message
 
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
-from geoloco.protos import wire
-from geoloco.protos.errors import IdentityError, StatusError
-from geoloco.protos.identity import site_from_uri, validate_site_name
 from geoloco.protos.transport_errors import (
-    ERROR_REASON_KEY,
-    THREAD_POOL_ATTRIBUTE,
-    ErrorStatusInterceptor,
-    MalformedRequest,
-    MalformedRequestError,
-    RequireSiteCertificateInterceptor,
-    abort,
-    abort_with,
-    check_request,
     checked_requests,
     default_interceptors,
-    error_reason,
-    rebuild_handler,
     single_request,
     tolerant_deserializer,
-)
-from geoloco.protos.transport_malloc import (
-    MALLOC_TUNABLES,
-    is_glibc,
-    malloc_tunables_active,
-    recommended_env,
-    reexec_with_malloc_tunables,
 )
 from geoloco.protos.transport_options import (
     CHANNEL_OPTIONS,
     CONNECT_TIMEOUT_S,
-    DEFAULT_MIN_TRANSFER_RATE,
-    HEARTBEAT_TIMEOUT_S,
-    JOIN_TIMEOUT_S,
-    KEEPALIVE_TIME_MS,
-    KEEPALIVE_TIMEOUT_MS,
-    LEAVE_TIMEOUT_S,
-    MAX_MESSAGE_BYTES,
-    MIN_PING_INTERVAL_MS,
-    RECONNECT_BACKOFF_INITIAL_MS,
-    RECONNECT_BACKOFF_MAX_MS,
-    RETRY_METHODS,
-    SECURE_STAGE_TIMEOUT_S,
     SERVER_OPTIONS,
-    SERVICE_CONFIG,
     SERVICE_NAME,
     SHUTDOWN_GRACE_S,
-    TRANSFER_BASE_S,
-    UPLOAD_STATUS_TIMEOUT_S,
-    server_workers,
-    transfer_timeout,
 )
-from geoloco.protos.transport_tls import (
-    TLSFiles,
-    check_mode,
-    peer_relay,
-    peer_site,
-    resolve_site,
-    site_from_auth_context,
+from geoloco.protos.transport_tls import TLSFiles, check_mode
+from geoloco.protos.wire_chunks import (
+    AWAIT_BROADCAST_RESPONSE_CODEC,
+    FETCH_MODEL_RESPONSE_CODEC,
+    UPLOAD_REQUEST_CODEC,
+    MessageCodec,
 )
-from geoloco.protos.wire import MAX_CHUNK_SIZE, MiB
 
 logger = logging.getLogger(__name__)
 
-_is_glibc = is_glibc
-"""The old private name (tests reach for it)."""
-
 __all__ = [
-    "CHANNEL_OPTIONS",
-    "CONNECT_TIMEOUT_S",
-    "DEFAULT_MIN_TRANSFER_RATE",
-    "ERROR_REASON_KEY",
-    "HEARTBEAT_TIMEOUT_S",
-    "JOIN_TIMEOUT_S",
-    "KEEPALIVE_TIMEOUT_MS",
-    "KEEPALIVE_TIME_MS",
-    "LEAVE_TIMEOUT_S",
-    "MALLOC_TUNABLES",
-    "MAX_CHUNK_SIZE",
-    "MAX_MESSAGE_BYTES",
-    "MIN_PING_INTERVAL_MS",
-    "RECONNECT_BACKOFF_INITIAL_MS",
-    "RECONNECT_BACKOFF_MAX_MS",
-    "RETRY_METHODS",
-    "SECURE_STAGE_TIMEOUT_S",
-    "SERVER_OPTIONS",
-    "SERVICE_CONFIG",
-    "SERVICE_NAME",
-    "SHUTDOWN_GRACE_S",
-    "THREAD_POOL_ATTRIBUTE",
-    "TRANSFER_BASE_S",
-    "UPLOAD_STATUS_TIMEOUT_S",
-    "ErrorStatusInterceptor",
-    "IdentityError",
-    "MalformedRequest",
-    "MalformedRequestError",
-    "MiB",
-    "RequireSiteCertificateInterceptor",
-    "StatusError",
-    "TLSFiles",
-    "abort",
-    "abort_with",
     "add_coordinator_servicer",
     "build_server",
-    "check_request",
-    "checked_requests",
     "client_channel",
     "coordinator_stub",
-    "default_interceptors",
-    "error_reason",
-    "malloc_tunables_active",
-    "peer_relay",
-    "peer_site",
-    "rebuild_handler",
-    "recommended_env",
-    "reexec_with_malloc_tunables",
-    "resolve_site",
-    "server_workers",
-    "single_request",
-    "site_from_auth_context",
-    "site_from_uri",
     "stop_server",
-    "tolerant_deserializer",
-    "transfer_timeout",
-    "validate_site_name",
     "wait_for_channel",
 ]
 
@@ -188,10 +74,10 @@ _METHODS: dict[str, tuple[str, type[Message], type[Message]]] = {
     "Leave": ("unary_unary", pb.LeaveRequest, pb.LeaveResponse),
     "SecureStage": ("unary_unary", pb.SecureStageRequest, pb.SecureStageResponse),
 }
-_CODECS: dict[type[Message], wire.MessageCodec] = {
-    pb.UploadRequest: wire.UPLOAD_REQUEST_CODEC,
-    pb.FetchModelResponse: wire.FETCH_MODEL_RESPONSE_CODEC,
-    pb.AwaitBroadcastResponse: wire.AWAIT_BROADCAST_RESPONSE_CODEC,
+_CODECS: dict[type[Message], MessageCodec] = {
+    pb.UploadRequest: UPLOAD_REQUEST_CODEC,
+    pb.FetchModelResponse: FETCH_MODEL_RESPONSE_CODEC,
+    pb.AwaitBroadcastResponse: AWAIT_BROADCAST_RESPONSE_CODEC,
 }
 
 
@@ -207,9 +93,9 @@ def _deserializer(message_type: type[Message]) -> Callable[[bytes], Any]:
 
 def coordinator_stub(channel: grpc.Channel) -> pb_grpc.CoordinatorStub:
     """The generated ``CoordinatorStub`` with the chunk fast path for Upload, FetchModel and
-    AwaitBroadcast: it sends ``wire.ChunkRef`` items and yields them for received chunks
-    (see ``wire.ChunkRef``); every other message is plain protobuf. Use this, not the bare
-    generated stub, with the ``wire`` senders."""
+    AwaitBroadcast: it sends ``wire_chunks.ChunkRef`` items and yields them for received chunks
+    (see ``wire_chunks.ChunkRef``); every other message is plain protobuf. Use this, not the bare
+    generated stub, with the ``wire_chunks`` senders."""
     stub = pb_grpc.CoordinatorStub(channel)
     for name, (cardinality, request_type, response_type) in _METHODS.items():
         multicallable = getattr(channel, cardinality)(
@@ -223,8 +109,8 @@ def coordinator_stub(channel: grpc.Channel) -> pb_grpc.CoordinatorStub:
 
 def add_coordinator_servicer(servicer: pb_grpc.CoordinatorServicer, server: grpc.Server) -> None:
     """Register ``servicer`` like the generated ``add_CoordinatorServicer_to_server``, with the
-    chunk fast path (Upload chunks arrive as ``wire.ChunkRef``; FetchModel/AwaitBroadcast
-    handlers may yield ``ChunkRef``, as the ``wire`` senders do).
+    chunk fast path (Upload chunks arrive as ``wire_chunks.ChunkRef``; FetchModel/AwaitBroadcast
+    handlers may yield ``ChunkRef``, as the ``wire_chunks`` senders do).
 
     Every method is registered as request-streaming, whatever its cardinality in the schema (the
     wire does not tell them apart: a unary call is a stream of one message). grpc's sync server

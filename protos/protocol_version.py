@@ -1,0 +1,19 @@
+"""The version of geoloco's wire protocol, which a site sends in Join.
+
+The coordinator refuses a site whose version differs (``geoloco.coordinator.membership``): the
+meaning of ``geoloco.proto`` changed between them in a way that protobuf's compatibility rules do
+not cover, so the round would fail later and less clearly.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PROTOCOL_VERSION"]
+
+PROTOCOL_VERSION = 3
+"""Sent in Join; bump on incompatible changes to the meaning of geoloco.proto.
+
+2: SecureStage carries typed ``SecAgg*`` messages in oneofs instead of JSON in a ``payload``
+field (now reserved), so a version-1 peer cannot take part in a secure round.
+3: Blob manifests carry SHA-256 by default and a CRC-32 equal to ``CRC32_RESIDUE`` (what every
+version-2 upload and delta carried) is refused, so a version-2 peer's uploads would fail.
+"""

@@ -1,0 +1,114 @@
+"""A poisoned site against the update guard: the real coordinator (gRPC over loopback, mutual TLS)
+and the simulator run the same round engine, so the simulator predicts the rounds the
+coordinator aborts, and both end on the same weights bit for bit.
+
+The real site agent has no attack setting (a research hook of the simulator only), so the
+poisoned site here is an honest agent whose uplink scales its pseudo-gradient before encoding,
+exactly what the simulator's ``attack = "scale:F"`` does to a site's upload.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _cluster import AgentThread, Run, make_certs
+
+from geoloco.algorithms.clock import SiteConfig
+from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.update_guard import UpdateGuardConfig
+from geoloco.coordinator.metrics import read_metrics
+from geoloco.scenarios.workloads import build_workload
+from geoloco.site_agent.agent import SiteAgent
+from geoloco.site_agent.config import JoinInfo
+
+FACTOR = 1000.0
+"""The poisoned site's scale: its update stays under the norm floor but its mean pushes the
+weights beyond ``max_abs_weight``."""
+GUARD = UpdateGuardConfig(max_abs_weight=2.0)
+
+
+def poison(agent: SiteAgent, factor: float) -> None:
+    """Make ``agent`` upload ``factor`` times its pseudo-gradient from its first round on."""
+
+    def on_join(info: JoinInfo) -> None:
+        uplink = agent._rounds.uplink  # type: ignore[union-attr]
+        encode = uplink.encode
+        if getattr(encode, "poisoned", False):
+            return
+
+        def scaled(update: torch.Tensor, **kwargs: object) -> object:
+            return encode(update * factor, **kwargs)
+
+        scaled.poisoned = True  # type: ignore[attr-defined]
+        uplink.encode = scaled  # type: ignore[method-assign]
+
+    agent.hooks.on_join = on_join
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs"), ["0", "1"])
+
+
+def test_rounds_the_guard_aborts_are_aborted_by_the_simulator_too(certs: Path, tmp_path: Path) -> None:
+    run = Run(
+        workload=build_workload("mlp"),
+        num_sites=2,
+        rounds=3,
+        seed=5,
+        algorithm=AlgorithmConfig(inner_steps=3, uplink_codec="none", downlink_codec="none", error_feedback=False),
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    server = run.start_coordinator(certs, metrics_path=str(metrics), update_guard=GUARD)
+    initial = server.rounds.weights.clone()
+    agents = [run.agent(certs, server.port, k) for k in range(2)]
+    poison(agents[1], FACTOR)
+    threads = [AgentThread(agent) for agent in agents]
+    try:
+        for t in threads:
+            t.start()
+        summaries = [t.finish() for t in threads]
+        assert server.wait_until_finished(30)
+    finally:
+        server.stop(grace=0)
+    assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
+    records = read_metrics(metrics)
+
+    config = SimulatorConfig(
+        algorithm=run.algorithm,
+        inner_optimizer=run.inner,
+        sites=[SiteConfig(), SiteConfig(attack=f"scale:{FACTOR}")],
+        simulation=SimulationConfig(rounds=run.rounds, seed=run.seed, device="cpu", eval_every=10**6),
+        update_guard=GUARD,
+    )
+    simulator = Simulator(config, run.workload)
+    predicted = list(simulator.run())
+
+    assert [r["aborted"] is not None for r in records] == [r.aborted is not None for r in predicted] == [True] * 3
+    for real, sim in zip(records, predicted, strict=True):
+        assert real["aborted"] == sim.aborted
+        assert "beyond max_abs_weight" in sim.aborted
+        assert real["participants"] == sim.participants == []
+    # Every round aborted: the model is unchanged, on both, bit for bit.
+    assert torch.equal(server.rounds.weights, simulator.global_flat)
+    assert torch.equal(simulator.global_flat, initial)
+
+
+def test_without_the_guards_bound_the_same_rounds_go_through() -> None:
+    """The control: with the default bounds the poisoned updates pass, so the weights move (the
+    abort above is the guard's doing, not an artefact of the set-up)."""
+    workload = build_workload("mlp")
+    config = SimulatorConfig(
+        algorithm=AlgorithmConfig(inner_steps=3, uplink_codec="none", downlink_codec="none", error_feedback=False),
+        sites=[SiteConfig(), SiteConfig(attack=f"scale:{FACTOR}")],
+        simulation=SimulationConfig(rounds=1, seed=5, device="cpu", eval_every=10**6),
+    )
+    simulator = Simulator(config, workload)
+    before = simulator.global_flat.clone()
+    (record,) = list(simulator.run())
+    assert record.aborted is None and record.participants == ["0", "1"]
+    assert not torch.equal(simulator.global_flat, before)
+    assert float(simulator.global_flat.abs().max()) > GUARD.max_abs_weight

@@ -9,11 +9,14 @@ tests/algorithms/test_golden_rounds.py`` and say why in the commit.
 Records are reduced to one canonical set of keys (``_canonical``) so that renaming a record field
 does not invalidate the numbers; only the reduction changes then.
 
-Bit-for-bit holds only on the kind of CPU the fixture was recorded on: torch picks its vectorised
-kernels by the CPU's instruction set (AVX2, AVX512, ...), and their float sums round differently
-(about 1e-7 relative over these runs). The fixture names the kernel set it was recorded with; on
-another, every count, name and byte must still match exactly, losses, clock and epsilon agree to
-1e-5 relative, and the weights digest (which no tolerance can compare) is left out.
+Bit-for-bit holds only on the CPU model the fixture was recorded on: torch picks its vectorised
+kernels by the CPU's instruction set (AVX2, AVX512, ...), and even two CPUs with the same label
+(AVX512 with and without its FP16/BF16 extensions) round float sums differently (about 1e-7
+relative over these runs). The fixture names the CPU model, the kernel set and the torch version it
+was recorded with; where any differs, every count, name and byte must still match exactly,
+losses, clock and epsilon agree to 1e-5 relative, and the weights digest (which no tolerance can
+compare) is left out. Bit equality between two computations of one machine (the real system
+against the simulator) is tested elsewhere and does not depend on this file.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +161,23 @@ def golden() -> dict[str, Any]:
 
 
 def _machine() -> dict[str, str]:
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__.split("+")[0]}
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__.split("+")[0],
+    }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux), else what the platform says: the same ISA label is not
+    enough to round alike."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _within_tolerance(got: dict[str, Any], expected: dict[str, Any]) -> dict[str, Any]:

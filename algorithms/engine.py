@@ -117,10 +117,12 @@ def screen_update(
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """What became of an update: ``accepted`` into its round, ``folded`` into the next one, or
-    ``rejected`` (``reason`` says why)."""
+    """What became of an update: ``accepted`` into its round, ``folded`` into the next one,
+    ``rejected`` (``reason`` says why), or refused as a ``duplicate`` of the site's update that
+    already counts (through a relay's partial, its shards or its own upload; the round is left
+    as it was)."""
 
-    verdict: Literal["accepted", "folded", "rejected"]
+    verdict: Literal["accepted", "folded", "rejected", "duplicate"]
     weight: float
     """The weight it entered with (a folded update's is discounted); 0 when rejected."""
     reason: str | None = None
@@ -207,15 +209,19 @@ class RoundEngine:
         self,
         round_: Round,
         site: str,
-        update: Encoded | torch.Tensor | None,
+        update: Encoded | torch.Tensor | list[tuple[int, Encoded | torch.Tensor]] | None,
         weight: float,
         *,
         screen: Screen,
         now: float,
+        numel: int = 0,
     ) -> Admission:
         """``site``'s update for ``round_``, arriving at ``now``: into the aggregation, or
         rejected with the reason on the round. ``update`` None: a sum kept outside the
-        aggregation (secure aggregation's masked sum) already holds it; it is counted only."""
+        aggregation (secure aggregation's masked sum) already holds it; it is counted only. A
+        list: pieces ``(offset, values)`` tiling a vector of ``numel`` (a sharded site)."""
+        if site in round_.contributed:
+            return Admission("duplicate", 0.0, f"site {site!r}'s update already counts in round {round_.number}")
         why = self.screen(screen)
         if why is not None:
             round_.reject(site, why)
@@ -223,38 +229,12 @@ class RoundEngine:
         try:
             if update is None:
                 round_.count(site, weight, now=now)
+            elif isinstance(update, list):
+                round_.add_rows(update, weight, numel=numel, site=site, now=now)
             else:
                 round_.add(update, weight, site=site, now=now)
         except Exception as err:
             # The sum may hold part of this update: the round cannot be trusted any more.
-            logger.exception("round %d: adding the update of %s failed", round_.number, site)
-            round_.abort(f"adding the update of {site} failed ({type(err).__name__})")
-            why = f"it could not be added to the aggregate ({type(err).__name__})"
-            round_.reject(site, why)
-            return Admission("rejected", 0.0, why)
-        if self.guard is not None and screen.norm is not None:
-            self.guard.accepted(round_.number, site, screen.norm)
-        return Admission("accepted", weight)
-
-    def admit_rows(
-        self,
-        round_: Round,
-        site: str,
-        rows: list[tuple[int, Encoded | torch.Tensor]],
-        weight: float,
-        *,
-        numel: int,
-        screen: Screen,
-        now: float,
-    ) -> Admission:
-        """``admit`` for an update given as pieces tiling the vector (a sharded site)."""
-        why = self.screen(screen)
-        if why is not None:
-            round_.reject(site, why)
-            return Admission("rejected", 0.0, why)
-        try:
-            round_.add_rows(rows, weight, numel=numel, site=site, now=now)
-        except Exception as err:
             logger.exception("round %d: adding the update of %s failed", round_.number, site)
             round_.abort(f"adding the update of {site} failed ({type(err).__name__})")
             why = f"it could not be added to the aggregate ({type(err).__name__})"
@@ -293,6 +273,12 @@ class RoundEngine:
     def close(self, round_: Round, *, now: float, expected: Collection[str]) -> RoundOutcome:
         """The outcome of ``round_`` closed at ``now``; the policy learns from it (the adaptive
         deadline must cover the sites that had not arrived)."""
+        if self.close_policy is self.policy and len(round_.contributed) < self.policy.min_sites and round_.rejected:
+            round_.abort(
+                f"the quorum of {self.policy.min_sites} updates can no longer be met: "
+                f"{len(round_.contributed)} counted, the update of {', '.join(sorted(round_.rejected))} "
+                "was rejected"
+            )
         outcome = round_.close(now=now, expected=expected)
         self.policy.observe(outcome)
         return outcome
@@ -314,14 +300,18 @@ class RoundEngine:
         deadline (a host that knew its size at once need not hold every update until the close).
         """
         start = round_.started_s if round_.started_s is not None else round_.opened_s
-        closed = self.policy.close_time(arrivals, start_s=start, deadline_s=round_.deadline_s)
+        screens = [None if p is None else screen(p) for p in payloads]
+        refused = [
+            sites[k] in round_.rejected if s is None else self.screen(s) is not None for k, s in enumerate(screens)
+        ]
+        closed = self.policy.close_time(arrivals, start_s=start, deadline_s=round_.deadline_s, rejected=refused)
         deadline = round_.deadline_at
         on_time = [k for k, a in enumerate(arrivals) if deadline is None or a <= deadline]
         pulled_in = [k for k, a in enumerate(arrivals) if k not in on_time and a <= closed]
         for k in on_time + pulled_in:
-            payload = payloads[k]
-            if payload is not None:
-                self.admit(round_, sites[k], payload, weights[k], screen=screen(payload), now=arrivals[k])
+            payload, measured = payloads[k], screens[k]
+            if payload is not None and measured is not None:
+                self.admit(round_, sites[k], payload, weights[k], screen=measured, now=arrivals[k])
         return closed
 
     def admit_if_on_time(

@@ -78,14 +78,20 @@ class RoundPolicy:
         deadline_at: float | None,
         contributed: int,
         pending: int,
+        rejected: int = 0,
     ) -> CloseDecision:
         """Close once the quorum has reported and either nobody is pending or the deadline has
-        passed; with fewer than ``min_sites`` updates keep waiting, past the deadline if need be.
+        passed; with fewer than ``min_sites`` updates keep waiting, past the deadline if need be,
+        unless rejected updates (``rejected``: sites whose update was refused and who cannot send
+        another this round) leave too few sites to reach it: then close at once (the engine
+        aborts such a round) instead of waiting for updates that cannot come.
 
         ``started``: the round's clock runs (enough members joined). A round that never started
         still closes when the quorum's updates are in (members left after uploading).
         """
         if contributed < self.min_sites:
+            if started and rejected and contributed + pending < self.min_sites:
+                return CloseDecision(close=True)
             return _KEEP_OPEN
         if not started or pending == 0:
             return CloseDecision(close=True)
@@ -102,21 +108,32 @@ class RoundPolicy:
         return self.decide(
             now=now, started=round_.started, deadline_at=round_.deadline_at,
             contributed=len(round_.contributed), pending=len(round_.pending(expected)),
+            rejected=len(round_.rejected),
         )
 
-    def close_time(self, arrivals: Sequence[float], *, start_s: float, deadline_s: float | None) -> float:
+    def close_time(
+        self,
+        arrivals: Sequence[float],
+        *,
+        start_s: float,
+        deadline_s: float | None,
+        rejected: Sequence[bool] = (),
+    ) -> float:
         """When a round whose updates arrive at ``arrivals`` (absolute times) closes: the first
-        arrival or the deadline at which ``decide`` says close. The coordinator asks ``decide``
+        arrival or the deadline at which ``decide`` says close. ``rejected``: which of them are
+        refused on arrival (they do not count for the quorum). The coordinator asks ``decide``
         as events happen; a virtual clock knows every arrival up front and asks this."""
         if not arrivals:
             raise ValueError("a round needs at least one site")
+        refused = list(rejected) or [False] * len(arrivals)
         deadline_at = None if deadline_s is None else start_s + deadline_s
         events = sorted({*arrivals, *(() if deadline_at is None else (deadline_at,))})
         for now in events:
-            contributed = sum(1 for a in arrivals if a <= now)
+            contributed = sum(1 for a, r in zip(arrivals, refused, strict=True) if a <= now and not r)
+            rejected_now = sum(1 for a, r in zip(arrivals, refused, strict=True) if a <= now and r)
             decision = self.decide(
-                now=now, started=True, deadline_at=deadline_at,
-                contributed=contributed, pending=len(arrivals) - contributed,
+                now=now, started=True, deadline_at=deadline_at, contributed=contributed,
+                pending=len(arrivals) - contributed - rejected_now, rejected=rejected_now,
             )
             if decision.close:
                 return now

@@ -40,6 +40,7 @@ from geoloco.coordinator.errors import (
     InvalidUpdateError,
     NotAMemberError,
     ShuttingDownError,
+    UpdateRejectedError,
     rejection_message,
 )
 from geoloco.coordinator.membership import Membership
@@ -299,6 +300,10 @@ class PlainIntake:
             ],
         )
         if why is not None:
+            if spec.round == ctx.round.number and ctx.phase in OPEN_PHASES:
+                # Refused like any other update of the open round: not waited for, in the record.
+                ctx.round.core.reject(site, why)
+                self.rejected(site, spec.round, why)
             raise InvalidUpdateError(f"upload refused: {why}")
         self._check_metrics(spec.metrics)
         if spec.total_bytes > self.max_upload_bytes:
@@ -338,6 +343,12 @@ class PlainIntake:
                     "uploads either one whole update or all of its shards"
                 )
             existing = r.uploads.get(site)
+            if existing is None and site in r.contributed:
+                # Counted through a relay's partial or its shards: one update per site and round.
+                raise UpdateRejectedError(
+                    f"site {site!r}'s update already counts in round {r.number} (through a relay's "
+                    "partial sum or its shards); wait for the broadcast (AwaitBroadcast)"
+                )
             if existing is not None:
                 if site in r.contributed or existing.spec == spec:
                     existing.check_same_manifest(spec.wire)  # MANIFEST_CONFLICT if it differs
@@ -436,6 +447,8 @@ class PlainIntake:
                 admission = ctx.engine.admit(
                     r.core, site, decoded, weight, screen=Screen(norm, finite), now=ctx.clock()
                 )
+                if admission.verdict == "duplicate":
+                    raise UpdateRejectedError(f"{admission.reason}; wait for the broadcast (AwaitBroadcast)")
                 if not admission.ok:
                     assert admission.reason is not None
                     self.rejected(site, round_number, admission.reason)

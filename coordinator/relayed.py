@@ -40,10 +40,10 @@ from typing import Any
 
 import grpc
 
-from geoloco.algorithms.engine import UNSCREENED
+from geoloco.algorithms.engine import UNSCREENED, Screen, screen_update
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.domain import OPEN_PHASES, UploadProgress, UploadSpec
-from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
+from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError, rejection_message
 from geoloco.coordinator.intake import (
     MAX_METRIC_NAME_CHARS,
     MAX_SITE_METRICS,
@@ -271,18 +271,31 @@ class RelayedUploads:
             cr = ctx.round
             existing = self._uploads.get(relay)
             if existing is not None and existing.spec.round == spec.round:
-                existing.check_same_manifest(spec.wire)  # MANIFEST_CONFLICT if it differs
-                return existing
+                counted = any(f"relay:{relay}" in m for m in cr.site_metrics.values())
+                if counted or existing.spec == spec:
+                    existing.check_same_manifest(spec.wire)  # MANIFEST_CONFLICT if it differs
+                    return existing
+                # The previous partial never counted (refused, or cut off and recomputed by a
+                # restarted relay): the newest one replaces it, as a site's newer upload does.
+                logger.info("round %d: relay %s replaced its partial sum that did not count", cr.number, relay)
+                del self._uploads[relay]
             for r in relayed:
-                if r.site in cr.rejected or r.site in cr.contributed or r.site in cr.uploads:
-                    raise UpdateRejectedError(
-                        f"site {r.site!r} already has an update for round {cr.number} (its own, or "
-                        "another partial's); drop it from the partial sum"
-                    )
+                self._check_not_in_round(intake, r.site)
             assembler = PlainUpload(spec, max_total_bytes=intake.max_upload_bytes, timings=cr.timings)
             self._uploads[relay] = assembler
             ctx.count_up(relay_link(relay), spec.nbytes)
             return assembler
+
+    @staticmethod
+    def _check_not_in_round(intake: PlainIntake, site: str) -> None:
+        """Refuse a partial naming ``site`` when the site already has an update in the open round
+        (counted, rejected, or its own upload or shards under way; lock held)."""
+        cr = intake.ctx.round
+        if site in cr.rejected or site in cr.contributed or site in cr.uploads or intake.shards.holds(site):
+            raise UpdateRejectedError(
+                f"site {site!r} already has an update for round {cr.number} (its own upload or "
+                "shards, or another partial's); drop it from the partial sum"
+            )
 
     def _add(self, intake: PlainIntake, relay: str, assembler: PlainUpload, relayed: Sequence[RelayedSite]) -> None:
         ctx = intake.ctx
@@ -290,17 +303,21 @@ class RelayedUploads:
         what = f"relay {relay!r}'s partial sum for round {spec.round}"
         with ctx.cond:
             ctx.check_upload_round(spec.round)
-            if all(r.site in ctx.round.contributed or r.site in ctx.round.rejected for r in relayed):
+            cr = ctx.round
+            if all(f"relay:{relay}" in cr.site_metrics.get(r.site, {}) or r.site in cr.rejected for r in relayed):
                 return  # a repeated stream of a partial that already counts
         verify_start = time.monotonic()
         data = assembler.finish()
-        mean, _norm, finite = checked_update(
+        mean, norm, finite = checked_update(
             what, data, spec.checksum[0], codec=spec.codec, numel=ctx.update_numel(spec.round),
             device=intake.device, dense=True,
         )
         del data
-        if not finite:
-            raise InvalidUpdateError(f"{what} contains NaN or Inf values; it is dropped")
+        # A weighted mean of updates each within the guard's norm bound is within it too: a
+        # partial beyond it cannot come from the updates the relay was held to check.
+        why = screen_update(ctx.engine.guard, Screen(norm, finite))
+        if why is not None:
+            raise InvalidUpdateError(rejection_message(what, why, aborted=False))
         add_start = time.monotonic()
         assembler.timings.spent("verify", verify_start, add_start)
         with ctx.cond:
@@ -308,6 +325,10 @@ class RelayedUploads:
             cr = ctx.round
             if self._uploads.get(relay) is not assembler:
                 raise UpdateRejectedError(f"{what} was replaced by a newer one")
+            for r in relayed:
+                # Checked again under the lock the add holds: the site's own upload or shards may
+                # have counted while this partial streamed in (a site counts once per round).
+                self._check_not_in_round(intake, r.site)
             now = ctx.clock()
             counted = [r for r in relayed if not r.rejected]
             try:

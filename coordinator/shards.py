@@ -50,6 +50,7 @@ from geoloco.coordinator.errors import (
     InvalidUpdateError,
     NotAMemberError,
     ShuttingDownError,
+    UpdateRejectedError,
     rejection_message,
 )
 from geoloco.coordinator.membership import Membership
@@ -219,6 +220,11 @@ class ShardedUploads:
             )
         if spec.raw is not None and len(getattr(spec.raw, "relayed_sites", ())) > 0:
             raise InvalidUpdateError("a relay's partial sum cannot be sharded; relays upload whole partials")
+        if site in ctx.round.contributed and site not in self._current():
+            raise UpdateRejectedError(
+                f"site {site!r}'s update already counts in round {spec.round} (its own upload or a "
+                "relay's partial sum); wait for the broadcast (AwaitBroadcast)"
+            )
         if site in ctx.round.uploads:
             raise InvalidUpdateError(
                 f"site {site!r} already sent a whole (unsharded) update for round {spec.round}; "
@@ -359,9 +365,10 @@ class ShardedUploads:
             if self._current().get(site) is not shards or len(shards.verified) < shards.count:
                 # A rank re-sent a different shard meanwhile: its verification adds the site.
                 raise NotAMemberError(f"site {site!r}'s shards for round {round_number} were discarded or replaced")
-            admission = ctx.engine.admit_rows(
-                r.core, site, rows, weight, numel=host.numel, screen=screen, now=ctx.clock()
-            )
+            admission = ctx.engine.admit(r.core, site, rows, weight, numel=host.numel, screen=screen, now=ctx.clock())
+            if admission.verdict == "duplicate":
+                self._current().pop(site, None)
+                raise UpdateRejectedError(f"{admission.reason}; wait for the broadcast (AwaitBroadcast)")
             if not admission.ok:
                 assert admission.reason is not None
                 self._current().pop(site, None)

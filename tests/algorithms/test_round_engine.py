@@ -120,3 +120,19 @@ def test_the_simulator_rejects_a_poisoned_update_as_the_coordinator_does() -> No
     for record in records:
         assert record.participants == ["0", "1"] and record.aborted is None
         assert record.rejected == ["2"] and "exceeds the bound" in record.rejected_reasons["2"]
+
+
+def test_the_simulator_aborts_a_round_whose_quorum_a_rejection_makes_unreachable() -> None:
+    """As the coordinator does: with min_sites = every site, a refused update cannot be replaced
+    this round, so the round aborts instead of waiting."""
+    config = SimulatorConfig(
+        algorithm=AlgorithmConfig(inner_steps=2, uplink_codec="none", downlink_codec="none"),
+        sites=[SiteConfig(), SiteConfig(), SiteConfig(attack="scale:1e9")],
+        simulation=SimulationConfig(rounds=2, seed=1, device="cpu", eval_every=10**6, min_sites=3),
+    )
+    simulator = Simulator(config, build_workload("mlp"))
+    before = simulator.global_flat.clone()
+    for record in simulator.run():
+        assert record.rejected == ["2"] and record.participants == []
+        assert record.aborted is not None and "quorum of 3 updates can no longer be met" in record.aborted
+    assert torch.equal(simulator.global_flat, before)

@@ -196,6 +196,28 @@ def test_float32_max_update_is_rejected_and_the_run_goes_on(run_factory: Callabl
     _sane(run.checkpoint_weights(), 10.0)
 
 
+@pytest.mark.parametrize("deadline", [None, 4.0], ids=["no-deadline", "deadline-4s"])
+def test_a_rejection_that_leaves_the_quorum_unreachable_aborts_the_round_instead_of_stalling(
+    run_factory: Callable[..., Run], deadline: float | None
+) -> None:
+    """min_sites = every site and one update refused: the refused site cannot resend this round,
+    so waiting cannot reach the quorum; the round aborts (model unchanged) and the next runs."""
+    run = run_factory(min_sites=len(SITES), round_deadline_s=deadline)
+    theta = run.server.rounds.weights.clone()
+    a, b = run.clients["a"], run.clients["b"]
+    assert b.upload(0, _good(2, run.numel)).complete
+    _expect_invalid(lambda: a.upload(0, torch.full((run.numel,), float("nan"))))
+    run.wait_round(1)
+    record = run.metrics()[-1]
+    assert record["rejected"] == ["a"] and record["participants"] == []
+    assert record["aborted"] and "quorum of 2 updates can no longer be met" in record["aborted"], record
+    assert torch.equal(run.server.rounds.weights, theta)
+    assert a.upload(1, _good(3, run.numel)).complete
+    assert b.upload(1, _good(4, run.numel)).complete
+    run.wait_round(2)
+    assert sorted(run.metrics()[-1]["participants"]) == ["a", "b"]
+
+
 def test_float32_max_updates_that_overflow_the_sum_abort_the_round_with_the_model_unchanged(
     run_factory: Callable[..., Run],
 ) -> None:
@@ -234,12 +256,19 @@ def test_huge_sample_weight_is_invalid_argument_and_the_round_still_closes(
     details = _expect_invalid(lambda: a.upload(0, update, sample_weight=weight))
     assert "sample_weight" in details and "max_sample_weight" in details, details
     assert torch.equal(run.server.rounds.weights, theta)
+    # A refused manifest is a rejection like any other: the site is not waited for this round
+    # (its next upload for it is refused too) and the record lists it with the reason.
+    with pytest.raises(grpc.RpcError) as again:
+        a.upload(0, _good(1, run.numel), sample_weight=50.0)
+    assert again.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "was rejected" in (again.value.details() or "")
     assert b.upload(0, _good(2, run.numel), sample_weight=100.0).complete
-    # The refused manifest left nothing behind: the same site's sane upload completes the round.
-    assert a.upload(0, _good(1, run.numel), sample_weight=50.0).complete
     run.wait_round(1)
     record = run.metrics()[-1]
-    assert sorted(record["participants"]) == ["a", "b"] and record["aborted"] is None
+    assert record["participants"] == ["b"] and record["aborted"] is None
+    assert record["rejected"] == ["a"] and "max_sample_weight" in record["rejected_reasons"]["a"]
+    # The next round takes the site's sane update again.
+    assert a.upload(1, _good(1, run.numel), sample_weight=50.0).complete
     _sane(run.checkpoint_weights(), 10.0)
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from _relay_helpers import Site, coordinator, make_certs, relay
 
+from geoloco.algorithms.update_guard import UpdateGuardConfig
 from geoloco.compression import parse_codec
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
@@ -45,8 +46,10 @@ def _as(certs: Path, name: str, port: int) -> tuple[object, object]:
     return channel, coordinator_stub(channel)
 
 
-def _partial(session: str, sites: dict[str, float], numel: int) -> tuple[pb.UploadManifest, bytes]:
-    encoded = parse_codec("none").encode(torch.ones(numel))
+def _partial(
+    session: str, sites: dict[str, float], numel: int, value: float = 1.0
+) -> tuple[pb.UploadManifest, bytes]:
+    encoded = parse_codec("none").encode(torch.full((numel,), value))
     data = encoded.to_bytes()
     manifest = pb.UploadManifest(
         session_id=session, round=0, sample_weight=sum(sites.values()), inner_steps=len(sites),
@@ -104,6 +107,84 @@ def test_a_relay_cannot_weigh_its_sites_up(certs: Path) -> None:
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "under weighting 'uniform' its weight is 1" in (err.details() or "")
         assert server.rounds.status()["contributed"] == []
+    finally:
+        channel.close()  # type: ignore[attr-defined]
+        server.stop(grace=0)
+
+
+def test_a_partial_beyond_the_norm_bound_its_sites_are_held_to_is_refused(certs: Path) -> None:
+    """A weighted mean of updates within the guard's norm bound is within it too: a partial
+    beyond it is refused like a site's own update, and the round stays as it was."""
+    server = coordinator(certs, update_guard=UpdateGuardConfig(norm_floor=10.0))
+    channel, eu = _as(certs, "eu", server.port)
+    try:
+        session = eu.Join(pb.JoinRequest(site="site-a", protocol_version=PROTOCOL_VERSION), timeout=10).session_id  # type: ignore[attr-defined]
+        numel = server.rounds.numel
+        manifest, data = _partial(session, {"site-a": 1.0}, numel, value=1e3)
+        err = _refused(lambda: eu.Upload(upload_requests(manifest, data), timeout=10))  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "exceeds the bound 10" in (err.details() or "")
+        assert server.rounds.status()["contributed"] == []
+        assert float(server.rounds.weights.abs().max()) < 1e3
+    finally:
+        channel.close()  # type: ignore[attr-defined]
+        server.stop(grace=0)
+
+
+def test_a_site_counts_once_whether_its_own_upload_or_its_relays_partial_comes_first(certs: Path) -> None:
+    """One update per site and round across direct and relayed uploads: the second path is
+    refused (FAILED_PRECONDITION) and the round's sum holds the site once."""
+    server = coordinator(certs, min_sites=4)
+    channel, eu = _as(certs, "eu", server.port)
+    us_channel, us = _as(certs, "us", server.port)
+    site_a = Site("site-a", certs, f"localhost:{server.port}")
+    site_c = Site("site-c", certs, f"localhost:{server.port}")
+    try:
+        numel = server.rounds.numel
+        session = site_a.join().session_id
+        site_c.join()
+        # The relay's partial counts site-a first: site-a's own upload is refused.
+        manifest, data = _partial(session, {"site-a": 1.0}, numel)
+        assert eu.Upload(upload_requests(manifest, data), timeout=10).complete  # type: ignore[attr-defined]
+        err = _refused(lambda: site_a.upload(torch.ones(numel), "none"))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "already counts in round 0" in (err.details() or "")
+        # site-c's own upload counts first: its relay's partial naming it is refused.
+        assert site_c.upload(torch.ones(numel), "none").complete
+        manifest, data = _partial(session, {"site-c": 1.0}, numel)
+        err = _refused(lambda: us.Upload(upload_requests(manifest, data), timeout=10))  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "site 'site-c' already has an update for round 0" in (err.details() or "")
+        status = server.rounds.status()
+        assert sorted(status["contributed"]) == ["site-a", "site-c"]
+        aggregation = server.rounds._ctx.round.core.aggregation
+        assert aggregation.total_weight == 2.0, "each site is in the sum once"  # type: ignore[attr-defined]
+    finally:
+        site_a.close()
+        site_c.close()
+        channel.close()  # type: ignore[attr-defined]
+        us_channel.close()  # type: ignore[attr-defined]
+        server.stop(grace=0)
+
+
+def test_a_relay_replaces_a_refused_partial_and_the_round_goes_on(certs: Path) -> None:
+    """A partial refused for its values (beyond the norm bound) never counted: the relay's next, honest partial for the
+    same round replaces it instead of meeting MANIFEST_CONFLICT, so the round does not stall."""
+    server = coordinator(certs, min_sites=1, update_guard=UpdateGuardConfig(norm_floor=10.0))
+    channel, eu = _as(certs, "eu", server.port)
+    try:
+        session = eu.Join(pb.JoinRequest(site="site-a", protocol_version=PROTOCOL_VERSION), timeout=10).session_id  # type: ignore[attr-defined]
+        numel = server.rounds.numel
+        manifest, data = _partial(session, {"site-a": 1.0}, numel, value=1e3)
+        err = _refused(lambda: eu.Upload(upload_requests(manifest, data), timeout=10))  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        manifest, data = _partial(session, {"site-a": 1.0}, numel, value=0.5)
+        assert eu.Upload(upload_requests(manifest, data), timeout=10).complete  # type: ignore[attr-defined]
+        assert server.rounds.status()["contributed"] == ["site-a"]
+        # Once a partial counts, a different one for the round is still a conflict.
+        manifest, data = _partial(session, {"site-a": 1.0}, numel, value=0.25)
+        err = _refused(lambda: eu.Upload(upload_requests(manifest, data), timeout=10))  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         channel.close()  # type: ignore[attr-defined]
         server.stop(grace=0)

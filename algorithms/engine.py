@@ -129,7 +129,8 @@ class Admission:
 
     @property
     def ok(self) -> bool:
-        return self.verdict != "rejected"
+        """The update is in the aggregate (its round's, or folded into the next)."""
+        return self.verdict in ("accepted", "folded")
 
 
 @dataclass(slots=True)

@@ -69,6 +69,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("config", nargs="?", type=Path, metavar="CONFIG.toml",
                         help="the run's config file: an emulate scenario or a simulate file (sites, "
                         "links, algorithm, rounds), or a coordinator config (links from the flags)")
+    parser.add_argument("--config", dest="config_flag", type=Path, metavar="CONFIG.toml",
+                        help="the same file, spelled as the other commands take it")
     parser.add_argument("--params", type=_count, help="parameter count, e.g. 1e9, 124M, 1.3B "
                         "(default with a config file: its workload's model)")
     parser.add_argument("--step-time", type=_step_time, metavar="SECONDS|measure",
@@ -394,7 +396,10 @@ def build_plans(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
     from geoloco.algorithms.params import ParamLayout
     from geoloco.algorithms.planner import PlanError, plan
 
-    run_file = load_run_file(args.config) if args.config is not None else None
+    if args.config is not None and args.config_flag is not None and args.config != args.config_flag:
+        raise ConfigFileError(COMMAND_LINE, "--config", "give the config file once: as an argument or with --config")
+    config = args.config if args.config is not None else args.config_flag
+    run_file = load_run_file(config) if config is not None else None
     if run_file is None and args.params is None:
         raise ConfigFileError(
             COMMAND_LINE, "--params",

@@ -135,6 +135,8 @@ def test_a_simulate_file_plans_its_sites_rounds_and_step_time(capsys: pytest.Cap
     assert p["total_s"] == pytest.approx(expected.total_s)
     assert p["bytes"] == expected.to_dict()["bytes"]
     assert list(p["utilization"]) == config.site_names
+    # `--config FILE`, as simulate, coordinator and relay spell it, is the same file.
+    assert _json(capsys, "--config", str(path), "--params", "20000") == data
 
 
 def test_a_simulate_file_without_params_plans_its_workloads_model(

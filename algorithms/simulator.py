@@ -311,15 +311,9 @@ class Simulator:
             "bytes_down": [update.downlink.nbytes] * len(self.sites),
             "compute_s": compute,
             "utilization": utilization,
-            "excluded": list(outcome.excluded),
-            "participants": list(stepped.result.contributors),
             "site_inner_steps": site_steps,
-            "deadline_s": outcome.deadline_s,
-            "folded_late": dict(outcome.folded),
             "peak_bytes_in_flight": [max(up, update.downlink.nbytes) for up in upload_sizes],
-            "weights_digest": update.digest,
-            "rejected": dict(outcome.rejected),
-            "aborted": stepped.aborted,
+            **engine.round_facts(outcome, stepped),
         }
 
     def _use_assigned_codec(self, site: SimSite, round_number: int, fragment: int) -> None:
@@ -412,8 +406,8 @@ class Simulator:
             folded_late=stats.get("folded_late", {}),
             peak_bytes_in_flight=by_site(stats.get("peak_bytes_in_flight")),
             fragment=stats.get("fragment"),
-            rejected=sorted(stats.get("rejected", {})),
-            rejected_reasons=stats.get("rejected", {}),
+            rejected=stats.get("rejected", []),
+            rejected_reasons=stats.get("rejected_reasons", {}),
             aborted=stats.get("aborted"),
         )
         self.clock_s = end

@@ -189,12 +189,12 @@ class RoundPhases:
         fragment_outer = ctx.strategy.fragments[plan.fragment]
         fragment_outer.last_step_s = {}
         stepped = ctx.engine.step(r.core, self.weights.flat, plan, contributors, self.intake.aggregate)
-        result, aborted = stepped.result, stepped.aborted
-        del stepped
+        result = stepped.result
+        facts = ctx.engine.round_facts(outcome, stepped)
         update, contributors, update_norm, privacy_record = (
             result.update, result.contributors, result.update_norm, result.privacy
         )
-        del result
+        del result, stepped
         serialised = time.perf_counter()
         # The broadcast's manifest checksum, hashed beside the checkpoint write (hashlib and file
         # writes release the GIL) instead of by the first AwaitBroadcast after the round; a large
@@ -220,12 +220,8 @@ class RoundPhases:
         aggregate_s = time.perf_counter() - t0
         metrics: dict[str, Any] = {
             "session_id": ctx.session_id,
-            "round": r.number,
+            **facts,
             "fragment": ctx.fragment_of(r.number),
-            "participants": contributors,
-            "sample_weights": dict(outcome.weights),
-            "excluded": list(outcome.excluded),
-            "rejected": list(outcome.rejected),
             "departed": sorted(r.departed),
             "partial_uploads": closed.partial,
             "bytes_up": dict(r.bytes_up),
@@ -234,17 +230,9 @@ class RoundPhases:
             "round_time_s": closed.closed_s - r.core.opened_s,
             "wait_for_quorum_s": None if r.core.started_s is None else r.core.started_s - r.core.opened_s,
             "aggregate_time_s": aggregate_s,
-            "deadline_s": outcome.deadline_s,
-            "deadline_hit": outcome.deadline_hit,
             "next_deadline_s": ctx.policy.deadline_s(),
-            "arrival_s": dict(outcome.arrivals_s),
-            "inner_steps": {site: r.inner_steps[site] for site in contributors if site in r.uploads},
-            "folded_late": dict(outcome.folded),
-            "update_norm": update_norm,
-            "aborted": aborted,
-            "rejected_reasons": dict(outcome.rejected),
+            "inner_steps": {site: r.inner_steps[site] for site in contributors if site in r.inner_steps},
             "site_metrics": {site: m for site, m in r.site_metrics.items() if site in contributors},
-            "weights_digest": new_digest,
             "run_finished": finished,
         }
         if privacy_record:

@@ -216,14 +216,16 @@ class RoundEngine:
         screen: Screen,
         now: float,
         numel: int = 0,
+        weights: Sequence[tuple[str, float]] = (),
     ) -> Admission:
         """``site``'s update for ``round_``, arriving at ``now``: into the aggregation, or
         rejected with the reason on the round. ``update`` None: a sum kept outside the
         aggregation (secure aggregation's masked sum) already holds it; it is counted only. A
-        list: pieces ``(offset, values)`` tiling a vector of ``numel`` (a sharded site)."""
+        list: pieces ``(offset, values)`` tiling a vector of ``numel`` (a sharded site).
+        ``weights``: ``(what, value)`` pairs the guard bounds too, where no earlier check did."""
         if site in round_.contributed:
             return Admission("duplicate", 0.0, f"site {site!r}'s update already counts in round {round_.number}")
-        why = self.screen(screen)
+        why = self.screen(screen, weights=weights)
         if why is not None:
             round_.reject(site, why)
             return Admission("rejected", 0.0, why)

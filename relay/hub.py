@@ -18,7 +18,9 @@ from typing import Any
 import grpc
 import torch
 
-from geoloco.algorithms.engine import Screen, screen_update
+from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.engine import UNSCREENED, RoundEngine, Screen
+from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.update_guard import UpdateGuard, UpdateGuardConfig
 from geoloco.algorithms.weighting import site_weight
 from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
@@ -30,7 +32,7 @@ from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
 from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay.config import RelayConfig
 from geoloco.relay.masked import SecureRun, check_masked_manifest
-from geoloco.relay.partial import RelayRound, encode_partial, masked_partial
+from geoloco.relay.partial import RelayRound, RelayWait, SiteUpdate, encode_partial, masked_partial
 from geoloco.relay.run_info import RunInfo
 from geoloco.relay.upstream import Traffic, Upstream
 
@@ -90,9 +92,13 @@ class RelayHub:
         self._verify_lock = threading.Lock()
         self.records: list[dict[str, Any]] = []
         """One record per round whose partial went upward (drained by the server's writer)."""
-        self.guard = UpdateGuard(UpdateGuardConfig())
-        """The run's ``[update_guard]`` (from the coordinator's config), on this region's updates:
-        the relay refuses what the coordinator would refuse of a site's own upload."""
+        self.engine = RoundEngine(
+            None, RoundPolicy(), UpdateGuard(UpdateGuardConfig()), close=RelayWait(config.max_wait_s)
+        )
+        """The round engine (``geoloco.algorithms.engine``) as a relay drives it: admission with the
+        run's ``[update_guard]`` (from the coordinator's config; the relay refuses what the
+        coordinator would refuse of a site's own upload) and the relay's close rule
+        (``RelayWait``); no outer step: the partial sum goes upward instead."""
         self.residuals: dict[int, torch.Tensor] = {}
         """fragment -> the relay's error-feedback residual of its upward codec (sum space)."""
         self._sent_residual: tuple[int, torch.Tensor | None] | None = None
@@ -125,7 +131,7 @@ class RelayHub:
             self.session_id = response.session_id
             run = RunInfo.of(response)
             if run.guard != (None if self.run is None else self.run.guard):
-                self.guard = UpdateGuard(run.guard)
+                self.engine.guard = UpdateGuard(run.guard)
             self.run = run
             self.members[site] = self.clock()
             self.ever_joined.add(site)
@@ -207,8 +213,9 @@ class RelayHub:
             if self.run is not None and self.run.secure is not None:
                 r.buffers[site] = buffer
             r.assemblers[site] = assembler
-            if r.first_upload_s is None:
-                r.first_upload_s = self.clock()
+            if r.core is None:  # the round's first upload: its size and its clock
+                r.core = self.engine.open(r.number, RunningSum(numel=int(numel)), r.opened_s)
+                self.engine.maybe_start(r.core, self.clock(), members=len(self.members))
             return assembler
 
     def _validate(self, site: str, manifest: pb.UploadManifest, r: RelayRound) -> None:
@@ -311,18 +318,21 @@ class RelayHub:
             weight = site_weight(
                 run.weighting, samples=float(manifest.sample_weight), inner_steps=int(manifest.inner_steps)
             )
-            why = screen_update(self.guard, Screen(norm, finite), weights=[("the update's weight", weight)])
+            screen, weights = Screen(norm, finite), [("the update's weight", weight)]
             with self.cond:
-                if why is not None:
+                if self.engine.screen(screen, weights=weights) is None:
+                    self.still_open(site, assembler)
+                assert r.core is not None  # opened with the round's first upload
+                admission = self.engine.admit(
+                    r.core, site, update, weight, screen=screen, weights=weights, now=self.clock()
+                )
+                if not admission.ok:
                     # Told upward with the round's partial, so the coordinator does not wait for it.
-                    r.rejected[site] = why
                     r.assemblers.pop(site, None)
                     self.cond.notify_all()
-                    raise InvalidUpdateError(f"{what} is refused: {why}; it is dropped for this round")
-                self.still_open(site, assembler)
-                self.guard.accepted(r.number, site, norm)
-                r.add(
-                    site, update, weight, inner_steps=int(manifest.inner_steps),
+                    raise InvalidUpdateError(f"{what} is refused: {admission.reason}; it is dropped for this round")
+                r.updates[site] = SiteUpdate(
+                    weight=weight, inner_steps=int(manifest.inner_steps),
                     upload_bytes=int(manifest.blob.total_bytes), metrics=dict(manifest.metrics),
                 )
                 logger.debug("relay %s: round %d update of %s in", self.config.name, r.number, site)
@@ -345,6 +355,8 @@ class RelayHub:
                 site, data, secure, inner_steps=int(manifest.inner_steps),
                 upload_bytes=int(manifest.blob.total_bytes), metrics=dict(manifest.metrics),
             )
+            assert r.core is not None  # opened with the round's first upload
+            self.engine.admit(r.core, site, None, 1.0, screen=UNSCREENED, now=self.clock())
             self.cond.notify_all()
         if self.on_update is not None:
             self.on_update(int(manifest.round), site)
@@ -381,7 +393,9 @@ class RelayHub:
                 # that joined and then left or went silent is not waited for.
                 live |= set(self.config.sites) - self.ever_joined
             r = self.round
-            if not r.due(now, live, self.config.max_wait_s):
+            if r.forwarded or r.core is None:
+                return None
+            if not self.engine.decide(r.core, now=now, expected=live - r.withdrawn).close:
                 return None
             r.forwarded = True
             mean = r.mean()
@@ -437,7 +451,8 @@ class RelayHub:
                 else:
                     self.residuals[fragment] = before
             self._sent_residual = None
-            self.guard.round_done(r.number, list(sites) if outcome == "accepted" else None)
+            if self.engine.guard is not None:
+                self.engine.guard.round_done(r.number, list(sites) if outcome == "accepted" else None)
             r.outcome = outcome
             self.included[r.number] = frozenset(sites) if outcome == "accepted" else frozenset()
             self.partials[r.number] = {s: r.updates[s].weight for s in r.updates}

@@ -9,19 +9,21 @@ ring sum of the sites' masked uploads (``geoloco.relay.masked``). Nothing here d
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
 
 from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.privacy import SECURE_UPLOAD_CODEC
+from geoloco.algorithms.round import CloseDecision, Round
 from geoloco.compression import Encoded, decode, parse_codec
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.wire_assembly import UploadAssembler
 from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay.masked import MaskedSum, SecureRun
 
-__all__ = ["RelayRound", "SiteUpdate", "encode_partial", "masked_partial"]
+__all__ = ["RelayRound", "RelayWait", "SiteUpdate", "encode_partial", "masked_partial"]
 
 
 def encode_partial(
@@ -54,12 +56,39 @@ class SiteUpdate:
     """The site's own upload metrics (loss, phase times), passed on to the coordinator."""
 
 
+class RelayWait:
+    """A relay's close rule (the round engine's ``ClosePolicy``): its partial goes upward when
+    every site it waits for is in, refused or withdrew, or ``max_wait_s`` after the round's
+    first upload opened (its clock). A round whose every update was refused still goes up, to
+    tell the coordinator so; a round without any update waits."""
+
+    def __init__(self, max_wait_s: float) -> None:
+        self.max_wait_s = max_wait_s
+
+    def may_start(self, members: int) -> bool:
+        """The relay's round clock starts with its first upload, whoever else is there."""
+        return True
+
+    def decide_round(self, round_: Round, *, now: float, expected: Collection[str]) -> CloseDecision:
+        if not (round_.contributed or round_.rejected):
+            return CloseDecision(close=False)
+        if set(expected) <= set(round_.contributed) | set(round_.rejected):
+            return CloseDecision(close=True)
+        started = round_.started_s
+        waited = started is not None and now - started >= self.max_wait_s
+        return CloseDecision(close=waited, deadline_hit=waited)
+
+
 @dataclass(slots=True)
 class RelayRound:
-    """The relay's state of one training round (numbered as the coordinator numbers it)."""
+    """The relay's state of one training round (numbered as the coordinator numbers it): the
+    engine's ``Round`` (``core``: who is in, who was refused and why, the partial's running sum)
+    plus what only a relay keeps."""
 
     number: int
     opened_s: float
+    core: Round | None = None
+    """The round as the engine keeps it, from its first upload (which fixes its size)."""
     fragment: int | None = None
     shape: tuple[int, ...] | None = None
     """Fragment and shape of the round's uploads, fixed by its first upload."""
@@ -67,18 +96,14 @@ class RelayRound:
     """site -> its upload's chunks (resumable across streams, as at the coordinator)."""
     updates: dict[str, SiteUpdate] = field(default_factory=dict)
     """site -> its verified update's weight, in arrival order."""
-    rejected: dict[str, str] = field(default_factory=dict)
-    """site -> why its upload was refused this round."""
     withdrawn: set[str] = field(default_factory=set)
     """Secure rounds: sites that gave the round up (a ``withdraw`` stage call): not waited for."""
-    first_upload_s: float | None = None
     forwarded: bool = False
     """The partial went upward (or is going): later uploads are too late for this round."""
     outcome: str = ""
     """After forwarding: "accepted", or why the coordinator refused the partial."""
-    _sum: RunningSum | None = None
     masked: MaskedSum | None = None
-    """Secure rounds: the ring sum of the masked uploads (instead of ``_sum``)."""
+    """Secure rounds: the ring sum of the masked uploads (the plain partial is ``core``'s sum)."""
     buffers: dict[str, bytearray] = field(default_factory=dict)
     """Secure rounds: site -> the buffer its masked upload is assembled in (zeroed once added)."""
 
@@ -87,11 +112,18 @@ class RelayRound:
         return not self.assemblers and not self.updates
 
     @property
+    def rejected(self) -> dict[str, str]:
+        """site -> why its upload was refused this round."""
+        return {} if self.core is None else self.core.rejected
+
+    @property
     def weight(self) -> float:
         """``W = Σ w_k`` of the updates added so far (the number of sites in a secure round)."""
         if self.masked is not None:
             return float(len(self.masked.sites))
-        return 0.0 if self._sum is None else self._sum.total_weight
+        if self.core is None or not isinstance(self.core.aggregation, RunningSum):
+            return 0.0
+        return self.core.aggregation.total_weight
 
     def add_masked(
         self, site: str, data: memoryview, secure: SecureRun, *, inner_steps: int, upload_bytes: int,
@@ -109,26 +141,6 @@ class RelayRound:
             weight=1.0, inner_steps=inner_steps, upload_bytes=upload_bytes, metrics=dict(metrics or {})
         )
 
-    def add(
-        self,
-        site: str,
-        update: Encoded | torch.Tensor,
-        weight: float,
-        *,
-        inner_steps: int,
-        upload_bytes: int,
-        metrics: dict[str, float] | None = None,
-    ) -> None:
-        """A site's verified update; decoded into the running sum with weight ``weight``."""
-        if self.shape is None:
-            raise ValueError("the round's shape is set by its first upload")
-        if self._sum is None:
-            self._sum = RunningSum(numel=self.shape[0])
-        self._sum.add(update, weight, site=site)
-        self.updates[site] = SiteUpdate(
-            weight=weight, inner_steps=inner_steps, upload_bytes=upload_bytes, metrics=dict(metrics or {})
-        )
-
     def drop_masked(self, site: str) -> None:
         """Overwrite ``site``'s masked upload buffer with zeros (added, or too late)."""
         buffer = self.buffers.pop(site, None)
@@ -138,21 +150,12 @@ class RelayRound:
     def mean(self) -> torch.Tensor:
         """``Σ w_k g_k / W``, the partial the relay sends upward with weight ``W`` (zeros with
         ``W = 0`` when every update was refused: the partial then only reports the refusals)."""
-        if self._sum is None:
+        aggregation = None if self.core is None else self.core.aggregation
+        if not isinstance(aggregation, RunningSum) or aggregation.total_weight == 0:
             if self.shape is None:
                 raise ValueError(f"round {self.number}: no upload to forward")
             return torch.zeros(self.shape, dtype=torch.float32)
-        return self._sum.result()
-
-    def due(self, now: float, live_sites: set[str], max_wait_s: float) -> bool:
-        """Whether the partial should go upward now: every live site of the relay is in (or was
-        refused), or ``max_wait_s`` passed since the round's first upload. A round whose every
-        update was refused still goes up, to tell the coordinator so."""
-        if self.forwarded or not (self.updates or self.rejected):
-            return False
-        if live_sites <= set(self.updates) | set(self.rejected) | self.withdrawn:
-            return True
-        return self.first_upload_s is not None and now - self.first_upload_s >= max_wait_s
+        return aggregation.result()
 
 
 def masked_partial(r: RelayRound, session: str, secure: SecureRun) -> tuple[pb.UploadManifest, bytes]:

@@ -9,7 +9,10 @@ import re
 import numpy as np
 import pytest
 
+from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.engine import UNSCREENED, RoundEngine
 from geoloco.algorithms.fixed_point import lift
+from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.secagg_client import SecAggClient
 from geoloco.algorithms.secagg_crypto import num_chunks
 from geoloco.algorithms.secagg_messages import RoundContext
@@ -18,7 +21,7 @@ from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay.masked import MaskedSum, SecureRun, check_masked_manifest
-from geoloco.relay.partial import RelayRound
+from geoloco.relay.partial import RelayRound, RelayWait
 
 NUMEL, CHUNK = 50, 16
 
@@ -138,13 +141,17 @@ def test_a_relay_refuses_an_upload_that_cannot_be_masked_in_a_secure_run() -> No
 
 def test_a_secure_partial_does_not_wait_for_a_site_that_withdrew() -> None:
     secure = SecureRun(modulus_bits=32, chunk_size=16)
-    r = RelayRound(number=2, opened_s=0.0, shape=(NUMEL,), first_upload_s=0.0)
+    engine = RoundEngine(None, RoundPolicy(), None, close=RelayWait(max_wait_s=30.0))
+    r = RelayRound(number=2, opened_s=0.0, shape=(NUMEL,))
+    r.core = engine.open(2, RunningSum(numel=NUMEL), 0.0)
+    engine.maybe_start(r.core, 0.0, members=2)
     buffer = bytearray(b"\x01" * NUMEL * 4)
     r.buffers["site-a"] = buffer
     r.add_masked("site-a", memoryview(buffer), secure, inner_steps=3, upload_bytes=NUMEL * 4)
+    engine.admit(r.core, "site-a", None, 1.0, screen=UNSCREENED, now=0.5)
     assert buffer == bytes(NUMEL * 4)  # the site's masked upload is gone once in the ring sum
     assert r.masked is not None and r.masked.to_bytes() == b"\x01" * NUMEL * 4 and r.weight == 1.0
     live = {"site-a", "site-b"}
-    assert not r.due(1.0, live, max_wait_s=30.0)
+    assert not engine.decide(r.core, now=1.0, expected=live - r.withdrawn).close
     r.withdrawn.add("site-b")  # its withdraw stage call passed through the relay
-    assert r.due(1.0, live, max_wait_s=30.0)
+    assert engine.decide(r.core, now=1.0, expected=live - r.withdrawn).close

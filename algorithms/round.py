@@ -1,17 +1,18 @@
-"""One round, written once: who is in it, when it closes, what enters the aggregate.
+"""A round's data and the plain close rule, which the round engine (``geoloco.algorithms.engine``)
+drives for every host: the coordinator (real clock), the simulator and the planner (virtual
+clock), the relay. So a rule such as "close at the adaptive deadline once the quorum has
+reported" cannot mean one thing in the emulator and another in its prediction.
 
-The coordinator (real clock) and the simulator (virtual clock) both run their rounds through a
-``Round`` and one ``RoundPolicy``, so a rule such as "close at the adaptive deadline once the
-quorum has reported" cannot mean one thing in the emulator and another in its prediction.
-
-- ``RoundPolicy`` decides *when* a round closes (quorum, fixed or adaptive deadline) and what
-  happens to an update that misses its round (``late_updates``: drop it back into the site's
-  residual, or fold it into the next round with a staleness discount). It learns the adaptive
-  deadline from the rounds it has seen.
-- ``Round`` owns one round's bookkeeping: its plan, the aggregation buffer, contributors (with
-  weights and arrival times), rejected sites and folded late updates. ``add``/``fold`` put an
-  update in, ``close`` returns the ``RoundOutcome``: who counted, who was excluded, the deadline
-  in force and whether it was hit.
+- ``RoundPolicy`` is the plain ``ClosePolicy``: *when* a round starts and closes (quorum, fixed
+  or adaptive deadline, a quorum rejections made unreachable) and what happens to an update that
+  misses its round (``late_updates``: drop it back into the site's residual, or fold it into the
+  next round with a staleness discount). It learns the adaptive deadline from the rounds it has
+  seen.
+- ``Round`` owns one round's bookkeeping: the aggregation buffer, contributors (with weights and
+  arrival times), rejected sites with their reasons, folded late updates and the abort reason.
+  ``add``/``fold`` put an update in (the engine decides whether), ``close`` returns the
+  ``RoundOutcome``: who counted, who was excluded or rejected, the deadline in force and whether
+  it was hit.
 
 Times are seconds on whichever clock drives the round; the round never reads a clock itself.
 """

@@ -166,6 +166,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.AwaitBroadcastRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.AwaitBroadcastResponse | ChunkRef]:
         site = self._site(context, request.site)
+        if request.HasField("shard"):
+            self._shard_views.ranges(translate.shard_key(request.shard))  # refused now, not after the wait
         link = self._link(context, site)
         first = True
         while True:

@@ -188,7 +188,9 @@ def test_a_non_finite_shard_drops_the_whole_site_for_the_round(
     bad[0] = float("nan")
     with pytest.raises(SiteAgentError, match="NaN or Inf.*whole update is dropped"):
         _upload(fs, bad, (1, 2, "dim0"))
-    with pytest.raises(RoundClosed, match="was rejected"):
+    # With fs refused the quorum of both sites cannot be met: the round aborted at once instead
+    # of waiting, so fs's retry finds it closed.
+    with pytest.raises(RoundClosed, match="round 0 is closed"):
         _upload(fs, torch.zeros(shard_numel(shapes, 1, 2)), (1, 2, "dim0"))
     # fs's held shard 0 went with it, and nothing of fs entered the sum.
     intake = server.rounds.intake
@@ -227,6 +229,10 @@ def test_a_rank_downloads_its_rows_of_the_weights_and_of_the_broadcast(
     fs.shard = pb.ShardRef(index=2, count=2, split="dim0")
     with pytest.raises(SiteAgentError, match=r"shard 2 of 2; count must be 1 \.\. \d+ and index 0 \.\. count-1"):
         fs.fetch_model(shard_numel(shapes, 1, 2))
+    # AwaitBroadcast refuses the impossible shard at once too, instead of holding the call open.
+    fs.shard = pb.ShardRef(index=9, count=4, split="dim0")
+    with pytest.raises(SiteAgentError, match=r"shard 9 of 4"):
+        fs.await_broadcast(1)
     assert torch.equal(server.rounds.weights, after)
     fs.close()
     other.close()

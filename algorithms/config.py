@@ -46,20 +46,36 @@ def require(condition: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
-def type_name(tp: Any) -> str:
-    """A human name for an annotation: ``float``, ``'uniform' | 'samples'``, ``int | None``."""
+_VALUE_WORDS: dict[Any, str] = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def value_description(tp: Any) -> str:
+    """What a config file must write for annotation ``tp``, in a file's words rather than
+    Python's: ``an integer``, ``a number (or leave the key out)``, ``one of 'uniform' | 'samples'``,
+    ``a list of integers``, ``a table``."""
     origin = get_origin(tp)
     if origin is Literal:
-        return " | ".join(repr(a) for a in get_args(tp))
+        return "one of " + " | ".join(repr(a) for a in get_args(tp))
     if origin in (Union, types.UnionType):
-        return " | ".join("None" if a is type(None) else type_name(a) for a in get_args(tp))
-    if origin in (list, tuple, dict):
         args = get_args(tp)
-        inner = ", ".join("..." if a is Ellipsis else type_name(a) for a in args)
-        return f"{origin.__name__}[{inner}]" if args else origin.__name__
-    if dataclasses.is_dataclass(tp):
-        return "table"
-    return getattr(tp, "__name__", str(tp))
+        words = " or ".join(value_description(a) for a in args if a is not type(None))
+        return f"{words} (or leave the key out)" if type(None) in args else words
+    if origin is list or origin is tuple:
+        items = [a for a in get_args(tp) if a is not Ellipsis]
+        if origin is tuple and len(items) > 1:
+            return f"a list of {len(items)} values ({', '.join(value_description(a) for a in items)})"
+        return f"a list of {_plural(value_description(items[0]))}" if items else "a list"
+    if origin is dict or tp is dict or dataclasses.is_dataclass(tp):
+        return "a table"
+    return _VALUE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _plural(words: str) -> str:
+    """``an integer`` -> ``integers``, ``a number`` -> ``numbers`` (others as they are)."""
+    for article in ("an ", "a "):
+        if words.startswith(article) and " " not in words[len(article):]:
+            return words[len(article):] + "s"
+    return words
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:
@@ -70,13 +86,13 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if origin is Literal:
         if value in get_args(tp) and not isinstance(value, bool):
             return value
-        raise ConfigError(key, f"got {value!r}; allowed values: {type_name(tp)}")
+        raise ConfigError(key, f"got {value!r}; allowed values: {' | '.join(repr(a) for a in get_args(tp))}")
     if origin in (Union, types.UnionType):
         args = get_args(tp)
         if value is None:
             if type(None) in args:
                 return None
-            raise ConfigError(key, f"must be set; expected {type_name(tp)}")
+            raise ConfigError(key, f"must be set; expected {value_description(tp)}")
         for arg in args:
             if arg is type(None):
                 continue
@@ -84,7 +100,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                 return _convert(value, arg, key)
             except ConfigError:
                 continue
-        raise ConfigError(key, f"got {value!r}; expected {type_name(tp)}")
+        raise ConfigError(key, f"got {value!r}; expected {value_description(tp)}")
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -93,17 +109,17 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         return config_from_dict(tp, value, prefix=key)
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(key, f"got {value!r}; expected {type_name(tp)}")
+            raise ConfigError(key, f"got {value!r}; expected {value_description(tp)}")
         (item_type,) = get_args(tp) or (Any,)
         return [_convert(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is tuple:
         args = get_args(tp)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(key, f"got {value!r}; expected {type_name(tp)}")
+            raise ConfigError(key, f"got {value!r}; expected {value_description(tp)}")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
-            raise ConfigError(key, f"got {len(value)} values; expected {type_name(tp)}")
+            raise ConfigError(key, f"got {len(value)} values; expected {value_description(tp)}")
         return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):

@@ -107,6 +107,24 @@ class ParamLayout:
             else:
                 p.grad.copy_(g)
 
+    def state_dict(self, flat: torch.Tensor, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """``flat`` as a normal ``state_dict``: parameter name -> tensor of its shape (views of
+        ``flat``, no copy). With ``model`` (of this layout's class), every key of
+        ``model.state_dict()``: the parameters from ``flat`` (a tied parameter under each of its
+        names), the buffers as ``model`` holds them; ``model`` itself is not changed, and
+        ``model.load_state_dict(result, strict=True)`` loads the weights of ``flat``."""
+        views = self.split(flat)
+        if model is None:
+            return views
+        list(self._params(model))  # the model must be of this layout
+        canonical = {id(p): name for name, p in model.named_parameters()}
+        params = {name: canonical[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+        return {
+            key: views[params[key]] if key in params else value.detach()
+            for key, value in model.state_dict(keep_vars=True).items()
+            if isinstance(value, torch.Tensor)  # a module's non-tensor extra state is not a weight
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able description (for checkpoints and per-tensor manifests)."""
         return {

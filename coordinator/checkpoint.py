@@ -26,14 +26,22 @@ the pointer records; the metadata must hold the keys the caller needs. A folder 
 but no pointer is refused too (the pointer holds the optimizer's scalar state, so those files
 cannot be resumed, and starting over beside them would silently discard a run):
 ``archive_previous_run`` moves such files aside when the operator asks for a new run.
+
+One coordinator at a time: ``CheckpointFolderLock`` holds ``coordinator.lock`` in the folder (an
+advisory ``flock``, released by the kernel when the process dies, so a killed coordinator leaves
+no stale lock; the file names the holder's pid and host for the refusal message).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import re
+import shutil
+import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +62,10 @@ ARCHIVE_PREFIX = "previous-run-"
 """Sub-folders where ``archive_previous_run`` moves the files of a run that is not resumed."""
 FRESH_HINT = "or start a new run with `--fresh` (`resume = false`), which moves the old files aside"
 """How every refusal ends: what the operator can do besides repairing the checkpoint."""
+LOCK_NAME = "coordinator.lock"
+"""The file ``CheckpointFolderLock`` holds in the checkpoint folder while a coordinator uses it."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be trusted (missing file, checksum mismatch, bad JSON)."""
 
@@ -125,13 +137,21 @@ def previous_run_files(directory: str | os.PathLike[str]) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name == POINTER_NAME or _round_of(p.name) is not None)
 
 
-def archive_previous_run(directory: str | os.PathLike[str]) -> Path | None:
+def archive_previous_run(
+    directory: str | os.PathLike[str], *, also: Sequence[str | os.PathLike[str]] = ()
+) -> Path | None:
     """Move a previous run's checkpoint files into a new ``previous-run-N`` sub-folder so a new
-    run starts beside them without deleting them; the sub-folder, or None when there was nothing."""
+    run starts beside them without deleting them; the sub-folder, or None when there was nothing.
+
+    ``also``: other files of the run (its ``metrics.jsonl``) that go into the same sub-folder
+    under their own names when they exist and are not empty, so a new run's records never follow
+    the old run's in one file."""
     files = previous_run_files(directory)
-    if not files:
+    extra = [Path(p) for p in also if Path(p).is_file() and Path(p).stat().st_size > 0]
+    if not files and not extra:
         return None
     folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
     n = 1
     while (folder / f"{ARCHIVE_PREFIX}{n}").exists():
         n += 1
@@ -139,8 +159,11 @@ def archive_previous_run(directory: str | os.PathLike[str]) -> Path | None:
     archive.mkdir()
     for path in files:
         os.replace(path, archive / path.name)
+    for path in extra:
+        shutil.move(path, archive / path.name)  # may be on another file system
+        fsync_dir(path.parent)
     fsync_dir(folder)
-    logger.warning("moved the previous run's checkpoint files (%d) to %s", len(files), archive)
+    logger.warning("moved the previous run's files (%d) to %s", len(files) + len(extra), archive)
     return archive
 
 
@@ -222,3 +245,81 @@ def load_latest_checkpoint(
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{tensor_path} cannot be read ({exc}); restore it from a backup, {FRESH_HINT}") from exc
     return Checkpoint(round=round_number, tensors=tensors, metadata=metadata, path=tensor_path)
+
+
+class CheckpointFolderLock:
+    """Exclusive use of a checkpoint folder by one coordinator process.
+
+    ``acquire`` takes an advisory ``flock`` on ``folder/coordinator.lock`` without waiting and
+    writes the holder's pid, host and start time into it; a second coordinator on the same folder
+    (another process, or another server in this one) gets a ``CheckpointError`` naming the holder
+    instead of resuming beside it, or moving its files aside. The kernel drops the lock when the
+    holder dies, so nothing stale is left to delete by hand; ``release`` removes the file.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, directory: str | os.PathLike[str]) -> CheckpointFolderLock:
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / LOCK_NAME
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _lock_holder(fd)
+                os.close(fd)
+                raise CheckpointError(
+                    f"{folder} is in use by another coordinator ({holder}); stop that one first, "
+                    "or give this one another checkpoint_dir"
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            # The holder may have released (and removed) the file between our open and our lock:
+            # then we hold a file nobody else will open; try again on the one at the path.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        holder = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (holder + "\n").encode(), 0)
+        return cls(path, fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __del__(self) -> None:
+        # A holder dropped without release() (an exception past its owner): drop the flock
+        # with the descriptor; the file stays, naming a holder that no longer holds it.
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def release(self) -> None:
+        """Remove the file and drop the lock (idempotent)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # while still holding it: no one can take it between
+        finally:
+            os.close(fd)  # closing the last descriptor drops the flock
+
+
+def _lock_holder(fd: int) -> str:
+    """What the holder wrote into the lock file (one line), or a placeholder if it wrote nothing."""
+    try:
+        text = os.pread(fd, 512, 0).decode(errors="replace").strip().splitlines()
+    except OSError:
+        text = []
+    return text[0] if text else "holder unknown: it has not written its pid yet"

@@ -88,8 +88,9 @@ class CoordinatorConfig:
     """Site names allowed to join (others get PERMISSION_DENIED); unset admits every site with
     a certificate from the CA (or any name in insecure mode)."""
     checkpoint_dir: str | None = None
-    """Where checkpoints go; a restart with the same config resumes from the newest one. Unset:
-    no checkpoints."""
+    """Where checkpoints go; a restart with the same config resumes from the newest one. One
+    coordinator at a time: while it runs it holds ``coordinator.lock`` there, and a second one
+    on the same folder is refused with the holder's pid and host. Unset: no checkpoints."""
     checkpoint_every: int = 1
     """Write a checkpoint after every this many rounds (and after the last round)."""
     checkpoint_keep: int = 2
@@ -98,10 +99,11 @@ class CoordinatorConfig:
     """Resume from the checkpoint in ``checkpoint_dir``; previous-run files there that cannot be
     resumed (tensor files without ``checkpoint.json``, a pointer that fails its checks) stop the
     start with an error instead of a silent new run. False (``geoloco coordinator --fresh``)
-    starts a new run at round 0 and moves the previous run's files into
-    ``checkpoint_dir/previous-run-N``."""
+    starts a new run at round 0 and, once the port is bound, moves the previous run's files (its
+    checkpoints and its ``metrics_path`` file) into ``checkpoint_dir/previous-run-N``."""
     metrics_path: str | None = None
-    """JSON-lines file receiving one record per round (appended across restarts)."""
+    """JSON-lines file receiving one record per round (appended across restarts that resume; a
+    new run with ``resume = false`` moves the previous run's file into ``previous-run-N``)."""
     tensorboard_dir: str | None = None
     """Also write each round's scalars (losses, bytes, round time, epsilon) as TensorBoard events
     into this folder (``geoloco.coordinator.tensorboard``); needs ``metrics_path`` and the

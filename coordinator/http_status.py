@@ -64,6 +64,7 @@ __all__ = [
     "HTTPStatusConfig",
     "StatusBoard",
     "StatusHTTPServer",
+    "StatusPortError",
     "config_summary",
     "is_loopback",
     "without_local_paths",
@@ -244,7 +245,7 @@ class StatusHTTPServer:
         try:
             server = _Server((host.strip("[]"), self.config.port), self, ipv6=":" in host)
         except OSError as err:
-            raise OSError(
+            raise StatusPortError(
                 f"cannot serve the status page on {host}:{self.config.port}: {err}; set [http] port "
                 "to a free port (0 = any), or enabled = false"
             ) from None
@@ -288,6 +289,10 @@ class StatusHTTPServer:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._server = None
+
+
+class StatusPortError(OSError):
+    """The status page's port could not be bound (told apart from the gRPC port's failure)."""
 
 
 class CoordinatorStatus:

@@ -10,8 +10,10 @@ previous run's files means:
 * resume on, files there that cannot be resumed (tensor files without a pointer, a bad pointer or
   file): ``CheckpointError``, one line saying what is wrong and what to do; a run is never
   silently started over beside them;
-* resume off: the previous run's files move into ``checkpoint_dir/previous-run-N`` and the run
-  starts at round 0.
+* resume off: the run starts at round 0, and the previous run's files (checkpoints and the
+  ``metrics_path`` file) move into ``checkpoint_dir/previous-run-N`` (``set_aside_previous_run``)
+  before its first round can be checkpointed. ``CoordinatorServer`` does that once its port is
+  bound, so a start that cannot serve leaves the previous run where it was.
 """
 
 from __future__ import annotations
@@ -38,15 +40,16 @@ REQUIRED_METADATA = ("strategy", "weights_digest")
 """Checkpoint metadata keys without which a run cannot be resumed exactly."""
 
 
-def start_round(config: CoordinatorConfig, phases: RoundPhases) -> int:
-    """Restore ``phases`` from ``config.checkpoint_dir`` as the module doc says; the round to open."""
+def start_round(config: CoordinatorConfig, phases: RoundPhases, *, set_aside: bool = True) -> int:
+    """Restore ``phases`` from ``config.checkpoint_dir`` as the module doc says; the round to open.
+    ``set_aside=False``: with resume off, leave a previous run's files where they are; the caller
+    moves them (``set_aside_previous_run``) before the first checkpoint."""
     folder = config.checkpoint_dir
     if folder is None:
         return 0
     if not config.resume:
-        archive = archive_previous_run(folder)
-        if archive is not None:
-            logger.warning("resume = false: starting a new run; the previous one is in %s", archive)
+        if set_aside:
+            set_aside_previous_run(config)
         return 0
     checkpoint = load_latest_checkpoint(folder, required_metadata=REQUIRED_METADATA)
     if checkpoint is None:
@@ -68,6 +71,19 @@ def start_round(config: CoordinatorConfig, phases: RoundPhases) -> int:
     phases.weights = restored
     _replay_round_record(config, phases, checkpoint)
     return checkpoint.round
+
+
+def set_aside_previous_run(config: CoordinatorConfig) -> Path | None:
+    """With ``resume = false``: move the previous run's checkpoint files and its non-empty
+    ``metrics_path`` file into ``checkpoint_dir/previous-run-N``; the sub-folder, or None when
+    there was nothing to move (or resume is on, or there is no checkpoint folder)."""
+    if config.resume or config.checkpoint_dir is None:
+        return None
+    also = [config.metrics_path] if config.metrics_path is not None else []
+    archive = archive_previous_run(config.checkpoint_dir, also=also)
+    if archive is not None:
+        logger.warning("resume = false: starting a new run; the previous one is in %s", archive)
+    return archive
 
 
 def _replay_round_record(config: CoordinatorConfig, phases: RoundPhases, checkpoint: Checkpoint) -> None:

@@ -109,7 +109,11 @@ class RoundStateMachine:
         eval_fn: EvalFn | None = None,
         clock: Callable[[], float] = time.monotonic,
         session_id: str | None = None,
+        set_aside_previous_run: bool = True,
     ) -> None:
+        """``set_aside_previous_run=False``: with ``resume = false``, leave a previous run's
+        files in ``checkpoint_dir``; the host moves them (``resume.set_aside_previous_run``)
+        before a round can close, as ``CoordinatorServer.start`` does once its port is bound."""
         if initial_weights.dim() != 1 or initial_weights.numel() != layout.numel:
             raise ValueError(
                 f"initial weights have shape {tuple(initial_weights.shape)}; the layout needs a flat "
@@ -177,7 +181,7 @@ class RoundStateMachine:
             eval_fn=eval_fn,
         )
         self.engine.restore_outer = self.phases.restore_outer
-        start_round = start_round_of(config, self.phases)
+        start_round = start_round_of(config, self.phases, set_aside=set_aside_previous_run)
         now = self.clock()
         ctx.round = ctx.new_round(start_round, now)
         if config.total_rounds and start_round >= config.total_rounds:

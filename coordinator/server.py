@@ -1,9 +1,13 @@
 """The coordinator process as a Python object: gRPC server, round driver thread, metrics.
 
-``CoordinatorServer(config, initial_weights, layout, eval_fn)`` owns a ``RoundStateMachine``;
-``start()`` binds the port (0 = a free one, returned) and starts a driver thread that wakes on
-every state change and at every deadline to run ``RoundStateMachine.poll`` (drop silent sites,
-close and aggregate rounds) and append each round's metrics to the JSON-lines file.
+``CoordinatorServer(config, initial_weights, layout, eval_fn)`` takes the checkpoint folder's
+lock (``CheckpointFolderLock``: a second coordinator on the folder is refused, naming the holder)
+and owns a ``RoundStateMachine``; ``start()`` binds the port (0 = a free one, returned) and the
+status page's, only then (``resume = false``) moves a previous run's checkpoints and metrics file
+aside and opens the metrics file, and starts a driver thread that wakes on every state change and
+at every deadline to run ``RoundStateMachine.poll`` (drop silent sites, close and aggregate
+rounds) and append each round's metrics to the JSON-lines file. A start that cannot serve
+leaves the checkpoint folder and the metrics file as they were.
 ``wait_until_finished`` blocks until the last round is broadcast and the sites left (or the drain
 timeout passed); ``stop`` wakes every waiting call with UNAVAILABLE and shuts the server down with
 a grace period. It is also a context manager.
@@ -15,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -25,9 +30,11 @@ from torch import nn
 from geoloco.algorithms.params import ParamLayout
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.admission import Admission
+from geoloco.coordinator.checkpoint import CheckpointFolderLock
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.http_status import CoordinatorStatus
 from geoloco.coordinator.metrics import MetricsWriter
+from geoloco.coordinator.resume import set_aside_previous_run
 from geoloco.coordinator.rounds import EvalFn, RoundStateMachine
 from geoloco.coordinator.servicer import CoordinatorServicer
 from geoloco.protos.transport_endpoints import add_coordinator_servicer, build_server, stop_server
@@ -54,15 +61,24 @@ class CoordinatorServer:
     ) -> None:
         """``initial_weights``: flat fp32 ``θ_0`` (``layout.flatten(model)``), ignored when
         ``config.checkpoint_dir`` holds a checkpoint. ``eval_fn(flat_weights) -> loss`` is
-        called every ``eval_every`` rounds; ``on_round_end(metrics)`` after every round."""
+        called every ``eval_every`` rounds; ``on_round_end(metrics)`` after every round.
+        Raises ``CheckpointError`` when another coordinator holds ``config.checkpoint_dir`` or
+        its checkpoint cannot be resumed."""
         self.config = config
-        self._metrics = (
-            MetricsWriter(config.metrics_path, tensorboard_dir=config.tensorboard_dir) if config.metrics_path else None
-        )
+        self._metrics: MetricsWriter | None = None  # opened by start(), after a fresh run's rotation
         self._user_on_round_end = on_round_end
-        self.rounds = RoundStateMachine(
-            config, initial_weights, layout, eval_fn=eval_fn, clock=clock
+        self.previous_run: Path | None = None
+        """Where ``start()`` moved a previous run's files (``resume = false``), or None."""
+        self._folder_lock = (
+            CheckpointFolderLock.acquire(config.checkpoint_dir) if config.checkpoint_dir is not None else None
         )
+        try:
+            self.rounds = RoundStateMachine(
+                config, initial_weights, layout, eval_fn=eval_fn, clock=clock, set_aside_previous_run=False
+            )
+        except BaseException:
+            self._release_folder()
+            raise
         self._server: grpc.Server | None = None
         self._port: int | None = None
         self._driver: threading.Thread | None = None
@@ -114,9 +130,12 @@ class CoordinatorServer:
         return None if self.http_status is None else self.http_status.http.url
 
     def start(self) -> int:
-        """Bind, start serving and return the port."""
+        """Bind, start serving and return the port. The previous run's files are moved aside
+        (``resume = false``) only once both ports are bound."""
         if self._server is not None:
             raise RuntimeError("the server is already started")
+        if self._stop.is_set():
+            raise RuntimeError("the server was stopped; build a new one")
         config = self.config
         limits = self.admission.limits
         server, port = build_server(
@@ -134,18 +153,30 @@ class CoordinatorServer:
             ],
             maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
         )
-        add_coordinator_servicer(
-            CoordinatorServicer(
-                self.rounds,
-                insecure=config.insecure,
-                chunk_size=config.chunk_size,
-                progress_interval_s=config.progress_interval_s,
-            ),
-            server,
-        )
-        if self.http_status is not None:
-            self.http_status.start()  # before gRPC: a busy HTTP port fails the start cleanly
-        server.start()
+        try:
+            if self.http_status is not None:
+                self.http_status.start()  # before serving: a busy HTTP port fails the start cleanly
+            self.previous_run = set_aside_previous_run(config)
+            if config.metrics_path:
+                self._metrics = MetricsWriter(config.metrics_path, tensorboard_dir=config.tensorboard_dir)
+            add_coordinator_servicer(
+                CoordinatorServicer(
+                    self.rounds,
+                    insecure=config.insecure,
+                    chunk_size=config.chunk_size,
+                    progress_interval_s=config.progress_interval_s,
+                ),
+                server,
+            )
+            server.start()
+        except BaseException:
+            server.stop(None)  # releases the bound port
+            if self.http_status is not None:
+                self.http_status.http.stop()
+            if self._metrics is not None:
+                self._metrics.close()
+                self._metrics = None
+            raise
         self.admission.start()
         self._server, self._port = server, port
         self._driver = threading.Thread(target=self._drive, name="geoloco-round-driver", daemon=True)
@@ -205,7 +236,12 @@ class CoordinatorServer:
             self._metrics.close()
         if self.http_status is not None:
             self.http_status.stop()
+        self._release_folder()
         logger.info("coordinator session %s stopped", self.session_id)
+
+    def _release_folder(self) -> None:
+        if self._folder_lock is not None:
+            self._folder_lock.release()
 
     def __enter__(self) -> CoordinatorServer:
         if self._server is None:

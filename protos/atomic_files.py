@@ -20,7 +20,14 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["SAFETENSORS_DTYPES", "atomic_write", "atomic_write_safetensors", "file_sha256", "fsync_dir"]
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "atomic_write",
+    "atomic_write_safetensors",
+    "file_sha256",
+    "fsync_dir",
+    "model_file_metadata",
+]
 
 _HASH_BLOCK = 16 << 20
 """Bytes read at a time when verifying a file's checksum."""
@@ -70,8 +77,12 @@ def atomic_write(path: Path, data: bytes) -> None:
     _atomic_write_with(path, lambda f: f.write(data))
 
 
-def _safetensors_header(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+def _safetensors_header(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[torch.Tensor]]:
     header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     ordered = []
     offset = 0
     for name, tensor in tensors.items():
@@ -94,14 +105,17 @@ def _safetensors_header(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[t
     return len(text).to_bytes(8, "little") + text, ordered
 
 
-def atomic_write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """Write ``tensors`` to ``path`` as a safetensors file, atomically; returns its SHA-256."""
+def atomic_write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> str:
+    """Write ``tensors`` to ``path`` as a safetensors file, atomically; returns its SHA-256.
+    ``metadata``: the file's ``__metadata__`` (string to string, as safetensors defines it)."""
     if sys.byteorder != "little":  # pragma: no cover - geoloco runs on little-endian machines
         raise RuntimeError("safetensors files are little-endian; this machine is not")
     digest = hashlib.sha256()
 
     def write(f: IO[bytes]) -> None:
-        header, ordered = _safetensors_header(tensors)
+        header, ordered = _safetensors_header(tensors, metadata)
         f.write(header)
         digest.update(header)
         for tensor in ordered:
@@ -113,6 +127,18 @@ def atomic_write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> st
 
     _atomic_write_with(path, write)
     return digest.hexdigest()
+
+
+def model_file_metadata(round_number: int, digest: str, workload: dict[str, Any]) -> dict[str, str]:
+    """The ``__metadata__`` of a model file the coordinator exports or a site saves at its end
+    (a ``state_dict`` of the global weights): ``format = pt`` (what Hugging Face's loaders look
+    for), the round the weights are of, their digest and the run's ``[workload]`` table."""
+    return {
+        "format": "pt",
+        "geoloco_round": str(round_number),
+        "geoloco_weights_digest": digest,
+        "geoloco_workload": json.dumps(workload, sort_keys=True),
+    }
 
 
 def file_sha256(path: Path) -> str:

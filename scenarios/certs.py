@@ -106,8 +106,8 @@ def _refuse_overwrite(paths: Iterable[Path], force: bool, what: str) -> None:
     existing = [str(p) for p in paths if p.exists()]
     if existing and not force:
         raise FileExistsError(
-            f"{what} already exists ({', '.join(existing)}); pass force=True (--force) to "
-            "replace it"
+            f"{what} already exists ({', '.join(existing)}); add --force to replace it "
+            "(force=True from Python)"
             + (", which invalidates every certificate it signed" if what == "CA" else "")
         )
 

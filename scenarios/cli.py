@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "geoloco.scenarios.plan_cmd",
     "tune": "geoloco.scenarios.tune_cmd",
     "relay": "geoloco.scenarios.relay_cmd",
+    "export": "geoloco.scenarios.export_cmd",
 }
 
 

@@ -11,7 +11,8 @@ for every key with a comment.
 
 Contract with launchers and tests (stdout, one line each, flushed):
 
-* ``geoloco-coordinator starting at round R (...)`` once the checkpoint (if any) is loaded;
+* ``geoloco-coordinator starting at round R (...)`` once the checkpoint (if any) is loaded and
+  the ports are bound;
 * ``geoloco-coordinator status page on URL`` (unless ``[http] enabled = false``), just before
   the listening line: ``/metrics`` for Prometheus and the live status page;
 * ``geoloco-coordinator listening on HOST:PORT`` once the server accepts calls (``--port 0``
@@ -28,7 +29,8 @@ Contract with launchers and tests (stdout, one line each, flushed):
 
 Exit status: 0 when the run finished or a signal stopped it gracefully, 2 for a bad config or
 flag (the message names the file, the key and what is allowed; never a traceback), 1 for a
-failure at run time (corrupt checkpoint, port in use). Logs go to stderr.
+failure at run time (corrupt checkpoint, port in use, another coordinator holding the checkpoint
+folder). Logs go to stderr.
 """
 
 from __future__ import annotations
@@ -168,9 +170,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--fresh",
         action="store_true",
-        help="start a new run at round 0 even when checkpoint_dir holds a previous run (its files "
-        "move into checkpoint_dir/previous-run-N); sets `resume = false`. Without it the "
-        "coordinator resumes, and refuses to start beside files it cannot resume",
+        help="start a new run at round 0 even when checkpoint_dir holds a previous run (its "
+        "checkpoints and metrics file move into checkpoint_dir/previous-run-N once the port is "
+        "bound); sets `resume = false`. Without it the coordinator resumes, and refuses to start "
+        "beside files it cannot resume. Refused while another coordinator holds checkpoint_dir",
     )
     parser.set_defaults(handler=run)
 
@@ -312,6 +315,19 @@ def privacy_summary_line(record: Mapping[str, Any]) -> str:
     return line
 
 
+def _bind_error(config: Any, err: BaseException) -> str:
+    """One line for a start that could not bind: which port (gRPC or the status page's)."""
+    from geoloco.coordinator.http_status import StatusPortError
+
+    if isinstance(err, StatusPortError):
+        return f"{err} (on the command line: --http-port)"
+    moved = " (nothing was moved: the previous run's files are where they were)" if not config.resume else ""
+    return (
+        f"cannot listen on {config.host}:{config.port}: {err}; is another coordinator using that "
+        f"port?{moved}"
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     config, workload = load_config(args)
     stop = GracefulStop().install()
@@ -368,23 +384,22 @@ def _serve(config: Any, spec: Any, source: str, stop: GracefulStop) -> int:
         raise ConfigFileError(source, "", str(err)) from None
     rounds = server.rounds
     rounds.events.add_listener(on_event)
-    how = (
-        f"resumed from checkpoint in {config.checkpoint_dir}"
-        if rounds.round > 0 and config.checkpoint_dir is not None
-        else "new run"
-    )
-    say(STARTING_LINE.format(round=rounds.round, how=how))
     try:
         port = server.start()
     except FileNotFoundError as err:  # TLS files
+        server.stop(grace=0)
         raise ConfigFileError(source, "certs_dir", str(err)) from None
     except (OSError, RuntimeError) as err:
-        print(
-            f"geoloco coordinator: error: cannot listen on {config.host}:{config.port}: {err}; "
-            "is another coordinator using that port?",
-            file=sys.stderr,
-        )
+        server.stop(grace=0)
+        print(f"geoloco coordinator: error: {_bind_error(config, err)}", file=sys.stderr)
         return EXIT_RUNTIME_ERROR
+    if rounds.round > 0 and config.checkpoint_dir is not None:
+        how = f"resumed from checkpoint in {config.checkpoint_dir}"
+    elif server.previous_run is not None:
+        how = f"new run; the previous run's files are in {server.previous_run}"
+    else:
+        how = "new run"
+    say(STARTING_LINE.format(round=rounds.round, how=how))
     if server.status_url is not None:
         say(STATUS_PAGE_LINE.format(url=server.status_url))
     say(LISTENING_LINE.format(host=config.host, port=port))

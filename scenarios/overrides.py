@@ -95,6 +95,39 @@ def _field_type(schema: Any, path: Sequence[str]) -> Any:
     return _unwrap(current)
 
 
+def _is_list(schema: Any, path: Sequence[str]) -> bool:
+    """Whether the schema says ``path`` is a list (``sites``, which a file may also write as one
+    ``[sites]`` table with ``count``)."""
+    return schema is not None and typing.get_origin(_field_type(schema, path)) is list
+
+
+def _as_list(table: dict[str, Any], key: str, where: str, source: str) -> list[dict[str, Any]]:
+    """A ``[sites]`` table with ``count`` as the list it stands for (``count`` copies of its
+    other keys), so ``--set sites.2.speed_factor=0.5`` changes site 2 alone."""
+    count = table.get("count")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigFileError(
+            source, where,
+            f"--set {key}: the [{where}] table describes every entry alike; set {where}.count first "
+            f"(--set {where}.count=N before this one) to index them",
+        )
+    index = int(key.split(".")[len(where.split("."))])
+    if index >= count:
+        raise ConfigFileError(
+            source, f"{where}.{index}",
+            f"--set {key}: index out of range: [{where}] has count = {count}, so index it with "
+            f"0..{count - 1} (or raise {where}.count first)",
+        )
+    shared = {k: v for k, v in table.items() if k != "count"}
+    return [dict(shared) for _ in range(count)]
+
+
+def _index_error(key: str, part: str, length: int) -> str:
+    if part.isdigit():
+        return f"--set {key}: index out of range: the list has {length} entries, so index it with 0..{length - 1}"
+    return f"--set {key}: {part!r} is not an index: this is a list of {length} entries, index it with 0..{length - 1}"
+
+
 def _typed(text: str, annotation: Any) -> Any:
     if annotation is str:
         return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text
@@ -113,13 +146,15 @@ def apply_overrides(
         key, value_text = parse_override(text)
         parts = key.split(".")
         node: Any = raw
+        parent: Any = None
         for depth, part in enumerate(parts[:-1]):
             where = ".".join(parts[: depth + 1])
+            if isinstance(node, dict) and part.isdigit() and depth > 0 and _is_list(schema, parts[:depth]):
+                node = parent[parts[depth - 1]] = _as_list(node, key, ".".join(parts[:depth]), source)
+            parent = node
             if isinstance(node, list):
                 if not part.isdigit() or int(part) >= len(node):
-                    raise ConfigFileError(
-                        source, where, f"--set {key}: index into the list with 0..{len(node) - 1}"
-                    )
+                    raise ConfigFileError(source, where, _index_error(key, part, len(node)))
                 node = node[int(part)]
                 continue
             child = node.setdefault(part, {})
@@ -127,10 +162,12 @@ def apply_overrides(
                 raise ConfigFileError(source, where, f"--set {key}: {where} is a value, not a table")
             node = child
         last = parts[-1]
+        if isinstance(node, dict) and last.isdigit() and len(parts) > 1 and _is_list(schema, parts[:-1]):
+            node = parent[parts[-2]] = _as_list(node, key, ".".join(parts[:-1]), source)
         value = _typed(value_text, _field_type(schema, parts) if schema is not None else None)
         if isinstance(node, list):
             if not last.isdigit() or int(last) >= len(node):
-                raise ConfigFileError(source, key, f"--set {key}: index into the list with 0..{len(node) - 1}")
+                raise ConfigFileError(source, key, _index_error(key, last, len(node)))
             node[int(last)] = value
         else:
             node[last] = value

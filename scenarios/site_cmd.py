@@ -32,6 +32,8 @@ Contract with launchers and tests (stdout of rank 0, one line each, flushed):
 * ``geoloco-site NAME round R training`` when it starts the inner steps of a round;
 * ``geoloco-site NAME round R: loss=X included=yes|no contributors=N next_round=R' digest=D``
   after every round it trained;
+* with ``--save-final FILE``, just before the last line: ``geoloco-site NAME saved the global
+  model of round R to FILE (digest D)``;
 * ``geoloco-site NAME finished: ...`` / ``geoloco-site NAME stopped (SIGTERM): ...`` at the end,
   with ``final_round``, ``rounds_trained``, ``rounds_included``, ``digest``.
 
@@ -68,7 +70,7 @@ from geoloco.scenarios.config_file import (
 from geoloco.scenarios.coordinator_cmd import GracefulStop
 from geoloco.scenarios.overrides import parse_value
 from geoloco.scenarios.sharded_site_cmd import add_sharding_arguments, check_sharding_flags, run_sharded
-from geoloco.scenarios.site_lines import ADVERTISED, PROGRAM, join_line, round_line, summary_line
+from geoloco.scenarios.site_lines import ADVERTISED, PROGRAM, join_line, round_line, saved_line, summary_line
 from geoloco.site_agent.client_streams import parse_parallel_streams
 
 if TYPE_CHECKING:  # the workloads import torch; `geoloco --help` stays fast without it
@@ -221,6 +223,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="save this site's state here at every round boundary (weights, inner optimizer, "
         "error-feedback residuals, data position) and resume from it when restarted with the "
         "same folder; one folder per site and run (default: not saved)",
+    )
+    parser.add_argument(
+        "--save-final",
+        type=Path,
+        metavar="FILE",
+        help="when the site leaves (run finished, --max-rounds, or a signal), write the global "
+        "model it holds as a state_dict in a safetensors file (the workload's parameter names; "
+        "model.load_state_dict(load_file(FILE), strict=True) loads it); not with --sharding fsdp",
     )
     parser.add_argument(
         "--parallel-streams",
@@ -424,6 +434,16 @@ def _run(args: argparse.Namespace) -> int:
             f"got {args.workload!r}; allowed values: {', '.join(WORKLOADS)}",
         )
     check_sharding_flags(args)
+    save_final = getattr(args, "save_final", None)
+    if save_final is not None and args.sharding == "fsdp":
+        raise ConfigFileError(
+            COMMAND_LINE,
+            "--save-final",
+            "is not available with --sharding fsdp (each rank holds only its rows of the model); "
+            "write the model from the coordinator's checkpoints with `geoloco export CHECKPOINT_DIR --out FILE`",
+        )
+    if save_final is not None and save_final.is_dir():
+        raise ConfigFileError(COMMAND_LINE, "--save-final", f"{save_final} is a folder; name the file to write")
     if args.insecure:
         print(
             "geoloco site: WARNING: --insecure: plain-text gRPC without authentication; use only "
@@ -567,5 +587,23 @@ def _run(args: argparse.Namespace) -> int:
             if site_metrics is not None:
                 site_metrics.stop()
         if group.is_leader:
+            if save_final is not None and not _save_final(agent, args.name, save_final):
+                return EXIT_RUNTIME_ERROR
             print(summary_line(args.name, summary, stop.signal_name), flush=True)
     return EXIT_OK
+
+
+def _save_final(agent: Any, site: str, path: Path) -> bool:
+    """``--save-final``: write the global model the site holds; False (and one line) on failure."""
+    from geoloco.site_agent.client import SiteAgentError
+
+    try:
+        written = agent.save_global_model(path)
+    except SiteAgentError as err:
+        logger.warning("--save-final: nothing written: %s", err)
+        return True
+    except OSError as err:
+        print(f"geoloco site: error: --save-final: cannot write {path}: {err}", file=sys.stderr)
+        return False
+    print(saved_line(site, written, agent.held_round, agent.weights_digest), flush=True)
+    return True

@@ -39,3 +39,8 @@ def summary_line(site: str, summary: Any, stopped_by: str | None) -> str:
         f"rounds_trained={summary.rounds_trained} rounds_included={summary.rounds_included} "
         f"run_finished={'yes' if summary.run_finished else 'no'} digest={summary.weights_digest}"
     )
+
+
+def saved_line(site: str, path: Any, round_number: int, digest: str | None) -> str:
+    """``--save-final``: the global model of ``round_number`` was written to ``path``."""
+    return f"{PROGRAM} {site} saved the global model of round {round_number} to {path} (digest {digest})"

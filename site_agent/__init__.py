@@ -11,7 +11,7 @@
 - ``config``: ``SiteAgentConfig`` (device, bf16 autocast, clipping, retries), ``SiteHooks``,
   ``RoundResult``, ``JoinInfo``.
 - ``client``: ``CoordinatorClient`` (retries with backoff and jitter, resumable transfers) and the
-  errors the agent raises (``SiteAgentError``, ``CoordinatorUnreachableError``).
+  errors the agent raises (``SiteAgentError``, ``CoordinatorUnreachableError``, ``TLSSetupError``).
 - ``distributed``: intra-site ``torch.distributed`` groups for multi-GPU sites (``init_from_env``).
 - ``connectivity``: prompt reconnection when the path to the coordinator comes back.
 - ``persist``: the site's state saved under ``state_dir`` at every round boundary (written with
@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "CoordinatorClient": "geoloco.site_agent.client",
     "CoordinatorUnreachableError": "geoloco.site_agent.client",
     "SiteAgentError": "geoloco.site_agent.client",
+    "TLSSetupError": "geoloco.site_agent.client",
     "IntraSiteGroup": "geoloco.site_agent.distributed",
     "init_from_env": "geoloco.site_agent.distributed",
 }

@@ -56,9 +56,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -69,6 +71,7 @@ from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.strategy import build_strategy
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.atomic_files import atomic_write_safetensors, model_file_metadata
 from geoloco.protos.identity import validate_site_name
 from geoloco.protos.transport_tls import TLSFiles
 from geoloco.site_agent.client import (
@@ -231,6 +234,25 @@ class SiteAgent:
     def weights_digest(self) -> str | None:
         return self.state.digest
 
+    def save_global_model(self, path: str | os.PathLike[str]) -> Path:
+        """Write the global weights this site holds (``θ_held_round``, the run's model after
+        ``run()`` finished it) to ``path`` as a normal ``state_dict`` in safetensors: every key
+        of ``module.state_dict()``, the parameters from the global weights and the buffers as
+        the module holds them, so ``model.load_state_dict(load_file(path), strict=True)`` loads
+        it. The module itself is not changed. Raises ``SiteAgentError`` before the first join."""
+        flat = self.state.global_weights_or_none
+        if flat is None or self.state.digest is None:
+            raise SiteAgentError(f"site {self.site} holds no global weights yet (it never joined)")
+        state = self.layout.state_dict(flat.detach(), self.module)
+        try:
+            workload = json.loads(self.state.run_config.config_json or "{}").get("workload") or {}
+        except (ValueError, AttributeError):
+            workload = {}
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_safetensors(target, state, model_file_metadata(self.held_round, self.state.digest, workload))
+        return target
+
     def uplink_residual(self, fragment: int = 0) -> torch.Tensor | None:
         """What the uplink's error feedback (plain or secure) holds back for ``fragment``'s
         next update; None before the first join, without error feedback or before an encode."""
@@ -340,6 +362,16 @@ class SiteAgent:
         new_session = response.session_id != previous_session
         self._configure_rounds(state.adopt_run_config(response.config))
         coordinator_round = response.round.round
+        known_round = max(state.held_round if has_weights else 0, state.coordinator_round)
+        if previous_session and new_session and coordinator_round < known_round:
+            logger.warning(
+                "site %s: the coordinator's run went BACKWARDS: its new session %s is at round %d, "
+                "this site was at round %d; the site takes the coordinator's weights and drops its "
+                "own work since. If that was not meant, check whether the coordinator was restarted "
+                "with --fresh (resume = false) or another checkpoint_dir; a run moved aside is in "
+                "checkpoint_dir/previous-run-N",
+                self.site, response.session_id[:8], coordinator_round, known_round,
+            )
         state.joined(response.round)
         runner = self._runner()
         has_pending = runner.rejoined(

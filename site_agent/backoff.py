@@ -86,7 +86,8 @@ class Backoff:
             raise CoordinatorUnreachableError(
                 f"{self.what}: no successful answer from the coordinator at {self.target} for "
                 f"{elapsed:.0f} s ({self.failures} attempts, last error {describe_error(error)}); check "
-                "that it is running and reachable, or raise give_up_after_s"
+                "that it is running and reachable from here, or wait longer before giving up: "
+                "--give-up-after SECONDS (give_up_after_s in SiteAgentConfig)"
             ) from None
         pause = min(self.delay, self._cap()) * random.uniform(0.5, 1.0)
         logger.log(

@@ -41,14 +41,14 @@ from geoloco.protos.transport_options import (
     UPLOAD_STATUS_TIMEOUT_S,
     transfer_timeout,
 )
-from geoloco.protos.transport_tls import TLSFiles
+from geoloco.protos.transport_tls import TLSFiles, check_tls_files
 from geoloco.protos.wire_assembly import Download, read_broadcast_stream, read_model_stream
 from geoloco.protos.wire_buffers import IncompleteError, WireError
 from geoloco.protos.wire_chunks import message_nbytes
 from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.site_agent.backoff import Backoff, describe_error
 from geoloco.site_agent.client_broadcast import ExtraStreams, OpenBroadcast, on_header
-from geoloco.site_agent.client_retry import TRANSIENT_CODES, TransientWireError, wire_retrying
+from geoloco.site_agent.client_retry import TRANSIENT_CODES, HandshakeWatch, TransientWireError, wire_retrying
 from geoloco.site_agent.client_streams import (
     StreamChannels,
     StreamPlanner,
@@ -64,6 +64,7 @@ from geoloco.site_agent.errors import (
     RoundClosed,
     RunFinished,
     SiteAgentError,
+    TLSSetupError,
     UpdateRejected,
 )
 
@@ -75,6 +76,7 @@ __all__ = [
     "RoundClosed",
     "RunFinished",
     "SiteAgentError",
+    "TLSSetupError",
     "UpdateRejected",
 ]
 
@@ -120,6 +122,11 @@ class CoordinatorClient:
         server_name: str | None = None,
         interceptors: Iterable[Any] = (),
     ) -> None:
+        if tls is not None:  # a certificate of another CA is named before anything is dialled
+            try:
+                check_tls_files(tls, name=site)
+            except ValueError as err:
+                raise TLSSetupError(str(err)) from None
         self.target = target
         self.site = site
         self.config = config
@@ -141,6 +148,8 @@ class CoordinatorClient:
         """Channels of the 2nd..Kth stream of a parallel upload (``client_streams``)."""
         self._raw_channel = channel
         self._stub = coordinator_stub(self._channel)
+        self._handshakes = HandshakeWatch(target, tls=tls, insecure=insecure, server_name=server_name, name=site)
+        """Names a TLS mistake behind failed connections and stops the retries it makes futile."""
         self.session_id: str = ""
         self.shard: pb.ShardRef | None = None
         """Set on the client of one rank of a sharded site (``geoloco.site_agent.sharded``):
@@ -175,7 +184,7 @@ class CoordinatorClient:
             # a restart of this process): either way the round's broadcast settles it.
             return RoundClosed(describe_error(error))
         if code in TRANSIENT_CODES:
-            return None
+            return self._handshakes.failed(error)
         if code == grpc.StatusCode.INVALID_ARGUMENT and reason == pb.ERROR_REASON_BAD_MANIFEST:
             return UpdateRejected(describe_error(error))
         return SiteAgentError(f"the coordinator at {self.target} refused the request: {describe_error(error)}")
@@ -203,9 +212,12 @@ class CoordinatorClient:
                 raise AgentStopped()
             backoff.attempting()
             try:
-                return attempt()
+                result = attempt()
             except grpc.RpcError as error:
                 backoff.failed(error)
+                continue
+            self._handshakes.succeeded()
+            return result
 
     def _track(self, call: Any) -> Any:
         with self._lock:

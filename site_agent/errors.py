@@ -10,6 +10,7 @@ __all__ = [
     "RoundClosed",
     "RunFinished",
     "SiteAgentError",
+    "TLSSetupError",
     "UpdateRejected",
 ]
 
@@ -20,6 +21,11 @@ class SiteAgentError(RuntimeError):
 
 class CoordinatorUnreachableError(SiteAgentError):
     """No successful call for ``give_up_after_s`` seconds."""
+
+
+class TLSSetupError(SiteAgentError):
+    """A TLS mistake (wrong CA, a host name the coordinator's certificate does not name, plain
+    text against TLS) that retrying cannot fix: the message names it and what to do."""
 
 
 class AgentStopped(Exception):

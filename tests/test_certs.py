@@ -55,7 +55,7 @@ def test_init_writes_a_p256_ca_with_private_key_modes(ca_dir: Path):
 
 def test_init_refuses_to_overwrite_without_force(ca_dir: Path):
     before = (ca_dir / "ca.crt").read_bytes()
-    with pytest.raises(FileExistsError, match="force"):
+    with pytest.raises(FileExistsError, match="add --force to replace it"):
         certs.init_ca(ca_dir)
     assert (ca_dir / "ca.crt").read_bytes() == before
     certs.init_ca(ca_dir, force=True)

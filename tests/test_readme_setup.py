@@ -27,3 +27,12 @@ def test_no_tracked_file_is_ignored() -> None:
     assert not tracked_but_ignored, (
         f"tracked although .gitignore names them: {tracked_but_ignored}; `git rm -r --cached` them"
     )
+
+
+@pytest.mark.parametrize("path", [".venv/bin/python", "venv/bin/python", "geoloco.egg-info/PKG-INFO"])
+def test_what_the_setup_writes_is_ignored(path: str) -> None:
+    """The virtual environment the README creates (``python -m venv .venv``) is not for git."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    proc = subprocess.run(["git", "check-ignore", "--no-index", "-q", path], cwd=ROOT, check=False)
+    assert proc.returncode == 0, f"{path} is not ignored: add it to .gitignore"

@@ -17,6 +17,7 @@ from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.compression import Encoded, parse_codec
 from geoloco.coordinator import translate
 from geoloco.coordinator.broadcast_store import PreparedBroadcast
+from geoloco.coordinator.checkpoint import LOCK_NAME
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos.wire_chunks import broadcast_responses, iter_chunks
@@ -131,7 +132,7 @@ def test_a_site_applies_a_broadcast_served_from_a_file_over_grpc(tmp_path: Path)
         assert record is not None and isinstance(record.data, FileBlob)
         assert delta is not None and bytes(delta) == record.data.to_bytes()
         assert header.delta.checksum.digest == record.data_sha256
-        checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+        checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name != LOCK_NAME)
         assert checkpoints == ["checkpoint.json", "round-000001.safetensors"]  # no broadcast file left
     finally:
         client.close()

@@ -55,13 +55,28 @@ def test_values_are_typed_by_the_schema() -> None:
     [
         ("noequals", "expected KEY=VALUE"),
         ("=3", "expected KEY=VALUE"),
-        ("sites.5.name=x", r"index into the list with 0..1"),
+        ("sites.5.name=x", r"sites.5.name: index out of range: the list has 2 entries, so index it with 0..1"),
         ("sites.0.name.deep=x", "is a value, not a table"),
     ],
 )
 def test_malformed_overrides_name_what_is_wrong(override: str, message: str) -> None:
     with pytest.raises(ConfigFileError, match=message):
         apply_overrides({"sites": [{"name": "a"}, {"name": "b"}]}, [override], "test", SimulatorConfig)
+
+
+def test_a_sites_table_with_count_is_indexed_like_the_list_it_stands_for() -> None:
+    """``[sites] count = 4``: ``sites.2.x`` sets site 2 alone; ``sites.7.x`` is out of range
+    (it used to read as an unknown key ``sites.7``)."""
+    raw = apply_overrides(
+        {"sites": {"count": 4, "latency_s": 0.1}}, ["sites.2.speed_factor=0.5"], "test", SimulatorConfig
+    )
+    config = SimulatorConfig.from_dict(raw)
+    assert [s.speed_factor for s in config.sites] == [1.0, 1.0, 0.5, 1.0]
+    assert all(s.latency_s == 0.1 for s in config.sites)
+    with pytest.raises(ConfigFileError) as info:
+        apply_overrides({"sites": {"count": 4}}, ["sites.7.speed_factor=0.5"], "test", SimulatorConfig)
+    assert "index out of range" in str(info.value) and "0..3" in str(info.value)
+    assert "unknown key" not in str(info.value)
 
 
 def test_simulate_print_config_shows_overrides_and_defaults(capsys: pytest.CaptureFixture[str]) -> None:

@@ -188,7 +188,7 @@ def test_agent_gives_up_with_a_clear_error_when_no_coordinator_answers(certs: Pa
         tls=TLSFiles.from_dir(certs, "solo"),
         config=SiteAgentConfig(device="cpu", give_up_after_s=0.5, backoff_initial_s=0.05),
     )
-    with pytest.raises(CoordinatorUnreachableError, match=f"localhost:{port}.*give_up_after_s"):
+    with pytest.raises(CoordinatorUnreachableError, match=f"localhost:{port}.*--give-up-after SECONDS"):
         agent.run()
 
 

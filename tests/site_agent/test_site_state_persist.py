@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 from pathlib import Path
 
@@ -222,3 +223,31 @@ def test_trainer_state_round_trips_the_lr_step_data_position_and_next_steps_exac
     first.train_steps(5)
     second.train_steps(5)
     assert torch.equal(first.flatten(), second.flatten())
+
+
+def test_a_site_warns_loudly_when_the_coordinators_run_goes_backwards(
+    certs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A coordinator restarted with ``--fresh`` by mistake is at round 0 in a new session; the
+    site, which held round 2, says so at WARNING (what happened, what to check) in one line."""
+    mlp = MLPWorkload()
+    state_dir = tmp_path / "state"
+    settings = {"total_rounds": 6, "min_sites": 1, "seed": 0, "algorithm": AlgorithmConfig(inner_steps=2)}
+    first = start_coordinator(certs, mlp.build_model(0), **settings)
+    try:
+        assert _run(make_agent(mlp, first, certs, "a", index=0, num_sites=1, seed=0, config=_config(state_dir)), 2)
+    finally:
+        first.stop(grace=0)
+    fresh = start_coordinator(certs, mlp.build_model(0), **settings)
+    try:
+        caplog.set_level(logging.WARNING, logger="geoloco.site_agent")
+        agent = make_agent(mlp, fresh, certs, "a", index=0, num_sites=1, seed=0, config=_config(state_dir))
+        assert agent.held_round == 2
+        summary = _run(agent, 3)
+        assert summary.final_round == 1  # it took the new run's weights and went on from round 0
+    finally:
+        fresh.stop(grace=0)
+    warnings = [r.getMessage() for r in caplog.records if "BACKWARDS" in r.getMessage()]
+    assert len(warnings) == 1 and "\n" not in warnings[0], [r.getMessage() for r in caplog.records]
+    assert "round 0" in warnings[0] and "at round 2" in warnings[0] and "--fresh" in warnings[0]
+    assert [r.levelno for r in caplog.records if "BACKWARDS" in r.getMessage()] == [logging.WARNING]

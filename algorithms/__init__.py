@@ -5,8 +5,9 @@ real coordinator and site agents, so both produce the same weights:
 
 - ``params``: the flat fp32 global vector (``ParamLayout``, ``flatten_params``, ``load_flat_``,
   ``weights_digest``, ``derive_seed``).
-- ``optimizers``: inner / outer optimizer configs and registries, ``OuterOptimizer`` (a real
-  ``torch.optim`` optimizer fed the pseudo-gradient in ``.grad``), state as tensors + JSON.
+- ``optimizers``: inner / outer optimizer configs and registries (``register_outer_optimizer``
+  adds a plug-in's), ``OuterOptimizer`` (a real ``torch.optim`` optimizer fed the
+  pseudo-gradient in ``.grad``), state as tensors + JSON.
 - ``diloco``: the round's math (``run_inner_steps``, ``pseudo_gradient``, ``UpdateEncoder`` with
   error feedback, ``encode_downlink`` / ``apply_downlink``); ``aggregation``: ``RunningSum``.
 - ``strategy``: the ``Strategy`` interface (fragments built in: plain DiLoCo is one fragment)
@@ -39,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "OUTER_OPTIMIZERS": "geoloco.algorithms.optimizers",
     "OuterOptimizer": "geoloco.algorithms.optimizers",
     "OuterOptimizerConfig": "geoloco.algorithms.optimizers",
+    "OuterOptimizerSpec": "geoloco.algorithms.optimizers",
     "ParamLayout": "geoloco.algorithms.params",
     "RoundPlan": "geoloco.algorithms.strategy",
     "Round": "geoloco.algorithms.round",
@@ -70,6 +72,7 @@ _EXPORTS: dict[str, str] = {
     "load_optimizer_state_": "geoloco.algorithms.optimizers",
     "optimizer_state_tensors": "geoloco.algorithms.optimizers",
     "pseudo_gradient": "geoloco.algorithms.diloco",
+    "register_outer_optimizer": "geoloco.algorithms.optimizers",
     "run_inner_steps": "geoloco.algorithms.diloco",
     "simulate": "geoloco.algorithms.simulator",
     "transfer_time": "geoloco.algorithms.clock",

@@ -25,8 +25,11 @@ __all__ = [
     "InnerOptimizerConfig",
     "OuterOptimizer",
     "OuterOptimizerConfig",
+    "OuterOptimizerFactory",
+    "OuterOptimizerSpec",
     "load_optimizer_state_",
     "optimizer_state_tensors",
+    "register_outer_optimizer",
     "split_flat_optimizer_state",
 ]
 
@@ -194,11 +197,21 @@ class InnerOptimizerConfig:
 # Outer optimizer (what the coordinator applies to the averaged pseudo-gradient)
 
 
+OuterOptimizerFactory = Callable[["OuterOptimizerConfig", Params], torch.optim.Optimizer]
+"""Builds a ``torch.optim`` optimizer over the given parameters from a resolved config (``lr`` and
+``momentum`` filled in; the other fields as the user set them)."""
+
+
 @dataclass(frozen=True, slots=True)
-class _OuterSpec:
-    factory: Callable[[OuterOptimizerConfig, Params], torch.optim.Optimizer]
+class OuterOptimizerSpec:
+    """An entry of ``OUTER_OPTIMIZERS``: how the optimizer is built, and its defaults."""
+
+    factory: OuterOptimizerFactory
+    """Called with the resolved config and the one flat parameter."""
     lr: float
+    """Outer learning rate when ``outer_optimizer.lr`` is unset."""
     momentum: float
+    """Momentum when ``outer_optimizer.momentum`` is unset (0 for optimizers without one)."""
 
 
 def _resolved_lr_momentum(config: OuterOptimizerConfig) -> tuple[float, float]:
@@ -240,18 +253,62 @@ def _build_fedyogi(config: OuterOptimizerConfig, params: Params) -> torch.optim.
     )
 
 
-OUTER_OPTIMIZERS: dict[str, _OuterSpec] = {
+OUTER_OPTIMIZERS: dict[str, OuterOptimizerSpec] = {
     # DiLoCo (Douillard et al. 2023): Nesterov momentum, lr 0.7, momentum 0.9.
-    "nesterov": _OuterSpec(_build_nesterov, lr=0.7, momentum=0.9),
+    "nesterov": OuterOptimizerSpec(_build_nesterov, lr=0.7, momentum=0.9),
     # lr 1, no momentum: the average of the sites' weights, i.e. FedAvg / Local SGD.
-    "sgd": _OuterSpec(_build_outer_sgd, lr=1.0, momentum=0.0),
+    "sgd": OuterOptimizerSpec(_build_outer_sgd, lr=1.0, momentum=0.0),
     # FedAdam / FedYogi as Reddi et al. 2021 define them: no bias correction, tau instead of eps.
-    "fedadam": _OuterSpec(_build_fedadam, lr=1e-2, momentum=0.0),
-    "fedyogi": _OuterSpec(_build_fedyogi, lr=1e-2, momentum=0.0),
+    "fedadam": OuterOptimizerSpec(_build_fedadam, lr=1e-2, momentum=0.0),
+    "fedyogi": OuterOptimizerSpec(_build_fedyogi, lr=1e-2, momentum=0.0),
     # torch's Adam on the pseudo-gradient: bias-corrected, eps 1e-8 (not the paper's FedAdam).
-    "adam": _OuterSpec(_build_adam, lr=1e-2, momentum=0.0),
+    "adam": OuterOptimizerSpec(_build_adam, lr=1e-2, momentum=0.0),
 }
-"""Outer optimizer name -> factory and its default lr / momentum."""
+"""Outer optimizer name -> factory and its default lr / momentum: the one registry, which
+``register_outer_optimizer`` adds a plug-in's optimizer to."""
+
+
+def register_outer_optimizer(
+    name: str,
+    factory: OuterOptimizerFactory,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    replace: bool = False,
+) -> None:
+    """Make ``outer_optimizer.name = NAME`` build ``factory(config, params)`` (a ``torch.optim``
+    optimizer fed the averaged pseudo-gradient in ``.grad``), with ``lr`` and ``momentum`` as the
+    defaults where the config leaves them unset.
+
+    Registration is per process: a sweep's worker processes and Ray workers know the name only
+    when the module that registers it is imported there too, which is what a config's
+    ``[research] plugins`` list does (``geoloco.scenarios.research``). A name already taken raises
+    ``ValueError`` unless ``replace``; registering the same factory again (a module imported
+    twice) is a no-op."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"an outer optimizer name is an identifier such as 'signsgd', got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"the factory of outer optimizer {name!r} must be callable, got {factory!r}")
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"default lr of outer optimizer {name!r} must be > 0, got {lr}")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"default momentum of outer optimizer {name!r} must be in [0, 1), got {momentum}")
+    known = OUTER_OPTIMIZERS.get(name)
+    if known is not None and not replace and not _same_callable(known.factory, factory):
+        raise ValueError(
+            f"outer optimizer {name!r} is already registered (by {_where(known.factory)}); "
+            "pick another name, or pass replace=True"
+        )
+    OUTER_OPTIMIZERS[name] = OuterOptimizerSpec(factory, lr=lr, momentum=momentum)
+
+
+def _same_callable(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
+    """Whether ``b`` is ``a`` or the same function defined again (its module reloaded)."""
+    return a is b or _where(a) == _where(b)
+
+
+def _where(factory: Callable[..., Any]) -> str:
+    return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', repr(factory))}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -286,7 +343,8 @@ class OuterOptimizerConfig:
         require(
             self.name is None or self.name in OUTER_OPTIMIZERS,
             "name",
-            f"unknown outer optimizer {self.name!r}; valid names: {', '.join(OUTER_OPTIMIZERS)}",
+            f"unknown outer optimizer {self.name!r}; valid names: {', '.join(OUTER_OPTIMIZERS)} (a "
+            "plug-in's name exists once its module is imported: list it in [research] plugins)",
         )
         require(self.lr is None or self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         require(

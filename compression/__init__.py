@@ -19,6 +19,8 @@ Specs (see :func:`describe_codecs` for the generated list)::
 Pipelines put one sparsifier before one value codec: ``"topk:0.01|int4"``, ``"randk:0.05|int8"``;
 a bare sparsifier sends its values losslessly (``"topk:0.01"`` is ``"topk:0.01,chunk=4096|none"``).
 ``Codec.spec`` is the canonical form with every default filled in, and is what the wire carries.
+``register_codec`` adds a plug-in's own stage (a ``ValueCodec`` or ``Sparsifier`` subclass) to
+``CODECS``, the one registry; ``codec_names()`` lists every accepted name, plug-ins included.
 
 Wire size, exactly (``Encoded.nbytes``): ``21 + len(spec) + 8 * ndim + payload`` where the payload
 for ``n`` values of original dtype size ``d`` bytes is
@@ -45,19 +47,19 @@ Typical use::
     update = decode(wire, device="cuda")      # on the receiver
 """
 
+from geoloco.compression import codec as _codec
 from geoloco.compression.codec import (
-    CODEC_NAMES,
     CODECS,
-    SPARSIFIER_NAMES,
-    VALUE_CODEC_NAMES,
     Codec,
     CodecType,
     PipelineCodec,
     add_decoded_into,
+    codec_names,
     decode,
     decoded_norm,
     describe_codecs,
     parse_codec,
+    register_codec,
 )
 from geoloco.compression.encoded import CodecError, Encoded
 from geoloco.compression.error_feedback import ErrorFeedback
@@ -75,9 +77,19 @@ __all__ = [
     "ErrorFeedback",
     "PipelineCodec",
     "add_decoded_into",
+    "codec_names",
     "decode",
     "decoded_norm",
     "describe_codecs",
     "parse_codec",
     "random_indices",
+    "register_codec",
 ]
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``CODEC_NAMES`` and the other name tuples, current when read (plug-ins included)."""
+    if name in ("CODEC_NAMES", "SPARSIFIER_NAMES", "VALUE_CODEC_NAMES"):
+        names: tuple[str, ...] = getattr(_codec, name)
+        return names
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -389,13 +389,76 @@ CODECS: Final[dict[str, CodecType]] = {
         CodecType("tiletopk", "sparsifier", TileTopK.summary, TileTopK.options, TileTopK.positional, TileTopK),
     )
 }
-"""Every stage name a spec may use, in the order help lists them."""
+"""Every stage name a spec may use, in the order help lists them: the one registry, which
+``register_codec`` adds a plug-in's stages to."""
 
-CODEC_NAMES: Final[tuple[str, ...]] = tuple(CODECS)
-"""Accepted stage names, for CLI help and config validation."""
+_STAGE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
-SPARSIFIER_NAMES: Final = tuple(name for name, entry in CODECS.items() if entry.kind == "sparsifier")
-VALUE_CODEC_NAMES: Final = tuple(name for name, entry in CODECS.items() if entry.kind == "values")
+
+def register_codec(codec: type[Stage] | CodecType, *, replace: bool = False) -> CodecType:
+    """Make a spec accept a plug-in's stage by name, and return its registry entry.
+
+    ``codec`` is a ``Sparsifier`` or ``ValueCodec`` subclass (its ``name``, ``kind``, ``summary``,
+    ``options`` and ``positional`` class attributes describe it, and it is built with the parsed
+    options as keyword arguments, as the built-in stages are), or a ``CodecType`` for a stage
+    built by another factory. It then composes like a built-in one (``"topk:0.01|mine"``).
+
+    Registration is per process: a sweep's worker processes and Ray workers know the name only
+    when the module that registers it is imported there too (a simulate config's ``[research]
+    plugins``). A name already taken raises ``ValueError`` unless ``replace``; registering the
+    same class again (a module imported twice) is a no-op."""
+    if isinstance(codec, CodecType):
+        entry = codec
+    elif isinstance(codec, type) and issubclass(codec, (Sparsifier, ValueCodec)):
+        entry = CodecType(codec.name, codec.kind, codec.summary, codec.options, codec.positional, codec)
+    else:
+        raise TypeError(
+            f"register_codec takes a Sparsifier or ValueCodec subclass, or a CodecType; got {codec!r}"
+        )
+    if not isinstance(entry.name, str) or not _STAGE_NAME.fullmatch(entry.name):
+        raise ValueError(
+            f"a codec name is letters, digits and '_' starting with a letter (no ':', '|' or ','), got {entry.name!r}"
+        )
+    if entry.kind not in ("sparsifier", "values"):
+        raise ValueError(f"codec {entry.name!r}: kind must be 'sparsifier' or 'values', got {entry.kind!r}")
+    fractions = [option.name for option in entry.options if option.kind == "fraction"]
+    if entry.positional is not None and entry.positional not in {option.name for option in entry.options}:
+        raise ValueError(f"codec {entry.name!r}: positional {entry.positional!r} is not one of its options")
+    if len(fractions) > 1:
+        raise ValueError(f"codec {entry.name!r}: at most one fraction option, got {fractions}")
+    known = CODECS.get(entry.name)
+    if known is not None and not replace and _where(known.build) != _where(entry.build):
+        raise ValueError(
+            f"codec {entry.name!r} is already registered (by {_where(known.build)}); pick another name, "
+            "or pass replace=True"
+        )
+    CODECS[entry.name] = entry
+    _parse.cache_clear()  # a cached spec may name the replaced stage
+    return entry
+
+
+def _where(build: Callable[..., Stage]) -> str:
+    target = build.func if isinstance(build, functools.partial) else build
+    args = build.args if isinstance(build, functools.partial) else ()
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}{args or ''}"
+
+
+def codec_names(kind: Literal["sparsifier", "values"] | None = None) -> tuple[str, ...]:
+    """The stage names a spec accepts (of one ``kind``, or all), registered plug-ins included."""
+    return tuple(name for name, entry in CODECS.items() if kind is None or entry.kind == kind)
+
+
+_NAME_TUPLES: Final[dict[str, Literal["sparsifier", "values"] | None]] = {
+    "CODEC_NAMES": None, "SPARSIFIER_NAMES": "sparsifier", "VALUE_CODEC_NAMES": "values",
+}
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``CODEC_NAMES``, ``SPARSIFIER_NAMES``, ``VALUE_CODEC_NAMES``: ``codec_names()`` read when
+    asked for, so they include the stages registered since (PEP 562)."""
+    if name in _NAME_TUPLES:
+        return codec_names(_NAME_TUPLES[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def describe_codecs() -> str:
@@ -429,8 +492,8 @@ def _parse(spec: str) -> PipelineCodec:
             )
         stages.append(_parse_stage(text.strip(), spec))
     layout = (
-        f"a pipeline is at most one sparsifier ({', '.join(SPARSIFIER_NAMES)}) followed by one value codec "
-        f"({', '.join(VALUE_CODEC_NAMES)})"
+        f"a pipeline is at most one sparsifier ({', '.join(codec_names('sparsifier'))}) followed by one "
+        f"value codec ({', '.join(codec_names('values'))})"
     )
     for position, stage in enumerate(stages[:-1]):
         if isinstance(stage, ValueCodec):
@@ -468,7 +531,10 @@ def _parse_stage(text: str, spec: str) -> Stage:
     name = name.strip()
     entry = CODECS.get(name)
     if entry is None:
-        raise ValueError(f"unknown codec {name!r} in spec {spec!r}; accepted codecs: {', '.join(CODEC_NAMES)}")
+        raise ValueError(
+            f"unknown codec {name!r} in spec {spec!r}; accepted codecs: {', '.join(codec_names())} (a plug-in's "
+            "codec exists once its module is imported: list it in [research] plugins)"
+        )
     options = {option.name: option for option in entry.options}
     kwargs: dict[str, object] = {}
     if has_args:

@@ -33,18 +33,23 @@ from geoloco.scenarios.config_file import (
 )
 from geoloco.scenarios.config_kinds import SIMULATE, read_config
 from geoloco.scenarios.overrides import add_set_argument
+from geoloco.scenarios.plugins import add_plugin_argument
 from geoloco.scenarios.progress import human_bytes
 from geoloco.scenarios.research import (
     CONFIG_FILE,
     METRICS_FILE,
     SECTIONS,
     SUMMARY_FILE,
+    ResearchConfig,
+    load_research_config,
     load_run_config,
     prepare_raw,
     provenance,
     record_run,
     require_tensorboard,
     resolved_config,
+    torch_threads,
+    with_plugins,
 )
 
 logger = logging.getLogger(__name__)
@@ -72,6 +77,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--seed", type=int, help="overrides [simulation] seed")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="overrides [simulation] device")
     add_set_argument(parser)
+    add_plugin_argument(parser)
     parser.add_argument(
         "--print-config",
         action="store_true",
@@ -125,11 +131,19 @@ def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> 
 
 def load_config(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(WorkloadSpec, SimulatorConfig)`` from ``--config`` and the flags."""
+    return _load(args)[1:]
+
+
+def _load(args: argparse.Namespace) -> tuple[ResearchConfig, Any, Any]:
+    """``(ResearchConfig, WorkloadSpec, SimulatorConfig)`` from ``--config`` and the flags, the
+    plug-ins imported before the rest is read."""
     source = str(args.config) if args.config is not None else COMMAND_LINE
     raw = read_config(args.config, (SIMULATE,))[0] if args.config is not None else {}
-    raw = prepare_raw(raw, getattr(args, "overrides", []), source)
+    raw = with_plugins(prepare_raw(raw, getattr(args, "overrides", []), source), getattr(args, "plugins", []))
     _apply_flags(raw, args, source)
-    return load_run_config(raw, source)
+    research = load_research_config(raw, source)
+    workload, config = load_run_config(raw, source)
+    return research, workload, config
 
 
 def summary_table(rows: list[tuple[str, str]]) -> str:
@@ -145,14 +159,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    source = str(args.config) if args.config is not None else COMMAND_LINE
+    research, spec, config = _load(args)
+    with torch_threads(research.threads):
+        return _simulate(args, source, research, spec, config)
+
+
+def _simulate(args: argparse.Namespace, source: str, research: ResearchConfig, spec: Any, config: Any) -> int:
     from tqdm import tqdm
 
     from geoloco.algorithms.config import ConfigError
     from geoloco.algorithms.dp_accountant import describe_epsilon
     from geoloco.algorithms.simulator import Simulator
 
-    source = str(args.config) if args.config is not None else COMMAND_LINE
-    spec, config = load_config(args)
     name = spec.name
     try:
         workload = spec.build()
@@ -165,7 +184,7 @@ def _run(args: argparse.Namespace) -> int:
             device = resolve_device(config.simulation.device, "simulation.device")
         except ConfigError as err:
             raise from_config_error(source, err) from None
-        print(json.dumps(resolved_config(name, workload, config, str(device)), indent=2))
+        print(json.dumps(resolved_config(name, workload, config, str(device), research), indent=2))
         return 0
     try:
         simulator = Simulator(config, workload)
@@ -177,7 +196,8 @@ def _run(args: argparse.Namespace) -> int:
     if board is not None:
         require_tensorboard(COMMAND_LINE, "--tensorboard")
         board = out / "tensorboard" if board == Path() else board
-    resolved = {**resolved_config(name, workload, config, str(simulator.device)), **provenance()}
+    resolved = {**resolved_config(name, workload, config, str(simulator.device), research),
+                **provenance(research.plugins)}
 
     sim = config.simulation
     algo = config.algorithm

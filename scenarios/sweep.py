@@ -5,7 +5,10 @@ base config, so every key of a simulate file can be swept with the checks and er
 ``geoloco simulate``. Each (point, seed) is one run folder (``geoloco.scenarios.research``) named
 by its overrides and a hash of the base config and the overrides: a folder whose summary exists
 is a finished run and is never run again, so an interrupted sweep resumes where it stopped, and
-a changed base config gets new folders instead of stale results.
+a changed base config gets new folders instead of stale results. The hash also covers what the
+config's text does not say (``research.run_identity``): the torch thread count the run computes
+with, the source of its plug-ins and a workload object, so a resumed sweep never mixes runs of
+two thread counts or of two versions of a plug-in.
 
 Runs go through a backend (``BACKENDS``): in this process (``jobs = 1``), in a pool of worker
 processes, or on a Ray cluster (``geoloco.scenarios.sweep_ray``: the workers send each run's
@@ -30,8 +33,17 @@ from typing import Any
 from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError
 from geoloco.scenarios.config_kinds import SIMULATE, read_config
 from geoloco.scenarios.overrides import parse_override, parse_value
+from geoloco.scenarios.plugins import workload_identity
 from geoloco.scenarios.progress import human_bytes
-from geoloco.scenarios.research import RunResult, is_finished, prepare_raw, require_tensorboard
+from geoloco.scenarios.research import (
+    ResearchConfig,
+    RunResult,
+    is_finished,
+    prepare_run,
+    require_tensorboard,
+    run_identity,
+    with_plugins,
+)
 from geoloco.scenarios.sweep_tasks import Backend, BackendOptions, RunTask, run_in_processes
 
 __all__ = [
@@ -284,6 +296,8 @@ def sweep(
     plots: bool = True,
     target_loss: float | None = None,
     tensorboard: bool = False,
+    workload: Any = None,
+    plugins: Sequence[str] = (),
 ) -> SweepResult:
     """Run every grid point for every seed (skipping finished runs), then write ``table.md``,
     ``summary.json`` and the plots under ``out``.
@@ -299,7 +313,12 @@ def sweep(
 
     ``tensorboard`` writes each finished run's scalars into its folder's ``tensorboard/`` (from
     its records, here, whichever backend ran it), so ``tensorboard --logdir OUT/runs`` compares
-    the runs."""
+    the runs.
+
+    ``workload`` trains an object implementing ``geoloco.algorithms.workload.Workload`` in every
+    run (the base config then has no ``[workload]`` table); it is pickled to worker processes, so
+    its class must be importable there. ``plugins`` adds modules to ``[research] plugins``: they
+    are imported here and in every worker before a config is read."""
     if ray_address is not None:
         backend = "ray"
     if backend not in BACKENDS:
@@ -308,6 +327,7 @@ def sweep(
         raise ConfigFileError(COMMAND_LINE, "--jobs", f"must be >= 1, got {jobs}")
     source = str(base) if isinstance(base, (str, Path)) else COMMAND_LINE
     raw = read_config(Path(base), (SIMULATE,))[0] if isinstance(base, (str, Path)) else dict(base)
+    raw = with_plugins(raw, plugins)
     axes = list(grid) if not isinstance(grid, Mapping) else [
         GridAxis(k, tuple(_value_text(v) for v in values)) for k, values in grid.items()
     ]
@@ -318,9 +338,13 @@ def sweep(
     for i, point in enumerate(points):
         for seed in seeds:
             texts = (*overrides, *(f"{k}={v}" for k, v in point), f"simulation.seed={seed}")
-            _check_config(raw, texts, source)
-            digest = hashlib.sha256((base_hash + "\n" + "\n".join(texts)).encode()).hexdigest()[:10]
-            tasks.append((i, seed, RunTask(raw, tuple(texts), runs_dir / f"{_slug(point, seed)}-{digest}")))
+            research = _check_config(raw, texts, source, workload)
+            identity = json.dumps(run_identity(research, workload), sort_keys=True, default=str)
+            digest = hashlib.sha256("\n".join([base_hash, *texts, identity]).encode()).hexdigest()[:10]
+            tasks.append((i, seed, RunTask(
+                raw, tuple(texts), runs_dir / f"{_slug(point, seed)}-{digest}",
+                threads=research.threads, plugins=tuple(research.plugins), workload=workload,
+            )))
     if tensorboard:
         require_tensorboard(COMMAND_LINE, "--tensorboard")
     if backend == "ray":
@@ -331,6 +355,7 @@ def sweep(
     _write_json(out / SWEEP_FILE, {
         "base": source, "grid": {a.key: list(a.values) for a in axes}, "seeds": list(seeds),
         "overrides": list(overrides), "backend": backend,
+        "workload": None if workload is None else workload_identity(workload),
         "runs": [str(t.folder.relative_to(out)) for _, _, t in tasks],
     })
     todo = [t for _, _, t in tasks if not is_finished(t.folder)]
@@ -383,10 +408,9 @@ def _write_tensorboard(runs: Sequence[RunResult]) -> None:
             writer.close()
 
 
-def _check_config(raw: dict[str, Any], texts: Sequence[str], source: str) -> None:
-    from geoloco.scenarios.research import load_run_config
-
-    load_run_config(prepare_raw(raw, texts, source), source)
+def _check_config(raw: dict[str, Any], texts: Sequence[str], source: str, workload: Any) -> ResearchConfig:
+    """Read one run's config as the run will (plug-ins imported here first); its ``[research]``."""
+    return prepare_run(raw, texts, source, workload=workload).research
 
 
 def _run_tasks(tasks: Sequence[RunTask], options: BackendOptions, backend: Backend) -> dict[Path, str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from geoloco.scenarios.config_file import ConfigFileError, positive_int, report_config_error
 from geoloco.scenarios.overrides import add_set_argument
+from geoloco.scenarios.plugins import add_plugin_argument
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "eval loss first reached LOSS (over the seeds that reached it)",
     )
     add_set_argument(parser)
+    add_plugin_argument(parser)
     parser.set_defaults(handler=run)
 
 
@@ -85,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
     result = sweep(
         args.config, grid=axes, seeds=parse_seeds(args.seeds), overrides=args.overrides,
         out=args.out, jobs=args.jobs, ray_address=args.ray, plots=not args.no_plots,
-        target_loss=args.target_loss, tensorboard=args.tensorboard,
+        target_loss=args.target_loss, tensorboard=args.tensorboard, plugins=args.plugins,
     )
     print(f"geoloco sweep: {result.ran} runs ran, {result.resumed} were already finished, {result.failed} failed")
     print(result.table())

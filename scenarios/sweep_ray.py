@@ -8,6 +8,13 @@ cluster of several machines needs no shared file system, and resume works as loc
 with a summary is never sent to the cluster again). The workers need geoloco installed (the
 same version: the run's config records the version and commit each worker ran).
 
+Plug-ins (``[research] plugins``, and a workload object's module) go with the tasks: the source of
+a plug-in that is not installed is put into Ray's object store once and unpacked on each worker
+before its run (``geoloco.scenarios.plugins.pack_modules``); an installed one must be installed on
+the workers too, in the same version: a worker that ran another source than this process has is
+reported as a failed run. Each task reserves as many Ray CPUs as its run has torch threads
+(``research.threads``, 1 unless set).
+
 Ray is an optional extra (``pip install 'geoloco[ray]'``), imported only by this module.
 """
 
@@ -17,11 +24,19 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterator, Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError
+from geoloco.scenarios.plugins import (
+    ShippedModule,
+    module_provenance,
+    pack_modules,
+    plugin_modules,
+    unpack_modules,
+)
 from geoloco.scenarios.research import RunResult
 from geoloco.scenarios.sweep_tasks import BackendOptions, RunTask, run_guarded
 
@@ -31,16 +46,18 @@ logger = logging.getLogger(__name__)
 
 WORKER_FILE = "worker.json"
 """Where a run ran: ``{"backend": "ray", "host", "pid", "node_id"}``."""
-CPUS_PER_RUN = 1
-"""Ray CPUs each run asks for, and its torch threads (one thread keeps runs repeatable)."""
 
 
-def run_remote(task: RunTask) -> dict[str, Any]:
-    """What a Ray worker runs: the simulation, in memory; returns the result as plain data."""
+SHIPPED_DIR = "geoloco-plugins"
+"""Where a worker unpacks shipped plug-ins, under its machine's temporary folder."""
+
+
+def run_remote(task: RunTask, shipped: list[ShippedModule]) -> dict[str, Any]:
+    """What a Ray worker runs: the simulation, in memory (with its own thread count), after the
+    shipped plug-ins are made importable; returns the result as plain data."""
     import ray
-    import torch
 
-    torch.set_num_threads(CPUS_PER_RUN)
+    unpack_modules(shipped, Path(tempfile.gettempdir()) / SHIPPED_DIR)
     result, error = run_guarded(task, None)
     worker = {
         "backend": "ray",
@@ -90,15 +107,27 @@ def run_on_ray(tasks: Sequence[RunTask], options: BackendOptions) -> Iterator[tu
     else Ray schedules them onto its free CPUs); folders written here, in completion order."""
     ray = require_ray()
     started = connect(options.address)
-    remote = ray.remote(num_cpus=CPUS_PER_RUN, max_retries=0)(run_remote)
+    remote = ray.remote(max_retries=0)(run_remote)
     waiting = list(tasks)
     in_flight: dict[Any, RunTask] = {}
     limit = options.jobs or len(tasks)
+    sources: dict[tuple[str, ...], tuple[Any, dict[str, str | None]]] = {}
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if tasks and max(t.threads for t in tasks) > cpus:
+        logger.warning(
+            "sweep: a run asks for %d CPUs (research.threads) but the Ray cluster has %g in all: it waits "
+            "until the cluster grows", max(t.threads for t in tasks), cpus,
+        )
     try:
         while waiting or in_flight:
             while waiting and len(in_flight) < limit:
                 task = waiting.pop(0)
-                in_flight[remote.remote(task)] = task
+                modules = tuple(plugin_modules(task.plugins, task.workload))
+                if modules not in sources:  # one copy in the object store, however many tasks
+                    expected = {name: module_provenance(name)["source_sha256"] for name in modules}
+                    sources[modules] = ray.put(pack_modules(modules)), expected
+                shipped, _ = sources[modules]
+                in_flight[remote.options(num_cpus=task.threads).remote(task, shipped)] = task
             (ref,), _ = ray.wait(list(in_flight), num_returns=1)
             task = in_flight.pop(ref)
             try:
@@ -106,7 +135,8 @@ def run_on_ray(tasks: Sequence[RunTask], options: BackendOptions) -> Iterator[tu
             except ray.exceptions.RayError as err:  # the worker died, or the task could not run
                 yield task.folder, f"ray: {type(err).__name__}: {err}"
                 continue
-            yield task.folder, write_outcome(task.folder, outcome)
+            expected = sources[tuple(plugin_modules(task.plugins, task.workload))][1]
+            yield task.folder, write_outcome(task.folder, outcome, expected)
     finally:
         for ref in in_flight:
             ray.cancel(ref)
@@ -114,11 +144,22 @@ def run_on_ray(tasks: Sequence[RunTask], options: BackendOptions) -> Iterator[tu
             ray.shutdown()
 
 
-def write_outcome(folder: Path, outcome: dict[str, Any]) -> str | None:
-    """Write a worker's result as the run folder (``None``), or return its error text."""
+def write_outcome(
+    folder: Path, outcome: dict[str, Any], expected: Mapping[str, str | None] | None = None
+) -> str | None:
+    """Write a worker's result as the run folder (``None``), or return its error text: the run's
+    own error, or a plug-in whose source (``expected``: module -> hash here) differed there."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / WORKER_FILE).write_text(json.dumps(outcome["worker"], indent=2) + "\n")
     if outcome.get("error") is not None:
         return str(outcome["error"])
+    ran = {p["module"]: p["source_sha256"] for p in outcome["config"].get("plugins", [])}
+    for module, digest in (expected or {}).items():
+        if ran.get(module) != digest:
+            return (
+                f"the Ray worker ran plug-in module {module!r} from source {ran.get(module)}, this process has "
+                f"{digest}: install the same version on the workers (only plug-ins that are not installed "
+                "are shipped)"
+            )
     RunResult(config=outcome["config"], records=outcome["records"], runtime_s=outcome["runtime_s"]).save(folder)
     return None

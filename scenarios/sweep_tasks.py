@@ -7,6 +7,7 @@ without importing the sweep's grid and tables (and without an import cycle).
 
 from __future__ import annotations
 
+import logging
 import os
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -21,6 +22,8 @@ from geoloco.scenarios.research import RunResult, run
 
 __all__ = ["Backend", "BackendOptions", "RunTask", "execute_task", "run_guarded", "run_in_processes"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class RunTask:
@@ -29,6 +32,13 @@ class RunTask:
     base: dict[str, Any]
     overrides: tuple[str, ...]
     folder: Path
+    threads: int = 1
+    """The run's ``research.threads`` (read by the sweep; the run sets it itself): what a backend
+    reserves for it, and what ``run_in_processes`` checks against the CPUs."""
+    plugins: tuple[str, ...] = ()
+    """The run's ``research.plugins`` (already in ``base``): what the Ray backend ships."""
+    workload: Any = None
+    """A workload object to train instead of the config's ``[workload]`` (pickled to workers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +57,7 @@ def run_guarded(task: RunTask, out: Path | None) -> tuple[RunResult | None, str 
     ``(None, error text)``. Never raises for a run's own failure: one bad point must not end the
     sweep."""
     try:
-        return run(task.base, overrides=task.overrides, out=out), None
+        return run(task.base, overrides=task.overrides, out=out, workload=task.workload), None
     except ConfigFileError as err:
         return None, f"{err.source}: {err.key}: {err.message}"
     except Exception:  # noqa: BLE001 - reported per run, the other runs go on
@@ -59,12 +69,6 @@ def execute_task(task: RunTask) -> tuple[Path, str | None]:
     return task.folder, run_guarded(task, task.folder)[1]
 
 
-def _worker_init(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-
-
 def run_in_process(tasks: Sequence[RunTask]) -> Iterator[tuple[Path, str | None]]:
     """Backend ``"local"`` with one job: the runs one after another in this process."""
     for task in tasks:
@@ -72,17 +76,23 @@ def run_in_process(tasks: Sequence[RunTask]) -> Iterator[tuple[Path, str | None]
 
 
 def run_in_processes(tasks: Sequence[RunTask], options: BackendOptions) -> Iterator[tuple[Path, str | None]]:
-    """Backend ``"local"``: ``jobs`` worker processes (spawned: torch and fork do not mix), each
-    with its share of the CPU threads; results in completion order."""
+    """Backend ``"local"``: ``jobs`` worker processes (spawned: torch and fork do not mix);
+    results in completion order. Each run computes with its own ``research.threads`` (1 unless
+    set), in a worker as in this process, so a point gives the same bytes with any ``jobs``;
+    a worker inherits this process's ``sys.path``, so the plug-ins import there as here."""
     jobs = options.jobs or 1
     if jobs <= 1 or len(tasks) <= 1:
         yield from run_in_process(tasks)
         return
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    with ProcessPoolExecutor(
-        max_workers=min(jobs, len(tasks)), mp_context=get_context("spawn"),
-        initializer=_worker_init, initargs=(threads,),
-    ) as pool:
+    workers = min(jobs, len(tasks))
+    cpus = os.cpu_count() or 1
+    if workers * max(t.threads for t in tasks) > cpus:
+        logger.warning(
+            "sweep: %d runs at once with up to %d torch threads each exceed the %d CPUs; they will "
+            "contend (slower, same results): lower --jobs or research.threads",
+            workers, max(t.threads for t in tasks), cpus,
+        )
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
         pending: set[Future[tuple[Path, str | None]]] = {pool.submit(execute_task, t) for t in tasks}
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)

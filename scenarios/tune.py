@@ -31,7 +31,7 @@ from typing import Any
 from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError
 from geoloco.scenarios.config_kinds import SIMULATE, read_config
 from geoloco.scenarios.overrides import parse_override
-from geoloco.scenarios.research import load_run_config, prepare_raw, run
+from geoloco.scenarios.research import prepare_run, run, run_identity, with_plugins
 
 __all__ = ["TrialRow", "TuneParam", "TuneResult", "parse_param", "tune", "write_tune_plot"]
 
@@ -136,6 +136,8 @@ def tune(
     pruner: Any = "median",
     enqueue: Sequence[Mapping[str, float]] = (),
     plots: bool = True,
+    workload: Any = None,
+    plugins: Sequence[str] = (),
 ) -> TuneResult:
     """Run trials until ``out`` holds ``trials`` finished ones (complete or pruned; a rerun
     resumes, and runs a new trial for each failed or interrupted one), then write ``best.json``,
@@ -143,7 +145,10 @@ def tune(
 
     ``pruner``: ``"median"``, ``"none"`` or an optuna pruner. ``enqueue``: trials to run first
     with the given values (optuna's ``enqueue_trial``), e.g. a known-good setting. Both ends of
-    every range are checked against the config before anything runs (``ConfigFileError``)."""
+    every range are checked against the config before anything runs (``ConfigFileError``).
+    ``workload`` (an object implementing ``geoloco.algorithms.workload.Workload``) and ``plugins``
+    as for ``research.run``; the study resumes only with the same thread count, plug-in sources
+    and workload."""
     if not params:
         raise ConfigFileError(COMMAND_LINE, "--param", "give at least one KEY=LOW:HIGH to tune")
     if len({p.key for p in params}) != len(params):
@@ -152,12 +157,14 @@ def tune(
         raise ConfigFileError(COMMAND_LINE, "--trials", f"must be >= 1, got {trials}")
     source = str(base) if isinstance(base, (str, Path)) else COMMAND_LINE
     raw = read_config(Path(base), (SIMULATE,))[0] if isinstance(base, (str, Path)) else dict(base)
+    raw = with_plugins(raw, plugins)
     for end in ("low", "high"):
         texts = [*overrides, *(f"{p.key}={p.value_text(getattr(p, end))}" for p in params)]
-        load_run_config(prepare_raw(raw, texts, source), source)
+        research = prepare_run(raw, texts, source, workload=workload).research
+    identity = run_identity(research, workload)
     optuna = _import_optuna()
     out.mkdir(parents=True, exist_ok=True)
-    study = _open_study(optuna, out, raw, overrides, params, seed, pruner)
+    study = _open_study(optuna, out, raw, overrides, params, seed, pruner, identity)
     finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     done = [t for t in study.trials if t.state in finished]  # a failed trial is tried again
     for values in enqueue if not done else ():
@@ -165,7 +172,9 @@ def tune(
     missing = max(0, trials - len(done))
     logger.info("tune: %d trials wanted, %d already finished, running %d", trials, len(done), missing)
     if missing:
-        study.optimize(_objective(optuna, raw, overrides, params, out), n_trials=missing, catch=(ConfigFileError,))
+        study.optimize(
+            _objective(optuna, raw, overrides, params, out, workload), n_trials=missing, catch=(ConfigFileError,)
+        )
     rows = [_row(t) for t in study.trials]
     complete = [r for r in rows if r.state == "complete" and r.value is not None]
     best = min(complete, key=lambda r: r.value if r.value is not None else math.inf) if complete else None
@@ -196,7 +205,7 @@ def _import_optuna() -> Any:
 
 def _open_study(
     optuna: Any, out: Path, raw: Mapping[str, Any], overrides: Sequence[str], params: Sequence[TuneParam],
-    seed: int, pruner: Any,
+    seed: int, pruner: Any, run_identity: Mapping[str, Any],
 ) -> Any:
     if isinstance(pruner, str):
         if pruner not in PRUNERS:
@@ -208,7 +217,7 @@ def _open_study(
         direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed), pruner=pruner,
     )
     identity = hashlib.sha256(json.dumps(
-        [raw, list(overrides), [[p.key, p.low, p.high, p.log, p.integer] for p in params]],
+        [raw, list(overrides), [[p.key, p.low, p.high, p.log, p.integer] for p in params], run_identity],
         sort_keys=True, default=str,
     ).encode()).hexdigest()
     known = study.user_attrs.get("identity")
@@ -216,8 +225,9 @@ def _open_study(
         study.set_user_attr("identity", identity)
     elif known != identity:
         raise ConfigFileError(
-            COMMAND_LINE, "--out", f"{out} holds a study of another base config, --set or --param "
-            "ranges; give a new --out (or the same arguments to resume it)"
+            COMMAND_LINE, "--out", f"{out} holds a study of another base config, --set, --param "
+            "ranges, thread count, plug-in source or workload; give a new --out (or the same arguments "
+            "to resume it)"
         )
     study_id = storage.get_study_id_from_name(STUDY_NAME)
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
@@ -228,7 +238,7 @@ def _open_study(
 
 
 def _objective(optuna: Any, raw: Mapping[str, Any], overrides: Sequence[str], params: Sequence[TuneParam],
-               out: Path) -> Any:
+               out: Path, workload: Any) -> Any:
     def objective(trial: Any) -> float:
         values = {
             p.key: trial.suggest_int(p.key, int(p.low), int(p.high), log=p.log) if p.integer
@@ -252,7 +262,7 @@ def _objective(optuna: Any, raw: Mapping[str, Any], overrides: Sequence[str], pa
                 raise optuna.TrialPruned(f"eval loss {loss:.4f} at step {record.inner_steps_total}")
 
         texts = [*overrides, *(f"{p.key}={p.value_text(values[p.key])}" for p in params)]
-        result = run(dict(raw), overrides=texts, out=folder, on_record=on_record)
+        result = run(dict(raw), overrides=texts, out=folder, on_record=on_record, workload=workload)
         final = result.final_eval_loss
         if final is None:
             raise ConfigFileError(COMMAND_LINE, "simulation", "the run made no evaluation to tune on")

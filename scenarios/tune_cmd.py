@@ -14,6 +14,7 @@ from pathlib import Path
 
 from geoloco.scenarios.config_file import ConfigFileError, positive_int, report_config_error
 from geoloco.scenarios.overrides import add_set_argument
+from geoloco.scenarios.plugins import add_plugin_argument
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--no-plots", action="store_true", help="write the table and best.json only")
     add_set_argument(parser)
+    add_plugin_argument(parser)
     parser.set_defaults(handler=run)
 
 
@@ -64,7 +66,7 @@ def _run(args: argparse.Namespace) -> int:
     params = [parse_param(text) for text in args.param]
     result = tune(
         args.config, params=params, trials=args.trials, out=args.out, overrides=args.overrides,
-        seed=args.seed, pruner=args.pruner, plots=not args.no_plots,
+        seed=args.seed, pruner=args.pruner, plots=not args.no_plots, plugins=args.plugins,
     )
     pruned = sum(1 for t in result.trials if t.state == "pruned")
     print(f"geoloco tune: {result.ran} trials ran, {result.resumed} were already finished, {pruned} pruned in all")

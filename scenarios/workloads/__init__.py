@@ -1,6 +1,7 @@
 """Built-in workloads: a byte-level GPT on the Python standard library, and a tiny MLP for tests.
 
-Both implement ``geoloco.algorithms.workload.Workload``. They are found by name in ``WORKLOADS``;
+Both implement ``geoloco.algorithms.workload.Workload``. They are found by name in ``WORKLOADS``
+(``register_workload`` adds a plug-in's);
 ``build_workload(name, **options)`` turns the plain values of a TOML table into the workload's
 config dataclass, field for field, and rejects unknown names, unknown options and wrongly typed
 values with a message that says what is allowed.
@@ -48,6 +49,7 @@ __all__ = [
     "WorkloadSpec",
     "build_workload",
     "parse_workload",
+    "register_workload",
     "workload_config",
 ]
 
@@ -67,7 +69,50 @@ WORKLOADS: dict[str, WorkloadFactory] = {
     "gpt": GPTWorkload,
     "mlp": MLPWorkload,
 }
-"""Workload name -> class; the class's ``config_class`` lists the options it accepts."""
+"""Workload name -> class; the class's ``config_class`` lists the options it accepts. The one
+registry, which ``register_workload`` adds a plug-in's workload to."""
+
+
+def register_workload(name: str, factory: WorkloadFactory, *, replace: bool = False) -> None:
+    """Make ``[workload] name = NAME`` build ``factory(config)``, where ``factory.config_class`` is
+    the dataclass of the options the table may set (fields of type int, float, str, bool or
+    ``X | None``, each with a default) and the result implements
+    ``geoloco.algorithms.workload.Workload`` (any ``nn.Module`` from ``build_model``, its data from
+    ``site_batches``).
+
+    Registration is per process: a sweep's worker processes and Ray workers know the name only
+    when the module that registers it is imported there too (a simulate config's ``[research]
+    plugins``). A name already taken raises ``ValueError`` unless ``replace``; registering the
+    same class again (a module imported twice) is a no-op."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a workload name is an identifier such as 'my_model', got {name!r}")
+    config_class = getattr(factory, "config_class", None)
+    if not (isinstance(config_class, type) and dataclasses.is_dataclass(config_class)) or not callable(factory):
+        raise TypeError(
+            f"workload {name!r}: the factory must be callable with its options and carry them as "
+            f"config_class, a dataclass (class MyWorkload: config_class = MyConfig); got {factory!r}"
+        )
+    hints = typing.get_type_hints(config_class)
+    for option in dataclasses.fields(config_class):
+        try:
+            _accepts(hints[option.name], None)
+        except TypeError:
+            raise TypeError(
+                f"workload {name!r}: option {option.name!r} has type {_describe(hints[option.name])}; "
+                "a [workload] table holds int, float, str, bool or X | None"
+            ) from None
+        if option.default is dataclasses.MISSING and option.default_factory is dataclasses.MISSING:
+            raise TypeError(f"workload {name!r}: option {option.name!r} needs a default")
+    known = WORKLOADS.get(name)
+    if known is not None and not replace and _where(known) != _where(factory):
+        raise ValueError(
+            f"workload {name!r} is already registered (by {_where(known)}); pick another name, or pass replace=True"
+        )
+    WORKLOADS[name] = factory
+
+
+def _where(factory: object) -> str:
+    return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', repr(factory))}"
 
 
 def _describe(annotation: object) -> str:
@@ -182,7 +227,9 @@ def parse_workload(table: Any) -> WorkloadSpec:
     name = options.pop("name", DEFAULT_WORKLOAD)
     if not isinstance(name, str) or name not in WORKLOADS:
         raise ConfigError(
-            f"{WORKLOAD_TABLE}.name", f"got {name!r}; allowed values: {', '.join(WORKLOADS)}"
+            f"{WORKLOAD_TABLE}.name",
+            f"got {name!r}; allowed values: {', '.join(WORKLOADS)} (a plug-in's workload exists once its "
+            "module is imported: list it in [research] plugins)",
         )
     for key, value in options.items():
         try:

@@ -47,7 +47,7 @@ def test_each_kind_is_told_by_keys_only_its_schema_has() -> None:
     keys = distinguishing_keys()
     assert set(keys) == set(KINDS)
     assert keys[SCENARIO] == {"run", "faults"}
-    assert keys[SIMULATE] == {"simulation"}
+    assert keys[SIMULATE] == {"simulation", "research"}
     assert {"total_rounds", "allowed_sites", "checkpoint_dir"} <= keys[COORDINATOR]
     assert {"coordinator", "upward_codec"} <= keys[RELAY]
     for kind, own in keys.items():

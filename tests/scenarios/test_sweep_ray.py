@@ -16,7 +16,7 @@ import torch
 
 from geoloco.scenarios.cli import main
 from geoloco.scenarios.config_file import ConfigFileError
-from geoloco.scenarios.research import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from geoloco.scenarios.research import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, run
 from geoloco.scenarios.sweep import sweep
 from geoloco.scenarios.sweep_ray import WORKER_FILE
 
@@ -78,6 +78,21 @@ def test_a_ray_sweep_runs_in_ray_workers_and_equals_a_local_sweep_bitwise(
     again = sweep(BASE, grid=GRID, seeds=[0, 1], out=tmp_path / "ray", ray_address="local", plots=False)
     assert (again.ran, again.resumed) == (0, 4)
     assert {n: (f / SUMMARY_FILE).stat().st_mtime_ns for n, f in ray_folders.items()} == stamps
+
+
+def test_a_plugin_not_on_the_workers_path_is_shipped_to_them(
+    ray_cluster: ModuleType, example_plugin: Path, tmp_path: Path
+) -> None:
+    """The plug-in's folder is on this process's sys.path only: Ray's workers import it because
+    the backend ships it with each task, and the run equals one in this process byte for byte."""
+    base = {**BASE, "research": {"plugins": ["signsgd_plugin"]}, "outer_optimizer": {"name": "signsgd"}}
+    on_ray = sweep(base, seeds=[0], out=tmp_path / "ray", ray_address="local", plots=False)
+    assert (on_ray.ran, on_ray.failed) == (1, 0), list((tmp_path / "ray" / "runs").glob("*/error.txt"))
+    (folder,) = _folders(tmp_path / "ray").values()
+    assert json.loads((folder / WORKER_FILE).read_text())["pid"] != os.getpid()
+    run(base, overrides=["simulation.seed=0"], out=tmp_path / "here")
+    for file in (CONFIG_FILE, METRICS_FILE):
+        assert (folder / file).read_bytes() == (tmp_path / "here" / file).read_bytes(), file
 
 
 def test_the_sweep_command_takes_ray_and_reports_a_failing_run(

@@ -1,4 +1,5 @@
-"""README.md's examples are tested artifacts: every fenced block is checked, or marked unchecked.
+"""The examples of README.md and of every documentation page (``docs/**/*.md``) are tested
+artifacts: every fenced block is checked, or marked unchecked.
 
 - A ```toml block is parsed and validated by the command that reads such a file (``geoloco
   emulate``'s scenario, ``geoloco simulate``'s or ``geoloco coordinator``'s config), through that
@@ -8,19 +9,29 @@
   merged into a minimal complete config of each kind (``BASES``).
 - A ```python block is compiled and run in a fresh interpreter in a temporary folder (it must
   finish in a few seconds on a CPU); ``<!-- example: compile only: REASON -->`` only compiles it.
+  A block that includes a file or a section of one (pymdownx.snippets' ``--8<-- "FILE:SECTION"``,
+  how a page shows a script it keeps in ``docs/examples/``) is compiled with what it includes, and
+  each included script runs once, whole (``test_included_script_runs``).
 - A ```sh block: every ``geoloco ...`` command in it is parsed by the real argument parser (flags
-  and subcommands exist; nothing runs) and every ``scenarios/*.toml`` it names exists.
+  and subcommands exist; nothing runs) and every ``scenarios/*.toml`` and every repository path
+  of a ``*.py`` script it names exists. So is every ``geoloco ...`` command in a code span of the
+  prose (``test_inline_commands_parse``).
 - Any other block, or one whose kind cannot be told, fails the test unless marked
   ``<!-- example: unchecked: REASON -->``, so the README cannot drift from the code again.
 
 Prose is checked too: a backticked config key (``uplink_bps``, ``run.min_sites``) must be a field
-of one of the config dataclasses, a fault kind or a metrics key (``test_backticked_keys_exist``).
+of one of the config dataclasses, a fault kind or a metrics key (``test_backticked_keys_exist``);
+on the explanation pages, which name code (``docs/architecture.md``, ``docs/explanation/``), it
+may also be a name the package's source defines. The generated reference pages
+(``docs/gen_reference.py``) are checked against the code by ``tests/docs/test_reference.py``
+instead; pages that include a whole file from elsewhere (``benchmarks/README.md``) check only
+their own text.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import functools
 import os
 import re
 import shlex
@@ -30,14 +41,41 @@ import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from geoloco.scenarios.config_file import ConfigFileError, tomllib
 
+if TYPE_CHECKING:
+    import argparse
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
+"""README.md and every page of the documentation site."""
+
+
+def _gen_reference() -> Any:
+    """``docs/gen_reference.py``, the generator of the reference pages, as a module (it imports
+    geoloco only when it renders)."""
+    import importlib.util
+
+    if "gen_reference" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gen_reference", DOCS / "gen_reference.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gen_reference"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["gen_reference"]
+
+
+GENERATED = set(_gen_reference().pages())
+"""Written by ``docs/gen_reference.py`` from the code (tests/docs/test_reference.py checks them)."""
+CODE_PAGES = [DOCS / "architecture.md", *sorted((DOCS / "explanation").glob("*.md"))]
+"""Explanation pages: they name modules, classes and functions as well as config keys."""
+SNIPPET_RE = re.compile(r'^-{1,}8<-{1,}\s+"(?P<path>[^":]+)(?::(?P<section>[\w-]+))?"\s*$')
 
 TOML_KINDS = ("scenario", "simulate", "coordinator")
 MARKER_RE = re.compile(r"^<!--\s*example:\s*(?P<spec>.*?)\s*-->$")
@@ -71,15 +109,30 @@ class Block:
     lang: str
     text: str
     line: int
-    """1-based line of the opening fence in README.md."""
+    """1-based line of the opening fence in its page."""
     marker: str | None
     """What ``<!-- example: ... -->`` right above the fence says, if there is one."""
+    page: Path = README
+    includes: tuple[Path, ...] = ()
+    """Files the block includes (``--8<--`` lines), already put in ``text``."""
 
     def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.lang or 'no language'})"
+        return f"{self.page.relative_to(ROOT)}:{self.line} ({self.lang or 'no language'})"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def included(path: str, section: str | None) -> str:
+    """What a ``--8<-- "PATH:SECTION"`` line includes: the file (relative to the repository root,
+    mkdocs.yml's snippets ``base_path``), or the lines between its ``--8<-- [start:SECTION]`` and
+    ``--8<-- [end:SECTION]`` markers."""
+    lines = (ROOT / path).read_text().splitlines()
+    if section is None:
+        return "\n".join(line for line in lines if "--8<-- [" not in line)
+    start = next(i for i, line in enumerate(lines) if f"--8<-- [start:{section}]" in line)
+    end = next(i for i, line in enumerate(lines) if f"--8<-- [end:{section}]" in line)
+    return "\n".join(lines[start + 1:end])
+
+
+def readme_blocks(text: str, page: Path = README) -> list[Block]:
     blocks: list[Block] = []
     lines = text.splitlines()
     i = 0
@@ -96,14 +149,25 @@ def readme_blocks(text: str) -> list[Block]:
             i += 1
         above = next((lines[j].strip() for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         marker = MARKER_RE.match(above)
+        includes: list[Path] = []
+        for k, line in enumerate(body):
+            snippet = SNIPPET_RE.match(line.strip())
+            if snippet is not None:
+                includes.append(ROOT / snippet["path"])
+                body[k] = included(snippet["path"], snippet["section"])
         blocks.append(
-            Block(fence["lang"], "\n".join(body) + "\n", start + 1, marker["spec"] if marker else None)
+            Block(
+                fence["lang"], "\n".join(body) + "\n", start + 1, marker["spec"] if marker else None, page,
+                tuple(includes),
+            )
         )
         i += 1
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [block for page in PAGES for block in readme_blocks(page.read_text(), page)]
+INCLUDED_SCRIPTS = sorted({path for block in BLOCKS if block.lang == "python" for path in block.includes})
+"""Scripts pages show in parts: each runs once, whole."""
 
 
 def unchecked(block: Block) -> bool:
@@ -115,16 +179,17 @@ def _blocks(lang: str) -> list[Block]:
 
 
 def _ids(blocks: list[Block]) -> list[str]:
-    return [f"line{b.line}" for b in blocks]
+    return [f"{b.page.relative_to(ROOT)}:{b.line}" for b in blocks]
 
 
 # ------------------------------------------------------------------------------------------------
 # Every block is known
 
 
-def test_readme_has_examples_of_every_checked_kind() -> None:
+def test_the_pages_have_examples_of_every_checked_kind() -> None:
     langs = {b.lang for b in BLOCKS}
     assert {"toml", "python", "sh"} <= langs, langs
+    assert INCLUDED_SCRIPTS, "the tutorial's script is no longer included: is the snippet syntax still read?"
 
 
 def test_every_block_is_checked_or_marked_unchecked() -> None:
@@ -154,6 +219,13 @@ def test_marker_parsing_and_an_unknown_block_fails() -> None:
     ]
     with pytest.raises(AssertionError, match="mark its kind"):
         toml_kinds(unmarked_kinds[1])
+
+
+def test_an_included_section_is_read_between_its_markers() -> None:
+    (block,) = readme_blocks('```python\n--8<-- "docs/examples/two_sites.py:workload"\n```\n')
+    assert block.includes == (ROOT / "docs" / "examples" / "two_sites.py",)
+    assert "class MyWorkload" in block.text and "--8<--" not in block.text
+    assert "simulate(" not in block.text  # the next section
 
 
 # ------------------------------------------------------------------------------------------------
@@ -215,7 +287,10 @@ def _is_table_list(value: Any) -> bool:
 
 
 def validate(kind: str, path: Path) -> Any:
-    """The config as the command ``kind`` reads it (raises ``ConfigFileError`` like it)."""
+    """The config as the command ``kind`` reads it (raises ``ConfigFileError`` like it): the
+    command's own loader, given the arguments its parser gives it for ``--config PATH``."""
+    from geoloco.scenarios.cli import build_parser
+
     if kind == "scenario":
         from geoloco.scenarios.scenario import load_scenario
 
@@ -223,15 +298,10 @@ def validate(kind: str, path: Path) -> Any:
     if kind == "simulate":
         from geoloco.scenarios.simulate_cmd import load_config as load_simulate
 
-        args = argparse.Namespace(config=path, workload=None, rounds=None, sites=None, seed=None, device=None)
-        return load_simulate(args)
+        return load_simulate(build_parser().parse_args(["simulate", "--config", str(path)]))
     from geoloco.scenarios.coordinator_cmd import load_config as load_coordinator
 
-    args = argparse.Namespace(
-        config=path, host=None, port=None, http_port=None, certs=None, cert_name=None, insecure=True,
-        metrics=None, checkpoint_dir=None,
-    )
-    return load_coordinator(args)
+    return load_coordinator(build_parser().parse_args(["coordinator", "--config", str(path), "--insecure"]))
 
 
 @pytest.mark.parametrize("block", _blocks("toml"), ids=_ids(_blocks("toml")))
@@ -280,12 +350,25 @@ def test_python_block_compiles_and_runs(block: Block, tmp_path: Path) -> None:
     assert code is not None
     if block.marker is not None and block.marker.startswith("compile only:"):
         return
+    if block.includes:
+        return  # a part of a script: test_included_script_runs runs the whole script
+    _run_python(["-c", block.text], str(block), tmp_path)
+
+
+@pytest.mark.parametrize("script", INCLUDED_SCRIPTS, ids=[str(p.relative_to(ROOT)) for p in INCLUDED_SCRIPTS])
+def test_included_script_runs(script: Path, tmp_path: Path) -> None:
+    """A script a page shows in parts (``docs/examples/two_sites.py``) runs whole, as the page's
+    reader runs it (``python docs/examples/two_sites.py``)."""
+    _run_python([str(script)], str(script.relative_to(ROOT)), tmp_path)
+
+
+def _run_python(args: list[str], what: str, cwd: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        [sys.executable, "-c", block.text], cwd=tmp_path, capture_output=True, text=True,
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True,
         timeout=PYTHON_TIMEOUT_S, env=env, check=False,
     )
-    assert proc.returncode == 0, f"{block} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{what} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -335,6 +418,55 @@ def test_sh_block_commands_parse(block: Block) -> None:
         for word in argv:
             if word.startswith("scenarios/") and word.endswith(".toml"):
                 assert (ROOT / word).is_file(), f"{block}: {word} does not exist"
+    for word in block.text.split():
+        if word.endswith(".py") and "/" in word and not word.startswith(("/", "$")):
+            assert (ROOT / word).is_file(), f"{block}: {word} does not exist"
+
+
+INLINE_COMMAND_RE = re.compile(r"`(geoloco [a-z][^`\n]*)`")
+
+
+def inline_commands(text: str) -> Iterator[list[str]]:
+    """The words after ``geoloco`` of every code span of the prose that starts a command
+    (``geoloco site --state-dir DIR``, ``geoloco sweep --ray``)."""
+    for span in INLINE_COMMAND_RE.findall(text):
+        yield span.split()[1:]
+
+
+def _command_parser(words: list[str]) -> tuple[argparse.ArgumentParser | None, list[str]]:
+    """The (sub)command parser the words name (``certs issue``: its own), and the words left."""
+    import argparse
+
+    from geoloco.scenarios.cli import build_parser
+
+    parser: argparse.ArgumentParser | None = build_parser()
+    while words and parser is not None:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or words[0] not in subs[0].choices:
+            break
+        parser, words = subs[0].choices[words[0]], words[1:]
+    return parser, words
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p not in GENERATED], ids=lambda p: str(p.relative_to(ROOT)))
+def test_inline_commands_name_real_flags(page: Path) -> None:
+    """A command in a code span names a real subcommand, and each of its ``--flags`` exists (the
+    span may hold placeholders, so it is not parsed whole)."""
+    from geoloco.scenarios.cli import SUBCOMMANDS
+
+    for words in inline_commands(page.read_text()):
+        if not words or words[0].startswith("-"):
+            continue  # `geoloco --help`
+        assert words[0] in SUBCOMMANDS, f"{page.relative_to(ROOT)}: `geoloco {' '.join(words)}`: no such command"
+        parser, rest = _command_parser(words)
+        assert parser is not None
+        options = {option for action in parser._actions for option in action.option_strings}
+        for word in rest:
+            flag = word.split("=", 1)[0].rstrip(",;:)")
+            if flag.startswith("--") and len(flag) > 2:
+                assert flag in options, (
+                    f"{page.relative_to(ROOT)}: `geoloco {' '.join(words)}`: {parser.prog} has no {flag}"
+                )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -346,9 +478,12 @@ METRICS_KEYS = {
     "deadline_s", "next_deadline_s", "arrival_s", "folded_late", "privacy_delta", "epsilon",
     "rejected_reasons", "phases_s", "round_wall_s", "site_phases_s", "update_norm",
 }
-NOT_KEYS = {"register_step_post_hook"}
-"""Backticked words that are not config keys (``optimizer.register_step_post_hook``: torch's API)."""
+NOT_KEYS = {"register_step_post_hook", "fully_shard", "to_empty"}
+"""Backticked words that are not config keys (``optimizer.register_step_post_hook``,
+``fully_shard``, ``model.to_empty``: torch's API)."""
 KEY_RE = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)+$")
+MATH_RE = re.compile(r"^[a-z]_[a-z0-9]+$")
+"""Subscripted math symbols (``g_k``, ``e_down``), not keys."""
 
 
 def _config_field_names() -> set[str]:
@@ -377,7 +512,52 @@ def _config_field_names() -> set[str]:
     roots = [Scenario, SimulatorConfig, CoordinatorConfig, SiteAgentConfig, RelayConfig, RoundRecord]
     for cls in [*roots, *(w.config_class for w in WORKLOADS.values())]:
         walk(cls)
+    reference = _gen_reference().build_config_reference()  # the keys every loader accepts
+    names |= {key.name for keys in reference.top.values() for key in keys}
+    names |= {key.name for table in reference.tables.values() for key in table.keys}
+    return names | _prometheus_names()
+
+
+def _prometheus_names() -> set[str]:
+    """The coordinator's and the sites' Prometheus metric names, without their prefix
+    (``rounds_completed_total``), as ``docs/monitoring.md`` names them."""
+    from geoloco.coordinator.prometheus import METRIC_PREFIX as COORDINATOR_PREFIX
+    from geoloco.coordinator.prometheus import CoordinatorMetrics
+    from geoloco.site_agent.prometheus import METRIC_PREFIX as SITE_PREFIX
+    from geoloco.site_agent.prometheus import SiteMetrics
+
+    names: set[str] = set()
+    registries = ((CoordinatorMetrics().registry, COORDINATOR_PREFIX), (SiteMetrics("a").registry, SITE_PREFIX))
+    for registry, prefix in registries:
+        for metric in registry.collect():
+            for name in (metric.name, *(sample.name for sample in metric.samples)):
+                names.add(name.removeprefix(f"{prefix}_"))
     return names
+
+
+@functools.cache
+def _code_names() -> frozenset[str]:
+    """Every name the package's source defines or uses (modules, classes, functions, arguments,
+    attributes, string constants that look like names): what an explanation page may name."""
+    import ast
+
+    names: set[str] = set()
+    for package in ("protos", "compression", "algorithms", "coordinator", "site_agent", "relay", "scenarios"):
+        names.add(package)
+        for path in (ROOT / package).rglob("*.py"):
+            names.add(path.stem)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, ast.arg):
+                    names.add(node.arg)
+                elif isinstance(node, ast.Attribute):
+                    names.add(node.attr)
+                elif isinstance(node, ast.Name):
+                    names.add(node.id)
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str) and KEY_RE.match(node.value):
+                    names.add(node.value)
+    return frozenset(names)
 
 
 def backticked_keys(text: str) -> set[str]:
@@ -394,12 +574,18 @@ def backticked_keys(text: str) -> set[str]:
     return keys
 
 
-def test_backticked_keys_exist() -> None:
-    known = _config_field_names()
-    unknown = sorted(backticked_keys(README.read_text()) - known - NOT_KEYS)
+@pytest.fixture(scope="module")
+def known_keys() -> set[str]:
+    return _config_field_names()
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p not in GENERATED], ids=lambda p: str(p.relative_to(ROOT)))
+def test_backticked_keys_exist(page: Path, known_keys: set[str]) -> None:
+    known = known_keys | (_code_names() if page in CODE_PAGES else frozenset())
+    unknown = sorted(k for k in backticked_keys(page.read_text()) - known - NOT_KEYS if not MATH_RE.match(k))
     assert not unknown, (
-        f"README.md names keys no config has: {unknown}; fix the README (or, for a metrics key, "
-        "add it to METRICS_KEYS)"
+        f"{page.relative_to(ROOT)} names keys no config has: {unknown}; fix the page (or, for a metrics "
+        "key, add it to METRICS_KEYS)"
     )
 
 

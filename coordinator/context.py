@@ -66,7 +66,7 @@ class RoundContext:
         self.closing = False
         self.members: dict[str, Member] = {}
         self.phase = RoundPhase.WAITING_FOR_QUORUM
-        self.round = self.new_round(0, clock())
+        self._round = self.new_round(0, clock())
         self.contributor_history: dict[int, frozenset[str]] = {}
         """round t -> sites whose update counted in round t."""
         self.folded_history: dict[int, frozenset[str]] = {}
@@ -77,6 +77,23 @@ class RoundContext:
         adaptive = config.algorithm.adaptive_uplink
         self.link_codecs = CodecPlans(adaptive, config.algorithm.uplink_codec) if adaptive.enabled else None
         """Per-site uplink codecs (``[algorithm.adaptive_uplink]``); None: one codec for all."""
+
+    @property
+    def round(self) -> CoordinatorRound:
+        """The open round (the next one, once the run finished)."""
+        return self._round
+
+    @round.setter
+    def round(self, new: CoordinatorRound) -> None:
+        """Open ``new``: the replaced round has ended, which wakes its AwaitBroadcast calls."""
+        old, self._round = self._round, new
+        if old is not new:
+            old.ended.set()
+
+    def close(self) -> None:
+        """The session closes: wake every call waiting for a round to end (lock held)."""
+        self.closing = True
+        self._round.ended.set()
 
     def new_round(self, number: int, now: float) -> CoordinatorRound:
         """Round ``number``, opened at ``now`` (its buffer allocates on the first add, sized for

@@ -6,6 +6,7 @@ objects into responses; everything below the servicer works on them.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -208,6 +209,11 @@ class CoordinatorRound:
     """site -> inner steps its upload reports."""
     timings: RoundTimings = field(default_factory=RoundTimings)
     """Where the round's time goes (``geoloco.coordinator.round_timing``)."""
+    ended: threading.Event = field(default_factory=threading.Event)
+    """Set once the round is replaced by the next (its broadcast is ready) or the coordinator
+    closes. AwaitBroadcast calls wait on it, not on the session's condition: a condition wakes
+    every waiting stream at every upload and join, which costs the square of the sites per
+    round; this wakes each stream once per round."""
 
     @property
     def number(self) -> int:

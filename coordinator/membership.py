@@ -9,6 +9,7 @@ aggregated.
 from __future__ import annotations
 
 import logging
+import math
 
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import Member, RoundContext
@@ -34,10 +35,17 @@ class Membership:
         """How long a member may stay silent after its join before it is dropped."""
         self._heard: set[str] = set()
         """Members that made a call since they joined (a heartbeat, a fetch, an upload)."""
+        allowed = ctx.config.allowed_sites
+        self._allowed = None if allowed is None else frozenset(allowed)
+        self._next_silence_s = math.inf
+        """No member can fall silent before this time: ``drop_silent`` scans the members only
+        from then on. The driver polls at every upload and join; a scan per poll would cost the
+        square of the sites per round. Signs of life only move a member's limit later, so the
+        earliest limit seen at the last scan stays a safe lower bound; a join lowers it."""
 
     def check_allowed(self, site: str) -> None:
         allowed = self.ctx.config.allowed_sites
-        if allowed is not None and site not in allowed:
+        if self._allowed is not None and site not in self._allowed:
             raise SiteNotAllowedError(
                 f"site {site!r} is not in this run's allowed_sites ({', '.join(allowed)}); add it "
                 "to the coordinator's config"
@@ -78,6 +86,7 @@ class Membership:
         member = ctx.members.get(site)
         if member is None:
             ctx.members[site] = Member(name=site, joined_s=now, last_seen_s=now)
+            self._next_silence_s = min(self._next_silence_s, now + self._limit(site))
             logger.info(
                 "site %s joined at round %d (%d members)%s",
                 site, ctx.round.number, len(ctx.members),
@@ -116,14 +125,24 @@ class Membership:
         call after joining for longer than ``admission.silent_join_grace_s`` (a join with a
         made-up name must not hold the round open until the heartbeat timeout)."""
         ctx = self.ctx
-        timeout = ctx.config.heartbeat_timeout_s
+        if now < self._next_silence_s:
+            return
+        earliest = math.inf
         for name, member in list(ctx.members.items()):
-            limit = timeout if name in self._heard else min(timeout, self.join_grace_s)
+            limit = self._limit(name)
             if now - member.last_seen_s > limit:
                 ctx.events.emit(
                     ev.SITE_DROPPED, site=name, round=ctx.round.number, silent_s=now - member.last_seen_s
                 )
                 self.remove(name, f"dropped after {now - member.last_seen_s:.1f} s of silence")
+            else:
+                earliest = min(earliest, member.last_seen_s + limit)
+        self._next_silence_s = earliest
+
+    def _limit(self, site: str) -> float:
+        """Seconds of silence after which ``site`` is dropped."""
+        timeout = self.ctx.config.heartbeat_timeout_s
+        return timeout if site in self._heard else min(timeout, self.join_grace_s)
 
     def remove(self, site: str, why: str) -> None:
         ctx = self.ctx

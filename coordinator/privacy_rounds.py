@@ -164,6 +164,12 @@ class PrivateRounds:
             current.withdraw(site)
             current.advance(live, now)
 
+    def progress(self) -> tuple[int, ...]:
+        """The open secure round's number and ``SecureRound.progress`` (changes when a stage
+        call's reply may have)."""
+        current = self.current
+        return (-1,) if current is None else (current.round_number, *current.progress())
+
     def advance(self, live: set[str], now: float) -> None:
         if self.current is not None:
             self.current.advance(live, now)

@@ -402,7 +402,10 @@ class RoundStateMachine:
                 )
             if check_member:
                 self.intake.withdraw(site, round_number)
-            self._cond.wait_for(lambda: ctx.closing or ctx.round.number != round_number, timeout=timeout_s)
+            ended = ctx.round.ended if ctx.round.number == round_number else None
+        if ended is not None:
+            ended.wait(timeout_s)  # outside the lock, woken once per round (``CoordinatorRound.ended``)
+        with self._cond:
             if ctx.closing:
                 raise ShuttingDownError("the coordinator is shutting down; retry to reach its successor")
             now = self.clock()
@@ -475,6 +478,6 @@ class RoundStateMachine:
     def close(self) -> None:
         """Wake every waiting call with UNAVAILABLE; later polls do nothing."""
         with self._cond:
-            self._ctx.closing = True
+            self._ctx.close()
             self._cond.notify_all()
         self.intake.shutdown()

@@ -10,6 +10,7 @@ aggregated.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Iterable, Mapping
 
 import torch
@@ -34,6 +35,10 @@ __all__ = ["SecureIntake"]
 
 _KEEP_OPEN = CloseDecision(close=False)
 
+STAGE_POLL_S = 0.5
+"""A waiting stage call looks again at least this often: a stage also closes at its deadline,
+which no call announces."""
+
 
 class SecureIntake:
     """Masked uploads into the secure-aggregation protocol's sum (module doc)."""
@@ -49,6 +54,12 @@ class SecureIntake:
         """The run's CA: sites' identity bindings are checked against it before they are relayed."""
         self._partials: dict[str, tuple[tuple[str, ...], SecureUpload]] = {}
         """relay -> (its sites, its partial upload) of the open round (resumable like a site's)."""
+        self._progressed = threading.Event()
+        """Set (and replaced) when the protocol moved on (``PrivateRounds.progress``). Waiting
+        stage calls wait on it, outside the lock: on the session's condition every message of
+        every site would wake every waiting call, each of which re-runs the protocol's
+        bookkeeping over all sites (the cube of the sites per stage)."""
+        self._progress = privacy.progress()
 
     def receive(self, site: str, spec: UploadSpec, chunks: Chunks) -> UploadProgress:
         ctx, privacy = self.ctx, self.privacy
@@ -66,7 +77,7 @@ class SecureIntake:
             try:
                 upload = privacy.open_upload(site, spec)
             finally:
-                ctx.cond.notify_all()  # a refused upload may let the key stage close now
+                self._changed()  # a refused upload may let the key stage close now
             r = ctx.round
             ctx.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)
             r.site_metrics[site] = dict(spec.metrics)
@@ -80,7 +91,7 @@ class SecureIntake:
                 if upload.complete and site not in ctx.round.contributed:
                     ctx.engine.admit(ctx.round.core, site, None, 1.0, screen=UNSCREENED, now=ctx.clock())
                     ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=spec.round, weight=1.0)
-                    ctx.cond.notify_all()
+                    self._changed()
         with ctx.cond:
             return privacy.upload_progress(upload)
 
@@ -192,7 +203,7 @@ class SecureIntake:
                 ctx.engine.admit(r.core, site, None, 1.0, screen=UNSCREENED, now=ctx.clock())
                 r.site_metrics[site] = metrics[site]
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=1.0)
-        ctx.cond.notify_all()
+        self._changed()
 
     def status(self, site: str, round_number: int, fragment: int) -> UploadProgress:
         ctx = self.ctx
@@ -209,6 +220,7 @@ class SecureIntake:
         self.privacy.start_round(
             number, ctx.round_seed(number), now, numel=ctx.update_numel(number), ca_pem=self._ca_pem
         )
+        self._wake_stage_calls()
 
     # -- the secure close rule (the round engine's ``ClosePolicy`` in a secure run) --
 
@@ -223,17 +235,18 @@ class SecureIntake:
         longer upload aborts (closing with "no change") instead of waiting forever."""
         if not round_.started:
             return _KEEP_OPEN
-        return CloseDecision(
-            close=self.privacy.close_decision(set(expected), set(round_.contributed), self.ctx.policy.min_sites, now)
-        )
+        close = self.privacy.close_decision(set(expected), set(round_.contributed), self.ctx.policy.min_sites, now)
+        self._wake_stage_calls()  # a stage may have closed at its deadline
+        return CloseDecision(close=close)
 
     def begin_close(self, now: float) -> None:
         # The survivors unmask the sum before it exists.
         self.privacy.close_upload(now)
+        self._wake_stage_calls()
 
     def ready(self, now: float) -> bool:
         self.privacy.advance(set(self.ctx.members), now)
-        self.ctx.cond.notify_all()
+        self._changed()
         return self.privacy.unmasked
 
     def aggregate(
@@ -241,6 +254,20 @@ class SecureIntake:
     ) -> RoundSum:
         # The unmasked sum of the survivors (or no change if the round was aborted).
         return RoundSum(*self.privacy.finish_round(self.ctx.strategy, global_flat, aggregation, plan, contributors))
+
+    def _changed(self) -> None:
+        """The protocol's state may have moved (lock held): wake the driver, and the waiting
+        stage calls if their replies may have changed."""
+        self.ctx.cond.notify_all()
+        self._wake_stage_calls()
+
+    def _wake_stage_calls(self) -> None:
+        """Wake the waiting stage calls if the protocol moved on (lock held)."""
+        progress = self.privacy.progress()
+        if progress != self._progress:
+            self._progress = progress
+            moved, self._progressed = self._progressed, threading.Event()
+            moved.set()
 
     def stage(
         self, site: str, session_id: str, round_number: int, stage: str, message: StageMessage, *, wait_s: float
@@ -253,21 +280,28 @@ class SecureIntake:
                 ctx.check_upload_round(round_number)
             deadline = ctx.clock() + wait_s
             reply = privacy.stage(site, round_number, stage, message, set(ctx.members), ctx.clock())
-            ctx.cond.notify_all()
-            while not reply.ready and not ctx.closing:
+            self._changed()
+        while True:
+            with ctx.cond:
                 left = deadline - ctx.clock()
-                if left <= 0:
-                    break
-                ctx.cond.wait(timeout=min(left, 0.25))
+                if reply.ready or ctx.closing or left <= 0:
+                    return reply
+                progressed = self._progressed
+            progressed.wait(min(left, STAGE_POLL_S))
+            with ctx.cond:
+                # Sent again (an equal message is a no-op): the call advances the stages whose
+                # deadline passed, and answers from the protocol as it is now.
                 reply = privacy.stage(site, round_number, stage, message, set(ctx.members), ctx.clock())
-            return reply
+                self._changed()
 
     def withdraw(self, site: str, round_number: int) -> None:
         # A site waiting for the broadcast without having advertised keys will not (e.g. its
         # key stages ran with this coordinator's predecessor).
         if round_number == self.ctx.round.number:
             self.privacy.withdraw(site, round_number, set(self.ctx.members), self.ctx.clock())
-            self.ctx.cond.notify_all()
+            self._changed()
 
     def shutdown(self) -> None:
-        """Nothing runs in the background: masked chunks are added on the stream's thread."""
+        """Nothing runs in the background (masked chunks are added on the stream's thread); the
+        waiting stage calls wake to answer that the coordinator is shutting down."""
+        self._progressed.set()

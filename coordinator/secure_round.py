@@ -211,6 +211,12 @@ class SecureRound:
                 raise SecAggViolation(f"site {site} sent an unmask response for another site")
             self.server.receive_unmask(message)
 
+    def progress(self) -> tuple[int, int, bool, bool]:
+        """Changes exactly when a waiting stage call's reply may have: stages opened, closed,
+        the survivor list set, the round aborted."""
+        closed = sum(1 for stage in self._stages.values() if stage.closed)
+        return len(self._stages), closed, bool(self._survivors), bool(self.aborted)
+
     def reply(self, site: str, stage: str) -> StageReply:
         """The reply to ``site``'s ``stage`` call if the stage has closed."""
         if self.aborted:

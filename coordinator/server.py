@@ -39,6 +39,7 @@ from geoloco.coordinator.rounds import EvalFn, RoundStateMachine
 from geoloco.coordinator.servicer import CoordinatorServicer
 from geoloco.protos.transport_endpoints import add_coordinator_servicer, build_server, stop_server
 from geoloco.protos.transport_errors import default_interceptors
+from geoloco.protos.transport_malloc import return_free_heap
 from geoloco.protos.transport_options import SHUTDOWN_GRACE_S
 
 __all__ = ["CoordinatorServer"]
@@ -178,6 +179,7 @@ class CoordinatorServer:
                 self._metrics = None
             raise
         self.admission.start()
+        return_free_heap()  # what the caller freed building the model (transport_malloc)
         self._server, self._port = server, port
         self._driver = threading.Thread(target=self._drive, name="geoloco-round-driver", daemon=True)
         self._driver.start()

@@ -9,6 +9,7 @@ points call ``reexec_with_malloc_tunables()`` first.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import platform
@@ -52,6 +53,25 @@ def recommended_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["GLIBC_TUNABLES"] = _merge_tunables(env.get("GLIBC_TUNABLES", ""))
     return env
+
+
+def return_free_heap() -> bool:
+    """Give the heap memory freed so far back to the kernel (glibc's ``malloc_trim(0)``);
+    whether it ran.
+
+    ``trim_threshold`` keeps freed heap memory for reuse, which is right for chunk buffers but
+    wrong for what a process frees once before it serves: a model built layer by layer (layers
+    below the mmap threshold live on the heap) and dropped after flattening would stay resident
+    for the whole run, or not, depending on where glibc happened to place it. Servers call this
+    once when they start, so their memory does not depend on how the caller built the model."""
+    if not is_glibc():
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def malloc_tunables_active() -> bool:

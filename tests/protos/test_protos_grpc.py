@@ -478,6 +478,32 @@ def test_malloc_tunables_env_and_reexec():
         assert result.stdout.split() == ["False", "None"]
 
 
+@pytest.mark.skipif(not is_glibc(), reason="malloc_trim and GLIBC_TUNABLES exist only on glibc")
+def test_heap_freed_before_serving_goes_back_to_the_kernel():
+    """A model built from layers below the mmap threshold and dropped after flattening stays
+    resident under our trim threshold until ``return_free_heap``: a coordinator's memory must not
+    depend on how its caller built the model."""
+    code = (
+        "import torch\n"
+        "from geoloco.protos.transport_malloc import return_free_heap\n"
+        "def rss():\n"
+        "    return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+        "layers = [torch.ones(4 * 2**20) for _ in range(16)]\n"  # 16 x 16 MiB, on the heap
+        "flat = torch.cat(layers)\n"
+        "del layers\n"
+        "kept = rss()\n"
+        "print(return_free_heap(), kept - rss())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=recommended_env({**os.environ, "GLIBC_TUNABLES": ""}),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    ran, released = result.stdout.split()
+    assert ran == "True"
+    assert int(released) >= 128 * 2**20, f"only {int(released) >> 20} MiB went back"
+
+
 def test_leaf_certificates_expire_with_their_ca(pki):
     authority = certs.load_ca(pki)
     site = x509.load_pem_x509_certificate((pki / f"{SITES[0]}.crt").read_bytes())

@@ -14,13 +14,21 @@ used to fill the pool, and heartbeats queued behind them until the sites were dr
   connection whatever site they speak for (so a per-connection bound would refuse legitimate
   sites run side by side, while a flooder just opens more connections); only the total bound
   and the idle timeout apply there.
-* **In total.** Long-lived calls (Upload, FetchModel, AwaitBroadcast, SecureStage) from
-  everyone together are bounded by ``max_streams``, below the main pool's size, so a thread
-  always remains to answer or refuse; more are refused UNAVAILABLE (a site retries).
-  ``max_concurrent_rpcs`` is gRPC's own bound behind it.
+* **In total, with a reserve per identity.** Long-lived calls (Upload, FetchModel,
+  AwaitBroadcast, SecureStage) from everyone together are bounded by ``max_streams``, below the
+  main pool's size, so a thread always remains to answer or refuse; more are refused
+  UNAVAILABLE (a site retries). With TLS each identity the run admits (listed site or relay;
+  ``AdmissionLimits.identities``) has ``STREAM_RESERVE`` of them in reserve (fewer when
+  ``max_streams`` is too small): a peer beyond its share is admitted only while the others'
+  unused shares stay free, so two sites holding idle uploads cannot take the streams an honest
+  site needs. ``max_concurrent_rpcs``
+  is gRPC's own bound behind it.
 * **A pool of their own for the control calls.** Join, Heartbeat, Leave and UploadStatus run
-  on a separate pool of ``max_rpcs_per_peer + 8`` threads, so they are answered whatever the
-  main pool is doing, and one site holding all its calls open there still leaves threads over.
+  on a separate pool of ``CONTROL_PER_PEER`` threads per identity plus headroom, and with TLS
+  one identity may hold at most ``CONTROL_PER_PEER`` of them: whatever the main pool is doing
+  and whatever another identity holds open, a site's heartbeat finds a thread.
+* **Relays by their listing.** A relay certificate whose name is not in ``[relays]`` is
+  refused PERMISSION_DENIED before anything is read, as an unlisted site is.
 * **Idle reads.** A call whose next request message takes longer than
   ``stream_idle_timeout_s`` is cancelled with DEADLINE_EXCEEDED by a watchdog thread: an Upload
   stream between chunks (its partial upload is kept for UploadStatus, as for any broken
@@ -38,7 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +54,7 @@ from typing import Any
 import grpc
 
 from geoloco.coordinator import events as ev
-from geoloco.coordinator.admission_config import AdmissionLimits
+from geoloco.coordinator.admission_config import CONTROL_PER_PEER, AdmissionLimits
 from geoloco.coordinator.errors import SiteNotAllowedError, StatusError
 from geoloco.protos.transport_errors import THREAD_POOL_ATTRIBUTE, rebuild_handler
 from geoloco.protos.transport_tls import peer_relay, peer_site
@@ -64,6 +72,10 @@ logger = logging.getLogger(__name__)
 RELAY_PEER_PREFIX = "relay:"
 """Admission key prefix of a regional relay's calls (a colon never appears in a site name)."""
 
+STREAM_RESERVE = 3
+"""Long-lived calls kept in reserve for each identity (an AwaitBroadcast, an Upload and a
+FetchModel or SecureStage: what a site has open at once). Beyond it the streams are shared first
+come, first served, so the ranks of a sharded site can upload side by side."""
 CONTROL_METHODS = frozenset({"Join", "Heartbeat", "Leave", "UploadStatus"})
 """Short calls that keep a site in the run; served by the control pool."""
 STREAM_METHODS = frozenset({"Upload", "FetchModel", "AwaitBroadcast", "SecureStage"})
@@ -85,12 +97,13 @@ class ServerBusyError(StatusError):
 class _Ticket:
     """One admitted call; ``release`` is idempotent (called on return and on termination)."""
 
-    __slots__ = ("_admission", "_released", "long_lived", "peer")
+    __slots__ = ("_admission", "_released", "control", "long_lived", "peer")
 
-    def __init__(self, admission: Admission, peer: str, long_lived: bool) -> None:
+    def __init__(self, admission: Admission, peer: str, long_lived: bool, control: bool) -> None:
         self._admission = admission
         self.peer = peer
         self.long_lived = long_lived
+        self.control = control
         self._released = False
 
     def release(self) -> None:
@@ -119,10 +132,13 @@ class Admission:
         allowed_sites: Sequence[str] | None,
         insecure: bool,
         events: ev.EventHub,
+        relays: Iterable[str] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limits = limits
         self.allowed_sites = None if allowed_sites is None else frozenset(allowed_sites)
+        self.relays = frozenset(relays)
+        """The relays ``[relays]`` lists; another relay certificate is refused."""
         self.insecure = insecure
         self.events = events
         self.clock = clock
@@ -132,7 +148,13 @@ class Admission:
         self.interceptor = AdmissionInterceptor(self)
         self._lock = threading.Lock()
         self._per_peer: dict[str, int] = {}
+        self._control_per_peer: dict[str, int] = {}
+        self._streams_per_peer: dict[str, int] = {}
         self._streams = 0
+        self._share = min(STREAM_RESERVE, limits.max_streams // max(1, limits.identities))
+        """Long-lived calls each identity keeps in reserve (0: too few streams to reserve any)."""
+        self._reserved_in_use = 0
+        """Sum over peers of ``min(their long-lived calls, _share)``."""
         self._reads: set[_Read] = set()
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
@@ -159,18 +181,10 @@ class Admission:
     def admit(self, method: str, context: grpc.ServicerContext) -> _Ticket:
         """Count the call in, or raise the ``StatusError`` that refuses it (nothing read yet)."""
         peer = self.peer_of(context)
-        if (
-            not self.insecure
-            and self.allowed_sites is not None
-            and peer not in self.allowed_sites
-            and not peer.startswith(RELAY_PEER_PREFIX)
-        ):
-            raise SiteNotAllowedError(
-                f"site {peer!r} is not in this run's allowed_sites; add it to the coordinator's "
-                "config to let it take part"
-            )
+        if not self.insecure:
+            self._check_listed(peer)
         long_lived = method in STREAM_METHODS
-        limits = self.limits
+        control = method in CONTROL_METHODS
         per_peer = self.per_peer_limit
         with self._lock:
             open_calls = self._per_peer.get(peer, 0)
@@ -179,31 +193,79 @@ class Admission:
                     f"site {peer!r} already has {open_calls} calls open, the most "
                     f"admission.max_rpcs_per_peer allows ({per_peer}); finish or cancel some first"
                 )
-            if long_lived and self._streams >= limits.max_streams:
-                raise ServerBusyError(
-                    f"the coordinator is serving its limit of {limits.max_streams} long-lived calls "
-                    "(admission.max_streams); retry shortly"
+            held_control = self._control_per_peer.get(peer, 0)
+            if control and per_peer is not None and held_control >= CONTROL_PER_PEER:
+                raise PeerLimitError(
+                    f"site {peer!r} already has {held_control} Join/Heartbeat/Leave/UploadStatus calls "
+                    f"open, the most one site may hold ({CONTROL_PER_PEER}, so that every site's "
+                    "heartbeat finds a thread); finish or cancel some first"
                 )
+            held = self._streams_per_peer.get(peer, 0)
+            if long_lived:
+                self._check_stream(peer, held, reserve=per_peer is not None)
             self._per_peer[peer] = open_calls + 1
+            if control:
+                self._control_per_peer[peer] = held_control + 1
             if long_lived:
                 self._streams += 1
-        ticket = _Ticket(self, peer, long_lived)
+                self._streams_per_peer[peer] = held + 1
+                if held < self._share:
+                    self._reserved_in_use += 1
+        ticket = _Ticket(self, peer, long_lived, control)
         if not context.add_callback(ticket.release):  # the call already ended
             ticket.release()
         return ticket
+
+    def _check_listed(self, peer: str) -> None:
+        """Refuse a certificate the run does not list (site or relay), before anything is read."""
+        if peer.startswith(RELAY_PEER_PREFIX):
+            relay = peer.removeprefix(RELAY_PEER_PREFIX)
+            if relay not in self.relays:
+                listed = ", ".join(sorted(self.relays)) or "none"
+                raise SiteNotAllowedError(
+                    f"relay {relay!r} is not in this coordinator's [relays] table (listed: {listed}); "
+                    "add it to the coordinator's config with the sites it may speak for"
+                )
+        elif self.allowed_sites is not None and peer not in self.allowed_sites:
+            raise SiteNotAllowedError(
+                f"site {peer!r} is not in this run's allowed_sites; add it to the coordinator's "
+                "config to let it take part"
+            )
+
+    def _check_stream(self, peer: str, held: int, *, reserve: bool) -> None:
+        """Refuse a long-lived call beyond ``max_streams``, or beyond ``peer``'s share while the
+        other identities' unused shares would no longer fit (lock held)."""
+        limits = self.limits
+        free = limits.max_streams - self._streams
+        if free <= 0:
+            raise ServerBusyError(
+                f"the coordinator is serving its limit of {limits.max_streams} long-lived calls "
+                "(admission.max_streams); retry shortly"
+            )
+        if not reserve or held < self._share:
+            return
+        unused_by_others = self._share * limits.identities - self._reserved_in_use
+        if free - 1 < unused_by_others:
+            raise ServerBusyError(
+                f"site {peer!r} already has {held} long-lived calls open; the {free} streams still "
+                f"free of admission.max_streams ({limits.max_streams}) are kept for the other "
+                f"{limits.identities - 1} identities' reserve of {self._share} each: retry once "
+                "some of yours ended"
+            )
 
     def _release(self, ticket: _Ticket) -> None:
         with self._lock:
             if ticket._released:
                 return
             ticket._released = True
-            left = self._per_peer[ticket.peer] - 1
-            if left:
-                self._per_peer[ticket.peer] = left
-            else:
-                del self._per_peer[ticket.peer]
+            peer = ticket.peer
+            _decrement(self._per_peer, peer)
+            if ticket.control:
+                _decrement(self._control_per_peer, peer)
             if ticket.long_lived:
                 self._streams -= 1
+                if _decrement(self._streams_per_peer, peer) < self._share:
+                    self._reserved_in_use -= 1
 
     def open_calls(self, peer: str | None = None) -> int:
         """Calls admitted and not yet ended (of ``peer``, or long-lived ones of everyone)."""
@@ -278,6 +340,16 @@ class Admission:
         if self._watchdog is not None:
             self._watchdog.join(timeout=10)
         self.control_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _decrement(counts: dict[str, int], key: str) -> int:
+    """``counts[key] - 1``, stored (the key dropped at 0); returns the new count."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+    return left
 
 
 def _cancel(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> None:

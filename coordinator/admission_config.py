@@ -16,8 +16,11 @@ from geoloco.protos.transport_options import server_workers
 __all__ = ["AdmissionConfig", "AdmissionLimits"]
 
 CONTROL_HEADROOM = 8
-"""Threads of the control pool beyond one site's ``max_rpcs_per_peer``: a listed site that
-holds all its calls open on control methods still leaves these to the others."""
+"""Threads of the control pool beyond the identities' shares: calls from peers that are not
+told apart (insecure mode) and refusals still find a thread."""
+CONTROL_PER_PEER = 4
+"""Control calls (Join, Heartbeat, Leave, UploadStatus) one identity may have open at once: a
+site needs one or two; the pool holds this many per identity, so no identity can take another's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,10 @@ class AdmissionLimits:
     max_rpcs_per_peer: int
     stream_idle_timeout_s: float
     silent_join_grace_s: float
+    identities: int = 1
+    """Certificate identities the run admits (listed sites and relays, or ``max_sites`` and the
+    relays when any site of the CA may join): each has its share of the control pool and a
+    reserve of long-lived calls (``geoloco.coordinator.admission``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,11 +52,14 @@ class AdmissionConfig:
     max_streams: int | None = None
     """Long-lived calls (Upload, FetchModel, AwaitBroadcast, SecureStage) open at once, from
     everyone; more are refused with UNAVAILABLE (retry later). Unset: the main thread pool's size
-    (``4 x max_sites + 8``) minus 8, so a thread is always free to answer or refuse a call."""
+    (``4 x max_sites + 8``) minus 8, so a thread is always free to answer or refuse a call. With
+    TLS each certificate identity (listed site or relay) keeps 3 of them in reserve: beyond that a
+    peer gets a call only while the others' unused reserves stay free."""
     max_concurrent_rpcs: int | None = None
     """gRPC's own bound on calls in progress or queued, all methods together (beyond it gRPC
     answers RESOURCE_EXHAUSTED before any of our code runs). Unset: twice the main pool plus the
-    control pool (``max_rpcs_per_peer + 8`` threads for Join, Heartbeat, Leave, UploadStatus)."""
+    control pool (4 threads per certificate identity, at least ``max_rpcs_per_peer``, plus 8, for
+    Join, Heartbeat, Leave and UploadStatus)."""
     stream_idle_timeout_s: float = 60.0
     """A call whose next request message takes longer than this to arrive is cancelled: an
     Upload stream between chunks (the site resumes with UploadStatus), or any call that sent its
@@ -84,8 +94,12 @@ class AdmissionConfig:
             "silent_join_grace_s", f"must be > 0 seconds or unset, got {self.silent_join_grace_s}",
         )
 
-    def resolve(self, *, max_sites: int, heartbeat_interval_s: float, heartbeat_timeout_s: float) -> AdmissionLimits:
-        """The limits in force for a coordinator with these settings; errors name the key."""
+    def resolve(
+        self, *, max_sites: int, heartbeat_interval_s: float, heartbeat_timeout_s: float, identities: int | None = None
+    ) -> AdmissionLimits:
+        """The limits in force for a coordinator with these settings; errors name the key.
+        ``identities``: the certificate names that may call (default ``max_sites``)."""
+        identities = max(1, max_sites if identities is None else identities)
         workers = server_workers(max_sites)
         max_streams = workers - 8 if self.max_streams is None else self.max_streams
         require(
@@ -94,7 +108,7 @@ class AdmissionConfig:
             f"must be below the server's {workers} worker threads (4 x max_sites + 8) so that a "
             f"thread stays free to refuse calls; got {max_streams}; raise max_sites or lower it",
         )
-        control_workers = self.max_rpcs_per_peer + CONTROL_HEADROOM
+        control_workers = max(self.max_rpcs_per_peer, CONTROL_PER_PEER * identities) + CONTROL_HEADROOM
         total = 2 * workers + control_workers if self.max_concurrent_rpcs is None else self.max_concurrent_rpcs
         require(
             total > max_streams,
@@ -118,4 +132,5 @@ class AdmissionConfig:
             max_rpcs_per_peer=self.max_rpcs_per_peer,
             stream_idle_timeout_s=self.stream_idle_timeout_s,
             silent_join_grace_s=grace,
+            identities=identities,
         )

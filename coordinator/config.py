@@ -328,10 +328,12 @@ class CoordinatorConfig:
     @property
     def admission_limits(self) -> AdmissionLimits:
         """``admission`` with its defaults derived from ``max_sites`` and the heartbeat settings."""
+        sites = self.max_sites if self.allowed_sites is None else len(self.allowed_sites)
         return self.admission.resolve(
             max_sites=self.max_sites,
             heartbeat_interval_s=self.heartbeat_interval_s,
             heartbeat_timeout_s=self.heartbeat_timeout_s,
+            identities=sites + len(self.relays),
         )
 
     @property

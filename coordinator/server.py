@@ -92,6 +92,7 @@ class CoordinatorServer:
             allowed_sites=config.allowed_sites,
             insecure=config.insecure,
             events=self.rounds.events,
+            relays=config.relays,
         )
         """Bounds on the calls the gRPC server takes on (``config.admission``)."""
 

@@ -21,6 +21,7 @@ from _round_helpers import FakeClock, chunk_requests, encode_update, tiny_weight
 from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator import events as ev
+from geoloco.coordinator.admission_config import CONTROL_PER_PEER
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
@@ -199,7 +200,8 @@ def test_a_listed_site_gets_its_per_peer_share_and_idle_reads_are_cut(certs: Pat
     RESOURCE_EXHAUSTED; the admitted ones are cancelled DEADLINE_EXCEEDED once idle for
     ``stream_idle_timeout_s``; "a" and "b" are answered all along and their round closes."""
     share = 6
-    server = _start(certs, admission=_admission(max_rpcs_per_peer=share, stream_idle_timeout_s=1.0))
+    # max_sites 8: 32 streams, so the per-peer bound binds before the other sites' reserves do.
+    server = _start(certs, max_sites=8, admission=_admission(max_rpcs_per_peer=share, stream_idle_timeout_s=1.0))
     rejections = Rejections(server)
     theta = server.rounds.weights.clone()
     a, b, c = (Site(certs, server.port, n) for n in ("a", "b", "c"))
@@ -230,18 +232,19 @@ def test_unary_calls_that_never_send_their_request_do_not_starve_heartbeats(cert
     a unary request on a worker thread before any handler code runs; these used to hold a
     thread each, unseen, for as long as the client liked.)"""
     share = 6
+    admitted = min(share, CONTROL_PER_PEER)  # one identity's share of the control pool
     server = _start(certs, admission=_admission(max_rpcs_per_peer=share, stream_idle_timeout_s=1.0))
     rejections = Rejections(server)
     a, c = Site(certs, server.port, "a"), Site(certs, server.port, "c")
     half_open = c.channel.stream_unary(f"/{SERVICE_NAME}/Heartbeat")
     flood = IdleStreams.on(type("Stub", (), {"Upload": half_open})(), 2 * share)
     try:
-        assert flood.refused(grpc.StatusCode.RESOURCE_EXHAUSTED, share) == share
+        assert flood.refused(grpc.StatusCode.RESOURCE_EXHAUSTED, 2 * share - admitted) == 2 * share - admitted
         a.join()
         assert not a.heartbeat().rejoin_required
-        assert flood.refused(grpc.StatusCode.DEADLINE_EXCEEDED, share) == share
-        assert rejections.count("Heartbeat", grpc.StatusCode.RESOURCE_EXHAUSTED) == share
-        assert _wait(lambda: rejections.count("Heartbeat", grpc.StatusCode.DEADLINE_EXCEEDED) == share, server)
+        assert flood.refused(grpc.StatusCode.DEADLINE_EXCEEDED, admitted) == admitted
+        assert rejections.count("Heartbeat", grpc.StatusCode.RESOURCE_EXHAUSTED) == 2 * share - admitted
+        assert _wait(lambda: rejections.count("Heartbeat", grpc.StatusCode.DEADLINE_EXCEEDED) == admitted, server)
         assert server.admission.open_calls("c") == 0
         assert server.rounds.members == ["a"]
     finally:
@@ -282,8 +285,9 @@ def test_insecure_idle_streams_are_bounded_in_total_and_cut_when_idle(certs: Pat
 
 
 def test_beyond_the_total_stream_bound_calls_are_unavailable_but_heartbeats_answered(certs: Path) -> None:
-    """With every long-lived slot taken by idle streams, one more is refused UNAVAILABLE (a
-    site retries it), while heartbeats, on their own pool, are still answered."""
+    """Idle streams of "b" and "c" take every long-lived slot but the one kept in reserve for
+    "a" (5 slots, 3 identities, one each): "c"'s calls beyond it are refused UNAVAILABLE (a site
+    retries), "a" still gets its slot, and heartbeats, on their own pool, are answered."""
     server = _start(certs, admission=_admission(max_rpcs_per_peer=4, max_streams=5))
     rejections = Rejections(server)
     a, b, c = (Site(certs, server.port, n) for n in ("a", "b", "c"))
@@ -294,9 +298,12 @@ def test_beyond_the_total_stream_bound_calls_are_unavailable_but_heartbeats_answ
         floods = [IdleStreams(b, 3)]
         assert _wait(lambda: server.admission.open_calls() == 3, server)
         floods.append(IdleStreams(c, 3))
-        assert floods[1].refused(grpc.StatusCode.UNAVAILABLE, 1) == 1
-        assert server.admission.open_calls() == 5 and floods[1].still_open() == 2
-        assert rejections.count("Upload", grpc.StatusCode.UNAVAILABLE) == 1
+        assert floods[1].refused(grpc.StatusCode.UNAVAILABLE, 2) == 2
+        assert server.admission.open_calls() == 4 and floods[1].still_open() == 1
+        floods.append(IdleStreams(a, 2))
+        assert floods[2].refused(grpc.StatusCode.UNAVAILABLE, 1) == 1
+        assert server.admission.open_calls() == 5 and floods[2].still_open() == 1
+        assert rejections.count("Upload", grpc.StatusCode.UNAVAILABLE) == 3
         for _ in range(3):
             assert not a.heartbeat().rejoin_required
     finally:
@@ -304,6 +311,101 @@ def test_beyond_the_total_stream_bound_calls_are_unavailable_but_heartbeats_answ
             flood.release()
         for site in (a, b, c):
             site.close()
+        server.stop(grace=0)
+
+
+def test_two_listed_sites_holding_idle_joins_do_not_starve_the_others_heartbeats(certs: Path) -> None:
+    """"c" and "intruder" (both listed) each open 16 Joins that send headers and never their
+    message, more than the whole control pool used to hold (16 + 8 threads): each keeps only
+    its share of the pool, the rest is refused RESOURCE_EXHAUSTED at once, and "a" and "b" join
+    and heartbeat at once throughout (they used to wait for the idle timeout and be dropped)."""
+    listed = ["a", "b", "c", "intruder"]
+    server = _start(certs, allowed_sites=listed, admission=_admission(stream_idle_timeout_s=20.0))
+    rejections = Rejections(server)
+    a, b, c, intruder = (Site(certs, server.port, n) for n in listed)
+    floods = [
+        IdleStreams.on(type("Stub", (), {"Upload": site.channel.stream_unary(f"/{SERVICE_NAME}/Join")})(), 16)
+        for site in (c, intruder)
+    ]
+    try:
+        for flood in floods:
+            assert flood.refused(grpc.StatusCode.RESOURCE_EXHAUSTED, 16 - CONTROL_PER_PEER) == 16 - CONTROL_PER_PEER
+            assert flood.still_open() == CONTROL_PER_PEER
+        for site in (a, b):
+            session = site.stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=5.0).session_id
+            site.session = session
+        for _ in range(3):
+            for site in (a, b):
+                beat = site.stub.Heartbeat(pb.HeartbeatRequest(session_id=site.session), timeout=5.0)
+                assert not beat.rejoin_required
+        assert rejections.count("Join", grpc.StatusCode.RESOURCE_EXHAUSTED) == 2 * (16 - CONTROL_PER_PEER)
+        assert sorted(server.rounds.members) == ["a", "b"]
+    finally:
+        for flood in floods:
+            flood.release()
+        for site in (a, b, c, intruder):
+            site.close()
+        server.stop(grace=0)
+
+
+def test_two_listed_sites_holding_idle_uploads_leave_an_honest_site_its_streams(certs: Path) -> None:
+    """"c" and "intruder" each hold 16 idle Upload streams (their per-peer bound): the streams
+    beyond their reserve are refused UNAVAILABLE while the honest sites' reserves would not fit
+    any more, so "a" and "b" upload, and their round closes (before, the two filled
+    ``max_streams`` and honest uploads got UNAVAILABLE)."""
+    listed = ["a", "b", "c", "intruder"]
+    server = _start(certs, allowed_sites=listed)
+    rejections = Rejections(server)
+    limits = server.admission.limits
+    a, b, c, intruder = (Site(certs, server.port, n) for n in listed)
+    floods: list[IdleStreams] = []
+    try:
+        a.join()
+        b.join()
+        floods = [IdleStreams(c, 16)]
+        assert _wait(
+            lambda: server.admission.open_calls("c") >= 2 and floods[0].ended_with(grpc.StatusCode.UNAVAILABLE) > 0,
+            server,
+        )
+        floods.append(IdleStreams(intruder, 16))
+        assert floods[1].refused(grpc.StatusCode.UNAVAILABLE, 1) >= 1
+        assert server.admission.open_calls() <= limits.max_streams - 2 * 2  # a's and b's reserves stay free
+        assert a.upload(server, 1).complete and b.upload(server, 2).complete
+        assert _wait(lambda: server.rounds.round == 1, server)
+        assert rejections.count("Upload", grpc.StatusCode.UNAVAILABLE) >= 2
+    finally:
+        for flood in floods:
+            flood.release()
+        for site in (a, b, c, intruder):
+            site.close()
+        server.stop(grace=0)
+
+
+def test_a_relay_certificate_not_in_relays_is_refused_before_any_read(tmp_path: Path) -> None:
+    """A relay certificate of the run's CA whose name ``[relays]`` does not list gets
+    PERMISSION_DENIED on its first call, before anything is read, as an unlisted site does (it
+    used to be admitted and hold its streams until the idle timeout)."""
+    from geoloco.scenarios.certs import issue_relay
+
+    init_ca(tmp_path)
+    issue_coordinator(tmp_path)
+    for name in ("a", "b"):
+        issue_site(tmp_path, name)
+    issue_relay(tmp_path, "eu")
+    issue_relay(tmp_path, "rogue")
+    server = _start(tmp_path, allowed_sites=["a", "b"], relays={"eu": ["a", "b"]})
+    rejections = Rejections(server)
+    rogue = Site(tmp_path, server.port, "rogue")
+    flood = IdleStreams(rogue, 8)
+    try:
+        assert flood.refused(grpc.StatusCode.PERMISSION_DENIED, 8) == 8
+        assert rejections.count("Upload", grpc.StatusCode.PERMISSION_DENIED) == 8
+        details = flood.calls[0].exception().details()
+        assert "relay 'rogue' is not in this coordinator's [relays] table" in details and "eu" in details
+        assert server.admission.open_calls() == 0
+    finally:
+        flood.release()
+        rogue.close()
         server.stop(grace=0)
 
 

@@ -57,7 +57,12 @@ from geoloco.algorithms.aggregation import add_gaussian_noise
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
 from geoloco.algorithms.dp_accountant import PrivacyAccountant
 from geoloco.algorithms.fixed_point import FixedPoint, plan_fixed_point, secure_generator, stochastic_round
-from geoloco.algorithms.secagg_crypto import check_threshold, neighbour_graph, secure_threshold
+from geoloco.algorithms.secagg_crypto import (
+    DEFAULT_COLLUDING_SITES,
+    check_threshold,
+    neighbour_graph,
+    secure_threshold,
+)
 from geoloco.algorithms.secagg_messages import MIN_SITES, RoundContext
 from geoloco.compression import parse_codec
 from geoloco.compression.sparsify import RandK, random_indices
@@ -118,8 +123,12 @@ class PrivacyConfig:
     more if ``2 t > holders + colluding_sites`` needs it. A set threshold must satisfy that bound
     (else a hostile coordinator can show two groups of sites different survivor lists and unmask
     every update): checked here against the configured sites and by every site each round."""
-    colluding_sites: int = 0
-    """Sites assumed to collude with a hostile coordinator (0: the coordinator acts alone)."""
+    colluding_sites: int = DEFAULT_COLLUDING_SITES
+    """Sites assumed to collude with a hostile coordinator (0: the coordinator acts alone). It
+    raises the default threshold and bounds a set one here; each site checks the round's
+    threshold against its own assumption too (``SiteAgentConfig.colluding_sites``, ``geoloco site
+    --colluding-sites``, default 1) and refuses one below it, so a lower value here than the
+    sites' only makes them refuse the rounds."""
     neighbours: Literal["full", "secagg+"] = "full"
     """Pairwise masks with every site, or the SecAgg+ graph of O(log n) neighbours (Bell et al. 2020)."""
     modulus_bits: Literal[8, 16, 32] = 32

@@ -27,8 +27,8 @@ from geoloco.algorithms.secagg_crypto import (
     DOMAIN,
     PURPOSE_SHARE_KEY,
     RandomBytes,
+    ThresholdPolicy,
     add_masks,
-    check_threshold,
     hkdf,
     mask_key,
     neighbour_graph,
@@ -74,6 +74,10 @@ class SecAggClient:
     ``identities`` maps every site id to its Ed25519 identity public key (bound to its TLS
     certificate by the deployment), which is what makes key substitution detectable. ``random_bytes``
     is the entropy source (``os.urandom``); tests pass a seeded one for reproducible statistics.
+    ``policy`` is the least threshold this site accepts, from the site's own settings: a real site
+    must pass it, since ``context`` comes from the coordinator, which could declare no colluding
+    sites and a threshold a colluding site breaks. Unset, the context's declared assumption is
+    taken, which is right only where one config holds every party (the simulator, tests).
     """
 
     def __init__(
@@ -84,11 +88,13 @@ class SecAggClient:
         identities: Mapping[int, Ed25519PublicKey],
         *,
         random_bytes: RandomBytes = os.urandom,
+        policy: ThresholdPolicy | None = None,
     ) -> None:
         if site not in identities:
             raise ValueError(f"site {site} has no identity key among {sorted(identities)}")
         self.site = site
         self.context = context
+        self.policy = policy if policy is not None else ThresholdPolicy(colluding_sites=context.colluding_sites)
         self.stage = STAGE_ADVERTISE_KEYS
         self._identity = identity_key
         self._identities = dict(identities)
@@ -184,7 +190,7 @@ class SecAggClient:
         t = c.threshold_for(len(holders))
         if len(holders) < t:
             raise SecAggAbort(f"only {len(holders)} share holders for threshold {t}")
-        unsafe = check_threshold(t, len(holders), c.colluding_sites)
+        unsafe = self.policy.refusal(t, len(holders), c.colluding_sites)
         if unsafe:
             raise SecAggViolation(f"site {self.site}: refusing to share keys: {unsafe}")
         b_shares = shamir.split(self._self_seed, holders, t)

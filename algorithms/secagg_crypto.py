@@ -12,6 +12,7 @@ import hashlib
 import math
 import random
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Final, Literal
 
 import numpy as np
@@ -22,9 +23,11 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 __all__ = [
+    "DEFAULT_COLLUDING_SITES",
     "DOMAIN",
     "NeighbourMode",
     "RandomBytes",
+    "ThresholdPolicy",
     "add_masks",
     "check_threshold",
     "default_threshold",
@@ -93,6 +96,74 @@ def check_threshold(threshold: int, num_holders: int, colluding_sites: int = 0) 
     if threshold > num_holders:
         return f"threshold {threshold} exceeds the {num_holders} share holders: no secret could be rebuilt"
     return ""
+
+
+DEFAULT_COLLUDING_SITES: Final = 1
+"""Colluding sites assumed when a config says nothing, a site's (``ThresholdPolicy``) and the
+coordinator's (``PrivacyConfig``) alike: one site may be on the coordinator's side. The default
+thresholds (3 of 4, 4 of 5, 4 of 6, 5 of 7, ...) hold under it; only a 3-site round needs all
+three (``split_view_bound(3, 1) = 3``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdPolicy:
+    """The least Shamir threshold a site accepts, from the site's own settings.
+
+    The coordinator picks a round's threshold and declares the colluding sites it assumes, but a
+    hostile coordinator would declare none and pick a threshold just above half the holders:
+    with one site on its side it then splits the views (``split_view_bound``) and unmasks every
+    honest update (5 sites with ``t = 3``, 7 with ``t = 4``). So each site checks the round's
+    threshold against its own assumption, and the coordinator's declaration can only raise it.
+    """
+
+    colluding_sites: int = DEFAULT_COLLUDING_SITES
+    """Sites this site assumes collude with a hostile coordinator."""
+    min_threshold: int | None = None
+    """Refuse any round whose threshold is lower, whatever the holders (unset: the bound only)."""
+
+    def __post_init__(self) -> None:
+        if self.colluding_sites < 0:
+            raise ValueError(f"colluding_sites must be >= 0, got {self.colluding_sites}")
+        if self.min_threshold is not None and self.min_threshold < 2:
+            raise ValueError(f"min_threshold must be >= 2 or unset, got {self.min_threshold}")
+
+    def minimum(self, num_holders: int, declared_colluding: int = 0) -> int:
+        """The least threshold accepted for ``num_holders`` holders: the split-view bound under the
+        larger of this site's assumption and the coordinator's declaration, and ``min_threshold``."""
+        bound = split_view_bound(num_holders, max(self.colluding_sites, declared_colluding))
+        return max(bound, self.min_threshold or 0)
+
+    def refusal(self, threshold: int, num_holders: int, declared_colluding: int = 0) -> str:
+        """Why a site refuses a round of ``threshold`` of ``num_holders`` holders in which the
+        coordinator declared ``declared_colluding`` colluding sites, or "" when it takes part."""
+        if threshold > num_holders:
+            return check_threshold(threshold, num_holders)
+        least = self.minimum(num_holders, declared_colluding)
+        if threshold >= least:
+            return ""
+        colluding = max(self.colluding_sites, declared_colluding)
+        bound = split_view_bound(num_holders, colluding)
+        reasons = []
+        if threshold < bound:
+            reasons.append(
+                f"2 t > holders + colluding_sites with colluding_sites = {colluding} (this site assumes "
+                f"{self.colluding_sites}, the coordinator declared {declared_colluding}) needs t >= {bound}, "
+                "else a hostile coordinator with that many sites on its side can show two groups of "
+                "sites different survivor lists and unmask every update"
+            )
+        if self.min_threshold is not None and threshold < self.min_threshold:
+            reasons.append(f"this site's min_threshold is {self.min_threshold}")
+        allowed = (
+            f"allowed: t = {least}..{num_holders}"
+            if least <= num_holders
+            else f"no threshold of {num_holders} holders is allowed (this site needs t >= {least})"
+        )
+        return (
+            f"threshold {threshold} of {num_holders} share holders is below what this site accepts: "
+            f"{'; '.join(reasons)}; {allowed}. Raise the coordinator's [privacy] threshold (or its "
+            "colluding_sites), or lower this site's colluding_sites / min_threshold if that risk "
+            "is accepted"
+        )
 
 
 def seed_commitment(seed: bytes, session: str, round_index: int, site: int) -> bytes:

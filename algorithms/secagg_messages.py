@@ -32,8 +32,9 @@ One round, for sites ``U``:
    each signs that list. An unmask request must carry at least ``t`` valid such signatures
    (invalid ones are not counted), and every threshold satisfies ``2 t > h + c`` (``h`` share
    holders, ``c`` = ``colluding_sites`` assumed; ``split_view_bound``, checked by every site
-   before it shares keys), so two disjoint groups of honest sites can never both reach ``t``: the
-   coordinator cannot tell different sites different survivor sets.
+   before it shares keys against its own ``c``, ``secagg_crypto.ThresholdPolicy``, not the one
+   the coordinator declares), so two disjoint groups of honest sites can never both reach ``t``:
+   the coordinator cannot tell different sites different survivor sets.
 5. ``STAGE_UNMASK`` — a site returns, for every survivor, its share of ``b_u`` and for every
    dropped site its share of ``s_u`` — never both for one site, and only once per round. With
    ``t`` answers the coordinator removes the self-masks of survivors and the pairwise masks the
@@ -147,8 +148,9 @@ class RoundContext:
     threshold: int | None = None
     """Shares needed to reconstruct a secret; ``None``: ``secure_threshold`` of the holders."""
     colluding_sites: int = 0
-    """Sites assumed to collude with a hostile coordinator; every threshold must satisfy
-    ``2 t > holders + colluding_sites`` (``split_view_bound``), which both sides check per round."""
+    """Sites the coordinator declares it assumes collude with it; every threshold must satisfy
+    ``2 t > holders + colluding_sites`` (``split_view_bound``), which both sides check per round,
+    each site with the larger of this and its own assumption (``ThresholdPolicy``)."""
 
     def __post_init__(self) -> None:
         if self.modulus_bits not in MODULUS_DTYPES:

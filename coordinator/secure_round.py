@@ -338,16 +338,24 @@ class SecureRound:
         self.advance(live, now)
         if self.aborted:
             return True
-        if not self.keys_shared:
-            return False
         need = max(quorum, MIN_SITES)
-        can_upload = {s for s in self._stages[STAGE_SHARE_KEYS].answered if s not in self._left_out}
+        if not self.keys_shared:
+            if STAGE_SHARE_KEYS not in self._stages:
+                return False
+            # Keys are being shared: only the advertised sites not yet left out can upload, so
+            # sites refusing at this stage (e.g. a threshold below their own bound) end the round
+            # now rather than at the stage deadline.
+            can_upload = set(self._names.values()) - set(self._left_out)
+        else:
+            can_upload = {s for s in self._stages[STAGE_SHARE_KEYS].answered if s not in self._left_out}
         if len(can_upload | contributed) < need:
             self.abort(
                 f"only {len(can_upload | contributed)} sites can still upload "
                 f"({sorted(can_upload | contributed)}); the round needs {need}: no change this round"
             )
             return True
+        if not self.keys_shared:
+            return False
         expected = {s for s in live if s in can_upload}
         return len(contributed) >= need and expected <= contributed
 

@@ -18,6 +18,11 @@ named with a number ("3") takes that number and ``num_sites`` = the coordinator'
 ``--site-index`` / ``--num-sites`` set them explicitly. Sites named "0".."N-1" with
 ``min_sites = N`` read exactly the streams ``geoloco simulate`` gives its sites.
 
+Secure aggregation's threshold is the one run setting a site does not take on the
+coordinator's word: a round whose threshold breaks ``2 t > holders + C`` is refused, with ``C``
+from ``--colluding-sites`` (default 1) whatever ``colluding_sites`` the coordinator declares, and
+below ``--min-threshold`` when given (``geoloco.algorithms.secagg_crypto.ThresholdPolicy``).
+
 ``--state-dir DIR`` saves the site's state at every round boundary and resumes from it when the
 same command runs again after a crash (``geoloco.site_agent.persist``).
 
@@ -75,6 +80,7 @@ from geoloco.site_agent.client_streams import parse_parallel_streams
 
 if TYPE_CHECKING:  # the workloads import torch; `geoloco --help` stays fast without it
     from geoloco.scenarios.workloads import WorkloadSpec
+    from geoloco.site_agent.config import SiteAgentConfig
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +110,14 @@ def _parallel_streams(text: str) -> int | str:
         return parse_parallel_streams(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _threshold(text: str) -> int:
+    """``--min-threshold``: an integer >= 2 (a Shamir threshold of 1 is no secret sharing)."""
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2, got {value}")
+    return value
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -242,6 +256,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "payload, at most 4) or 1..32 (default: %(default)s)",
     )
     parser.add_argument(
+        "--colluding-sites",
+        type=non_negative_int,
+        metavar="C",
+        help="secure aggregation: sites this site assumes collude with a hostile coordinator; it "
+        "refuses a round whose threshold t of h share holders breaks 2 t > h + C, whatever the "
+        "coordinator declares (default: 1, which accepts the default thresholds and needs all "
+        "three sites of a 3-site round)",
+    )
+    parser.add_argument(
+        "--min-threshold",
+        type=_threshold,
+        metavar="T",
+        help="secure aggregation: also refuse a round whose threshold is below T (default: the "
+        "--colluding-sites bound only)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=port_number,
         metavar="PORT",
@@ -335,6 +365,26 @@ def resolve_plan(args: argparse.Namespace, advertised: dict[str, Any]) -> SitePl
     )
 
 
+def build_agent_config(args: argparse.Namespace) -> SiteAgentConfig:
+    """The agent's own settings from the flags: how it trains and retries, and the least
+    secure-aggregation threshold it accepts (never taken from the coordinator)."""
+    from geoloco.site_agent.config import SiteAgentConfig
+
+    own_threshold: dict[str, Any] = {"min_threshold": args.min_threshold}
+    if args.colluding_sites is not None:  # unset: SiteAgentConfig's default (no crypto import for --help)
+        own_threshold["colluding_sites"] = args.colluding_sites
+    return SiteAgentConfig(
+        device=args.device,
+        autocast_bf16=args.bf16,
+        give_up_after_s=args.give_up_after,
+        backoff_initial_s=min(0.2, args.backoff_max),
+        backoff_max_s=args.backoff_max,
+        state_dir=None if args.state_dir is None else str(args.state_dir),
+        parallel_streams=args.parallel_streams,
+        **own_threshold,
+    )
+
+
 def _build_lr_schedule(inner: Any, optimizer: Any, advertised: dict[str, Any]) -> Any:
     """The inner lr schedule of ``inner`` over ``optimizer``, its horizon derived from the
     coordinator's run length (``total_rounds × inner steps per round``) when ``decay_steps`` is
@@ -414,7 +464,7 @@ def _run(args: argparse.Namespace) -> int:
     from geoloco.scenarios.workloads import WORKLOADS
     from geoloco.site_agent.agent import SiteAgent
     from geoloco.site_agent.client import AgentStopped, SiteAgentError
-    from geoloco.site_agent.config import SiteAgentConfig, SiteHooks
+    from geoloco.site_agent.config import SiteHooks
     from geoloco.site_agent.distributed import init_from_env
 
     try:
@@ -465,15 +515,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigFileError(COMMAND_LINE, "--device", f"{args.device}: {err}") from None
 
     with group:
-        agent_config = SiteAgentConfig(
-            device=args.device,
-            autocast_bf16=args.bf16,
-            give_up_after_s=args.give_up_after,
-            backoff_initial_s=min(0.2, args.backoff_max),
-            backoff_max_s=args.backoff_max,
-            state_dir=None if args.state_dir is None else str(args.state_dir),
-            parallel_streams=args.parallel_streams,
-        )
+        agent_config = build_agent_config(args)
         probe_stop = threading.Event()
         stop.on_stop = probe_stop.set
         stop.install()

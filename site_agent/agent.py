@@ -436,7 +436,10 @@ class SiteAgent:
         uplink: SiteUplink
         if privacy.secure_aggregation:
             uplink = MaskedUplink(
-                SecureUplink(self.site, privacy, state.run_config.uplink_codec, tls=self._tls)
+                SecureUplink(
+                    self.site, privacy, state.run_config.uplink_codec, tls=self._tls,
+                    policy=self.config.threshold_policy(),
+                )
             )
         else:
             uplink = StrategyUplink(strategy, self.site)

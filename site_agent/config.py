@@ -1,8 +1,9 @@
 """Settings of one site agent, and the hooks a user plugs into its rounds.
 
 What the *run* does (H, codecs, seeds, deadlines) is the coordinator's to decide and arrives in
-``RunConfig`` at Join; ``SiteAgentConfig`` only says how this site trains and how patiently it
-talks to the coordinator.
+``RunConfig`` at Join; ``SiteAgentConfig`` says how this site trains, how patiently it talks to
+the coordinator, and the one thing it must not take on the coordinator's word: the least
+secure-aggregation threshold it accepts (``colluding_sites``, ``min_threshold``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Literal
 
 from geoloco.algorithms.config import config_from_dict, config_to_dict, require
 from geoloco.algorithms.device import resolve_device
+from geoloco.algorithms.secagg_crypto import DEFAULT_COLLUDING_SITES, ThresholdPolicy
 from geoloco.protos.transport_options import DEFAULT_MIN_TRANSFER_RATE
 from geoloco.protos.wire_buffers import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 from geoloco.site_agent.client_streams import parse_parallel_streams
@@ -23,7 +25,8 @@ __all__ = ["JoinInfo", "RoundResult", "SiteAgentConfig", "SiteHooks", "resolve_d
 
 @dataclass(kw_only=True, slots=True)
 class SiteAgentConfig:
-    """How a site trains and how it retries; the run itself is configured by the coordinator."""
+    """How a site trains and how it retries, and the least secure-aggregation threshold it
+    accepts; the run itself is configured by the coordinator."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model trains: ``"auto"`` picks CUDA when available. Ignored for multi-rank sites,
@@ -67,6 +70,15 @@ class SiteAgentConfig:
     broadcast), so a site killed and restarted with the same folder goes on as if it never
     stopped (``geoloco.site_agent.persist``). One folder per site and run; unset: not saved
     (a restarted site fetches the weights and starts its optimizer and data afresh)."""
+    colluding_sites: int = DEFAULT_COLLUDING_SITES
+    """Secure aggregation: sites this site assumes collude with a hostile coordinator. The site
+    refuses (shares no keys, sends no masked update) a round whose threshold ``t`` of ``h`` share
+    holders breaks ``2 t > h + colluding_sites``: the coordinator's own ``colluding_sites`` is
+    its word only, and a hostile one declares 0. The default 1 accepts the default thresholds
+    (3 of 4, 4 of 5, 5 of 7) and needs all three sites of a 3-site round."""
+    min_threshold: int | None = None
+    """Secure aggregation: refuse a round whose threshold is lower than this, whatever the share
+    holders (unset: only the ``colluding_sites`` bound)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -127,6 +139,16 @@ class SiteAgentConfig:
             "max_upload_attempts",
             f"must be >= 1, got {self.max_upload_attempts}",
         )
+        require(self.colluding_sites >= 0, "colluding_sites", f"must be >= 0, got {self.colluding_sites}")
+        require(
+            self.min_threshold is None or self.min_threshold >= 2,
+            "min_threshold",
+            f"must be >= 2 or unset, got {self.min_threshold}",
+        )
+
+    def threshold_policy(self) -> ThresholdPolicy:
+        """The least secure-aggregation threshold this site accepts (checked every round)."""
+        return ThresholdPolicy(colluding_sites=self.colluding_sites, min_threshold=self.min_threshold)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SiteAgentConfig:

@@ -15,6 +15,10 @@
   dataclasses with ``geoloco.protos.secagg_wire``); ``SecureSite`` runs the key stages before
   training, masks the encoded update chunk by chunk, and runs the unmask stages after upload.
   A reply that is not what its stage answers with is refused (``SecAggViolation``).
+* **The threshold is checked against the site's own assumption** (``ThresholdPolicy``, from
+  ``SiteAgentConfig.colluding_sites`` / ``min_threshold``), not the ``colluding_sites`` the
+  coordinator declares: a round whose threshold a colluding site could break is refused before
+  any share or masked value leaves the site.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from geoloco.algorithms.privacy import (
     secure_index_seed,
 )
 from geoloco.algorithms.secagg_client import SecAggClient
-from geoloco.algorithms.secagg_crypto import public_bytes, site_index
+from geoloco.algorithms.secagg_crypto import ThresholdPolicy, public_bytes, site_index
 from geoloco.algorithms.secagg_messages import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
@@ -114,6 +118,7 @@ class SecureSite:
         index_seed: int,
         call: StageCall,
         ca_pem: bytes | None,
+        policy: ThresholdPolicy | None = None,
     ) -> None:
         self.identity = identity
         self.privacy = privacy
@@ -125,7 +130,8 @@ class SecureSite:
         self.index = site_index(identity.name)
         self.context = secure_context(privacy, uplink_codec, numel=numel, session=session, round_index=round_number)
         self.client = SecAggClient(
-            self.index, self.context, identity.key, {self.index: identity.key.public_key()}
+            self.index, self.context, identity.key, {self.index: identity.key.public_key()},
+            policy=policy if policy is not None else ThresholdPolicy(),
         )
         self.fixed: FixedPoint | None = None
         self.num_sites = 0
@@ -200,12 +206,22 @@ class SecureUplink:
     wire chunks equal the protocol's chunks (``upload_kwargs``); ``unmask`` answers the survivor list and the
     unmask request. Misbehaviour detected by the protocol (a substituted key, a replayed
     message, a request for both shares of one site) is refused and logged with the reason: the
-    site then sits the round out (its update is not unmasked) and waits for the broadcast.
+    site then sits the round out (its update is not unmasked) and waits for the broadcast. So is
+    a round whose threshold ``policy`` (this site's own assumption) does not accept.
     """
 
-    def __init__(self, site: str, privacy: PrivacyConfig, uplink_codec: str, *, tls: TLSFiles | None) -> None:
+    def __init__(
+        self,
+        site: str,
+        privacy: PrivacyConfig,
+        uplink_codec: str,
+        *,
+        tls: TLSFiles | None,
+        policy: ThresholdPolicy | None = None,
+    ) -> None:
         self.site = site
         self.privacy = privacy
+        self.policy = policy if policy is not None else ThresholdPolicy()
         self.uplink_codec = uplink_codec
         if tls is not None:
             ca, cert, key = tls.read()
@@ -227,7 +243,8 @@ class SecureUplink:
         self._keys: threading.Thread | None = None
         self._keys_error: BaseException | None = None
         self.refusals: list[str] = []
-        """Reasons this site refused a round (substitution, replay, double-share request)."""
+        """Reasons this site refused a round (substitution, replay, double-share request, a
+        threshold below ``policy``)."""
 
     def encoder_for(self, fragment: int) -> PrivateUpdateEncoder:
         """Fragment ``fragment``'s encoder (Streaming DiLoCo: error feedback per fragment)."""
@@ -246,6 +263,7 @@ class SecureUplink:
             self.identity, self.privacy, self.uplink_codec, numel=numel, session=session,
             round_number=round_number, index_seed=secure_index_seed(round_seed),
             call=lambda stage, message: client.secure_stage(round_number, stage, message), ca_pem=self.ca_pem,
+            policy=self.policy,
         )
         self._keys_error = None
         self._last = None

@@ -20,11 +20,19 @@ from _privacy_helpers import identity_keys
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
-from geoloco.algorithms import secagg_client, shamir
+from geoloco.algorithms import shamir
 from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.fixed_point import lift
+from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.secagg_client import SecAggClient
-from geoloco.algorithms.secagg_crypto import add_masks, mask_key, num_chunks, secure_threshold, split_view_bound
+from geoloco.algorithms.secagg_crypto import (
+    ThresholdPolicy,
+    add_masks,
+    mask_key,
+    num_chunks,
+    secure_threshold,
+    split_view_bound,
+)
 from geoloco.algorithms.secagg_messages import (
     EncryptedShare,
     KeyAdvertisement,
@@ -37,14 +45,15 @@ from geoloco.algorithms.secagg_messages import (
 )
 from geoloco.algorithms.secagg_server import SecAggServer
 from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.site_agent.config import SiteAgentConfig
 
 NUMEL, CHUNK = 60, 25
 
 
-def _clients(n: int, context: RoundContext) -> dict[int, SecAggClient]:
+def _clients(n: int, context: RoundContext, policy: ThresholdPolicy | None = None) -> dict[int, SecAggClient]:
     keys = identity_keys(n)
     identities = {s: k.public_key() for s, k in keys.items()}
-    return {s: SecAggClient(s, context, keys[s], identities) for s in range(n)}
+    return {s: SecAggClient(s, context, keys[s], identities, policy=policy) for s in range(n)}
 
 
 def _inputs(n: int) -> dict[int, np.ndarray]:
@@ -80,13 +89,17 @@ def _to_unmask(n: int, context: RoundContext) -> tuple[SecAggServer, dict[int, S
 # 1. Thresholds that let a coordinator split the sites' views
 
 
-def _split_view_attack(n: int, t: int) -> np.ndarray:
-    """A hostile coordinator alone: group A = the first half sees "A survived, B dropped", group
-    B the opposite. Each honest site signs and answers one view only, yet the coordinator ends
-    with t shares of site 0's self-mask seed (from A) and of its mask key (from B): site 0's
-    update in the clear. Returns what it recovers."""
+def _split_view_attack(
+    n: int, t: int, colluding: int = 0, policy: ThresholdPolicy | None = None
+) -> dict[int, np.ndarray]:
+    """A hostile coordinator, with the last ``colluding`` sites on its side: the honest sites are
+    cut in two groups A and B; A is shown "A and the colluders survived, B dropped", B the
+    opposite. Each honest site signs and answers one view only; the colluders sign both and hand
+    over every share they hold. The coordinator then holds ``t`` shares of each honest site's
+    self-mask seed (from its own group) *and* of its mask key (from the other): every honest
+    update in the clear. Returns what it recovers, by honest site."""
     context = RoundContext(session="s", round_index=1, numel=NUMEL, chunk_size=CHUNK, threshold=t)
-    clients = _clients(n, context)
+    clients = _clients(n, context, policy)
     ads = [c.advertise() for c in clients.values()]
     shares: dict[int, list[EncryptedShare]] = {s: [] for s in clients}
     for c in clients.values():
@@ -96,34 +109,112 @@ def _split_view_attack(n: int, t: int) -> np.ndarray:
     for s, c in clients.items():
         c.receive_shares(shares[s])
         masked[s] = b"".join(data for _, data in c.masked_chunks(_chunks(_inputs(n)[s])))
-    half = n // 2
-    views = [(tuple(range(half)), tuple(range(half, n))), (tuple(range(half, n)), tuple(range(half)))]
-    answers: list[UnmaskResponse] = []
-    for survivors, dropped in views:
-        signatures = {s: clients[s].sign_survivors(1, survivors) for s in survivors}
+    honest, colluders = list(range(n - colluding)), tuple(range(n - colluding, n))
+    half = len(honest) // 2
+    groups = (tuple(honest[:half]), tuple(honest[half:]))
+    seed_shares: dict[int, dict[int, bytes]] = {u: {} for u in honest}
+    key_shares: dict[int, dict[int, bytes]] = {u: {} for u in honest}
+    for group, dropped in (groups, groups[::-1]):
+        survivors = tuple(sorted(group + colluders))
+        signatures = {s: clients[s].sign_survivors(1, survivors) for s in group}
+        for s in colluders:
+            signatures[s] = clients[s]._identity.sign(survivors_signed_bytes("s", 1, survivors))
         request = UnmaskRequest(1, survivors, dropped, signatures)
-        answers += [clients[s].unmask(request) for s in survivors]
-    seed_shares = {a.site: a.self_mask_shares[0] for a in answers if 0 in a.self_mask_shares}
-    key_shares = {a.site: a.mask_key_shares[0] for a in answers if 0 in a.mask_key_shares}
-    seed = shamir.reconstruct(seed_shares, t)
-    mask_private = X25519PrivateKey.from_private_bytes(shamir.reconstruct(key_shares, t))
-    keys = [(mask_key(seed, "s", 1, site=0), 1)]
-    for ad in ads[1:]:
-        secret = mask_private.exchange(X25519PublicKey.from_public_bytes(ad.mask_public_key))
-        keys.append((mask_key(secret, "s", 1, pair=(0, ad.site)), 1))
-    values = np.frombuffer(masked[0], dtype=np.uint32).copy()
-    for index in range(num_chunks(NUMEL, CHUNK)):
-        add_masks(keys, index, values[index * CHUNK : (index + 1) * CHUNK], subtract=True)
-    return lift(values, 32).numpy()
+        for s in group:
+            answer = clients[s].unmask(request)
+            for u, share in answer.self_mask_shares.items():
+                if u in seed_shares:
+                    seed_shares[u][s] = share
+            for u, share in answer.mask_key_shares.items():
+                key_shares[u][s] = share
+    for s in colluders:
+        for u, (seed_share, key_share) in clients[s]._held.items():
+            if u in seed_shares:
+                seed_shares[u][s], key_shares[u][s] = seed_share, key_share
+    recovered: dict[int, np.ndarray] = {}
+    for u in honest:
+        seed = shamir.reconstruct(seed_shares[u], t)
+        mask_private = X25519PrivateKey.from_private_bytes(shamir.reconstruct(key_shares[u], t))
+        keys = [(mask_key(seed, "s", 1, site=u), 1)]
+        for ad in ads:
+            if ad.site != u:
+                secret = mask_private.exchange(X25519PublicKey.from_public_bytes(ad.mask_public_key))
+                keys.append((mask_key(secret, "s", 1, pair=(u, ad.site)), 1 if u < ad.site else -1))
+        values = np.frombuffer(masked[u], dtype=np.uint32).copy()
+        for index in range(num_chunks(NUMEL, CHUNK)):
+            add_masks(keys, index, values[index * CHUNK : (index + 1) * CHUNK], subtract=True)
+        recovered[u] = lift(values, 32).numpy()
+    return recovered
 
 
 def test_a_threshold_at_half_the_sites_lets_a_coordinator_split_views(monkeypatch: pytest.MonkeyPatch) -> None:
     # With the bound switched off, 2 of 4 hands the coordinator site 0's update in the clear.
-    monkeypatch.setattr(secagg_client, "check_threshold", lambda *args: "")
-    np.testing.assert_array_equal(_split_view_attack(4, 2), _inputs(4)[0])
+    monkeypatch.setattr(ThresholdPolicy, "refusal", lambda *args: "")
+    recovered = _split_view_attack(4, 2)
+    for s in range(4):
+        np.testing.assert_array_equal(recovered[s], _inputs(4)[s])
     # 3 of 4 (2 t > n): each half is below the threshold, so no honest site signs its view.
     with pytest.raises(SecAggViolation, match="below the threshold"):
         _split_view_attack(4, 3)
+
+
+@pytest.mark.parametrize(("n", "t"), [(5, 3), (7, 4)])
+def test_one_colluding_site_breaks_what_a_coordinator_declaring_none_may_pick_and_sites_refuse_it(
+    n: int, t: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # t is the least threshold a coordinator declaring colluding_sites = 0 may pick...
+    assert t == split_view_bound(n, 0)
+    # ...and with one site on its side it unmasks every honest update (the site's check off).
+    with monkeypatch.context() as patched:
+        patched.setattr(ThresholdPolicy, "refusal", lambda *args: "")
+        recovered = _split_view_attack(n, t, colluding=1, policy=ThresholdPolicy())
+    assert sorted(recovered) == list(range(n - 1))
+    for s, values in recovered.items():
+        np.testing.assert_array_equal(values, _inputs(n)[s])
+    # A site keeps its own assumption (default: one colluding site), whatever the round declares,
+    # and refuses before a share or a masked value leaves it, saying what is allowed.
+    with pytest.raises(SecAggViolation, match=(
+        rf"refusing to share keys: threshold {t} of {n} share holders is below what this site accepts: "
+        rf"2 t > holders \+ colluding_sites with colluding_sites = 1 \(this site assumes 1, the "
+        rf"coordinator declared 0\) needs t >= {t + 1}.*allowed: t = {t + 1}..{n}\."
+    )):
+        _split_view_attack(n, t, colluding=1, policy=ThresholdPolicy())
+
+
+@pytest.mark.parametrize("n", [4, 5, 6, 7, 9])
+def test_the_default_thresholds_hold_against_one_colluding_site_and_sites_accept_them(n: int) -> None:
+    assert PrivacyConfig().colluding_sites == 1  # the coordinator's default, as the sites'
+    t = secure_threshold(None, n, 1)
+    assert t == secure_threshold(None, n)  # one colluding site raises no default above 3 sites
+    assert ThresholdPolicy().refusal(t, n) == ""
+    with pytest.raises(SecAggViolation, match="below the threshold"):  # each view is short of t
+        _split_view_attack(n, t, colluding=1, policy=ThresholdPolicy())
+
+
+def test_a_site_policy_takes_the_stricter_assumption_and_its_own_minimum() -> None:
+    policy = ThresholdPolicy()
+    assert ThresholdPolicy(colluding_sites=0).refusal(2, 3) == ""
+    assert "t >= 3" in policy.refusal(2, 3)  # 3 sites with one colluding: all must answer
+    assert policy.minimum(5, declared_colluding=3) == split_view_bound(5, 3) == 5  # declaring more only raises
+    assert "colluding_sites = 3 (this site assumes 1, the coordinator declared 3)" in policy.refusal(4, 5, 3)
+    strict = ThresholdPolicy(min_threshold=5)
+    why = strict.refusal(4, 5)
+    assert "this site's min_threshold is 5" in why and "allowed: t = 5..5" in why and "2 t >" not in why
+    assert "no threshold of 4 holders is allowed (this site needs t >= 5)" in strict.refusal(4, 4)
+    assert "exceeds the 5 share holders" in policy.refusal(6, 5)
+    for bad in ({"colluding_sites": -1}, {"min_threshold": 1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ThresholdPolicy(**bad)  # type: ignore[arg-type]
+
+
+def test_a_site_agent_config_carries_its_own_threshold_policy() -> None:
+    assert SiteAgentConfig().threshold_policy() == ThresholdPolicy(colluding_sites=1)
+    config = SiteAgentConfig.from_dict({"colluding_sites": 2, "min_threshold": 4})
+    assert config.threshold_policy() == ThresholdPolicy(colluding_sites=2, min_threshold=4)
+    with pytest.raises(ConfigError, match="colluding_sites"):
+        SiteAgentConfig(colluding_sites=-1)
+    with pytest.raises(ConfigError, match="min_threshold.*>= 2"):
+        SiteAgentConfig(min_threshold=1)
 
 
 @pytest.mark.parametrize(("n", "t", "c"), [(4, 2, 0), (6, 3, 0), (5, 3, 1), (7, 5, 3)])

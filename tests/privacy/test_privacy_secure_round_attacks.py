@@ -111,6 +111,21 @@ def test_uploads_close_without_waiting_for_a_site_that_withdrew() -> None:
     assert not r.secure.aborted
 
 
+def test_sites_withdrawing_while_keys_are_shared_end_the_round_at_once() -> None:
+    r = _Round()
+    r.advertise(NAMES)
+    assert r.secure.reply("alpha", STAGE_ADVERTISE_KEYS).ready
+    # Sites refuse the round before sharing keys (its threshold is below their own bound) and
+    # say so: once too few are left to reach the quorum, the round ends now, not at the deadline.
+    r.share(["alpha"])
+    r.call("delta", STAGE_WITHDRAW, None, now=0.3)
+    assert not r.rounds.close_decision(r.live, set(), 3, now=0.4)  # alpha, beta, gamma may still
+    r.call("gamma", STAGE_WITHDRAW, None, now=0.5)
+    assert r.rounds.close_decision(r.live, set(), 3, now=0.6)
+    assert "only 2 sites can still upload (['alpha', 'beta'])" in r.secure.aborted
+    assert r.rounds.unmasked  # the round aggregates as "no change"
+
+
 def test_key_stage_deadline_holds_when_no_site_calls() -> None:
     r = _Round()
     r.advertise(NAMES)

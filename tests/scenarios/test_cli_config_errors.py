@@ -157,6 +157,8 @@ def test_flag_commands_report_a_bad_flag_alike(
         ["coordinator", "--config", "c.toml", "--port", "70000"],
         ["site", "--coordinator", "h:1", "--name", "0", "--insecure", "--num-sites", "0"],
         ["site", "--coordinator", "h:1", "--name", "0", "--insecure", "--metrics-port", "-1"],
+        ["site", "--coordinator", "h:1", "--name", "0", "--insecure", "--colluding-sites", "-1"],
+        ["site", "--coordinator", "h:1", "--name", "0", "--insecure", "--min-threshold", "1"],
     ],
 )
 def test_a_bad_flag_value_exits_with_the_same_status(argv: list[str]) -> None:

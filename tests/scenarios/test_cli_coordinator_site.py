@@ -26,9 +26,9 @@ from geoloco.algorithms.params import ParamLayout
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
-from geoloco.scenarios.cli import main
+from geoloco.scenarios.cli import build_parser, main
 from geoloco.scenarios.coordinator_cmd import EXAMPLE_CONFIG, STOP_GRACE_S, load_config
-from geoloco.scenarios.site_cmd import SiteCommandError, _option, resolve_plan
+from geoloco.scenarios.site_cmd import SiteCommandError, _option, build_agent_config, resolve_plan
 from geoloco.scenarios.workloads import WorkloadSpec, build_workload
 
 CLI = [sys.executable, "-m", "geoloco.scenarios.cli"]
@@ -351,6 +351,17 @@ def test_workload_option_values_are_toml_or_bare_strings() -> None:
     assert _option("bias=false") == ("bias", False)
     with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
         _option("size")
+
+
+def test_site_threshold_flags_set_the_agents_own_secure_aggregation_bound() -> None:
+    """The least threshold a site accepts comes from its own flags, never from the coordinator."""
+    from geoloco.algorithms.secagg_crypto import ThresholdPolicy
+
+    base = ["site", "--coordinator", "h:1", "--name", "0", "--insecure"]
+    default = build_agent_config(build_parser().parse_args(base))
+    assert default.threshold_policy() == ThresholdPolicy(colluding_sites=1, min_threshold=None)
+    own = build_agent_config(build_parser().parse_args([*base, "--colluding-sites", "2", "--min-threshold", "4"]))
+    assert own.threshold_policy() == ThresholdPolicy(colluding_sites=2, min_threshold=4)
 
 
 def test_site_needs_certs_or_insecure(capsys: pytest.CaptureFixture[str]) -> None:

@@ -44,10 +44,9 @@ class Membership:
         earliest limit seen at the last scan stays a safe lower bound; a join lowers it."""
 
     def check_allowed(self, site: str) -> None:
-        allowed = self.ctx.config.allowed_sites
         if self._allowed is not None and site not in self._allowed:
             raise SiteNotAllowedError(
-                f"site {site!r} is not in this run's allowed_sites ({', '.join(allowed)}); add it "
+                f"site {site!r} is not in this run's allowed_sites ({', '.join(sorted(self._allowed))}); add it "
                 "to the coordinator's config"
             )
 

@@ -70,6 +70,9 @@ HISTORY_KEY = "history"
 deadline's observations (``RoundPolicy.state()``)."""
 ROUND_RECORD_KEY = "round_record"
 """Checkpoint metadata: the metrics record of the round the checkpoint follows (replayed)."""
+BELOW_QUORUM_LOG_S = 30.0
+"""A round waiting this long for its quorum is logged (who joined, who did not), then again at
+doubling intervals."""
 
 
 @dataclass(slots=True)
@@ -123,6 +126,8 @@ class RoundPhases:
         """Broadcasts this large or larger are served from a file (``broadcast_store``)."""
         self.finished_s: float | None = None
         self._closed: _Closed | None = None
+        self._below_quorum_since: float | None = None
+        self._below_quorum_logged_s = 0.0
 
     # -- start --
 
@@ -130,16 +135,43 @@ class RoundPhases:
         """Start the open round's clock once ``min_sites`` sites are members (lock held)."""
         ctx = self.ctx
         r = ctx.round
-        if ctx.phase is RoundPhase.WAITING_FOR_QUORUM and ctx.engine.maybe_start(r.core, now, members=len(ctx.members)):
-            ctx.phase = RoundPhase.RUNNING
-            self.intake.start_round(now)
-            ctx.events.emit(ev.ROUND_STARTED, round=r.number, members=len(ctx.members))
-            logger.info(
-                "round %d started with %d sites%s", r.number, len(ctx.members),
-                "" if r.core.deadline_s is None else
-                f", {'adaptive ' if ctx.policy.deadline.is_adaptive else ''}deadline in "
-                f"{r.core.deadline_s:.3g} s",
-            )
+        if ctx.phase is not RoundPhase.WAITING_FOR_QUORUM:
+            return
+        if not ctx.engine.maybe_start(r.core, now, members=len(ctx.members)):
+            self._log_below_quorum(now)
+            return
+        self._below_quorum_since = None
+        ctx.phase = RoundPhase.RUNNING
+        self.intake.start_round(now)
+        ctx.events.emit(ev.ROUND_STARTED, round=r.number, members=len(ctx.members))
+        logger.info(
+            "round %d started with %d sites%s", r.number, len(ctx.members),
+            "" if r.core.deadline_s is None else
+            f", {'adaptive ' if ctx.policy.deadline.is_adaptive else ''}deadline in "
+            f"{r.core.deadline_s:.3g} s",
+        )
+
+    def _log_below_quorum(self, now: float) -> None:
+        """Say who is missing while the round waits for its quorum: after the first
+        ``BELOW_QUORUM_LOG_S`` seconds, then at doubling intervals (lock held). An operator
+        looking at a silent coordinator otherwise cannot tell a wait from a hang."""
+        ctx = self.ctx
+        if self._below_quorum_since is None:
+            self._below_quorum_since, self._below_quorum_logged_s = now, 0.0
+            return
+        waited = now - self._below_quorum_since
+        if waited < max(BELOW_QUORUM_LOG_S, 2 * self._below_quorum_logged_s):
+            return
+        self._below_quorum_logged_s = waited
+        members = sorted(ctx.members)
+        allowed = ctx.config.allowed_sites
+        missing = "" if allowed is None else (
+            f"; not joined: {', '.join(sorted(set(allowed) - set(members))) or 'none'}"
+        )
+        logger.warning(
+            "round %d waits for its quorum: %d of min_sites = %d sites joined (%s)%s; waiting for %.0f s",
+            ctx.round.number, len(members), ctx.policy.min_sites, ", ".join(members) or "none", missing, waited,
+        )
 
     def finish_run(self, now: float) -> None:
         self.ctx.phase = RoundPhase.FINISHED

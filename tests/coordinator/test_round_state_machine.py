@@ -292,3 +292,32 @@ def test_restart_resumes_from_checkpoint_with_a_new_session(tmp_path: Path) -> N
         upload(rounds, "a", update(7, rounds.numel))
         rounds.poll()
     assert torch.equal(first.weights, second.weights)
+
+
+def test_a_round_below_its_quorum_says_who_is_missing_at_growing_intervals(caplog: pytest.LogCaptureFixture) -> None:
+    """A coordinator waiting for its quorum logs who joined and who did not, after 30 s and then
+    at doubling intervals, and nothing once the round started (an operator looking at a silent
+    coordinator cannot tell a wait from a hang)."""
+    clock = FakeClock()
+    rounds = make(clock, allowed_sites=["a", "b", "c"], min_sites=3, heartbeat_timeout_s=1000.0)
+    caplog.set_level("WARNING", logger="geoloco.coordinator.phases")
+    session = join(rounds, "a").session_id
+    waits = [r for r in caplog.records if "waits for its quorum" in r.getMessage()]
+    assert waits == []
+    for _ in range(100):  # 100 s of polls, one per second
+        clock.advance(1.0)
+        heartbeat(rounds, "a", session)
+        rounds.poll()
+    waits = [r.getMessage() for r in caplog.records if "waits for its quorum" in r.getMessage()]
+    assert len(waits) == 2, waits  # after 30 s and after 60 s (next: 120 s)
+    assert "1 of min_sites = 3 sites joined (a); not joined: b, c; waiting for 30 s" in waits[0]
+    assert "waiting for 60 s" in waits[1]
+    join(rounds, "b")
+    join(rounds, "c")
+    rounds.poll()
+    caplog.clear()
+    clock.advance(300.0)
+    for site in "abc":
+        heartbeat(rounds, site, session)
+    rounds.poll()
+    assert not [r for r in caplog.records if "waits for its quorum" in r.getMessage()]

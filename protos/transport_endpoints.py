@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "add_coordinator_servicer",
     "build_server",
+    "channel_options",
     "client_channel",
     "coordinator_stub",
     "stop_server",
@@ -207,6 +208,14 @@ def stop_server(server: grpc.Server, grace_s: float = SHUTDOWN_GRACE_S) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def channel_options(extra_options: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+    """``CHANNEL_OPTIONS`` with ``extra_options`` replacing the defaults they name. grpc keeps
+    the *first* value of an option given twice, so appending an override would silently lose
+    it (a site's ``reconnect_max_s`` did)."""
+    overridden = {name for name, _ in extra_options}
+    return [(name, value) for name, value in CHANNEL_OPTIONS if name not in overridden] + list(extra_options)
+
+
 def client_channel(
     target: str,
     *,
@@ -221,7 +230,7 @@ def client_channel(
     dialing an address that is not in it (a tunnel, a NAT'd IP, a shaped-link proxy).
     """
     check_mode(tls, insecure)
-    options = list(CHANNEL_OPTIONS) + list(extra_options)
+    options = channel_options(extra_options)
     if tls is None:
         return grpc.insecure_channel(target, options=options)
     ca, cert, key = tls.read()

@@ -45,7 +45,7 @@ def backoff_cap(config: SiteAgentConfig, round_time_s: float | None) -> float:
 
 def reconnect_options(config: SiteAgentConfig) -> list[tuple[str, Any]]:
     """gRPC channel options that keep its own reconnect attempts at most ``reconnect_max_s``
-    apart (they come after the transport's defaults, and the last value of an option wins)."""
+    apart (``transport_endpoints.channel_options`` puts them in place of the transport's defaults)."""
     max_ms = max(1, int(config.reconnect_max_s * 1000))
     return [
         ("grpc.initial_reconnect_backoff_ms", min(max_ms, 200)),

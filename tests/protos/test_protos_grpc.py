@@ -449,6 +449,19 @@ def test_options_and_deadlines_are_consistent():
         transfer_timeout(1, min_bytes_per_s=0)
 
 
+def test_a_site_channel_option_replaces_the_transport_default_of_the_same_name():
+    """grpc keeps the first value of an option given twice: a site's reconnect bound appended
+    after the transport's defaults was silently ignored."""
+    from geoloco.protos.transport_endpoints import channel_options
+    from geoloco.protos.transport_options import CHANNEL_OPTIONS
+
+    name = "grpc.max_reconnect_backoff_ms"
+    assert name in dict(CHANNEL_OPTIONS) and dict(CHANNEL_OPTIONS)[name] != 1000
+    options = channel_options([(name, 1000)])
+    assert [value for key, value in options if key == name] == [1000]
+    assert {key for key, _ in options} == {key for key, _ in CHANNEL_OPTIONS}
+
+
 def test_malloc_tunables_env_and_reexec():
     env = recommended_env({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4096"})
     parts = env["GLIBC_TUNABLES"].split(":")

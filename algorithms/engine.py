@@ -99,11 +99,21 @@ UNSCREENED = Screen(None)
 
 
 def screen_update(
-    guard: UpdateGuard | None, screen: Screen, *, weights: Sequence[tuple[str, float]] = ()
+    guard: UpdateGuard | None,
+    screen: Screen,
+    *,
+    weights: Sequence[tuple[str, float]] = (),
+    site: str | None = None,
+    weight: float | None = None,
 ) -> str | None:
     """Why an update so measured (and carrying ``weights``: ``(what, value)`` pairs) is refused,
     or None: the one place an update is judged, by the engine's hosts and by a relay, which
-    refuses what the coordinator would refuse of a site's own upload."""
+    refuses what the coordinator would refuse of a site's own upload.
+
+    ``site`` and ``weight`` (its weight under the run's weighting, the one it enters the mean
+    with): whose update it is, for the bounds relative to the *other* sites' recent norms and
+    weights (``UpdateGuard.peer_bound``: no site can raise its own bound); without ``site`` (a
+    relay's partial sum, several sites' updates) only the pooled and absolute bounds apply."""
     if not screen.finite:
         return NOT_FINITE
     if guard is None:
@@ -112,7 +122,11 @@ def screen_update(
         why = guard.check_weight(what, value)
         if why is not None:
             return why
-    return None if screen.norm is None else guard.check_norm(screen.norm)
+    if site is not None and weight is not None:
+        why = guard.check_site_weight(site, weight)
+        if why is not None:
+            return why
+    return None if screen.norm is None else guard.check_norm(screen.norm, site=site)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,9 +216,17 @@ class RoundEngine:
 
     # -- admit --
 
-    def screen(self, screen: Screen, *, weights: Sequence[tuple[str, float]] = ()) -> str | None:
-        """Why an update so measured (and carrying ``weights``) is refused, or None."""
-        return screen_update(self.guard, screen, weights=weights)
+    def screen(
+        self,
+        screen: Screen,
+        *,
+        weights: Sequence[tuple[str, float]] = (),
+        site: str | None = None,
+        weight: float | None = None,
+    ) -> str | None:
+        """Why ``site``'s update so measured (and carrying ``weights``, entering the mean with
+        ``weight``) is refused, or None (``screen_update``)."""
+        return screen_update(self.guard, screen, weights=weights, site=site, weight=weight)
 
     def admit(
         self,
@@ -225,7 +247,7 @@ class RoundEngine:
         ``weights``: ``(what, value)`` pairs the guard bounds too, where no earlier check did."""
         if site in round_.contributed:
             return Admission("duplicate", 0.0, f"site {site!r}'s update already counts in round {round_.number}")
-        why = self.screen(screen, weights=weights)
+        why = self.screen(screen, weights=weights, site=site, weight=weight)
         if why is not None:
             round_.reject(site, why)
             return Admission("rejected", 0.0, why)
@@ -243,8 +265,8 @@ class RoundEngine:
             why = f"it could not be added to the aggregate ({type(err).__name__})"
             round_.reject(site, why)
             return Admission("rejected", 0.0, why)
-        if self.guard is not None and screen.norm is not None:
-            self.guard.accepted(round_.number, site, screen.norm)
+        if self.guard is not None:
+            self.guard.accepted(round_.number, site, screen.norm, weight=weight)
         return Admission("accepted", weight)
 
     def late_foldable(self, update_round: int, open_round: int, *, counted: bool) -> bool:
@@ -257,7 +279,7 @@ class RoundEngine:
     ) -> Admission:
         """``site``'s update of the previous round, folded into ``round_`` with the policy's
         staleness discount; it does not count towards the quorum."""
-        why = self.screen(screen)
+        why = self.screen(screen, site=site, weight=weight)
         if why is not None:
             return Admission("rejected", 0.0, why)
         try:
@@ -305,7 +327,8 @@ class RoundEngine:
         start = round_.started_s if round_.started_s is not None else round_.opened_s
         screens = [None if p is None else screen(p) for p in payloads]
         refused = [
-            sites[k] in round_.rejected if s is None else self.screen(s) is not None for k, s in enumerate(screens)
+            sites[k] in round_.rejected if s is None else self.screen(s, site=sites[k], weight=weights[k]) is not None
+            for k, s in enumerate(screens)
         ]
         closed = self.policy.close_time(arrivals, start_s=start, deadline_s=round_.deadline_s, rejected=refused)
         deadline = round_.deadline_at

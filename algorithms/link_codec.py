@@ -6,7 +6,8 @@ coordinator measures each site's upload throughput from the transfers it already
 (``choose_codecs``) so that every upload takes about the same time:
 
 * the reference time ``t_ref`` is the run's ``uplink_codec`` payload (e.g. ``int8``) over the
-  median measured throughput: the time a typical site needs for the dense upload;
+  median measured throughput: the time a typical site needs for the dense upload, but never
+  less than ``min_upload_s`` (the noise floor, below);
 * a site that can send the dense payload within ``tolerance · t_ref`` sends it;
 * a slower site sends ``topk:D|<uplink_codec>`` with the largest density ``D`` (two significant
   digits, rounded down) whose payload fits in ``throughput · t_ref`` bytes, never below
@@ -18,6 +19,17 @@ has under ``[algorithm] weighting``; the codec only changes which part of the si
 travels this round. Error feedback keeps the rest in the site's residual (``switch_codec``
 keeps the residual when the codec changes between rounds), so every coordinate arrives
 eventually, as with a fixed top-k codec.
+
+What counts as a measurement. Only an upload the coordinator verified and admitted into a round
+measures a link (the coordinator observes it in the same critical section as the admission; the
+simulator leaves out the uploads its round engine rejected): the bytes a site streams before they
+are checked are its claim, and 1 MB of refused junk sent at loopback speed would otherwise make it
+the "typical" site and give an honest site ``topk:0.001`` for rounds. And a time below
+``min_upload_s`` is not told apart from another: timer resolution, thread scheduling and the
+RPC's own costs dominate it (on loopback, sub-millisecond uploads jitter by 2x). So ``t_ref`` is
+at least ``min_upload_s``: a site whose dense upload takes no longer keeps the dense codec however
+its time compares with the others' (sparsifying an upload that short would save nothing), and a
+slow site is given a payload that takes about ``t_ref`` on its link, not a share of the noise.
 
 Each round's plan (``CodecPlans``) is made the first time the round's codec is asked for (the
 coordinator: the round's info in a join or a broadcast header, or an upload's check; the
@@ -82,6 +94,10 @@ class AdaptiveUplinkConfig:
     """A site whose dense upload takes at most this multiple of the typical site's sends it."""
     smoothing: float = 0.5
     """Weight of the newest measurement in each site's throughput average (1: only the newest)."""
+    min_upload_s: float = 0.01
+    """Noise floor, seconds: the reference upload time is at least this, so a site whose dense
+    upload takes no longer sends it (shorter times are timer and scheduling noise, and nothing
+    worth saving; 0: no floor)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -106,6 +122,10 @@ class AdaptiveUplinkConfig:
         require(
             math.isfinite(self.smoothing) and 0 < self.smoothing <= 1, "smoothing",
             f"must be in (0, 1], got {self.smoothing}",
+        )
+        require(
+            math.isfinite(self.min_upload_s) and self.min_upload_s >= 0, "min_upload_s",
+            f"must be a number of seconds >= 0 (0: no noise floor), got {self.min_upload_s}",
         )
 
     def check_base_codec(self, uplink_codec: str) -> str | None:
@@ -160,7 +180,7 @@ def choose_codecs(
     if not measured:
         return dict.fromkeys(sites, base)
     dense_bytes = nbytes(base, numel)
-    reference_s = dense_bytes / statistics.median_high(measured.values())
+    reference_s = max(dense_bytes / statistics.median_high(measured.values()), config.min_upload_s)
     codecs: dict[str, str] = {}
     for site in sites:
         rate = measured.get(site)
@@ -245,7 +265,8 @@ class CodecPlans:
         self.plans: dict[int, dict[str, str]] = {}
 
     def observe_upload(self, site: str, nbytes: int, seconds: float) -> None:
-        """One upload of ``nbytes`` that took ``seconds`` on the wire."""
+        """One verified, admitted upload of ``nbytes`` that took ``seconds`` on the wire (module
+        doc: what a host may report)."""
         self.meter.observe_up(site, nbytes, seconds)
 
     def plan(self, round_number: int, numel: int) -> dict[str, str]:

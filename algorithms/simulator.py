@@ -278,15 +278,16 @@ class Simulator:
             arrivals = upload_arrivals(
                 [s.ready_s for s in self.sites], compute, upload_sizes, [s.config for s in self.sites]
             )
-        if self.link_codecs is not None:  # what the coordinator would measure of each upload
-            for k, site in enumerate(self.sites):
-                self.link_codecs.observe_upload(
-                    site.name, upload_sizes[k], arrivals[k] - site.ready_s - compute[k]
-                )
         names = [s.name for s in self.sites]
         aggregate_s = engine.admit_arrivals(
             round_, sites=names, arrivals=arrivals, payloads=payloads, weights=weights, screen=self.uplinks.screen
         )
+        if self.link_codecs is not None:  # what the coordinator would measure of each upload
+            for k, site in enumerate(self.sites):
+                if self._verified(round_, site.name, payloads[k], weights[k]):
+                    self.link_codecs.observe_upload(
+                        site.name, upload_sizes[k], arrivals[k] - site.ready_s - compute[k]
+                    )
         self._fold_late_updates(round_, aggregate_s)
         outcome = engine.close(round_, now=aggregate_s, expected=names)
         # The others go back to the sites' residuals (with error feedback) so their work arrives
@@ -315,6 +316,17 @@ class Simulator:
             "peak_bytes_in_flight": [max(up, update.downlink.nbytes) for up in upload_sizes],
             **engine.round_facts(outcome, stepped),
         }
+
+    def _verified(self, round_: Round, site: str, payload: Payload | None, weight: float) -> bool:
+        """Whether ``site``'s upload of ``round_`` measures its link: not when the engine
+        rejected it, as the coordinator measures only the uploads it admitted
+        (``geoloco.algorithms.link_codec``); one the round closed on before it arrived is
+        measured when the guard would take it."""
+        if site in round_.rejected:
+            return False
+        if site in round_.contributed or payload is None:
+            return True
+        return self.engine.screen(self.uplinks.screen(payload), site=site, weight=weight) is None
 
     def _use_assigned_codec(self, site: SimSite, round_number: int, fragment: int) -> None:
         """Adaptive uplink codecs: switch the site's encoder to its codec for this round (its

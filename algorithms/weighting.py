@@ -12,6 +12,14 @@ site pull the model as hard as the fast one. ``w_k`` is therefore configurable:
 
 A *stale* update (computed from ``θ_{t−s}`` and folded into round ``t``, ``s`` rounds late)
 counts ``w_k · discount^s`` (``stale_weight``): it points the right way but from older weights.
+
+The inner steps a site reports are a claim, and under ``steps`` they are its weight: a site
+reporting 1e12 steps of a round of ``H = 1`` would set the mean. ``most_inner_steps`` says how
+many a round can legitimately hold (``H``; a Streaming DiLoCo round with an adaptive cadence up
+to ``interval_steps_max``; no bound under a time budget, where a site runs as many as fit and
+only ``[update_guard] weight_factor`` bounds it against the others), and ``check_inner_steps``
+refuses more.
+
 Pure functions; the coordinator and the simulator call the same ones.
 """
 
@@ -23,7 +31,9 @@ from collections.abc import Callable
 __all__ = [
     "LATE_UPDATE_POLICIES",
     "WEIGHTINGS",
+    "check_inner_steps",
     "check_weighting",
+    "most_inner_steps",
     "site_weight",
     "stale_weight",
 ]
@@ -70,3 +80,31 @@ def stale_weight(weight: float, *, discount: float, staleness: int) -> float:
     if staleness < 0:
         raise ValueError(f"staleness must be >= 0 rounds, got {staleness}")
     return weight * discount**staleness
+
+
+def most_inner_steps(
+    inner_steps: int, *, round_time_budget_s: float | None = None, interval_steps_max: int = 0
+) -> int | None:
+    """The most inner steps one site's update of a round may report, or None when nothing
+    configured bounds them.
+
+    ``inner_steps``: the run's ``H`` (a plain round runs exactly ``H``, a Streaming DiLoCo round
+    ``H/P``, a sharded site reports ``H``); ``interval_steps_max``: the streaming adaptive
+    cadence's longest round (0: none), which may exceed ``H/P`` and, configured so, ``H``;
+    ``round_time_budget_s``: time-budget rounds, where a site runs as many steps as fit in the
+    budget, so their number depends on its hardware and is not bounded here."""
+    if round_time_budget_s is not None:
+        return None
+    return max(inner_steps, interval_steps_max)
+
+
+def check_inner_steps(inner_steps: int, most: int | None) -> str | None:
+    """Why an update reporting ``inner_steps`` for a round is refused (more than ``most``, from
+    ``most_inner_steps``), or None."""
+    if most is None or inner_steps <= most:
+        return None
+    return (
+        f"inner_steps {inner_steps} is more than a round of this run runs (at most {most}: "
+        "[algorithm] inner_steps, or [algorithm.streaming] interval_steps_max when larger); "
+        "report the inner steps trained on this round"
+    )

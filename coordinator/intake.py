@@ -28,10 +28,11 @@ from typing import Any, Protocol
 import torch
 
 from geoloco.algorithms.aggregation import Aggregation, RunningSum
+from geoloco.algorithms.algorithm_config import AlgorithmConfig
 from geoloco.algorithms.engine import UNSCREENED, RoundSum, Screen
 from geoloco.algorithms.secagg_stages import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan
-from geoloco.algorithms.weighting import site_weight
+from geoloco.algorithms.weighting import check_inner_steps, most_inner_steps, site_weight
 from geoloco.compression import Encoded
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext
@@ -59,6 +60,7 @@ __all__ = [
     "PlainIntake",
     "PlainUpload",
     "UploadIntake",
+    "run_most_inner_steps",
 ]
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,15 @@ MAX_SITE_METRICS = 32
 """Entries an upload's ``metrics`` map may have (they go into every round's record)."""
 MAX_METRIC_NAME_CHARS = 64
 """Characters of one metric's name."""
+
+
+def run_most_inner_steps(algorithm: AlgorithmConfig) -> int | None:
+    """The most inner steps an update of this run may report (``weighting.most_inner_steps``)."""
+    return most_inner_steps(
+        algorithm.inner_steps, round_time_budget_s=algorithm.round_time_budget_s,
+        interval_steps_max=algorithm.streaming.interval_steps_max if algorithm.streaming.enabled else 0,
+    )
+
 
 def _discarded(site: str, round_number: int) -> NotAMemberError:
     return NotAMemberError(
@@ -87,6 +98,10 @@ class PlainUpload(UploadAssembler):
         self.spec = spec
         self.timings = timings
         """The phase times of the round the upload arrives in (a late one's: the open round)."""
+        self.link_sample: tuple[int, float] | None = None
+        """(bytes, seconds) of the one stream that brought the whole upload: a measurement of the
+        site's uplink for adaptive codecs, taken only once the update is verified and admitted
+        (junk that is refused must not tell the coordinator how fast a link is)."""
 
 
 def _progress(assembler: PlainUpload, *, complete: bool | None = None, folded: bool = False) -> UploadProgress:
@@ -185,12 +200,14 @@ class PlainIntake:
         whole_stream = assembler.received_count == 0
         assembler.timings.upload_started(started)
         assembler.consume(self.live_chunks(site, assembler, chunks))
+        # Adaptive uplink codecs: only a stream that brought the whole upload measured the link;
+        # any other stream's end clears what an earlier one (refused, reset) left.
+        assembler.link_sample = None
         if assembler.complete:
             received = time.monotonic()
             assembler.timings.upload_received(received)
-            if whole_stream:  # adaptive uplink codecs: this stream measured the site's link
-                with self.ctx.cond:
-                    self.ctx.observe_upload(site, spec.total_bytes, received - started)
+            if whole_stream:
+                assembler.link_sample = (spec.total_bytes, received - started)
         return self.finish(site, assembler)
 
     def status(self, site: str, round_number: int, fragment: int) -> UploadProgress:
@@ -292,13 +309,18 @@ class PlainIntake:
                 f"sample_weight {weight} is not allowed; send the samples (or tokens) trained on "
                 "this round, a finite number > 0"
             )
-        why = ctx.engine.screen(
-            UNSCREENED,
-            weights=[
-                ("sample_weight", weight),
-                (f"the update's weight under weighting {ctx.config.algorithm.weighting!r}", self.upload_weight(spec)),
-            ],
-        )
+        mean_weight = self.upload_weight(spec)
+        why = check_inner_steps(int(spec.inner_steps), run_most_inner_steps(ctx.config.algorithm))
+        if why is None:
+            why = ctx.engine.screen(
+                UNSCREENED,
+                weights=[
+                    ("sample_weight", weight),
+                    (f"the update's weight under weighting {ctx.config.algorithm.weighting!r}", mean_weight),
+                ],
+                site=site,
+                weight=mean_weight,
+            )
         if why is not None:
             if spec.round == ctx.round.number and ctx.phase in OPEN_PHASES:
                 # Refused like any other update of the open round: not waited for, in the record.
@@ -457,6 +479,7 @@ class PlainIntake:
                         aborted=bool(r.core.aborted),
                     ))
                 assembler.timings.spent("add", add_start, time.monotonic())
+                self._observe_link(site, assembler)
                 r.site_metrics[site] = dict(assembler.spec.metrics)
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
                 logger.debug(
@@ -466,6 +489,14 @@ class PlainIntake:
                 ctx.cond.notify_all()
             del decoded
         return _progress(assembler)
+
+    def _observe_link(self, site: str, assembler: PlainUpload) -> None:
+        """An admitted upload that came whole in one stream measured ``site``'s uplink (lock
+        held, in the same critical section as the admission, so the next round's codec plan,
+        made when this round closes, has seen it)."""
+        if assembler.link_sample is not None:
+            self.ctx.observe_upload(site, *assembler.link_sample)
+            assembler.link_sample = None
 
     def rejected(self, site: str, round_number: int, why: str) -> None:
         """The engine rejected ``site``'s update of the open round ``round_number`` (the reason
@@ -535,6 +566,7 @@ class PlainIntake:
                     ))
                 weight = admission.weight
                 assembler.timings.spent("add", add_start, time.monotonic())
+                self._observe_link(site, assembler)
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight, late=True)
                 logger.info(
                     "round %d: late update of %s (round %d) folded in with weight %.4g",

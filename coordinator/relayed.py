@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 
 from geoloco.algorithms.engine import UNSCREENED, Screen, screen_update
+from geoloco.algorithms.weighting import check_inner_steps
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.domain import OPEN_PHASES, UploadProgress, UploadSpec
 from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError, rejection_message
@@ -50,6 +51,7 @@ from geoloco.coordinator.intake import (
     Chunks,
     PlainIntake,
     PlainUpload,
+    run_most_inner_steps,
 )
 from geoloco.coordinator.secure_intake import SecureIntake
 from geoloco.coordinator.upload_check import checked_update
@@ -173,6 +175,7 @@ class RelayedUploads:
         names = [r.site for r in relayed]
         if len(set(names)) != len(names):
             raise InvalidUpdateError(f"relay {relay!r}'s upload lists a site twice: {sorted(names)}")
+        most_steps = run_most_inner_steps(intake.ctx.config.algorithm)
         for r in relayed:
             self.speak_for(relay, r.site)
             if r.rejected or r.weight != 1.0:
@@ -180,6 +183,9 @@ class RelayedUploads:
                     f"relay {relay!r} lists site {r.site!r} with weight {r.weight} (rejected: {r.rejected!r}); "
                     "in a secure round every site of a masked partial counts with weight 1"
                 )
+            why = check_inner_steps(r.inner_steps, most_steps)
+            if why is not None:
+                raise InvalidUpdateError(f"relay {relay!r}'s partial refused: site {r.site!r}: {why}")
             if len(r.metrics) > MAX_SITE_METRICS or any(len(k) > MAX_METRIC_NAME_CHARS for k in r.metrics):
                 raise InvalidUpdateError(
                     f"relay {relay!r} passes on {len(r.metrics)} metrics for site {r.site!r}; at most "
@@ -214,6 +220,7 @@ class RelayedUploads:
         if len(set(names)) != len(names):
             raise InvalidUpdateError(f"relay {relay!r}'s upload lists a site twice: {sorted(names)}")
         weighting = intake.ctx.config.algorithm.weighting
+        most_steps = run_most_inner_steps(intake.ctx.config.algorithm)
         for r in relayed:
             self.speak_for(relay, r.site)
             if r.rejected:
@@ -234,9 +241,17 @@ class RelayedUploads:
                     f"relay {relay!r} passes on {len(r.metrics)} metrics for site {r.site!r}; at most "
                     f"{MAX_SITE_METRICS}, names of at most {MAX_METRIC_NAME_CHARS} characters"
                 )
-            why = intake.ctx.engine.screen(UNSCREENED, weights=[(f"site {r.site!r}'s weight", r.weight)])
+            # The bounds a site's own upload meets: its inner steps, and its weight, absolute and
+            # against the other sites' recent weights (so a relay cannot weigh one of its sites up).
+            # The history is read under the lock with the round open: the step that adds to it
+            # runs while the round is aggregating.
+            with intake.ctx.cond:
+                intake.ctx.check_upload_round(spec.round)
+                why = check_inner_steps(r.inner_steps, most_steps) or intake.ctx.engine.screen(
+                    UNSCREENED, weights=[(f"site {r.site!r}'s weight", r.weight)], site=r.site, weight=r.weight
+                )
             if why is not None:
-                raise InvalidUpdateError(f"relay {relay!r}'s partial refused: {why}")
+                raise InvalidUpdateError(f"relay {relay!r}'s partial refused: site {r.site!r}: {why}")
         total = math.fsum(r.weight for r in relayed if not r.rejected)
         if not math.isclose(spec.sample_weight, total, rel_tol=WEIGHT_SUM_RTOL):
             raise InvalidUpdateError(
@@ -344,6 +359,11 @@ class RelayedUploads:
                     ctx.events.emit(ev.UPDATE_REJECTED, site=r.site, round=spec.round, why=why)
             for r in counted:
                 ctx.engine.admit(cr.core, r.site, None, r.weight, screen=UNSCREENED, now=now)
+                if ctx.engine.guard is not None:
+                    # The partial's norm stands for each of its sites in the guard's history (their
+                    # own are not known here): otherwise a relay run's bounds come from the direct
+                    # sites alone, and a lone direct site sets its own.
+                    ctx.engine.guard.accepted(spec.round, r.site, norm, weight=r.weight)
                 cr.inner_steps[r.site] = r.inner_steps
                 cr.site_metrics[r.site] = {**r.metrics, f"relay:{relay}": 1.0}
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=r.site, round=spec.round, weight=r.weight)

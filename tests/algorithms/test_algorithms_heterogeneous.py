@@ -17,7 +17,13 @@ from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.simulator import Simulator, SimulatorConfig, simulate
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within, steps_in_budget
-from geoloco.algorithms.weighting import WEIGHTINGS, site_weight, stale_weight
+from geoloco.algorithms.weighting import (
+    WEIGHTINGS,
+    check_inner_steps,
+    most_inner_steps,
+    site_weight,
+    stale_weight,
+)
 
 
 def _config(**sections) -> SimulatorConfig:
@@ -47,6 +53,17 @@ def test_site_weight_by_name() -> None:
     assert stale_weight(6.0, discount=0.5, staleness=2) == 1.5
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         stale_weight(1.0, discount=0.0, staleness=1)
+
+
+def test_the_inner_steps_a_round_may_report() -> None:
+    # A plain round runs H; an adaptive streaming cadence up to interval_steps_max (if larger);
+    # a time budget fits as many as the hardware allows, so nothing configured bounds them.
+    assert most_inner_steps(1) == 1
+    assert most_inner_steps(6, interval_steps_max=9) == 9 and most_inner_steps(6, interval_steps_max=2) == 6
+    assert most_inner_steps(1000, round_time_budget_s=3.0) is None
+    assert check_inner_steps(1, 1) is None and check_inner_steps(10**12, None) is None
+    why = check_inner_steps(10**12, 1)
+    assert why is not None and "inner_steps 1000000000000" in why and "at most 1" in why
 
 
 def test_algorithm_config_heterogeneous_keys() -> None:

@@ -12,6 +12,7 @@ from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.diloco import UpdateEncoder
 from geoloco.algorithms.link_codec import (
     AdaptiveUplinkConfig,
+    CodecPlans,
     LinkMeter,
     choose_codecs,
     codec_nbytes,
@@ -43,9 +44,11 @@ def _density(spec: str) -> float:
 
 
 def _choose(rates: dict[str, float], **bounds: float) -> dict[str, str]:
+    """The rule's arithmetic on 1 MB uploads at Gbit/s (8 ms, under the default noise floor
+    ``min_upload_s``, which is off here unless given; its own tests are below)."""
     return choose_codecs(
         rates, sorted(rates), numel=1_000_000, base_codec="int8",
-        config=AdaptiveUplinkConfig(enabled=True, **bounds), nbytes=_toy_nbytes,
+        config=AdaptiveUplinkConfig(enabled=True, **{"min_upload_s": 0.0, **bounds}), nbytes=_toy_nbytes,
     )
 
 
@@ -79,7 +82,7 @@ def test_sites_within_tolerance_and_unmeasured_sites_send_the_dense_codec() -> N
     codecs = choose_codecs(
         {"a": GBIT, "b": GBIT, "near": 0.9 * GBIT, "half": 0.5 * GBIT, "broken": float("nan")},
         ["a", "b", "near", "half", "new", "broken"], numel=1_000_000, base_codec="int8",
-        config=AdaptiveUplinkConfig(enabled=True), nbytes=_toy_nbytes,
+        config=AdaptiveUplinkConfig(enabled=True, min_upload_s=0.0), nbytes=_toy_nbytes,
     )
     assert codecs["near"] == INT8 and codecs["new"] == INT8 and codecs["broken"] == INT8
     assert _density(codecs["half"]) == 0.1
@@ -110,6 +113,36 @@ def test_real_codec_sizes_make_the_slow_upload_about_as_long() -> None:
     assert codecs["slow"] != INT8
     assert slow_s <= 1.0 * fast_s  # within the budget
     assert slow_s >= 0.5 * fast_s  # and not far below it
+
+
+def test_uploads_too_short_to_time_keep_the_dense_codec() -> None:
+    """On loopback the same 100-byte upload takes 0.2 ms or 0.9 ms by the scheduler's whim; the
+    2-4x spread of such times must not give honest sites top-k codecs: below ``min_upload_s``
+    (10 ms by default) no upload time is told apart from another."""
+    plans = CodecPlans(AdaptiveUplinkConfig(enabled=True), "int8")
+    numel = 60
+    size = codec_nbytes(INT8, numel)
+    for site, seconds in (("a", 0.0002), ("b", 0.0009), ("c", 0.0003), ("d", 0.0004)):
+        plans.observe_upload(site, size, seconds)
+    assert plans.plan(1, numel) == dict.fromkeys("abcd", INT8)
+
+
+def test_a_slow_site_among_sites_under_the_noise_floor_fits_the_floor() -> None:
+    # Fast sites' 1 MB int8 uploads take 1 ms (under the 10 ms floor); the 10 Mbit/s site's
+    # budget is its rate over the floor, 1.25e6 B/s * 10 ms = 12_500 B -> density 0.0025, not the
+    # 1 ms budget (density 0.00025, below min_density).
+    rates = {"a": 1e9, "b": 1e9, "slow": MBIT10}
+
+    def choose(**floor: float) -> dict[str, str]:
+        config = AdaptiveUplinkConfig(enabled=True, min_density=0.0001, **floor)
+        return choose_codecs(
+            rates, sorted(rates), numel=1_000_000, base_codec="int8", config=config, nbytes=_toy_nbytes
+        )
+
+    codecs = choose()
+    assert codecs["a"] == codecs["b"] == INT8
+    assert _density(codecs["slow"]) == 0.0025
+    assert _density(choose(min_upload_s=0.0)["slow"]) == 0.00025
 
 
 def test_link_meter_averages_and_ignores_unmeasurable_transfers() -> None:
@@ -149,6 +182,9 @@ def test_config_is_validated_with_clear_errors() -> None:
         AdaptiveUplinkConfig(min_density=0.1, max_density=0.01)
     with pytest.raises(ConfigError, match="target"):
         AdaptiveUplinkConfig(target="fastest")  # type: ignore[arg-type]
+    for bad in (-0.001, float("nan")):
+        with pytest.raises(ConfigError, match="min_upload_s.*seconds >= 0"):
+            AdaptiveUplinkConfig(min_upload_s=bad)
     with pytest.raises(ConfigError, match="uplink_codec.*value codec"):
         config_from_dict(AlgorithmConfig, {"uplink_codec": "topk:0.1|int8", "adaptive_uplink": {"enabled": True}})
     with pytest.raises(ConfigError, match="adaptive_uplink.unknown"):

@@ -48,6 +48,19 @@ def test_without_adaptive_uplink_every_site_sends_the_same_bytes(make_workload) 
     assert _upload_s(records[-1], "0", SLOW_BPS) > 5 * _upload_s(records[-1], "1", FAST_BPS)
 
 
+def test_a_rejected_upload_measures_no_link(make_workload) -> None:
+    """The coordinator measures only uploads it verified and admitted; so does the simulator. A
+    slow site whose (poisoned) update the guard rejects every round is never measured, so it
+    keeps the run's codec where, measured, it would have been given a sparse one."""
+    data = _config(adaptive=True).to_dict()
+    data["sites"][0]["attack"] = "scale:1e9"
+    records = list(Simulator(SimulatorConfig.from_dict(data), make_workload(hidden=2048)).run())
+    first = records[0]
+    for record in records:
+        assert "0" in record.rejected, record.rejected
+        assert record.bytes_up["0"] == first.bytes_up["0"] == record.bytes_up["1"]
+
+
 def test_adaptive_uplink_with_secure_aggregation_is_refused(make_workload) -> None:
     data = _config(adaptive=True).to_dict()
     data["privacy"] = {"secure_aggregation": True, "clip_norm": 1.0}

@@ -161,6 +161,40 @@ def test_sites_with_different_links_get_different_codecs_and_an_exact_weighted_m
         slow.close()
 
 
+def test_refused_junk_does_not_measure_a_link_so_an_honest_site_keeps_the_dense_codec(
+    server: CoordinatorServer, certs: Path
+) -> None:
+    """A hostile site streams 1 MB of junk at loopback speed (refused: not an encoded tensor)
+    before its real update. Measured, the junk would make it the typical site and give the honest
+    site, whose link is as fast as its own, a top-k codec; only verified, admitted uploads measure
+    a link, so both keep the dense codec."""
+    numel = server.rounds.numel
+    honest, hostile = (Site(certs, server.port, name) for name in SITES)
+    try:
+        honest.join()
+        hostile.join()
+        junk = torch.randint(0, 256, (1 << 20,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+        data = junk.numpy().tobytes()
+        manifest = upload_manifest(
+            hostile.session, 0, data, codec=INT8, numel=numel, sample_weight=1.0, chunk_size=1 << 16
+        )
+        stream = [pb.UploadRequest(manifest=manifest), *chunk_requests(manifest, data)]
+        with pytest.raises(grpc.RpcError) as info:
+            hostile.stub.Upload(iter(stream), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        # Both real uploads take the same time on the wire (paced alike).
+        honest.upload(0, _encode(INT8, 1, numel), 1.0, pace_s=PACE_S)
+        hostile.upload(0, _encode(INT8, 2, numel), 1.0, pace_s=PACE_S)
+        honest.await_round(0)
+        hostile.await_round(0)
+        assert honest.round_info.round == hostile.round_info.round == 1
+        assert honest.round_info.uplink_codec == INT8, honest.round_info.uplink_codec
+        assert hostile.round_info.uplink_codec == INT8, hostile.round_info.uplink_codec
+    finally:
+        honest.close()
+        hostile.close()
+
+
 def test_adaptive_uplink_with_secure_aggregation_is_refused() -> None:
     with pytest.raises(ConfigError, match="adaptive_uplink.enabled.*one codec"):
         CoordinatorConfig(

@@ -4,6 +4,7 @@ metrics.jsonl, the status page, a still-running driver) is in ``test_update_guar
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,80 @@ def test_norm_bound_is_the_floor_until_rounds_are_aggregated_then_follows_their_
     restored = UpdateGuard(guard.config)
     restored.load_state(guard.state())
     assert restored.norm_bound() == 70.0
+
+
+def _aggregate(guard: UpdateGuard, round_number: int, updates: dict[str, tuple[float, float]]) -> dict[str, str]:
+    """One round through ``guard``: each site's ``(norm, weight)`` screened as the engine does,
+    the accepted ones aggregated; returns the refused sites with their reasons."""
+    refused: dict[str, str] = {}
+    for site, (norm, weight) in updates.items():
+        why = guard.check_site_weight(site, weight) or guard.check_norm(norm, site=site)
+        if why is None:
+            guard.accepted(round_number, site, norm, weight=weight)
+        else:
+            refused[site] = why
+    guard.round_done(round_number, [s for s in updates if s not in refused])
+    return refused
+
+
+def test_with_two_sites_a_norm_growing_every_round_no_longer_drifts_its_own_bound() -> None:
+    """The pooled median of two sites is half the growing site's: at 1.4x a round it never met
+    norm_factor x median (2,296x the honest norm after 24 rounds). Against the other site's
+    norms alone it is refused once it passes norm_factor x the honest norm, and stays refused."""
+    guard = UpdateGuard(UpdateGuardConfig(norm_floor=1.0, norm_factor=100.0, norm_window=10))
+    first_refused = None
+    for t in range(24):
+        refused = _aggregate(guard, t, {"honest": (0.1, 1.0), "hostile": (0.1 * 1.4**t, 1.0)})
+        assert "honest" not in refused
+        if "hostile" in refused:
+            if first_refused is None:  # later, the pooled median (now mostly honest) refuses it too
+                assert "set by the other sites" in refused["hostile"], refused
+                first_refused = t
+        else:
+            assert first_refused is None, f"accepted again in round {t} after a refusal"
+            assert 0.1 * 1.4**t <= 100 * 0.1
+    assert first_refused == 14  # 0.1 x 1.4^14 = 11.1 > 100 x 0.1; 1.4^13 = 79 was still within
+    assert guard.peer_bound("hostile", "norm") == pytest.approx(10.0)
+
+
+def test_a_site_cannot_lock_another_out_by_reporting_tiny_values() -> None:
+    """With two sites "the others" is one site: one that reports tiny norms and weights does not
+    make the other's usual values refusable, since what a site had accepted stays allowed."""
+    guard = UpdateGuard(UpdateGuardConfig(norm_floor=1.0, norm_factor=10.0, weight_factor=10.0, norm_window=3))
+    assert _aggregate(guard, 0, {"a": (0.5, 800.0), "b": (0.5, 800.0)}) == {}
+    for t in range(1, 8):  # a's norm 5 is above the floor: only its own history allows it
+        refused = _aggregate(guard, t, {"a": (5.0, 800.0), "b": (1e-9, 1e-9)})
+        assert refused == {}, (t, refused)
+    # ...but it cannot grow past what it had: 10x the other's (tiny) values or its own largest.
+    refused = _aggregate(guard, 8, {"a": (6.0, 900.0)})
+    assert "a" in refused and "weight" in refused["a"]
+
+
+def test_a_weight_is_bounded_by_the_other_sites_weights_from_the_first_arrival_of_a_round() -> None:
+    guard = UpdateGuard(UpdateGuardConfig(weight_factor=10.0))
+    # Round 0: no history, only max_sample_weight bounds a weight.
+    assert guard.check_site_weight("hostile", 1e11) is None
+    assert _aggregate(guard, 0, {"a": (1.0, 100.0), "b": (1.0, 300.0)}) == {}
+    # Round 1: the bound is set by the closed rounds, the same for every arrival of the round.
+    why = guard.check_site_weight("hostile", 1e12)
+    assert why is not None and "weight_factor 10" in why and "exceeds 2000" in why, why
+    assert guard.check_site_weight("a", 3000.0) == guard.check_site_weight("a", 3000.0) is None  # 10 x 300
+    assert guard.check_site_weight("a", 3001.0) is not None
+    assert guard.check_site_weight("b", 1000.0) is None and guard.check_site_weight("b", 1001.0) is not None
+
+
+def test_norm_and_weight_history_round_trips_through_a_checkpoint_and_reads_the_old_form() -> None:
+    guard = UpdateGuard(UpdateGuardConfig(norm_floor=10.0, norm_factor=10.0, weight_factor=10.0))
+    assert _aggregate(guard, 0, {"a": (2.0, 100.0), "b": (4.0, 50.0)}) == {}
+    restored = UpdateGuard(guard.config)
+    restored.load_state(json.loads(json.dumps(guard.state())))  # as checkpoint metadata travels
+    assert restored.state() == guard.state()
+    assert restored.peer_bound("a", "norm") == 40.0 and restored.peer_bound("a", "weight") == 500.0
+    # A checkpoint from before the history named its sites: norms only, nobody's own.
+    old = UpdateGuard(guard.config)
+    old.load_state([[2.0, 4.0], [float("nan"), -1.0]])
+    assert old.norm_bound() == 30.0 and old.peer_bound("a", "norm") == 30.0
+    assert old.peer_bound("a", "weight") is None
 
 
 def test_an_update_far_above_recent_rounds_is_rejected_and_the_history_survives_a_restart(
@@ -155,3 +230,35 @@ def test_update_guard_defaults_round_trip_through_the_config_file_form() -> None
     config = CoordinatorConfig.from_dict({"insecure": True, "update_guard": {"norm_floor": 50.0}})
     assert config.update_guard == UpdateGuardConfig(norm_floor=50.0)
     assert CoordinatorConfig.from_dict(config.to_dict()).update_guard == config.update_guard
+
+
+def test_the_bounds_equal_the_medians_of_the_window_bit_for_bit() -> None:
+    """The bounds come from sorted windows by bisection (each upload costs a few bisections, not
+    a pass over every site's history): the same floats as ``statistics.median`` of the other
+    sites' values and of all of them, ties and repeated values included."""
+    import random
+    import statistics
+
+    from geoloco.algorithms.update_guard import UpdateGuard, UpdateGuardConfig
+
+    rng = random.Random(7)
+    guard = UpdateGuard(UpdateGuardConfig(norm_window=4, norm_floor=1e-9, norm_factor=3.0, weight_factor=2.0))
+    sites = [f"s{k}" for k in range(9)]
+    history: list[dict[str, tuple[float, float]]] = []
+    for number in range(12):
+        counted = rng.sample(sites, rng.randint(1, len(sites)))
+        values = {
+            s: (float(rng.choice([1, 2, 2, 3, 5])) * rng.choice([1.0, 0.5]), float(rng.randint(1, 4))) for s in counted
+        }
+        for site, (norm, weight) in values.items():
+            guard.accepted(number, site, norm, weight=weight)
+        guard.round_done(number, counted)
+        history = (history + [values])[-4:]
+        for site in [*sites, "new"]:
+            for kind, factor, index in (("norm", 3.0, 0), ("weight", 2.0, 1)):
+                others = [v[index] for r in history for s, v in r.items() if s != site]
+                own = [v[index] for r in history for s, v in r.items() if s == site]
+                expected = max(factor * statistics.median(others), max(own, default=0.0)) if others else None
+                assert guard.peer_bound(site, kind) == expected  # type: ignore[arg-type]
+        pooled = [v[0] for r in history for v in r.values()]
+        assert guard.norm_bound() == max(1e-9, 3.0 * statistics.median(pooled))

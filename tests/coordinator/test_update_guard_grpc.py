@@ -60,9 +60,12 @@ class Client:
         response = self.stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10)
         self.session = response.session_id
 
-    def upload(self, round_number: int, update: torch.Tensor, **manifest: Any) -> pb.UploadResponse:
+    def upload(
+        self, round_number: int, update: torch.Tensor, *, inner_steps: int = 0, **manifest: Any
+    ) -> pb.UploadResponse:
         data, spec = encode_update(update)
         message = upload_manifest(self.session, round_number, data, codec=spec, numel=update.numel(), **manifest)
+        message.inner_steps = inner_steps
 
         def stream() -> Iterator[pb.UploadRequest]:
             yield pb.UploadRequest(manifest=message)
@@ -321,3 +324,79 @@ def test_plain_intake_adds_uploads_without_a_dense_decoded_copy(
     assert record["participants"] == ["b"] and record["rejected"] == ["a"]
     assert record["update_norm"] == pytest.approx(float(torch.linalg.vector_norm(update)), rel=1e-5)
     assert not torch.equal(run.server.rounds.weights, before)
+
+
+def _scaled(seed: int, numel: int, norm: float) -> torch.Tensor:
+    """An update of L2 norm ``norm`` (exact in float32 up to rounding)."""
+    update = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    return update * (norm / float(torch.linalg.vector_norm(update)))
+
+
+@pytest.mark.parametrize("clip", [None, 2.0], ids=["mean", "clip_to_median_norm"])
+def test_a_weight_far_above_the_other_sites_is_refused_even_as_the_rounds_first_arrival(
+    run_factory: Callable[..., Run], clip: float | None
+) -> None:
+    """weighting = "samples": 1e12 samples against honest hundreds is within max_sample_weight
+    and would take 99.99999998 % of the mean (clipping norms does nothing to weights). After one
+    round of history it is refused against the other site's weights, even before that site's
+    upload of the round arrives, and the round is the honest site's alone."""
+    run = run_factory(
+        algorithm=AlgorithmConfig(inner_steps=1, weighting="samples", clip_to_median_norm=clip)
+    )
+    a, b = run.clients["a"], run.clients["b"]
+    assert a.upload(0, _good(1, run.numel), sample_weight=100.0).complete
+    assert b.upload(0, _good(2, run.numel), sample_weight=300.0).complete
+    run.wait_round(1)
+    assert sorted(run.metrics()[-1]["participants"]) == ["a", "b"]
+    details = _expect_invalid(lambda: b.upload(1, _good(3, run.numel), sample_weight=1e12))
+    assert "weight_factor" in details and "other sites" in details, details
+    assert a.upload(1, _good(4, run.numel), sample_weight=100.0).complete
+    run.wait_round(2)
+    record = run.metrics()[-1]
+    assert record["participants"] == ["a"] and record["rejected"] == ["b"], record
+    assert "weight_factor" in record["rejected_reasons"]["b"]
+    # An honest weight (its usual 300, within weight_factor x a's 100) is taken again.
+    assert b.upload(2, _good(5, run.numel), sample_weight=300.0).complete
+    assert a.upload(2, _good(6, run.numel), sample_weight=100.0).complete
+    run.wait_round(3)
+    assert sorted(run.metrics()[-1]["participants"]) == ["a", "b"]
+
+
+def test_inner_steps_beyond_the_rounds_h_are_refused_under_steps_weighting(run_factory: Callable[..., Run]) -> None:
+    """weighting = "steps" with H = 1: a site reporting 1e12 inner steps would weigh 1e12 (within
+    max_sample_weight); no round of this run runs more than H steps, so it is refused from round 0."""
+    run = run_factory(algorithm=AlgorithmConfig(inner_steps=1, weighting="steps"))
+    a, b = run.clients["a"], run.clients["b"]
+    details = _expect_invalid(lambda: a.upload(0, _good(1, run.numel), inner_steps=10**12))
+    assert "inner_steps 1000000000000" in details and "at most 1" in details, details
+    assert b.upload(0, _good(2, run.numel), inner_steps=1).complete
+    run.wait_round(1)
+    record = run.metrics()[-1]
+    assert record["participants"] == ["b"] and record["rejected"] == ["a"], record
+    assert record["inner_steps"] == {"b": 1}
+    assert a.upload(1, _good(3, run.numel), inner_steps=1).complete
+
+
+def test_with_two_sites_an_update_growing_every_round_is_refused_at_norm_factor_times_the_other(
+    run_factory: Callable[..., Run],
+) -> None:
+    """The pooled median of two sites follows the one that grows: at 1.4x a round it was never
+    refused (2,296x the honest norm after 24 rounds). Held to norm_factor x the other site's
+    norms it is refused from round 14 (0.1 x 1.4^14 = 11.1 > 100 x 0.1) on."""
+    from geoloco.algorithms.update_guard import UpdateGuardConfig
+
+    run = run_factory(update_guard=UpdateGuardConfig(norm_floor=1.0), total_rounds=24)
+    a, b = run.clients["a"], run.clients["b"]
+    refused = []
+    for t in range(24):
+        assert a.upload(t, _scaled(2 * t, run.numel, 0.1)).complete
+        try:
+            b.upload(t, _scaled(2 * t + 1, run.numel, 0.1 * 1.4**t))
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+            refused.append(t)
+        run.wait_round(t + 1)
+    assert refused == list(range(14, 24)), refused
+    records = run.metrics()
+    assert "set by the other sites" in records[14]["rejected_reasons"]["b"]
+    assert all(r["aborted"] is None for r in records)

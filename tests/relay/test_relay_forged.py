@@ -8,6 +8,7 @@ untouched.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,6 +113,111 @@ def test_a_relay_cannot_weigh_its_sites_up(certs: Path) -> None:
         server.stop(grace=0)
 
 
+def _weighted_partial(
+    session: str, round_number: int, sites: dict[str, tuple[float, int]], numel: int
+) -> tuple[pb.UploadManifest, bytes]:
+    """A partial listing each site with the ``(weight, inner_steps)`` the relay claims for it."""
+    encoded = parse_codec("none").encode(torch.full((numel,), 0.01))
+    data = encoded.to_bytes()
+    manifest = pb.UploadManifest(
+        session_id=session, round=round_number, sample_weight=sum(w for w, _ in sites.values()),
+        inner_steps=sum(n for _, n in sites.values()),
+        blob=blob_manifest(data, codec="none", shape=[numel], dtype="float32", chunk_size=64),
+        relayed_sites=[pb.RelayedSite(site=s, weight=w, inner_steps=n) for s, (w, n) in sites.items()],
+    )
+    return manifest, data
+
+
+def test_a_relay_cannot_claim_more_inner_steps_than_a_round_runs(certs: Path) -> None:
+    """weighting = "steps", H = 1: a relay listing its site with 1e12 steps (and the matching
+    weight, within max_sample_weight) would set the mean; the partial is refused as the site's own
+    upload would be, and the round is untouched."""
+    server = coordinator(certs, weighting="steps", min_sites=1)
+    channel, eu = _as(certs, "eu", server.port)
+    try:
+        session = eu.Join(pb.JoinRequest(site="site-a", protocol_version=PROTOCOL_VERSION), timeout=10).session_id  # type: ignore[attr-defined]
+        manifest, data = _weighted_partial(session, 0, {"site-a": (1e12, 10**12)}, server.rounds.numel)
+        err = _refused(lambda: eu.Upload(upload_requests(manifest, data), timeout=10))  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "site 'site-a': inner_steps 1000000000000" in (err.details() or ""), err.details()
+        assert server.rounds.status()["contributed"] == []
+        manifest, data = _weighted_partial(session, 0, {"site-a": (1.0, 1)}, server.rounds.numel)
+        assert eu.Upload(upload_requests(manifest, data), timeout=10).complete  # type: ignore[attr-defined]
+    finally:
+        channel.close()  # type: ignore[attr-defined]
+        server.stop(grace=0)
+
+
+def test_a_relay_cannot_weigh_a_site_far_above_the_other_sites(certs: Path) -> None:
+    """weighting = "samples": the weights a relay assigns its sites meet the bound a site's own
+    weight meets, ``weight_factor`` x the other sites' recent weights."""
+    server = coordinator(certs, min_sites=2, rounds=2)
+    channel, eu = _as(certs, "eu", server.port)
+    site_c = Site("site-c", certs, f"localhost:{server.port}")
+    try:
+        session = eu.Join(pb.JoinRequest(site="site-a", protocol_version=PROTOCOL_VERSION), timeout=10).session_id  # type: ignore[attr-defined]
+        site_c.join()
+        numel = server.rounds.numel
+        manifest, data = _weighted_partial(session, 0, {"site-a": (100.0, 1)}, numel)
+        assert eu.Upload(upload_requests(manifest, data), timeout=10).complete  # type: ignore[attr-defined]
+        assert site_c.upload(torch.full((numel,), 0.01), "none", weight=200.0).complete
+        deadline = time.monotonic() + 30
+        while server.rounds.round < 1:
+            assert time.monotonic() < deadline, server.rounds.status()
+            server.rounds.wait_for_change(0.1)
+        manifest, data = _weighted_partial(session, 1, {"site-a": (1e12, 1)}, numel)
+        err = _refused(lambda: eu.Upload(upload_requests(manifest, data), timeout=10))  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = err.details() or ""
+        assert "site 'site-a'" in details and "weight_factor" in details, details
+        assert server.rounds.status()["contributed"] == []
+        manifest, data = _weighted_partial(session, 1, {"site-a": (100.0, 1)}, numel)
+        assert eu.Upload(upload_requests(manifest, data), timeout=10).complete  # type: ignore[attr-defined]
+    finally:
+        site_c.close()
+        channel.close()  # type: ignore[attr-defined]
+        server.stop(grace=0)
+
+
+def test_relayed_sites_enter_the_guards_history_so_a_direct_site_cannot_grow_its_own_bound(certs: Path) -> None:
+    """A direct site whose update grows 1.5x a round beside a relay's flat partial of two sites:
+    the partial's norm stands for each of its sites in the guard's history, so the direct site's
+    bound comes from them (norm_factor 4) and it is refused once it outgrows it. Before, only
+    direct sites' norms entered the history: the lone direct site set its own median and grew
+    without bound (11,223x in 24 rounds)."""
+    server = coordinator(
+        certs, min_sites=3, rounds=12, update_guard=UpdateGuardConfig(norm_floor=0.1, norm_factor=4.0)
+    )
+    channel, eu = _as(certs, "eu", server.port)
+    site_c = Site("site-c", certs, f"localhost:{server.port}")
+    try:
+        session = eu.Join(pb.JoinRequest(site="site-a", protocol_version=PROTOCOL_VERSION), timeout=10).session_id  # type: ignore[attr-defined]
+        eu.Join(pb.JoinRequest(site="site-b", protocol_version=PROTOCOL_VERSION), timeout=10)  # type: ignore[attr-defined]
+        site_c.join()
+        numel = server.rounds.numel
+        refused_at = None
+        for number in range(8):
+            manifest, data = _weighted_partial(session, number, {"site-a": (1.0, 1), "site-b": (1.0, 1)}, numel)
+            assert eu.Upload(upload_requests(manifest, data), timeout=10).complete  # type: ignore[attr-defined]
+            try:
+                site_c.upload(torch.full((numel,), 0.01 * 1.5**number), "none", round_number=number)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "site 'site-c''s update" in (err.details() or ""), err.details()
+                assert "exceeds the bound" in (err.details() or ""), err.details()
+                refused_at = number
+                break
+            deadline = time.monotonic() + 30
+            while server.rounds.round <= number:
+                assert time.monotonic() < deadline, server.rounds.status()
+                server.rounds.wait_for_change(0.1)
+        assert refused_at == 4  # 1.5^4 = 5.1 > 4 x the partials' norm, the first such round
+    finally:
+        site_c.close()
+        channel.close()  # type: ignore[attr-defined]
+        server.stop(grace=0)
+
+
 def test_a_partial_beyond_the_norm_bound_its_sites_are_held_to_is_refused(certs: Path) -> None:
     """A weighted mean of updates within the guard's norm bound is within it too: a partial
     beyond it is refused like a site's own update, and the round stays as it was."""
@@ -170,10 +276,13 @@ def test_a_site_counts_once_whether_its_own_upload_or_its_relays_partial_comes_f
 def test_a_relay_replaces_a_refused_partial_and_the_round_goes_on(certs: Path) -> None:
     """A partial refused for its values (beyond the norm bound) never counted: the relay's next, honest partial for the
     same round replaces it instead of meeting MANIFEST_CONFLICT, so the round does not stall."""
-    server = coordinator(certs, min_sites=1, update_guard=UpdateGuardConfig(norm_floor=10.0))
+    # site-b joins too and never uploads, so the round stays open after site-a's partial counts
+    # (with min_sites = 1 it could close before the checks below read it).
+    server = coordinator(certs, min_sites=2, update_guard=UpdateGuardConfig(norm_floor=10.0))
     channel, eu = _as(certs, "eu", server.port)
     try:
         session = eu.Join(pb.JoinRequest(site="site-a", protocol_version=PROTOCOL_VERSION), timeout=10).session_id  # type: ignore[attr-defined]
+        eu.Join(pb.JoinRequest(site="site-b", protocol_version=PROTOCOL_VERSION), timeout=10)  # type: ignore[attr-defined]
         numel = server.rounds.numel
         manifest, data = _partial(session, {"site-a": 1.0}, numel, value=1e3)
         err = _refused(lambda: eu.Upload(upload_requests(manifest, data), timeout=10))  # type: ignore[attr-defined]

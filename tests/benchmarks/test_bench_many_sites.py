@@ -1,0 +1,81 @@
+"""``benchmarks/bench_many_sites.py``: 256 real sites on one coordinator, reported, and no process left behind.
+
+The benchmark's figures are not asserted (README, "Benchmarks"); what is checked is that the
+harness works end to end (a real coordinator process, sites in worker processes) and that its
+processes end both when it finishes and when it is killed mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_many_sites.py"
+
+
+def _ours(marker: str, also: str = "") -> list[int]:
+    """Pids of live processes whose command line mentions ``marker`` (and ``also``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and also in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _wait_until(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout_s} s")
+        time.sleep(0.1)
+
+
+def _start(tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
+    # The driver's temporary folder (named on every child's command line) lies under tmp_path.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    return subprocess.Popen(
+        [sys.executable, str(BENCH), "--workers", "2", "--json", str(tmp_path / "out.json"), *extra],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def test_256_real_sites_on_one_coordinator_all_count_in_every_round(tmp_path: Path) -> None:
+    """256 site agents in two worker processes, each over its own TCP connection, on one real
+    coordinator process (issue 30's CI size): every site's update counts in both rounds, none is
+    dropped or fails, and the harness reports and leaves nothing behind."""
+    driver = _start(tmp_path, "--sites", "256", "--mode", "plain", "--rounds", "2")
+    output, _ = driver.communicate(timeout=480)
+    assert driver.returncode == 0, output
+    assert "| plain | 256 |" in output
+    result = json.loads((tmp_path / "out.json").read_text())["results"][0]
+    assert result["finished"] and result["rounds"] == 2 and result["site_failures"] == 0
+    assert result["participants"] == [256, 256] and result["dropped"] == 0
+    assert result["connections"] == 256  # one TCP connection per site
+    assert result["cpu_per_round_s"] > 0 and result["max_threads"] > 0
+    assert not _ours(str(tmp_path))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("geoloco-many-sites-")]
+
+
+def test_killed_driver_leaves_no_process(tmp_path: Path) -> None:
+    driver = _start(tmp_path, "--sites", "3", "--mode", "plain", "--rounds", "50")
+    try:
+        _wait_until(lambda: _ours(str(tmp_path), "--role worker"), 120, "no worker process started")
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(10)
+        _wait_until(lambda: not _ours(str(tmp_path)), 30, "the coordinator and workers did not exit")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if driver.stdout is not None:
+            driver.stdout.close()

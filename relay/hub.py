@@ -84,6 +84,10 @@ class RelayHub:
         """Sites that joined through this relay at least once (left or silent ones included)."""
         self.round = RelayRound(number=0, opened_s=clock())
         self.broadcasts: dict[int, CachedBroadcast] = {}
+        self._broadcast_waits: dict[int, threading.Event] = {}
+        """round -> set once its broadcast is cached (or the relay closes). Its sites' AwaitBroadcast
+        calls wait on it, not on ``cond``, which every upload and heartbeat notifies: a wake per
+        site per event costs the square of the region's sites per round."""
         self.included: dict[int, frozenset[str]] = {}
         """round -> sites the coordinator counted through this relay's partial."""
         self.partials: dict[int, dict[str, float]] = {}
@@ -501,6 +505,9 @@ class RelayHub:
             self.broadcasts[round_number] = cached
             for old in [n for n in self.broadcasts if n < round_number - KEEP_BROADCASTS]:
                 del self.broadcasts[old]
+            done = [n for n in self._broadcast_waits if n == round_number or n < round_number - KEEP_BROADCASTS]
+            for number in done:
+                self._broadcast_waits.pop(number).set()
             if cached.header is not None:
                 self.run_finished = self.run_finished or cached.header.run_finished
                 self._learn_round(cached.header.next_round.round)
@@ -522,9 +529,11 @@ class RelayHub:
         if not upward_pending:
             self.fetch_broadcast(round_number, site)
         with self.cond:
-            self.cond.wait_for(
-                lambda: self.closing or self._cached_ok_or_failed(round_number), timeout=timeout_s
-            )
+            cached_already = self.closing or self._cached_ok_or_failed(round_number)
+            event = None if cached_already else self._broadcast_waits.setdefault(round_number, threading.Event())
+        if event is not None:
+            event.wait(timeout_s)
+        with self.cond:
             if self.closing:
                 raise StatusError("the relay is shutting down; retry", code=grpc.StatusCode.UNAVAILABLE)
             cached = self.broadcasts.get(round_number)
@@ -575,6 +584,9 @@ class RelayHub:
     def close(self) -> None:
         with self.cond:
             self.closing = True
+            for event in self._broadcast_waits.values():
+                event.set()
+            self._broadcast_waits.clear()
             self.cond.notify_all()
 
 

@@ -66,6 +66,11 @@ logger = logging.getLogger(__name__)
 
 MAX_SHARDS = 4096
 """Most shards one site may split its update into (ranks of one FSDP group)."""
+SHARD_OVERHEAD_BYTES = 4096
+"""Bytes a shard's encoding may add beyond its share of the whole update's (header, spec, shape).
+A site's open shard manifests together may announce at most a whole upload plus this per shard:
+each manifest's buffer is allocated when it opens, so 4,096 empty manifests of the largest shard
+size once held 512 MiB per site, whatever the model."""
 
 Chunks = Any
 
@@ -111,6 +116,8 @@ class _SiteShards:
     verified: dict[int, tuple[Encoded, float]] = field(default_factory=dict)
     """index -> (encoded shard, its L2 norm), held until every shard is here."""
     added: bool = False
+    declared_bytes: int = 0
+    """Sum of the open shard manifests' ``total_bytes`` (their buffers are allocated at open)."""
 
 
 def _progress(upload: ShardUpload, *, complete: bool) -> UploadProgress:
@@ -196,11 +203,22 @@ class ShardedUploads:
             if existing is not None and existing.spec == spec:
                 existing.check_same_manifest(spec.wire)
                 return existing
+            replaced = 0 if existing is None else existing.spec.total_bytes
+            declared = shards.declared_bytes - replaced + spec.total_bytes
+            allowed = self.host.max_upload_bytes + spec.shard_count * SHARD_OVERHEAD_BYTES
+            if declared > allowed:
+                raise InvalidUpdateError(
+                    f"site {site!r}'s shard manifests for round {r.number} announce {declared} bytes "
+                    f"together, more than one whole update may ({allowed} bytes: max_upload_bytes "
+                    f"{self.host.max_upload_bytes} + {SHARD_OVERHEAD_BYTES} per shard); a site's shards "
+                    "are one update"
+                )
             if existing is not None:
                 logger.info("round %d: %s replaced its shard %d", r.number, site, spec.shard_index)
                 shards.verified.pop(spec.shard_index, None)
             upload = ShardUpload(spec, max_total_bytes=self._max_shard_bytes(numel), timings=r.timings)
             shards.uploads[spec.shard_index] = upload
+            shards.declared_bytes = declared
             r.inner_steps[site] = spec.inner_steps
             ctx.count_up(site, spec.nbytes)
             return upload

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from _cluster import make_certs
@@ -236,3 +237,45 @@ def test_a_rank_downloads_its_rows_of_the_weights_and_of_the_broadcast(
     assert torch.equal(server.rounds.weights, after)
     fs.close()
     other.close()
+
+
+def test_a_site_cannot_hold_more_than_one_update_in_empty_shard_manifests(
+    cluster: tuple[CoordinatorServer, Path, ParamLayout],
+) -> None:
+    """A listed site opens shard manifests of 4,096 shards, each announcing 64 KiB, and never
+    sends a chunk: the buffers they allocate stop at one whole update's bytes
+    plus a little per shard (each manifest used to hold 128 KiB, 512 MiB per site whatever the
+    model), and the refusal says why."""
+    from geoloco.coordinator.shards import SHARD_OVERHEAD_BYTES
+    from geoloco.protos.protocol_version import PROTOCOL_VERSION
+    from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
+    from geoloco.protos.wire_manifests import blob_manifest
+
+    server, certs, layout = cluster
+    intake = server.rounds.intake
+    assert isinstance(intake, PlainIntake)
+    count, per_shard = 4096, 64 * 1024
+    allowed = intake.max_upload_bytes + count * SHARD_OVERHEAD_BYTES
+    channel = client_channel(f"localhost:{server.port}", tls=TLSFiles.from_dir(certs, "fs"))
+    stub = coordinator_stub(channel)
+    try:
+        session = stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=10).session_id
+        blob = blob_manifest(bytes(per_shard), codec="none", shape=[0], dtype="float32")
+        opened, refusals = 0, []
+        for index in range(8, 8 + allowed // per_shard + 8):  # shards 5.. of this model are empty
+            manifest = pb.UploadManifest(
+                session_id=session, round=0, sample_weight=1.0, inner_steps=1, blob=blob,
+                shard_index=index, shard_count=count, shard_split="dim0",
+            )
+            try:
+                stub.Upload(iter([pb.UploadRequest(manifest=manifest)]), timeout=10)
+                opened += 1
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+                refusals.append(err)
+        assert opened * per_shard <= allowed < (opened + 1) * per_shard, refusals[0].details()  # type: ignore[attr-defined]
+        assert len(refusals) == 8
+        details = refusals[0].details()  # type: ignore[attr-defined]
+        assert "announce" in details and "more than one whole update may" in details, details
+    finally:
+        channel.close()

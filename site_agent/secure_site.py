@@ -346,7 +346,15 @@ class SecureUplink:
             self._refuse(why)
         except SecAggAbort as why:
             logger.warning("site %s: secure round %d aborted: %s", self.site, self._round.context.round_index, why)
-        except (RoundClosed, UpdateRejected) as why:
+        except RoundClosed as why:
+            # The coordinator had the threshold of answers and finished the round before this
+            # one arrived (the usual case for the slowest sites): nothing went wrong, and the
+            # broadcast says whether this site's update counted.
+            logger.info(
+                "site %s: round %d finished without this site's unmask answer (%s); the broadcast "
+                "says whether its update counted", self.site, self._round.context.round_index, why,
+            )
+        except UpdateRejected as why:
             # E.g. the coordinator says this site is not among the survivors: it waits for the
             # broadcast, which says whether its update counted.
             logger.warning(

@@ -14,6 +14,13 @@ Runs go through a backend (``BACKENDS``): in this process (``jobs = 1``), in a p
 processes, or on a Ray cluster (``geoloco.scenarios.sweep_ray``: the workers send each run's
 records back and this process writes the folder, so the cluster needs no shared file system).
 A backend only has to turn ``RunTask`` objects into finished run folders.
+
+The results: ``table.md`` (mean and min..max over seeds), ``stats.md`` (per point and metric:
+n, mean, sample std and a 95 % t-interval over the seeds; with a ``baseline`` point, each
+point's paired differences against it, seed by seed: ``geoloco.scenarios.sweep_stats``),
+``summary.json`` (the same numbers under labelled keys, ``SWEEP_SUMMARY_FORMAT``), the plots
+(``geoloco.scenarios.sweep_plots``) and, on request, the runs and their per-round records as CSV
+or Parquet tables (``geoloco.scenarios.sweep_export``).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import math
 import re
 import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +51,9 @@ from geoloco.scenarios.research import (
     run_identity,
     with_plugins,
 )
+from geoloco.scenarios.sweep_export import EXPORT_FORMATS, Table, curve_table, missing_for, run_table
+from geoloco.scenarios.sweep_plots import PARETO_OBJECTIVES, pareto_indices
+from geoloco.scenarios.sweep_stats import CONFIDENCE, PairedDifference, SeedStats, paired_difference, seed_stats
 from geoloco.scenarios.sweep_tasks import Backend, BackendOptions, RunTask, run_in_processes
 
 __all__ = [
@@ -54,6 +64,7 @@ __all__ = [
     "RunTask",
     "SweepResult",
     "expand_grid",
+    "find_point",
     "parse_grid",
     "parse_seeds",
     "sweep",
@@ -65,7 +76,28 @@ RUNS_DIR = "runs"
 ERROR_FILE = "error.txt"
 SWEEP_FILE = "sweep.json"
 TABLE_FILE = "table.md"
+STATS_FILE = "stats.md"
+SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
+RUNS_TABLE = "runs"
+CURVES_TABLE = "curves"
+SWEEP_SUMMARY_FORMAT = 2
+"""Version of the sweep's ``summary.json`` layout. 2 added ``format``, ``confidence``,
+``baseline``, ``pareto_objectives`` and, per point, ``stats``, ``values``, ``on_pareto_front``,
+``is_baseline`` and ``vs_baseline``; a summary without ``format`` is layout 1, whose keys 2 keeps
+unchanged (``points[].final_eval_loss`` and the other totals as ``[mean, min, max]``)."""
+
+METRICS = ("final_eval_loss", "bytes_up", "bytes_down", "time_s", "inner_steps", "epsilon")
+"""The run totals a point summarizes over its seeds (``RunResult.totals`` keys)."""
+METRIC_LABELS = {
+    "final_eval_loss": "final eval loss", "bytes_up": "uplink bytes", "bytes_down": "downlink bytes",
+    "time_s": "virtual time (s)", "inner_steps": "inner steps", "epsilon": "epsilon",
+}
+METRIC_FORMATS: dict[str, str | None] = {
+    "final_eval_loss": "{:.4g}", "bytes_up": None, "bytes_down": None, "time_s": "{:.4g}",
+    "inner_steps": "{:.0f}", "epsilon": "{:.3g}",
+}
+"""How ``stats.md`` shows each metric (``None``: ``human_bytes``); ``summary.json`` keeps full precision."""
 
 
 # -- the grid --------------------------------------------------------------------------------------
@@ -138,6 +170,59 @@ def point_label(point: Sequence[tuple[str, str]]) -> str:
     return " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in point) or "base"
 
 
+def find_point(
+    points: Sequence[Sequence[tuple[str, str]]], spec: str | Mapping[str, Any], key: str = "--baseline"
+) -> int:
+    """The index of the one point ``spec`` names: its label (``inner_steps=10 uplink_codec=none``,
+    ``base`` without a grid), or ``KEY=VALUE`` pairs (space-separated text, or a mapping) whose
+    keys are swept keys, dotted or by their last part. Pairs may name fewer keys than are swept
+    when that leaves one point. Anything else: ``ConfigFileError`` on ``key`` listing the points."""
+    labels = [point_label(p) for p in points]
+    listing = "; ".join(repr(label) for label in labels)
+    if isinstance(spec, str) and labels.count(spec) == 1:
+        return labels.index(spec)
+    if isinstance(spec, str):
+        pairs: list[tuple[str, str]] = []
+        for word in spec.split():
+            name, sep, value = word.partition("=")
+            if not sep or not name:
+                raise ConfigFileError(
+                    COMMAND_LINE, key,
+                    f"{spec!r} is neither a point's label nor KEY=VALUE pairs; the points: {listing}",
+                )
+            pairs.append((name, value))
+    else:
+        pairs = [(name, _value_text(value)) for name, value in spec.items()]
+    if not pairs:
+        raise ConfigFileError(COMMAND_LINE, key, f"names no point; the points: {listing}")
+    swept = {k for p in points for k, _ in p}
+    for name, _ in pairs:
+        if not any(name in (k, k.rsplit(".", 1)[-1]) for k in swept):
+            raise ConfigFileError(
+                COMMAND_LINE, key, f"{name} is not a swept key; swept: {', '.join(sorted(swept)) or 'none'}"
+            )
+    matches = [
+        i for i, p in enumerate(points)
+        if all(any(name in (k, k.rsplit(".", 1)[-1]) and _same_value(v, value) for k, v in p) for name, value in pairs)
+    ]
+    if len(matches) != 1:
+        found = "no point" if not matches else f"{len(matches)} points ({'; '.join(labels[i] for i in matches)})"
+        raise ConfigFileError(
+            COMMAND_LINE, key, f"{spec!r} matches {found}; name one of: {listing}"
+        )
+    return matches[0]
+
+
+def _same_value(a: str, b: str) -> bool:
+    """Two ``--set`` value texts that mean the same value (``0.10`` and ``0.1``; ``1`` is not ``true``)."""
+    if a == b:
+        return True
+    x, y = parse_value(a), parse_value(b)
+    if isinstance(x, bool) or isinstance(y, bool):
+        return x is y
+    return bool(x == y)
+
+
 def _slug(point: Sequence[tuple[str, str]], seed: int) -> str:
     text = "_".join(f"{k.rsplit('.', 1)[-1]}-{v}" for k, v in point)
     text = re.sub(r"[^A-Za-z0-9.=-]+", "_", text).strip("_")[:80]
@@ -185,6 +270,18 @@ class PointSummary:
             return None
         return statistics.fmean(values), min(values), max(values)
 
+    def seed_values(self, key: str) -> dict[int, float]:
+        """Seed -> the total ``key`` of that seed's finished run (runs without a value left out):
+        what paired differences pair by."""
+        return {
+            int(r.config["simulation"]["seed"]): float(r.totals[key]) for r in self.runs if r.totals[key] is not None
+        }
+
+    def stats(self, key: str, confidence: float = CONFIDENCE) -> SeedStats | None:
+        """n, mean, sample std and the t-interval of the mean of a total over the seeds
+        (``geoloco.scenarios.sweep_stats.seed_stats``); ``None`` without a value."""
+        return seed_stats(self._values(key), confidence)
+
     def to_target(self, loss: float) -> dict[str, tuple[float, float, float] | None]:
         """``(mean, min, max)`` over the seeds that reached eval ``loss`` of the inner steps, uplink
         bytes and virtual time it took them (``None`` where no seed reached it)."""
@@ -210,10 +307,9 @@ class PointSummary:
             "seeds": [r.config.get("simulation", {}).get("seed") for r in self.runs],
             "failed_seeds": self.failed,
             "folders": [str(r.folder) for r in self.runs],
-            **{
-                key: self.stat(key)
-                for key in ("final_eval_loss", "bytes_up", "bytes_down", "time_s", "inner_steps", "epsilon")
-            },
+            **{key: self.stat(key) for key in METRICS},
+            "stats": {key: None if (st := self.stats(key)) is None else st.to_dict() for key in METRICS},
+            "values": {key: [r.totals[key] for r in self.runs] for key in METRICS},
         }
 
 
@@ -231,6 +327,135 @@ class SweepResult:
     files: list[Path] = field(default_factory=list)
     target_loss: float | None = None
     """With a target, the table also says what reaching that eval loss cost each point."""
+    baseline: int | None = None
+    """Index in ``points`` of the point the others are compared with, seed by seed (``paired``)."""
+
+    @property
+    def baseline_point(self) -> PointSummary | None:
+        return None if self.baseline is None else self.points[self.baseline]
+
+    def paired(self, point: PointSummary, confidence: float = CONFIDENCE) -> dict[str, PairedDifference]:
+        """Each metric of ``point`` minus the baseline's, paired by seed
+        (``geoloco.scenarios.sweep_stats.paired_difference``): the mean difference over the
+        baseline's seeds and its t-interval, or why the point is unpaired. Metrics that neither
+        has (``epsilon`` without DP) are left out."""
+        base = self.baseline_point
+        if base is None:
+            raise ValueError("this sweep has no baseline point: sweep(..., baseline=LABEL) or --baseline")
+        result: dict[str, PairedDifference] = {}
+        for key in METRICS:
+            mine, reference = point.seed_values(key), base.seed_values(key)
+            if not mine and not reference:
+                continue
+            diff = paired_difference(mine, reference, confidence)
+            if diff.unpaired is not None and point.failed:
+                failed = ", ".join(str(seed) for seed in point.failed)
+                diff = replace(diff, unpaired=f"{diff.unpaired} (failed here: seed {failed}, see error.txt)")
+            result[key] = diff
+        return result
+
+    def pareto_front(self) -> list[PointSummary]:
+        """The points no other point beats on both mean uplink bytes and mean final eval loss
+        (``PARETO_OBJECTIVES``; what ``pareto.png`` draws as its front), fewest bytes first."""
+        return [self.points[i] for i in pareto_indices(self.points)]
+
+    def summary(self) -> dict[str, Any]:
+        """``summary.json`` (layout ``SWEEP_SUMMARY_FORMAT``): the counts, then per point its
+        seeds and folders, ``[mean, min, max]`` of each total (layout 1's keys), ``stats`` (n,
+        mean, std, ``ci_low``/``ci_high`` at ``confidence``), the per-seed ``values`` in the order
+        of ``seeds``, ``on_pareto_front`` and, with a baseline, ``vs_baseline``: per metric the
+        paired seeds, the ``difference`` statistics (point − baseline) or why it is ``unpaired``."""
+        target = self.target_loss
+        front = set(pareto_indices(self.points))
+        base = self.baseline_point
+        points = []
+        for i, p in enumerate(self.points):
+            entry = {**p.to_dict(), **({"to_target": p.to_target(target)} if target is not None else {})}
+            entry["on_pareto_front"] = i in front
+            entry["is_baseline"] = p is base
+            entry["vs_baseline"] = (
+                None if base is None or p is base else {k: d.to_dict() for k, d in self.paired(p).items()}
+            )
+            points.append(entry)
+        return {
+            "format": SWEEP_SUMMARY_FORMAT,
+            "runs": len(self.points) * len(self.seeds), "ran": self.ran, "resumed": self.resumed,
+            "failed": self.failed, "target_loss": target,
+            "confidence": CONFIDENCE,
+            "interval": "Student t: mean +- t(1 - (1 - confidence) / 2, n - 1) * std / sqrt(n), std with ddof=1",
+            "baseline": None if base is None else base.label,
+            "pareto_objectives": list(PARETO_OBJECTIVES),
+            "points": points,
+        }
+
+    def stats_table(self) -> str:
+        """``stats.md``: ``seeds_table`` and, with a baseline, ``paired_table``."""
+        paired = self.paired_table()
+        return self.seeds_table() + ("" if paired is None else "\n\n" + paired)
+
+    def seeds_table(self) -> str:
+        """Markdown: per point and metric the seeds counted, mean, sample std and the 95 %
+        t-interval of the mean (metrics no run has, such as ``epsilon`` without DP, left out)."""
+        pct = f"{CONFIDENCE * 100:g} %"
+        metrics = [k for k in METRICS if any(p.stats(k) is not None for p in self.points)]
+        header = ["point", "metric", "n", "mean", "std", f"{pct} interval"]
+        lines = [f"## Over seeds: mean, sample std, {pct} t-interval of the mean", "",
+                 "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for p in self.points:
+            for key in metrics:
+                st = p.stats(key)
+                cells = [_label_cell(p.label), METRIC_LABELS[key]]
+                cells += ["0", "n/a", "n/a", "n/a"] if st is None else [str(st.n), *_stats_cells(st, key)]
+                lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def paired_table(self) -> str | None:
+        """Markdown: per point and metric the mean difference to the baseline over its seeds,
+        paired by seed, with the std and the 95 % t-interval of the differences, or why the point
+        is unpaired; ``None`` without a baseline."""
+        base = self.baseline_point
+        if base is None:
+            return None
+        pct = f"{CONFIDENCE * 100:g} %"
+        header = ["point", "metric", "seeds paired", "mean difference", "std", f"{pct} interval"]
+        lines = [f"## Paired differences against {_label_cell(base.label)} (point − baseline, same seed)", "",
+                 "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for p in self.points:
+            if p is base:
+                continue
+            for key, diff in self.paired(p).items():
+                cells = [_label_cell(p.label), METRIC_LABELS[key]]
+                if diff.stats is None:
+                    cells += ["0", f"unpaired: {diff.unpaired}", "n/a", "n/a"]
+                else:
+                    cells += [str(diff.stats.n), *_stats_cells(diff.stats, key, signed=True)]
+                lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def runs_table(self) -> Table:
+        """One row per finished run (``geoloco.scenarios.sweep_export.run_table``)."""
+        return run_table(self.points)
+
+    def curves_table(self) -> Table:
+        """One row per round record of every finished run (``sweep_export.curve_table``)."""
+        return curve_table(self.points)
+
+    def to_dataframe(self) -> Any:
+        """The runs as a ``pandas.DataFrame``, one row per run (needs the ``analysis`` extra)."""
+        return self.runs_table().to_dataframe()
+
+    def curves_to_dataframe(self) -> Any:
+        """The per-round records as a ``pandas.DataFrame`` (needs the ``analysis`` extra)."""
+        return self.curves_table().to_dataframe()
+
+    def export(self, formats: Sequence[str] = ("csv",)) -> list[Path]:
+        """Write ``runs.<format>`` and ``curves.<format>`` into ``out`` for each of ``formats``
+        (``EXPORT_FORMATS``: ``csv``, or ``parquet`` with the ``analysis`` extra); their paths."""
+        written: list[Path] = []
+        for fmt in formats:
+            for name, table in ((RUNS_TABLE, self.runs_table()), (CURVES_TABLE, self.curves_table())):
+                written.append(table.write(self.out / f"{name}.{fmt}", fmt))
+        return written
 
     def table(self) -> str:
         """Markdown table: each point's final eval loss, uplink bytes and virtual time as mean
@@ -270,6 +495,24 @@ class SweepResult:
         return "\n".join(lines)
 
 
+def _label_cell(label: str) -> str:
+    return f"`{label}`".replace("|", "\\|")  # a codec's | is no column
+
+
+def _stats_cells(st: SeedStats, key: str, *, signed: bool = False) -> list[str]:
+    """``[mean, std, interval]`` cells of ``stats.md`` in the metric's format."""
+    fmt = METRIC_FORMATS[key]
+    plain: Callable[[float], str] = human_bytes if fmt is None else fmt.format
+
+    def show(value: float) -> str:
+        text = plain(value)
+        return f"+{text}" if signed and value > 0 else text
+
+    if st.std is None or st.ci_low is None or st.ci_high is None:
+        return [show(st.mean), "n/a", "n/a (one value)"]
+    return [show(st.mean), plain(st.std), f"[{show(st.ci_low)}, {show(st.ci_high)}]"]
+
+
 def _stat_text(stat: tuple[float, float, float] | None, fmt: str | None) -> str:
     if stat is None:
         return "n/a"
@@ -298,9 +541,11 @@ def sweep(
     tensorboard: bool = False,
     workload: Any = None,
     plugins: Sequence[str] = (),
+    baseline: str | Mapping[str, Any] | None = None,
+    export: Sequence[str] = (),
 ) -> SweepResult:
     """Run every grid point for every seed (skipping finished runs), then write ``table.md``,
-    ``summary.json`` and the plots under ``out``.
+    ``stats.md``, ``summary.json`` and the plots under ``out``.
 
     ``grid`` is a list of ``GridAxis`` (``parse_grid``) or ``{key: [values]}``; ``overrides``
     apply to every run (before the grid's). Every run's config is checked before any runs, so a
@@ -318,7 +563,13 @@ def sweep(
     ``workload`` trains an object implementing ``geoloco.algorithms.workload.Workload`` in every
     run (the base config then has no ``[workload]`` table); it is pickled to worker processes, so
     its class must be importable there. ``plugins`` adds modules to ``[research] plugins``: they
-    are imported here and in every worker before a config is read."""
+    are imported here and in every worker before a config is read.
+
+    ``baseline`` names the point the others are compared with, seed by seed (``find_point``: a
+    label such as ``"inner_steps=10 uplink_codec=none"``, or ``{key: value}``): ``stats.md``
+    and ``summary.json`` then hold each point's paired differences against it. ``export``
+    writes the runs and their per-round records as tables (``"csv"``, ``"parquet"``:
+    ``SweepResult.export``). Both are checked before any run starts."""
     if ray_address is not None:
         backend = "ray"
     if backend not in BACKENDS:
@@ -332,6 +583,8 @@ def sweep(
         GridAxis(k, tuple(_value_text(v) for v in values)) for k, values in grid.items()
     ]
     points = expand_grid(axes)
+    baseline_index = None if baseline is None else find_point(points, baseline)
+    _check_export(export)
     runs_dir = out / RUNS_DIR
     base_hash = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()
     tasks: list[tuple[int, int, RunTask]] = []
@@ -371,17 +624,12 @@ def sweep(
             summaries[i].runs.append(RunResult.load(task.folder))
     result = SweepResult(out=out, axes=axes, seeds=list(seeds), points=summaries,
                          ran=len(todo) - len(errors), resumed=resumed, failed=len(errors),
-                         target_loss=target_loss)
+                         target_loss=target_loss, baseline=baseline_index)
     (out / TABLE_FILE).write_text(result.table() + "\n")
-    _write_json(out / "summary.json", {
-        "runs": len(tasks), "ran": result.ran, "resumed": resumed, "failed": result.failed,
-        "target_loss": target_loss,
-        "points": [
-            {**s.to_dict(), **({"to_target": s.to_target(target_loss)} if target_loss is not None else {})}
-            for s in summaries
-        ],
-    })
-    result.files = [out / TABLE_FILE, out / "summary.json"]
+    (out / STATS_FILE).write_text(result.stats_table() + "\n")
+    _write_json(out / SUMMARY_FILE, result.summary())
+    result.files = [out / TABLE_FILE, out / STATS_FILE, out / SUMMARY_FILE]
+    result.files += result.export(export)
     if tensorboard:
         _write_tensorboard([r for s in summaries for r in s.runs])
     if plots:
@@ -389,6 +637,18 @@ def sweep(
 
         result.files += write_sweep_plots(out, summaries, len(seeds))
     return result
+
+
+def _check_export(formats: Sequence[str]) -> None:
+    """Refuse an unknown export format, or one whose packages are missing, before any run."""
+    for fmt in formats:
+        if fmt not in EXPORT_FORMATS:
+            raise ConfigFileError(
+                COMMAND_LINE, "--export", f"unknown format {fmt!r}; allowed: {', '.join(EXPORT_FORMATS)}"
+            )
+        problem = missing_for(fmt)
+        if problem is not None:
+            raise ConfigFileError(COMMAND_LINE, "--export", problem)
 
 
 def _write_tensorboard(runs: Sequence[RunResult]) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from geoloco.scenarios.config_file import ConfigFileError, positive_int, report_config_error
 from geoloco.scenarios.overrides import add_set_argument
 from geoloco.scenarios.plugins import add_plugin_argument
+from geoloco.scenarios.sweep_export import EXPORT_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +29,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "Run `geoloco simulate` for every combination of the --grid values and every seed, "
             "in parallel processes. A finished run is never run again (rerun the same command to "
             "resume). Writes DIR/runs/<run>/ (one simulate run folder each), DIR/table.md (mean "
-            "and min..max over seeds), DIR/summary.json, DIR/pareto.png (final loss vs uplink "
-            "bytes) and DIR/loss_vs_{steps,bytes,time}.png."
+            "and min..max over seeds), DIR/stats.md (per point: n, mean, std and a 95% t-interval "
+            "over seeds; with --baseline, paired differences per seed), DIR/summary.json (the same "
+            "under labelled keys), DIR/pareto.png (final loss vs uplink bytes, with the Pareto "
+            "front) and DIR/loss_vs_{steps,bytes,time}.png."
         ),
     )
     parser.add_argument("config", type=Path, help="base simulate TOML file (see simulate.toml)")
@@ -68,6 +71,24 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="also tabulate, per point, the inner steps, uplink bytes and virtual time until the "
         "eval loss first reached LOSS (over the seeds that reached it)",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="POINT",
+        help="compare every point with this one, seed by seed: its label as the table prints it "
+        "('inner_steps=10 uplink_codec=none') or KEY=VALUE pairs naming one point "
+        "('uplink_codec=none' when that leaves one); adds paired differences (mean and 95%% "
+        "t-interval of point minus baseline over the baseline's seeds) to DIR/stats.md and DIR/summary.json",
+    )
+    parser.add_argument(
+        "--export",
+        action="append",
+        default=[],
+        choices=EXPORT_FORMATS,
+        help="also write the runs (one row per run: point, seed, totals) and their per-round "
+        "records as DIR/runs.FORMAT and DIR/curves.FORMAT; parquet needs `pip install "
+        "'geoloco[analysis]'` (pandas, pyarrow); repeat for both. On a finished sweep, rerun "
+        "the same command with --export: nothing runs again",
+    )
     add_set_argument(parser)
     add_plugin_argument(parser)
     parser.set_defaults(handler=run)
@@ -88,8 +109,13 @@ def _run(args: argparse.Namespace) -> int:
         args.config, grid=axes, seeds=parse_seeds(args.seeds), overrides=args.overrides,
         out=args.out, jobs=args.jobs, ray_address=args.ray, plots=not args.no_plots,
         target_loss=args.target_loss, tensorboard=args.tensorboard, plugins=args.plugins,
+        baseline=args.baseline, export=list(dict.fromkeys(args.export)),
     )
     print(f"geoloco sweep: {result.ran} runs ran, {result.resumed} were already finished, {result.failed} failed")
     print(result.table())
+    paired = result.paired_table()
+    if paired is not None:
+        print()
+        print(paired)
     print("files: " + ", ".join(str(p) for p in result.files))
     return 1 if result.failed else 0

@@ -24,16 +24,22 @@ __all__ = ["add_set_argument", "apply_overrides", "parse_override", "parse_value
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z_][A-Za-z0-9_]*|[0-9]+))*$")
 
 
-def add_set_argument(parser: argparse.ArgumentParser) -> None:
+SITES_EXAMPLES = "algorithm.inner_steps=50, sites.count=8, sites.0.speed_factor=0.5"
+"""``--set`` examples of the commands whose files have a ``[sites]`` table (simulate, emulate,
+sweep, tune)."""
+
+
+def add_set_argument(parser: argparse.ArgumentParser, *, examples: str = SITES_EXAMPLES) -> None:
+    """``--set KEY=VALUE``; ``examples``: keys this command's file accepts (the help must not
+    offer one the command refuses)."""
     parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override one config key, dotted as in the file (algorithm.inner_steps=50, "
-        "sites.count=8, sites.0.speed_factor=0.5); the value is a TOML literal or plain text; "
-        "repeat for more keys; applied after the file and before the other flags",
+        help=f"override one config key, dotted as in the file ({examples}); the value is a TOML "
+        "literal or plain text; repeat for more keys; applied after the file and before the other flags",
     )
 
 

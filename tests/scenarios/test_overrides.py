@@ -153,3 +153,26 @@ def test_a_strict_read_says_why_text_is_not_a_value() -> None:
     for text in ("[1, 2", "1\nw = 2", "small"):
         with pytest.raises(ValueError):
             parse_value(text, strict=True)
+
+
+def test_the_coordinators_set_examples_are_keys_its_file_accepts(tmp_path: Path) -> None:
+    """``geoloco coordinator --help`` used to offer ``--set sites.count=8``, which the coordinator
+    refuses (its file has no [sites] table): each example its help gives now loads."""
+    import argparse
+    import re
+
+    from geoloco.scenarios import coordinator_cmd
+
+    parser = argparse.ArgumentParser()
+    coordinator_cmd.register(parser.add_subparsers())
+    subparser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["coordinator"]
+    help_text = " ".join(subparser.format_help().split())
+    examples = re.search(r"dotted as in the file \(([^)]*)\)", help_text)
+    assert examples is not None, help_text
+    pairs = [e.strip() for e in examples.group(1).split(",")]
+    assert pairs and not any(p.startswith("sites.") for p in pairs), pairs
+    config = tmp_path / "coordinator.toml"
+    config.write_text("insecure = true\n")
+    args = subparser.parse_args(["--config", str(config), "--insecure", *[f"--set={p}" for p in pairs]])
+    loaded, _ = coordinator_cmd.load_config(args)
+    assert loaded.algorithm.inner_steps == 50 and loaded.min_sites == 3

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -50,7 +51,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_grpc_core(argv: Sequence[str] | None = None) -> None:
+    """Keep gRPC's C-core log lines (``I1201 ...``, ``E1201 ... ssl_transport_security.cc``) out
+    of the commands' output unless ``--log-level DEBUG``: they interleave with geoloco's own lines,
+    which already name what went wrong (a failed handshake names the peer and the cause). It must
+    run before grpc is imported (the C-core reads ``GRPC_VERBOSITY`` once); a value the user set
+    is kept, and the processes a command starts inherit it."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    debug = any(
+        w == "--log-level=DEBUG" or (w == "--log-level" and words[i + 1 : i + 2] == ["DEBUG"])
+        for i, w in enumerate(words)
+    )
+    if not debug:
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_grpc_core(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

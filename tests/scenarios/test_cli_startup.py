@@ -4,6 +4,7 @@ machine, for a command that prints text), in a fresh interpreter as a user runs 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -40,3 +41,20 @@ def test_help_does_not_import_torch(argv: tuple[str, ...]) -> None:
 def test_a_usage_error_does_not_import_torch() -> None:
     result = _probe("simulate", "--rounds", "many")
     assert result["code"] == 2 and "torch" not in result["heavy"]
+
+
+def test_grpc_core_lines_stay_out_of_the_commands_output_unless_debugging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gRPC's C-core lines (I1201/E1201 ...) interleaved with geoloco's: the CLI silences them
+    before grpc is imported, except with --log-level DEBUG or when the user set the variable."""
+    from geoloco.scenarios.cli import quiet_grpc_core
+
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    quiet_grpc_core(["coordinator", "--config", "c.toml"])
+    assert os.environ["GRPC_VERBOSITY"] == "NONE"
+    for debug in (["--log-level", "DEBUG", "site"], ["--log-level=DEBUG", "site"]):
+        monkeypatch.delenv("GRPC_VERBOSITY")
+        quiet_grpc_core(debug)
+        assert "GRPC_VERBOSITY" not in os.environ
+    monkeypatch.setenv("GRPC_VERBOSITY", "INFO")
+    quiet_grpc_core(["site"])
+    assert os.environ["GRPC_VERBOSITY"] == "INFO"

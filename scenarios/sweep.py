@@ -35,7 +35,7 @@ import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError
 from geoloco.scenarios.config_kinds import SIMULATE, read_config
@@ -440,13 +440,12 @@ class SweepResult:
         """One row per round record of every finished run (``sweep_export.curve_table``)."""
         return curve_table(self.points)
 
-    def to_dataframe(self) -> Any:
-        """The runs as a ``pandas.DataFrame``, one row per run (needs the ``analysis`` extra)."""
-        return self.runs_table().to_dataframe()
-
-    def curves_to_dataframe(self) -> Any:
-        """The per-round records as a ``pandas.DataFrame`` (needs the ``analysis`` extra)."""
-        return self.curves_table().to_dataframe()
+    def to_dataframe(self, rows: Literal["runs", "curves"] = "runs") -> Any:
+        """A ``pandas.DataFrame`` (needs the ``analysis`` extra): one row per run (``runs``), or
+        one per round record of every run (``curves``)."""
+        if rows not in ("runs", "curves"):
+            raise ValueError(f"rows must be 'runs' or 'curves', got {rows!r}")
+        return (self.runs_table() if rows == "runs" else self.curves_table()).to_dataframe()
 
     def export(self, formats: Sequence[str] = ("csv",)) -> list[Path]:
         """Write ``runs.<format>`` and ``curves.<format>`` into ``out`` for each of ``formats``

@@ -70,11 +70,6 @@ class SeedStats:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @property
-    def half_width(self) -> float | None:
-        """Half the interval's width (the ``±`` of the table); ``None`` for one value."""
-        return None if self.ci_high is None else self.ci_high - self.mean
-
 
 def seed_stats(values: Sequence[float], confidence: float = CONFIDENCE) -> SeedStats | None:
     """``n``, mean, sample std and the t-interval of the mean of ``values``; ``None`` without

@@ -163,7 +163,7 @@ def test_dataframes_and_parquet_with_the_analysis_extra(
     baseline = swept.points[0].stats("final_eval_loss")
     assert baseline is not None
     assert runs.groupby("label")["final_eval_loss"].mean()["uplink_codec=none lr=0.01"] == pytest.approx(baseline.mean)
-    curves = swept.curves_to_dataframe()
+    curves = swept.to_dataframe("curves")
     assert len(curves) == len(swept.curves_table().rows)
     written = swept.export(["parquet"])
     assert written == [swept.out / "runs.parquet", swept.out / "curves.parquet"]

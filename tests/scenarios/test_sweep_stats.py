@@ -42,7 +42,7 @@ def test_seed_stats_of_a_known_sample() -> None:
     assert (st.n, st.mean, st.min, st.max) == (4, 2.5, 1.0, 4.0)
     assert st.std == pytest.approx(std, rel=1e-12)
     assert (st.ci_low, st.ci_high) == (pytest.approx(2.5 - half, rel=1e-9), pytest.approx(2.5 + half, rel=1e-9))
-    assert st.half_width == pytest.approx(half, rel=1e-9)
+    assert st.ci_high is not None and st.ci_high - st.mean == pytest.approx(half, rel=1e-9)
     assert st.to_dict()["confidence"] == 0.95
 
 

@@ -22,6 +22,7 @@ from geoloco.algorithms.lr_schedule import LR_SCHEDULES, InnerLRSchedule, resolv
 __all__ = [
     "INNER_OPTIMIZERS",
     "OUTER_OPTIMIZERS",
+    "DelayedNesterov",
     "InnerOptimizerConfig",
     "OuterOptimizer",
     "OuterOptimizerConfig",
@@ -223,6 +224,10 @@ def _resolved_lr_momentum(config: OuterOptimizerConfig) -> tuple[float, float]:
 
 def _build_nesterov(config: OuterOptimizerConfig, params: Params) -> torch.optim.Optimizer:
     lr, momentum = _resolved_lr_momentum(config)
+    if config.momentum_period > 1:  # Delayed Nesterov (Liu et al. 2024), for asynchronous merges
+        return DelayedNesterov(
+            params, lr=lr, momentum=momentum, period=config.momentum_period, weight_decay=config.weight_decay
+        )
     # foreach: the Nesterov look-ahead ``g + μ·buf`` is computed in the gradient's own memory;
     # the single-tensor path (torch's CPU default) allocates a model-sized temporary for it.
     # Same operations in the same order: the result is bit-identical.
@@ -251,6 +256,78 @@ def _build_fedyogi(config: OuterOptimizerConfig, params: Params) -> torch.optim.
     return ReddiAdaptive(
         params, lr=lr, betas=config.betas, tau=config.tau, yogi=True, weight_decay=config.weight_decay
     )
+
+
+class DelayedNesterov(torch.optim.Optimizer):
+    """Delayed Nesterov (DN) momentum, Liu et al. 2024, "Asynchronous Local-SGD Training for
+    Language Modeling" (arXiv 2401.09135), section on the outer optimizer under asynchrony:
+    ``[outer_optimizer] name = "nesterov"`` with ``momentum_period`` N > 1 builds it.
+
+    Why: with asynchronous merges every outer step sees the update of one site (or a few),
+    computed from a model some versions old; plain Nesterov folds each such stale update into
+    its momentum at once, and the momentum then keeps pushing in directions the newer model has
+    already moved along, which is what makes naive asynchronous DiLoCo converge worse than the
+    synchronous one. DN keeps the momentum fixed for ``N`` steps and folds in their average.
+
+    What is implemented (the paper's algorithm as we read it; ``g_t`` the step's gradient, the
+    averaged pseudo-gradient of the outer step, plus ``weight_decay · θ`` when set; ``m`` the
+    momentum, ``b`` the buffer, both from 0; ``η`` lr, ``β`` momentum, ``N`` period)::
+
+        b ← b + g_t
+        if t is a multiple of N (t counts steps from 1):
+            m ← β·m + b / N          # the momentum update, from the N buffered gradients
+            θ ← θ − η·(g_t / N + β·m)  # Nesterov look-ahead; g_t / N as in between
+            b ← 0
+        else:
+            θ ← θ − η·g_t / N        # a plain step: the gradient, no momentum
+
+    Over one period of ``N`` equal gradients ``g`` the weights move ``η·g + η·β·m``: one
+    synchronous Nesterov step's worth, spread over the ``N`` arrivals. With ``N = 1`` this is
+    exactly torch's ``SGD(nesterov=True)`` (``m ← β·m + g``, ``θ ← θ − η·(g + β·m)``), the same
+    operations in the same order, bit for bit (a test checks it; the config builds torch's own
+    for ``momentum_period = 1``, so existing runs and checkpoints are unchanged).
+
+    State per parameter: ``momentum_buffer`` and ``delay_buffer`` (two model-sized vectors, as
+    Adam's two moments) and the step count ``step`` (an integer tensor, so checkpoints carry it
+    with the buffers).
+    """
+
+    def __init__(
+        self, params: Params, *, lr: float, momentum: float, period: int = 1, weight_decay: float = 0.0
+    ) -> None:
+        if not 0 < momentum < 1:
+            raise ValueError(f"delayed Nesterov needs momentum in (0, 1), got {momentum}")
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"delayed Nesterov's period must be an integer >= 1, got {period!r}")
+        super().__init__(params, {"lr": lr, "momentum": momentum, "period": period, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, beta, period, decay = group["lr"], group["momentum"], group["period"], group["weight_decay"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = param.grad if decay == 0 else param.grad.add(param, alpha=decay)
+                state = self.state[param]
+                if "delay_buffer" not in state:  # first step (a plain Nesterov state keeps its momentum)
+                    state["step"] = torch.zeros((), dtype=torch.int64)
+                    state.setdefault("momentum_buffer", torch.zeros_like(param))
+                    state["delay_buffer"] = torch.zeros_like(param)
+                state["step"] += 1
+                buffer, momentum = state["delay_buffer"], state["momentum_buffer"]
+                buffer.add_(grad)
+                scaled = grad if period == 1 else grad.div(period)
+                if int(state["step"].item()) % period == 0:
+                    # The same calls torch's SGD(nesterov=True) makes, so N = 1 is bit-identical.
+                    momentum.mul_(beta).add_(buffer if period == 1 else buffer.div(period))
+                    update = torch.add(scaled, momentum, alpha=beta)
+                    buffer.zero_()
+                else:
+                    update = scaled
+                param.add_(update, alpha=-lr)
+        return loss
 
 
 OUTER_OPTIMIZERS: dict[str, OuterOptimizerSpec] = {
@@ -320,9 +397,10 @@ class OuterOptimizerConfig:
     """
 
     name: str | None = None
-    """One of ``OUTER_OPTIMIZERS``: ``"nesterov"``, ``"sgd"``, ``"fedadam"`` / ``"fedyogi"``
-    (Reddi et al.: no bias correction, ``tau``) or ``"adam"`` (torch's bias-corrected Adam with
-    ``eps``); unset = the algorithm's default."""
+    """One of ``OUTER_OPTIMIZERS``: ``"nesterov"`` (with ``momentum_period`` > 1: Delayed
+    Nesterov), ``"sgd"``, ``"fedadam"`` / ``"fedyogi"`` (Reddi et al.: no bias correction,
+    ``tau``) or ``"adam"`` (torch's bias-corrected Adam with ``eps``); unset = the algorithm's
+    default."""
     lr: float | None = None
     """Outer learning rate; unset = the optimizer's default (nesterov 0.7, sgd 1.0, the Adam family 0.01)."""
     momentum: float | None = None
@@ -335,11 +413,28 @@ class OuterOptimizerConfig:
     """``"fedadam"`` / ``"fedyogi"``'s adaptivity floor (Reddi et al. tune it in 1e-5..1e-1)."""
     weight_decay: float = 0.0
     """L2 penalty added by the outer optimizer (rarely wanted)."""
+    momentum_period: int = 1
+    """``"nesterov"`` only: > 1 makes it Delayed Nesterov (Liu et al. 2024, ``DelayedNesterov``):
+    the momentum is updated every this many outer steps from their averaged updates, and the
+    steps in between apply ``lr / N`` times the update without momentum; 1 is plain Nesterov.
+    For asynchronous merges of ``q`` updates out of ``n`` sites, ``n / q`` moves the momentum
+    once per synchronous round's worth of updates (the choice of benchmarks/bench_async.py)."""
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
+        require(
+            not isinstance(self.momentum_period, bool) and self.momentum_period >= 1,
+            "momentum_period",
+            f"must be an integer >= 1, got {self.momentum_period!r}",
+        )
+        require(
+            self.momentum_period == 1 or self.name == "nesterov",
+            "momentum_period",
+            f"only Nesterov delays its momentum (Delayed Nesterov); outer optimizer {self.name or 'unset'!r} "
+            "has no period: set name = \"nesterov\" or momentum_period = 1",
+        )
         require(
             self.name is None or self.name in OUTER_OPTIMIZERS,
             "name",
@@ -377,6 +472,7 @@ class OuterOptimizerConfig:
             eps=self.eps,
             tau=self.tau,
             weight_decay=self.weight_decay,
+            momentum_period=self.momentum_period,
         )
 
     def to_dict(self) -> dict[str, Any]:

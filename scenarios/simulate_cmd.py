@@ -186,8 +186,14 @@ def _simulate(args: argparse.Namespace, source: str, research: ResearchConfig, s
             raise from_config_error(source, err) from None
         print(json.dumps(resolved_config(name, workload, config, str(device), research), indent=2))
         return 0
+    simulator: Any
     try:
-        simulator = Simulator(config, workload)
+        if config.simulation.event_driven:  # asynchronous merges or chaos: sites on their own clocks
+            from geoloco.algorithms.async_sim import DecoupledSimulator
+
+            simulator = DecoupledSimulator(config, workload)
+        else:
+            simulator = Simulator(config, workload)
     except ConfigError as err:
         raise from_config_error(source, err) from None
 
@@ -209,12 +215,15 @@ def _simulate(args: argparse.Namespace, source: str, research: ResearchConfig, s
     last: Any = None
     compute_total = [0.0] * len(config.sites)
     peak_in_flight = 0
-    with tqdm(total=config.run_rounds, file=sys.stderr, unit="round", desc="simulate") as progress:
+    event_driven = config.simulation.event_driven
+    total = None if event_driven and sim.max_wall_clock_s is not None else config.run_rounds
+    with tqdm(total=total, file=sys.stderr, unit="round", desc="simulate") as progress:
 
         def on_record(record: Any) -> None:
             nonlocal last, last_eval, compute_total, peak_in_flight
             last = record
-            compute_total = [c + r for c, r in zip(compute_total, record.compute_s.values(), strict=True)]
+            if not event_driven:  # an event-driven record holds only its merge's sites
+                compute_total = [c + r for c, r in zip(compute_total, record.compute_s.values(), strict=True)]
             peak_in_flight = max([peak_in_flight, *(record.peak_bytes_in_flight or {}).values()])
             if record.eval_loss is not None:
                 last_eval = record.eval_loss
@@ -230,6 +239,10 @@ def _simulate(args: argparse.Namespace, source: str, research: ResearchConfig, s
     assert last is not None  # rounds >= 1 is validated
 
     n = len(config.sites)
+    if event_driven:
+        print("geoloco simulate: summary")
+        print(summary_table(_event_driven_rows(simulator, result.records, last, name, out, board, runtime)))
+        return 0
     utilization = [c / last.wall_clock_s if last.wall_clock_s > 0 else 1.0 for c in compute_total]
     rows = [
         ("workload", f"{name} ({simulator.layout.numel:,} parameters)"),
@@ -260,3 +273,48 @@ def _simulate(args: argparse.Namespace, source: str, research: ResearchConfig, s
     print("geoloco simulate: summary")
     print(summary_table(rows))
     return 0
+
+
+def _event_driven_rows(
+    simulator: Any, records: list[dict[str, Any]], last: Any, name: str, out: Path, board: Path | None,
+    runtime: float,
+) -> list[tuple[str, str]]:
+    """The summary of an event-driven run (asynchronous merges or chaos): merges, goodput,
+    global downtime, staleness and what the sites held in memory."""
+    config = simulator.config
+    sim, algo = config.simulation, config.algorithm
+    merge = sim.asynchronous
+    grace = "adaptive grace window" if merge.adaptive_grace else f"grace {merge.grace_window_s:g} s"
+    mode = (
+        f"asynchronous: min_quorum {merge.min_quorum}, {grace}"
+        + (", dynamic local updates" if merge.dynamic_local_updates else "")
+        if merge.enabled
+        else f"synchronous rounds, on failure: {sim.chaos.sync_on_failure}"
+    )
+    staleness = [v for record in records for v in (record.get("staleness") or {}).values()]
+    lost = simulator.ledger.lost_by_reason
+    memory = simulator.memory()
+    per_site = memory["site_state_bytes"]
+    return [
+        ("workload", f"{name} ({simulator.layout.numel:,} parameters)"),
+        ("algorithm", f"{algo.name}, H={algo.inner_steps}, {len(config.sites)} sites, outer "
+                      f"{simulator.strategy.outer_optimizer_config.name}, uplink {algo.uplink_codec}"),
+        ("mode", mode),
+        ("merges", f"{sum(1 for r in records if r.get('participants'))}"),
+        ("final eval loss", "n/a" if last.eval_loss is None else f"{last.eval_loss:.4f}"),
+        ("goodput", f"{100 * simulator.ledger.goodput:.1f} % of inner steps reached the model "
+                    f"({simulator.ledger.useful_steps} useful, "
+                    + (", ".join(f"{v} {k}" for k, v in lost.items() if v) or "none") + " lost)"),
+        ("global downtime", f"{last.global_downtime_s or 0.0:.2f} s of {simulator.clock_s:.2f} s virtual"),
+        ("staleness", "n/a" if not staleness else
+                      f"{sum(staleness) / len(staleness):.2f} mean, {max(staleness)} max (merges behind)"),
+        ("bytes up (total)", human_bytes(last.bytes_up_total)),
+        ("bytes down (total)", human_bytes(last.bytes_down_total)),
+        ("memory", f"{human_bytes(per_site) if per_site is not None else 'n/a'} per site up (optimizer "
+                   f"state + residual), {memory['peak_site_states']} sites at once, "
+                   f"{memory['peak_versions']} global versions, {memory['peak_uploads_in_flight']} uploads "
+                   "in flight at the peak"),
+        ("real runtime", f"{runtime:.1f} s on {simulator.device}"),
+        ("output", f"{out}/{METRICS_FILE}, {out}/{CONFIG_FILE}, {out}/{SUMMARY_FILE}"
+                   + (f", TensorBoard events in {board}" if board is not None else "")),
+    ]

@@ -52,6 +52,10 @@ DELIBERATE: dict[str, dict[str, str]] = {
         "": "the adaptive uplink codec study (benchmarks/bench_uneven_links.py): one site behind "
         "10 Mbit/s and three on 1 Gbit/s are what it measures",
     },
+    "async_chaos.toml": {
+        "": "the failure study of benchmarks/bench_async.py (issue 28): asynchronous merges, Delayed "
+        "Nesterov and a failure schedule on 32 MLP sites are what it measures",
+    },
     "privacy_frontier.toml": {
         "": "the privacy-utility frontier study (benchmarks/bench_privacy_frontier.py): a tiny "
         "workload, many sites and [privacy] are what it measures",

@@ -1,0 +1,163 @@
+"""The event-driven simulator: the identities with the round-by-round simulator, goodput and
+downtime on a hand-made failure schedule, staleness, Dynamic Local Updates, config checks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from geoloco.algorithms.async_sim import DecoupledSimulator, build_simulator, dynamic_local_steps
+from geoloco.algorithms.chaos import ChaosSchedule
+from geoloco.algorithms.clock import transfer_time
+from geoloco.algorithms.config import ConfigError
+from geoloco.algorithms.sim_config import SimulatorConfig
+from geoloco.algorithms.simulator import Simulator
+
+INSTANT = {"latency_s": 0.0, "uplink_bps": math.inf, "downlink_bps": math.inf}
+"""Links that take no time: an upload arrives, and a broadcast reaches every site, at once."""
+
+
+def _config(**sections: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "algorithm": {"inner_steps": 4},
+        "inner_optimizer": {"lr": 0.02},
+        "sites": {"count": 3},
+        "simulation": {"rounds": 4, "eval_every": 2, "device": "cpu", "step_time_s": 0.1},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values} if isinstance(values, dict) else values
+    return base
+
+
+def test_synchronous_rounds_without_failures_are_the_simulators(make_workload) -> None:
+    """Chaos on, nobody fails: the event-driven synchronous rule ends every round on the same
+    weights and evaluations; its merge closes one broadcast before the record's end there."""
+    workload = make_workload(hidden=8)
+    plain = _config(algorithm={"uplink_codec": "int8"})
+    reference = list(Simulator(SimulatorConfig.from_dict(plain), workload).run())
+    events = _config(algorithm={"uplink_codec": "int8"}, simulation={"chaos": {"enabled": True}})
+    simulator = DecoupledSimulator(SimulatorConfig.from_dict(events), workload)
+    got = list(simulator.run())
+    assert [r.round for r in got] == [r.round for r in reference]
+    assert [r.weights_digest for r in got] == [r.weights_digest for r in reference]
+    assert [r.eval_loss for r in got] == [r.eval_loss for r in reference]
+    download = transfer_time(reference[0].bytes_down["0"], 1e9, 0.05)
+    assert [r.wall_clock_s + download for r in got] == pytest.approx([r.wall_clock_s for r in reference], abs=1e-12)
+    assert simulator.ledger.goodput == 1.0 and got[-1].goodput == 1.0
+    assert got[-1].global_downtime_s is not None and got[-1].global_downtime_s > 0  # uploads and broadcasts
+
+
+def test_asynchronous_merges_of_every_site_on_instant_links_are_the_simulators(make_workload) -> None:
+    """min_quorum = every site, uniform speeds, links that take no time: every merge holds every
+    site's update computed from the newest model, so it is the synchronous run bit for bit."""
+    workload = make_workload(hidden=8)
+    reference = list(Simulator(SimulatorConfig.from_dict(_config(sites=INSTANT)), workload).run())
+    config = _config(sites=INSTANT, simulation={"asynchronous": {"enabled": True, "min_quorum": 3}})
+    got = list(DecoupledSimulator(SimulatorConfig.from_dict(config), workload).run())
+    assert [r.weights_digest for r in got] == [r.weights_digest for r in reference]
+    assert [r.eval_loss for r in got] == [r.eval_loss for r in reference]
+    assert [r.wall_clock_s for r in got] == [r.wall_clock_s for r in reference]
+    assert all(r.staleness == {"0": 0, "1": 0, "2": 0} for r in got)
+    assert got[-1].global_downtime_s == 0.0
+
+
+def test_with_real_links_every_later_update_is_one_merge_stale(make_workload) -> None:
+    """The tightest identity with latency: a site goes on from the model it holds while its
+    update travels, so from the second merge on each update is computed one merge back."""
+    config = _config(simulation={"asynchronous": {"enabled": True, "min_quorum": 3}})
+    got = list(DecoupledSimulator(SimulatorConfig.from_dict(config), make_workload(hidden=8)).run())
+    assert got[0].staleness == {"0": 0, "1": 0, "2": 0}
+    assert all(r.staleness == {"0": 1, "1": 1, "2": 1} for r in got[1:])
+
+
+def _hand_made(rule: dict[str, Any], workload: Any) -> tuple[DecoupledSimulator, list[Any]]:
+    """Two sites, 1 s steps, H = 4, instant links; site 0 is down over [2.5, 4), site 1 over
+    [3, 5); the run stops at 10 s."""
+    config = _config(
+        algorithm={"inner_steps": 4}, sites={"count": 2, **INSTANT},
+        simulation={"rounds": 100, "eval_every": 100, "step_time_s": 1.0, "max_wall_clock_s": 10.0, **rule},
+    )
+    schedule = ChaosSchedule.fixed({0: [(2.5, 4.0)], 1: [(3.0, 5.0)]})
+    simulator = DecoupledSimulator(SimulatorConfig.from_dict(config), workload, schedule=schedule)
+    return simulator, list(simulator.run())
+
+
+def test_goodput_and_downtime_on_a_hand_made_schedule_asynchronous(make_workload) -> None:
+    """Site 0 loses 2 steps at 2.5 s, site 1 loses 3 at 3 s; repaired, they train [4, 8] and
+    [5, 9] from version 0 and merge at 8 s and 9 s (site 1 one merge stale), then train on.
+    Useful 8 of 13 computed steps; nobody trains usefully before 4 s: downtime 4 s."""
+    simulator, records = _hand_made(
+        {"asynchronous": {"enabled": True}, "chaos": {"enabled": True}}, make_workload(hidden=8)
+    )
+    merged = [r for r in records if r.participants]
+    assert [(r.wall_clock_s, r.participants, r.staleness) for r in merged] == [
+        (8.0, ["0"], {"0": 0}), (9.0, ["1"], {"1": 1})
+    ]
+    assert simulator.ledger.lost_by_reason["failed"] == 5 and simulator.ledger.useful_steps == 8
+    last = records[-1]
+    assert last.wall_clock_s == 10.0 and last.aborted is not None  # the run's end, a merge open
+    assert last.goodput == pytest.approx(8 / 13) and last.inner_steps_lost == 5
+    assert last.global_downtime_s == pytest.approx(4.0)
+
+
+def test_goodput_and_downtime_on_a_hand_made_schedule_synchronous(make_workload) -> None:
+    """The same failures, synchronous: the round waits for both repaired sites and closes at
+    9 s; the same steps are lost. With the lock-step rule, site 0's failure at 2.5 s voids
+    site 1's 2 steps too (and site 1's failure at 3 s finds its restarted phase 0 steps in)."""
+    simulator, records = _hand_made({"chaos": {"enabled": True}}, make_workload(hidden=8))
+    assert [(r.wall_clock_s, r.participants) for r in records if r.participants] == [(9.0, ["0", "1"])]
+    assert records[-1].goodput == pytest.approx(8 / 13) and records[-1].global_downtime_s == pytest.approx(4.0)
+    simulator, records = _hand_made(
+        {"chaos": {"enabled": True, "sync_on_failure": "restart"}}, make_workload(hidden=8)
+    )
+    lost = simulator.ledger.lost_by_reason
+    assert (lost["failed"], lost["restarted"]) == (2, 2)
+    assert records[-1].goodput == pytest.approx(8 / 12) and records[-1].global_downtime_s == pytest.approx(4.0)
+
+
+def test_too_stale_updates_are_dropped_and_their_steps_lost(make_workload) -> None:
+    """A 0.25x site's update is several merges behind the fast sites' (quorum 1): with
+    max_staleness 0 it is refused with the reason on the record."""
+    sites = [{"speed_factor": 1.0}, {"speed_factor": 1.0}, {"speed_factor": 0.25}]
+    config = _config(sites=sites, simulation={
+        "rounds": 12, "asynchronous": {"enabled": True, "max_staleness": 0},
+    })
+    simulator = DecoupledSimulator(SimulatorConfig.from_dict(config), make_workload(hidden=8))
+    records = list(simulator.run())
+    assert simulator.ledger.lost_by_reason["stale"] > 0
+    reasons = [why for r in records for site, why in r.rejected_reasons.items() if site == "2"]
+    assert reasons and all("stale" in why for why in reasons)
+    assert all(s == 0 for r in records for s in (r.staleness or {}).values())
+
+
+def test_dynamic_local_updates_size_phases_by_speed(make_workload) -> None:
+    assert dynamic_local_steps(20, None, None) == 20
+    assert dynamic_local_steps(20, 0.4, 0.1) == 5
+    assert dynamic_local_steps(20, 10.0, 0.1) == 1
+    sites = [{"speed_factor": 1.0}, {"speed_factor": 0.5}, {"speed_factor": 0.25}]
+    config = _config(algorithm={"inner_steps": 8}, sites=sites, simulation={
+        "rounds": 12, "asynchronous": {"enabled": True, "dynamic_local_updates": True},
+    })
+    records = list(DecoupledSimulator(SimulatorConfig.from_dict(config), make_workload(hidden=8)).run())
+    steps = {site: n for r in records[4:] for site, n in r.inner_steps.items()}
+    assert steps == {"0": 8, "1": 4, "2": 2}
+
+
+def test_the_event_driven_simulator_refuses_what_it_does_not_model(make_workload) -> None:
+    with pytest.raises(ConfigError, match="simulation.asynchronous.*Streaming"):
+        SimulatorConfig.from_dict(_config(
+            algorithm={"streaming": {"enabled": True, "fragments": 2}},
+            simulation={"asynchronous": {"enabled": True}},
+        ))
+    with pytest.raises(ConfigError, match="max_wall_clock_s"):
+        SimulatorConfig.from_dict(_config(simulation={"max_wall_clock_s": 10.0}))
+    with pytest.raises(ConfigError, match="max_wall_clock_s"):
+        SimulatorConfig.from_dict(_config(simulation={"chaos": {"enabled": True, "mtbf_s": 5.0}}))
+    with pytest.raises(ConfigError, match="min_quorum"):
+        SimulatorConfig.from_dict(_config(simulation={"asynchronous": {"enabled": True, "min_quorum": 4}}))
+    workload = make_workload()
+    assert isinstance(build_simulator(SimulatorConfig.from_dict(_config()), workload), Simulator)
+    chaos = SimulatorConfig.from_dict(_config(simulation={"chaos": {"enabled": True}}))
+    assert isinstance(build_simulator(chaos, workload), DecoupledSimulator)

@@ -537,7 +537,7 @@ def run(
     geoloco commit may differ) is loaded instead of run again; a finished folder of another run
     is refused rather than overwritten.
     """
-    from geoloco.algorithms.simulator import Simulator
+    from geoloco.algorithms.async_sim import build_simulator
 
     if isinstance(config, (str, Path)):
         source, raw = str(config), read_toml(Path(config))
@@ -557,7 +557,9 @@ def run(
         else:
             name, custom = workload.name, True
         try:
-            simulator = Simulator(prepared.simulator, workload)
+            # The round-by-round simulator, or the event-driven one for asynchronous merges or
+            # chaos: a sweep or tune study runs the same simulator as `geoloco simulate`.
+            simulator = build_simulator(prepared.simulator, workload)
         except ConfigError as err:
             raise from_config_error(source, err) from None
         resolved = {

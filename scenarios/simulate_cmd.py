@@ -168,9 +168,9 @@ def _run(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace, source: str, research: ResearchConfig, spec: Any, config: Any) -> int:
     from tqdm import tqdm
 
+    from geoloco.algorithms.async_sim import build_simulator
     from geoloco.algorithms.config import ConfigError
     from geoloco.algorithms.dp_accountant import describe_epsilon
-    from geoloco.algorithms.simulator import Simulator
 
     name = spec.name
     try:
@@ -186,14 +186,8 @@ def _simulate(args: argparse.Namespace, source: str, research: ResearchConfig, s
             raise from_config_error(source, err) from None
         print(json.dumps(resolved_config(name, workload, config, str(device), research), indent=2))
         return 0
-    simulator: Any
     try:
-        if config.simulation.event_driven:  # asynchronous merges or chaos: sites on their own clocks
-            from geoloco.algorithms.async_sim import DecoupledSimulator
-
-            simulator = DecoupledSimulator(config, workload)
-        else:
-            simulator = Simulator(config, workload)
+        simulator = build_simulator(config, workload)  # event-driven for asynchronous merges or chaos
     except ConfigError as err:
         raise from_config_error(source, err) from None
 

@@ -37,3 +37,17 @@ def test_simulate_runs_the_event_driven_simulator(
     merges = [r for r in records if r["participants"]]
     assert merges and all(set(r["staleness"]) == set(r["participants"]) for r in merges)
     assert json.loads((out / "summary.json").read_text())["totals"]["final_eval_loss"] == last["eval_loss"]
+
+
+def test_research_run_and_sweeps_run_the_event_driven_simulator_too(tmp_path: Path) -> None:
+    """``research.run`` (what ``geoloco sweep`` and ``tune`` run per point) builds the simulator
+    the config needs, as ``geoloco simulate`` does: an asynchronous study in a sweep used to run
+    the round-by-round simulator and ignore ``[simulation.asynchronous]``."""
+    from geoloco.scenarios import research
+
+    overrides = [pair for pair in TINY if pair != "--set"]
+    result = research.run(ASYNC_CHAOS, overrides=overrides, out=tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records and records[-1]["goodput"] is not None and records[-1]["global_downtime_s"] is not None
+    assert any(r["staleness"] for r in records)
+    assert result.totals["final_eval_loss"] == records[-1]["eval_loss"]

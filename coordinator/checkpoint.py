@@ -34,14 +34,11 @@ no stale lock; the file names the holder's pid and host for the refusal message)
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import re
 import shutil
-import socket
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +49,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from geoloco.protos.atomic_files import atomic_write, atomic_write_safetensors, file_sha256, fsync_dir
+from geoloco.protos.folder_lock import FolderInUseError, FolderLock
 
 logger = logging.getLogger(__name__)
 
@@ -247,79 +245,23 @@ def load_latest_checkpoint(
     return Checkpoint(round=round_number, tensors=tensors, metadata=metadata, path=tensor_path)
 
 
-class CheckpointFolderLock:
+class CheckpointFolderLock(FolderLock):
     """Exclusive use of a checkpoint folder by one coordinator process.
 
     ``acquire`` takes an advisory ``flock`` on ``folder/coordinator.lock`` without waiting and
-    writes the holder's pid, host and start time into it; a second coordinator on the same folder
-    (another process, or another server in this one) gets a ``CheckpointError`` naming the holder
-    instead of resuming beside it, or moving its files aside. The kernel drops the lock when the
-    holder dies, so nothing stale is left to delete by hand; ``release`` removes the file.
+    writes the holder's pid, host and start time into it (``geoloco.protos.folder_lock``); a
+    second coordinator on the same folder (another process, or another server in this one) gets
+    a ``CheckpointError`` naming the holder instead of resuming beside it, or moving its files
+    aside. The kernel drops the lock when the holder dies, so nothing stale is left to delete by
+    hand; ``release`` removes the file.
     """
-
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path = path
-        self._fd: int | None = fd
 
     @classmethod
     def acquire(cls, directory: str | os.PathLike[str]) -> CheckpointFolderLock:
-        folder = Path(directory)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / LOCK_NAME
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _lock_holder(fd)
-                os.close(fd)
-                raise CheckpointError(
-                    f"{folder} is in use by another coordinator ({holder}); stop that one first, "
-                    "or give this one another checkpoint_dir"
-                ) from None
-            except BaseException:
-                os.close(fd)
-                raise
-            # The holder may have released (and removed) the file between our open and our lock:
-            # then we hold a file nobody else will open; try again on the one at the path.
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(path))
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        holder = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (holder + "\n").encode(), 0)
-        return cls(path, fd)
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def __del__(self) -> None:
-        # A holder dropped without release() (an exception past its owner): drop the flock
-        # with the descriptor; the file stays, naming a holder that no longer holds it.
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def release(self) -> None:
-        """Remove the file and drop the lock (idempotent)."""
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
         try:
-            self.path.unlink(missing_ok=True)  # while still holding it: no one can take it between
-        finally:
-            os.close(fd)  # closing the last descriptor drops the flock
-
-
-def _lock_holder(fd: int) -> str:
-    """What the holder wrote into the lock file (one line), or a placeholder if it wrote nothing."""
-    try:
-        text = os.pread(fd, 512, 0).decode(errors="replace").strip().splitlines()
-    except OSError:
-        text = []
-    return text[0] if text else "holder unknown: it has not written its pid yet"
+            return cls.take(directory, LOCK_NAME)
+        except FolderInUseError as err:
+            raise CheckpointError(
+                f"{err.folder} is in use by another coordinator ({err.holder.text}); stop that one "
+                "first, or give this one another checkpoint_dir"
+            ) from None

@@ -40,6 +40,13 @@ class Member:
     reported_round: int = 0
     reported_phase: str = ""
     inner_steps_done: int = 0
+    instance: str = ""
+    """The site process holding the name (``JoinRequest.instance_id`` of the latest Join);
+    empty for a site older than that field, whose processes cannot be told apart."""
+    peer: str = ""
+    """Where that Join came from (gRPC peer address), for the messages about a replacement."""
+    joined_unix_s: float = 0.0
+    """Wall-clock time of that Join (``joined_s`` is on the coordinator's monotonic clock)."""
 
 
 class RoundContext:

@@ -173,6 +173,9 @@ class UploadSpec:
     shard_count: int = 0
     """> 1: one rank's shard of a sharded site's update (``geoloco.coordinator.shards``)."""
     shard_split: str = ""
+    instance_id: str = field(default="", compare=False)
+    """The sending process (``UploadManifest.instance_id``), checked against the site's member;
+    not part of the update's identity (a restarted process re-sends the same update)."""
 
 
 @dataclass(frozen=True, slots=True)

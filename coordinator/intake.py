@@ -147,9 +147,17 @@ class UploadIntake(Protocol):
         ...
 
     def stage(
-        self, site: str, session_id: str, round_number: int, stage: str, message: StageMessage, *, wait_s: float
+        self,
+        site: str,
+        session_id: str,
+        round_number: int,
+        stage: str,
+        message: StageMessage,
+        *,
+        wait_s: float,
+        instance: str = "",
     ) -> StageReply:
-        """One SecureStage call (refused without secure aggregation)."""
+        """One SecureStage call of the process ``instance`` (refused without secure aggregation)."""
         ...
 
     def withdraw(self, site: str, round_number: int) -> None:
@@ -199,7 +207,7 @@ class PlainIntake:
         assembler = self.open(site, spec)
         whole_stream = assembler.received_count == 0
         assembler.timings.upload_started(started)
-        assembler.consume(self.live_chunks(site, assembler, chunks))
+        assembler.consume(self.live_chunks(site, assembler, chunks, instance=spec.instance_id))
         # Adaptive uplink codecs: only a stream that brought the whole upload measured the link;
         # any other stream's end clears what an earlier one (refused, reset) left.
         assembler.link_sample = None
@@ -208,7 +216,7 @@ class PlainIntake:
             assembler.timings.upload_received(received)
             if whole_stream:
                 assembler.link_sample = (spec.total_bytes, received - started)
-        return self.finish(site, assembler)
+        return self.finish(site, assembler, instance=spec.instance_id)
 
     def status(self, site: str, round_number: int, fragment: int) -> UploadProgress:
         ctx = self.ctx
@@ -247,7 +255,15 @@ class PlainIntake:
         return RoundSum(update, contributors, update.mean_norm)
 
     def stage(
-        self, site: str, session_id: str, round_number: int, stage: str, message: StageMessage, *, wait_s: float
+        self,
+        site: str,
+        session_id: str,
+        round_number: int,
+        stage: str,
+        message: StageMessage,
+        *,
+        wait_s: float,
+        instance: str = "",
     ) -> StageReply:
         raise InvalidUpdateError(
             "secure aggregation is off in this run ([privacy] secure_aggregation = false); "
@@ -352,7 +368,7 @@ class PlainIntake:
         """Check an Upload stream's manifest and return the (new or resumed) assembler."""
         ctx = self.ctx
         with ctx.cond:
-            self.membership.member(site, spec.session_id)
+            self.membership.member(site, spec.session_id, spec.instance_id)
             if self._folds_late(site, spec.round):
                 return self._open_late(site, spec)
             ctx.check_upload_round(spec.round)
@@ -385,14 +401,17 @@ class PlainIntake:
             ctx.count_up(site, spec.nbytes)
             return assembler
 
-    def live_chunks(self, site: str, assembler: PlainUpload, chunks: Chunks) -> Iterator[Any]:
+    def live_chunks(self, site: str, assembler: PlainUpload, chunks: Chunks, *, instance: str = "") -> Iterator[Any]:
         """The chunks of an Upload stream, counted as received bytes; stops the stream with
-        WRONG_ROUND as soon as its round closes, so a straggler stops wasting its link."""
+        WRONG_ROUND as soon as its round closes, so a straggler stops wasting its link, and
+        with SITE_REPLACED as soon as another process of the site (``instance`` is the
+        stream's) took the name over."""
         ctx = self.ctx
         round_number = assembler.spec.round
         for chunk, nbytes in chunks:
             with ctx.cond:
                 ctx.count_up(site, nbytes)
+                self.membership.check_instance(site, instance)
                 if ctx.round.stale_uploads.get(site) is assembler and ctx.phase in OPEN_PHASES:
                     yield chunk
                     continue
@@ -402,7 +421,7 @@ class PlainIntake:
                     raise _discarded(site, round_number)
             yield chunk
 
-    def finish(self, site: str, assembler: PlainUpload) -> UploadProgress:
+    def finish(self, site: str, assembler: PlainUpload, *, instance: str = "") -> UploadProgress:
         """After a stream ended: if every chunk is there, verify and aggregate the update.
 
         Verification runs on the one verifier thread, so at most one decoded update exists
@@ -418,7 +437,9 @@ class PlainIntake:
         with self.ctx.cond:
             late = self.ctx.round.stale_uploads.get(site) is assembler
         try:
-            future = self.verifier.submit(self._verify_and_fold if late else self._verify_and_add, site, assembler)
+            future = self.verifier.submit(
+                self._verify_and_fold if late else self._verify_and_add, site, assembler, instance
+            )
         except RuntimeError:  # the executor is shut down: close() was called
             raise ShuttingDownError(
                 "the coordinator is shutting down; retry to reach its successor"
@@ -445,7 +466,7 @@ class PlainIntake:
             device=self.device, dense=dense,
         )
 
-    def _verify_and_add(self, site: str, assembler: PlainUpload) -> UploadProgress:
+    def _verify_and_add(self, site: str, assembler: PlainUpload, instance: str = "") -> UploadProgress:
         ctx = self.ctx
         round_number = assembler.spec.round
         with self.verify_lock:
@@ -463,6 +484,7 @@ class PlainIntake:
             assembler.timings.spent("verify", verify_start, add_start)
             with ctx.cond:
                 ctx.check_upload_round(round_number)
+                self.membership.check_instance(site, instance)  # replaced while it was verified
                 r = ctx.round
                 if r.uploads.get(site) is not assembler:
                     raise _discarded(site, round_number)
@@ -533,7 +555,7 @@ class PlainIntake:
         logger.info("round %d: %s is sending its late update of round %d", r.number, site, spec.round)
         return assembler
 
-    def _verify_and_fold(self, site: str, assembler: PlainUpload) -> UploadProgress:
+    def _verify_and_fold(self, site: str, assembler: PlainUpload, instance: str = "") -> UploadProgress:
         """Verify a complete late update and add it to the open round with the staleness
         discount; it does not count towards the quorum (``contributed``)."""
         ctx = self.ctx
@@ -554,6 +576,7 @@ class PlainIntake:
                 r = ctx.round
                 if r.number != round_number + 1 or ctx.phase not in OPEN_PHASES:
                     ctx.check_upload_round(round_number)  # raises WRONG_ROUND: it is too late
+                self.membership.check_instance(site, instance)
                 if r.stale_uploads.get(site) is not assembler:
                     raise _discarded(site, round_number)
                 admission = ctx.engine.fold_late(r.core, site, decoded, weight, screen=Screen(norm, finite))

@@ -4,12 +4,25 @@ Every method runs with the context's lock held (``RoundStateMachine`` takes it).
 leaves or is dropped keeps an upload it completed (it was verified and is in the aggregate); a
 partial one is discarded. Quorum and weighting adapt because they only count what was
 aggregated.
+
+A site name is a lease held by one process (``JoinRequest.instance_id``, random per process
+start). A Join with another instance than the member's takes the name over at once -- a site
+restarted after ``kill -9`` must not wait for its dead process's heartbeat timeout -- and says so
+at WARNING, naming both processes; from then on every request of the replaced process (its Join
+too) is refused with ``SiteReplacedError``, so it stops instead of uploading, counting rounds or
+leaving in the new process's name. Requests without an instance (sites older than the field)
+are not told apart, as before.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import grpc
 
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import Member, RoundContext
@@ -17,13 +30,48 @@ from geoloco.coordinator.errors import (
     NotAMemberError,
     ProtocolVersionError,
     SiteNotAllowedError,
+    SiteReplacedError,
     StaleSessionError,
+    StatusError,
 )
+from geoloco.protos.errors import clip
+from geoloco.protos.identity import validate_instance_id
 from geoloco.protos.protocol_version import PROTOCOL_VERSION
 
-__all__ = ["Membership"]
+__all__ = ["REPLACED_INSTANCES", "Membership", "Replacement"]
 
 logger = logging.getLogger(__name__)
+
+REPLACED_INSTANCES = 1024
+"""Replaced site processes remembered per coordinator session (their requests, Join included,
+are refused): far more than the restarts of a run; the oldest is forgotten first, so a run
+with made-up names in plain-text mode cannot grow this without bound."""
+
+_SHORT_INSTANCE = 8
+"""Characters of an instance id in messages (a random hex id: 8 tell processes apart)."""
+
+
+def _short(instance: str) -> str:
+    return clip(instance[:_SHORT_INSTANCE]) if instance else "without an instance id"
+
+
+@dataclass(frozen=True, slots=True)
+class Replacement:
+    """The process that took a site's name over: its instance, where it joined from, when."""
+
+    instance: str
+    peer: str
+    at_unix_s: float
+
+    def message(self, site: str, replaced: str) -> str:
+        """What the replaced process (instance ``replaced``) is told, in one line."""
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.at_unix_s))
+        return (
+            f"another process joined as site {site!r} at {when} from {self.peer or 'an unknown peer'} "
+            f"(instance {_short(self.instance)}); this one (instance {_short(replaced)}) was replaced "
+            "and stops. Run one process per site name; a site restarted after a crash replaces its "
+            "old process this way"
+        )
 
 
 class Membership:
@@ -35,6 +83,8 @@ class Membership:
         """How long a member may stay silent after its join before it is dropped."""
         self._heard: set[str] = set()
         """Members that made a call since they joined (a heartbeat, a fetch, an upload)."""
+        self._replaced: OrderedDict[tuple[str, str], Replacement] = OrderedDict()
+        """(site, replaced instance) -> who replaced it (at most ``REPLACED_INSTANCES``)."""
         allowed = ctx.config.allowed_sites
         self._allowed = None if allowed is None else frozenset(allowed)
         self._next_silence_s = math.inf
@@ -65,26 +115,52 @@ class Membership:
                 f"{PROTOCOL_VERSION}; install the same geoloco version on both sides"
             )
 
-    def member(self, site: str, session_id: str) -> Member:
-        """Check session and membership, and count the call as a sign of life."""
+    def member(self, site: str, session_id: str, instance: str = "") -> Member:
+        """Check session, membership and the calling process (``instance``), and count the
+        call as a sign of life."""
         self.check_allowed(site)
         self.check_session(session_id)
         member = self.ctx.members.get(site)
         if member is None:
+            self.check_instance(site, instance)
             raise NotAMemberError(
                 f"site {site!r} is not a member of the run (never joined, left, or dropped after "
                 f"{self.ctx.config.heartbeat_timeout_s:g} s without a heartbeat); call Join again"
             )
+        self.check_instance(site, instance)
         member.last_seen_s = self.ctx.clock()
         self._heard.add(site)
         return member
 
-    def join(self, site: str, now: float, *, software_version: str = "") -> None:
-        """Register (or re-register) ``site``."""
+    def check_instance(self, site: str, instance: str) -> None:
+        """Refuse a request of a process of ``site`` that another process replaced: one that a
+        Join of another instance took the name from, or any instance but the member's."""
+        if not instance:
+            return
+        replacement = self._replaced.get((site, instance))
+        if replacement is None:
+            member = self.ctx.members.get(site)
+            if member is None or not member.instance or member.instance == instance:
+                return
+            replacement = Replacement(member.instance, member.peer, member.joined_unix_s)
+        raise SiteReplacedError(replacement.message(site, instance))
+
+    def join(self, site: str, now: float, *, software_version: str = "", instance: str = "", peer: str = "") -> None:
+        """Register (or re-register) ``site`` for the process ``instance`` (from ``peer``); a
+        process that another one replaced is refused (module doc)."""
         ctx = self.ctx
+        try:
+            validate_instance_id(instance)
+        except ValueError as err:
+            raise StatusError(str(err), code=grpc.StatusCode.INVALID_ARGUMENT) from None
+        if instance and (replacement := self._replaced.get((site, instance))) is not None:
+            raise SiteReplacedError(replacement.message(site, instance))
         member = ctx.members.get(site)
+        wall = time.time()
         if member is None:
-            ctx.members[site] = Member(name=site, joined_s=now, last_seen_s=now)
+            ctx.members[site] = Member(
+                name=site, joined_s=now, last_seen_s=now, instance=instance, peer=peer, joined_unix_s=wall
+            )
             self._next_silence_s = min(self._next_silence_s, now + self._limit(site))
             logger.info(
                 "site %s joined at round %d (%d members)%s",
@@ -92,22 +168,50 @@ class Membership:
                 f", software {software_version}" if software_version else "",
             )
         else:
+            if member.instance and member.instance != instance:
+                self._replace(member, Replacement(instance, peer, wall), now)
+            else:
+                logger.info("site %s re-joined at round %d", site, ctx.round.number)
             member.last_seen_s = now
-            logger.info("site %s re-joined at round %d", site, ctx.round.number)
+            member.instance, member.peer, member.joined_unix_s = instance, peer, wall
         ctx.events.emit(ev.SITE_JOINED, site=site, round=ctx.round.number, rejoin=member is not None)
 
-    def leave(self, site: str, session_id: str, reason: str) -> None:
-        self.member(site, session_id)
+    def _replace(self, member: Member, by: Replacement, now: float) -> None:
+        """``by`` takes ``member``'s name over from the process that held it."""
+        self._replaced[(member.name, member.instance)] = by
+        while len(self._replaced) > REPLACED_INSTANCES:
+            self._replaced.popitem(last=False)
+        logger.warning(
+            "site %s: process %s from %s joined while process %s from %s held the name (last heard "
+            "%.1f s ago) at round %d; the new process takes the name, the old one is refused from "
+            "its next request on and stops. Two live processes with one site name are a mistake; "
+            "after a crash and restart of the site this is expected",
+            member.name, _short(by.instance), by.peer or "an unknown peer", _short(member.instance),
+            member.peer or "an unknown peer", now - member.last_seen_s, self.ctx.round.number,
+        )
+
+    def leave(self, site: str, session_id: str, reason: str, instance: str = "") -> None:
+        self.member(site, session_id, instance)
         self.ctx.events.emit(ev.SITE_LEFT, site=site, round=self.ctx.round.number, reason=reason)
         self.remove(site, f"left ({reason})" if reason else "left")
 
     def heartbeat(
-        self, site: str, session_id: str, now: float, *, round_number: int, phase: str, inner_steps_done: int
+        self,
+        site: str,
+        session_id: str,
+        now: float,
+        *,
+        round_number: int,
+        phase: str,
+        inner_steps_done: int,
+        instance: str = "",
     ) -> bool:
         """Record a sign of life; returns whether the site must join again (a stale session
-        or a dropped site)."""
+        or a dropped site). A replaced process is refused (``SiteReplacedError``)."""
         member = self.ctx.members.get(site)
         rejoin = session_id != self.ctx.session_id or member is None
+        if session_id == self.ctx.session_id:
+            self.check_instance(site, instance)
         if member is not None and not rejoin:
             member.last_seen_s = now
             self._heard.add(site)

@@ -277,14 +277,18 @@ class RoundStateMachine:
         has_weights: bool = False,
         weights_digest: str | None = None,
         software_version: str = "",
+        instance: str = "",
+        peer: str = "",
     ) -> JoinResult:
         """Register (or re-register) ``site``; says whether it must fetch the model.
-        ``weights_digest``: hex SHA-256 of the weights the site holds, if any."""
+        ``weights_digest``: hex SHA-256 of the weights the site holds, if any. ``instance``:
+        the joining process (``JoinRequest.instance_id``), which takes the name over from
+        another live one (``geoloco.coordinator.membership``); ``peer``: where it joins from."""
         Membership.check_protocol(protocol_version)
         self.membership.check_allowed(site)
         with self._cond:
             now = self.clock()
-            self.membership.join(site, now, software_version=software_version)
+            self.membership.join(site, now, software_version=software_version, instance=instance, peer=peer)
             self.phases.maybe_start(now)
             result = JoinResult(
                 session_id=self.session_id,
@@ -296,9 +300,9 @@ class RoundStateMachine:
             self._cond.notify_all()
             return result
 
-    def leave(self, site: str, session_id: str, reason: str = "") -> None:
+    def leave(self, site: str, session_id: str, reason: str = "", *, instance: str = "") -> None:
         with self._cond:
-            self.membership.leave(site, session_id, reason)
+            self.membership.leave(site, session_id, reason, instance)
             self._cond.notify_all()
 
     def heartbeat(
@@ -309,14 +313,17 @@ class RoundStateMachine:
         round_number: int = 0,
         phase: str = "",
         inner_steps_done: int = 0,
+        instance: str = "",
     ) -> HeartbeatResult:
-        """Record a sign of life; a stale session or a dropped site is told to re-join.
-        ``phase``: what the site is doing (``geoloco.coordinator.domain.SITE_PHASES``)."""
+        """Record a sign of life; a stale session or a dropped site is told to re-join, a
+        replaced process refused. ``phase``: what the site is doing
+        (``geoloco.coordinator.domain.SITE_PHASES``)."""
         self.membership.check_allowed(site)
         with self._cond:
             now = self.clock()
             rejoin = self.membership.heartbeat(
-                site, session_id, now, round_number=round_number, phase=phase, inner_steps_done=inner_steps_done
+                site, session_id, now, round_number=round_number, phase=phase, inner_steps_done=inner_steps_done,
+                instance=instance,
             )
             return HeartbeatResult(
                 rejoin_required=rejoin,
@@ -327,9 +334,9 @@ class RoundStateMachine:
     # ---------------------------------------------------------------------------------------
     # FetchModel
 
-    def model_snapshot(self, site: str, session_id: str) -> ModelSnapshot:
+    def model_snapshot(self, site: str, session_id: str, *, instance: str = "") -> ModelSnapshot:
         with self._cond:
-            self.membership.member(site, session_id)
+            self.membership.member(site, session_id, instance)
             w = self.phases.weights
             return ModelSnapshot(round=self._ctx.round.number, weights=w.cpu, digest=w.digest)
 
@@ -359,16 +366,26 @@ class RoundStateMachine:
             )
         return self.intake.receive(site, spec, chunks)
 
-    def upload_status(self, site: str, session_id: str, round_number: int, fragment: int) -> UploadProgress:
+    def upload_status(
+        self, site: str, session_id: str, round_number: int, fragment: int, *, instance: str = ""
+    ) -> UploadProgress:
         with self._cond:
-            self.membership.member(site, session_id)
+            self.membership.member(site, session_id, instance)
             return self.intake.status(site, round_number, fragment)
 
     def secure_stage(
-        self, site: str, session_id: str, round_number: int, stage: str, message: StageMessage, *, wait_s: float
+        self,
+        site: str,
+        session_id: str,
+        round_number: int,
+        stage: str,
+        message: StageMessage,
+        *,
+        wait_s: float,
+        instance: str = "",
     ) -> StageReply:
         """One SecureStage call: record the message, wait up to ``wait_s`` for the stage to close."""
-        return self.intake.stage(site, session_id, round_number, stage, message, wait_s=wait_s)
+        return self.intake.stage(site, session_id, round_number, stage, message, wait_s=wait_s, instance=instance)
 
     # ---------------------------------------------------------------------------------------
     # AwaitBroadcast
@@ -382,15 +399,19 @@ class RoundStateMachine:
         timeout_s: float,
         start_chunk: int = 0,
         check_member: bool = True,
+        instance: str = "",
     ) -> WaitResult:
         """Block until round ``round_number`` is aggregated (then a header) or ``timeout_s``
-        passes (then a progress message). Rounds older than the last broadcast get RESYNC."""
+        passes (then a progress message). Rounds older than the last broadcast get RESYNC.
+        ``instance`` is checked again after the wait: a process replaced while it waited is
+        refused instead of told whether "its" update -- perhaps its successor's -- counted."""
         ctx = self._ctx
         with self._cond:
             if check_member:
-                self.membership.member(site, session_id)
+                self.membership.member(site, session_id, instance)
             else:
                 self.membership.check_session(session_id)
+                self.membership.check_instance(site, instance)
             if round_number > ctx.round.number:
                 raise WrongRoundError(
                     f"round {round_number} is not open yet; the coordinator is at round {ctx.round.number}"
@@ -408,6 +429,7 @@ class RoundStateMachine:
         with self._cond:
             if ctx.closing:
                 raise ShuttingDownError("the coordinator is shutting down; retry to reach its successor")
+            self.membership.check_instance(site, instance)
             now = self.clock()
             if ctx.round.number != round_number:
                 return WaitResult(header=self.phases.header_for(site, round_number, now, start_chunk))

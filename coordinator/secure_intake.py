@@ -64,7 +64,7 @@ class SecureIntake:
     def receive(self, site: str, spec: UploadSpec, chunks: Chunks) -> UploadProgress:
         ctx, privacy = self.ctx, self.privacy
         with ctx.cond:
-            self.membership.member(site, spec.session_id)
+            self.membership.member(site, spec.session_id, spec.instance_id)
             ctx.check_upload_round(spec.round)
             if spec.site and spec.site != site:
                 raise InvalidUpdateError(f"upload manifest names site {spec.site!r} but the caller is {site!r}")
@@ -270,12 +270,20 @@ class SecureIntake:
             moved.set()
 
     def stage(
-        self, site: str, session_id: str, round_number: int, stage: str, message: StageMessage, *, wait_s: float
+        self,
+        site: str,
+        session_id: str,
+        round_number: int,
+        stage: str,
+        message: StageMessage,
+        *,
+        wait_s: float,
+        instance: str = "",
     ) -> StageReply:
         """One SecureStage call: record the message, wait up to ``wait_s`` for the stage to close."""
         ctx, privacy = self.ctx, self.privacy
         with ctx.cond:
-            self.membership.member(site, session_id)
+            self.membership.member(site, session_id, instance)
             if ctx.phase is RoundPhase.FINISHED or round_number > ctx.round.number:
                 ctx.check_upload_round(round_number)
             deadline = ctx.clock() + wait_s

@@ -109,6 +109,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             has_weights=request.has_weights,
             weights_digest=translate.digest_hex(request.weights_digest) if request.HasField("weights_digest") else None,
             software_version=request.software_version,
+            instance=request.instance_id,
+            peer=str(context.peer()),
         )
         return translate.join_response(result, config=self._run_config, layout=self._layout)
 
@@ -116,7 +118,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.FetchModelRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.FetchModelResponse | ChunkRef]:
         site = self._site(context, request.site)
-        snapshot = self.rounds.model_snapshot(site, request.session_id)
+        snapshot = self.rounds.model_snapshot(site, request.session_id, instance=request.instance_id)
         if request.HasField("shard"):  # a sharded site's rank: its rows only
             key = translate.shard_key(request.shard)
             snapshot = replace(
@@ -159,7 +161,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.UploadStatusRequest, context: grpc.ServicerContext
     ) -> pb.UploadStatusResponse:
         site = self._site(context, request.site)
-        progress = self.rounds.upload_status(site, request.session_id, request.round, request.fragment)
+        progress = self.rounds.upload_status(
+            site, request.session_id, request.round, request.fragment, instance=request.instance_id
+        )
         return translate.upload_status_response(progress)
 
     def AwaitBroadcast(
@@ -178,6 +182,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 timeout_s=self.progress_interval_s,
                 start_chunk=request.start_chunk,
                 check_member=first,
+                instance=request.instance_id,
             )
             first = False
             if result.progress is not None:
@@ -232,6 +237,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             round_number=request.round,
             phase=translate.site_phase(request.phase),
             inner_steps_done=request.inner_steps_done,
+            instance=request.instance_id,
         )
         return translate.heartbeat_response(result)
 
@@ -242,10 +248,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         reply = self.rounds.secure_stage(
             site, request.session_id, request.round, request.stage, secagg_wire.request_message(request),
             wait_s=min(request.wait_ms / 1000, SECURE_STAGE_WAIT_S),
+            instance=request.instance_id,
         )
         return secagg_wire.stage_response(request.stage, reply)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
         site = self._site(context, request.site)
-        self.rounds.leave(site, request.session_id, request.reason)
+        self.rounds.leave(site, request.session_id, request.reason, instance=request.instance_id)
         return pb.LeaveResponse()

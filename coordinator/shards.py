@@ -167,7 +167,7 @@ class ShardedUploads:
         """Check a shard's manifest; the (new or resumed) assembler of that shard."""
         host, ctx = self.host, self.host.ctx
         with ctx.cond:
-            host.membership.member(site, spec.session_id)
+            host.membership.member(site, spec.session_id, spec.instance_id)
             ctx.check_upload_round(spec.round)  # a late shard is refused: no late folding
             r = ctx.round
             ctx.check_not_rejected(site)

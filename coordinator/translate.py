@@ -182,6 +182,7 @@ def upload_spec(manifest: pb.UploadManifest, site: str) -> UploadSpec:
     normalized = pb.UploadManifest()
     normalized.CopyFrom(manifest)
     normalized.site = site
+    normalized.ClearField("instance_id")  # which process sent the update is not part of it
     blob = manifest.blob
     return UploadSpec(
         site=manifest.site,
@@ -204,6 +205,7 @@ def upload_spec(manifest: pb.UploadManifest, site: str) -> UploadSpec:
         shard_index=manifest.shard_index,
         shard_count=manifest.shard_count,
         shard_split=manifest.shard_split,
+        instance_id=manifest.instance_id,
     )
 
 

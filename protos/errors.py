@@ -115,3 +115,12 @@ class RunFinishedError(StatusError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = pb.ERROR_REASON_RUN_FINISHED
+
+
+class SiteReplacedError(StatusError):
+    """Another process joined under the caller's site name (``JoinRequest.instance_id``): the
+    caller was replaced and must stop. Not a reason to join again: its Join is refused too, so
+    two live processes of one site cannot take the name from each other in turn."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = pb.ERROR_REASON_SITE_REPLACED

@@ -20,6 +20,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_RUN_FINISHED: _ClassVar[ErrorReason]
     ERROR_REASON_PROTOCOL_VERSION: _ClassVar[ErrorReason]
     ERROR_REASON_BAD_STAGE_MESSAGE: _ClassVar[ErrorReason]
+    ERROR_REASON_SITE_REPLACED: _ClassVar[ErrorReason]
 
 class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -59,6 +60,7 @@ ERROR_REASON_IDENTITY_MISMATCH: ErrorReason
 ERROR_REASON_RUN_FINISHED: ErrorReason
 ERROR_REASON_PROTOCOL_VERSION: ErrorReason
 ERROR_REASON_BAD_STAGE_MESSAGE: ErrorReason
+ERROR_REASON_SITE_REPLACED: ErrorReason
 CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_SHA256: ChecksumAlgorithm
@@ -178,20 +180,22 @@ class RoundInfo(_message.Message):
     def __init__(self, round: _Optional[int] = ..., round_seed: _Optional[int] = ..., deadline_remaining_ms: _Optional[int] = ..., uplink_codec: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("site", "protocol_version", "software_version", "has_weights", "weights_round", "weights_digest")
+    __slots__ = ("site", "protocol_version", "software_version", "has_weights", "weights_round", "weights_digest", "instance_id")
     SITE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     HAS_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ROUND_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     site: str
     protocol_version: int
     software_version: str
     has_weights: bool
     weights_round: int
     weights_digest: Checksum
-    def __init__(self, site: _Optional[str] = ..., protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., has_weights: bool = ..., weights_round: _Optional[int] = ..., weights_digest: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, site: _Optional[str] = ..., protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., has_weights: bool = ..., weights_round: _Optional[int] = ..., weights_digest: _Optional[_Union[Checksum, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("session_id", "site", "config", "round", "layout", "weights_digest", "must_fetch_model", "protocol_version")
@@ -214,18 +218,20 @@ class JoinResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., site: _Optional[str] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., weights_digest: _Optional[_Union[Checksum, _Mapping]] = ..., must_fetch_model: bool = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("site", "session_id", "round", "phase", "inner_steps_done")
+    __slots__ = ("site", "session_id", "round", "phase", "inner_steps_done", "instance_id")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     round: int
     phase: SitePhase
     inner_steps_done: int
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[SitePhase, str]] = ..., inner_steps_done: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[_Union[SitePhase, str]] = ..., inner_steps_done: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("rejoin_required", "round", "run_finished")
@@ -238,34 +244,38 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, rejoin_required: bool = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., run_finished: bool = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("site", "session_id", "reason")
+    __slots__ = ("site", "session_id", "reason", "instance_id")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     reason: str
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., reason: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class FetchModelRequest(_message.Message):
-    __slots__ = ("site", "session_id", "start_chunk", "expect_digest", "chunk_stride", "shard")
+    __slots__ = ("site", "session_id", "start_chunk", "expect_digest", "chunk_stride", "shard", "instance_id")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_CHUNK_FIELD_NUMBER: _ClassVar[int]
     EXPECT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_STRIDE_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     start_chunk: int
     expect_digest: Checksum
     chunk_stride: int
     shard: ShardRef
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., start_chunk: _Optional[int] = ..., expect_digest: _Optional[_Union[Checksum, _Mapping]] = ..., chunk_stride: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., start_chunk: _Optional[int] = ..., expect_digest: _Optional[_Union[Checksum, _Mapping]] = ..., chunk_stride: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class ShardRef(_message.Message):
     __slots__ = ("index", "count", "split")
@@ -300,7 +310,7 @@ class FetchModelResponse(_message.Message):
     def __init__(self, manifest: _Optional[_Union[ModelManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class UploadManifest(_message.Message):
-    __slots__ = ("site", "session_id", "round", "fragment", "sample_weight", "blob", "metrics", "inner_steps", "relayed_sites", "shard_index", "shard_count", "shard_split")
+    __slots__ = ("site", "session_id", "round", "fragment", "sample_weight", "blob", "metrics", "inner_steps", "instance_id", "relayed_sites", "shard_index", "shard_count", "shard_split")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +326,7 @@ class UploadManifest(_message.Message):
     BLOB_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     RELAYED_SITES_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -328,11 +339,12 @@ class UploadManifest(_message.Message):
     blob: BlobManifest
     metrics: _containers.ScalarMap[str, float]
     inner_steps: int
+    instance_id: str
     relayed_sites: _containers.RepeatedCompositeFieldContainer[RelayedSite]
     shard_index: int
     shard_count: int
     shard_split: str
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., sample_weight: _Optional[float] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., inner_steps: _Optional[int] = ..., relayed_sites: _Optional[_Iterable[_Union[RelayedSite, _Mapping]]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., shard_split: _Optional[str] = ...) -> None: ...
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., sample_weight: _Optional[float] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., inner_steps: _Optional[int] = ..., instance_id: _Optional[str] = ..., relayed_sites: _Optional[_Iterable[_Union[RelayedSite, _Mapping]]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., shard_split: _Optional[str] = ...) -> None: ...
 
 class RelayedSite(_message.Message):
     __slots__ = ("site", "weight", "inner_steps", "metrics", "rejected")
@@ -376,16 +388,18 @@ class UploadResponse(_message.Message):
     def __init__(self, complete: bool = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., folded_late: bool = ...) -> None: ...
 
 class UploadStatusRequest(_message.Message):
-    __slots__ = ("site", "session_id", "round", "fragment")
+    __slots__ = ("site", "session_id", "round", "fragment", "instance_id")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     round: int
     fragment: int
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class UploadStatusResponse(_message.Message):
     __slots__ = ("known", "manifest", "received", "missing", "complete", "folded_late")
@@ -404,7 +418,7 @@ class UploadStatusResponse(_message.Message):
     def __init__(self, known: bool = ..., manifest: _Optional[_Union[UploadManifest, _Mapping]] = ..., received: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., complete: bool = ..., folded_late: bool = ...) -> None: ...
 
 class AwaitBroadcastRequest(_message.Message):
-    __slots__ = ("site", "session_id", "round", "fragment", "start_chunk", "chunk_stride", "shard")
+    __slots__ = ("site", "session_id", "round", "fragment", "start_chunk", "chunk_stride", "shard", "instance_id")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +426,7 @@ class AwaitBroadcastRequest(_message.Message):
     START_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNK_STRIDE_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     round: int
@@ -419,7 +434,8 @@ class AwaitBroadcastRequest(_message.Message):
     start_chunk: int
     chunk_stride: int
     shard: ShardRef
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., start_chunk: _Optional[int] = ..., chunk_stride: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., start_chunk: _Optional[int] = ..., chunk_stride: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class BroadcastHeader(_message.Message):
     __slots__ = ("action", "round", "included", "num_contributors", "delta", "weights_digest", "next_round", "run_finished", "start_chunk", "shard_rows", "shard_weights_digest")
@@ -600,12 +616,13 @@ class SecAggSurvivorSignature(_message.Message):
     def __init__(self, signature: _Optional[bytes] = ...) -> None: ...
 
 class SecureStageRequest(_message.Message):
-    __slots__ = ("site", "session_id", "round", "stage", "wait_ms", "advertise_keys", "share_keys", "survivor_signature", "unmask_response")
+    __slots__ = ("site", "session_id", "round", "stage", "wait_ms", "instance_id", "advertise_keys", "share_keys", "survivor_signature", "unmask_response")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADVERTISE_KEYS_FIELD_NUMBER: _ClassVar[int]
     SHARE_KEYS_FIELD_NUMBER: _ClassVar[int]
     SURVIVOR_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
@@ -615,11 +632,12 @@ class SecureStageRequest(_message.Message):
     round: int
     stage: str
     wait_ms: int
+    instance_id: str
     advertise_keys: SecAggAdvertiseKeys
     share_keys: SecAggShareBundle
     survivor_signature: SecAggSurvivorSignature
     unmask_response: SecAggUnmaskResponse
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[str] = ..., wait_ms: _Optional[int] = ..., advertise_keys: _Optional[_Union[SecAggAdvertiseKeys, _Mapping]] = ..., share_keys: _Optional[_Union[SecAggShareBundle, _Mapping]] = ..., survivor_signature: _Optional[_Union[SecAggSurvivorSignature, _Mapping]] = ..., unmask_response: _Optional[_Union[SecAggUnmaskResponse, _Mapping]] = ...) -> None: ...
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[str] = ..., wait_ms: _Optional[int] = ..., instance_id: _Optional[str] = ..., advertise_keys: _Optional[_Union[SecAggAdvertiseKeys, _Mapping]] = ..., share_keys: _Optional[_Union[SecAggShareBundle, _Mapping]] = ..., survivor_signature: _Optional[_Union[SecAggSurvivorSignature, _Mapping]] = ..., unmask_response: _Optional[_Union[SecAggUnmaskResponse, _Mapping]] = ...) -> None: ...
 
 class SecureStageResponse(_message.Message):
     __slots__ = ("ready", "aborted", "abort_reason", "advertisements", "shares", "survivors", "unmask_request")

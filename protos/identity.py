@@ -12,6 +12,7 @@ instead, so a stolen server certificate does not authenticate as any site.
 from __future__ import annotations
 
 import re
+import uuid
 
 SITE_URI_PREFIX = "geoloco:site:"
 """URI SAN prefix of a site certificate; the rest of the URI is the site name."""
@@ -77,3 +78,23 @@ def relay_from_uri(uri: str) -> str | None:
         return validate_site_name(uri[len(RELAY_URI_PREFIX) :])
     except ValueError:
         return None
+
+
+INSTANCE_ID_MAX_LENGTH = 64
+"""Longest ``JoinRequest.instance_id`` a coordinator keeps (``new_instance_id`` makes 32)."""
+
+
+def new_instance_id() -> str:
+    """A random id for one site process (``JoinRequest.instance_id``): a site name is held by
+    one process at a time, and this is how the coordinator tells two processes of a name apart."""
+    return uuid.uuid4().hex
+
+
+def validate_instance_id(instance: str) -> str:
+    """Return ``instance`` if a coordinator may keep it, else raise ``ValueError`` saying why."""
+    if len(instance) > INSTANCE_ID_MAX_LENGTH or not instance.isprintable():
+        raise ValueError(
+            f"instance_id has {len(instance)} characters or unprintable ones; send at most "
+            f"{INSTANCE_ID_MAX_LENGTH} printable characters (a random id such as uuid4().hex)"
+        )
+    return instance

@@ -18,7 +18,10 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from google.protobuf.message import Message
+
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.errors import clip
 from geoloco.protos.wire_buffers import (
     DEFAULT_MAX_BLOB_BYTES,
     MAX_CHUNK_SIZE,
@@ -347,15 +350,26 @@ class UploadAssembler(BlobAssembler):
         self.upload.CopyFrom(manifest)
 
     def check_same_manifest(self, manifest: pb.UploadManifest) -> None:
-        """A resumed upload must resend the identical manifest (same bytes, same checksum)."""
-        if manifest != self.upload:
-            raise ManifestConflictError(
-                f"upload for site {self.upload.site!r} round {self.upload.round} fragment "
-                f"{self.upload.fragment} already has a different manifest (stored checksum "
-                f"{checksum_hex(self.upload.blob.checksum)}, sent "
-                f"{checksum_hex(manifest.blob.checksum)}); resend the stored update or ask "
-                "UploadStatus for the stored manifest"
-            )
+        """A resumed upload must resend the identical manifest (same bytes, same checksum).
+        The refusal names what differs: the checksums, or -- the same bytes sent with other
+        metrics, weight or session, e.g. by a restarted or a second process of the site --
+        the fields that do."""
+        if manifest == self.upload:
+            return
+        stored, sent = self.upload.blob.checksum, manifest.blob.checksum
+        if stored != sent:
+            differs = f"stored checksum {checksum_hex(stored)}, sent {checksum_hex(sent)}"
+        else:
+            fields = message_differences(self.upload, manifest) or ["fields this version does not know"]
+            shown = "; ".join(fields[:MAX_DIFFERENCES_SHOWN])
+            if len(fields) > MAX_DIFFERENCES_SHOWN:
+                shown += f"; and {len(fields) - MAX_DIFFERENCES_SHOWN} more"
+            differs = f"the same bytes (checksum {checksum_hex(stored)}), but these fields differ: {shown}"
+        raise ManifestConflictError(
+            f"upload for site {self.upload.site!r} round {self.upload.round} fragment "
+            f"{self.upload.fragment} already has a different manifest ({differs}); resend the "
+            "stored update with its manifest or ask UploadStatus for the stored manifest"
+        )
 
     def upload_response(self) -> pb.UploadResponse:
         return pb.UploadResponse(
@@ -372,6 +386,39 @@ class UploadAssembler(BlobAssembler):
             missing=to_index_ranges(self.missing()),
             complete=self.verified,
         )
+
+
+MAX_DIFFERENCES_SHOWN = 4
+"""Fields a manifest-conflict message names (the rest are counted)."""
+
+
+def message_differences(stored: Message, sent: Message, prefix: str = "") -> list[str]:
+    """The fields in which two messages of one type differ, each with both values, for a
+    refusal message: ``sample_weight (stored 12.0, sent 13.0)``, a map's keys one by one
+    (``metrics['train_loss'] (stored 0.5, sent 0.51)``), a sub-message's fields dotted. Values
+    come from requests, so each is cut short (``clip``)."""
+    found: list[str] = []
+    for field in stored.DESCRIPTOR.fields:
+        name = prefix + field.name
+        a, b = getattr(stored, field.name), getattr(sent, field.name)
+        if a == b:
+            continue
+        if isinstance(a, Message):
+            found.extend(message_differences(a, b, name + "."))
+        elif hasattr(a, "keys"):  # a map
+            for key in sorted(set(a.keys()) | set(b.keys()), key=str):
+                x, y = a.get(key), b.get(key)
+                if x != y:
+                    found.append(f"{name}[{clip(repr(key))}] (stored {_shown(x)}, sent {_shown(y)})")
+        elif isinstance(a, str | bytes | bool | int | float):
+            found.append(f"{name} (stored {_shown(a)}, sent {_shown(b)})")
+        else:  # a repeated field
+            found.append(f"{name} (stored {_shown(list(a))}, sent {_shown(list(b))})")
+    return found
+
+
+def _shown(value: Any) -> str:
+    return "nothing" if value is None else clip(repr(value), 40)
 
 
 def read_upload_manifest(requests: Iterator[pb.UploadRequest | ChunkRef]) -> pb.UploadManifest:

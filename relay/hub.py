@@ -591,9 +591,11 @@ class RelayHub:
 
 
 def _named(manifest: pb.UploadManifest, site: str) -> pb.UploadManifest:
-    """The manifest as the relay stores it: naming the caller (as the coordinator does)."""
+    """The manifest as the relay stores it: naming the caller, without the sending process's
+    instance_id (as the coordinator does: a restarted site's re-sent update is the same one)."""
     named = pb.UploadManifest()
     named.CopyFrom(manifest)
     named.site = site
+    named.ClearField("instance_id")
     return named
 

@@ -166,12 +166,14 @@ def run_sharded(
     probe_client: Any,
     setup: Callable[[], tuple[Any, Any, Any]],
     lr_schedule_for: Callable[[Any, Any], Any],
+    state_lock: Any = None,
 ) -> int:
     """Build the sharded site and train it; every rank calls it. ``advertised`` is the
     coordinator's config, ``setup()`` gives the plan, the inner optimizer's config and the
     workload, ``lr_schedule_for(inner, optimizer)`` the coordinator's lr schedule, and
     ``probe_client`` (rank 0) the probe's still open client: a site that cannot start leaves
-    through it."""
+    through it; ``state_lock`` (rank 0) its ``--state-dir`` folder's lock, taken before the probe
+    joined (the site owns it from then on)."""
     from geoloco.site_agent.errors import SiteAgentError
     from geoloco.site_agent.sharded import ShardedSite
 
@@ -186,6 +188,8 @@ def run_sharded(
                 model, optimizer, coordinator=args.coordinator, site=args.name, tls=tls,
                 insecure=args.insecure, config=agent_config,
                 server_name=args.server_name, offload=args.offload, state_dir=args.state_dir,
+                instance_id=None if probe_client is None else probe_client.instance_id,
+                state_lock=state_lock,
             )
         except (ConfigFileError, SiteAgentError) as err:
             if probe_client is not None:

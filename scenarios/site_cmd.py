@@ -405,6 +405,24 @@ def _build_lr_schedule(inner: Any, optimizer: Any, advertised: dict[str, Any]) -
         raise from_config_error(ADVERTISED, err, prefix="inner_optimizer") from None
 
 
+def _lock_state_dir(args: argparse.Namespace, group: Any) -> Any:
+    """Rank 0's hold on its ``--state-dir`` folder (``persist.lock_state_dir``), or None without
+    one; raises ``SiteStateError`` naming the process that holds it. A sharded site's rank 0
+    holds its own rank's folder (the other ranks take theirs when they start); a multi-rank
+    data-parallel site takes none (the agent refuses ``--state-dir`` there)."""
+    from geoloco.site_agent.persist import lock_state_dir
+
+    if args.state_dir is None:
+        return None
+    if args.sharding == "fsdp":
+        from geoloco.site_agent.sharded import rank_state_dir
+
+        return lock_state_dir(rank_state_dir(args.state_dir, group.rank, group.world_size), args.name)
+    if group.is_distributed:
+        return None
+    return lock_state_dir(args.state_dir, args.name)
+
+
 def _probe(
     args: argparse.Namespace, tls: Any, agent_config: Any, stop: threading.Event
 ) -> tuple[dict[str, Any], Any]:
@@ -520,12 +538,16 @@ def _run(args: argparse.Namespace) -> int:
         stop.on_stop = probe_stop.set
         stop.install()
         site_metrics = None
+        state_lock = None
         try:
             # Rank 0 asks the coordinator; the other ranks get its answer (or its failure).
             advertised: dict[str, Any] | str | None = None
             probe_client: Any = None
             if group.is_leader:
                 try:
+                    # The state folder first: a second process on it must not replace the first
+                    # at the coordinator on its way to being refused here.
+                    state_lock = _lock_state_dir(args, group)
                     advertised, probe_client = _probe(args, tls, agent_config, probe_stop)
                 except AgentStopped:
                     advertised = None
@@ -545,7 +567,7 @@ def _run(args: argparse.Namespace) -> int:
             if args.sharding == "fsdp":
                 return run_sharded(
                     args, advertised=advertised, group=group, tls=tls, agent_config=agent_config, stop=stop,
-                    probe_client=probe_client,
+                    probe_client=probe_client, state_lock=state_lock,
                     setup=lambda: _setup(args, advertised),
                     lr_schedule_for=lambda inner, optimizer: _build_lr_schedule(inner, optimizer, advertised),
                 )
@@ -602,6 +624,9 @@ def _run(args: argparse.Namespace) -> int:
                     group=group,
                     server_name=args.server_name,
                     lr_schedule=lr_schedule,
+                    # The probe's process: the agent's join is this process's, not a second one.
+                    instance_id=None if probe_client is None else probe_client.instance_id,
+                    state_lock=state_lock,
                 )
             except ConfigFileError as err:
                 if probe_client is not None:
@@ -628,6 +653,8 @@ def _run(args: argparse.Namespace) -> int:
             stop.restore()
             if site_metrics is not None:
                 site_metrics.stop()
+            if state_lock is not None:
+                state_lock.release()  # the agent's, released already unless it was never built
         if group.is_leader:
             if save_final is not None and not _save_final(agent, args.name, save_final):
                 return EXIT_RUNTIME_ERROR

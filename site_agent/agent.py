@@ -35,6 +35,13 @@ Rules the loop follows (the coordinator's side is in ``geoloco.coordinator.round
 * **Dropped by the coordinator** (missed heartbeats, same session): the site re-joins and carries
   on with its pending update (re-sent when its round is still open, otherwise resolved by the
   round's broadcast as above).
+* **One process per site name.** Every process has a random instance id
+  (``JoinRequest.instance_id``). When another process joins under this site's name the
+  coordinator gives it the name and refuses this one from then on (``SiteReplaced``, learnt at
+  the next heartbeat or call at the latest): the agent stops without leaving (the name is the
+  other process's now) and ``run`` raises ``SiteReplaced`` saying when and from where the other
+  joined. Its state folder (``config.state_dir``) is locked from the agent's construction until
+  ``run`` ends, so a second process on it is refused before it joins.
 * **Site restart** (``config.state_dir``; ``geoloco.site_agent.persist``). The state saved at
   the last round boundary is taken back before the first join, with the coordinator session it
   belonged to: the same session at the join means only this process restarted, so a saved update
@@ -72,13 +79,16 @@ from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.strategy import build_strategy
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.atomic_files import atomic_write_safetensors, model_file_metadata
-from geoloco.protos.identity import validate_site_name
+from geoloco.protos.folder_lock import FolderLock
+from geoloco.protos.identity import new_instance_id, validate_site_name
+from geoloco.protos.transport_errors import error_reason
 from geoloco.protos.transport_tls import TLSFiles
 from geoloco.site_agent.client import (
     AgentStopped,
     CoordinatorClient,
     RejoinRequired,
     SiteAgentError,
+    SiteReplaced,
 )
 from geoloco.site_agent.config import JoinInfo, SiteAgentConfig, SiteHooks, resolve_device
 from geoloco.site_agent.distributed import IntraSiteGroup
@@ -88,6 +98,7 @@ from geoloco.site_agent.persist import (
     SiteStateStore,
     check_layout,
     layout_fingerprint,
+    lock_state_dir,
     prefixed,
     run_fingerprint,
     unprefixed,
@@ -141,6 +152,8 @@ class SiteAgent:
         server_name: str | None = None,
         interceptors: Iterable[Any] = (),
         lr_schedule: InnerLRSchedule | None = None,
+        instance_id: str | None = None,
+        state_lock: FolderLock | None = None,
     ) -> None:
         """
         Args:
@@ -164,8 +177,17 @@ class SiteAgent:
                 ``round × inner_steps`` whenever the site starts a round it did not reach by
                 training the previous one (first round, restart, late join, catching up).
                 Python-API users may instead attach their own torch scheduler to their optimizer.
+            instance_id: this site process's id at the coordinator (``JoinRequest.instance_id``);
+                None: a new random one. Pass the id of a client this process joined with before
+                (``geoloco site``'s probe), so the agent's join is not taken for another process.
+            state_lock: ``config.state_dir``'s lock when the caller took it already
+                (``persist.lock_state_dir``; ``geoloco site`` takes it before its first join, so
+                a second process on the folder is refused before it could replace the first at
+                the coordinator); the agent owns it from then on. None: the agent takes it.
         """
         self.site = validate_site_name(site)
+        self.instance_id = instance_id or new_instance_id()
+        """This process's id at the coordinator (module doc: one process per site name)."""
         self.config = config or SiteAgentConfig()
         self.hooks = hooks or SiteHooks()
         self.group = group
@@ -192,13 +214,22 @@ class SiteAgent:
         self._restored: SiteSnapshot | None = None
         """A saved state being taken back: its run and runner parts wait for the first join."""
         self._not_saved_warned = False
+        self._state_lock: FolderLock | None = state_lock
+        """``config.state_dir``'s lock, held from here until ``run`` ends."""
+        self._replaced: SiteReplaced | None = None
+        """Set by the heartbeat thread when another process took the site's name over."""
         if self.config.state_dir is not None:
-            if group is not None and group.is_distributed:
-                raise SiteAgentError(
-                    "state_dir is not supported for multi-rank (torchrun) sites yet; leave it unset"
-                )
-            self._store = SiteStateStore(self.config.state_dir)
-            self._restore()
+            try:
+                if group is not None and group.is_distributed:
+                    raise SiteAgentError(
+                        "state_dir is not supported for multi-rank (torchrun) sites yet; leave it unset"
+                    )
+                self._store = SiteStateStore(self.config.state_dir)
+                self._lock_state_dir()
+                self._restore()
+            except BaseException:
+                self._release_state_dir()
+                raise
 
     # ---------------------------------------------------------------------------------------
     # Public surface
@@ -271,6 +302,8 @@ class SiteAgent:
             raise ValueError(f"max_rounds must be >= 0 or None, got {max_rounds}")
         if not self.is_leader:
             return self._follow()
+        if self._store is not None:
+            self._lock_state_dir()  # held since construction, unless a previous run() ended
         self._client = CoordinatorClient(
             self._coordinator,
             site=self.site,
@@ -280,6 +313,7 @@ class SiteAgent:
             stop_event=self._stop,
             server_name=self._server_name,
             interceptors=self._interceptors,
+            instance_id=self.instance_id,
         )
         if self._restored is not None:
             # The coordinator's session the saved site belonged to: the same session after the
@@ -288,6 +322,7 @@ class SiteAgent:
         state = self.state
         reason = "run finished"
         needs_join = True
+        replaced: SiteReplaced | None = None
         try:
             while not state.finished:
                 if self._stop.is_set():
@@ -310,16 +345,27 @@ class SiteAgent:
                     needs_join = True
         except AgentStopped:
             reason = "stopped"
+        except SiteReplaced as err:
+            replaced = err
         finally:
             self._stop_heartbeat()
+            replaced = replaced or self._replaced
             self.trainer.stop_followers(
                 state.global_weights_or_none, round_number=state.held_round,
                 finished=state.finished, rounds_included=state.rounds_included,
             )
             if self._client is not None:
-                if self._client.session_id and not needs_join:
+                # A replaced process does not leave: the name (and a Leave in it) is the other one's.
+                if self._client.session_id and not needs_join and replaced is None:
                     self._client.leave(reason)
                 self._client.close()
+            self._release_state_dir()
+        if replaced is not None:
+            logger.error(
+                "site %s stops: %s (%d rounds trained, %d included, holding round %d)",
+                self.site, replaced, state.rounds_trained, state.rounds_included, state.held_round,
+            )
+            raise replaced
         logger.info(
             "site %s done (%s): %d rounds trained, %d included, holding round %d",
             self.site, reason, state.rounds_trained, state.rounds_included, state.held_round,
@@ -456,6 +502,17 @@ class SiteAgent:
     # ---------------------------------------------------------------------------------------
     # Saved state (``geoloco.site_agent.persist``)
 
+    def _lock_state_dir(self) -> None:
+        """Hold the state folder (``persist.lock_state_dir``) unless this agent holds it."""
+        assert self._store is not None
+        if self._state_lock is None or not self._state_lock.held:
+            self._state_lock = lock_state_dir(self._store.directory, self.site)
+
+    def _release_state_dir(self) -> None:
+        lock, self._state_lock = self._state_lock, None
+        if lock is not None:
+            lock.release()
+
     def _restore(self) -> None:
         """Take back the state a previous process of this site saved, if any: the weights,
         rounds, optimizer, data position and RNG now; the runner's part at the first join."""
@@ -562,6 +619,12 @@ class SiteAgent:
                     inner_steps_done=self.trainer.steps_done,
                 )
             except grpc.RpcError as error:
+                if error_reason(error) == pb.ERROR_REASON_SITE_REPLACED:
+                    # Another process holds the name: stop the run (which raises this) now,
+                    # wherever it waits, rather than at its next call.
+                    self._replaced = SiteReplaced(error.details() or str(error))
+                    self.stop()
+                    return
                 logger.debug("heartbeat failed: %s", error)
                 continue
             if response.rejoin_required:

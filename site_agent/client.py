@@ -30,6 +30,7 @@ import torch
 from geoloco.algorithms.secagg_stages import StageMessage
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import secagg_wire
+from geoloco.protos.identity import new_instance_id
 from geoloco.protos.protocol_version import PROTOCOL_VERSION
 from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
 from geoloco.protos.transport_errors import error_reason
@@ -64,6 +65,7 @@ from geoloco.site_agent.errors import (
     RoundClosed,
     RunFinished,
     SiteAgentError,
+    SiteReplaced,
     TLSSetupError,
     UpdateRejected,
 )
@@ -76,6 +78,7 @@ __all__ = [
     "RoundClosed",
     "RunFinished",
     "SiteAgentError",
+    "SiteReplaced",
     "TLSSetupError",
     "UpdateRejected",
 ]
@@ -108,7 +111,12 @@ class TransferStats:
 
 class CoordinatorClient:
     """A site's connection to the coordinator (used from the agent's thread and its heartbeat
-    thread; the channel is thread-safe, the session id is read atomically)."""
+    thread; the channel is thread-safe, the session id is read atomically).
+
+    Every request carries ``instance_id``, the site process's random id: the coordinator lets
+    one process hold a site name at a time, and a process another one replaced gets
+    ``SiteReplaced`` from any call (``geoloco.coordinator.membership``).
+    """
 
     def __init__(
         self,
@@ -121,7 +129,11 @@ class CoordinatorClient:
         stop_event: threading.Event,
         server_name: str | None = None,
         interceptors: Iterable[Any] = (),
+        instance_id: str | None = None,
     ) -> None:
+        """``instance_id``: this site process's id (``JoinRequest.instance_id``); every client
+        of one process must share it (``geoloco site``'s probe and its agent, a sharded site's
+        ranks), or each would replace the others at the coordinator. None: a new random one."""
         if tls is not None:  # a certificate of another CA is named before anything is dialled
             try:
                 check_tls_files(tls, name=site)
@@ -129,6 +141,7 @@ class CoordinatorClient:
                 raise TLSSetupError(str(err)) from None
         self.target = target
         self.site = site
+        self.instance_id = instance_id or new_instance_id()
         self.config = config
         self._stop = stop_event
         channel = client_channel(
@@ -175,6 +188,8 @@ class CoordinatorClient:
         if code == grpc.StatusCode.CANCELLED and self._stop.is_set():
             return AgentStopped()
         reason = error_reason(error)
+        if reason == pb.ERROR_REASON_SITE_REPLACED:
+            return SiteReplaced(error.details() or describe_error(error))
         if reason in (pb.ERROR_REASON_STALE_SESSION, pb.ERROR_REASON_NOT_A_MEMBER):
             return RejoinRequired(describe_error(error))
         if reason == pb.ERROR_REASON_RUN_FINISHED:
@@ -257,6 +272,7 @@ class CoordinatorClient:
             software_version=SOFTWARE_VERSION,
             has_weights=has_weights,
             weights_round=weights_round,
+            instance_id=self.instance_id,
         )
         if digest_hex is not None:
             request.weights_digest.CopyFrom(
@@ -277,6 +293,7 @@ class CoordinatorClient:
                 round=round_number,
                 phase=phase,
                 inner_steps_done=inner_steps_done,
+                instance_id=self.instance_id,
             ),
             timeout=HEARTBEAT_TIMEOUT_S,
         )
@@ -285,7 +302,9 @@ class CoordinatorClient:
         """Best effort: a coordinator that is gone drops the site by heartbeat timeout anyway."""
         try:
             self._stub.Leave(
-                pb.LeaveRequest(site=self.site, session_id=self.session_id, reason=reason),
+                pb.LeaveRequest(
+                    site=self.site, session_id=self.session_id, reason=reason, instance_id=self.instance_id
+                ),
                 timeout=LEAVE_TIMEOUT_S,
             )
         except grpc.RpcError as error:
@@ -325,7 +344,7 @@ class CoordinatorClient:
             request = pb.FetchModelRequest(
                 site=self.site, session_id=self.session_id, start_chunk=start,
                 chunk_stride=streams if streams > 1 else 0,  # absent: what older coordinators know
-                shard=self.shard,
+                shard=self.shard, instance_id=self.instance_id,
             )
             if digest is not None:
                 request.expect_digest.CopyFrom(digest)
@@ -393,6 +412,7 @@ class CoordinatorClient:
             ),
             metrics=metrics,
             inner_steps=inner_steps,
+            instance_id=self.instance_id,
         )
         if self.shard is not None:
             manifest.shard_index, manifest.shard_count = self.shard.index, self.shard.count
@@ -440,7 +460,8 @@ class CoordinatorClient:
     def _upload_status(self, round_number: int, fragment: int = 0) -> pb.UploadStatusResponse:
         return self._stub.UploadStatus(
             pb.UploadStatusRequest(
-                site=self.site, session_id=self.session_id, round=round_number, fragment=fragment
+                site=self.site, session_id=self.session_id, round=round_number, fragment=fragment,
+                instance_id=self.instance_id,
             ),
             timeout=UPLOAD_STATUS_TIMEOUT_S,
         )
@@ -461,6 +482,7 @@ class CoordinatorClient:
             stage, message, site=self.site, session_id=self.session_id, round_number=round_number,
             wait_ms=wait_ms,
         )
+        request.instance_id = self.instance_id
         backoff = self._backoff(f"SecureStage {stage} of round {round_number}")
         while True:
             response: pb.SecureStageResponse = self._call(
@@ -480,7 +502,7 @@ class CoordinatorClient:
         request = pb.AwaitBroadcastRequest(
             site=self.site, session_id=self.session_id, round=round_number, start_chunk=start_chunk,
             chunk_stride=stride if stride > 1 else 0,  # absent: what older coordinators know
-            shard=self.shard,
+            shard=self.shard, instance_id=self.instance_id,
         )
         stub = stub if stub is not None else self._stub
         return self._track(stub.AwaitBroadcast(request, timeout=self.config.await_timeout_s))

@@ -10,6 +10,7 @@ __all__ = [
     "RoundClosed",
     "RunFinished",
     "SiteAgentError",
+    "SiteReplaced",
     "TLSSetupError",
     "UpdateRejected",
 ]
@@ -21,6 +22,12 @@ class SiteAgentError(RuntimeError):
 
 class CoordinatorUnreachableError(SiteAgentError):
     """No successful call for ``give_up_after_s`` seconds."""
+
+
+class SiteReplaced(SiteAgentError):
+    """Another process joined under this site's name and holds it now (the coordinator's
+    ``ERROR_REASON_SITE_REPLACED``): this process must stop, not join again; the message says
+    when and from where the other one joined."""
 
 
 class TLSSetupError(SiteAgentError):

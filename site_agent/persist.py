@@ -22,6 +22,12 @@ pointer, so ``kill -9`` at any instant leaves the previous state or the new one.
 A state belongs to one site, one model (parameter names and shapes) and one run (the
 coordinator's seed, algorithm, optimizers, workload and privacy settings); loading it for
 anything else is refused with ``SiteStateError`` rather than mixing two runs' states.
+
+A state folder belongs to one process at a time: ``lock_state_dir`` holds ``site.lock`` in it
+(``geoloco.protos.folder_lock``: an advisory ``flock`` naming the holder's pid and host) from
+before the state is read until the site is done. A second process on the folder is refused
+with a message naming the holder; the file a killed process left behind holds no lock, and the
+next process takes the folder over, saying so at WARNING.
 """
 
 from __future__ import annotations
@@ -41,10 +47,12 @@ from safetensors.torch import load_file
 
 from geoloco.algorithms.params import ParamLayout
 from geoloco.protos.atomic_files import atomic_write, atomic_write_safetensors, file_sha256
+from geoloco.protos.folder_lock import FolderInUseError, FolderLock
 from geoloco.site_agent.client import SiteAgentError
 
 __all__ = [
     "FORMAT_VERSION",
+    "LOCK_NAME",
     "POINTER_NAME",
     "SiteSnapshot",
     "SiteStateError",
@@ -54,6 +62,7 @@ __all__ = [
     "check_layout",
     "layout_fingerprint",
     "load_optimizer_state",
+    "lock_state_dir",
     "optimizer_state",
     "prefixed",
     "run_fingerprint",
@@ -63,6 +72,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 POINTER_NAME = "site-state.json"
+LOCK_NAME = "site.lock"
+"""The file ``lock_state_dir`` holds in a state folder while a site process uses it."""
 FORMAT_VERSION = 1
 _TENSOR_FILE = re.compile(r"^site-state-(\d{8,})\.safetensors$")
 
@@ -198,6 +209,28 @@ def load_optimizer_state(
 
 # ---------------------------------------------------------------------------------------------
 # The files
+
+
+def lock_state_dir(directory: str | os.PathLike[str], site: str) -> FolderLock:
+    """Hold ``directory`` for this process of ``site`` (module doc), or raise
+    ``SiteStateError`` naming the process that holds it. Taking over a lock that a process
+    gone from this host left behind is logged at WARNING."""
+    try:
+        lock = FolderLock.take(directory, LOCK_NAME, what=f"site {site}")
+    except FolderInUseError as err:
+        raise SiteStateError(
+            f"the site state folder {err.folder} is in use by another site process "
+            f"({err.holder.text}); two processes writing one state would mix their rounds. Stop "
+            "that process first, or give this one its own state_dir (--state-dir)"
+        ) from None
+    stale = lock.stale
+    if stale is not None:
+        gone = " (no longer running)" if stale.gone else ""
+        logger.warning(
+            "site %s: took over the lock of %s left by %s%s: that process was killed or crashed "
+            "without releasing it", site, lock.path.parent, stale.text, gone,
+        )
+    return lock
 
 
 class SiteStateStore:

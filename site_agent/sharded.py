@@ -6,8 +6,9 @@ has rank 0 alone move the whole update. A sharded site wraps the model with FSDP
 every rank takes part in the run under the site's identity (the same certificate) as rank ``r``
 of ``n``:
 
-* rank 0 joins; the session, the run config and the round are shared with the other ranks over
-  the site's process group, and rank 0 alone sends heartbeats;
+* rank 0 joins; the session, the run config, the round and the site process's instance id
+  (``JoinRequest.instance_id``: every rank's requests are the one process's) are shared with the
+  other ranks over the site's process group, and rank 0 alone sends heartbeats;
 * every rank keeps the global weights of its own shard only (FSDP2's dim-0 rows of every
   parameter, ``param.to_local()``; ``geoloco.algorithms.shard_split``), trains the inner steps
   with FSDP (gradients reduce-scattered across ranks) in the user's own loop (``rounds()``) or
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -63,6 +65,8 @@ from geoloco.algorithms.shard_split import DIM0, ShardRange, shard_ranges
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy, uplink_seed
 from geoloco.compression import Encoded, add_decoded_into, decode, parse_codec, slicing
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.folder_lock import FolderLock
+from geoloco.protos.transport_errors import error_reason
 from geoloco.protos.transport_tls import TLSFiles
 from geoloco.protos.wire_buffers import as_byte_view
 from geoloco.site_agent.client import CoordinatorClient, OpenBroadcast, RoundClosed, RunFinished, UpdateRejected
@@ -73,15 +77,21 @@ from geoloco.site_agent.persist import (
     SiteStateError,
     SiteStateStore,
     layout_fingerprint,
+    lock_state_dir,
     run_fingerprint,
 )
 from geoloco.site_agent.state import SiteState
 
-__all__ = ["ShardedRound", "ShardedRunSummary", "ShardedSite", "local_shard"]
+__all__ = ["ShardedRound", "ShardedRunSummary", "ShardedSite", "local_shard", "rank_state_dir"]
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def rank_state_dir(state_dir: str | os.PathLike[str], rank: int, world_size: int) -> Path:
+    """Where rank ``rank`` of ``world_size`` saves its state under a site's ``state_dir``."""
+    return Path(state_dir) / f"rank-{rank}-of-{world_size}"
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
@@ -155,6 +165,8 @@ class ShardedSite:
         server_name: str | None = None,
         offload: bool = False,
         state_dir: str | os.PathLike[str] | None = None,
+        instance_id: str | None = None,
+        state_lock: FolderLock | None = None,
     ) -> None:
         """
         Args:
@@ -171,7 +183,12 @@ class ShardedSite:
             state_dir: save this rank's error-feedback residual at every round boundary in
                 ``state_dir/rank-R-of-N`` and take it up again when the site restarts (module
                 doc: saved state); the model, optimizer and data position are the user's to
-                checkpoint (``torch.distributed.checkpoint``).
+                checkpoint (``torch.distributed.checkpoint``). The rank holds its folder's lock
+                (``persist.lock_state_dir``) until ``rounds()`` ends.
+            instance_id: rank 0's site-process id at the coordinator (``SiteAgent``'s
+                ``instance_id``); the other ranks take rank 0's at the join.
+            state_lock: this rank's folder lock when the caller took it already (``geoloco
+                site`` takes rank 0's before its first join); None: the rank takes it here.
         """
         if not dist.is_initialized():
             raise SiteAgentError(
@@ -201,7 +218,7 @@ class ShardedSite:
         self._stop = threading.Event()
         self.client = CoordinatorClient(
             coordinator, site=site, tls=tls, insecure=insecure, config=self.config,
-            stop_event=self._stop, server_name=server_name,
+            stop_event=self._stop, server_name=server_name, instance_id=instance_id,
         )
         self.client.shard = pb.ShardRef(index=self.rank, count=self.world_size, split=DIM0)
         self.encoder: UpdateEncoder | None = None
@@ -209,8 +226,11 @@ class ShardedSite:
         """The header of the last broadcast applied (whether this site was included, how many
         sites were, the weights digest, the next round): what a loop logs after each round."""
         self.store = None if state_dir is None else SiteStateStore(
-            Path(state_dir) / f"rank-{self.rank}-of-{self.world_size}"
+            rank_state_dir(state_dir, self.rank, self.world_size)
         )
+        self._state_lock = state_lock
+        if self.store is not None and (state_lock is None or not state_lock.held):
+            self._state_lock = lock_state_dir(self.store.directory, site)
         self._run_identity: dict[str, Any] = {}
         self._heartbeat_s = 1.0
         self.summary = ShardedRunSummary()
@@ -291,6 +311,8 @@ class ShardedSite:
                 self.client.leave(leaving)  # the coordinator need not wait for a silent site
             self.summary.bytes_received = self.client.stats.received
             self.client.close()
+            if self._state_lock is not None:
+                self._state_lock.release()
 
     def run(self, max_rounds: int | None = None) -> ShardedRunSummary:
         """``rounds()`` with the inner loop written for you: ``loss_fn(model, batch)``, backward
@@ -320,7 +342,7 @@ class ShardedSite:
             try:
                 response = self.client.join(has_weights=False, weights_round=0, digest_hex=None)
                 shared[0] = (response.session_id, response.config.SerializeToString(), response.round.round,
-                             response.round.round_seed)
+                             response.round.round_seed, self.client.instance_id)
             except Exception as err:  # noqa: BLE001 - re-raised once the other ranks heard of it
                 failure, shared[0] = err, f"{type(err).__name__}: {err}"
         dist.broadcast_object_list(shared, src=0, group=self.group)
@@ -328,8 +350,9 @@ class ShardedSite:
             raise failure
         if isinstance(shared[0], str):
             raise SiteAgentError(f"site {self.site}: rank 0 could not join the run ({shared[0]})")
-        session_id, config_bytes, round_number, round_seed = shared[0]
+        session_id, config_bytes, round_number, round_seed, instance_id = shared[0]
         self.client.session_id = session_id
+        self.client.instance_id = instance_id
         run_config = pb.RunConfig.FromString(config_bytes)
         state = SiteState()
         state.adopt_run_config(run_config)
@@ -410,6 +433,12 @@ class ShardedSite:
             try:
                 self.client.heartbeat(round_number=self.summary.final_round, phase=pb.SITE_PHASE_TRAINING,
                                       inner_steps_done=0)
+            except grpc.RpcError as error:
+                if error_reason(error) == pb.ERROR_REASON_SITE_REPLACED:
+                    # Every rank's next request is refused alike and raises SiteReplaced.
+                    logger.error("site %s: %s", self.site, error.details())
+                    return
+                logger.debug("site %s: heartbeat failed", self.site, exc_info=True)
             except Exception:  # a missed heartbeat is retried at the next tick
                 logger.debug("site %s: heartbeat failed", self.site, exc_info=True)
 

@@ -176,10 +176,11 @@ def test_rank_killed_mid_upload_makes_its_site_a_straggler_and_torchrun_brings_i
     out.mkdir()
     metrics = tmp_path / "fs.jsonl"
     # Rounds without fs close at the 3 s deadline, so the run lasts at least (rounds - 2) x 3 s
-    # while fs is away: 12 rounds give its fresh torchrun launch 30 s to join again even on a
-    # loaded machine (6 rounds gave it 12 s, and the run sometimes ended before it was back).
-    # Once fs is back, rounds close as soon as both sites uploaded.
-    rounds = 12
+    # while fs is away: 24 rounds give its fresh torchrun launch 66 s to join again even on a
+    # heavily loaded machine (12 rounds gave it 30 s, and at load 13 on 2 cores the run once
+    # ended before it was back). Once fs is back, rounds close as soon as both sites uploaded,
+    # so the extra rounds cost well under a second each when nothing is slow.
+    rounds = 24
     server = _coordinator(certs, metrics, round_deadline_s=3.0, heartbeat_timeout_s=6.0, total_rounds=rounds)
     workload = MLPWorkload(WORKLOAD)
     model = workload.build_model(SEED)

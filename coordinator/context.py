@@ -47,6 +47,9 @@ class Member:
     """Where that Join came from (gRPC peer address), for the messages about a replacement."""
     joined_unix_s: float = 0.0
     """Wall-clock time of that Join (``joined_s`` is on the coordinator's monotonic clock)."""
+    via: str = ""
+    """The relay its calls arrive through ("" when the site calls the coordinator itself), as
+    of its last Join or Heartbeat: a change is a failover, which the coordinator logs."""
 
 
 class RoundContext:

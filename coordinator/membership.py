@@ -145,7 +145,9 @@ class Membership:
             replacement = Replacement(member.instance, member.peer, member.joined_unix_s)
         raise SiteReplacedError(replacement.message(site, instance))
 
-    def join(self, site: str, now: float, *, software_version: str = "", instance: str = "", peer: str = "") -> None:
+    def join(
+        self, site: str, now: float, *, software_version: str = "", instance: str = "", peer: str = "", via: str = ""
+    ) -> None:
         """Register (or re-register) ``site`` for the process ``instance`` (from ``peer``); a
         process that another one replaced is refused (module doc)."""
         ctx = self.ctx
@@ -159,7 +161,7 @@ class Membership:
         wall = time.time()
         if member is None:
             ctx.members[site] = Member(
-                name=site, joined_s=now, last_seen_s=now, instance=instance, peer=peer, joined_unix_s=wall
+                name=site, joined_s=now, last_seen_s=now, instance=instance, peer=peer, joined_unix_s=wall, via=via
             )
             self._next_silence_s = min(self._next_silence_s, now + self._limit(site))
             logger.info(
@@ -174,6 +176,7 @@ class Membership:
                 logger.info("site %s re-joined at round %d", site, ctx.round.number)
             member.last_seen_s = now
             member.instance, member.peer, member.joined_unix_s = instance, peer, wall
+            self._route(member, via)
         ctx.events.emit(ev.SITE_JOINED, site=site, round=ctx.round.number, rejoin=member is not None)
 
     def _replace(self, member: Member, by: Replacement, now: float) -> None:
@@ -205,9 +208,11 @@ class Membership:
         phase: str,
         inner_steps_done: int,
         instance: str = "",
+        via: str = "",
     ) -> bool:
         """Record a sign of life; returns whether the site must join again (a stale session
-        or a dropped site). A replaced process is refused (``SiteReplacedError``)."""
+        or a dropped site). A replaced process is refused (``SiteReplacedError``). ``via``: the
+        relay the call came through ("" for a direct call)."""
         member = self.ctx.members.get(site)
         rejoin = session_id != self.ctx.session_id or member is None
         if session_id == self.ctx.session_id:
@@ -218,10 +223,28 @@ class Membership:
             member.reported_round = round_number
             member.reported_phase = phase
             member.inner_steps_done = inner_steps_done
+            self._route(member, via)
             self.ctx.events.emit(
                 ev.HEARTBEAT, site=site, round=round_number, phase=phase, inner_steps_done=inner_steps_done
             )
         return rejoin
+
+    def _route(self, member: Member, via: str) -> None:
+        """Note the way ``member``'s calls arrive; a change is a failover (a relay died and its
+        sites dial the coordinator directly, or the other way back), said once when it shows."""
+        if via == member.via:
+            return
+        site, round_number = member.name, self.ctx.round.number
+        if via:
+            was = f"through relay {member.via}" if member.via else "directly"
+            logger.info("site %s reaches the coordinator through relay %s at round %d (was %s)",
+                        site, via, round_number, was)
+        else:
+            logger.warning(
+                "site %s reaches the coordinator directly at round %d (was through relay %s): failed "
+                "over, the relay is down or unreachable from it", site, round_number, member.via,
+            )
+        member.via = via
 
     def drop_silent(self, now: float) -> None:
         """Drop members silent longer than ``heartbeat_timeout_s``, and those that never made a

@@ -279,16 +279,20 @@ class RoundStateMachine:
         software_version: str = "",
         instance: str = "",
         peer: str = "",
+        via: str = "",
     ) -> JoinResult:
         """Register (or re-register) ``site``; says whether it must fetch the model.
         ``weights_digest``: hex SHA-256 of the weights the site holds, if any. ``instance``:
         the joining process (``JoinRequest.instance_id``), which takes the name over from
-        another live one (``geoloco.coordinator.membership``); ``peer``: where it joins from."""
+        another live one (``geoloco.coordinator.membership``); ``peer``: where it joins from;
+        ``via``: the relay the Join came through ("" for a direct call)."""
         Membership.check_protocol(protocol_version)
         self.membership.check_allowed(site)
         with self._cond:
             now = self.clock()
-            self.membership.join(site, now, software_version=software_version, instance=instance, peer=peer)
+            self.membership.join(
+                site, now, software_version=software_version, instance=instance, peer=peer, via=via
+            )
             self.phases.maybe_start(now)
             result = JoinResult(
                 session_id=self.session_id,
@@ -314,6 +318,7 @@ class RoundStateMachine:
         phase: str = "",
         inner_steps_done: int = 0,
         instance: str = "",
+        via: str = "",
     ) -> HeartbeatResult:
         """Record a sign of life; a stale session or a dropped site is told to re-join, a
         replaced process refused. ``phase``: what the site is doing
@@ -323,7 +328,7 @@ class RoundStateMachine:
             now = self.clock()
             rejoin = self.membership.heartbeat(
                 site, session_id, now, round_number=round_number, phase=phase, inner_steps_done=inner_steps_done,
-                instance=instance,
+                instance=instance, via=via,
             )
             return HeartbeatResult(
                 rejoin_required=rejoin,

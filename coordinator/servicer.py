@@ -111,6 +111,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             software_version=request.software_version,
             instance=request.instance_id,
             peer=str(context.peer()),
+            via=self.relays.relay_of(context) or "",
         )
         return translate.join_response(result, config=self._run_config, layout=self._layout)
 
@@ -238,6 +239,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             phase=translate.site_phase(request.phase),
             inner_steps_done=request.inner_steps_done,
             instance=request.instance_id,
+            via=self.relays.relay_of(context) or "",
         )
         return translate.heartbeat_response(result)
 

@@ -24,6 +24,7 @@ from geoloco.coordinator.errors import (
 )
 from geoloco.coordinator.rounds import RoundPhase, RoundStateMachine
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.protocol_version import PROTOCOL_VERSION
 
 
 def make(clock: FakeClock | None = None, **overrides: object) -> RoundStateMachine:
@@ -321,3 +322,23 @@ def test_a_round_below_its_quorum_says_who_is_missing_at_growing_intervals(caplo
         heartbeat(rounds, site, session)
     rounds.poll()
     assert not [r for r in caplog.records if "waits for its quorum" in r.getMessage()]
+
+
+def test_a_site_failing_over_from_its_relay_to_the_coordinator_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A relay failover left no line at the coordinator: a site whose calls came through relay
+    "eu" and now arrive directly is logged at WARNING once, and its way back at INFO."""
+    clock = FakeClock()
+    rounds = make(clock, min_sites=2, heartbeat_timeout_s=1000.0)
+    caplog.set_level("INFO", logger="geoloco.coordinator.membership")
+    session = rounds.join("a", protocol_version=PROTOCOL_VERSION, via="eu").session_id
+    for _ in range(3):
+        rounds.heartbeat("a", session, via="eu")
+    assert not [r for r in caplog.records if "reaches the coordinator" in r.getMessage()]
+    for _ in range(3):
+        rounds.heartbeat("a", session)
+    direct = [r for r in caplog.records if "reaches the coordinator directly" in r.getMessage()]
+    assert len(direct) == 1 and direct[0].levelname == "WARNING"
+    assert "was through relay eu" in direct[0].getMessage() and "failed over" in direct[0].getMessage()
+    rounds.heartbeat("a", session, via="eu")
+    back = [r for r in caplog.records if "through relay eu" in r.getMessage() and r.levelname == "INFO"]
+    assert len(back) == 1 and "(was directly)" in back[0].getMessage()

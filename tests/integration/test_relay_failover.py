@@ -133,6 +133,12 @@ def test_relay_killed_mid_round_fails_over_and_a_restarted_relay_serves_again(ce
         relay.wait_line(RELAY_FINISHED, what="the relay's end once its site left")
         assert relay.wait_exit() == 0
 
+    # The failover and the way back are said in the coordinator's log (they used to leave no line).
+    log = coordinator.stderr_path.read_text(errors="replace").splitlines()
+    failovers = [line for line in log if "reaches the coordinator directly" in line]
+    assert any("WARNING" in f and "failed over" in f and "was through relay eu" in f for f in failovers), log
+    back = "site 1 reaches the coordinator through relay eu"
+    assert any(back in line and "(was directly)" in line for line in log), log
     rounds = [COORDINATOR_ROUND.match(line) for line in coordinator.lines]
     done = [m for m in rounds if m is not None]
     assert [int(m["round"]) for m in done] == list(range(ROUNDS))

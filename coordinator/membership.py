@@ -172,6 +172,10 @@ class Membership:
         else:
             if member.instance and member.instance != instance:
                 self._replace(member, Replacement(instance, peer, wall), now)
+            elif instance and member.instance == instance and site not in self._heard:
+                # The same process joining again before any other call: `geoloco site` joins once
+                # to read the run's config, then its agent joins; not worth an operator's line.
+                logger.debug("site %s joined again at round %d (same process)", site, ctx.round.number)
             else:
                 logger.info("site %s re-joined at round %d", site, ctx.round.number)
             member.last_seen_s = now

@@ -342,3 +342,20 @@ def test_a_site_failing_over_from_its_relay_to_the_coordinator_is_said_once(capl
     rounds.heartbeat("a", session, via="eu")
     back = [r for r in caplog.records if "through relay eu" in r.getMessage() and r.levelname == "INFO"]
     assert len(back) == 1 and "(was directly)" in back[0].getMessage()
+
+
+def test_a_process_joining_twice_before_any_other_call_is_not_logged_as_a_rejoin(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`geoloco site` joins once to read the run's config and its agent joins again: the CLI
+    site's first join used to log "joined" then "re-joined at round 0". A re-join after the
+    process made calls (a reconnect) is still said."""
+    rounds = make(FakeClock(), min_sites=2, heartbeat_timeout_s=1000.0)
+    caplog.set_level("INFO", logger="geoloco.coordinator.membership")
+    instance = "ab" * 16
+    session = rounds.join("a", protocol_version=PROTOCOL_VERSION, instance=instance).session_id
+    rounds.join("a", protocol_version=PROTOCOL_VERSION, instance=instance)
+    assert not [r for r in caplog.records if "re-joined" in r.getMessage()]
+    rounds.heartbeat("a", session, instance=instance)
+    rounds.join("a", protocol_version=PROTOCOL_VERSION, instance=instance)
+    assert len([r for r in caplog.records if "re-joined" in r.getMessage()]) == 1

@@ -51,8 +51,10 @@ class CoordinatorConfig:
     """Inner optimizer that sites built by the CLI construct (sent in ``RunConfig.config_json``);
     Python-API sites bring their own optimizer and may ignore it."""
     workload: dict[str, Any] = field(default_factory=dict)
-    """Opaque table passed to sites in ``RunConfig.config_json`` (e.g. ``{"name": "gpt"}`` for
-    CLI sites that build a built-in workload); the coordinator itself does not read it."""
+    """``[workload]``: the built-in workload (e.g. ``{"name": "gpt"}``). ``geoloco coordinator``
+    builds the initial model and its evaluation from it, and every site gets the table in
+    ``RunConfig.config_json`` so that CLI sites build the same model; a coordinator started from
+    Python gets its model from its caller and only passes the table on."""
     seed: int = 0
     """Run seed: per-round codec seeds derive from it (must equal the simulator's seed to
     reproduce a simulated run)."""

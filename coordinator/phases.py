@@ -253,7 +253,8 @@ class RoundPhases:
         metrics: dict[str, Any] = {
             "session_id": ctx.session_id,
             **facts,
-            "fragment": ctx.fragment_of(r.number),
+            # The shared record's rule (sim_config.RoundRecord.fragment): None without streaming.
+            "fragment": ctx.fragment_of(r.number) if ctx.config.algorithm.streaming.enabled else None,
             "departed": sorted(r.departed),
             "partial_uploads": closed.partial,
             "bytes_up": dict(r.bytes_up),

@@ -93,6 +93,7 @@ def test_sites_end_with_the_simulators_weights(
             )
         assert real["inner_steps"] == simulated["inner_steps"] == {str(k): 4 for k in range(num_sites)}
         assert real["round"] == simulated["round"]
+        assert real["fragment"] == simulated["fragment"] is None  # no streaming: None on both hosts
         assert real["weights_digest"] == simulated["weights_digest"] or not bitwise
 
 

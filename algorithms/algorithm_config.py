@@ -19,11 +19,11 @@ from geoloco.compression import CodecError, parse_codec
 from geoloco.compression.sparsify import TopK
 from geoloco.compression.tiles import TileTopK
 
-__all__ = ["ALGORITHM_NAMES", "PRESETS", "AlgorithmConfig"]
+__all__ = ["ALGORITHM_NAMES", "DEFAULT_OUTER_OPTIMIZERS", "PRESETS", "AlgorithmConfig"]
 
 ALGORITHM_NAMES: tuple[str, ...] = ("diloco", "fedavg", "fedopt", "ddp", "sparseloco")
 """The names ``[algorithm] name`` takes (``geoloco.algorithms.strategy.ALGORITHMS`` maps each to
-its strategy class)."""
+its strategy class: ``Strategy`` for all but ``ddp``)."""
 
 SPARSELOCO_TILE = 64
 """SparseLoCo's top-k chunk: the paper tiles each weight matrix into 64 x 64 = 4096 values."""
@@ -39,9 +39,25 @@ PRESETS: dict[str, dict[str, Any]] = {
 file or dict leaves out; keys given explicitly win. SparseLoCo (Sarfi et al. 2025): top-k per
 tensor tile (3 % of each 64 x 64 tile of a weight matrix, of each chunk of 4096 values of a 1-D
 tensor; ``geoloco.compression.tiles``) with 2-bit values and error feedback whose residual decays
-by 0.95 per round; its outer optimizer, plain SGD lr 1, is the strategy's default
-(``geoloco.algorithms.strategy.SparseLoCo``). The flat-chunk variant of earlier versions,
+by 0.95 per round; its outer optimizer, plain SGD lr 1, is the name's default
+(``DEFAULT_OUTER_OPTIMIZERS``). The flat-chunk variant of earlier versions,
 ``topk:0.03,chunk=4096|int2``, is still accepted as the codec of a ``sparseloco`` run."""
+
+
+DEFAULT_OUTER_OPTIMIZERS: dict[str, str] = {
+    "diloco": "nesterov",
+    "fedavg": "sgd",
+    "fedopt": "fedadam",
+    "sparseloco": "sgd",
+}
+"""The outer optimizer an algorithm name implies when ``[outer_optimizer] name`` is unset (the
+strategies differ in nothing else: one ``Strategy`` class runs them all). DiLoCo (Douillard et al.
+2023): outer Nesterov SGD, lr 0.7, momentum 0.9. FedAvg / Local SGD (McMahan et al. 2017): outer
+SGD lr 1, i.e. the mean of the sites' weights. FedOpt (Reddi et al. 2021): an adaptive outer
+optimizer on the pseudo-gradient, FedAdam unless ``outer_optimizer.name`` picks ``fedyogi`` or
+torch's bias-corrected ``adam``. SparseLoCo (Sarfi et al. 2025): plain outer SGD lr 1, the paper's
+step, and with a sparse codec also the one whose loss fell steadily here (outer Nesterov on sparse
+updates rose late in training, #16). ``ddp`` steps the inner optimizer instead."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -35,9 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from geoloco.algorithms.algorithm_config import DEFAULT_OUTER_OPTIMIZERS
 from geoloco.algorithms.diloco import LOSSLESS_SPEC
 from geoloco.algorithms.planner_sizes import encoded_nbytes
-from geoloco.algorithms.strategy import ALGORITHMS
 from geoloco.algorithms.training import TrainingConfig
 from geoloco.compression import parse_codec
 
@@ -83,7 +83,7 @@ def _outer_state(training: TrainingConfig, numel: int) -> int:
     algo = training.algorithm
     if algo.name == "ddp":
         return _inner_state(training, numel)
-    outer = training.outer_optimizer.resolved(ALGORITHMS[algo.name].default_outer_optimizer)
+    outer = training.outer_optimizer.resolved(DEFAULT_OUTER_OPTIMIZERS.get(algo.name, "nesterov"))
     if outer.name in ADAPTIVE_OUTER:
         return 2 * FP32 * numel
     return FP32 * numel if (outer.momentum or 0) > 0 else 0

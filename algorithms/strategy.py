@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from geoloco.algorithms.aggregation import Aggregation, RunningSum
-from geoloco.algorithms.algorithm_config import ALGORITHM_NAMES, AlgorithmConfig
+from geoloco.algorithms.algorithm_config import ALGORITHM_NAMES, DEFAULT_OUTER_OPTIMIZERS, AlgorithmConfig
 from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, encode_downlink
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, OuterOptimizerConfig
@@ -52,13 +52,9 @@ __all__ = [
     "UPLINK_SEED_PURPOSE",
     "AlgorithmConfig",
     "DataParallel",
-    "DiLoCo",
-    "FedAvg",
-    "FedOpt",
     "FragmentOuter",
     "RoundPlan",
     "RoundUpdate",
-    "SparseLoCo",
     "Strategy",
     "build_strategy",
     "uplink_seed",
@@ -188,12 +184,13 @@ class Strategy:
     its own ``FragmentOuter``, and round ``r`` synchronises fragment ``r mod P``. Plain DiLoCo is
     the case ``P = 1`` without overlap (one fragment over the whole model, gathered and scattered
     without a copy), Streaming DiLoCo (Douillard et al. 2025) is ``P > 1``; the coordinator, the
-    sites and the simulator call the same methods either way. Subclasses set class attributes;
-    the math is shared. State is exposed as tensors + JSON metadata for safetensors checkpoints.
+    sites and the simulator call the same methods either way. DiLoCo, FedAvg, FedOpt and
+    SparseLoCo are this class under their name, which sets the default outer optimizer
+    (``algorithm_config.DEFAULT_OUTER_OPTIMIZERS``) and, for SparseLoCo, a preset of codec keys
+    (``PRESETS``); only the DDP baseline (``DataParallel``) behaves differently. State is exposed
+    as tensors + JSON metadata for safetensors checkpoints.
     """
 
-    name: ClassVar[str] = "diloco"
-    default_outer_optimizer: ClassVar[str] = "nesterov"
     update_kind: ClassVar[UpdateKind] = "pseudo_gradient"
 
     def __init__(
@@ -208,6 +205,8 @@ class Strategy:
         device: torch.device | str | None = None,
     ) -> None:
         self.config = config
+        self.name: str = config.name
+        """The algorithm's name (``[algorithm] name``): seeds, checkpoints and records carry it."""
         self.numel = numel
         self.seed = seed
         self.device = device
@@ -240,7 +239,7 @@ class Strategy:
         self.schedule = StreamingSchedule.from_config(self._round_steps(), self.streaming)
         self.inner_optimizer_config = inner_optimizer or InnerOptimizerConfig()
         self.outer_optimizer_config = (outer_optimizer or OuterOptimizerConfig()).resolved(
-            self.default_outer_optimizer
+            DEFAULT_OUTER_OPTIMIZERS.get(config.name, "nesterov")
         )
         self.fragments = [
             FragmentOuter(outer=self._build_outer(fragment.numel), downlink=self._build_encoder("downlink"))
@@ -484,38 +483,6 @@ class Strategy:
             frag.load_state(_under(tensors, f"{FRAGMENT_PREFIX}{p}."), saved[p])
 
 
-class DiLoCo(Strategy):
-    """DiLoCo (Douillard et al. 2023): H inner AdamW steps, outer Nesterov SGD lr 0.7 m 0.9."""
-
-    name = "diloco"
-    default_outer_optimizer = "nesterov"
-
-
-class FedAvg(Strategy):
-    """FedAvg / Local SGD (McMahan et al. 2017): outer SGD lr 1, i.e. average the sites' weights."""
-
-    name = "fedavg"
-    default_outer_optimizer = "sgd"
-
-
-class FedOpt(FedAvg):
-    """FedOpt (Reddi et al. 2021): an adaptive outer optimizer on the pseudo-gradient, FedAdam unless
-    ``outer_optimizer.name`` picks ``fedyogi`` or torch's bias-corrected ``adam``."""
-
-    name = "fedopt"
-    default_outer_optimizer = "fedadam"
-
-
-class SparseLoCo(Strategy):
-    """SparseLoCo (Sarfi et al. 2025): DiLoCo's inner steps, a chunked top-k + 2-bit uplink with
-    decaying error feedback (``PRESETS["sparseloco"]`` in ``algorithm_config``) and plain outer
-    SGD lr 1, the paper's outer step. With a sparse codec that outer step is also the one whose
-    loss fell steadily here; outer Nesterov on sparse updates rose late in training (#16)."""
-
-    name = "sparseloco"
-    default_outer_optimizer = "sgd"
-
-
 class DataParallel(Strategy):
     """The data-parallel baseline: synchronous DDP, one shared inner-optimizer state.
 
@@ -527,7 +494,6 @@ class DataParallel(Strategy):
     replicas apply the same addition, so they stay identical.
     """
 
-    name = "ddp"
     update_kind = "gradient"
 
     def _build_outer(self, numel: int) -> OuterOptimizer:
@@ -538,11 +504,11 @@ class DataParallel(Strategy):
 
 
 ALGORITHMS: dict[str, type[Strategy]] = {
-    "diloco": DiLoCo,
-    "fedavg": FedAvg,
-    "fedopt": FedOpt,
+    "diloco": Strategy,
+    "fedavg": Strategy,
+    "fedopt": Strategy,
     "ddp": DataParallel,
-    "sparseloco": SparseLoCo,
+    "sparseloco": Strategy,
 }
 """Algorithm name -> strategy class (the names of ``ALGORITHM_NAMES``)."""
 assert tuple(ALGORITHMS) == ALGORITHM_NAMES

@@ -307,10 +307,10 @@ def resolved_config(
     """The full config as run: every default filled in, outer optimizer resolved, the
     ``[research]`` table (``research``, else its defaults); a ``custom_workload`` object's table
     is ``workload_identity`` (its class named too)."""
-    from geoloco.algorithms.strategy import ALGORITHMS
+    from geoloco.algorithms.algorithm_config import DEFAULT_OUTER_OPTIMIZERS
 
     data: dict[str, Any] = config.to_dict()
-    default_outer = ALGORITHMS[config.algorithm.name].default_outer_optimizer
+    default_outer = DEFAULT_OUTER_OPTIMIZERS.get(config.algorithm.name, "nesterov")
     data["outer_optimizer"] = config.outer_optimizer.resolved(default_outer).to_dict()
     if custom_workload:
         data["workload"] = workload_identity(workload)

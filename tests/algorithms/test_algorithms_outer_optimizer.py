@@ -99,9 +99,9 @@ def test_fedadam_and_fedyogi_follow_reddi_et_al(yogi: bool) -> None:
 
 
 def test_fedopt_defaults_to_fedadam_and_adam_keeps_its_name() -> None:
-    from geoloco.algorithms.strategy import ALGORITHMS
+    from geoloco.algorithms.algorithm_config import DEFAULT_OUTER_OPTIMIZERS
 
-    assert ALGORITHMS["fedopt"].default_outer_optimizer == "fedadam"
+    assert DEFAULT_OUTER_OPTIMIZERS["fedopt"] == "fedadam"
     resolved = OuterOptimizerConfig(name="adam").resolved()
     assert resolved.name == "adam" and resolved.eps == 1e-8
     with pytest.raises(ConfigError, match="tau: must be > 0"):

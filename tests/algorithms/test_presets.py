@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from geoloco.algorithms.algorithm_config import AlgorithmConfig
+from geoloco.algorithms.algorithm_config import DEFAULT_OUTER_OPTIMIZERS, AlgorithmConfig
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.optimizers import OuterOptimizerConfig
-from geoloco.algorithms.strategy import ALGORITHMS, SparseLoCo, build_strategy
+from geoloco.algorithms.strategy import ALGORITHMS, Strategy, build_strategy
 
 
 def test_sparseloco_resolves_to_the_papers_settings() -> None:
@@ -20,8 +20,8 @@ def test_sparseloco_resolves_to_the_papers_settings() -> None:
     assert config.error_feedback is True
     assert config.error_feedback_decay == 0.95
     assert config.inner_steps == 15
-    assert ALGORITHMS["sparseloco"] is SparseLoCo
-    outer = OuterOptimizerConfig().resolved(SparseLoCo.default_outer_optimizer)
+    assert ALGORITHMS["sparseloco"] is Strategy
+    outer = OuterOptimizerConfig().resolved(DEFAULT_OUTER_OPTIMIZERS["sparseloco"])
     assert (outer.name, outer.lr, outer.momentum) == ("sgd", 1.0, 0.0)
     assert AlgorithmConfig.preset("sparseloco") == config_from_dict(AlgorithmConfig, {"name": "sparseloco"})
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import tomllib
 
+from geoloco.algorithms.algorithm_config import DEFAULT_OUTER_OPTIMIZERS
 from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.sim_config import SimulatorConfig
-from geoloco.algorithms.strategy import ALGORITHMS
 from geoloco.scenarios.research import SECTIONS
 from geoloco.scenarios.workloads import DEFAULT_WORKLOAD, workload_config
 
@@ -96,7 +96,7 @@ def defaults_for(raw: dict[str, Any]) -> dict[str, Any]:
     data = config.to_dict()
     algorithm = raw.get("algorithm", {}).get("name", config.algorithm.name)
     outer = SimulatorConfig.from_dict({"algorithm": {"name": algorithm}}).outer_optimizer
-    data["outer_optimizer"] = outer.resolved(ALGORITHMS[algorithm].default_outer_optimizer).to_dict()
+    data["outer_optimizer"] = outer.resolved(DEFAULT_OUTER_OPTIMIZERS.get(algorithm, "nesterov")).to_dict()
     data["sites"] = {"count": DEFAULT_SITE_COUNT, **SiteConfig().to_dict()}
     workload = raw.get("workload", {}).get("name", DEFAULT_WORKLOAD)
     data["workload"] = {"name": DEFAULT_WORKLOAD, **dataclasses.asdict(workload_config(workload))}

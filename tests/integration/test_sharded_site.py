@@ -21,6 +21,7 @@ over gRPC with mutual TLS on port 0, temp dirs.
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,13 +38,14 @@ from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.coordinator import events as ev
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.workloads.mlp import MLPWorkload
 from geoloco.site_agent.agent import SiteAgent
-from geoloco.site_agent.config import SiteAgentConfig
+from geoloco.site_agent.config import RoundResult, SiteAgentConfig, SiteHooks
 from geoloco.site_agent.distributed import rank_data_seed
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -175,19 +177,32 @@ def test_rank_killed_mid_upload_makes_its_site_a_straggler_and_torchrun_brings_i
     out = tmp_path / "out"
     out.mkdir()
     metrics = tmp_path / "fs.jsonl"
-    # Rounds without fs close at the 3 s deadline, so the run lasts at least (rounds - 2) x 3 s
-    # while fs is away: 24 rounds give its fresh torchrun launch 66 s to join again even on a
-    # heavily loaded machine (12 rounds gave it 30 s, and at load 13 on 2 cores the run once
-    # ended before it was back). Once fs is back, rounds close as soon as both sites uploaded,
-    # so the extra rounds cost well under a second each when nothing is slow.
-    rounds = 24
+    # Rounds without fs close at the 3 s deadline. The run must not end before the fresh torchrun
+    # launch joined again, however slowly a loaded machine starts it (a fixed number of rounds
+    # gave it 30 s, then 66 s, and it missed both under CI load): once the killed launch is gone,
+    # "solo" holds at the end of each round until the coordinator saw fs join again, so no round
+    # closes meanwhile (min_sites = 1 needs solo's upload).
+    rounds = 12
     server = _coordinator(certs, metrics, round_deadline_s=3.0, heartbeat_timeout_s=6.0, total_rounds=rounds)
+    relaunched, fs_back = threading.Event(), threading.Event()
+
+    def on_event(event: ev.RoundEvent) -> None:
+        if event.kind == ev.SITE_JOINED and event.site == "fs" and relaunched.is_set():
+            fs_back.set()
+
+    server.rounds.events.add_listener(on_event)
+
+    def hold_until_fs_is_back(result: RoundResult) -> None:
+        if relaunched.is_set() and not fs_back.wait(LAUNCH_TIMEOUT_S):
+            raise AssertionError(f"the restarted sharded site did not join within {LAUNCH_TIMEOUT_S:.0f} s")
+
     workload = MLPWorkload(WORKLOAD)
     model = workload.build_model(SEED)
     solo = AgentThread(SiteAgent(
         model, torch.optim.SGD(model.parameters(), lr=0.05), workload.site_batches(0, 1, SEED + 1), workload.loss,
         coordinator=f"localhost:{server.port}", site="solo", tls=TLSFiles.from_dir(certs, "solo"),
         config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05),
+        hooks=SiteHooks(on_round_end=hold_until_fs_is_back),
     ))
     try:
         proc = _launch("fsdp", "fs", server, certs, out, KILL_AT_ROUND="1")
@@ -202,6 +217,7 @@ def test_rank_killed_mid_upload_makes_its_site_a_straggler_and_torchrun_brings_i
         # The job is started again (as a supervisor or torchrun's --max-restarts would; a fresh
         # launch here, because gloo's re-rendezvous inside one torchrun is flaky on a loaded
         # machine); its ranks join again as the same site, with no saved state.
+        relaunched.set()
         proc = _launch("fsdp", "fs", server, certs, out)
         output += _finish(proc)
         solo.join(timeout=LAUNCH_TIMEOUT_S)

@@ -132,6 +132,9 @@ class PlainRounds(RoundRunner):
                 "round": trained.round, "state": pending.state, "fold_late": pending.fold_late,
                 "loss": trained.loss, "samples": trained.samples, "inner_steps": trained.inner_steps,
                 "inner_time_s": trained.inner_time_s,
+                # The phase times are part of the upload's manifest (its metrics): a restarted
+                # process resends them, or the coordinator refuses the resend as another manifest.
+                "phases_s": dict(trained.phases_s),
                 "update": None if update is None else {
                     "fragment": update.fragment, "sample_weight": update.sample_weight,
                     "wire": update.wire,
@@ -165,6 +168,7 @@ class PlainRounds(RoundRunner):
             round=int(saved["round"]), update=update, loss=float(saved["loss"]),
             samples=int(saved["samples"]), inner_steps=int(saved["inner_steps"]),
             inner_time_s=float(saved["inner_time_s"]), started_s=time.monotonic(),
+            phases_s={str(k): float(v) for k, v in saved.get("phases_s", {}).items()},
         )
         self.pending = PendingUpdate(trained, state=saved["state"], fold_late=bool(saved["fold_late"]))
         logger.info("site %s: restored its update for round %d (%s)", self.site, trained.round, saved["state"])

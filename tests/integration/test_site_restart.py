@@ -176,6 +176,10 @@ def test_site_killed_at_three_moments_of_a_round_ends_on_the_uninterrupted_weigh
             assert site_end["digest"] == end["digest"], site.describe()
         included = [m for line in site1.lines if (m := SITE_ROUND.match(line))]
         assert all(m["included"] == "yes" for m in included), site1.describe()
+        # A restarted site resends its saved update with the manifest it was first sent with
+        # (its phase times included): the coordinator never sees another manifest for it.
+        refused = [p.label for p in processes.started if "different manifest" in p.stderr_path.read_text()]
+        assert not refused, refused
 
     checkpoint = load_latest_checkpoint(checkpoints)
     assert checkpoint is not None and checkpoint.round == ROUNDS

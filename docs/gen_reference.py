@@ -430,7 +430,8 @@ def render_config(ref: ConfigReference) -> str:
         "unknown key, a wrong type or an impossible value is refused with the file, the dotted key and "
         "what is allowed, before anything starts. `--set KEY=VALUE` on `simulate`, `emulate`, "
         "`coordinator` (and `--grid` on `sweep`) changes one key with the same dotted names, and "
-        "`geoloco simulate --print-config` prints a simulate file with every default filled in.\n"
+        "`geoloco simulate --print-config` prints a simulate file with every default filled in, which "
+        "`--config` reads back.\n"
     )
     out.append("Each command tells a file's kind from the keys only that kind has, and refuses a file of "
                "another kind in one line that names the command that runs it.\n")

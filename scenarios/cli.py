@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
 def quiet_grpc_core(argv: Sequence[str] | None = None) -> None:
     """Keep gRPC's C-core log lines (``I1201 ...``, ``E1201 ... ssl_transport_security.cc``) out
     of the commands' output unless ``--log-level DEBUG``: they interleave with geoloco's own lines,
-    which already name what went wrong (a failed handshake names the peer and the cause). It must
+    which already name what went wrong (the dialling side of a failed handshake names the peer and
+    the cause, ``geoloco.protos.transport_tls.diagnose_handshake``; the serving side cannot:
+    grpcio 1.85 tells a Python server nothing of a handshake that failed, and the C-core's one
+    line names the cause without the peer). It must
     run before grpc is imported (the C-core reads ``GRPC_VERBOSITY`` once); a value the user set
     is kept, and the processes a command starts inherit it."""
     words = list(sys.argv[1:] if argv is None else argv)

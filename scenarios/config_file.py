@@ -3,8 +3,8 @@
 Every command reports a bad file, table or flag the same way, on stderr as
 ``geoloco COMMAND: error: SOURCE: dotted.key: what is allowed``, and exits with
 ``EXIT_CONFIG_ERROR`` (2, argparse's own usage-error status) — never with a traceback. This module
-is the one place that opens TOML, words what went wrong with the file itself (missing, a folder,
-not TOML), holds the exit statuses and the argparse value types the commands share. Key-level
+is the one place that opens and writes TOML, words what went wrong with the file itself (missing, a
+folder, not TOML), holds the exit statuses and the argparse value types the commands share. Key-level
 checks stay with each command's schema (the config dataclasses), which raise
 ``geoloco.algorithms.config.ConfigError``; ``from_config_error`` names the source in front.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "positive_int",
     "read_toml",
     "report_config_error",
+    "toml_text",
     "tomllib",
 ]
 
@@ -91,6 +93,31 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigFileError(str(path), "", "is a folder; pass the TOML file") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigFileError(str(path), "", f"not valid TOML: {err}") from None
+
+
+def toml_text(table: Mapping[str, Any], *, comments: Iterable[str] = ()) -> str:
+    """``table`` as the text of a config file, ``comments`` as ``#`` lines on top.
+
+    TOML has no null, so a key whose value is ``None`` is left out: read back, it takes its
+    default, which is ``None`` for every ``X | None`` key of the config dataclasses (a test walks
+    the schemas). Written by ``tomli_w`` (imported here, so commands that never write TOML do not
+    import it); a ``None`` inside an array has no key to leave out and raises ``ValueError``."""
+    import tomli_w
+
+    header = "".join(f"# {line}\n" if line else "#\n" for line in comments)
+    body = tomli_w.dumps(_without_none(table, ""))
+    return f"{header}\n{body}" if header else body
+
+
+def _without_none(value: Any, key: str) -> Any:
+    """``value`` with every table's ``None`` values left out, tables inside arrays included."""
+    if isinstance(value, Mapping):
+        return {k: _without_none(v, f"{key}.{k}" if key else str(k)) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        if any(item is None for item in value):
+            raise ValueError(f"{key}: TOML has no null, and an array cannot leave an item out: {list(value)!r}")
+        return [_without_none(item, f"{key}[{i}]") for i, item in enumerate(value)]
+    return value
 
 
 # argparse value types: a bad value makes argparse print usage and exit with EXIT_CONFIG_ERROR.

@@ -17,7 +17,6 @@ written last); a summary table goes to stdout, progress to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from datetime import datetime, timezone
@@ -30,6 +29,7 @@ from geoloco.scenarios.config_file import (
     from_config_error,
     positive_int,
     report_config_error,
+    toml_text,
 )
 from geoloco.scenarios.config_kinds import SIMULATE, read_config
 from geoloco.scenarios.overrides import add_set_argument
@@ -54,7 +54,7 @@ from geoloco.scenarios.research import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXAMPLE_CONFIG", "SECTIONS", "load_config", "register", "resolved_config", "run"]
+__all__ = ["EXAMPLE_CONFIG", "SECTIONS", "config_file_text", "load_config", "register", "resolved_config", "run"]
 
 EXAMPLE_CONFIG = Path(__file__).with_name("simulate.toml")
 
@@ -81,7 +81,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--print-config",
         action="store_true",
-        help="print the fully resolved config (every default filled in) as JSON and exit",
+        help="print the fully resolved config (every default filled in) as a TOML file that "
+        "--config reads back, and exit",
     )
     parser.add_argument(
         "--out", type=Path, help="output folder (default: runs/simulate-<UTC time>)"
@@ -146,6 +147,24 @@ def _load(args: argparse.Namespace) -> tuple[ResearchConfig, Any, Any]:
     return research, workload, config
 
 
+def config_file_text(resolved: dict[str, Any]) -> str:
+    """``--print-config``: a ``resolved_config`` as a simulate file that ``--config`` reads back
+    to the same config. The device ``auto`` resolved to and the run length in rounds are derived,
+    not keys of the file (the file would be refused with them), so they are comments on top."""
+    table = dict(resolved)
+    device = table.pop("resolved_device")
+    rounds = table.pop("run_rounds")
+    asked = table["simulation"]["device"]
+    return toml_text(
+        table,
+        comments=[
+            "geoloco simulate --print-config: the resolved config, every default filled in.",
+            "Run it with `geoloco simulate --config FILE`. A key left out is unset (TOML has no null).",
+            f'Resolved: runs on {device} (simulation.device = "{asked}"), {rounds} rounds.',
+        ],
+    )
+
+
 def summary_table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
@@ -184,7 +203,7 @@ def _simulate(args: argparse.Namespace, source: str, research: ResearchConfig, s
             device = resolve_device(config.simulation.device, "simulation.device")
         except ConfigError as err:
             raise from_config_error(source, err) from None
-        print(json.dumps(resolved_config(name, workload, config, str(device), research), indent=2))
+        print(config_file_text(resolved_config(name, workload, config, str(device), research)), end="")
         return 0
     try:
         simulator = build_simulator(config, workload)  # event-driven for asynchronous merges or chaos

@@ -3,7 +3,6 @@ table with ``count`` accepted by every way of building a simulator config."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.sim_config import SimulatorConfig
 from geoloco.scenarios.cli import build_parser, main
-from geoloco.scenarios.config_file import ConfigFileError
+from geoloco.scenarios.config_file import ConfigFileError, tomllib
 from geoloco.scenarios.overrides import apply_overrides
 from geoloco.scenarios.scenario import Scenario
 
@@ -87,7 +86,7 @@ def test_simulate_print_config_shows_overrides_and_defaults(capsys: pytest.Captu
         ]
     )
     assert code == 0
-    resolved = json.loads(capsys.readouterr().out)
+    resolved = tomllib.loads(capsys.readouterr().out)
     assert resolved["algorithm"]["inner_steps"] == 7 and len(resolved["sites"]) == 3
     assert resolved["outer_optimizer"]["lr"] == 0.3 and resolved["workload"]["name"] == "mlp"
     # Defaults are filled in: the resolved outer optimizer names its momentum.

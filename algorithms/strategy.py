@@ -20,7 +20,7 @@ AdamW state) to the averaged gradient: exactly one DDP step, whose delta every r
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -237,6 +237,10 @@ class Strategy:
             except ConfigError as err:
                 raise err.under("algorithm") from None
         self.schedule = StreamingSchedule.from_config(self._round_steps(), self.streaming)
+        self.on_mean: Callable[[RoundPlan, torch.Tensor], None] | None = None
+        """Called with each round's mean update before the outer step may overwrite it: the
+        coordinator's round log (``geoloco.coordinator.round_log``) writes it there, because the
+        round's new state is a deterministic function of the old state and this one vector."""
         self.inner_optimizer_config = inner_optimizer or InnerOptimizerConfig()
         self.outer_optimizer_config = (outer_optimizer or OuterOptimizerConfig()).resolved(
             DEFAULT_OUTER_OPTIMIZERS.get(config.name, "nesterov")
@@ -383,6 +387,8 @@ class Strategy:
         # the step frees the mean before the downlink encode (see ``FragmentOuter.step``).
         mean_box = [mean_update.to(global_flat.device)]
         del mean_update
+        if self.on_mean is not None:
+            self.on_mean(plan, mean_box[0])
         # Taken before the outer step, which may overwrite the mean (consume_mean).
         mean_norm = float(torch.linalg.vector_norm(mean_box[0]))
         downlink, next_part = self.fragments[plan.fragment].step(
@@ -509,6 +515,7 @@ ALGORITHMS: dict[str, type[Strategy]] = {
     "fedopt": Strategy,
     "ddp": DataParallel,
     "sparseloco": Strategy,
+    "sparseloco-tiles": Strategy,
 }
 """Algorithm name -> strategy class (the names of ``ALGORITHM_NAMES``)."""
 assert tuple(ALGORITHMS) == ALGORITHM_NAMES

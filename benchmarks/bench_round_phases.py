@@ -109,7 +109,7 @@ def _role_coordinator(args: argparse.Namespace) -> None:
         total_rounds=args.rounds, min_sites=args.sites,
         certs_dir=None if args.plain else args.certs, insecure=args.plain,
         checkpoint_dir=str(out / "checkpoints"), metrics_path=str(out / "metrics.jsonl"),
-        device=args.device,
+        checkpoint_every=args.checkpoint_every, device=args.device,
     )
     server = CoordinatorServer(config, flat, layout)
     del flat
@@ -239,7 +239,8 @@ def _run_codec(codec: str, args: argparse.Namespace, certs: Path, work: Path) ->
     out.mkdir()
     common = ["--codec", codec, "--numel", str(args.numel), "--rounds", str(args.rounds),
               "--certs", str(certs), "--out", str(out), "--timeout", str(args.timeout),
-              "--sites", str(args.sites), "--device", args.device, *(["--plain"] if args.plain else [])]
+              "--sites", str(args.sites), "--device", args.device, "--checkpoint-every", str(args.checkpoint_every),
+              *(["--plain"] if args.plain else [])]
     coordinator = _spawn("coordinator", *common)
     port = _wait_file(out / "port", coordinator, 300)
     sites = [_spawn("site", *common, "--port", port, "--site", str(i)) for i in range(args.sites)]
@@ -333,6 +334,10 @@ def main() -> None:
     parser.add_argument("--site", default=_SITE, help=argparse.SUPPRESS)
     parser.add_argument("--plain", action="store_true", help="plain text instead of mutual TLS")
     parser.add_argument("--device", default="cpu", help="where the coordinator and sites compute (cpu, cuda)")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=1,
+        help="the coordinator's checkpoint_every (a full checkpoint every this many rounds; the round log between)",
+    )
     parser.add_argument("--up", type=int, default=0)
     parser.add_argument("--down", type=int, default=0)
     args = parser.parse_args()

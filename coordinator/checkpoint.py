@@ -60,6 +60,8 @@ ARCHIVE_PREFIX = "previous-run-"
 """Sub-folders where ``archive_previous_run`` moves the files of a run that is not resumed."""
 FRESH_HINT = "or start a new run with `--fresh` (`resume = false`), which moves the old files aside"
 """How every refusal ends: what the operator can do besides repairing the checkpoint."""
+LOG_DIR = "round-log"
+"""The sub-folder of the round log (``geoloco.coordinator.round_log``): part of the run's files."""
 LOCK_NAME = "coordinator.lock"
 """The file ``CheckpointFolderLock`` holds in the checkpoint folder while a coordinator uses it."""
 
@@ -128,11 +130,15 @@ def _prune(folder: Path, *, keep: int, current: str) -> None:
 
 
 def previous_run_files(directory: str | os.PathLike[str]) -> list[Path]:
-    """The pointer and tensor files of a run in ``directory`` (empty when there are none)."""
+    """The pointer, tensor files and round log of a run in ``directory`` (empty when none)."""
     folder = Path(directory)
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.name == POINTER_NAME or _round_of(p.name) is not None)
+    return sorted(
+        p for p in folder.iterdir()
+        if p.name == POINTER_NAME or _round_of(p.name) is not None
+        or (p.name == LOG_DIR and p.is_dir())
+    )
 
 
 def archive_previous_run(

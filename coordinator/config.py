@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from geoloco.algorithms.algorithm_config import DISTRIBUTED_ALGORITHM_NAMES
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
@@ -27,14 +28,11 @@ from geoloco.protos.identity import validate_site_name
 from geoloco.protos.transport_tls import TLSFiles
 from geoloco.protos.wire_buffers import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 
-__all__ = ["COORDINATOR_KEYS", "SUPPORTED_ALGORITHMS", "CoordinatorConfig"]
+__all__ = ["COORDINATOR_KEYS", "CoordinatorConfig"]
 
 COORDINATOR_KEYS = TrainingKeys(rounds="total_rounds", sites="allowed_sites")
 """Where a coordinator file keeps the round policy (top level) and the run length."""
 
-SUPPORTED_ALGORITHMS = ("diloco", "fedavg", "fedopt", "sparseloco")
-"""Algorithms the real coordinator runs. The ``ddp`` baseline synchronises every step and lives in
-the simulator, where its traffic is accounted exactly without a round trip per step."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,7 +92,11 @@ class CoordinatorConfig:
     coordinator at a time: while it runs it holds ``coordinator.lock`` there, and a second one
     on the same folder is refused with the holder's pid and host. Unset: no checkpoints."""
     checkpoint_every: int = 1
-    """Write a checkpoint after every this many rounds (and after the last round)."""
+    """Write a full checkpoint (weights, outer state) after every this many rounds and after
+    the last one, in the background while the sites train. Every round is durable before its
+    broadcast regardless: the round log in ``checkpoint_dir/round-log`` keeps each round's mean
+    update since the newest full checkpoint, and a restart replays them. Larger: less I/O per
+    round, a longer log (one model-sized file per round) and a longer replay on restart."""
     checkpoint_keep: int = 2
     """Tensor files kept in ``checkpoint_dir`` (older ones are deleted)."""
     resume: bool = True
@@ -155,9 +157,9 @@ class CoordinatorConfig:
 
     def validate(self) -> None:
         require(
-            self.algorithm.name in SUPPORTED_ALGORITHMS,
+            self.algorithm.name in DISTRIBUTED_ALGORITHM_NAMES,
             "algorithm.name",
-            f"the coordinator runs {', '.join(SUPPORTED_ALGORITHMS)}; "
+            f"the coordinator runs {', '.join(DISTRIBUTED_ALGORITHM_NAMES)}; "
             f"{self.algorithm.name!r} (the per-step data-parallel baseline) runs in the simulator "
             "(`geoloco simulate`)",
         )

@@ -24,6 +24,7 @@ unchanged weights when there is one: ``restore_outer``), and the reason is in th
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -34,9 +35,10 @@ import torch
 
 from geoloco.algorithms.params import ParamLayout, weights_digest
 from geoloco.algorithms.round import RoundOutcome
+from geoloco.algorithms.strategy import RoundPlan, RoundUpdate
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.broadcast_store import SPILL_MIN_BYTES, PreparedBroadcast
-from geoloco.coordinator.checkpoint import load_latest_checkpoint, save_checkpoint
+from geoloco.coordinator.checkpoint import FRESH_HINT, CheckpointError, load_latest_checkpoint, save_checkpoint
 from geoloco.coordinator.context import CONTRIBUTOR_HISTORY, RoundContext
 from geoloco.coordinator.domain import (
     OPEN_PHASES,
@@ -49,6 +51,7 @@ from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.intake import UploadIntake
 from geoloco.coordinator.metrics import plain_record
 from geoloco.coordinator.privacy_rounds import PrivateRounds
+from geoloco.coordinator.round_log import LoggedRound, RoundLog, SnapshotWriter
 from geoloco.protos.round_phases import site_phases_from_metrics
 from geoloco.protos.wire_buffers import num_chunks_for
 
@@ -126,6 +129,12 @@ class RoundPhases:
         """Broadcasts this large or larger are served from a file (``broadcast_store``)."""
         self.finished_s: float | None = None
         self._closed: _Closed | None = None
+        self.round_log: RoundLog | None = None
+        """Set by ``enable_round_log`` when the run has a ``checkpoint_dir``."""
+        self.snapshots = SnapshotWriter()
+        self._chain = False
+        """A durable snapshot this session wrote or resumed from starts the round log's chain:
+        until then a round is made durable by a full checkpoint."""
         self._below_quorum_since: float | None = None
         self._below_quorum_logged_s = 0.0
 
@@ -217,6 +226,10 @@ class RoundPhases:
         t0 = time.perf_counter()
         timings = r.timings
         contributors = list(outcome.contributors)
+        # The previous round's snapshot reads the live weights and outer state the step changes.
+        waited = time.perf_counter()
+        self.snapshots.join()
+        timings.record("checkpoint", time.perf_counter() - waited)
         plan = ctx.strategy.configure_round(r.number, contributors)
         fragment_outer = ctx.strategy.fragments[plan.fragment]
         fragment_outer.last_step_s = {}
@@ -273,21 +286,20 @@ class RoundPhases:
             if "epsilon" in privacy_record:
                 metrics["epsilon"] = privacy_record["epsilon"]
                 metrics["privacy_delta"] = privacy_record["delta"]
-        if ctx.config.checkpoint_dir is not None and (
-            finished or next_round % ctx.config.checkpoint_every == 0
-        ):
-            # The round's record goes into the checkpoint, so a restart replays it when the
+        snapshot: dict[str, Any] | None = None
+        if ctx.config.checkpoint_dir is not None:
+            # The round's record goes into its durable state, so a restart replays it when the
             # process dies before writing it (members and totals as of now; eval recomputed).
             with ctx.cond:
                 replay = {**metrics, "members": sorted(ctx.members), "bytes_up_total": ctx.bytes_up_total,
                           "bytes_down_total": ctx.bytes_down_total, "eval_loss": None, "replayed": True}
             checkpoint_start = time.perf_counter()
-            self.save_checkpoint(
-                next_round, new_weights, new_digest, frozenset(contributors), frozenset(outcome.folded),
-                record=replay,
+            snapshot = self.make_durable(
+                r.number, plan.fragment, contributors, new_weights, new_digest,
+                frozenset(outcome.folded), replay, sync=facts["aborted"] is not None,
+                snapshot_due=finished or next_round % ctx.config.checkpoint_every == 0,
             )
             timings.record("checkpoint", time.perf_counter() - checkpoint_start)
-            ctx.events.emit(ev.CHECKPOINT_SAVED, round=next_round)
         broadcast_start = time.perf_counter()
         served, delta_sha256 = prepared.result()
         if prepared.error is not None:
@@ -322,6 +334,8 @@ class RoundPhases:
             ctx.cond.notify_all()
         timings.record("broadcast", time.perf_counter() - broadcast_start)
         timings.published(time.monotonic())
+        if snapshot is not None:
+            self.start_snapshot(next_round, snapshot)
         logger.info(
             "round %d aggregated: %d sites (%s)%s%s, |update| %.4g, delta %d bytes, deadline %s",
             r.number, len(contributors), ", ".join(contributors),
@@ -351,7 +365,7 @@ class RoundPhases:
         unchanged weights); None when none does (the engine then resets the state)."""
         config = self.ctx.config
         checkpoint = None if config.checkpoint_dir is None else load_latest_checkpoint(config.checkpoint_dir)
-        if checkpoint is None or checkpoint.metadata.get("weights_digest") != self.weights.digest:
+        if checkpoint is None:
             return None
         device = weights.device
         self.ctx.strategy.load_state(
@@ -362,7 +376,37 @@ class RoundPhases:
             },
             checkpoint.metadata["strategy"],
         )
-        return "; the outer optimizer state is restored from the checkpoint of these weights"
+        digest = checkpoint.metadata.get("weights_digest")
+        if digest == self.weights.digest:
+            return "; the outer optimizer state is restored from the checkpoint of these weights"
+        # The rounds since that checkpoint are in the round log: redo them to these weights.
+        flat = checkpoint.tensors[WEIGHTS_KEY].to(device, torch.float32)
+        replayed = 0
+        for entry in [] if self.round_log is None else self.round_log.entries(checkpoint.round):
+            update = self._redo(flat, entry)
+            flat, digest, replayed = update.global_flat, update.digest, replayed + 1
+            if digest == self.weights.digest:
+                return (
+                    f"; the outer optimizer state is restored from the checkpoint of round "
+                    f"{checkpoint.round} and {replayed} logged round(s) after it"
+                )
+        return None  # the state loaded above is not these weights': the engine resets it
+
+    def _redo(self, flat: torch.Tensor, entry: LoggedRound) -> RoundUpdate:
+        """A logged round's outer step again, on ``flat`` and the strategy's current state
+        (which it advances), without logging it a second time."""
+        strategy = self.ctx.strategy
+        plan = strategy.configure_round(entry.round, list(entry.sites))
+        if plan.fragment != entry.fragment:
+            raise CheckpointError(
+                f"round {entry.round} was logged for fragment {entry.fragment}, these settings give "
+                f"fragment {plan.fragment}; resume with the run's [algorithm] settings, {FRESH_HINT}"
+            )
+        observer, strategy.on_mean = strategy.on_mean, None
+        try:
+            return strategy.apply_mean_update(flat, entry.read_mean(), entry.sites, plan, consume_mean=True)
+        finally:
+            strategy.on_mean = observer
 
     # -- broadcast --
 
@@ -430,6 +474,14 @@ class RoundPhases:
             if k.startswith(STRATEGY_PREFIX)
         }
         ctx.strategy.load_state(strategy_tensors, metadata["strategy"])
+        self.restore_state(metadata)
+        logger.info("resumed from checkpoint in %s at round %d", config.checkpoint_dir, round_number)
+        return weights.to(device, torch.float32).contiguous()
+
+    def restore_state(self, metadata: dict[str, Any]) -> None:
+        """The session's state besides tensors (privacy accounting, round history, deadline and
+        guard observations) from a checkpoint's or round-log entry's metadata."""
+        ctx = self.ctx
         if self.privacy is not None:
             self.privacy.load_state(metadata.get(PRIVACY_KEY, {}))
         history = metadata.get(HISTORY_KEY, {})
@@ -440,25 +492,105 @@ class RoundPhases:
         ctx.policy.load_state(history.get("deadline", []))
         if ctx.engine.guard is not None:
             ctx.engine.guard.load_state(history.get("update_norms", []))
-        logger.info("resumed from checkpoint in %s at round %d", config.checkpoint_dir, round_number)
-        return weights.to(device, torch.float32).contiguous()
 
-    def save_checkpoint(
+    def enable_round_log(self) -> None:
+        """Make rounds durable through the round log (``geoloco.coordinator.round_log``): the
+        strategy hands each round's mean to it before the outer step."""
+        config = self.ctx.config
+        assert config.checkpoint_dir is not None
+        log = self.round_log = RoundLog(config.checkpoint_dir)
+
+        def observe(plan: RoundPlan, mean: torch.Tensor) -> None:
+            if self._chain:  # else a full checkpoint makes the round durable: nothing to log
+                log.observe(plan.round, mean)
+
+        self.ctx.strategy.on_mean = observe
+
+    def make_durable(
         self,
         round_number: int,
+        fragment: int,
+        contributors: list[str],
         weights: torch.Tensor,
+        digest: str,
+        folded: frozenset[str],
+        record: dict[str, Any],
+        *,
+        sync: bool,
+        snapshot_due: bool,
+    ) -> dict[str, Any] | None:
+        """Make the state after round ``round_number`` durable before its broadcast: by the
+        round log when the round's mean was logged and a snapshot starts the chain, else by a
+        full checkpoint now (the session's first round, ``sync``: an aborted round, whose
+        rewound outer state the log cannot replay). Returns the snapshot to write in the
+        background once the broadcast is out when ``snapshot_due``, else None."""
+        ctx = self.ctx
+        config = ctx.config
+        assert config.checkpoint_dir is not None
+        next_round = round_number + 1
+        metadata = self._durable_metadata(digest, frozenset(contributors), folded, last=round_number, record=record)
+        log = self.round_log
+        if log is not None and not sync and self._chain and log.observed == round_number:
+            log.commit(
+                round_number, fragment=fragment, sites=tuple(contributors), weights_digest=digest, metadata=metadata
+            )
+            ctx.events.emit(ev.CHECKPOINT_SAVED, round=next_round, data={"kind": "log"})
+            return metadata if snapshot_due else None
+        if log is not None:
+            log.discard()
+        save_checkpoint(config.checkpoint_dir, next_round, self._durable_tensors(weights), metadata,
+                        keep=config.checkpoint_keep)
+        if log is not None:
+            log.compact(next_round)
+        self._chain = log is not None
+        ctx.events.emit(ev.CHECKPOINT_SAVED, round=next_round, data={"kind": "snapshot"})
+        return None
+
+    def start_snapshot(self, round_number: int, metadata: dict[str, Any]) -> None:
+        """Write the full checkpoint of ``round_number`` (the installed weights and outer state)
+        in the background; the round log's older entries go once it is durable."""
+        config = self.ctx.config
+        assert config.checkpoint_dir is not None and self.round_log is not None
+        log = self.round_log
+        self.snapshots.start(
+            config.checkpoint_dir, round_number, self._durable_tensors(self.weights.cpu), metadata,
+            keep=config.checkpoint_keep, on_durable=log.compact,
+        )
+
+    def replay_logged(self, entry: LoggedRound) -> None:
+        """Redo a logged round's outer step on the restored state (resume); its weights must
+        have the digest the entry recorded, or the log does not belong to these settings."""
+        update = self._redo(self.weights.flat, entry)
+        if update.digest != entry.weights_digest:
+            raise CheckpointError(
+                f"replaying logged round {entry.round} ({entry.mean_path}) gives weights "
+                f"{update.digest[:16]}..., not the {entry.weights_digest[:16]}... it was broadcast "
+                f"with: the algorithm settings changed since, or the log is damaged; resume with the "
+                f"run's settings, {FRESH_HINT}"
+            )
+        self.weights = GlobalWeights.of(update.global_flat, update.digest)
+        self._chain = True
+
+    def _durable_tensors(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        tensors = {WEIGHTS_KEY: weights}
+        tensors.update({STRATEGY_PREFIX + k: v for k, v in self.ctx.strategy.state_tensors().items()})
+        return tensors
+
+    def _durable_metadata(
+        self,
         digest: str,
         contributors: frozenset[str],
         folded: frozenset[str],
-        record: dict[str, Any] | None = None,
-    ) -> None:
-        """``digest``: of ``weights`` (computed once, by the strategy).
-        ``contributors``/``folded``: of round ``round_number - 1``, just aggregated (the
-        history does not hold it yet). The history lets a restarted coordinator still tell a
-        site whether its update counted, so it neither loses nor resends it."""
+        *,
+        last: int,
+        record: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """What a checkpoint (or round-log entry) of round ``last + 1`` holds besides tensors,
+        as plain JSON values: a snapshot written later must not see the next round's changes.
+        ``contributors``/``folded``: of round ``last``, just aggregated (the history does not
+        hold it yet). The history lets a restarted coordinator still tell a site whether its
+        update counted, so it neither loses nor resends it."""
         ctx = self.ctx
-        assert ctx.config.checkpoint_dir is not None
-        last = round_number - 1
         history = {
             "contributors": {
                 str(t): sorted(sites) for t, sites in {**ctx.contributor_history, last: contributors}.items()
@@ -471,9 +603,7 @@ class RoundPhases:
             "deadline": ctx.policy.state(),
             "update_norms": [] if ctx.engine.guard is None else ctx.engine.guard.state(),
         }
-        tensors = {WEIGHTS_KEY: weights}
-        tensors.update({STRATEGY_PREFIX + k: v for k, v in ctx.strategy.state_tensors().items()})
-        metadata = {
+        metadata: dict[str, Any] = {
             "config": ctx.config.to_dict(),
             "strategy": ctx.strategy.state_meta(),
             "layout": self.layout.to_dict(),
@@ -485,6 +615,5 @@ class RoundPhases:
             metadata[PRIVACY_KEY] = self.privacy.state()
         if record is not None:
             metadata[ROUND_RECORD_KEY] = plain_record(record)
-        save_checkpoint(
-            ctx.config.checkpoint_dir, round_number, tensors, metadata, keep=ctx.config.checkpoint_keep
-        )
+        frozen: dict[str, Any] = json.loads(json.dumps(metadata))
+        return frozen

@@ -25,7 +25,6 @@ from typing import Any
 from geoloco.coordinator.checkpoint import (
     FRESH_HINT,
     POINTER_NAME,
-    Checkpoint,
     CheckpointError,
     archive_previous_run,
     load_latest_checkpoint,
@@ -33,6 +32,7 @@ from geoloco.coordinator.checkpoint import (
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.metrics import append_missing_record
 from geoloco.coordinator.phases import ROUND_RECORD_KEY, GlobalWeights, RoundPhases
+from geoloco.coordinator.round_log import RoundLog
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,19 @@ def start_round(config: CoordinatorConfig, phases: RoundPhases, *, set_aside: bo
             f"{POINTER_NAME} records {str(recorded)[:16]}...; restore both from a backup, {FRESH_HINT}"
         )
     phases.weights = restored
-    _replay_round_record(config, phases, checkpoint)
-    return checkpoint.round
+    metadata, round_number = checkpoint.metadata, checkpoint.round
+    logged = RoundLog(folder).entries(checkpoint.round)
+    for entry in logged:
+        phases.replay_logged(entry)
+    if logged:
+        metadata, round_number = logged[-1].metadata, logged[-1].round + 1
+        phases.restore_state(metadata)
+        logger.info(
+            "replayed %d logged round(s) after the checkpoint of round %d: at round %d",
+            len(logged), checkpoint.round, round_number,
+        )
+    _replay_round_record(config, phases, metadata, round_number)
+    return round_number
 
 
 def set_aside_previous_run(config: CoordinatorConfig) -> Path | None:
@@ -86,18 +97,20 @@ def set_aside_previous_run(config: CoordinatorConfig) -> Path | None:
     return archive
 
 
-def _replay_round_record(config: CoordinatorConfig, phases: RoundPhases, checkpoint: Checkpoint) -> None:
-    """Write the checkpointed round's metrics record if the previous process did not, into the
-    file it was writing to (a session that kept no metrics, or kept them elsewhere, is left so)."""
-    record: Any = checkpoint.metadata.get(ROUND_RECORD_KEY)
-    saved = checkpoint.metadata.get("config")
+def _replay_round_record(
+    config: CoordinatorConfig, phases: RoundPhases, metadata: dict[str, Any], next_round: int
+) -> None:
+    """Write the record of the round before ``next_round`` (from its durable state's
+    ``metadata``) if the previous process did not, into the file it was writing to (a session
+    that kept no metrics, or kept them elsewhere, is left so)."""
+    record: Any = metadata.get(ROUND_RECORD_KEY)
+    saved = metadata.get("config")
     previous = saved.get("metrics_path") if isinstance(saved, dict) else None
     if config.metrics_path is None or not isinstance(record, dict) or not isinstance(previous, str):
         return
     if Path(previous).resolve() != Path(config.metrics_path).resolve():
         return
     record = dict(record)
-    next_round = checkpoint.round
     due = bool(record.get("run_finished")) or next_round % config.eval_every == 0
     if phases.eval_fn is not None and due and record.get("eval_loss") is None:
         # The restored weights are the round's result bit for bit: the same loss as then.

@@ -181,6 +181,8 @@ class RoundStateMachine:
             eval_fn=eval_fn,
         )
         self.engine.restore_outer = self.phases.restore_outer
+        if config.checkpoint_dir is not None:
+            self.phases.enable_round_log()
         start_round = start_round_of(config, self.phases, set_aside=set_aside_previous_run)
         now = self.clock()
         ctx.round = ctx.new_round(start_round, now)
@@ -503,8 +505,15 @@ class RoundStateMachine:
             return self.clock() - self.phases.finished_s >= self.config.drain_timeout_s
 
     def close(self) -> None:
-        """Wake every waiting call with UNAVAILABLE; later polls do nothing."""
+        """Wake every waiting call with UNAVAILABLE; later polls do nothing. A snapshot being
+        written is finished, so a stopped coordinator leaves a short round log."""
         with self._cond:
             self._ctx.close()
             self._cond.notify_all()
         self.intake.shutdown()
+        self.wait_for_snapshot()
+
+    def wait_for_snapshot(self) -> None:
+        """Return once the checkpoint being written in the background (if any) is on disk: the
+        last round's, at the end of a run."""
+        self.phases.snapshots.join()

@@ -232,6 +232,7 @@ class CoordinatorServer:
         self.rounds.close()
         if self._driver is not None:
             self._driver.join(timeout=30)
+        self.rounds.wait_for_snapshot()  # one the driver started while stopping
         if self._server is not None:
             stop_server(self._server, grace)
         self.admission.stop()

@@ -47,6 +47,7 @@ def _two_rounds(tmp_path: Path, metrics: MetricsWriter | None = None) -> RoundSt
         if metrics is not None:
             metrics.write(record)
     assert rounds.round == 2
+    rounds.close()  # as a stopped coordinator: its background snapshot is on disk
     return rounds
 
 

@@ -58,6 +58,7 @@ def _previous_run(tmp_path: Path, rounds: int = 2) -> list[str]:
         assert record is not None
         writer.write(record)
     writer.close()
+    machine.close()  # as a stopped coordinator: its background snapshot is on disk
     return sorted(p.name for p in (tmp_path / "ckpt").iterdir())
 
 

@@ -182,6 +182,23 @@ def test_an_abort_after_the_outer_step_rewinds_the_optimizer_to_the_checkpoint(t
     rounds.close()
 
 
+def test_an_abort_rewinds_through_the_round_log_when_the_checkpoint_is_older(tmp_path: Path) -> None:
+    """Full checkpoints only every 100 rounds: the state of the unchanged weights is the newest
+    checkpoint's plus the logged rounds after it, redone."""
+    rounds = make(tmp_path, update_guard=UpdateGuardConfig(max_abs_weight=5.0), checkpoint_every=100)
+    join(rounds, "a")
+    for seed in (1, 2, 3):
+        round_of(rounds, {"a": unit(rounds.numel, 0.1, seed)})
+    theta = rounds.weights.clone()
+    momentum = {k: v.clone() for k, v in rounds.strategy.state_tensors().items()}
+    record = round_of(rounds, {"a": torch.full((rounds.numel,), 50.0)})
+    assert "checkpoint of round 1 and 2 logged round(s)" in str(record["aborted"]), record["aborted"]
+    assert torch.equal(rounds.weights, theta)
+    state = rounds.strategy.state_tensors()
+    assert state.keys() == momentum.keys() and all(torch.equal(state[k], momentum[k]) for k in state)
+    rounds.close()
+
+
 def test_an_aggregation_that_fails_midway_rejects_the_update_and_aborts_the_round(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -58,6 +58,7 @@ from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorC
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.checkpoint import load_latest_checkpoint
 from geoloco.coordinator.metrics import read_metrics
+from geoloco.coordinator.round_log import RoundLog
 from geoloco.scenarios.workloads import build_workload
 
 
@@ -71,9 +72,10 @@ KILLED_AT = [sys.executable, str(Path(__file__).with_name("_coordinator_killed_a
 
 
 def _coordinator(
-    processes: Processes, label: str, config: Path, certs: Path, *extra: str, kill_at: tuple[str, int] | None = None
+    processes: Processes, label: str, config: Path, certs: Path, *extra: str,
+    kill_at: tuple[str, int] | tuple[str, int, str] | None = None,
 ) -> tuple[Process, int]:
-    moment = [] if kill_at is None else [kill_at[0], str(kill_at[1])]
+    moment = [] if kill_at is None else [str(part) for part in kill_at]
     process = processes.start(
         label, *moment, "coordinator", "--config", str(config), "--certs", str(certs), "--http-port", "0", *extra,
         command=None if kill_at is None else KILLED_AT,
@@ -288,9 +290,12 @@ def test_coordinator_killed_between_checkpoint_and_metrics_replays_the_lost_reco
         first, port = _coordinator(processes, "coordinator", config, certs, kill_at=("checkpoint_saved", lost + 1))
         sites = [_site(processes, f"site-{k}", str(k), port, certs) for k in range(2)]
         assert first.wait_exit() == -signal.SIGKILL, first.describe()
-        # Killed at the chosen moment: round `lost` is checkpointed, its record is not written.
+        # Killed at the chosen moment: round `lost` is durable (in the round log, beside the
+        # checkpoint of the round before: its own snapshot is written after the broadcast), its
+        # record is not written.
         checkpoint = load_latest_checkpoint(checkpoints)
-        assert checkpoint is not None and checkpoint.round == lost + 1
+        assert checkpoint is not None and checkpoint.round == lost
+        assert RoundLog(checkpoints).newest_round() == lost
         assert [r["round"] for r in read_metrics(metrics)] == list(range(lost))
 
         second, _ = _coordinator(processes, "coordinator-again", config, certs, "--port", str(port))
@@ -311,3 +316,45 @@ def test_coordinator_killed_between_checkpoint_and_metrics_replays_the_lost_reco
     checkpoint = load_latest_checkpoint(checkpoints)
     assert checkpoint is not None and checkpoint.round == rounds
     assert torch.equal(checkpoint.tensors["weights"], _simulate(rounds, seed, inner_steps, lr))
+
+
+def test_coordinator_killed_mid_broadcast_replays_its_round_log_and_matches_the_simulator(
+    certs: Path, tmp_path: Path
+) -> None:
+    """Killed while round `mid`'s broadcast is on its way: the sites may hold weights that no
+    full checkpoint has, only the round log (here every round after the first: snapshots only
+    every 100 rounds). The restarted coordinator replays the log to exactly those weights, and
+    the run ends on the uninterrupted run's."""
+    rounds, seed, inner_steps, lr, mid = 7, 6, 3, 3e-3, 3
+    checkpoints = tmp_path / "checkpoints"
+    metrics = tmp_path / "metrics.jsonl"
+    config = tmp_path / "coordinator.toml"
+    text = KILLED_COORDINATOR_CONFIG.format(
+        rounds=rounds, seed=seed, inner_steps=inner_steps, lr=lr, checkpoints=checkpoints, metrics=metrics,
+    )
+    config.write_text(text.replace("checkpoint_dir =", "checkpoint_every = 100\ncheckpoint_dir =", 1))
+    with Processes(tmp_path) as processes:
+        first, port = _coordinator(
+            processes, "coordinator", config, certs, kill_at=("checkpoint_saved", mid + 1, "bytes_sent")
+        )
+        sites = [_site(processes, f"site-{k}", str(k), port, certs) for k in range(2)]
+        assert first.wait_exit() == -signal.SIGKILL, first.describe()
+        snapshot = load_latest_checkpoint(checkpoints)
+        assert snapshot is not None and snapshot.round == 1, "only round 0 has a full checkpoint"
+        assert [e.round for e in RoundLog(checkpoints).entries(1)] == list(range(1, mid + 1))
+
+        second, _ = _coordinator(processes, "coordinator-again", config, certs, "--port", str(port))
+        _, starting = second.wait_line(STARTING, what="the starting line")
+        assert starting["round"] == str(mid + 1) and "resumed from checkpoint" in starting["how"]
+        assert second.wait_exit() == 0, second.describe()
+        _, end = second.wait_line(COORDINATOR_END, what="the coordinator's final line")
+        assert end["how"] == "finished" and end["round"] == str(rounds)
+        digests = [_finished_digest(site) for site in sites]
+        assert set(digests) == {end["digest"]}, f"replicas differ: {digests} vs {end['digest']}"
+
+    records = read_metrics(metrics)
+    assert [r["round"] for r in records] == list(range(rounds)), "every round exactly once"
+    checkpoint = load_latest_checkpoint(checkpoints)
+    assert checkpoint is not None and checkpoint.round == rounds
+    assert torch.equal(checkpoint.tensors["weights"], _simulate(rounds, seed, inner_steps, lr))
+    assert RoundLog(checkpoints).entries(0) == [], "the final checkpoint leaves no round log behind"

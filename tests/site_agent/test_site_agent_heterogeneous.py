@@ -212,16 +212,16 @@ def test_a_late_update_arriving_while_its_round_aggregates_is_folded_once_the_ne
         clock=clock,
     )
     rounds = server.rounds
-    save = rounds.phases.save_checkpoint
+    save = rounds.phases.make_durable
     in_checkpoint, leave_checkpoint = threading.Event(), threading.Event()
 
-    def slow_save(round_number: int, *args: Any, **kwargs: Any) -> None:
-        if round_number == 1:  # the checkpoint taken while aggregating round 0
+    def slow_save(round_number: int, *args: Any, **kwargs: Any) -> Any:
+        if round_number == 0:  # the checkpoint taken while aggregating round 0
             in_checkpoint.set()
             leave_checkpoint.wait(60)
-        save(round_number, *args, **kwargs)
+        return save(round_number, *args, **kwargs)
 
-    rounds.phases.save_checkpoint = slow_save  # type: ignore[method-assign]
+    rounds.phases.make_durable = slow_save  # type: ignore[method-assign]
     release = threading.Event()
     # "slow"'s upload refused as too late: it keeps the update to fold in once round 0's
     # broadcast (held in the checkpoint write) shows round 1 open.

@@ -19,29 +19,50 @@ from geoloco.compression import CodecError, parse_codec
 from geoloco.compression.sparsify import TopK
 from geoloco.compression.tiles import TileTopK
 
-__all__ = ["ALGORITHM_NAMES", "DEFAULT_OUTER_OPTIMIZERS", "PRESETS", "AlgorithmConfig"]
+__all__ = ["ALGORITHM_NAMES", "DEFAULT_OUTER_OPTIMIZERS", "DISTRIBUTED_ALGORITHM_NAMES", "PRESETS", "AlgorithmConfig"]
 
-ALGORITHM_NAMES: tuple[str, ...] = ("diloco", "fedavg", "fedopt", "ddp", "sparseloco")
+ALGORITHM_NAMES: tuple[str, ...] = ("diloco", "fedavg", "fedopt", "ddp", "sparseloco", "sparseloco-tiles")
+DISTRIBUTED_ALGORITHM_NAMES: tuple[str, ...] = tuple(name for name in ALGORITHM_NAMES if name != "ddp")
+"""What the real coordinator (and so the emulator) runs: ``ddp`` is the simulator's baseline of
+full gradients every step, which no deployment would send over a WAN."""
 """The names ``[algorithm] name`` takes (``geoloco.algorithms.strategy.ALGORITHMS`` maps each to
 its strategy class: ``Strategy`` for all but ``ddp``)."""
 
 SPARSELOCO_TILE = 64
-"""SparseLoCo's top-k chunk: the paper tiles each weight matrix into 64 x 64 = 4096 values."""
+"""SparseLoCo's top-k chunk side: the authors chunk each dimension by its largest divisor <= 64,
+so a weight matrix of sides divisible by 64 in 64 x 64 = 4096-value chunks."""
+
+SPARSELOCO_DENSITY = 1 / 64
+"""The authors' top-k share of a full 64 x 64 chunk: ``topk_compression = 64`` values of 4096."""
 
 PRESETS: dict[str, dict[str, Any]] = {
     "sparseloco": {
+        "uplink_codec": f"tiletopk:{SPARSELOCO_DENSITY!r},tile={SPARSELOCO_TILE},divisors|int2mean",
+        "error_feedback": True,
+        "error_feedback_decay": 0.95,
+        "clip_to_median_norm": 1.0,
+    },
+    "sparseloco-tiles": {
         "uplink_codec": f"tiletopk:0.03,tile={SPARSELOCO_TILE}|int2",
         "error_feedback": True,
         "error_feedback_decay": 0.95,
     },
 }
 """``[algorithm]`` keys an algorithm name implies (a preset). ``config_from_dict`` fills in those a
-file or dict leaves out; keys given explicitly win. SparseLoCo (Sarfi et al. 2025): top-k per
-tensor tile (3 % of each 64 x 64 tile of a weight matrix, of each chunk of 4096 values of a 1-D
-tensor; ``geoloco.compression.tiles``) with 2-bit values and error feedback whose residual decays
-by 0.95 per round; its outer optimizer, plain SGD lr 1, is the name's default
-(``DEFAULT_OUTER_OPTIMIZERS``). The flat-chunk variant of earlier versions,
-``topk:0.03,chunk=4096|int2``, is still accepted as the codec of a ``sparseloco`` run."""
+file or dict leaves out; keys given explicitly win.
+
+``sparseloco`` is SparseLoCo (Sarfi et al. 2025) as the authors' code runs it: each dimension of
+a tensor chunked by its largest divisor <= 64 (1-D tensors in chunks of <= 64 values), 64 values
+kept per chunk (1/64 of a full 64 x 64 chunk; at least 2, even, at most the chunk), the kept
+values in 2 bits decoded to per-tensor bin means (``int2mean``), error feedback whose residual
+decays by 0.95 per round, and every site's update scaled down to the round's median update norm
+(``clip_to_median_norm = 1``; the authors clip tensor by tensor, geoloco the whole update). Its
+outer optimizer, plain SGD lr 1, is the name's default (``DEFAULT_OUTER_OPTIMIZERS``).
+
+``sparseloco-tiles`` is what ``sparseloco`` meant before (#27): fixed 64 x 64 tiles (1-D tensors
+in 4096-value runs) keeping 3 % of each, values on the block-absmax 2-bit grid (``int2``), the
+same error feedback, no clipping. The flat-chunk codec ``topk:0.03,chunk=4096|int2`` is still
+accepted for either name."""
 
 
 DEFAULT_OUTER_OPTIMIZERS: dict[str, str] = {
@@ -49,6 +70,7 @@ DEFAULT_OUTER_OPTIMIZERS: dict[str, str] = {
     "fedavg": "sgd",
     "fedopt": "fedadam",
     "sparseloco": "sgd",
+    "sparseloco-tiles": "sgd",
 }
 """The outer optimizer an algorithm name implies when ``[outer_optimizer] name`` is unset (the
 strategies differ in nothing else: one ``Strategy`` class runs them all). DiLoCo (Douillard et al.
@@ -65,8 +87,9 @@ class AlgorithmConfig:
     """Which algorithm, how often sites synchronise, and how updates are compressed and weighted."""
 
     name: str = "diloco"
-    """One of ``ALGORITHM_NAMES``: ``"diloco"``, ``"fedavg"``, ``"fedopt"``, ``"sparseloco"`` (a
-    preset: its ``PRESETS`` keys fill in what the file leaves out) or ``"ddp"`` (baseline)."""
+    """One of ``ALGORITHM_NAMES``: ``"diloco"``, ``"fedavg"``, ``"fedopt"``, ``"sparseloco"`` or
+    ``"sparseloco-tiles"`` (presets: their ``PRESETS`` keys fill in what the file leaves out) or
+    ``"ddp"`` (baseline)."""
     inner_steps: int = 50
     """H: inner steps per round (for ``"ddp"``: synchronous steps per reported round)."""
     uplink_codec: str = "none"
@@ -142,13 +165,13 @@ class AlgorithmConfig:
                 parse_codec(getattr(self, key))
             except (CodecError, ValueError) as err:
                 raise ConfigError(key, str(err)) from None
-        if self.name == "sparseloco":
+        if self.name in PRESETS:
             require(
                 isinstance(getattr(parse_codec(self.uplink_codec), "sparsifier", None), (TopK, TileTopK)),
                 "uplink_codec",
-                f"sparseloco sends chunked top-k updates, got {self.uplink_codec!r}; leave "
-                f"uplink_codec unset for the preset's {PRESETS['sparseloco']['uplink_codec']!r} "
-                "(in code: AlgorithmConfig.preset(\"sparseloco\", ...)) or give a 'tiletopk:F' or "
+                f"{self.name} sends chunked top-k updates, got {self.uplink_codec!r}; leave "
+                f"uplink_codec unset for the preset's {PRESETS[self.name]['uplink_codec']!r} "
+                f"(in code: AlgorithmConfig.preset(\"{self.name}\", ...)) or give a 'tiletopk:F' or "
                 "'topk:F' codec",
             )
         require(
@@ -207,7 +230,13 @@ class AlgorithmConfig:
                 not self.robust_rule.enabled,
                 "partial_updates.enabled",
                 "robust aggregation compares whole updates coordinate by coordinate; partial "
-                "updates cover different coordinates per site: use aggregation = \"mean\"",
+                "updates cover different coordinates per site: use aggregation = \"mean\""
+                + (
+                    " (the sparseloco preset clips to the median norm: use name = \"sparseloco-tiles\", "
+                    "which does not)"
+                    if self.name == "sparseloco"
+                    else ""
+                ),
             )
         if self.adaptive_uplink.enabled:
             why = self.adaptive_uplink.check_base_codec(self.uplink_codec)

@@ -37,7 +37,7 @@ TUNED = ["outer_optimizer.lr=1.0", "outer_optimizer.momentum=0.5"]
 """bench_diloco.py's tuned outer step (found at T=200, seed 0, on the small GPT)."""
 PPU = ["algorithm.partial_updates.enabled=true", "algorithm.partial_updates.groups=2"]
 SPARSELOCO = [
-    "algorithm.name=sparseloco", "algorithm.uplink_codec=tiletopk:0.03,tile=64|int2",
+    "algorithm.name=sparseloco-tiles", "algorithm.uplink_codec=tiletopk:0.03,tile=64|int2",
     "algorithm.error_feedback_decay=0.95", "outer_optimizer.name=sgd", "outer_optimizer.lr=1.0",
     "outer_optimizer.momentum=0.0",
 ]
@@ -49,7 +49,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "c100": ("(c) at H=100", [*TUNED, "algorithm.inner_steps=100"]),
     "d": ("(c) + `int8` + EF", [*TUNED, "algorithm.uplink_codec=int8"]),
     "e": ("(c) + `randk:0.5\\|int2` + EF", [*TUNED, "algorithm.uplink_codec=randk:0.5|int2"]),
-    "s": ("SparseLoCo preset: `tiletopk:0.03,tile=64\\|int2`, EF decay 0.95, outer SGD lr 1", SPARSELOCO),
+    "s": ("SparseLoCo tiles (`sparseloco` before #27): `tiletopk:0.03,tile=64\\|int2`, EF decay 0.95, outer SGD lr 1",
+          SPARSELOCO),
     "s2": ("(c) + SparseLoCo's codec and EF decay 0.95",
            [*TUNED, "algorithm.uplink_codec=tiletopk:0.03,tile=64|int2", "algorithm.error_feedback_decay=0.95"]),
     "p": ("(c) + PPU blocks/2", [*TUNED, *PPU]),

@@ -10,7 +10,11 @@ Specs (see :func:`describe_codecs` for the generated list)::
     int8 | int4 | int2 | int1 block-wise quantization, options block=N (default 256, multiple of 8)
                               and the flag stochastic (unbiased rounding); see quantize.py
     topk:F[,chunk=N]          per-chunk top-k by magnitude, indices bit-packed; see sparsify.py
-    tiletopk:F[,tile=T]       top-k per TxT tile of each tensor (SparseLoCo); see tiles.py
+    tiletopk:F[,tile=T][,divisors]
+                              top-k per TxT tile of each tensor; divisors: SparseLoCo's own chunking
+                              (each dimension by its largest divisor <= T); see tiles.py
+    int2mean[:sigmas=S]       SparseLoCo's 2-bit quantizer: mean-shifted, sigma-scaled bins decoded
+                              to each bin's mean (4 float32 means per tensor); see bin_means.py
     randk:F[,unbiased][,shared]
                               random-k from encode()'s seed, indices not sent: per-site coordinates
                               by default, the same coordinates at every site with shared (the
@@ -31,7 +35,8 @@ for ``n`` values of original dtype size ``d`` bytes is
   ``k = (n // c) * ceil(F * c) + ceil(F * (n % c))``
 - ``randk:F|V``: ``8 + V(ceil(F * n))`` (the seed)
 - ``tiletopk:F,tile=T|V``: ``8 + 8 * tensors + roundup8(ceil(k * ceil(log2 T²) / 8)) + V(k)``,
-  ``k`` summed over the tiles (tiles.py)
+  ``k`` summed over the tiles (tiles.py; the same with ``divisors``, other tiles and counts)
+- ``int2mean``: ``16 * runs + ceil(n / 4)``, one run per tensor after ``tiletopk``, else one
 
 ``Codec.encoded_nbytes(shape, dtype)`` gives that size without encoding (for simulated links);
 ``decode(..., out=buffer)`` decodes into a preallocated tensor. Decoding data that is truncated,

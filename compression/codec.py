@@ -20,6 +20,7 @@ from typing import Final, Literal
 import torch
 
 from geoloco.compression import _memory
+from geoloco.compression.bin_means import BinMeanQuantizer
 from geoloco.compression.casts import Cast, Lossless
 from geoloco.compression.encoded import DTYPE_CODES, CodecError, Encoded
 from geoloco.compression.quantize import BLOCK_OPTION, STOCHASTIC_OPTION, BlockQuantizer
@@ -137,9 +138,17 @@ class PipelineCodec(Codec):
         """Exact payload size for a tensor of ``numel`` elements of ``dtype`` (``sparsifier``:
         the pipeline's own bound to a shape or payload, when its size depends on it)."""
         sparsifier = sparsifier or self.sparsifier
+        values = self._values_for(sparsifier, numel)
         if sparsifier is None:
-            return self.values.payload_nbytes(numel, dtype)
-        return sparsifier.index_nbytes(numel) + self.values.payload_nbytes(sparsifier.num_selected(numel), dtype)
+            return values.payload_nbytes(numel, dtype)
+        return sparsifier.index_nbytes(numel) + values.payload_nbytes(sparsifier.num_selected(numel), dtype)
+
+    def _values_for(self, sparsifier: Sparsifier | None, numel: int) -> ValueCodec:
+        """The value codec for what ``sparsifier`` (bound to a shape or payload) keeps of
+        ``numel`` values: told the per-tensor runs, for codecs that code tensors apart."""
+        if sparsifier is None:
+            return self.values
+        return self.values.for_segments(sparsifier.value_segments(numel))
 
     def encoded_nbytes(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> int:
         numel = math.prod(shape)
@@ -169,7 +178,7 @@ class PipelineCodec(Codec):
             else:
                 index_nbytes = sparsifier.index_nbytes(numel)
                 chosen = sparsifier.select(flat, payload[:index_nbytes], seed=seed)
-                self.values.encode_into(chosen, payload[index_nbytes:], absmax=absmax)
+                self._values_for(sparsifier, numel).encode_into(chosen, payload[index_nbytes:], absmax=absmax)
         return Encoded(self.spec, tuple(tensor.shape), tensor.dtype, payload)
 
     def decode(
@@ -252,7 +261,7 @@ class PipelineCodec(Codec):
                 assert sparsifier is not None
                 index_nbytes = sparsifier.index_nbytes(numel)
                 chosen = torch.empty(sparsifier.num_selected(numel), dtype=torch.float32, device=device)
-                self.values.decode_into(payload[index_nbytes:], chosen, encoded.dtype)
+                self._values_for(sparsifier, numel).decode_into(payload[index_nbytes:], chosen, encoded.dtype)
                 yield sparsifier.selected(payload[:index_nbytes], chosen, numel)
         except CodecError:
             raise
@@ -280,7 +289,8 @@ class PipelineCodec(Codec):
                 else:
                     index_nbytes = sparsifier.index_nbytes(numel)
                     chosen = torch.empty(sparsifier.num_selected(numel), dtype=result.dtype, device=target)
-                    self.values.decode_into(payload[index_nbytes:], chosen, encoded.dtype)
+                    values = self._values_for(sparsifier, numel)
+                    values.decode_into(payload[index_nbytes:], chosen, encoded.dtype)
                     sparsifier.scatter_into(payload[:index_nbytes], chosen, result)
         except CodecError:
             raise
@@ -384,6 +394,7 @@ CODECS: Final[dict[str, CodecType]] = {
         _quantizer_type(4, "4-bit block absmax quantization, error <= absmax/14"),
         _quantizer_type(2, "2-bit block absmax quantization (levels ±absmax/3, ±absmax), error <= absmax/3"),
         _quantizer_type(1, "1-bit sign quantization scaled by the block's mean |x| (stochastic: by absmax)"),
+        CodecType("int2mean", "values", BinMeanQuantizer.summary, BinMeanQuantizer.options, None, BinMeanQuantizer),
         CodecType("topk", "sparsifier", TopK.summary, TopK.options, TopK.positional, TopK),
         CodecType("randk", "sparsifier", RandK.summary, RandK.options, RandK.positional, RandK),
         CodecType("tiletopk", "sparsifier", TileTopK.summary, TileTopK.options, TileTopK.positional, TileTopK),

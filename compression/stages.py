@@ -109,6 +109,11 @@ class ValueCodec(Stage):
         payload length; contents that cannot be valid raise :class:`CodecError`.
         """
 
+    def for_segments(self, segments: tuple[int, ...] | None) -> ValueCodec:
+        """The value codec that codes values made of these consecutive runs (one per tensor, from
+        ``Sparsifier.value_segments``): itself, unless it codes each run apart (``int2mean``)."""
+        return self
+
     def decode_pieces(
         self, payload: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device
     ) -> Iterator[tuple[int, torch.Tensor]]:
@@ -162,6 +167,11 @@ class Sparsifier(Stage):
     @abstractmethod
     def num_selected(self, numel: int) -> int:
         """How many values are kept out of ``numel``."""
+
+    def value_segments(self, numel: int) -> tuple[int, ...] | None:
+        """How many of the kept values come from each tensor, in payload order, when the
+        sparsifier knows the tensors (``tiletopk``); None: the values are one run."""
+        return None
 
     @abstractmethod
     def index_nbytes(self, numel: int) -> int:

@@ -21,6 +21,18 @@ model it came from::
 
 Tiles are visited per tensor in four regions, each a grid of equal tiles in row-major order:
 full tiles, the right edge column, the bottom edge row, the corner.
+
+``tiletopk:F,tile=T,divisors`` chunks as the authors' code does instead (``ChunkingTransformer``
+and ``TopKCompressor`` of tplr-ai's SparseLoCo / templar): each dimension is cut by its largest
+divisor ``<= T`` (their ``_get_smaller_split``), so every chunk of a tensor has the same shape and
+there are no edge tiles; a 1-D tensor (read as one row) is cut into chunks of at most ``T`` values,
+and a dimension with no divisor in ``2..T`` (a prime above ``T``) into chunks of 1. The authors
+keep a fixed count ``k`` per chunk; here ``k = ceil(F * T * T)`` (``F = 1/64`` at ``T = 64`` is
+their ``topk_compression = 64``), clamped as they clamp it: at most the chunk's size, at least 2,
+rounded down to even (their 12-bit indices are packed in pairs), and never more than the chunk
+holds. So a chunk smaller than a full ``T x T`` one keeps the same count, not the same share: a
+1-D tensor in 64-value chunks is sent whole at ``k >= 64``, as theirs is. The wire format is the
+same, with one grid of equal chunks per tensor as its only region.
 """
 
 from __future__ import annotations
@@ -49,6 +61,12 @@ TILE_OPTION: Final = Option(
 _HEADER: Final = 8
 _ENTRY: Final = 8
 _MAX_DIM: Final = 2**32 - 1
+
+DIVISORS_OPTION: Final = Option(
+    "divisors",
+    "flag",
+    "the authors' chunking: each dimension by its largest divisor <= T, ceil(F*T*T) kept per chunk (>= 2, even)",
+)
 
 Shape = tuple[int, int]
 
@@ -86,7 +104,24 @@ def matrix_shape(shape: Sequence[int]) -> Shape | None:
     return (int(shape[0]), numel // int(shape[0]))
 
 
-def _regions(shapes: Sequence[Shape], tile: int) -> Iterator[_Region]:
+def largest_divisor(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is at most ``limit`` (``n`` itself when ``n <= limit``):
+    the chunk side the authors' ``_get_smaller_split(n, limit)`` picks for a dimension of ``n``."""
+    for divisor in range(min(n, limit), 0, -1):
+        if n % divisor == 0:
+            return divisor
+    raise ValueError(f"largest_divisor needs n >= 1 and limit >= 1, got n={n}, limit={limit}")
+
+
+def _divisor_regions(shapes: Sequence[Shape], tile: int) -> Iterator[_Region]:
+    offset = 0
+    for rows, cols in shapes:
+        height, width = largest_divisor(rows, tile), largest_divisor(cols, tile)
+        yield _Region(offset, cols, 0, 0, rows // height, cols // width, height, width)
+        offset += rows * cols
+
+
+def _tile_regions(shapes: Sequence[Shape], tile: int) -> Iterator[_Region]:
     offset = 0
     for rows, cols in shapes:
         height, width = (1, tile * tile) if rows == 1 else (tile, tile)
@@ -110,15 +145,21 @@ class TileTopK(Sparsifier):
 
     fraction: float
     tile: int = 64
+    divisors: bool = False
+    """Chunk each dimension by its largest divisor <= ``tile`` and keep the authors' fixed count
+    per chunk (module docstring); False: ``tile x tile`` tiles keeping ``fraction`` of each."""
     shapes: tuple[Shape, ...] | None = field(default=None, compare=False)
     """The tensors of the flat vector as ``(rows, cols)``; None: tile the encoded tensor's own shape."""
     _exact: Fraction = field(init=False, repr=False, compare=False)
 
     name: ClassVar[str] = "tiletopk"
-    summary: ClassVar[str] = "keep the largest magnitudes per TxT tile of each tensor (SparseLoCo's chunking)"
+    summary: ClassVar[str] = (
+        "keep the largest magnitudes per TxT tile of each tensor (divisors: SparseLoCo's own chunking)"
+    )
     options: ClassVar[tuple[Option, ...]] = (
         Option("fraction", "fraction", "share of each tile's values to keep"),
         TILE_OPTION,
+        DIVISORS_OPTION,
     )
     positional: ClassVar[str | None] = "fraction"
 
@@ -173,11 +214,24 @@ class TileTopK(Sparsifier):
             )
         return shapes
 
+    def _regions(self, shapes: Sequence[Shape]) -> Iterator[_Region]:
+        return _divisor_regions(shapes, self.tile) if self.divisors else _tile_regions(shapes, self.tile)
+
     def _keep(self, size: int) -> int:
-        return min(size, math.ceil(self._exact * size))
+        if not self.divisors:
+            return min(size, math.ceil(self._exact * size))
+        keep = max(2, min(math.ceil(self._exact * self.tile * self.tile), size))
+        return min(size, keep - keep % 2)
 
     def num_selected(self, numel: int) -> int:
-        return sum(r.tiles * self._keep(r.size) for r in _regions(self._shapes_for(numel), self.tile))
+        return sum(r.tiles * self._keep(r.size) for r in self._regions(self._shapes_for(numel)))
+
+    def value_segments(self, numel: int) -> tuple[int, ...]:
+        """Kept values per tensor, in payload order: a value codec that codes each tensor's
+        values apart (``int2mean``'s per-tensor table) reads its runs from these."""
+        return tuple(
+            sum(r.tiles * self._keep(r.size) for r in self._regions([shape])) for shape in self._shapes_for(numel)
+        )
 
     def _header_nbytes(self, numel: int) -> int:
         return _HEADER + _ENTRY * len(self._shapes_for(numel))
@@ -192,7 +246,7 @@ class TileTopK(Sparsifier):
             raise ValueError("tiletopk handles tensor dimensions below 2**32")
         values: list[torch.Tensor] = []
         local: list[torch.Tensor] = []
-        for region in _regions(shapes, self.tile):
+        for region in self._regions(shapes):
             tiles = _tiles(flat, region)
             _, index = torch.topk(tiles.abs(), self._keep(region.size), dim=1, sorted=False)
             values.append(torch.gather(tiles, 1, index).reshape(-1))
@@ -217,7 +271,7 @@ class TileTopK(Sparsifier):
         local = unpack_uint(packed, count, self.index_bits).to(values.device)
         coords = torch.empty(count, dtype=torch.int64, device=values.device)
         start = 0
-        for region in _regions(shapes, self.tile):
+        for region in self._regions(shapes):
             keep = self._keep(region.size)
             stop = start + region.tiles * keep
             part = local[start:stop]

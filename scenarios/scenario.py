@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from geoloco.algorithms.algorithm_config import DISTRIBUTED_ALGORITHM_NAMES
 from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
@@ -78,8 +79,6 @@ CUT_LINK = "cut_link"
 FAULT_KINDS = (KILL_SITE, KILL_COORDINATOR, CUT_LINK)
 """What a ``[[faults]]`` entry can do."""
 
-EMULATED_ALGORITHMS = ("diloco", "fedavg", "fedopt", "sparseloco")
-"""Algorithms the real coordinator runs (``geoloco.coordinator.config.SUPPORTED_ALGORITHMS``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -325,9 +324,9 @@ class Scenario:
     def validate(self) -> None:
         require(len(self.sites) >= 1, "sites", "at least one [[sites]] table is needed")
         require(
-            self.algorithm.name in EMULATED_ALGORITHMS,
+            self.algorithm.name in DISTRIBUTED_ALGORITHM_NAMES,
             "algorithm.name",
-            f"the emulator runs the real coordinator, which runs {', '.join(EMULATED_ALGORITHMS)}; "
+            f"the emulator runs the real coordinator, which runs {', '.join(DISTRIBUTED_ALGORITHM_NAMES)}; "
             f"for a data-parallel baseline use name = \"fedavg\" with inner_steps = 1, "
             f"[inner_optimizer] name = \"sgd\" and no compression (exactly synchronous SGD), or "
             f"run {self.algorithm.name!r} in `geoloco simulate`",

@@ -22,7 +22,7 @@ from geoloco.algorithms.strategy import (
 
 
 def test_registry_and_default_outer_optimizers() -> None:
-    assert set(ALGORITHMS) == {"diloco", "fedavg", "fedopt", "ddp", "sparseloco"}
+    assert set(ALGORITHMS) == {"diloco", "fedavg", "fedopt", "ddp", "sparseloco", "sparseloco-tiles"}
     cases = {"diloco": ("nesterov", 0.7, 0.9), "fedavg": ("sgd", 1.0, 0.0), "fedopt": ("fedadam", 0.01, 0.0)}
     for name, (opt, lr, momentum) in cases.items():
         s = build_strategy(AlgorithmConfig(name=name), numel=4)

@@ -40,7 +40,7 @@ def test_canonical_spec(spec: str, canonical: str) -> None:
 
 def test_registry_lists_every_codec() -> None:
     assert set(CODEC_NAMES) == {
-        "none", "fp32", "bf16", "fp16", "int8", "int4", "int2", "int1", "topk", "randk", "tiletopk"
+        "none", "fp32", "bf16", "fp16", "int8", "int4", "int2", "int1", "int2mean", "topk", "randk", "tiletopk"
     }
     help_text = describe_codecs()
     for name in CODEC_NAMES:

@@ -1,5 +1,6 @@
-"""``tiletopk``: top-k per 64x64 tile of each tensor (SparseLoCo's chunking), against hand-computed
-cases, and its decode-and-add path against decode-then-add."""
+"""``tiletopk``: top-k per fixed 64x64 tile of each tensor (the ``sparseloco-tiles`` variant; the
+authors' divisor chunking, ``divisors``, is in test_compression_sparseloco.py), against
+hand-computed cases, and its decode-and-add path against decode-then-add."""
 
 from __future__ import annotations
 

@@ -78,15 +78,27 @@ def test_two_sites_over_grpc_end_on_the_simulators_weights_uploading_only_their_
         assert record["bytes_up"]["1"] + 1000 < full  # site 1 trains 164 of 1,732 values
 
 
-@pytest.mark.parametrize("partial", [False, True], ids=["sparseloco", "sparseloco-ppu"])
-def test_sparseloco_tiles_per_tensor_over_grpc_and_matches_the_simulator(certs: Path, partial: bool) -> None:
+SPARSELOCO = AlgorithmConfig.preset("sparseloco", inner_steps=3, uplink_codec="tiletopk:0.1,tile=8,divisors|int2mean")
+"""The authors' SparseLoCo (divisor chunks, per-tensor bin means, median-norm clipping) at a tile
+small enough for the MLP's tensors."""
+TILES_PPU = AlgorithmConfig(
+    name="fedavg", inner_steps=3, uplink_codec="tiletopk:0.1,tile=8|int2", error_feedback_decay=0.95,
+    partial_updates=PARTIAL,
+)
+"""The earlier tiles variant with partial updates, under the name the coordinator runs (fedavg is
+outer SGD lr 1, as ``sparseloco-tiles``; median clipping, which ``sparseloco`` turns on, cannot
+combine with partial updates)."""
+
+
+@pytest.mark.parametrize("algorithm", [SPARSELOCO, TILES_PPU], ids=["sparseloco", "sparseloco-tiles-ppu"])
+def test_sparseloco_tiles_per_tensor_over_grpc_and_matches_the_simulator(
+    certs: Path, algorithm: AlgorithmConfig
+) -> None:
     """The sites' uplink codec is bound to the model's (or their group's) tensor shapes, the
-    coordinator decodes the tiles from the payload alone, and both end bit for bit equal."""
-    extra = {"partial_updates": PARTIAL} if partial else {}
-    run = Run(
-        workload=build_workload("mlp"), num_sites=2, rounds=3, seed=6,
-        algorithm=AlgorithmConfig.preset("sparseloco", inner_steps=3, uplink_codec="tiletopk:0.1,tile=8|int2", **extra),
-    )
+    coordinator decodes the tiles (and the per-tensor bin means) from the payload alone, and both
+    end bit for bit equal (the clipped mean combines in site-name order, whatever the arrivals)."""
+    partial = algorithm.partial_updates.enabled
+    run = Run(workload=build_workload("mlp"), num_sites=2, rounds=3, seed=6, algorithm=algorithm)
     server = run.start_coordinator(certs)
     threads = [AgentThread(run.agent(certs, server.port, k)) for k in range(run.num_sites)]
     try:

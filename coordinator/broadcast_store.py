@@ -3,31 +3,101 @@
 Sites that wait, reconnect or resume late fetch the last round's delta until the next round
 closes, so the coordinator keeps it that long, and it coincided with the next round's own
 aggregation (the memory peak). A delta of at least ``SPILL_MIN_BYTES`` (a lossless downlink of a
-big model) is written to an unnamed file beside the checkpoints (``FileBlob``) straight from the
-encoded delta's payload, never serialised into one model-sized ``bytes``, while the checkpoint is
-being written, its SHA-256 taken in the same pass; it is then served from the file chunk by
-chunk. Smaller ones (compressed downlinks) stay in memory, where a file would only add work.
+big model) moves to an unnamed file beside the checkpoints (``FileBlob``) straight from the
+encoded delta's payload, never serialised into one model-sized ``bytes``. The move is off the
+round's critical path: the broadcast is published as soon as its SHA-256 is taken (the sites'
+manifest needs it), served from the payload's memory meanwhile (``SpillingBlob``), and from the
+file once it is written, when the memory goes. Smaller deltas stay in memory, where a file would
+only add work.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
+from typing import Any
 
 from geoloco.compression import Encoded
-from geoloco.protos.wire_files import FileBlob
+from geoloco.protos.wire_files import FileBlob, RangeBlob
 
-__all__ = ["SPILL_MIN_BYTES", "PreparedBroadcast"]
+__all__ = ["SPILL_MIN_BYTES", "PreparedBroadcast", "SpillingBlob"]
+
+logger = logging.getLogger(__name__)
+
+_HASH_BLOCK = 16 << 20
 
 SPILL_MIN_BYTES = 64 << 20
 """Deltas this large or larger are served from a file, smaller ones from memory."""
 
 
+class SpillingBlob(RangeBlob):
+    """A delta served from its encoded parts in memory until ``spill`` has copied them to an
+    unnamed file, then from the file: readers never wait for the copy, and the parts are
+    released as soon as it is done."""
+
+    __slots__ = ("_file", "_lock", "_parts", "_size")
+
+    def __init__(self, parts: tuple[bytes, memoryview, bytes]) -> None:
+        self._parts: tuple[bytes, memoryview, bytes] | None = parts
+        self._size = sum(len(part) for part in parts)
+        self._file: FileBlob | None = None
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def read(self, offset: int, size: int) -> bytes:
+        if offset < 0 or size < 0:
+            raise ValueError(f"offset and size must be >= 0, got {offset} and {size}")
+        with self._lock:
+            file, parts = self._file, self._parts
+        if file is not None:
+            return file.read(offset, size)
+        assert parts is not None
+        out: list[bytes] = []
+        end = min(self._size, offset + size)
+        at = 0
+        for part in parts:
+            lo, hi = max(offset, at), min(end, at + len(part))
+            if lo < hi:
+                out.append(bytes(part[lo - at : hi - at]))
+            at += len(part)
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def hash_into(self, digest: Any) -> None:
+        """Update ``digest`` (a ``hashlib`` object) with the bytes, from wherever they are."""
+        with self._lock:
+            file, parts = self._file, self._parts
+        if parts is not None:
+            for part in parts:
+                digest.update(part)
+            return
+        assert file is not None
+        for offset in range(0, self._size, _HASH_BLOCK):
+            digest.update(file.read(offset, _HASH_BLOCK))
+
+    @property
+    def spilled(self) -> bool:
+        """Served from the file now (the memory is released)."""
+        with self._lock:
+            return self._file is not None
+
+    def spill(self, directory: str | os.PathLike[str] | None) -> None:
+        with self._lock:
+            parts = self._parts
+        if parts is None:
+            return
+        file = FileBlob.spill_parts(parts, directory)
+        with self._lock:
+            self._file, self._parts = file, None
+
+
 class PreparedBroadcast:
-    """Serialise one encoded delta, hash it (and, when large, spill it) in a background thread;
-    hashlib and file writes release the GIL, so this overlaps the checkpoint write. ``result()``
-    waits for it and returns the bytes to serve and their SHA-256."""
+    """Serialise one encoded delta, hash it and, when large, move it to a file, in a background
+    thread (hashlib and file writes release the GIL). ``result()`` waits for the hash only and
+    returns the bytes to serve and their SHA-256; a large delta's move to its file goes on."""
 
     def __init__(
         self,
@@ -40,41 +110,45 @@ class PreparedBroadcast:
         assert parts is not None
         self.nbytes = sum(len(part) for part in parts)
         """Size of the encoded delta on the wire."""
-        self._data: bytes | None = None
-        if self.nbytes < spill_min_bytes:
-            self._data = b"".join(parts)
-            parts = None
-        self._parts = parts
+        self._served: bytes | SpillingBlob = (
+            SpillingBlob(parts) if self.nbytes >= spill_min_bytes else b"".join(parts)
+        )
+        del parts
         self._directory = directory
-        self._served: bytes | FileBlob | None = None
         self._sha256: bytes | None = None
-        self._error: BaseException | None = None
+        self._error: OSError | None = None
+        self._hashed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="geoloco-broadcast-prepare", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        digest = hashlib.sha256()
-        try:
-            if self._parts is not None:
-                self._served = FileBlob.spill_parts(self._parts, self._directory, digest=digest)
-            else:
-                digest.update(self._data or b"")
-                self._served = self._data
-            self._sha256 = digest.digest()
-        except BaseException as exc:  # noqa: BLE001 - reported by ``error``; served from memory
-            self._error = exc
-            self._sha256 = None
-            self._served = self._data if self._data is not None else b"".join(self._parts or ())
-
-    def result(self) -> tuple[bytes | FileBlob, bytes | None]:
-        """(bytes or ``FileBlob`` to serve, SHA-256 or None when it could not be taken)."""
-        self._thread.join()
         served = self._served
-        assert served is not None
-        self._data = self._parts = None
-        return served, self._sha256
+        try:
+            digest = hashlib.sha256()
+            if isinstance(served, SpillingBlob):
+                served.hash_into(digest)
+            else:
+                digest.update(served)
+            self._sha256 = digest.digest()
+        finally:
+            self._hashed.set()
+        if isinstance(served, SpillingBlob):
+            try:
+                served.spill(self._directory)
+            except OSError as exc:  # reported by ``error``; served from memory meanwhile
+                self._error = exc
+                logger.warning("the broadcast stays in memory: %s", exc)
+
+    def result(self) -> tuple[bytes | SpillingBlob, bytes | None]:
+        """(bytes or ``SpillingBlob`` to serve, SHA-256 or None when it could not be taken)."""
+        self._hashed.wait()
+        return self._served, self._sha256
+
+    def join(self) -> None:
+        """Wait for a large delta's move to its file too (tests, and memory measurements)."""
+        self._thread.join()
 
     @property
-    def error(self) -> BaseException | None:
-        """What went wrong while spilling (then the delta is served from memory)."""
+    def error(self) -> OSError | None:
+        """What went wrong while moving the delta to its file (then it is served from memory)."""
         return self._error

@@ -15,7 +15,7 @@ import torch
 
 from geoloco.algorithms.round import Round
 from geoloco.coordinator.round_timing import RoundTimings
-from geoloco.protos.wire_files import FileBlob
+from geoloco.protos.wire_files import RangeBlob
 
 __all__ = [
     "OPEN_PHASES",
@@ -95,7 +95,7 @@ class BroadcastRecord:
     """What the coordinator broadcast at the end of ``round``."""
 
     round: int
-    data: bytes | FileBlob
+    data: bytes | RangeBlob
     """``Encoded.to_bytes()`` of the downlink delta; a large one in a file
     (``geoloco.coordinator.broadcast_store``)."""
     codec: str

@@ -241,9 +241,9 @@ class RoundPhases:
         )
         del result, stepped
         serialised = time.perf_counter()
-        # The broadcast's manifest checksum, hashed beside the checkpoint write (hashlib and file
-        # writes release the GIL) instead of by the first AwaitBroadcast after the round; a large
-        # delta goes to a file in the same pass (``geoloco.coordinator.broadcast_store``).
+        # The broadcast's manifest checksum, hashed beside the round log's commit (hashlib
+        # releases the GIL) instead of by the first AwaitBroadcast after the round; a large
+        # delta then moves to a file while it is served (``geoloco.coordinator.broadcast_store``).
         prepared = PreparedBroadcast(
             update.downlink, directory=ctx.config.checkpoint_dir, spill_min_bytes=self.spill_min_bytes
         )
@@ -302,8 +302,6 @@ class RoundPhases:
             timings.record("checkpoint", time.perf_counter() - checkpoint_start)
         broadcast_start = time.perf_counter()
         served, delta_sha256 = prepared.result()
-        if prepared.error is not None:
-            logger.warning("the broadcast of round %d stays in memory: %s", r.number, prepared.error)
         record = BroadcastRecord(
             round=r.number,
             data=served,

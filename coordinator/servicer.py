@@ -31,7 +31,7 @@ from geoloco.protos.errors import IdentityError
 from geoloco.protos.transport_tls import resolve_site
 from geoloco.protos.wire_assembly import read_upload_manifest
 from geoloco.protos.wire_chunks import ChunkRef, broadcast_responses, message_nbytes, model_responses
-from geoloco.protos.wire_files import FileBlob
+from geoloco.protos.wire_files import RangeBlob
 
 __all__ = ["CoordinatorServicer"]
 
@@ -204,8 +204,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return
 
     def _shard_header(
-        self, header: pb.BroadcastHeader, found: BroadcastHeader, key: ShardKey, data: bytes | FileBlob | None
-    ) -> bytes | FileBlob | None:
+        self, header: pb.BroadcastHeader, found: BroadcastHeader, key: ShardKey, data: bytes | RangeBlob | None
+    ) -> bytes | RangeBlob | None:
         """Turn a broadcast header into a rank's (``geoloco.coordinator.shard_views``): the
         digest of its rows of the new weights and, where the codec allows, only its rows of the
         delta; returns the bytes to serve."""

@@ -36,7 +36,7 @@ from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.shards import MAX_SHARDS
 from geoloco.protos.errors import quoted
 from geoloco.protos.wire_buffers import as_byte_view
-from geoloco.protos.wire_files import FileBlob
+from geoloco.protos.wire_files import FileBlob, RangeBlob
 
 __all__ = ["ShardKey", "ShardSlice", "ShardViews"]
 
@@ -48,7 +48,7 @@ ShardKey = tuple[int, int, str]
 class ShardSlice:
     """A rank's rows of one broadcast delta, encoded, with what its manifest needs."""
 
-    data: bytes | FileBlob
+    data: bytes | RangeBlob
     sha256: bytes
     codec: str
     numel: int
@@ -139,7 +139,7 @@ class ShardViews:
         data = record.data
         digest = hashlib.sha256()
         try:
-            if isinstance(data, FileBlob):  # a big delta: its slices go to files too, piece by piece
+            if isinstance(data, RangeBlob):  # a big delta: its slices go to files too, piece by piece
                 served: bytes | FileBlob = FileBlob.spill_parts(
                     slicing.sliced_parts(data.read, ranges), self._spill_directory, digest=digest
                 )

@@ -24,7 +24,7 @@ from geoloco.protos.wire_buffers import (
     num_chunks_for,
     ranges_to_indices,
 )
-from geoloco.protos.wire_files import FileBlob
+from geoloco.protos.wire_files import RangeBlob
 
 # ---------------------------------------------------------------------------------------------
 # Chunks without protobuf copies
@@ -210,21 +210,21 @@ def iter_chunks(
     indices: Iterable[int] | None = None,
     stride: int = 1,
 ) -> Iterator[ChunkRef]:
-    """``ChunkRef``s viewing ``data`` (no copy; a ``FileBlob`` is read chunk by chunk): every
+    """``ChunkRef``s viewing ``data`` (no copy; a ``RangeBlob`` is read chunk by chunk): every
     ``stride``-th from index ``start``, or just ``indices``.
 
     The bytes are read when gRPC serializes each chunk, i.e. while the stream is being sent:
     ``data`` must not change until the stream is done (serve a snapshot, not a tensor that the
     next outer step updates in place).
     """
-    source = data if isinstance(data, FileBlob) else as_byte_view(data)
+    source = data if isinstance(data, RangeBlob) else as_byte_view(data)
     count = num_chunks_for(len(source), chunk_size)
     wanted: Iterable[int] = range(start, count, max(1, stride)) if indices is None else indices
     for index in wanted:
         if not 0 <= index < count:
             raise ValueError(f"chunk index {index} out of range 0..{count - 1}")
         offset = index * chunk_size
-        if isinstance(source, FileBlob):
+        if isinstance(source, RangeBlob):
             # Read as the chunk is sent: one chunk in memory per stream, not the blob.
             yield ChunkRef(index, source.read(offset, chunk_size))
         else:
@@ -277,7 +277,7 @@ def broadcast_responses(
         return
     if delta is None:
         raise ValueError("an APPLY_DELTA broadcast needs the encoded delta's bytes")
-    source = delta if isinstance(delta, FileBlob) else as_byte_view(delta)
+    source = delta if isinstance(delta, RangeBlob) else as_byte_view(delta)
     if len(source) != header.delta.total_bytes:
         raise ValueError(
             f"delta has {len(source)} bytes but the header announces {header.delta.total_bytes}"

@@ -9,7 +9,8 @@ disk) and reads each chunk with ``os.pread`` as it is sent, so the bytes live in
 cache, which the kernel can drop, not in the process's resident memory. ``pread`` rather than
 ``mmap``: pages of a mapping that were sent count in the process's RSS until it is unmapped.
 
-The chunk senders (``geoloco.protos.wire_chunks``) and ``blob_manifest`` accept a ``FileBlob``
+The chunk senders (``geoloco.protos.wire_chunks``) and ``blob_manifest`` accept a ``RangeBlob``
+(a ``FileBlob``, or the coordinator's blob that moves from memory to a file while it is served)
 wherever they accept a buffer. The file is unnamed (``tempfile.TemporaryFile``): it disappears
 when the blob is garbage-collected or the process dies, whatever happened.
 """
@@ -19,19 +20,45 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
 from geoloco.protos.wire_buffers import Buffer, MiB, as_byte_view
 
-__all__ = ["FileBlob"]
+__all__ = ["FileBlob", "RangeBlob"]
 
 _COPY_BLOCK = 16 * MiB
 """Bytes written or hashed at a time (one block in flight, never a second copy of the blob)."""
 
 
-class FileBlob:
+class RangeBlob(ABC):
+    """Immutable bytes read by range, wherever they live: what the chunk senders and
+    ``blob_manifest`` accept beside a buffer. One chunk is read at a time, as it is sent."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def read(self, offset: int, size: int) -> bytes:
+        """Bytes ``offset .. offset + size`` (clipped to the blob's end); safe from any thread."""
+
+    def sha256(self) -> bytes:
+        """SHA-256 of the bytes, read block by block."""
+        digest = hashlib.sha256()
+        for offset in range(0, len(self), _COPY_BLOCK):
+            digest.update(self.read(offset, _COPY_BLOCK))
+        return digest.digest()
+
+    def to_bytes(self) -> bytes:
+        """All the bytes in memory (tests and small blobs only)."""
+        return self.read(0, len(self))
+
+
+class FileBlob(RangeBlob):
     """Immutable bytes in an unnamed temporary file, read by range (module doc)."""
 
     __slots__ = ("_file", "_size")
@@ -92,17 +119,6 @@ class FileBlob:
             parts.append(part)
             done += len(part)
         return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def sha256(self) -> bytes:
-        """SHA-256 of the bytes, read block by block."""
-        digest = hashlib.sha256()
-        for offset in range(0, self._size, _COPY_BLOCK):
-            digest.update(self.read(offset, _COPY_BLOCK))
-        return digest.digest()
-
-    def to_bytes(self) -> bytes:
-        """All the bytes in memory (tests and small blobs only)."""
-        return self.read(0, self._size)
 
     def close(self) -> None:
         self._file.close()

@@ -27,7 +27,7 @@ from geoloco.protos.wire_buffers import (
     dtype_name,
     num_chunks_for,
 )
-from geoloco.protos.wire_files import FileBlob
+from geoloco.protos.wire_files import RangeBlob
 
 
 def blob_manifest(
@@ -46,11 +46,11 @@ def blob_manifest(
     conflict, by comparing manifests. CRC-32 is refused for a buffer that ends with its own CRC-32
     (an encoded update), whose CRC-32 is the same for every such buffer. ``digest``: the
     ``checksum_algorithm`` digest of ``data``, already computed (a pass over the bytes saved).
-    ``data`` may be a ``FileBlob`` (read block by block for its SHA-256).
+    ``data`` may be a ``RangeBlob`` (read block by block for its SHA-256).
     """
     if not 0 < chunk_size <= MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK_SIZE} bytes, got {chunk_size}")
-    if isinstance(data, FileBlob):
+    if isinstance(data, RangeBlob):
         if digest is None and checksum_algorithm == pb.CHECKSUM_ALGORITHM_SHA256:
             digest = data.sha256()
         view: Buffer = data if digest is not None else data.to_bytes()

@@ -16,7 +16,7 @@ from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.compression import Encoded, parse_codec
 from geoloco.coordinator import translate
-from geoloco.coordinator.broadcast_store import PreparedBroadcast
+from geoloco.coordinator.broadcast_store import PreparedBroadcast, SpillingBlob
 from geoloco.coordinator.checkpoint import LOCK_NAME
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
@@ -51,14 +51,21 @@ def _encoded() -> Encoded:
     return parse_codec("int8").encode(torch.randn(5000, generator=torch.Generator().manual_seed(2)), seed=0)
 
 
-def test_a_large_delta_is_spilled_and_hashed_in_one_pass_a_small_one_stays_in_memory(tmp_path: Path) -> None:
+def test_a_large_delta_is_served_from_memory_then_from_its_file_a_small_one_stays_in_memory(
+    tmp_path: Path,
+) -> None:
     delta = _encoded()
     data = delta.to_bytes()
     large = PreparedBroadcast(delta, directory=tmp_path, spill_min_bytes=len(data))
-    served, sha256 = large.result()
-    assert large.nbytes == len(data)
-    assert isinstance(served, FileBlob) and served.to_bytes() == data
-    assert sha256 == hashlib.sha256(data).digest() and large.error is None
+    served, sha256 = large.result()  # published once hashed, before the move to the file
+    assert large.nbytes == len(data) and sha256 == hashlib.sha256(data).digest()
+    assert isinstance(served, SpillingBlob) and len(served) == len(data)
+    before = [served.read(at, 1000) for at in range(0, len(data), 1000)]
+    large.join()
+    assert served.spilled and large.error is None
+    after = [served.read(at, 1000) for at in range(0, len(data), 1000)]
+    assert b"".join(before) == b"".join(after) == data
+    assert served.read(len(data) - 3, 100) == data[-3:] and served.read(len(data), 10) == b""
     small = PreparedBroadcast(delta, directory=tmp_path, spill_min_bytes=len(data) + 1)
     served, sha256 = small.result()
     assert served == data and isinstance(served, bytes) and sha256 == hashlib.sha256(data).digest()
@@ -72,11 +79,13 @@ def test_a_large_delta_never_exists_as_one_bytes_object(tmp_path: Path) -> None:
     delta = parse_codec("none").encode(torch.randn(1 << 20), seed=0)
     tracemalloc.start()
     try:
-        served, _ = PreparedBroadcast(delta, directory=tmp_path, spill_min_bytes=0).result()
+        prepared = PreparedBroadcast(delta, directory=tmp_path, spill_min_bytes=0)
+        served, _ = prepared.result()
+        prepared.join()
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert isinstance(served, FileBlob) and len(served) > 4 << 20
+    assert isinstance(served, SpillingBlob) and served.spilled and len(served) > 4 << 20
     assert peak < 1 << 20, f"spilling allocated {peak} bytes of Python objects"
 
 
@@ -86,7 +95,9 @@ def test_a_failed_spill_keeps_the_broadcast_in_memory(tmp_path: Path) -> None:
     blocked.write_text("not a folder")
     prepared = PreparedBroadcast(delta, directory=blocked / "sub", spill_min_bytes=0)
     served, sha256 = prepared.result()
-    assert served == delta.to_bytes() and prepared.error is not None and sha256 is None
+    prepared.join()
+    assert isinstance(served, SpillingBlob) and not served.spilled and prepared.error is not None
+    assert served.to_bytes() == delta.to_bytes() and sha256 == hashlib.sha256(delta.to_bytes()).digest()
 
 
 def test_the_round_record_holds_a_file_and_serves_the_same_chunks() -> None:
@@ -96,7 +107,7 @@ def test_the_round_record_holds_a_file_and_serves_the_same_chunks() -> None:
     upload(rounds, "a", update(1, rounds.numel))
     assert rounds.poll() is not None
     record = rounds.phases.broadcast
-    assert record is not None and isinstance(record.data, FileBlob)
+    assert record is not None and isinstance(record.data, SpillingBlob)
     data = record.data.to_bytes()
     assert record.data_sha256 == hashlib.sha256(data).digest()
     header = translate.broadcast_header(rounds.phases.header_for("a", 0, 0.0, 0))
@@ -129,7 +140,7 @@ def test_a_site_applies_a_broadcast_served_from_a_file_over_grpc(tmp_path: Path)
                       sample_weight=1.0, metrics={})
         header, delta = client.await_broadcast(0)
         record = server.rounds.phases.broadcast
-        assert record is not None and isinstance(record.data, FileBlob)
+        assert record is not None and isinstance(record.data, SpillingBlob)
         assert delta is not None and bytes(delta) == record.data.to_bytes()
         assert header.delta.checksum.digest == record.data_sha256
         checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name != LOCK_NAME)

@@ -8,7 +8,6 @@ that a scenario reaches the coordinator and the sites as intended. ``speed_facto
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ __all__ = [
     "geoloco_command",
     "site_command",
     "site_state_dir",
-    "to_toml",
 ]
 
 COORDINATOR_DRAIN_S = 10.0
@@ -31,41 +29,6 @@ COORDINATOR_DRAIN_S = 10.0
 SITE_BACKOFF_MAX_S = 2.0
 """Longest pause between a site's reconnection attempts: short, so recoveries after a fault are
 measured in the emulated faults' seconds rather than in backoff."""
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as a TOML value")
-
-
-def to_toml(data: dict[str, Any]) -> str:
-    """A TOML document for a dict of scalars, lists and nested tables (``[algorithm.streaming]``);
-    None is left out (TOML has no null; a missing key means the default)."""
-    lines: list[str] = []
-    _toml_table(data, "", lines)
-    return "\n".join(lines).lstrip("\n") + "\n"
-
-
-def _toml_table(table: dict[str, Any], name: str, lines: list[str]) -> None:
-    if name:
-        lines.append(f"\n[{name}]")
-    nested: list[tuple[str, dict[str, Any]]] = []
-    for key, value in table.items():
-        if value is None:
-            continue
-        if isinstance(value, dict):
-            nested.append((f"{name}.{key}" if name else key, value))
-        else:
-            lines.append(f"{key} = {_toml_value(value)}")
-    for child, value in nested:
-        _toml_table(value, child, lines)
 
 
 def geoloco_command(*args: str) -> list[str]:

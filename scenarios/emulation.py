@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from geoloco.scenarios.child_commands import coordinator_table, geoloco_command, site_command, to_toml
+from geoloco.scenarios.child_commands import coordinator_table, geoloco_command, site_command
+from geoloco.scenarios.config_file import toml_text
 from geoloco.scenarios.emulation_result import (
     STATUS_COMPLETED,
     STATUS_FAILED,
@@ -82,15 +83,11 @@ from geoloco.scenarios.scenario import CUT_LINK, KILL_COORDINATOR, KILL_SITE, Fa
 from geoloco.scenarios.shaping import LinkRelay, LinkShape, RelayHub
 from geoloco.scenarios.stop_signals import StopSignals
 
-# FaultEvent, to_toml and geoloco_command live in fault_schedule / child_commands (still importable here).
 __all__ = [
     "STATUS_PAGE_RE",
     "Emulation",
     "EmulationError",
     "EmulationResult",
-    "FaultEvent",
-    "geoloco_command",
-    "to_toml",
 ]
 
 logger = logging.getLogger(__name__)
@@ -315,7 +312,7 @@ class Emulation:
         if self.tier is not None:
             self.tier.add_links(self.hub)
         config_path = self.out / "coordinator.toml"
-        config_path.write_text(to_toml(self.coordinator_config()))
+        config_path.write_text(toml_text(self.coordinator_config()))
         self.coordinator = ChildProcess(
             "coordinator",
             geoloco_command("--log-level", self.log_level, "coordinator", "--config", str(config_path.resolve())),

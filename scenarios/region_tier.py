@@ -22,7 +22,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from geoloco.scenarios.child_commands import geoloco_command, to_toml
+from geoloco.scenarios.child_commands import geoloco_command
+from geoloco.scenarios.config_file import toml_text
 from geoloco.scenarios.launcher import ChildProcess, stop_all, wait_for
 from geoloco.scenarios.scenario import Scenario
 from geoloco.scenarios.shaping import LinkRelay, LinkShape, RelayHub
@@ -130,7 +131,7 @@ class RegionTier:
         folder.mkdir(parents=True, exist_ok=True)
         for index, region in enumerate(self.scenario.regions):
             config = folder / f"{region.name}.toml"
-            config.write_text(to_toml(self.relay_config(index)))
+            config.write_text(toml_text(self.relay_config(index)))
             self.relay_metrics_path(region.name).unlink(missing_ok=True)
             child = ChildProcess(
                 f"relay-{region.name}",

@@ -268,22 +268,13 @@ def merged(base: Mapping[str, Any], block: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def write_toml(data: Mapping[str, Any], path: Path) -> Path:
-    """``data`` as a TOML file: tables via the emulator's writer, lists of tables as ``[[key]]``."""
-    from geoloco.scenarios.child_commands import to_toml
+    """``data`` as a TOML file, by the writer the commands use."""
+    from geoloco.scenarios.config_file import toml_text
 
-    plain = {k: v for k, v in data.items() if not _is_table_list(v)}
-    text = to_toml(plain)
-    for key, value in data.items():
-        if _is_table_list(value):
-            for item in value:
-                text += f"\n[[{key}]]\n" + to_toml(item)
+    text = toml_text(data)
     path.write_text(text)
     assert tomllib.loads(text) == data, "write_toml lost something"
     return path
-
-
-def _is_table_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, Mapping) for v in value)
 
 
 def validate(kind: str, path: Path) -> Any:

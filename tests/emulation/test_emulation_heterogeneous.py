@@ -8,7 +8,8 @@ import pytest
 import tomllib
 
 from geoloco.coordinator.config import CoordinatorConfig
-from geoloco.scenarios.emulation import Emulation, to_toml
+from geoloco.scenarios.config_file import toml_text
+from geoloco.scenarios.emulation import Emulation
 from geoloco.scenarios.scenario import ScenarioError, load_scenario
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
@@ -36,7 +37,7 @@ def test_budget_scenario_reaches_the_coordinator_config(tmp_path: Path) -> None:
     assert [s.speed_factor for s in scenario.sites] == [1.0, 0.5, 0.25]
     # What the emulator writes for `geoloco coordinator --config` parses back to the same keys.
     table = Emulation(scenario, tmp_path).coordinator_config()
-    config = CoordinatorConfig.from_dict(tomllib.loads(to_toml(table)))
+    config = CoordinatorConfig.from_dict(tomllib.loads(toml_text(table)))
     assert config.adaptive_deadline == scenario.run.adaptive_deadline
     assert config.algorithm.round_time_budget_s == 3.0 and config.algorithm.weighting == "steps"
 

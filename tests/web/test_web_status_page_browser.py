@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from geoloco.scenarios.emulation import STATUS_PAGE_RE, to_toml
+from geoloco.scenarios.config_file import toml_text
+from geoloco.scenarios.emulation import STATUS_PAGE_RE
 from geoloco.scenarios.launcher import wait_for
 
 CHROMIUM = os.environ.get("GEOLOCO_CHROMIUM", "/usr/bin/chromium")
@@ -61,14 +62,8 @@ SCENARIO = {
 
 
 def scenario_toml(scenario: dict) -> str:
-    """The scenario as a TOML file: its tables, then one ``[[sites]]`` / ``[[faults]]`` each."""
-    tables = {k: v for k, v in scenario.items() if isinstance(v, dict)}
-    text = to_toml(tables)
-    for key, items in scenario.items():
-        if isinstance(items, list):
-            for item in items:
-                text += f"\n[[{key}]]\n" + to_toml(item)
-    return text
+    """The scenario as a TOML file (``[[sites]]`` / ``[[faults]]`` for its lists of tables)."""
+    return toml_text(scenario)
 
 
 REQUIRED = os.environ.get("GEOLOCO_REQUIRE_BROWSER") == "1"

@@ -35,6 +35,8 @@ class MiniCoordinator(pb_grpc.CoordinatorServicer):
         self.callers: list[tuple[str, str]] = []
         self.upload_streams_ended = 0
         self.upload_ended = threading.Condition(self.lock)
+        self.upload_opened = threading.Event()
+        """Set once an Upload stream's manifest was read and its assembler registered."""
         layout = model_layout([("w", (len(model) // 4,))])
         self.model_manifest = pb.ModelManifest(
             round=3, layout=layout, blob=blob_manifest(model, dtype="float32")
@@ -70,6 +72,7 @@ class MiniCoordinator(pb_grpc.CoordinatorServicer):
             if assembler is None:
                 assembler = UploadAssembler(manifest, max_total_bytes=256 << 20)
                 self.uploads[key] = assembler
+        self.upload_opened.set()
         assembler.check_same_manifest(manifest)
         assembler.consume(upload_chunks(request_iterator))
         if assembler.complete:
@@ -136,9 +139,15 @@ def model_bytes(nbytes: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(nbytes)
 
 
-def fail_after(iterator: Iterator, count: int, error: Exception) -> Iterator:
-    """Yield ``count`` items of ``iterator``, then raise ``error`` (a broken stream)."""
+def fail_after(
+    iterator: Iterator, count: int, error: Exception, *, once: threading.Event | None = None
+) -> Iterator:
+    """Yield ``count`` items of ``iterator``, then raise ``error`` (a broken stream); with
+    ``once``, not before that event is set (the peer saw the stream: a stream cancelled before
+    its first message left would test nothing)."""
     for i, item in enumerate(iterator):
         if i == count:
+            if once is not None and not once.wait(30):
+                raise TimeoutError("the peer never saw the stream before it was to break")
             raise error
         yield item

@@ -236,10 +236,14 @@ def test_broken_upload_resumes_with_only_the_missing_chunks(tls_server, pki):
     )
     requests = upload_requests(manifest, data)
     ended = servicer.upload_streams_ended
+    servicer.upload_opened.clear()
     with pytest.raises(grpc.RpcError) as info:
         # The site crashes after the manifest and 6 chunks: the stream is cancelled, and chunks
         # still in flight are lost.
-        stub.Upload(fail_after(requests, 7, RuntimeError("site crashed")), timeout=CALL_TIMEOUT_S)
+        stub.Upload(
+            fail_after(requests, 7, RuntimeError("site crashed"), once=servicer.upload_opened),
+            timeout=CALL_TIMEOUT_S,
+        )
     assert info.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
     servicer.wait_upload_streams_ended(ended + 1)
 

@@ -55,7 +55,8 @@ import grpc
 
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.admission_config import CONTROL_PER_PEER, AdmissionLimits
-from geoloco.coordinator.errors import SiteNotAllowedError, StatusError
+from geoloco.coordinator.errors import SiteNotAllowedError
+from geoloco.protos.errors import StatusError
 from geoloco.protos.transport_errors import THREAD_POOL_ATTRIBUTE, rebuild_handler
 from geoloco.protos.transport_tls import peer_relay, peer_site
 

@@ -110,7 +110,7 @@ class CoordinatorConfig:
     new run with ``resume = false`` moves the previous run's file into ``previous-run-N``)."""
     tensorboard_dir: str | None = None
     """Also write each round's scalars (losses, bytes, round time, epsilon) as TensorBoard events
-    into this folder (``geoloco.coordinator.tensorboard``); needs ``metrics_path`` and the
+    into this folder (``geoloco.protos.tensorboard``); needs ``metrics_path`` and the
     ``tensorboard`` extra."""
     eval_every: int = 1
     """Evaluate the global weights every this many rounds (and after the last) when the server

@@ -20,11 +20,7 @@ from geoloco.compression import parse_codec
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.domain import CoordinatorRound, RoundInfo, RoundPhase
-from geoloco.coordinator.errors import (
-    RunFinishedError,
-    UpdateRejectedError,
-    WrongRoundError,
-)
+from geoloco.protos.errors import RunFinishedError, UpdateRejectedError, WrongRoundError
 
 __all__ = ["CONTRIBUTOR_HISTORY", "Member", "RoundContext"]
 

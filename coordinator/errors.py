@@ -3,8 +3,9 @@
 The round state machine raises them; ``geoloco.protos.transport_errors.ErrorStatusInterceptor``
 turns them into ``context.abort(code, message)`` plus the ``geoloco-error-reason`` trailing
 metadata, so the servicer never translates errors by hand. The wire-level errors (bad manifests,
-chunk bounds, checksums) live in ``geoloco.protos.wire_buffers`` and the session/membership/round ones in
-``geoloco.protos.errors``; this module adds what only the coordinator knows about.
+chunk bounds, checksums) live in ``geoloco.protos.wire_buffers``, the session, membership, round
+and update ones (which a relay raises too) in ``geoloco.protos.errors``; this module adds what
+only the coordinator knows about.
 """
 
 from __future__ import annotations
@@ -13,47 +14,9 @@ import grpc
 
 from geoloco.algorithms.engine import NOT_FINITE
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.errors import (
-    IdentityError,
-    NotAMemberError,
-    ProtocolVersionError,
-    RunFinishedError,
-    SiteReplacedError,
-    StaleSessionError,
-    StatusError,
-    WrongRoundError,
-)
+from geoloco.protos.errors import StatusError
 
-__all__ = [
-    "IdentityError",
-    "InvalidUpdateError",
-    "NotAMemberError",
-    "ProtocolVersionError",
-    "RunFinishedError",
-    "ShuttingDownError",
-    "SiteNotAllowedError",
-    "SiteReplacedError",
-    "StaleSessionError",
-    "StatusError",
-    "UpdateRejectedError",
-    "WrongRoundError",
-    "rejection_message",
-]
-
-
-class InvalidUpdateError(StatusError):
-    """An upload whose content does not fit the run: codec, shape, dtype, weight, or values."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
-    reason = pb.ERROR_REASON_BAD_MANIFEST
-
-
-class UpdateRejectedError(StatusError):
-    """The site's update for this round was already rejected (non-finite values); it is out of
-    the aggregate until the next round."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = pb.ERROR_REASON_WRONG_ROUND
+__all__ = ["ShuttingDownError", "SiteNotAllowedError", "rejection_message"]
 
 
 class SiteNotAllowedError(StatusError):

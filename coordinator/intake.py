@@ -37,19 +37,13 @@ from geoloco.compression import Encoded
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext
 from geoloco.coordinator.domain import OPEN_PHASES, RoundPhase, UploadProgress, UploadSpec
-from geoloco.coordinator.errors import (
-    InvalidUpdateError,
-    NotAMemberError,
-    ShuttingDownError,
-    UpdateRejectedError,
-    rejection_message,
-)
+from geoloco.coordinator.errors import ShuttingDownError, rejection_message
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.round_timing import RoundTimings
 from geoloco.coordinator.shards import ShardedUploads
-from geoloco.coordinator.upload_check import checked_update
-from geoloco.protos.errors import quoted
+from geoloco.protos.errors import InvalidUpdateError, NotAMemberError, UpdateRejectedError, quoted
+from geoloco.protos.upload_check import checked_update
 from geoloco.protos.wire_assembly import UploadAssembler
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
 

@@ -12,6 +12,12 @@ at WARNING, naming both processes; from then on every request of the replaced pr
 too) is refused with ``SiteReplacedError``, so it stops instead of uploading, counting rounds or
 leaving in the new process's name. Requests without an instance (sites older than the field)
 are not told apart, as before.
+
+The newest replaced processes of each name outlive a coordinator restart: they go into the
+session's durable state (``state``, written by ``RoundPhases`` with every checkpoint and round-log
+entry, so as of the last durable round) and a resumed coordinator refuses them too
+(``load_state``). Without that, a replaced process still running would join the resumed
+coordinator as a fresh site and, joining after its successor, take the name back from it.
 """
 
 from __future__ import annotations
@@ -21,24 +27,25 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import Member, RoundContext
-from geoloco.coordinator.errors import (
+from geoloco.coordinator.errors import SiteNotAllowedError
+from geoloco.protos.errors import (
     NotAMemberError,
     ProtocolVersionError,
-    SiteNotAllowedError,
     SiteReplacedError,
     StaleSessionError,
     StatusError,
+    clip,
 )
-from geoloco.protos.errors import clip
 from geoloco.protos.identity import validate_instance_id
 from geoloco.protos.protocol_version import PROTOCOL_VERSION
 
-__all__ = ["REPLACED_INSTANCES", "Membership", "Replacement"]
+__all__ = ["DURABLE_REPLACED_PER_SITE", "REPLACED_INSTANCES", "Membership", "Replacement"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,11 @@ REPLACED_INSTANCES = 1024
 """Replaced site processes remembered per coordinator session (their requests, Join included,
 are refused): far more than the restarts of a run; the oldest is forgotten first, so a run
 with made-up names in plain-text mode cannot grow this without bound."""
+
+DURABLE_REPLACED_PER_SITE = 4
+"""Replaced processes per site name kept in the session's durable state (``Membership.state``):
+one still running after a coordinator restart is one of the last of its name (a site restarted
+in a loop leaves dead ones behind), and every round's log entry carries them."""
 
 _SHORT_INSTANCE = 8
 """Characters of an instance id in messages (a random hex id: 8 tell processes apart)."""
@@ -201,6 +213,28 @@ class Membership:
         self.member(site, session_id, instance)
         self.ctx.events.emit(ev.SITE_LEFT, site=site, round=self.ctx.round.number, reason=reason)
         self.remove(site, f"left ({reason})" if reason else "left")
+
+    def state(self) -> list[dict[str, Any]]:
+        """The replaced processes a resumed coordinator still refuses (module doc), oldest
+        first, as plain JSON values: the newest ``DURABLE_REPLACED_PER_SITE`` of each name."""
+        kept: dict[str, int] = {}
+        newest_first: list[dict[str, Any]] = []
+        for (site, instance), by in reversed(self._replaced.items()):
+            if kept.get(site, 0) < DURABLE_REPLACED_PER_SITE:
+                kept[site] = kept.get(site, 0) + 1
+                newest_first.append(
+                    {"site": site, "instance": instance, "by": by.instance, "peer": by.peer, "at_unix_s": by.at_unix_s}
+                )
+        return newest_first[::-1]
+
+    def load_state(self, state: list[dict[str, Any]]) -> None:
+        """Refuse the replaced processes of ``state`` (``state()`` of the session resumed from;
+        an empty list for a checkpoint written before they were kept)."""
+        self._replaced.clear()
+        for entry in state[-REPLACED_INSTANCES:]:
+            self._replaced[(str(entry["site"]), str(entry["instance"]))] = Replacement(
+                str(entry["by"]), str(entry["peer"]), float(entry["at_unix_s"])
+            )
 
     def heartbeat(
         self,

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from geoloco.coordinator.tensorboard import TensorBoardWriter
+from geoloco.protos.tensorboard import TensorBoardWriter
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _plain(value: Any) -> Any:
 
 class MetricsWriter:
     """Appends records to a JSON-lines file (thread-safe; each line flushed when written), and
-    with ``tensorboard_dir`` their scalars to TensorBoard too (``geoloco.coordinator.tensorboard``)."""
+    with ``tensorboard_dir`` their scalars to TensorBoard too (``geoloco.protos.tensorboard``)."""
 
     def __init__(self, path: str | os.PathLike[str], tensorboard_dir: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path)

@@ -47,11 +47,12 @@ from geoloco.coordinator.domain import (
     CoordinatorRound,
     RoundPhase,
 )
-from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.intake import UploadIntake
+from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.metrics import plain_record
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.round_log import LoggedRound, RoundLog, SnapshotWriter
+from geoloco.protos.errors import InvalidUpdateError
 from geoloco.protos.round_phases import site_phases_from_metrics
 from geoloco.protos.wire_buffers import num_chunks_for
 
@@ -69,8 +70,12 @@ STRATEGY_PREFIX = "strategy."
 PRIVACY_KEY = "privacy"
 """Checkpoint metadata key of the privacy accountant's state."""
 HISTORY_KEY = "history"
-"""Checkpoint metadata: recent rounds' contributors and folded late updates, and the adaptive
-deadline's observations (``RoundPolicy.state()``)."""
+"""Checkpoint metadata: recent rounds' contributors and folded late updates, the adaptive
+deadline's observations (``RoundPolicy.state()``), and the site processes that another process
+of their name replaced (``Membership.state()``)."""
+REPLACED_KEY = "replaced"
+"""``HISTORY_KEY`` entry of the replaced site processes; absent in checkpoints written before
+they were kept (none is refused then)."""
 ROUND_RECORD_KEY = "round_record"
 """Checkpoint metadata: the metrics record of the round the checkpoint follows (replayed)."""
 BELOW_QUORUM_LOG_S = 30.0
@@ -112,6 +117,7 @@ class RoundPhases:
         self,
         ctx: RoundContext,
         intake: UploadIntake,
+        membership: Membership,
         *,
         layout: ParamLayout,
         weights: GlobalWeights,
@@ -120,6 +126,8 @@ class RoundPhases:
     ) -> None:
         self.ctx = ctx
         self.intake = intake
+        self.membership = membership
+        """Its replaced site processes are part of the durable state (``HISTORY_KEY``)."""
         self.layout = layout
         self.weights = weights
         self.privacy = privacy
@@ -473,12 +481,14 @@ class RoundPhases:
         }
         ctx.strategy.load_state(strategy_tensors, metadata["strategy"])
         self.restore_state(metadata)
+        self._chain = self.round_log is not None  # this checkpoint starts the log's chain
         logger.info("resumed from checkpoint in %s at round %d", config.checkpoint_dir, round_number)
         return weights.to(device, torch.float32).contiguous()
 
     def restore_state(self, metadata: dict[str, Any]) -> None:
         """The session's state besides tensors (privacy accounting, round history, deadline and
-        guard observations) from a checkpoint's or round-log entry's metadata."""
+        guard observations, replaced site processes) from a checkpoint's or round-log entry's
+        metadata."""
         ctx = self.ctx
         if self.privacy is not None:
             self.privacy.load_state(metadata.get(PRIVACY_KEY, {}))
@@ -490,6 +500,7 @@ class RoundPhases:
         ctx.policy.load_state(history.get("deadline", []))
         if ctx.engine.guard is not None:
             ctx.engine.guard.load_state(history.get("update_norms", []))
+        self.membership.load_state(history.get(REPLACED_KEY, []))
 
     def enable_round_log(self) -> None:
         """Make rounds durable through the round log (``geoloco.coordinator.round_log``): the
@@ -589,6 +600,8 @@ class RoundPhases:
         hold it yet). The history lets a restarted coordinator still tell a site whether its
         update counted, so it neither loses nor resends it."""
         ctx = self.ctx
+        with ctx.cond:  # joins go on while a round is made durable outside the lock
+            replaced = self.membership.state()
         history = {
             "contributors": {
                 str(t): sorted(sites) for t, sites in {**ctx.contributor_history, last: contributors}.items()
@@ -600,6 +613,7 @@ class RoundPhases:
             },
             "deadline": ctx.policy.state(),
             "update_norms": [] if ctx.engine.guard is None else ctx.engine.guard.state(),
+            REPLACED_KEY: replaced,
         }
         metadata: dict[str, Any] = {
             "config": ctx.config.to_dict(),

@@ -51,8 +51,8 @@ from geoloco.algorithms.secagg_messages import SecAggAbort, SecAggViolation
 from geoloco.algorithms.secagg_stages import StageMessage
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate, Strategy
 from geoloco.coordinator.domain import UploadProgress, UploadSpec
-from geoloco.coordinator.errors import InvalidUpdateError, WrongRoundError
 from geoloco.coordinator.secure_round import SecureRound, StageReply
+from geoloco.protos.errors import InvalidUpdateError, WrongRoundError
 
 __all__ = ["PrivateRounds", "SecureUpload", "epsilon_text"]
 

@@ -44,7 +44,7 @@ from geoloco.algorithms.engine import UNSCREENED, Screen, screen_update
 from geoloco.algorithms.weighting import check_inner_steps
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.domain import OPEN_PHASES, UploadProgress, UploadSpec
-from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError, rejection_message
+from geoloco.coordinator.errors import rejection_message
 from geoloco.coordinator.intake import (
     MAX_METRIC_NAME_CHARS,
     MAX_SITE_METRICS,
@@ -54,10 +54,10 @@ from geoloco.coordinator.intake import (
     run_most_inner_steps,
 )
 from geoloco.coordinator.secure_intake import SecureIntake
-from geoloco.coordinator.upload_check import checked_update
-from geoloco.protos.errors import IdentityError, quoted
+from geoloco.protos.errors import IdentityError, InvalidUpdateError, UpdateRejectedError, quoted
 from geoloco.protos.identity import validate_site_name
 from geoloco.protos.transport_tls import peer_relay
+from geoloco.protos.upload_check import checked_update
 
 __all__ = ["RELAYED_CODEC", "RelayedSite", "RelayedUploads", "relay_link"]
 

@@ -62,13 +62,14 @@ from geoloco.coordinator.domain import (
     UploadSpec,
     WaitResult,
 )
-from geoloco.coordinator.errors import InvalidUpdateError, RunFinishedError, ShuttingDownError, WrongRoundError
+from geoloco.coordinator.errors import ShuttingDownError
 from geoloco.coordinator.intake import Chunks, PlainIntake, UploadIntake
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.phases import EvalFn, GlobalWeights, RoundPhases
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.resume import start_round as start_round_of
 from geoloco.coordinator.secure_intake import SecureIntake
+from geoloco.protos.errors import InvalidUpdateError, RunFinishedError, WrongRoundError
 
 __all__ = [
     "SECURE_STAGE_WAIT_S",
@@ -177,7 +178,7 @@ class RoundStateMachine:
             )
         weights = initial_weights.detach().to(self.device, torch.float32).clone()
         self.phases = RoundPhases(
-            ctx, self.intake, layout=layout, weights=GlobalWeights.of(weights), privacy=self.privacy,
+            ctx, self.intake, self.membership, layout=layout, weights=GlobalWeights.of(weights), privacy=self.privacy,
             eval_fn=eval_fn,
         )
         self.engine.restore_outer = self.phases.restore_outer

@@ -26,10 +26,10 @@ from geoloco.algorithms.strategy import RoundPlan
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext
 from geoloco.coordinator.domain import OPEN_PHASES, RoundPhase, UploadProgress, UploadSpec
-from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError, WrongRoundError
 from geoloco.coordinator.intake import Chunks
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds, SecureUpload
+from geoloco.protos.errors import InvalidUpdateError, UpdateRejectedError, WrongRoundError
 
 __all__ = ["SecureIntake"]
 
@@ -280,7 +280,9 @@ class SecureIntake:
         wait_s: float,
         instance: str = "",
     ) -> StageReply:
-        """One SecureStage call: record the message, wait up to ``wait_s`` for the stage to close."""
+        """One SecureStage call: record the message, wait up to ``wait_s`` for the stage to close.
+        A process of ``site`` replaced while it waits is refused (``SiteReplacedError``) instead
+        of sending its message again in the name its successor holds."""
         ctx, privacy = self.ctx, self.privacy
         with ctx.cond:
             self.membership.member(site, session_id, instance)
@@ -297,6 +299,7 @@ class SecureIntake:
                 progressed = self._progressed
             progressed.wait(min(left, STAGE_POLL_S))
             with ctx.cond:
+                self.membership.check_instance(site, instance)
                 # Sent again (an equal message is a no-op): the call advances the stages whose
                 # deadline passed, and answers from the protocol as it is now.
                 reply = privacy.stage(site, round_number, stage, message, set(ctx.members), ctx.clock())

@@ -20,14 +20,13 @@ import grpc
 
 from geoloco.coordinator import translate
 from geoloco.coordinator.domain import BroadcastHeader
-from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.relayed import RelayedSite, RelayedUploads, relay_link
 from geoloco.coordinator.rounds import SECURE_STAGE_WAIT_S, RoundStateMachine
 from geoloco.coordinator.shard_views import ShardKey, ShardViews
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos import secagg_wire
-from geoloco.protos.errors import IdentityError
+from geoloco.protos.errors import IdentityError, InvalidUpdateError
 from geoloco.protos.transport_tls import resolve_site
 from geoloco.protos.wire_assembly import read_upload_manifest
 from geoloco.protos.wire_chunks import ChunkRef, broadcast_responses, message_nbytes, model_responses

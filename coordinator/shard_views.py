@@ -32,9 +32,8 @@ import torch
 from geoloco.algorithms.shard_split import SHARD_SPLITS, ShardRange, shard_ranges
 from geoloco.compression import CodecError, slicing
 from geoloco.coordinator.domain import BroadcastRecord
-from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.shards import MAX_SHARDS
-from geoloco.protos.errors import quoted
+from geoloco.protos.errors import InvalidUpdateError, quoted
 from geoloco.protos.wire_buffers import as_byte_view
 from geoloco.protos.wire_files import FileBlob, RangeBlob
 

@@ -26,9 +26,9 @@ from geoloco.coordinator.domain import (
     UploadProgress,
     UploadSpec,
 )
-from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.shard_views import ShardKey, ShardSlice
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.errors import InvalidUpdateError
 from geoloco.protos.protocol_version import PROTOCOL_VERSION
 from geoloco.protos.wire_buffers import RAW_CODEC, ManifestError, num_chunks_for, to_index_ranges
 from geoloco.protos.wire_chunks import ChunkRef, message_nbytes

@@ -11,7 +11,12 @@
   errors to statuses, malloc tunables, and servers, channels and stubs with the chunk fast path.
 - ``protocol_version`` -- ``PROTOCOL_VERSION``, which a site sends in Join.
 - ``identity`` -- site names and how certificates carry them.
-- ``errors`` -- exceptions that carry the gRPC status a peer should see.
+- ``errors`` -- exceptions that carry the gRPC status a peer should see (update refusals too).
+- ``upload_check`` -- an upload decoded and checked (finite, its norm) piece by piece, by the
+  coordinator and by a relay.
+- ``atomic_files`` / ``folder_lock`` / ``tensorboard`` -- crash-safe files, one process per
+  folder, and a round record's scalars as TensorBoard events: files the coordinator, the sites
+  and the research tools write alike.
 
 Nothing is imported here, so ``import geoloco.protos.identity`` stays free of grpc/protobuf.
 """

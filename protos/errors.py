@@ -124,3 +124,19 @@ class SiteReplacedError(StatusError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = pb.ERROR_REASON_SITE_REPLACED
+
+
+class InvalidUpdateError(StatusError):
+    """An upload whose content does not fit the run: codec, shape, dtype, weight, or values.
+    Raised by whoever checks an upload (the coordinator, a relay)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = pb.ERROR_REASON_BAD_MANIFEST
+
+
+class UpdateRejectedError(StatusError):
+    """The site's update for this round was already rejected (non-finite values); it is out of
+    the aggregate until the next round."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = pb.ERROR_REASON_WRONG_ROUND

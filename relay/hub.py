@@ -4,6 +4,14 @@ broadcasts, and when the partial goes upward.
 Every method is thread-safe (one condition guards the state); the calls to the coordinator run
 outside it. Rounds are the coordinator's: the relay learns the open round from the answers it
 passes on (Join, Heartbeat, the broadcast's next round) and from its sites' uploads.
+
+A site name is a lease held by one process (``geoloco.coordinator.membership``). The coordinator
+decides who holds it; the relay follows the Joins it passes on: once the coordinator accepted a
+Join of a site's process, a request that another process of the site makes at the relay (an
+upload, UploadStatus, AwaitBroadcast, which the relay answers itself) is refused with
+``SiteReplacedError``, so a replaced process's update cannot take the site's place in the
+partial sum. A process that joined at the coordinator directly (a failover) is not known here
+until it joins through the relay; the coordinator refuses the replaced one's heartbeat anyway.
 """
 
 from __future__ import annotations
@@ -23,10 +31,19 @@ from geoloco.algorithms.engine import UNSCREENED, RoundEngine, Screen
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.update_guard import UpdateGuard, UpdateGuardConfig
 from geoloco.algorithms.weighting import site_weight
-from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
-from geoloco.coordinator.upload_check import checked_update
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.errors import NotAMemberError, StaleSessionError, StatusError, WrongRoundError, quoted
+from geoloco.protos.errors import (
+    InvalidUpdateError,
+    NotAMemberError,
+    SiteReplacedError,
+    StaleSessionError,
+    StatusError,
+    UpdateRejectedError,
+    WrongRoundError,
+    clip,
+    quoted,
+)
+from geoloco.protos.upload_check import checked_update
 from geoloco.protos.wire_assembly import Download, UploadAssembler, read_broadcast_stream
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
 from geoloco.protos.wire_manifests import blob_manifest
@@ -45,6 +62,8 @@ ACCEPT_WAIT_S = 20.0
 sites' 30 s minimum transfer deadline); the site then asks again."""
 KEEP_BROADCASTS = 3
 """Rounds whose broadcast stays cached for sites that ask late."""
+SHORT_INSTANCE = 8
+"""Characters of an instance id in messages (as the coordinator writes them)."""
 
 
 @dataclass(slots=True)
@@ -82,6 +101,11 @@ class RelayHub:
         """site -> when the relay last heard of it."""
         self.ever_joined: set[str] = set()
         """Sites that joined through this relay at least once (left or silent ones included)."""
+        self.instances: dict[str, str] = {}
+        """site -> the process holding its name (``JoinRequest.instance_id``) as of the last Join
+        through this relay the coordinator accepted ("" for a site older than the field)."""
+        self._join_locks: dict[str, threading.Lock] = {}
+        """site -> held while a Join of the site is passed on and its answer recorded (``join_lock``)."""
         self.round = RelayRound(number=0, opened_s=clock())
         self.broadcasts: dict[int, CachedBroadcast] = {}
         self._broadcast_waits: dict[int, threading.Event] = {}
@@ -130,8 +154,30 @@ class RelayHub:
                 f"session {session_id!r} is not the coordinator's current session; call Join again"
             )
 
-    def joined(self, site: str, response: pb.JoinResponse) -> None:
+    def check_instance(self, site: str, instance: str) -> None:
+        """Refuse a request of a process of ``site`` other than the one whose Join the
+        coordinator accepted last (module doc)."""
+        holder = self.instances.get(site, "")
+        if instance and holder and instance != holder:
+            raise SiteReplacedError(
+                f"another process joined as site {site!r} through relay {self.config.name!r} (instance "
+                f"{clip(holder[:SHORT_INSTANCE])}); this one (instance {clip(instance[:SHORT_INSTANCE])}) "
+                "was replaced and stops. Run one process per site name; a site restarted after a crash "
+                "replaces its old process this way"
+            )
+
+    def join_lock(self, site: str) -> threading.Lock:
+        """Hold it while a Join of ``site`` is passed on and ``joined`` records it: two processes
+        of the site joining at once are then recorded in the order the coordinator saw them, so
+        the relay never takes the process the coordinator let in for the replaced one."""
         with self.cond:
+            return self._join_locks.setdefault(site, threading.Lock())
+
+    def joined(self, site: str, response: pb.JoinResponse, instance: str = "") -> None:
+        """The coordinator accepted ``site``'s Join by the process ``instance``, which holds the
+        site's name from now on."""
+        with self.cond:
+            self.instances[site] = instance
             self.session_id = response.session_id
             run = RunInfo.of(response)
             if run.guard != (None if self.run is None else self.run.guard):
@@ -187,6 +233,7 @@ class RelayHub:
         """Check an Upload stream's manifest; the new or resumed assembler of the site's upload."""
         with self.cond:
             self.check_session(manifest.session_id)
+            self.check_instance(site, manifest.instance_id)
             if site not in self.members:
                 raise NotAMemberError(f"site {site!r} has not joined through relay {self.config.name!r}; call Join")
             self.members[site] = self.clock()
@@ -254,9 +301,11 @@ class RelayHub:
             raise InvalidUpdateError(f"upload refused: {err}") from None
         r.shape, r.fragment = shape, manifest.fragment
 
-    def still_open(self, site: str, assembler: UploadAssembler) -> None:
-        """Between chunks: stop a stream whose round went upward without it."""
+    def still_open(self, site: str, assembler: UploadAssembler, instance: str = "") -> None:
+        """Between chunks: stop a stream whose round went upward without it, or whose process
+        (``instance``) another one of the site replaced meanwhile."""
         with self.cond:
+            self.check_instance(site, instance)
             r = self.round
             if r.assemblers.get(site) is not assembler or r.forwarded:
                 raise WrongRoundError(
@@ -368,6 +417,7 @@ class RelayHub:
     def upload_status(self, site: str, request: pb.UploadStatusRequest) -> pb.UploadStatusResponse:
         with self.cond:
             self.check_session(request.session_id)
+            self.check_instance(site, request.instance_id)
             r = self.round
             counted = self.included.get(request.round)
             if counted is not None:
@@ -518,10 +568,12 @@ class RelayHub:
         self, site: str, request: pb.AwaitBroadcastRequest, *, timeout_s: float
     ) -> tuple[pb.BroadcastHeader, bytes | None] | pb.RoundProgress:
         """Round ``request.round``'s broadcast for ``site`` (its own ``included``), or a progress
-        message after ``timeout_s``."""
+        message after ``timeout_s``. A process replaced while it waits is refused (module doc):
+        the header's ``included`` would speak of its successor's update."""
         round_number = request.round
         with self.cond:
             self.check_session(request.session_id)
+            self.check_instance(site, request.instance_id)
             if site in self.members:
                 self.members[site] = self.clock()
             r = self.round
@@ -536,6 +588,7 @@ class RelayHub:
         with self.cond:
             if self.closing:
                 raise StatusError("the relay is shutting down; retry", code=grpc.StatusCode.UNAVAILABLE)
+            self.check_instance(site, request.instance_id)
             cached = self.broadcasts.get(round_number)
             if cached is None:
                 r = self.round

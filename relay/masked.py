@@ -25,9 +25,8 @@ import numpy as np
 
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES
 from geoloco.algorithms.privacy import SECURE_UPLOAD_CODEC
-from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos.errors import quoted
+from geoloco.protos.errors import InvalidUpdateError, quoted
 
 __all__ = ["MaskedSum", "SecureRun", "check_masked_manifest"]
 

@@ -1,11 +1,13 @@
 """The relay's gRPC service: the coordinator's own protocol, served to a region's sites.
 
-Join, Heartbeat and Leave are passed to the coordinator on the site's behalf (the answer,
-errors included, comes back unchanged; the relay keeps what it needs: the session, the run's
-settings, the open round). FetchModel is streamed through. Uploads stay at the relay, which
-verifies them and adds them to the round's partial sum (``geoloco.relay.hub``); AwaitBroadcast
-is answered from the one broadcast the relay fetched. Secure-aggregation stage calls are passed
-through; a secure round's masked uploads are added in the ring (``geoloco.relay.masked``).
+Join, Heartbeat and Leave are passed to the coordinator on the site's behalf (the answer, errors
+included, comes back unchanged; the relay keeps what it needs: the session, the run's settings,
+the open round, the process holding the site's name). FetchModel is streamed through. Uploads
+stay at the relay, which verifies them and adds them to the round's partial sum
+(``geoloco.relay.hub``); AwaitBroadcast is answered from the one broadcast the relay fetched.
+What the relay answers itself, it refuses to a replaced process of a site
+(``RelayHub.check_instance``). Secure-aggregation stage calls are passed through; a secure
+round's masked uploads are added in the ring (``geoloco.relay.masked``).
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
         site = self._site(context, request.site)
-        response: pb.JoinResponse = self._forward(site, "Join", request)
-        self.hub.joined(site, response)
+        with self.hub.join_lock(site):
+            response: pb.JoinResponse = self._forward(site, "Join", request)
+            self.hub.joined(site, response, request.instance_id)
         return response
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
@@ -108,7 +111,7 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
         def chunks() -> Iterator[pb.Chunk | ChunkRef]:
             for chunk in upload_chunks(request_iterator):
                 self._up(site, chunk)
-                self.hub.still_open(site, assembler)
+                self.hub.still_open(site, assembler, manifest.instance_id)
                 yield chunk
 
         try:

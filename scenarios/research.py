@@ -527,7 +527,7 @@ def run(
     folder is written as the run goes (records flushed per round, the summary last).
     ``on_record`` sees every ``RoundRecord`` (progress bars). With ``tensorboard`` each record's
     scalars also go to TensorBoard event files in that folder, stepped by cumulative inner steps
-    (``geoloco.coordinator.tensorboard``). Bad config: ``ConfigFileError``.
+    (``geoloco.protos.tensorboard``). Bad config: ``ConfigFileError``.
 
     ``workload`` trains an object implementing ``geoloco.algorithms.workload.Workload`` (any
     ``nn.Module`` and data) instead of the ``[workload]`` table's, which the config must then
@@ -600,7 +600,7 @@ def record_run(
 ) -> RunResult:
     """Consume a simulator's records into a ``RunResult``; with ``out``, write the run folder as
     it goes (what ``geoloco simulate`` does too), and with ``tensorboard`` the records' scalars."""
-    from geoloco.coordinator.tensorboard import TensorBoardWriter
+    from geoloco.protos.tensorboard import TensorBoardWriter
 
     started = time.perf_counter()
     collected: list[dict[str, Any]] = []

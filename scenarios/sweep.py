@@ -652,7 +652,7 @@ def _check_export(formats: Sequence[str]) -> None:
 
 def _write_tensorboard(runs: Sequence[RunResult]) -> None:
     """Each run's scalars into ``<run folder>/tensorboard``, unless an earlier sweep wrote them."""
-    from geoloco.coordinator.tensorboard import TensorBoardWriter
+    from geoloco.protos.tensorboard import TensorBoardWriter
 
     for result in runs:
         assert result.folder is not None  # loaded from its folder

@@ -14,7 +14,9 @@ from _round_helpers import FakeClock, heartbeat, join, tiny_weights, upload, wai
 
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy
 from geoloco.coordinator.config import CoordinatorConfig
-from geoloco.coordinator.errors import (
+from geoloco.coordinator.rounds import RoundPhase, RoundStateMachine
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.errors import (
     InvalidUpdateError,
     NotAMemberError,
     RunFinishedError,
@@ -22,8 +24,6 @@ from geoloco.coordinator.errors import (
     UpdateRejectedError,
     WrongRoundError,
 )
-from geoloco.coordinator.rounds import RoundPhase, RoundStateMachine
-from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.protocol_version import PROTOCOL_VERSION
 
 

@@ -64,7 +64,7 @@ def test_state_machine_record_carries_phases_within_the_wall_time() -> None:
 
 
 def test_infinite_update_is_rejected_as_non_finite_and_an_overflowing_norm_by_the_bound() -> None:
-    from geoloco.coordinator.errors import InvalidUpdateError
+    from geoloco.protos.errors import InvalidUpdateError
 
     rounds = make(min_sites=1)
     join(rounds, "a")

@@ -12,8 +12,8 @@ from geoloco.algorithms.shard_split import shard_ranges
 from geoloco.compression import Encoded, decode, parse_codec
 from geoloco.compression.slicing import row_positions
 from geoloco.coordinator.domain import BroadcastRecord
-from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.shard_views import ShardViews
+from geoloco.protos.errors import InvalidUpdateError
 from geoloco.protos.wire_files import FileBlob
 
 SHAPES = [(5, 3), (7,), (2, 2, 2)]

@@ -5,13 +5,16 @@ newer Join takes the name (a site restarted after ``kill -9`` is back at once); 
 says so at WARNING naming both, and from then on every request of the older process is refused
 with ``ERROR_REASON_SITE_REPLACED`` -- its heartbeat, its upload, its Leave (which would end the
 newer one's membership), its Join, and an AwaitBroadcast it was already waiting in, which must
-not hand it a header whose ``included`` speaks of the newer process's update.
+not hand it a header whose ``included`` speaks of the newer process's update. Under secure
+aggregation its SecureStage calls are refused too: they would advertise keys, or withdraw from the
+secure round, in the name the newer process holds.
 
 Also here: a manifest conflict whose checksums are equal names the field that differs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -22,10 +25,13 @@ import pytest
 import torch
 from _round_helpers import chunk_requests, encode_update, tiny_weights, upload_manifest
 
+from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.secagg_messages import STAGE_CONSISTENCY, STAGE_WITHDRAW
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import secagg_wire
 from geoloco.protos.protocol_version import PROTOCOL_VERSION
 from geoloco.protos.transport_endpoints import client_channel, coordinator_stub
 from geoloco.protos.transport_errors import error_reason
@@ -46,17 +52,28 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.fixture
-def server(certs: Path) -> Iterator[CoordinatorServer]:
+def _start(certs: Path, **settings: object) -> Iterator[CoordinatorServer]:
     weights, layout = tiny_weights()
     config = CoordinatorConfig(
-        algorithm=AlgorithmConfig(inner_steps=1), certs_dir=str(certs), allowed_sites=["a", "b"],
-        min_sites=1, total_rounds=3, chunk_size=16, progress_interval_s=0.5,
+        algorithm=AlgorithmConfig(inner_steps=1), certs_dir=str(certs), total_rounds=3, chunk_size=16,
+        progress_interval_s=0.5, **settings,  # type: ignore[arg-type]
     )
     server = CoordinatorServer(config, weights, layout)
     server.start()
     yield server
     server.stop(grace=0)
+
+
+@pytest.fixture
+def server(certs: Path) -> Iterator[CoordinatorServer]:
+    yield from _start(certs, allowed_sites=["a", "b"], min_sites=1)
+
+
+@pytest.fixture
+def secure_server(certs: Path) -> Iterator[CoordinatorServer]:
+    """Secure aggregation; its rounds need 3 sites, so with "a" alone stage calls wait."""
+    privacy = PrivacyConfig(secure_aggregation=True, clip_norm=1.0)
+    yield from _start(certs, allowed_sites=["a", "b", "c"], min_sites=3, privacy=privacy)
 
 
 class Process:
@@ -101,6 +118,13 @@ class Process:
             if waiting is not None:
                 waiting.set()
         raise AssertionError("AwaitBroadcast ended without a header")
+
+    def secure_stage(self, stage: str) -> pb.SecureStageResponse:
+        """A call of a stage that carries no message (the stage's wait is not the point here)."""
+        request = secagg_wire.stage_request(stage, None, site="", session_id=self.session, round_number=0, wait_ms=0)
+        request.instance_id = self.instance
+        response: pb.SecureStageResponse = self.stub.SecureStage(request, timeout=10)
+        return response
 
     def leave(self) -> None:
         self.stub.Leave(pb.LeaveRequest(session_id=self.session, instance_id=self.instance), timeout=10)
@@ -165,6 +189,24 @@ def test_the_newer_process_takes_the_name_and_every_request_of_the_older_is_refu
         assert server.rounds.members == ["a"]  # the older process could not end the newer's membership
         _replaced(old.join)  # nor take the name back
         assert not new.heartbeat().rejoin_required
+    finally:
+        old.close()
+        new.close()
+
+
+def test_the_secure_stage_calls_of_a_replaced_process_are_refused(
+    secure_server: CoordinatorServer, certs: Path
+) -> None:
+    old, new = Process(certs, secure_server.port, "a", OLD), Process(certs, secure_server.port, "a", NEW)
+    try:
+        old.join()
+        assert not old.secure_stage(STAGE_CONSISTENCY).ready  # served: the round waits for 3 sites
+        new.join()
+        for stage in (STAGE_CONSISTENCY, STAGE_WITHDRAW):
+            details = _replaced(functools.partial(old.secure_stage, stage)).details()
+            assert NEW[:8] in details and "this one" in details, details
+        assert not new.secure_stage(STAGE_CONSISTENCY).ready
+        assert secure_server.rounds.members == ["a"]
     finally:
         old.close()
         new.close()

@@ -10,9 +10,9 @@ from _round_helpers import send as send_upload
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.coordinator.config import CoordinatorConfig
-from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.rounds import RoundStateMachine
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.errors import InvalidUpdateError
 
 
 def make() -> RoundStateMachine:

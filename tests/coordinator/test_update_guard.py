@@ -16,8 +16,8 @@ from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.update_guard import UpdateGuard, UpdateGuardConfig
 from geoloco.coordinator.config import CoordinatorConfig
-from geoloco.coordinator.errors import InvalidUpdateError, UpdateRejectedError
 from geoloco.coordinator.rounds import RoundStateMachine
+from geoloco.protos.errors import InvalidUpdateError, UpdateRejectedError
 
 
 def make(tmp_path: Path | None = None, **overrides: object) -> RoundStateMachine:

@@ -30,8 +30,8 @@ from geoloco.algorithms.secagg_stages import (
     ShareBundle,
     SurvivorSignature,
 )
-from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.privacy_rounds import PrivateRounds
+from geoloco.protos.errors import InvalidUpdateError
 
 NAMES = ["alpha", "beta", "gamma", "delta"]
 TIMEOUT = 5.0

@@ -93,13 +93,17 @@ class Site:
     target: str
     session: str = ""
     channel: Any = field(default=None, repr=False)
+    instance: str = ""
+    """This process's ``instance_id`` in its Join, Upload and AwaitBroadcast ("" sends none)."""
 
     def __post_init__(self) -> None:
         self.channel = client_channel(self.target, tls=TLSFiles.from_dir(self.certs, self.name))
         self.stub = coordinator_stub(self.channel)
 
     def join(self) -> pb.JoinResponse:
-        response: pb.JoinResponse = self.stub.Join(pb.JoinRequest(protocol_version=PROTOCOL_VERSION), timeout=20)
+        response: pb.JoinResponse = self.stub.Join(
+            pb.JoinRequest(protocol_version=PROTOCOL_VERSION, instance_id=self.instance), timeout=20
+        )
         self.session = response.session_id
         return response
 
@@ -110,7 +114,7 @@ class Site:
         data = encoded.to_bytes()
         manifest = pb.UploadManifest(
             session_id=self.session, round=round_number, sample_weight=weight, inner_steps=1,
-            metrics={"train_loss": 1.5},
+            metrics={"train_loss": 1.5}, instance_id=self.instance,
             blob=blob_manifest(data, codec=encoded.spec, shape=[update.numel()], dtype="float32", chunk_size=64),
         )
         response: pb.UploadResponse = self.stub.Upload(upload_requests(manifest, data), timeout=20)
@@ -119,7 +123,8 @@ class Site:
     def await_broadcast(self, round_number: int = 0) -> tuple[pb.BroadcastHeader, bytes]:
         download = Download()
         responses = self.stub.AwaitBroadcast(
-            pb.AwaitBroadcastRequest(session_id=self.session, round=round_number), timeout=60
+            pb.AwaitBroadcastRequest(session_id=self.session, round=round_number, instance_id=self.instance),
+            timeout=60,
         )
         header = read_broadcast_stream(responses, download)
         data = bytes(download.result()) if header.action == pb.BROADCAST_ACTION_APPLY_DELTA else b""

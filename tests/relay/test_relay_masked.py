@@ -17,8 +17,8 @@ from geoloco.algorithms.secagg_client import SecAggClient
 from geoloco.algorithms.secagg_crypto import num_chunks
 from geoloco.algorithms.secagg_messages import RoundContext
 from geoloco.algorithms.secagg_server import SecAggServer
-from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.errors import InvalidUpdateError
 from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay.masked import MaskedSum, SecureRun, check_masked_manifest
 from geoloco.relay.partial import RelayRound, RelayWait

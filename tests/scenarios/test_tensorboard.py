@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from geoloco.coordinator.tensorboard import record_scalars
+from geoloco.protos.tensorboard import record_scalars
 from geoloco.scenarios.cli import main
 from geoloco.scenarios.config_file import ConfigFileError
 from geoloco.scenarios.research import METRICS_FILE, run

@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator import translate
 from geoloco.coordinator.config import CoordinatorConfig
-from geoloco.coordinator.errors import InvalidUpdateError
 from geoloco.coordinator.http_status import STATE_DOWN, CoordinatorStatus, HTTPStatusConfig
 from geoloco.coordinator.rounds import RoundStateMachine
+from geoloco.protos.errors import InvalidUpdateError
 
 HEARTBEAT_S = 1.0
 TIMEOUT_S = 20.0

@@ -17,7 +17,7 @@ import torch
 from geoloco.algorithms.finite import all_finite
 from geoloco.algorithms.update_guard import update_norm
 from geoloco.compression import CodecError, Encoded, decode, decoded_norm
-from geoloco.coordinator.errors import InvalidUpdateError
+from geoloco.protos.errors import InvalidUpdateError
 from geoloco.protos.wire_buffers import DEFAULT_CHECKSUM
 
 __all__ = ["checked_update"]

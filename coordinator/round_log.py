@@ -66,7 +66,8 @@ class LoggedRound:
     mean_crc32: int
 
     def read_mean(self) -> torch.Tensor:
-        """The logged mean update, checked for its size (a truncated file is refused)."""
+        """The logged mean update, checked for its size and CRC-32 (a truncated or damaged file
+        is refused in one line)."""
         expected = self.numel * torch.empty((), dtype=self.dtype).element_size()
         try:
             size = self.mean_path.stat().st_size
@@ -88,6 +89,19 @@ class LoggedRound:
         return torch.frombuffer(data, dtype=self.dtype)
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A mean written and being fsynced, not yet committed."""
+
+    round: int
+    path: Path
+    numel: int
+    dtype: str
+    crc32: int
+    sync: threading.Thread
+    errors: list[OSError]
+
+
 def _round_of(name: str) -> tuple[int, str] | None:
     match = _ENTRY.match(name)
     return (int(match.group(1)), match.group(2)) if match else None
@@ -99,7 +113,7 @@ class RoundLog:
 
     def __init__(self, checkpoint_dir: str | os.PathLike[str]) -> None:
         self.folder = Path(checkpoint_dir) / LOG_DIR
-        self._pending: tuple[int, Path, int, str, threading.Thread, list[OSError], int] | None = None
+        self._pending: _Pending | None = None
 
     def observe(self, round_number: int, mean: torch.Tensor) -> None:
         """Write round ``round_number``'s mean to the page cache now (the outer step may overwrite
@@ -138,12 +152,12 @@ class RoundLog:
 
         thread = threading.Thread(target=sync, name="geoloco-round-log-fsync", daemon=True)
         thread.start()
-        self._pending = (round_number, path, host.numel(), dtype, thread, errors, crc)
+        self._pending = _Pending(round_number, path, host.numel(), dtype, crc, thread, errors)
 
     @property
     def observed(self) -> int | None:
         """The round whose mean is written and not yet committed or discarded."""
-        return None if self._pending is None else self._pending[0]
+        return None if self._pending is None else self._pending.round
 
     def commit(
         self, round_number: int, *, fragment: int, sites: tuple[str, ...], weights_digest: str,
@@ -151,23 +165,23 @@ class RoundLog:
     ) -> None:
         """Make round ``round_number`` durable: wait for its mean's fsync, then write its entry
         atomically. After this returns, its weights may be broadcast."""
-        if self._pending is None or self._pending[0] != round_number:
+        pending = self._pending
+        if pending is None or pending.round != round_number:
             raise RuntimeError(f"the round log holds no mean of round {round_number} to commit")
-        _, path, numel, dtype, thread, errors, crc = self._pending
         self._pending = None
-        thread.join()
-        if errors:
-            raise errors[0]
+        pending.sync.join()
+        if pending.errors:
+            raise pending.errors[0]
         entry = {
             "format": ENTRY_FORMAT,
             "round": round_number,
             "fragment": fragment,
             "sites": list(sites),
             "weights_digest": weights_digest,
-            "mean_file": path.name,
-            "mean_crc32": crc,
-            "numel": numel,
-            "dtype": dtype,
+            "mean_file": pending.path.name,
+            "mean_crc32": pending.crc32,
+            "numel": pending.numel,
+            "dtype": pending.dtype,
             "metadata": metadata,
         }
         atomic_write(self.folder / f"round-{round_number:06d}.json", json.dumps(entry, sort_keys=True).encode())
@@ -175,12 +189,11 @@ class RoundLog:
     def discard(self) -> None:
         """Forget an observed mean that will not be committed (the round was aborted after its
         outer step, or it is made durable by a full checkpoint instead)."""
-        if self._pending is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        _, path, _numel, _dtype, thread, _errors, _crc = self._pending
-        self._pending = None
-        thread.join()
-        path.unlink(missing_ok=True)
+        pending.sync.join()
+        pending.path.unlink(missing_ok=True)
 
     def entries(self, from_round: int) -> list[LoggedRound]:
         """The committed entries of rounds ``from_round``, ``from_round + 1``, ... up to the

@@ -45,9 +45,10 @@ COORDINATOR_PHASES: Final = (
 wall time, ``round_wall_s``). ``receive``: upload streams in flight while no upload was being
 verified or added; ``verify``: checksum, decode, finite and norm checks; ``add``: into the
 aggregation buffer; ``outer_step``: the outer optimizer (and the new weights' digest);
-``downlink_encode``: the downlink codec and its serialisation; ``checkpoint``: writing it;
-``broadcast``: publishing the new weights and the broadcast to waiting sites (the transfer itself
-is in each site's ``download``)."""
+``downlink_encode``: the downlink codec and its serialisation; ``checkpoint``: the wait for the
+round to be durable (the round log's commit, a background checkpoint still being written, or a
+full checkpoint due now); ``broadcast``: hashing the delta and publishing the new weights to
+waiting sites (the transfer itself is in each site's ``download``)."""
 
 _PREFIX: Final = "phase_"
 _PREVIOUS_PREFIX: Final = "prev_phase_"

@@ -5,6 +5,7 @@ Time is a fake clock, so deadlines and heartbeat timeouts are crossed by assignm
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import grpc
@@ -276,7 +277,11 @@ def test_restart_resumes_from_checkpoint_with_a_new_session(tmp_path: Path) -> N
     momentum = first.strategy.state_tensors()
     assert momentum, "expected outer momentum and a downlink residual to checkpoint"
 
-    second = make(**overrides)
+    # The restart gets a copy of the folder as the first left it (its background checkpoint
+    # done): both go on below, and two live coordinators never share one folder.
+    first.wait_for_snapshot()
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt-copy")
+    second = make(**{**overrides, "checkpoint_dir": str(tmp_path / "ckpt-copy")})
     assert second.session_id != first.session_id
     assert second.round == 2
     assert torch.equal(second.weights, first.weights)

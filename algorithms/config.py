@@ -30,6 +30,11 @@ class ConfigError(ValueError):
         self.message = message
         super().__init__(f"{key}: {message}" if key else message)
 
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
+        # Exceptions pickle as ``cls(*args)``; this one's args are the joined text, so a sweep
+        # worker's (or a user's own multiprocessing) error came back as a TypeError.
+        return type(self), (self.key, self.message)
+
     def under(self, prefix: str) -> ConfigError:
         """The same error with its key nested under ``prefix`` (``"sites[2]"`` + ``"speed"``)."""
         if not prefix:

@@ -69,6 +69,9 @@ class FolderInUseError(RuntimeError):
         self.folder = folder
         self.holder = holder
 
+    def __reduce__(self) -> tuple[type[FolderInUseError], tuple[Path, LockHolder]]:
+        return type(self), (self.folder, self.holder)
+
 
 class FolderLock:
     """Exclusive use of a folder by one holder (module doc). ``release`` removes the file."""

@@ -159,6 +159,9 @@ class IncompleteError(WireError):
         super().__init__(message)
         self.missing = missing
 
+    def __reduce__(self) -> tuple[type[IncompleteError], tuple[str, list[tuple[int, int]]]]:
+        return type(self), (str(self), self.missing)
+
 
 class ChecksumMismatchError(WireError):
     """The reassembled bytes do not match the manifest's checksum."""

@@ -68,6 +68,11 @@ class ConfigFileError(Exception):
         where = f"{source}: {key}" if key else source
         super().__init__(f"{where}: {message}")
 
+    def __reduce__(self) -> tuple[type[ConfigFileError], tuple[str, str, str]]:
+        # Pickled as ``cls(*args)`` by default, whose one arg is the joined text (a worker
+        # process's error would come back as a TypeError).
+        return type(self), (self.source, self.key, self.message)
+
 
 def from_config_error(source: str, err: ConfigError, prefix: str = "") -> ConfigFileError:
     """A schema's ``ConfigError`` (dotted key, message) as a ``ConfigFileError`` naming ``source``;

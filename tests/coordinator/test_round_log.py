@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _round_helpers import FakeClock, join, tiny_weights, upload
+from _round_helpers import FakeClock, encode_update, join, tiny_weights, upload, upload_manifest
+from _round_helpers import send as send_upload
 
+from geoloco.algorithms.privacy import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.coordinator.checkpoint import CheckpointError, load_latest_checkpoint
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.round_log import RoundLog
@@ -65,16 +68,25 @@ def test_rounds_after_the_first_are_durable_by_the_log_and_snapshots_compact_it(
     machine.close()
 
 
-def test_a_restart_replays_the_logged_rounds_to_the_same_state_as_the_run_that_went_on(tmp_path: Path) -> None:
+CENTRAL_DP = PrivacyConfig(dp="central", clip_norm=1.0, noise_multiplier=0.5)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"privacy": CENTRAL_DP}], ids=["plain", "central-dp"])
+def test_a_restart_replays_the_logged_rounds_to_the_same_state_as_the_run_that_went_on(
+    tmp_path: Path, overrides: dict[str, object]
+) -> None:
     folder = tmp_path / "ckpt"
-    first = _machine(folder, checkpoint_every=100)  # one snapshot (round 1), then only the log
+    first = _machine(folder, checkpoint_every=100, **overrides)  # one snapshot (round 1), then the log
     for r in range(4):
         _round(first, r)
     first.phases.snapshots.join()
     assert [e.round for e in RoundLog(folder).entries(1)] == [1, 2, 3]
     assert load_latest_checkpoint(folder).round == 1  # type: ignore[union-attr]
     # Dropped without close(): the restarted machine has only the snapshot and the log.
-    second = _machine(folder, checkpoint_every=100)
+    second = _machine(folder, checkpoint_every=100, **overrides)
+    if overrides:  # the privacy accountant is the logged round's, not the checkpoint's
+        assert second.phases.privacy is not None and first.phases.privacy is not None
+        assert second.phases.privacy.state() == first.phases.privacy.state()
     assert second.round == 4
     assert second.digest_hex == first.digest_hex
     assert torch.equal(second.weights, first.weights)
@@ -83,13 +95,16 @@ def test_a_restart_replays_the_logged_rounds_to_the_same_state_as_the_run_that_w
     ctx1, ctx2 = first.phases.ctx, second.phases.ctx
     assert ctx2.contributor_history == ctx1.contributor_history
     assert ctx2.strategy.state_meta() == ctx1.strategy.state_meta()
-    # And the next round, the same on both, ends on the same weights; the replay left the log
-    # whole, so a second restart replays it again (round 4 included).
+    # And the next round, the same on both, ends on the same weights (not with DP: its noise
+    # comes from the OS CSPRNG, which is why the log keeps the noised mean, never the noise's
+    # seed). The replay left the log whole, so a second restart replays it again, round 4 (the
+    # second machine's, written last) included.
     _round(first, 4)
     _round(second, 4)
-    assert second.digest_hex == first.digest_hex
-    third = _machine(folder, checkpoint_every=100)
-    assert third.round == 5 and third.digest_hex == first.digest_hex
+    if not overrides:
+        assert second.digest_hex == first.digest_hex
+    third = _machine(folder, checkpoint_every=100, **overrides)
+    assert third.round == 5 and third.digest_hex == second.digest_hex
     for machine in (first, second, third):
         machine.close()
 
@@ -155,3 +170,34 @@ def test_a_fresh_start_moves_the_round_log_aside_with_the_checkpoints(tmp_path: 
         assert not (tmp_path / "round-log").exists()
     finally:
         server.stop(grace=0)
+
+
+def test_a_restart_replays_streaming_fragments_each_into_its_own_outer_state(tmp_path: Path) -> None:
+    """Streaming DiLoCo: each logged round is one fragment's mean; the replay steps the fragment
+    the round's plan names, and both machines go on identically."""
+    algorithm = AlgorithmConfig(
+        inner_steps=4, uplink_codec="int8", streaming=StreamingConfig(enabled=True, fragments=2, overlap_steps=1)
+    )
+
+    def stream_round(machine: RoundStateMachine, r: int) -> None:
+        strategy = machine.phases.ctx.strategy
+        values = torch.randn(strategy.update_numel(r), generator=torch.Generator().manual_seed(200 + r))
+        data, spec = encode_update(values, "int8")
+        manifest = upload_manifest(machine.session_id, r, data, codec=spec, numel=values.numel(), site="a")
+        manifest.fragment = strategy.fragment_for_round(r)
+        send_upload(machine, "a", manifest, data)
+        assert machine.poll() is not None
+
+    first = _machine(tmp_path, checkpoint_every=100, algorithm=algorithm)
+    for r in range(4):
+        stream_round(first, r)
+    assert {e.fragment for e in RoundLog(tmp_path).entries(1)} == {0, 1}
+    second = _machine(tmp_path, checkpoint_every=100, algorithm=algorithm)
+    assert second.round == 4 and second.digest_hex == first.digest_hex
+    for name, tensor in _outer_state(first).items():
+        assert torch.equal(_outer_state(second)[name], tensor), name
+    stream_round(first, 4)
+    stream_round(second, 4)
+    assert second.digest_hex == first.digest_hex
+    first.close()
+    second.close()

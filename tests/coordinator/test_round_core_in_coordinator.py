@@ -93,6 +93,7 @@ def test_adaptive_deadline_history_survives_a_restart(tmp_path: Path) -> None:
         assert first.poll() is not None
     learned = first.policy.deadline_s()
     assert first.policy.state() and learned != 100.0
+    first.close()  # stopped, as a restarted coordinator's predecessor is: its checkpoint is done
     second = make(clock, **overrides)
     assert second.policy.state() == first.policy.state()
     assert second.policy.deadline_s() == learned

@@ -530,7 +530,7 @@ class RoundPhases:
     ) -> dict[str, Any] | None:
         """Make the state after round ``round_number`` durable before its broadcast: by the
         round log when the round's mean was logged and a snapshot starts the chain, else by a
-        full checkpoint now (the session's first round, ``sync``: an aborted round, whose
+        full checkpoint now (a new run's first round, ``sync``: an aborted round, whose
         rewound outer state the log cannot replay). Returns the snapshot to write in the
         background once the broadcast is out when ``snapshot_due``, else None."""
         ctx = self.ctx

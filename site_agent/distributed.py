@@ -348,6 +348,12 @@ class IntraSiteGroup:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if exc_type is None and not self._closed and self._owns_process_group and dist.is_initialized():
+            # Leave together: a rank that tears its gloo connections down while another still
+            # finishes its run can die in gloo's teardown ("terminate called without an active
+            # exception", SIGABRT; once in a CI run). After an error, no wait: the others may
+            # be gone, and torchrun stops the job anyway.
+            self.barrier()
         self.close()
 
     def _check_open(self) -> None:

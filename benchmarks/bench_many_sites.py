@@ -725,7 +725,8 @@ def main(argv: list[str] | None = None) -> None:
             path.write_bytes(marshal.dumps(result["sites_profile"]))
             _print_sites_profile(result, path)
     args.json.write_text(json.dumps(
-        {"args": vars(args), "platform": platform.platform(), "cpus": os.cpu_count(), "results": results,
+        {"args": {k: v for k, v in vars(args).items() if k != "json"},  # not this machine's paths
+         "platform": platform.platform(), "cpus": os.cpu_count(), "results": results,
          "profiled": [{k: v for k, v in r.items() if k not in ("profile", "sites_profile")} for r in profiled]},
         indent=2, default=str,
     ))

@@ -17,7 +17,6 @@ import hashlib
 import logging
 import os
 import threading
-from typing import Any
 
 from geoloco.compression import Encoded
 from geoloco.protos.wire_files import FileBlob, RangeBlob
@@ -25,8 +24,6 @@ from geoloco.protos.wire_files import FileBlob, RangeBlob
 __all__ = ["SPILL_MIN_BYTES", "PreparedBroadcast", "SpillingBlob"]
 
 logger = logging.getLogger(__name__)
-
-_HASH_BLOCK = 16 << 20
 
 SPILL_MIN_BYTES = 64 << 20
 """Deltas this large or larger are served from a file, smaller ones from memory."""
@@ -66,17 +63,17 @@ class SpillingBlob(RangeBlob):
             at += len(part)
         return out[0] if len(out) == 1 else b"".join(out)
 
-    def hash_into(self, digest: Any) -> None:
-        """Update ``digest`` (a ``hashlib`` object) with the bytes, from wherever they are."""
+    def sha256(self) -> bytes:
+        """SHA-256 of the bytes: straight from the parts' memory while they are held (no
+        copies), else from the file."""
         with self._lock:
-            file, parts = self._file, self._parts
-        if parts is not None:
-            for part in parts:
-                digest.update(part)
-            return
-        assert file is not None
-        for offset in range(0, self._size, _HASH_BLOCK):
-            digest.update(file.read(offset, _HASH_BLOCK))
+            parts = self._parts
+        if parts is None:
+            return super().sha256()
+        digest = hashlib.sha256()
+        for part in parts:
+            digest.update(part)
+        return digest.digest()
 
     @property
     def spilled(self) -> bool:
@@ -124,12 +121,7 @@ class PreparedBroadcast:
     def _run(self) -> None:
         served = self._served
         try:
-            digest = hashlib.sha256()
-            if isinstance(served, SpillingBlob):
-                served.hash_into(digest)
-            else:
-                digest.update(served)
-            self._sha256 = digest.digest()
+            self._sha256 = served.sha256() if isinstance(served, SpillingBlob) else hashlib.sha256(served).digest()
         finally:
             self._hashed.set()
         if isinstance(served, SpillingBlob):

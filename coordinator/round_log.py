@@ -198,12 +198,7 @@ class RoundLog:
     def entries(self, from_round: int) -> list[LoggedRound]:
         """The committed entries of rounds ``from_round``, ``from_round + 1``, ... up to the
         first gap (a later entry past a gap cannot be replayed and is ignored)."""
-        if not self.folder.is_dir():
-            return []
-        rounds = sorted(
-            r for p in self.folder.iterdir() if (m := _round_of(p.name)) is not None and m[1] == "json"
-            for r in (m[0],) if r >= from_round
-        )
+        rounds = sorted(r for r in self._committed() if r >= from_round)
         found: list[LoggedRound] = []
         for expected, r in enumerate(rounds, start=from_round):
             if r != expected:
@@ -239,10 +234,13 @@ class RoundLog:
 
     def newest_round(self) -> int | None:
         """The newest committed round (its weights may have been broadcast), or None."""
+        return max(self._committed(), default=None)
+
+    def _committed(self) -> set[int]:
+        """Rounds with a committed entry (its JSON written)."""
         if not self.folder.is_dir():
-            return None
-        rounds = [m[0] for p in self.folder.iterdir() if (m := _round_of(p.name)) is not None and m[1] == "json"]
-        return max(rounds, default=None)
+            return set()
+        return {m[0] for p in self.folder.iterdir() if (m := _round_of(p.name)) is not None and m[1] == "json"}
 
     def compact(self, snapshot_round: int) -> None:
         """Remove entries a durable snapshot of ``snapshot_round`` covers (rounds before it), and
@@ -250,7 +248,7 @@ class RoundLog:
         if not self.folder.is_dir():
             return
         keep = self.observed
-        committed = {m[0] for p in self.folder.iterdir() if (m := _round_of(p.name)) is not None and m[1] == "json"}
+        committed = self._committed()
         removed = False
         for p in self.folder.iterdir():
             m = _round_of(p.name)

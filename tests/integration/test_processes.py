@@ -272,6 +272,21 @@ def test_coordinator_killed_mid_round_restarts_from_its_checkpoint_and_matches_t
     assert len({r["session_id"] for r in records}) == 2
 
 
+def _resume_and_finish(
+    processes: Processes, config: Path, certs: Path, port: int, sites: list[Process], *, start: int, rounds: int
+) -> None:
+    """The killed coordinator's command again (on its port): it resumes at round ``start``,
+    finishes the run, and every site ends on its final digest."""
+    second, _ = _coordinator(processes, "coordinator-again", config, certs, "--port", str(port))
+    _, starting = second.wait_line(STARTING, what="the starting line")
+    assert starting["round"] == str(start) and "resumed from checkpoint" in starting["how"]
+    assert second.wait_exit() == 0, second.describe()
+    _, end = second.wait_line(COORDINATOR_END, what="the coordinator's final line")
+    assert end["how"] == "finished" and end["round"] == str(rounds)
+    digests = [_finished_digest(site) for site in sites]
+    assert set(digests) == {end["digest"]}, f"replicas differ: {digests} vs {end['digest']}"
+
+
 def test_coordinator_killed_between_checkpoint_and_metrics_replays_the_lost_record(
     certs: Path, tmp_path: Path
 ) -> None:
@@ -298,14 +313,7 @@ def test_coordinator_killed_between_checkpoint_and_metrics_replays_the_lost_reco
         assert RoundLog(checkpoints).newest_round() == lost
         assert [r["round"] for r in read_metrics(metrics)] == list(range(lost))
 
-        second, _ = _coordinator(processes, "coordinator-again", config, certs, "--port", str(port))
-        _, starting = second.wait_line(STARTING, what="the starting line")
-        assert starting["round"] == str(lost + 1) and "resumed from checkpoint" in starting["how"]
-        assert second.wait_exit() == 0, second.describe()
-        _, end = second.wait_line(COORDINATOR_END, what="the coordinator's final line")
-        assert end["how"] == "finished" and end["round"] == str(rounds)
-        digests = [_finished_digest(site) for site in sites]
-        assert set(digests) == {end["digest"]}, f"replicas differ: {digests} vs {end['digest']}"
+        _resume_and_finish(processes, config, certs, port, sites, start=lost + 1, rounds=rounds)
 
     records = read_metrics(metrics)
     assert [r["round"] for r in records] == list(range(rounds)), "every round exactly once"
@@ -343,14 +351,7 @@ def test_coordinator_killed_mid_broadcast_replays_its_round_log_and_matches_the_
         assert snapshot is not None and snapshot.round == 1, "only round 0 has a full checkpoint"
         assert [e.round for e in RoundLog(checkpoints).entries(1)] == list(range(1, mid + 1))
 
-        second, _ = _coordinator(processes, "coordinator-again", config, certs, "--port", str(port))
-        _, starting = second.wait_line(STARTING, what="the starting line")
-        assert starting["round"] == str(mid + 1) and "resumed from checkpoint" in starting["how"]
-        assert second.wait_exit() == 0, second.describe()
-        _, end = second.wait_line(COORDINATOR_END, what="the coordinator's final line")
-        assert end["how"] == "finished" and end["round"] == str(rounds)
-        digests = [_finished_digest(site) for site in sites]
-        assert set(digests) == {end["digest"]}, f"replicas differ: {digests} vs {end['digest']}"
+        _resume_and_finish(processes, config, certs, port, sites, start=mid + 1, rounds=rounds)
 
     records = read_metrics(metrics)
     assert [r["round"] for r in records] == list(range(rounds)), "every round exactly once"

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from geoloco.algorithms.async_merge import AsyncConfig
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.link_codec import AdaptiveUplinkConfig
 from geoloco.algorithms.partial import PartialUpdatesConfig
@@ -136,6 +137,9 @@ class AlgorithmConfig:
     adaptive_uplink: AdaptiveUplinkConfig = field(default_factory=AdaptiveUplinkConfig)
     """Per-site uplink codecs that fit each site's measured link (``[algorithm.adaptive_uplink]``);
     see ``geoloco.algorithms.link_codec``."""
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
+    """Decoupled (asynchronous) DiLoCo (``[algorithm.asynchronous]``): no round barrier, the
+    synchronizer merges what has arrived; see ``geoloco.algorithms.async_merge``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -271,6 +275,32 @@ class AlgorithmConfig:
                 self.streaming.check_inner_steps(self.inner_steps)
             except ConfigError as err:
                 raise err.under("streaming") from None
+
+        if self.asynchronous.enabled:
+            self._validate_asynchronous()
+
+    def _validate_asynchronous(self) -> None:
+        """What asynchronous merges cannot take, for every host that runs them: each rule here
+        assumes a round every site trains for."""
+        unsupported = [
+            (self.name == "ddp", "the ddp baseline (it synchronises every step; set name to diloco, fedavg, "
+                                 "fedopt or sparseloco)"),
+            (self.streaming.enabled, "Streaming DiLoCo ([algorithm.streaming]: its fragments follow a shared "
+                                     "round schedule)"),
+            (self.partial_updates.enabled, "partial updates ([algorithm.partial_updates])"),
+            (self.adaptive_uplink.enabled, "adaptive uplink codecs ([algorithm.adaptive_uplink]: they are "
+                                           "planned per round)"),
+            (self.late_updates == "fold", "late_updates = \"fold\" (in asynchronous merges every update "
+                                          "enters the open merge, discounted by its staleness)"),
+            (self.round_time_budget_s is not None, "time-budget rounds (round_time_budget_s; "
+                                                   "dynamic_local_updates sizes phases by speed)"),
+            (self.warmup_steps > 0, "a data-parallel warm-up (warmup_steps)"),
+        ]
+        for refused, what in unsupported:
+            require(
+                not refused, "asynchronous.enabled",
+                f"asynchronous merges do not run with {what}; change that, or disable [algorithm.asynchronous]",
+            )
 
     @property
     def robust_rule(self) -> RobustRule:

@@ -5,7 +5,7 @@ same round; here each site runs on its own clock and the run is a queue of event
 phase starts, its steps are done, its upload arrives, it fails, it is repaired, a merge's grace
 window ends), so two rules can run on the same sites and the same failures:
 
-- **asynchronous** (``[simulation.asynchronous] enabled``; Decoupled DiLoCo, Douillard et al.
+- **asynchronous** (``[algorithm.asynchronous] enabled``; Decoupled DiLoCo, Douillard et al.
   2026; asynchronous Local-SGD, Liu et al. 2024): a site never waits at a barrier. When its
   inner steps are done it uploads ``θ_v − θ_k`` (``v`` the version of the global model it
   started from) and at once starts its next phase from **the newest global model it has fully
@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from geoloco.algorithms.aggregation import Aggregation
+from geoloco.algorithms.async_merge import AsyncMerge, dynamic_local_steps, stale_admission
 from geoloco.algorithms.chaos import ChaosSchedule, SiteTimeline, StepLedger
 from geoloco.algorithms.clock import SiteConfig, transfer_time
 from geoloco.algorithms.device import resolve_device
@@ -70,17 +71,16 @@ from geoloco.algorithms.diloco import pseudo_gradient
 from geoloco.algorithms.engine import RoundEngine
 from geoloco.algorithms.params import ParamLayout, weights_digest
 from geoloco.algorithms.robust_attack import parse_attack
-from geoloco.algorithms.round import CloseDecision, Round, RoundPolicy
-from geoloco.algorithms.sim_config import AsyncConfig, RoundRecord, SimulatorConfig
+from geoloco.algorithms.round import Round, RoundPolicy
+from geoloco.algorithms.sim_config import RoundRecord, SimulatorConfig
 from geoloco.algorithms.sim_state import SimSite, SimTrainer
 from geoloco.algorithms.sim_uplinks import AttackedUplinks, Payload, PlainUplinks, SimUplinks
 from geoloco.algorithms.strategy import RoundPlan, Strategy, build_strategy
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.algorithms.update_guard import UpdateGuard
-from geoloco.algorithms.weighting import stale_weight
 from geoloco.algorithms.workload import Workload
 
-__all__ = ["AsyncMerge", "DecoupledSimulator", "build_simulator", "dynamic_local_steps"]
+__all__ = ["DecoupledSimulator", "build_simulator"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,79 +88,6 @@ logger = logging.getLogger(__name__)
 # exactly when its site fails is lost), then finished steps, arrivals, a merge's timer, repairs
 # and phase starts last, so a phase starting at a merge's instant starts from the merged model.
 _FAIL, _FINISH, _ARRIVAL, _TIMER, _REPAIR, _START = range(6)
-
-_EMA = 0.2
-"""Weight of the newest gap in the adaptive grace window's average of arrival gaps."""
-
-
-def dynamic_local_steps(inner_steps: int, step_s: float | None, fastest_step_s: float | None) -> int:
-    """Dynamic Local Updates (Liu et al. 2024): ``H · v / v_max`` steps, at least 1, for a site
-    whose last phase took ``step_s`` seconds per step when the fastest site's took
-    ``fastest_step_s`` (``v = 1 / step_s``); ``H`` before anything was measured."""
-    if step_s is None or fastest_step_s is None or step_s <= 0:
-        return inner_steps
-    return max(1, math.floor(inner_steps * fastest_step_s / step_s + 1e-9))
-
-
-class AsyncMerge:
-    """The asynchronous close rule (a ``ClosePolicy`` of the round engine): a merge closes once
-    ``min_quorum`` updates are in and either it holds as many updates as there are sites up
-    (one per site: nobody else can add to it) or the grace window after the quorum's arrival has
-    passed.
-
-    The window is ``grace_window_s``, or with ``adaptive_grace`` ``grace_arrivals`` times the
-    average gap between consecutive arrivals at the synchronizer (an exponential average,
-    weight 0.2 on the newest gap), capped by ``max_grace_s``: it waits about as long as that many
-    more updates usually take, short when updates stream in and long when they are rare. This is
-    our reading of Decoupled DiLoCo's adaptive grace window, whose exact rule the paper's
-    summary does not give."""
-
-    def __init__(self, config: AsyncConfig, sites_up: int) -> None:
-        self.config = config
-        self.sites_up = sites_up
-        """Sites that are up now (the host updates it): a merge holding one update of each
-        waits for nobody."""
-        self._gap_s: float | None = None
-        self._last_arrival_s: float | None = None
-        self._close_by: dict[int, float] = {}
-
-    def observe_arrival(self, now: float) -> None:
-        """An update arrived at ``now`` (admitted or not): the adaptive window learns its gap."""
-        if self._last_arrival_s is not None:
-            gap = now - self._last_arrival_s
-            self._gap_s = gap if self._gap_s is None else (1 - _EMA) * self._gap_s + _EMA * gap
-        self._last_arrival_s = now
-
-    def grace_s(self) -> float:
-        """The window the next merge waits after its quorum."""
-        config = self.config
-        if not config.adaptive_grace or self._gap_s is None:
-            return config.grace_window_s
-        window = config.grace_arrivals * self._gap_s
-        return window if config.max_grace_s is None else min(window, config.max_grace_s)
-
-    def close_by(self, round_: Round) -> float | None:
-        """When ``round_``'s grace window ends: fixed when it was first asked about with its
-        quorum in (None before), so a host can set a timer for it."""
-        return self._close_by.get(round_.number)
-
-    def may_start(self, members: int) -> bool:
-        return True
-
-    def decide_round(self, round_: Round, *, now: float, expected: Collection[str]) -> CloseDecision:
-        """``expected`` is not read: an asynchronous merge waits for no particular site."""
-        counted = len(round_.contributed)
-        if counted < self.config.min_quorum:
-            return CloseDecision(close=False)
-        close_by = self._close_by.setdefault(round_.number, now + self.grace_s())
-        if counted >= self.sites_up:
-            return CloseDecision(close=True)
-        if now >= close_by:
-            return CloseDecision(close=True, deadline_hit=True)
-        return CloseDecision(close=False)
-
-    def closed(self, round_: Round) -> None:
-        self._close_by.pop(round_.number, None)
 
 
 @dataclass(slots=True)
@@ -262,14 +189,14 @@ class DecoupledSimulator:
 
     def __init__(self, config: SimulatorConfig, workload: Workload, *, schedule: ChaosSchedule | None = None) -> None:
         sim, algo = config.simulation, config.algorithm
-        if not sim.event_driven:
+        if not config.event_driven:
             raise ValueError(
-                "the event-driven simulator runs [simulation.asynchronous] or [simulation.chaos]; "
+                "the event-driven simulator runs [algorithm.asynchronous] or [simulation.chaos]; "
                 "neither is enabled (geoloco.algorithms.simulator.Simulator runs this config)"
             )
         self.config = config
         self.workload = workload
-        self.asynchronous = sim.asynchronous.enabled
+        self.asynchronous = algo.asynchronous.enabled
         self.device = resolve_device(sim.device, "simulation.device")
         self.model = workload.build_model(sim.seed).to(self.device)
         self.layout = ParamLayout.from_model(self.model)
@@ -299,7 +226,7 @@ class DecoupledSimulator:
         self._keeps_late = self.strategy.uplink_encoder().error_feedback is not None
         """A late synchronous update goes into the site's error-feedback residual (else it is lost)."""
         self.policy: RoundPolicy = config.training.round_policy(n)
-        self.merge_rule = AsyncMerge(sim.asynchronous, n) if self.asynchronous else None
+        self.merge_rule = AsyncMerge(algo.asynchronous, n) if self.asynchronous else None
         self.engine = RoundEngine(
             self.strategy, self.policy, UpdateGuard(config.update_guard),
             close=self.merge_rule, fresh_strategy=new_strategy,
@@ -415,7 +342,7 @@ class DecoupledSimulator:
 
     def _steps_for(self, site: _Site) -> int:
         inner = self.strategy.inner_steps
-        if self.merge_rule is None or not self.config.simulation.asynchronous.dynamic_local_updates:
+        if self.merge_rule is None or not self.config.algorithm.asynchronous.dynamic_local_updates:
             return inner
         return dynamic_local_steps(inner, site.step_s, self._fastest_step_s)
 
@@ -550,16 +477,14 @@ class DecoupledSimulator:
         if site.name in round_.contributed:
             self._held.append(upload)  # its previous update is still in the open merge
             return
-        staleness = round_.number - upload.base
-        bound = self.config.simulation.asynchronous.max_staleness
-        if bound is not None and staleness > bound:
-            round_.reject(site.name, f"stale: computed from version {upload.base}, {staleness} merges behind "
-                                     f"(max_staleness {bound})")
+        admission = stale_admission(
+            self.config.algorithm.asynchronous, base=upload.base, into=round_.number, weight=upload.weight
+        )
+        if admission.refused is not None:
+            round_.reject(site.name, admission.refused)
             self.ledger.lost(upload.steps, "stale")
             return
-        discount = self.config.simulation.asynchronous.discount_per_version
-        weight = stale_weight(upload.weight, discount=discount, staleness=staleness) if staleness else upload.weight
-        self._admit(now, site, upload, staleness=staleness, weight=weight)
+        self._admit(now, site, upload, staleness=admission.staleness, weight=admission.weight)
 
     def _admit(self, now: float, site: _Site, upload: _Upload, *, staleness: int, weight: float) -> None:
         round_ = self._round
@@ -894,10 +819,10 @@ class DecoupledSimulator:
 
 
 def build_simulator(config: SimulatorConfig, workload: Workload) -> Any:
-    """The simulator ``config`` needs: the event-driven one for ``[simulation.asynchronous]`` or
+    """The simulator ``config`` needs: the event-driven one for ``[algorithm.asynchronous]`` or
     ``[simulation.chaos]``, else the round-by-round ``Simulator``. Both have ``run()``,
     ``device``, ``layout`` and ``strategy``."""
-    if config.simulation.event_driven:
+    if config.event_driven:
         return DecoupledSimulator(config, workload)
     from geoloco.algorithms.simulator import Simulator
 

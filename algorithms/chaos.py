@@ -67,7 +67,7 @@ class ChaosConfig:
 
     enabled: bool = False
     """Run the event-driven simulator on this schedule (synchronous rounds unless
-    ``[simulation.asynchronous]`` is enabled too); off: no failures, no slowdowns."""
+    ``[algorithm.asynchronous]`` is enabled too); off: no failures, no slowdowns."""
     seed: int = 0
     """Seed of the schedule alone: the same seed gives the same failures and slowdowns whatever
     the training rule, so a synchronous and an asynchronous run can be compared on them."""

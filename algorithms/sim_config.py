@@ -3,6 +3,7 @@ each round yields. TOML sections map onto these dataclasses one to one."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,11 +26,12 @@ __all__ = [
     "MEASURE",
     "SHARED_RECORD_KEYS",
     "SIMULATOR_KEYS",
-    "AsyncConfig",
     "RoundRecord",
     "SimulationConfig",
     "SimulatorConfig",
 ]
+
+logger = logging.getLogger(__name__)
 
 SIMULATOR_KEYS = TrainingKeys(
     min_sites="simulation.min_sites",
@@ -46,76 +48,6 @@ DEFAULT_EVAL_EVERY = 10
 
 MEASURE = "measure"
 """``step_time_s`` value that uses the measured wall time of the real inner steps."""
-
-
-@dataclass(kw_only=True, slots=True)
-class AsyncConfig:
-    """``[simulation.asynchronous]``: decoupled (asynchronous) DiLoCo, on the event-driven
-    simulator (``geoloco.algorithms.async_sim``). Sites never wait at a round barrier: each
-    uploads when its inner steps are done and goes on at once from the newest global model it
-    has received; the synchronizer merges what has arrived."""
-
-    enabled: bool = False
-    """Merge asynchronously (off: synchronous rounds; the event-driven simulator still runs them
-    when ``[simulation.chaos]`` is enabled)."""
-    min_quorum: int = 1
-    """A merge needs at least this many updates (one per site); with every site it is the
-    synchronous round's quorum."""
-    grace_window_s: float = 0.0
-    """Once the quorum is in, wait this many virtual seconds for more updates before merging (0:
-    merge at once); with ``adaptive_grace`` the window before any arrival was seen. A merge never
-    waits once every site that is up has sent its update."""
-    adaptive_grace: bool = False
-    """Learn the window from the arrivals: ``grace_arrivals`` times the mean gap between
-    consecutive arrivals at the synchronizer (an average over the recent ones), capped by
-    ``max_grace_s``: wait about as long as that many more updates usually take."""
-    grace_arrivals: float = 1.0
-    """Adaptive window: how many more arrivals' worth of time to wait after the quorum."""
-    max_grace_s: float | None = None
-    """Upper bound of the adaptive window in virtual seconds; unset = none."""
-    max_staleness: int | None = None
-    """Drop an update computed from a model more than this many merges behind the one it would
-    be merged into (its steps count as lost); unset = no bound."""
-    discount_per_version: float = 1.0
-    """An admitted update computed ``s`` merges behind enters with weight ``w · discount^s``
-    (``geoloco.algorithms.weighting.stale_weight``); 1 = no discount."""
-    dynamic_local_updates: bool = False
-    """Dynamic Local Updates (Liu et al. 2024): each site runs ``H · v_k / v_max`` inner steps
-    (at least 1), ``v`` its steps per second measured over its last phase and ``v_max`` the
-    fastest site's, so every site's phase takes about the fastest one's time; off: ``H``.
-    Asynchronous merges only (like every key of this table, unread while ``enabled`` is off)."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        require(
-            not isinstance(self.min_quorum, bool) and self.min_quorum >= 1,
-            "min_quorum", f"must be an integer >= 1, got {self.min_quorum!r}",
-        )
-        require(
-            math.isfinite(self.grace_window_s) and self.grace_window_s >= 0,
-            "grace_window_s", f"must be >= 0 seconds, got {self.grace_window_s}",
-        )
-        require(
-            math.isfinite(self.grace_arrivals) and self.grace_arrivals >= 0,
-            "grace_arrivals", f"must be >= 0, got {self.grace_arrivals}",
-        )
-        require(
-            self.max_grace_s is None or (math.isfinite(self.max_grace_s) and self.max_grace_s >= 0),
-            "max_grace_s", f"must be >= 0 seconds or unset, got {self.max_grace_s}",
-        )
-        require(
-            self.max_staleness is None or (not isinstance(self.max_staleness, bool) and self.max_staleness >= 0),
-            "max_staleness", f"must be an integer >= 0 or unset, got {self.max_staleness!r}",
-        )
-        require(
-            0 < self.discount_per_version <= 1,
-            "discount_per_version", f"must be in (0, 1], got {self.discount_per_version}",
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return config_to_dict(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -155,10 +87,8 @@ class SimulationConfig:
     max_wall_clock_s: float | None = None
     """Stop the run when the virtual clock reaches this many seconds, the global model evaluated
     then (runs compared at equal wall-clock); only for the event-driven simulator
-    (``[simulation.asynchronous]`` or ``[simulation.chaos]`` enabled), where a merge is a
+    (``[algorithm.asynchronous]`` or ``[simulation.chaos]`` enabled), where a merge is a
     round and ``rounds`` still bounds the run. Required when sites fail."""
-    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
-    """``[simulation.asynchronous]``: decoupled DiLoCo (merge what has arrived, no barrier)."""
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     """``[simulation.chaos]``: failures, repairs and slowdowns of the sites, from a seed."""
 
@@ -213,19 +143,6 @@ class SimulationConfig:
             self.max_wall_clock_s is None or (math.isfinite(self.max_wall_clock_s) and self.max_wall_clock_s > 0),
             "max_wall_clock_s", f"must be > 0 seconds or unset, got {self.max_wall_clock_s}",
         )
-        if not self.event_driven:
-            require(
-                self.max_wall_clock_s is None,
-                "max_wall_clock_s",
-                "only the event-driven simulator stops on the virtual clock: enable "
-                "[simulation.asynchronous] or [simulation.chaos], or set rounds instead",
-            )
-
-    @property
-    def event_driven(self) -> bool:
-        """The run needs the event-driven simulator (``geoloco.algorithms.async_sim``): sites on
-        their own clocks, asynchronous merges or failures."""
-        return self.asynchronous.enabled or self.chaos.enabled
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
@@ -299,13 +216,28 @@ class SimulatorConfig:
         self._validate_event_driven()
         self.training.validate(SIMULATOR_KEYS, num_sites=len(self.sites), every_site_reports=True)
 
+    @property
+    def event_driven(self) -> bool:
+        """The run needs the event-driven simulator (``geoloco.algorithms.async_sim``): sites on
+        their own clocks, asynchronous merges or failures."""
+        return self.algorithm.asynchronous.enabled or self.simulation.chaos.enabled
+
     def _validate_event_driven(self) -> None:
         """What the event-driven simulator (asynchronous merges, chaos) models, checked in one
         place; everything else keeps the round-by-round simulator."""
         sim, algo = self.simulation, self.algorithm
-        if not sim.event_driven:
+        merge = algo.asynchronous
+        if not self.event_driven:
+            require(
+                sim.max_wall_clock_s is None,
+                "simulation.max_wall_clock_s",
+                "only the event-driven simulator stops on the virtual clock: enable "
+                "[algorithm.asynchronous] or [simulation.chaos], or set rounds instead",
+            )
             return
-        key = "simulation.asynchronous" if sim.asynchronous.enabled else "simulation.chaos"
+        key = "algorithm.asynchronous" if merge.enabled else "simulation.chaos"
+        # What asynchronous merges refuse on every host is refused by AlgorithmConfig already;
+        # these are what the event-driven simulator does not model for failures either.
         unsupported = [
             (algo.name == "ddp", "the ddp baseline (set algorithm.name to diloco, fedavg, fedopt or sparseloco)"),
             (algo.streaming.enabled, "Streaming DiLoCo ([algorithm.streaming] enabled)"),
@@ -325,19 +257,8 @@ class SimulatorConfig:
             require(
                 not refused, key,
                 f"the event-driven simulator does not model {what}; change that, or disable "
-                "[simulation.asynchronous] and [simulation.chaos]",
+                "[algorithm.asynchronous] and [simulation.chaos]",
             )
-        require(
-            not sim.asynchronous.enabled or (sim.round_deadline_s is None and not sim.adaptive_deadline.enabled),
-            "simulation.round_deadline_s",
-            "asynchronous merges close by [simulation.asynchronous] min_quorum and the grace window, "
-            "not by a round deadline: unset round_deadline_s and [simulation.adaptive_deadline]",
-        )
-        require(
-            sim.asynchronous.min_quorum <= len(self.sites),
-            "simulation.asynchronous.min_quorum",
-            f"must be <= the number of sites ({len(self.sites)}), got {sim.asynchronous.min_quorum}",
-        )
         require(
             not sim.chaos.failures or sim.max_wall_clock_s is not None,
             "simulation.max_wall_clock_s",
@@ -419,8 +340,28 @@ class SimulatorConfig:
 
     @classmethod
     def prepare_config_dict(cls, data: Mapping[str, Any]) -> dict[str, Any]:
-        """The file form as fields: a ``[sites]`` table with ``count`` becomes the site list."""
+        """The file form as fields: a ``[sites]`` table with ``count`` becomes the site list;
+        ``[simulation.asynchronous]`` (its place until the coordinator ran asynchronous merges
+        too) is read as ``[algorithm.asynchronous]``, with a warning that shows the new key."""
         data = dict(data)
+        simulation = data.get("simulation")
+        if isinstance(simulation, Mapping) and "asynchronous" in simulation:
+            simulation = dict(simulation)
+            moved = simulation.pop("asynchronous")
+            algorithm = data.get("algorithm", {})
+            if isinstance(algorithm, Mapping) and "asynchronous" in algorithm:
+                raise ConfigError(
+                    "simulation.asynchronous",
+                    "is the old place of [algorithm.asynchronous], and the file sets both: keep "
+                    "only [algorithm.asynchronous]",
+                )
+            if isinstance(algorithm, Mapping):
+                logger.warning(
+                    "[simulation.asynchronous] is deprecated and will stop being read in the next "
+                    "release: rename the table to [algorithm.asynchronous] (same keys)"
+                )
+                data["algorithm"] = {**algorithm, "asynchronous": moved}
+                data["simulation"] = simulation
         sites = data.get("sites")
         for key, table in _site_tables(sites):
             if isinstance(table, Mapping) and "step_time_factor" in table:
@@ -449,7 +390,7 @@ class SimulatorConfig:
 SHARED_RECORD_KEYS = (
     "round", "fragment", "participants", "excluded", "rejected", "rejected_reasons", "folded_late",
     "inner_steps", "bytes_up", "bytes_down", "bytes_up_total", "bytes_down_total", "deadline_s",
-    "eval_loss", "weights_digest", "aborted", "round_time_s",
+    "eval_loss", "weights_digest", "aborted", "round_time_s", "staleness",
 )
 """Facts a simulator's ``RoundRecord`` and a coordinator's ``metrics.jsonl`` record both hold,
 under these keys with the same types and meanings."""
@@ -523,8 +464,9 @@ class RoundRecord:
     """Why the round was aborted with the model unchanged (its mean or new weights out of the
     update guard's bounds); ``None``: it was not."""
     staleness: dict[str, int] | None = None
-    """Event-driven simulator: site -> merges between the model its update was computed from and
-    the one it was merged into (0: fresh); ``None`` from the round-by-round simulator."""
+    """Asynchronous merges and the event-driven simulator: site -> merges between the model its
+    update was computed from and the one it was merged into (0: fresh); ``None`` for synchronous
+    rounds (the round-by-round simulator, the coordinator)."""
     goodput: float | None = None
     """Event-driven simulator: the share of the inner steps computed so far whose update reached
     the global model (``geoloco.algorithms.chaos``); ``None`` from the round-by-round simulator."""

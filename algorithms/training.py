@@ -105,6 +105,27 @@ class TrainingConfig:
                 "partial updates are not combined with [privacy] (secure sums and DP clip whole "
                 "updates); disable one of them",
             )
+        merge = self.algorithm.asynchronous
+        if merge.enabled:
+            require(
+                not self.privacy.enabled,
+                "algorithm.asynchronous.enabled",
+                "asynchronous merges take each update on its own clock, while a secure sum needs a "
+                "cohort that agrees its masks for one round and DP accounts for rounds of a fixed "
+                "cohort; disable [privacy] or [algorithm.asynchronous]",
+            )
+            require(
+                not self.deadline_enabled,
+                keys.round_deadline_s if self.round_deadline_s is not None else f"{keys.adaptive_deadline}.enabled",
+                "asynchronous merges close by [algorithm.asynchronous] min_quorum and the grace "
+                "window, not by a round deadline: unset the round deadline",
+            )
+            if num_sites is not None:
+                require(
+                    merge.min_quorum <= num_sites,
+                    "algorithm.asynchronous.min_quorum",
+                    f"must be <= the number of {keys.sites} ({num_sites}), got {merge.min_quorum}",
+                )
         check_robust_privacy(
             self.algorithm.robust_rule, secure_aggregation=self.privacy.secure_aggregation,
             dp=self.privacy.dp, num_sites=num_sites,

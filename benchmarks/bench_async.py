@@ -75,7 +75,7 @@ def asynchronous(config: dict[str, Any], *, sites: int, delayed: bool, dylu: boo
     """The asynchronous rule of these studies: a quorum of half the sites, an adaptive grace
     window, Dynamic Local Updates; Delayed Nesterov with period sites / quorum, or plain."""
     quorum = max(1, sites // 2)
-    config["simulation"]["asynchronous"] = {
+    config.setdefault("algorithm", {})["asynchronous"] = {
         "enabled": True, "min_quorum": quorum, "adaptive_grace": True, "grace_arrivals": 2.0,
         "dynamic_local_updates": dylu,
     }

@@ -237,6 +237,25 @@ class CoordinatorConfig:
         _ = self.admission_limits
         self._validate_privacy()
         self._validate_relays()
+        self._validate_asynchronous()
+
+    def _validate_asynchronous(self) -> None:
+        """What the real system's asynchronous merges cannot take yet (the simulator's can)."""
+        merge = self.algorithm.asynchronous
+        if not merge.enabled:
+            return
+        require(
+            not merge.dynamic_local_updates,
+            "algorithm.asynchronous.dynamic_local_updates",
+            "real sites do not size their phases by speed yet (each would need every other site's "
+            "speed); it is a simulator option (geoloco simulate): disable it here",
+        )
+        require(
+            not self.relays,
+            "relays",
+            "relays forward one partial sum per round, asynchronous merges take each site's update "
+            "on its own clock: leave [relays] empty or disable [algorithm.asynchronous]",
+        )
 
     def _validate_relays(self) -> None:
         """Names, one relay per site, and the combinations a relayed round cannot run yet."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from geoloco.algorithms.aggregation import new_aggregation
+from geoloco.algorithms.async_merge import AsyncMerge
 from geoloco.algorithms.engine import RoundEngine
 from geoloco.algorithms.link_codec import CodecPlans
 from geoloco.algorithms.round import RoundPolicy
@@ -83,6 +84,17 @@ class RoundContext:
         adaptive = config.algorithm.adaptive_uplink
         self.link_codecs = CodecPlans(adaptive, config.algorithm.uplink_codec) if adaptive.enabled else None
         """Per-site uplink codecs (``[algorithm.adaptive_uplink]``); None: one codec for all."""
+        merge = config.algorithm.asynchronous
+        self.merge_rule: AsyncMerge | None = AsyncMerge(merge, 0) if merge.enabled else None
+        """Asynchronous merges (``[algorithm.asynchronous]``): the engine's close rule, and the
+        one the intake tells of each arrival; None for synchronous rounds."""
+
+    def expected(self) -> list[str]:
+        """The sites the open round waits for: every member; for an asynchronous merge only the
+        sites in it (a member that has not sent an update is not late, and not excluded)."""
+        if self.merge_rule is not None:
+            return list(self._round.contributed)
+        return list(self.members)
 
     @property
     def round(self) -> CoordinatorRound:

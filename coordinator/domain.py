@@ -185,6 +185,8 @@ class UploadProgress:
     known: bool = True
     complete: bool = False
     folded_late: bool = False
+    merged_round: int | None = None
+    """Asynchronous merges: the merge the complete update entered (``UploadResponse.merged_round``)."""
     received: tuple[tuple[int, int], ...] = ()
     missing: tuple[tuple[int, int], ...] = ()
     received_bytes: int = 0
@@ -210,6 +212,9 @@ class CoordinatorRound:
     site_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     inner_steps: dict[str, int] = field(default_factory=dict)
     """site -> inner steps its upload reports."""
+    staleness: dict[str, int] = field(default_factory=dict)
+    """Asynchronous merges: site -> merges between the version its update was computed from and
+    this merge (``geoloco.algorithms.async_merge.stale_admission``)."""
     timings: RoundTimings = field(default_factory=RoundTimings)
     """Where the round's time goes (``geoloco.coordinator.round_timing``)."""
     ended: threading.Event = field(default_factory=threading.Event)

@@ -17,6 +17,7 @@ Chunks arrive as ``(chunk, nbytes)`` pairs (``chunk.index``, ``chunk.data``); no
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -29,6 +30,7 @@ import torch
 
 from geoloco.algorithms.aggregation import Aggregation, RunningSum
 from geoloco.algorithms.algorithm_config import AlgorithmConfig
+from geoloco.algorithms.async_merge import stale_admission
 from geoloco.algorithms.engine import UNSCREENED, RoundSum, Screen
 from geoloco.algorithms.secagg_stages import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan
@@ -42,7 +44,7 @@ from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.round_timing import RoundTimings
 from geoloco.coordinator.shards import ShardedUploads
-from geoloco.protos.errors import InvalidUpdateError, NotAMemberError, UpdateRejectedError, quoted
+from geoloco.protos.errors import InvalidUpdateError, NotAMemberError, UpdateRejectedError, WrongRoundError, quoted
 from geoloco.protos.upload_check import checked_update
 from geoloco.protos.wire_assembly import UploadAssembler
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
@@ -92,16 +94,22 @@ class PlainUpload(UploadAssembler):
         self.spec = spec
         self.timings = timings
         """The phase times of the round the upload arrives in (a late one's: the open round)."""
+        self.base_round = spec.round
+        """The version the update was computed from: its own round, except in an asynchronous
+        merge (``spec.round`` is then the merge it was opened in)."""
         self.link_sample: tuple[int, float] | None = None
         """(bytes, seconds) of the one stream that brought the whole upload: a measurement of the
         site's uplink for adaptive codecs, taken only once the update is verified and admitted
         (junk that is refused must not tell the coordinator how fast a link is)."""
 
 
-def _progress(assembler: PlainUpload, *, complete: bool | None = None, folded: bool = False) -> UploadProgress:
+def _progress(
+    assembler: PlainUpload, *, complete: bool | None = None, folded: bool = False, merged_round: int | None = None
+) -> UploadProgress:
     return UploadProgress(
         complete=assembler.verified if complete is None else complete,
         folded_late=folded,
+        merged_round=merged_round,
         received=tuple(assembler.received()),
         missing=tuple(assembler.missing()),
         received_bytes=assembler.received_bytes,
@@ -191,11 +199,19 @@ class PlainIntake:
         self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geoloco-verify")
         self.shards = ShardedUploads(self, list(shapes))
         """Sharded sites' uploads (``shard_count > 0``), held until all of a site's arrived."""
+        self.merged: dict[str, tuple[int, tuple[int, str], int]] = {}
+        """Asynchronous merges: site -> (base version, checksum, merge) of its latest update that
+        entered a merge, so a resend after a lost answer is recognised and never counted twice."""
 
     # -- the interface --
 
     def receive(self, site: str, spec: UploadSpec, chunks: Chunks) -> UploadProgress:
         if spec.shard_count:
+            if self.ctx.merge_rule is not None:
+                raise InvalidUpdateError(
+                    "asynchronous merges take whole updates; a sharded site's shards belong to one "
+                    "round (run the site unsharded, or disable [algorithm.asynchronous])"
+                )
             return self.shards.receive(site, spec, chunks)
         started = time.monotonic()
         assembler = self.open(site, spec)
@@ -215,6 +231,8 @@ class PlainIntake:
     def status(self, site: str, round_number: int, fragment: int) -> UploadProgress:
         ctx = self.ctx
         r = ctx.round
+        if ctx.merge_rule is not None:
+            return self._status_async(site, round_number)
         assembler = (
             r.uploads.get(site)
             if round_number == r.number and fragment == ctx.fragment_of(round_number)
@@ -363,6 +381,8 @@ class PlainIntake:
         ctx = self.ctx
         with ctx.cond:
             self.membership.member(site, spec.session_id, spec.instance_id)
+            if ctx.merge_rule is not None:
+                return self._open_async(site, spec)
             if self._folds_late(site, spec.round):
                 return self._open_late(site, spec)
             ctx.check_upload_round(spec.round)
@@ -463,10 +483,12 @@ class PlainIntake:
     def _verify_and_add(self, site: str, assembler: PlainUpload, instance: str = "") -> UploadProgress:
         ctx = self.ctx
         round_number = assembler.spec.round
+        merging = ctx.merge_rule is not None
+        merged_round = round_number if merging else None
         with self.verify_lock:
             with ctx.cond:
                 if site in ctx.round.contributed and ctx.round.number == round_number:
-                    return _progress(assembler)
+                    return _progress(assembler, merged_round=merged_round)
                 ctx.check_upload_round(round_number)
                 dense = not isinstance(ctx.round.core.aggregation, RunningSum)
             verify_start = time.monotonic()
@@ -474,6 +496,10 @@ class PlainIntake:
             decoded, norm, finite = self._verified(site, round_number, data, assembler.spec, dense=dense)
             del data
             weight = self.upload_weight(assembler.spec)
+            if merging:  # computed from an older version: discounted by its staleness
+                weight = stale_admission(
+                    ctx.config.algorithm.asynchronous, base=assembler.base_round, into=round_number, weight=weight
+                ).weight
             add_start = time.monotonic()
             assembler.timings.spent("verify", verify_start, add_start)
             with ctx.cond:
@@ -485,6 +511,8 @@ class PlainIntake:
                 admission = ctx.engine.admit(
                     r.core, site, decoded, weight, screen=Screen(norm, finite), now=ctx.clock()
                 )
+                if ctx.merge_rule is not None:
+                    ctx.merge_rule.observe_arrival(ctx.clock())
                 if admission.verdict == "duplicate":
                     raise UpdateRejectedError(f"{admission.reason}; wait for the broadcast (AwaitBroadcast)")
                 if not admission.ok:
@@ -497,6 +525,8 @@ class PlainIntake:
                 assembler.timings.spent("add", add_start, time.monotonic())
                 self._observe_link(site, assembler)
                 r.site_metrics[site] = dict(assembler.spec.metrics)
+                if merging:
+                    self.merged[site] = (assembler.base_round, assembler.spec.checksum, round_number)
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
                 logger.debug(
                     "round %d: update of %s aggregated (%d of %d members)",
@@ -504,7 +534,68 @@ class PlainIntake:
                 )
                 ctx.cond.notify_all()
             del decoded
-        return _progress(assembler)
+        return _progress(assembler, merged_round=merged_round)
+
+    # -- asynchronous merges (``[algorithm.asynchronous]``) --
+
+    def _open_async(self, site: str, spec: UploadSpec) -> PlainUpload:
+        """The (new or resumed) assembler of an update computed from version ``spec.round``,
+        offered to the open merge (lock held). It enters that merge whatever its base, within
+        ``max_staleness``; one update per site and merge."""
+        ctx = self.ctx
+        r = ctx.round
+        if ctx.phase not in OPEN_PHASES:
+            ctx.check_upload_round(r.number)  # the run is over, or the merge is being applied
+        previous = self.merged.get(site)
+        if previous is not None and previous[:2] == (spec.round, spec.checksum):
+            raise WrongRoundError(
+                f"site {site!r}'s update computed from version {spec.round} already entered merge "
+                f"{previous[2]}; it is not counted twice (go on from the newest broadcast)"
+            )
+        verdict = stale_admission(ctx.config.algorithm.asynchronous, base=spec.round, into=r.number, weight=1.0)
+        if verdict.refused is not None:
+            raise WrongRoundError(
+                f"site {site!r}'s update cannot enter merge {r.number}: {verdict.refused}; keep it in the "
+                "error-feedback residual and go on from the newest broadcast"
+            )
+        respec = dataclasses.replace(spec, round=r.number)
+        existing = r.uploads.get(site)
+        if existing is not None and existing.base_round == spec.round and (
+            site in r.contributed or existing.spec == respec
+        ):
+            existing.check_same_manifest(spec.wire)  # MANIFEST_CONFLICT if it differs
+            return existing
+        if site in r.contributed or site in r.rejected:
+            raise WrongRoundError(
+                f"site {site!r} already sent its update of merge {r.number} "
+                f"({'counted' if site in r.contributed else 'rejected: ' + r.rejected[site]}); send the "
+                f"next one after merge {r.number}'s broadcast"
+            )
+        self.validate(site, respec)
+        assembler = PlainUpload(respec, max_total_bytes=self.max_upload_bytes, timings=r.timings)
+        assembler.base_round = spec.round
+        r.uploads[site] = assembler
+        r.inner_steps[site] = spec.inner_steps
+        r.staleness[site] = verdict.staleness
+        ctx.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)
+        ctx.count_up(site, spec.nbytes)
+        return assembler
+
+    def _status_async(self, site: str, base: int) -> UploadProgress:
+        """UploadStatus of the update computed from version ``base`` (lock held): in the open
+        merge, or already merged into an earlier one (its answer was lost)."""
+        ctx = self.ctx
+        r = ctx.round
+        assembler = r.uploads.get(site)
+        if assembler is not None and assembler.base_round == base:
+            counted = site in r.contributed
+            return _progress(assembler, complete=counted, merged_round=r.number if counted else None)
+        previous = self.merged.get(site)
+        if previous is not None and previous[0] == base:
+            return UploadProgress(complete=True, merged_round=previous[2])
+        if ctx.phase is RoundPhase.FINISHED:
+            ctx.check_upload_round(base)
+        return UploadProgress(known=False)
 
     def _observe_link(self, site: str, assembler: PlainUpload) -> None:
         """An admitted upload that came whole in one stream measured ``site``'s uplink (lock

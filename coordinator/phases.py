@@ -204,13 +204,17 @@ class RoundPhases:
             if ctx.phase not in OPEN_PHASES:
                 return False
             r = ctx.round
-            if not ctx.engine.decide(r.core, now=now, expected=ctx.members).close:
+            if ctx.merge_rule is not None:
+                ctx.merge_rule.sites_up = len(ctx.members)
+            if not ctx.engine.decide(r.core, now=now, expected=ctx.expected()).close:
                 return False
             ctx.phase = RoundPhase.AGGREGATING
+            if ctx.merge_rule is not None:
+                ctx.merge_rule.closed(r.core)
             self._closed = _Closed(
                 round=r,
                 closed_s=now,
-                outcome=ctx.engine.close(r.core, now=now, expected=ctx.members),
+                outcome=ctx.engine.close(r.core, now=now, expected=ctx.expected()),
                 partial=sorted(set(r.uploads) - set(r.contributed)),
             )
             ctx.cond.notify_all()
@@ -286,6 +290,9 @@ class RoundPhases:
             "aggregate_time_s": aggregate_s,
             "next_deadline_s": ctx.policy.deadline_s(),
             "inner_steps": {site: r.inner_steps[site] for site in contributors if site in r.inner_steps},
+            "staleness": (
+                {site: r.staleness.get(site, 0) for site in contributors} if ctx.merge_rule is not None else None
+            ),
             "site_metrics": {site: m for site, m in r.site_metrics.items() if site in contributors},
             "run_finished": finished,
         }

@@ -163,6 +163,8 @@ class RoundStateMachine:
         self._ctx = ctx = RoundContext(
             config, self.strategy, self.engine, session_id=self.session_id, clock=clock, events=self.events
         )
+        if ctx.merge_rule is not None:
+            self.engine.close_policy = ctx.merge_rule  # asynchronous merges close by their own rule
         self._cond = ctx.cond
         self._poll_lock = threading.Lock()
         self.membership = Membership(ctx)
@@ -461,6 +463,9 @@ class RoundStateMachine:
             now = self.clock()
             wait = min(self.config.heartbeat_timeout_s, self.membership.join_grace_s) / 4
             deadline_at = self._ctx.round.core.deadline_at
+            merge_rule = self._ctx.merge_rule
+            if merge_rule is not None:  # an asynchronous merge's grace window ends on a timer
+                deadline_at = merge_rule.close_by(self._ctx.round.core)
             if deadline_at is not None and self._ctx.phase is RoundPhase.RUNNING:
                 wait = min(wait, max(0.0, deadline_at - now))
             return max(0.005, wait)

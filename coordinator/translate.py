@@ -229,6 +229,8 @@ def upload_response(progress: UploadProgress) -> pb.UploadResponse:
     )
     if progress.folded_late:
         response.folded_late = True
+    if progress.merged_round is not None:
+        response.merged_round = progress.merged_round
     return response
 
 
@@ -244,6 +246,8 @@ def upload_status_response(progress: UploadProgress) -> pb.UploadStatusResponse:
     )
     if progress.folded_late:
         response.folded_late = True
+    if progress.merged_round is not None:
+        response.merged_round = progress.merged_round
     return response
 
 

@@ -376,16 +376,18 @@ class UploadRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[UploadManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class UploadResponse(_message.Message):
-    __slots__ = ("complete", "missing", "received_bytes", "folded_late")
+    __slots__ = ("complete", "missing", "received_bytes", "folded_late", "merged_round")
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     FOLDED_LATE_FIELD_NUMBER: _ClassVar[int]
+    MERGED_ROUND_FIELD_NUMBER: _ClassVar[int]
     complete: bool
     missing: _containers.RepeatedCompositeFieldContainer[IndexRange]
     received_bytes: int
     folded_late: bool
-    def __init__(self, complete: bool = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., folded_late: bool = ...) -> None: ...
+    merged_round: int
+    def __init__(self, complete: bool = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., received_bytes: _Optional[int] = ..., folded_late: bool = ..., merged_round: _Optional[int] = ...) -> None: ...
 
 class UploadStatusRequest(_message.Message):
     __slots__ = ("site", "session_id", "round", "fragment", "instance_id")
@@ -402,20 +404,22 @@ class UploadStatusRequest(_message.Message):
     def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class UploadStatusResponse(_message.Message):
-    __slots__ = ("known", "manifest", "received", "missing", "complete", "folded_late")
+    __slots__ = ("known", "manifest", "received", "missing", "complete", "folded_late", "merged_round")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     FOLDED_LATE_FIELD_NUMBER: _ClassVar[int]
+    MERGED_ROUND_FIELD_NUMBER: _ClassVar[int]
     known: bool
     manifest: UploadManifest
     received: _containers.RepeatedCompositeFieldContainer[IndexRange]
     missing: _containers.RepeatedCompositeFieldContainer[IndexRange]
     complete: bool
     folded_late: bool
-    def __init__(self, known: bool = ..., manifest: _Optional[_Union[UploadManifest, _Mapping]] = ..., received: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., complete: bool = ..., folded_late: bool = ...) -> None: ...
+    merged_round: int
+    def __init__(self, known: bool = ..., manifest: _Optional[_Union[UploadManifest, _Mapping]] = ..., received: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., complete: bool = ..., folded_late: bool = ..., merged_round: _Optional[int] = ...) -> None: ...
 
 class AwaitBroadcastRequest(_message.Message):
     __slots__ = ("site", "session_id", "round", "fragment", "start_chunk", "chunk_stride", "shard", "instance_id")

@@ -228,7 +228,7 @@ def _simulate(args: argparse.Namespace, source: str, research: ResearchConfig, s
     last: Any = None
     compute_total = [0.0] * len(config.sites)
     peak_in_flight = 0
-    event_driven = config.simulation.event_driven
+    event_driven = config.event_driven
     total = None if event_driven and sim.max_wall_clock_s is not None else config.run_rounds
     with tqdm(total=total, file=sys.stderr, unit="round", desc="simulate") as progress:
 
@@ -296,7 +296,7 @@ def _event_driven_rows(
     global downtime, staleness and what the sites held in memory."""
     config = simulator.config
     sim, algo = config.simulation, config.algorithm
-    merge = sim.asynchronous
+    merge = algo.asynchronous
     grace = "adaptive grace window" if merge.adaptive_grace else f"grace {merge.grace_window_s:g} s"
     mode = (
         f"asynchronous: min_quorum {merge.min_quorum}, {grace}"

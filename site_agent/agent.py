@@ -12,9 +12,9 @@ broadcast and applies the delta (``strategy.apply_downlink``). The math is
 * ``SiteState`` (``state``): the global weights, their digest, the rounds held and announced,
   the run config;
 * ``SiteTrainer`` (``trainer``): inner steps, lr schedule, batches, loss, follower ranks;
-* a round runner (``runner``): ``PlainRounds`` (``plain``) or ``StreamingRounds``
-  (``streaming``), each over a ``SiteUplink`` (``uplink``: the strategy's encoders, or secure
-  aggregation's masking);
+* a round runner (``runner``): ``PlainRounds`` (``plain``), ``StreamingRounds``
+  (``streaming``) or ``AsyncRounds`` (``async_rounds``: no round barrier), each over a
+  ``SiteUplink`` (``uplink``: the strategy's encoders, or secure aggregation's masking);
 * membership (here): join, heartbeats, leave, and the loop that turns the runner.
 
 Rules the loop follows (the coordinator's side is in ``geoloco.coordinator.rounds``):
@@ -83,6 +83,7 @@ from geoloco.protos.folder_lock import FolderLock
 from geoloco.protos.identity import new_instance_id, validate_site_name
 from geoloco.protos.transport_errors import error_reason
 from geoloco.protos.transport_tls import TLSFiles
+from geoloco.site_agent.async_rounds import AsyncRounds
 from geoloco.site_agent.client import (
     AgentStopped,
     CoordinatorClient,
@@ -348,6 +349,8 @@ class SiteAgent:
         except SiteReplaced as err:
             replaced = err
         finally:
+            if self._rounds is not None:
+                self._rounds.close()
             self._stop_heartbeat()
             replaced = replaced or self._replaced
             self.trainer.stop_followers(
@@ -489,7 +492,11 @@ class SiteAgent:
             )
         else:
             uplink = StrategyUplink(strategy, self.site)
-        runner = StreamingRounds if algorithm.streaming.enabled else PlainRounds
+        runner: type[RoundRunner] = (
+            AsyncRounds if algorithm.asynchronous.enabled
+            else StreamingRounds if algorithm.streaming.enabled
+            else PlainRounds
+        )
         self._rounds = runner(
             site=self.site, state=state, trainer=self.trainer, client=lambda: self.client,
             hooks=self.hooks, strategy=strategy, uplink=uplink,

@@ -116,6 +116,10 @@ class RoundRunner(ABC):
     def step(self) -> None:
         """Run, chase or finish one round (one turn of ``SiteAgent.run``'s loop)."""
 
+    def close(self) -> None:  # noqa: B027 (an optional hook: most runners hold no threads)
+        """The agent's loop ended (finished, stopped or failed): stop what the runner runs
+        beside it."""
+
     def rejoined(self, *, coordinator_round: int, new_session: bool, must_fetch: bool) -> bool:
         """The site joined again (coordinator at ``coordinator_round``, ``new_session`` after
         a coordinator restart); True while an update it trained is still to be resolved (so

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from geoloco.algorithms.async_sim import DecoupledSimulator, build_simulator, dynamic_local_steps
+from geoloco.algorithms.async_merge import dynamic_local_steps
+from geoloco.algorithms.async_sim import DecoupledSimulator, build_simulator
 from geoloco.algorithms.chaos import ChaosSchedule
 from geoloco.algorithms.clock import transfer_time
 from geoloco.algorithms.config import ConfigError
@@ -54,7 +55,7 @@ def test_asynchronous_merges_of_every_site_on_instant_links_are_the_simulators(m
     site's update computed from the newest model, so it is the synchronous run bit for bit."""
     workload = make_workload(hidden=8)
     reference = list(Simulator(SimulatorConfig.from_dict(_config(sites=INSTANT)), workload).run())
-    config = _config(sites=INSTANT, simulation={"asynchronous": {"enabled": True, "min_quorum": 3}})
+    config = _config(sites=INSTANT, algorithm={"asynchronous": {"enabled": True, "min_quorum": 3}})
     got = list(DecoupledSimulator(SimulatorConfig.from_dict(config), workload).run())
     assert [r.weights_digest for r in got] == [r.weights_digest for r in reference]
     assert [r.eval_loss for r in got] == [r.eval_loss for r in reference]
@@ -66,7 +67,7 @@ def test_asynchronous_merges_of_every_site_on_instant_links_are_the_simulators(m
 def test_with_real_links_every_later_update_is_one_merge_stale(make_workload) -> None:
     """The tightest identity with latency: a site goes on from the model it holds while its
     update travels, so from the second merge on each update is computed one merge back."""
-    config = _config(simulation={"asynchronous": {"enabled": True, "min_quorum": 3}})
+    config = _config(algorithm={"asynchronous": {"enabled": True, "min_quorum": 3}})
     got = list(DecoupledSimulator(SimulatorConfig.from_dict(config), make_workload(hidden=8)).run())
     assert got[0].staleness == {"0": 0, "1": 0, "2": 0}
     assert all(r.staleness == {"0": 1, "1": 1, "2": 1} for r in got[1:])
@@ -75,8 +76,10 @@ def test_with_real_links_every_later_update_is_one_merge_stale(make_workload) ->
 def _hand_made(rule: dict[str, Any], workload: Any) -> tuple[DecoupledSimulator, list[Any]]:
     """Two sites, 1 s steps, H = 4, instant links; site 0 is down over [2.5, 4), site 1 over
     [3, 5); the run stops at 10 s."""
+    rule = dict(rule)
+    merge = {"asynchronous": rule.pop("asynchronous")} if "asynchronous" in rule else {}
     config = _config(
-        algorithm={"inner_steps": 4}, sites={"count": 2, **INSTANT},
+        algorithm={"inner_steps": 4, **merge}, sites={"count": 2, **INSTANT},
         simulation={"rounds": 100, "eval_every": 100, "step_time_s": 1.0, "max_wall_clock_s": 10.0, **rule},
     )
     schedule = ChaosSchedule.fixed({0: [(2.5, 4.0)], 1: [(3.0, 5.0)]})
@@ -121,9 +124,10 @@ def test_too_stale_updates_are_dropped_and_their_steps_lost(make_workload) -> No
     """A 0.25x site's update is several merges behind the fast sites' (quorum 1): with
     max_staleness 0 it is refused with the reason on the record."""
     sites = [{"speed_factor": 1.0}, {"speed_factor": 1.0}, {"speed_factor": 0.25}]
-    config = _config(sites=sites, simulation={
-        "rounds": 12, "asynchronous": {"enabled": True, "max_staleness": 0},
-    })
+    config = _config(
+        sites=sites, simulation={"rounds": 12},
+        algorithm={"asynchronous": {"enabled": True, "max_staleness": 0}},
+    )
     simulator = DecoupledSimulator(SimulatorConfig.from_dict(config), make_workload(hidden=8))
     records = list(simulator.run())
     assert simulator.ledger.lost_by_reason["stale"] > 0
@@ -137,27 +141,39 @@ def test_dynamic_local_updates_size_phases_by_speed(make_workload) -> None:
     assert dynamic_local_steps(20, 0.4, 0.1) == 5
     assert dynamic_local_steps(20, 10.0, 0.1) == 1
     sites = [{"speed_factor": 1.0}, {"speed_factor": 0.5}, {"speed_factor": 0.25}]
-    config = _config(algorithm={"inner_steps": 8}, sites=sites, simulation={
-        "rounds": 12, "asynchronous": {"enabled": True, "dynamic_local_updates": True},
-    })
+    config = _config(
+        algorithm={"inner_steps": 8, "asynchronous": {"enabled": True, "dynamic_local_updates": True}},
+        sites=sites, simulation={"rounds": 12},
+    )
     records = list(DecoupledSimulator(SimulatorConfig.from_dict(config), make_workload(hidden=8)).run())
     steps = {site: n for r in records[4:] for site, n in r.inner_steps.items()}
     assert steps == {"0": 8, "1": 4, "2": 2}
 
 
 def test_the_event_driven_simulator_refuses_what_it_does_not_model(make_workload) -> None:
-    with pytest.raises(ConfigError, match="simulation.asynchronous.*Streaming"):
+    with pytest.raises(ConfigError, match="algorithm.asynchronous.*Streaming"):
         SimulatorConfig.from_dict(_config(
-            algorithm={"streaming": {"enabled": True, "fragments": 2}},
-            simulation={"asynchronous": {"enabled": True}},
+            algorithm={"streaming": {"enabled": True, "fragments": 2}, "asynchronous": {"enabled": True}},
         ))
     with pytest.raises(ConfigError, match="max_wall_clock_s"):
         SimulatorConfig.from_dict(_config(simulation={"max_wall_clock_s": 10.0}))
     with pytest.raises(ConfigError, match="max_wall_clock_s"):
         SimulatorConfig.from_dict(_config(simulation={"chaos": {"enabled": True, "mtbf_s": 5.0}}))
     with pytest.raises(ConfigError, match="min_quorum"):
-        SimulatorConfig.from_dict(_config(simulation={"asynchronous": {"enabled": True, "min_quorum": 4}}))
+        SimulatorConfig.from_dict(_config(algorithm={"asynchronous": {"enabled": True, "min_quorum": 4}}))
     workload = make_workload()
     assert isinstance(build_simulator(SimulatorConfig.from_dict(_config()), workload), Simulator)
     chaos = SimulatorConfig.from_dict(_config(simulation={"chaos": {"enabled": True}}))
     assert isinstance(build_simulator(chaos, workload), DecoupledSimulator)
+
+
+def test_the_old_simulation_asynchronous_table_is_read_with_a_deprecation_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    old = SimulatorConfig.from_dict(_config(simulation={"asynchronous": {"enabled": True, "min_quorum": 2}}))
+    assert old.algorithm.asynchronous.enabled and old.algorithm.asynchronous.min_quorum == 2
+    assert "rename the table to [algorithm.asynchronous]" in caplog.text
+    with pytest.raises(ConfigError, match="simulation.asynchronous.*keep only"):
+        SimulatorConfig.from_dict(_config(
+            simulation={"asynchronous": {"enabled": True}}, algorithm={"asynchronous": {"enabled": True}},
+        ))

@@ -8,7 +8,8 @@ for site index ``k`` (``derive_seed`` hashes ``str(part)``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,13 +71,17 @@ class Run:
         server.start()
         return server
 
-    def agent(self, certs: Path, port: int, index: int, results: list[RoundResult] | None = None) -> SiteAgent:
+    def agent(
+        self, certs: Path, port: int, index: int, results: list[RoundResult] | None = None, *, pause_s: float = 0.0
+    ) -> SiteAgent:
+        """Site ``index``'s agent; ``pause_s``: seconds it sleeps before each batch (a slow site)."""
         model = self.workload.build_model(self.seed)
         name = str(index)
+        batches = self.workload.site_batches(index, self.num_sites, self.seed)
         return SiteAgent(
             model,
             self.inner.build(model.parameters()),
-            self.workload.site_batches(index, self.num_sites, self.seed),
+            _paused(batches, pause_s) if pause_s else batches,
             self.workload.loss,
             coordinator=f"localhost:{port}",
             site=name,
@@ -99,6 +104,12 @@ class Run:
         simulator = Simulator(config, self.workload)
         records = list(simulator.run())
         return simulator.global_flat, records
+
+
+def _paused(batches: Iterator[Any], pause_s: float) -> Iterator[Any]:
+    for batch in batches:
+        time.sleep(pause_s)
+        yield batch
 
 
 class AgentThread(threading.Thread):

@@ -1,4 +1,4 @@
-"""``geoloco simulate`` runs the event-driven simulator for ``[simulation.asynchronous]`` and
+"""``geoloco simulate`` runs the event-driven simulator for ``[algorithm.asynchronous]`` and
 ``[simulation.chaos]`` (in process, the shipped ``async_chaos.toml`` made tiny)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from geoloco.scenarios.cli import main
 
 ASYNC_CHAOS = Path(__file__).resolve().parents[2] / "scenarios" / "async_chaos.toml"
 TINY = [
-    "--set", "sites.count=4", "--set", "simulation.asynchronous.min_quorum=2",
+    "--set", "sites.count=4", "--set", "algorithm.asynchronous.min_quorum=2",
     "--set", "simulation.max_wall_clock_s=4.0", "--set", "simulation.chaos.mtbf_s=3.0",
     "--set", "simulation.eval_every=5",
 ]
@@ -24,7 +24,7 @@ def test_simulate_runs_the_event_driven_simulator(
 ) -> None:
     out = tmp_path / "out"
     flags = [] if asynchronous else [
-        "--set", "simulation.asynchronous.enabled=false", "--set", "outer_optimizer.momentum_period=1",
+        "--set", "algorithm.asynchronous.enabled=false", "--set", "outer_optimizer.momentum_period=1",
     ]
     assert main(["simulate", "--config", str(ASYNC_CHAOS), *TINY, *flags, "--out", str(out)]) == 0
     summary = capsys.readouterr().out
@@ -42,7 +42,7 @@ def test_simulate_runs_the_event_driven_simulator(
 def test_research_run_and_sweeps_run_the_event_driven_simulator_too(tmp_path: Path) -> None:
     """``research.run`` (what ``geoloco sweep`` and ``tune`` run per point) builds the simulator
     the config needs, as ``geoloco simulate`` does: an asynchronous study in a sweep used to run
-    the round-by-round simulator and ignore ``[simulation.asynchronous]``."""
+    the round-by-round simulator and ignore ``[algorithm.asynchronous]``."""
     from geoloco.scenarios import research
 
     overrides = [pair for pair in TINY if pair != "--set"]

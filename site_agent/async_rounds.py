@@ -1,0 +1,349 @@
+"""Asynchronous (decoupled) DiLoCo on a real site: train, hand the update off, train on.
+
+With ``[algorithm.asynchronous]`` a site never waits at a round barrier. Three things run at
+once, each on its own thread:
+
+* **training** (the agent's loop, ``step``): a phase of H inner steps starts from the newest
+  global model the site has fully received, ``θ_v``; its pseudo-gradient ``θ_v − θ_k`` is
+  encoded (error feedback as in synchronous rounds) and handed to the uploader, and the next
+  phase starts at once. Not from the site's own weights: the coordinator merges an update
+  into whatever model it holds then, so the update must be measured from a model the
+  coordinator knows, or the next update would carry this one's movement a second time
+  (``geoloco.algorithms.async_sim`` explains the same choice for the simulator);
+* **the follower**: waits for every merge's broadcast and applies it to the held global
+  weights (digest-checked; a site that fell behind fetches the full weights);
+* **the uploader**: sends each update labelled with its base version ``v``. The coordinator
+  puts it into the merge that is open (``geoloco.coordinator.intake``), discounted by its
+  staleness, and answers with that merge's number; the site's next update waits for that
+  merge's broadcast (one update per site and merge). An update the coordinator cannot take
+  now (its merge is being applied) is sent again after the next broadcast; one beyond
+  ``max_staleness`` goes back into the error-feedback residual, as a synchronous round's
+  missed update does.
+
+Training therefore waits only when the uploader is still busy with the previous update (a
+link slower than the phases) or before the very first broadcast arrived. The site's inner
+learning-rate schedule follows its own phases, which differ from the coordinator's merges.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from geoloco.algorithms.diloco import pseudo_gradient_into_local
+from geoloco.algorithms.finite import all_finite
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.site_agent.client import AgentStopped, RoundClosed, RunFinished, UpdateRejected
+from geoloco.site_agent.config import RoundResult
+from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
+
+__all__ = ["AsyncRounds"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.2
+"""How often a waiting thread looks at the stop flag and the other threads' failures."""
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    """An update trained from version ``trained.round`` and waiting for the uploader."""
+
+    trained: TrainedUpdate
+    phase: int
+
+
+class AsyncRounds(RoundRunner):
+    """Asynchronous DiLoCo phases (see the module docstring)."""
+
+    def _setup(self) -> None:
+        self._changed = threading.Condition()
+        """Notified when the held version moves, the outbox empties or a thread fails."""
+        self._weights_lock = threading.Lock()
+        """Held while the follower changes the global weights and while a phase copies them."""
+        self._uplink_lock = threading.Lock()
+        """The error-feedback residual is encoded into by training and restored by the uploader."""
+        self._outbox: _Outgoing | None = None
+        self._last_merge: int | None = None
+        """The merge the latest uploaded update entered: the next waits for its broadcast."""
+        self._failure: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+        self._halt = threading.Event()
+        self._phase = 0
+
+    # -- the agent's loop ----------------------------------------------------------------------
+
+    def step(self) -> None:
+        self._raise_failure()
+        state = self.state
+        if state.at_end:
+            state.mark_finished()
+        if state.finished:
+            self._drain()
+            return
+        self._start_threads()
+        outgoing = self._train_phase()
+        if outgoing is None:
+            return
+        with self._changed:
+            while self._outbox is not None and self._failure is None and not state.finished:
+                if self._halt.is_set():
+                    raise AgentStopped()
+                self._changed.wait(_POLL_S)
+            if state.finished:
+                self._restore(outgoing.trained)
+                return
+            self._outbox = outgoing
+            self._changed.notify_all()
+        self._raise_failure()
+
+    def close(self) -> None:
+        self._stop_threads()
+
+    def rejoined(self, *, coordinator_round: int, new_session: bool, must_fetch: bool) -> bool:
+        """After a re-join the threads start again; an update still waiting is kept when the
+        session is the same (the coordinator deduplicates it), else it goes to the residual."""
+        self._stop_threads()
+        self._failure = None
+        if new_session:
+            self._last_merge = None
+            if self._outbox is not None:
+                self._restore(self._outbox.trained)
+                self._outbox = None
+        return False
+
+    def _load_fetched(self, weights: object, held_before: int | None, round_number: int) -> None:
+        """Nothing: each phase loads the model from the newest held weights itself."""
+
+    def _load_broadcast(self, round_number: int) -> None:
+        """Nothing: each phase loads the model from the newest held weights itself."""
+
+    # -- training ------------------------------------------------------------------------------
+
+    def _train_phase(self) -> _Outgoing | None:
+        state, trainer = self.state, self.trainer
+        with self._weights_lock:
+            base_round = state.held_round
+            base = state.global_weights.clone()
+        # The version's seed from the strategy, as the coordinator derives it (RoundInfo.round_seed):
+        # the follower may have moved past the version whose RoundInfo the site last heard.
+        round_seed = self.strategy.configure_round(base_round, ()).seed
+        inner_steps = int(state.run_config.inner_steps)
+        phase = self._phase
+        self._phase += 1
+        started = time.monotonic()
+        with self._changed:
+            phases: dict[str, float] = self.transfer_phases_s
+            self.transfer_phases_s = {}
+        state.phase = pb.SITE_PHASE_TRAINING
+        trainer.tell_followers_to_train(phase, inner_steps, None)
+        result = trainer.train_round(base, phase, inner_steps)
+        trained_at = time.monotonic()
+        update = pseudo_gradient_into_local(base, trainer.flatten())
+        del base
+        formed_at = time.monotonic()
+        encoded = None
+        if all_finite(update):
+            with self._uplink_lock:
+                encoded = self.uplink.encode(update, round_seed=round_seed, fragment=0, samples=result.samples)
+        else:
+            logger.error(
+                "site %s: the pseudo-gradient of phase %d (from version %d) has NaN/Inf values; not "
+                "uploading it and resetting the error-feedback residual", self.site, phase, base_round,
+            )
+            with self._uplink_lock:
+                self.uplink.reset(0)
+        del update
+        phases.update(
+            train=trained_at - started, pseudo_gradient=formed_at - trained_at, encode=time.monotonic() - formed_at
+        )
+        trained = TrainedUpdate(
+            round=base_round, update=encoded, loss=result.loss, samples=result.samples,
+            inner_steps=result.steps, inner_time_s=result.seconds, started_s=started, phases_s=phases,
+        )
+        if encoded is None:  # non-finite: not sent
+            state.count_round(included=False)
+            return None
+        return _Outgoing(trained, phase)
+
+    def _restore(self, trained: TrainedUpdate) -> None:
+        """An update that will not be merged goes back into the error-feedback residual."""
+        if trained.update is not None:
+            with self._uplink_lock:
+                self.uplink.restore(trained.update)
+
+    # -- threads -------------------------------------------------------------------------------
+
+    def _start_threads(self) -> None:
+        if self._threads:
+            return
+        self._halt.clear()
+        self._threads = [
+            threading.Thread(target=self._guarded, args=(body,), name=f"geoloco-{what}-{self.site}", daemon=True)
+            for what, body in (("follow", self._follow), ("upload", self._send))
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _stop_threads(self) -> None:
+        if not self._threads:
+            return
+        self._halt.set()
+        with self._changed:
+            self._changed.notify_all()
+        self.client.cancel_active_calls()  # a follower blocked in AwaitBroadcast
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+
+    def _drain(self) -> None:
+        """The run is over: let the uploader finish or give up its update, then stop."""
+        with self._changed:
+            self._changed.notify_all()
+            while self._outbox is not None and self._failure is None and self._threads:
+                self._changed.wait(_POLL_S)
+        self._stop_threads()
+        self._raise_failure()
+
+    def _guarded(self, body: Callable[[], None]) -> None:
+        try:
+            body()
+        except AgentStopped:
+            pass
+        except BaseException as err:  # noqa: BLE001 (handed to the agent's loop: re-join, stop or fail)
+            if not self._halt.is_set():
+                with self._changed:
+                    self._failure = err
+                    self._changed.notify_all()
+
+    def _raise_failure(self) -> None:
+        failure = self._failure
+        if failure is not None:
+            self._stop_threads()
+            self._failure = None
+            raise failure
+
+    def _follow(self) -> None:
+        """Apply every merge's broadcast as it comes (the follower thread)."""
+        state = self.state
+        while not self._halt.is_set() and not state.finished:
+            round_number = state.held_round
+            answer = self._await_broadcast(round_number)
+            if answer is None:  # the run finished
+                break
+            header, data = answer
+            with self._weights_lock:
+                self._apply_broadcast(round_number, header, data)
+                state.take_broadcast_header(header)
+            del answer, data
+            with self._changed:
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def _send(self) -> None:
+        """Upload each handed-off update (the uploader thread)."""
+        state = self.state
+        while not self._halt.is_set():
+            with self._changed:
+                while self._outbox is None and not self._halt.is_set():
+                    if state.finished:
+                        return
+                    self._changed.wait(_POLL_S)
+                outgoing = self._outbox
+            if outgoing is None:
+                return
+            self._deliver(outgoing)
+            with self._changed:
+                self._outbox = None
+                self._changed.notify_all()
+
+    def _wait_for_version_after(self, merge: int) -> bool:
+        """Block until the site holds a version newer than ``merge`` (its broadcast applied);
+        False when the run finished or the runner stops first."""
+        with self._changed:
+            while self.state.held_round <= merge:
+                if self._halt.is_set() or self.state.finished:
+                    return False
+                self._changed.wait(_POLL_S)
+        return True
+
+    def _deliver(self, outgoing: _Outgoing) -> None:
+        """Upload one update until a merge takes it, or it is too stale or the run is over."""
+        trained, state = outgoing.trained, self.state
+        update = trained.update
+        assert update is not None
+        bound = state.algorithm.asynchronous.max_staleness
+        while True:
+            if self._last_merge is not None and not self._wait_for_version_after(self._last_merge):
+                self._restore(trained)
+                return
+            state.phase = pb.SITE_PHASE_UPLOADING
+            started = time.monotonic()
+            try:
+                response = self.uplink.upload(
+                    self.client, update, round_number=trained.round, inner_steps=trained.inner_steps,
+                    metrics=trained.metrics(),
+                )
+            except RoundClosed as why:
+                # The open merge is being applied, already holds this site's update, or the
+                # update is too stale: try the next merge, unless it is over the bound by then.
+                version = state.held_round
+                if bound is not None and version + 1 - trained.round > bound:
+                    logger.info("site %s: update from version %d dropped into the residual (%s)",
+                                self.site, trained.round, why)
+                    self._finish(trained, included=False)
+                    return
+                if not self._wait_for_version_after(version):
+                    self._restore(trained)
+                    return
+                continue
+            except RunFinished:  # the follower takes the last broadcast and ends the run
+                self._finish(trained, included=False)
+                return
+            except UpdateRejected as why:
+                logger.error("site %s: the coordinator rejected the update from version %d: %s",
+                             self.site, trained.round, why)
+                self._finish(trained, included=False)
+                return
+            with self._changed:
+                self.transfer_phases_s["upload"] = self.transfer_phases_s.get("upload", 0.0) + (
+                    time.monotonic() - started
+                )
+            merged = response.merged_round if response.HasField("merged_round") else state.held_round
+            self._last_merge = merged
+            logger.info(
+                "site %s: phase %d (from version %d) entered merge %d (staleness %d), loss %.4f",
+                self.site, outgoing.phase, trained.round, merged, merged - trained.round, trained.loss,
+            )
+            self._finish(trained, included=True, merged=merged, nbytes=len(update.data))
+            return
+
+    def _finish(self, trained: TrainedUpdate, *, included: bool, merged: int | None = None, nbytes: int = 0) -> None:
+        """Count the phase and tell ``hooks.on_round_end``; an update not merged goes back into
+        the residual first."""
+        if not included:
+            self._restore(trained)
+        state = self.state
+        state.count_round(included=included)
+        if self.hooks.on_round_end is not None:
+            self.hooks.on_round_end(
+                RoundResult(
+                    round=trained.round if merged is None else merged,
+                    train_loss=trained.loss,
+                    samples=trained.samples,
+                    inner_steps=trained.inner_steps,
+                    included=included,
+                    num_contributors=0,
+                    resynced=False,
+                    bytes_up=nbytes,
+                    bytes_down=0,
+                    inner_time_s=trained.inner_time_s,
+                    round_time_s=time.monotonic() - trained.started_s,
+                    weights_digest=state.digest or "",
+                    next_round=state.held_round,
+                )
+            )

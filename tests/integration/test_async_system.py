@@ -1,0 +1,90 @@
+"""Asynchronous (decoupled) DiLoCo through the real system: gRPC, mutual TLS, threads per site.
+
+Three site agents against a coordinator with ``[algorithm.asynchronous]`` (quorum 1, no grace
+window), one site ten times slower than the others (a pause per batch): nobody waits at a
+barrier, so the fast sites enter more merges than the slow one, the slow site's updates arrive
+computed from older versions and enter with the staleness discount the records state, and every
+replica ends on the coordinator's weights.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from _cluster import AgentThread, Run, make_certs
+
+from geoloco.algorithms.async_merge import AsyncConfig
+from geoloco.algorithms.config import ConfigError
+from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.streaming import StreamingConfig
+from geoloco.coordinator.metrics import read_metrics
+from geoloco.scenarios.workloads import build_workload
+
+SLOW_PAUSE_S = 0.03
+"""Seconds the slow site pauses per batch (its phase of 4 steps takes about 0.12 s longer)."""
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs"), ["0", "1", "2"])
+
+
+def test_sites_never_wait_for_each_other_and_stale_updates_are_discounted(certs: Path, tmp_path: Path) -> None:
+    merge = AsyncConfig(enabled=True, min_quorum=1, max_staleness=6, discount_per_version=0.5)
+    run = Run(
+        workload=build_workload("mlp"), num_sites=3, rounds=12, seed=3,
+        algorithm=AlgorithmConfig(inner_steps=4, uplink_codec="int8", asynchronous=merge),
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    server = run.start_coordinator(certs, metrics_path=str(metrics), min_sites=1)
+    threads = [
+        AgentThread(run.agent(certs, server.port, k, pause_s=SLOW_PAUSE_S if k == 2 else 0.0)) for k in range(3)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        summaries = [t.finish(120) for t in threads]
+        assert server.wait_until_finished(30)
+    finally:
+        server.stop(grace=0)
+    records = read_metrics(metrics)
+    assert [r["round"] for r in records] == list(range(run.rounds))
+    assert all(s.run_finished for s in summaries)
+    assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
+
+    entered = Counter(site for r in records for site in r["participants"])
+    assert entered["0"] + entered["1"] > 2 * entered["2"], entered
+    for record in records:
+        staleness = record["staleness"]
+        assert set(staleness) == set(record["participants"])
+        for site, behind in staleness.items():
+            assert 0 <= behind <= merge.max_staleness
+            # uniform weighting: every update weighs 1 before the discount
+            assert record["sample_weights"][site] == pytest.approx(0.5**behind)
+    assert any(behind > 0 for r in records for behind in r["staleness"].values())
+    assert all(r["excluded"] == [] for r in records)  # a site that has not sent is not left out
+
+
+def test_what_asynchronous_merges_refuse_is_named(certs: Path) -> None:
+    merge = AsyncConfig(enabled=True)
+    run = Run(workload=build_workload("mlp"), num_sites=2, rounds=2)
+    with pytest.raises(ConfigError, match="cohort"):
+        run.coordinator_config(
+            certs, algorithm=AlgorithmConfig(asynchronous=merge),
+            privacy=PrivacyConfig(secure_aggregation=True, clip_norm=1.0),
+        )
+    with pytest.raises(ConfigError, match="relays"):
+        run.coordinator_config(
+            certs, algorithm=AlgorithmConfig(asynchronous=merge), relays={"eu": ["0", "1"]},
+        )
+    with pytest.raises(ConfigError, match="dynamic_local_updates"):
+        run.coordinator_config(
+            certs, algorithm=AlgorithmConfig(asynchronous=AsyncConfig(enabled=True, dynamic_local_updates=True)),
+        )
+    with pytest.raises(ConfigError, match="round deadline"):
+        run.coordinator_config(certs, algorithm=AlgorithmConfig(asynchronous=merge), round_deadline_s=5.0)
+    with pytest.raises(ConfigError, match="asynchronous.enabled.*Streaming"):
+        AlgorithmConfig(asynchronous=merge, streaming=StreamingConfig(enabled=True, fragments=2))

@@ -89,6 +89,11 @@ class RoundContext:
         """Asynchronous merges (``[algorithm.asynchronous]``): the engine's close rule, and the
         one the intake tells of each arrival; None for synchronous rounds."""
 
+        self.merged_updates: dict[str, tuple[int, tuple[int, str], int]] = {}
+        """Asynchronous merges: site -> (base version, checksum, merge) of its latest update that
+        entered a merge, kept in the durable state, so a resend after a lost answer or a restart
+        is recognised and never counted twice."""
+
     def expected(self) -> list[str]:
         """The sites the open round waits for: every member; for an asynchronous merge only the
         sites in it (a member that has not sent an update is not late, and not excluded)."""

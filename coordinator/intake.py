@@ -199,9 +199,6 @@ class PlainIntake:
         self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="geoloco-verify")
         self.shards = ShardedUploads(self, list(shapes))
         """Sharded sites' uploads (``shard_count > 0``), held until all of a site's arrived."""
-        self.merged: dict[str, tuple[int, tuple[int, str], int]] = {}
-        """Asynchronous merges: site -> (base version, checksum, merge) of its latest update that
-        entered a merge, so a resend after a lost answer is recognised and never counted twice."""
 
     # -- the interface --
 
@@ -213,6 +210,10 @@ class PlainIntake:
                     "round (run the site unsharded, or disable [algorithm.asynchronous])"
                 )
             return self.shards.receive(site, spec, chunks)
+        if self.ctx.merge_rule is not None:
+            merged = self._merged_before(site, spec)
+            if merged is not None:
+                return merged
         started = time.monotonic()
         assembler = self.open(site, spec)
         whole_stream = assembler.received_count == 0
@@ -526,7 +527,7 @@ class PlainIntake:
                 self._observe_link(site, assembler)
                 r.site_metrics[site] = dict(assembler.spec.metrics)
                 if merging:
-                    self.merged[site] = (assembler.base_round, assembler.spec.checksum, round_number)
+                    ctx.merged_updates[site] = (assembler.base_round, assembler.spec.checksum, round_number)
                 ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
                 logger.debug(
                     "round %d: update of %s aggregated (%d of %d members)",
@@ -538,6 +539,19 @@ class PlainIntake:
 
     # -- asynchronous merges (``[algorithm.asynchronous]``) --
 
+    def _merged_before(self, site: str, spec: UploadSpec) -> UploadProgress | None:
+        """A resend of the update that already entered a merge (its answer was lost, or this
+        coordinator restarted after that merge became durable): complete, with that merge, and
+        not counted twice; None for any other update."""
+        ctx = self.ctx
+        with ctx.cond:
+            self.membership.member(site, spec.session_id, spec.instance_id)
+            previous = ctx.merged_updates.get(site)
+        if previous is None or previous[:2] != (spec.round, spec.checksum):
+            return None
+        logger.info("%s resent its update from version %d, which entered merge %d", site, spec.round, previous[2])
+        return UploadProgress(complete=True, merged_round=previous[2], received_bytes=spec.total_bytes)
+
     def _open_async(self, site: str, spec: UploadSpec) -> PlainUpload:
         """The (new or resumed) assembler of an update computed from version ``spec.round``,
         offered to the open merge (lock held). It enters that merge whatever its base, within
@@ -546,12 +560,6 @@ class PlainIntake:
         r = ctx.round
         if ctx.phase not in OPEN_PHASES:
             ctx.check_upload_round(r.number)  # the run is over, or the merge is being applied
-        previous = self.merged.get(site)
-        if previous is not None and previous[:2] == (spec.round, spec.checksum):
-            raise WrongRoundError(
-                f"site {site!r}'s update computed from version {spec.round} already entered merge "
-                f"{previous[2]}; it is not counted twice (go on from the newest broadcast)"
-            )
         verdict = stale_admission(ctx.config.algorithm.asynchronous, base=spec.round, into=r.number, weight=1.0)
         if verdict.refused is not None:
             raise WrongRoundError(
@@ -590,7 +598,7 @@ class PlainIntake:
         if assembler is not None and assembler.base_round == base:
             counted = site in r.contributed
             return _progress(assembler, complete=counted, merged_round=r.number if counted else None)
-        previous = self.merged.get(site)
+        previous = ctx.merged_updates.get(site)
         if previous is not None and previous[0] == base:
             return UploadProgress(complete=True, merged_round=previous[2])
         if ctx.phase is RoundPhase.FINISHED:

@@ -508,6 +508,10 @@ class RoundPhases:
         if ctx.engine.guard is not None:
             ctx.engine.guard.load_state(history.get("update_norms", []))
         self.membership.load_state(history.get(REPLACED_KEY, []))
+        ctx.merged_updates = {
+            site: (int(base), (int(algorithm), str(digest_hex)), int(merge))
+            for site, (base, algorithm, digest_hex, merge) in history.get("merged", {}).items()
+        }
 
     def enable_round_log(self) -> None:
         """Make rounds durable through the round log (``geoloco.coordinator.round_log``): the
@@ -622,6 +626,12 @@ class RoundPhases:
             "update_norms": [] if ctx.engine.guard is None else ctx.engine.guard.state(),
             REPLACED_KEY: replaced,
         }
+        if ctx.merge_rule is not None:
+            with ctx.cond:
+                history["merged"] = {
+                    site: [base, algorithm, digest_hex, merge]
+                    for site, (base, (algorithm, digest_hex), merge) in ctx.merged_updates.items()
+                }
         metadata: dict[str, Any] = {
             "config": ctx.config.to_dict(),
             "strategy": ctx.strategy.state_meta(),

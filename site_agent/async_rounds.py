@@ -104,15 +104,23 @@ class AsyncRounds(RoundRunner):
         self._stop_threads()
 
     def rejoined(self, *, coordinator_round: int, new_session: bool, must_fetch: bool) -> bool:
-        """After a re-join the threads start again; an update still waiting is kept when the
-        session is the same (the coordinator deduplicates it), else it goes to the residual."""
+        """After a re-join the threads start again and the update in hand is sent (again): the
+        coordinator answers a resend of one that already entered a merge with that merge, from
+        its durable state after a restart too, so it is never counted twice. Only an update
+        computed from a version the coordinator does not have (it started a new run) goes back
+        into the residual."""
         self._stop_threads()
         self._failure = None
         if new_session:
             self._last_merge = None
-            if self._outbox is not None:
-                self._restore(self._outbox.trained)
-                self._outbox = None
+        outgoing = self._outbox
+        if outgoing is not None and outgoing.trained.round > coordinator_round:
+            logger.info(
+                "site %s: the coordinator is at version %d, before its update's base %d; the update "
+                "goes back into the residual", self.site, coordinator_round, outgoing.trained.round,
+            )
+            self._restore(outgoing.trained)
+            self._outbox = None
         return False
 
     def _load_fetched(self, weights: object, held_before: int | None, round_number: int) -> None:

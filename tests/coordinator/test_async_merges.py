@@ -1,0 +1,92 @@
+"""Asynchronous merges in the coordinator without sockets: the grace window on a fake clock,
+stale updates discounted or refused, one update per site and merge, a resend never counted
+twice (also by a coordinator restarted from its durable state)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _round_helpers import FakeClock, join, tiny_weights, upload
+
+from geoloco.algorithms.async_merge import AsyncConfig
+from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.coordinator.rounds import RoundStateMachine
+from geoloco.protos.errors import WrongRoundError
+
+MERGE = AsyncConfig(enabled=True, min_quorum=1, grace_window_s=2.0, max_staleness=1, discount_per_version=0.5)
+
+
+def make(clock: FakeClock, **overrides: object) -> RoundStateMachine:
+    settings: dict[str, object] = {
+        "algorithm": AlgorithmConfig(inner_steps=2, asynchronous=MERGE),
+        "insecure": True,
+        "total_rounds": 10,
+    }
+    settings.update(overrides)
+    weights, layout = tiny_weights()
+    return RoundStateMachine(CoordinatorConfig(**settings), weights, layout, clock=clock)  # type: ignore[arg-type]
+
+
+def _update(seed: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 0.01
+
+
+def test_a_merge_waits_its_grace_window_then_takes_stale_updates_discounted() -> None:
+    clock = FakeClock()
+    rounds = make(clock)
+    for site in ("a", "b", "c"):
+        join(rounds, site)
+    first = upload(rounds, "a", _update(1, rounds.numel), round_number=0)
+    assert first.complete and first.merged_round == 0
+    assert rounds.poll() is None  # the quorum is in; the 2 s grace window is not over
+    clock.advance(2.5)
+    record = rounds.poll()
+    assert record is not None and record["participants"] == ["a"] and record["staleness"] == {"a": 0}
+    assert record["excluded"] == []  # b and c are not late: a merge waits for nobody
+
+    # b trained from version 0 too: it enters merge 1 one version behind, at half weight.
+    late = upload(rounds, "b", _update(2, rounds.numel), round_number=0)
+    assert late.merged_round == 1
+    with pytest.raises(WrongRoundError, match="already sent its update of merge 1"):
+        upload(rounds, "b", _update(3, rounds.numel), round_number=1)
+    assert rounds.poll() is None  # the driver polls after every upload: the window starts
+    clock.advance(2.5)
+    record = rounds.poll()
+    assert record is not None
+    assert record["staleness"] == {"b": 1} and record["sample_weights"] == {"b": 0.5}
+
+    # c's update from version 0 is two merges behind merge 2: over max_staleness 1.
+    with pytest.raises(WrongRoundError, match="stale: computed from version 0, 2 merges behind"):
+        upload(rounds, "c", _update(4, rounds.numel), round_number=0)
+    with pytest.raises(WrongRoundError, match="does not exist yet"):
+        upload(rounds, "c", _update(5, rounds.numel), round_number=3)
+
+
+def test_a_resent_update_is_answered_with_its_merge_and_not_counted_again(tmp_path: object) -> None:
+    clock = FakeClock()
+    checkpoints = str(tmp_path)
+    rounds = make(clock, checkpoint_dir=checkpoints)
+    join(rounds, "a")
+    join(rounds, "b")
+    sent = _update(7, rounds.numel)
+    assert upload(rounds, "a", sent, round_number=0).merged_round == 0
+    assert upload(rounds, "b", _update(8, rounds.numel), round_number=0).merged_round == 0
+    record = rounds.poll()  # both sites are in: no grace window to wait for
+    assert record is not None and sorted(record["participants"]) == ["a", "b"]
+    weights = rounds.weights.clone()
+
+    again = upload(rounds, "a", sent, round_number=0)  # its answer was lost: sent again
+    assert again.complete and again.merged_round == 0
+    clock.advance(10)
+    assert rounds.poll() is None and torch.equal(rounds.weights, weights)  # nothing entered merge 1
+
+    rounds.close()  # a coordinator restarted from its durable state still knows
+    restarted = make(clock, checkpoint_dir=checkpoints)
+    assert restarted.round == 1
+    join(restarted, "a")
+    resent = upload(restarted, "a", sent, round_number=0)
+    assert resent.complete and resent.merged_round == 0
+    clock.advance(10)
+    assert restarted.poll() is None and torch.equal(restarted.weights, weights)
+    restarted.close()

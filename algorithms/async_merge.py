@@ -65,8 +65,9 @@ class AsyncConfig:
     dynamic_local_updates: bool = False
     """Dynamic Local Updates (Liu et al. 2024): each site runs ``H · v_k / v_max`` inner steps
     (at least 1), ``v`` its steps per second measured over its last phase and ``v_max`` the
-    fastest site's, so every site's phase takes about the fastest one's time; off: ``H``. The
-    simulator's only: the coordinator refuses it (a real site does not know the others' speeds).
+    fastest site's, so every site's phase takes about the fastest one's time; off: ``H``. On the
+    real system each update reports its inner-step time and every broadcast carries the fastest
+    site's (``RoundInfo.fastest_step_s``).
     Asynchronous merges only (like every key of this table, unread while ``enabled`` is off)."""
 
     def __post_init__(self) -> None:
@@ -108,7 +109,8 @@ def dynamic_local_steps(inner_steps: int, step_s: float | None, fastest_step_s: 
     ``fastest_step_s`` (``v = 1 / step_s``); ``H`` before anything was measured."""
     if step_s is None or fastest_step_s is None or step_s <= 0:
         return inner_steps
-    return max(1, math.floor(inner_steps * fastest_step_s / step_s + 1e-9))
+    # At most H: on the real system the fastest speed is the others' latest, not this phase's.
+    return min(inner_steps, max(1, math.floor(inner_steps * fastest_step_s / step_s + 1e-9)))
 
 
 class AsyncMerge:

@@ -245,12 +245,6 @@ class CoordinatorConfig:
         if not merge.enabled:
             return
         require(
-            not merge.dynamic_local_updates,
-            "algorithm.asynchronous.dynamic_local_updates",
-            "real sites do not size their phases by speed yet (each would need every other site's "
-            "speed); it is a simulator option (geoloco simulate): disable it here",
-        )
-        require(
             not self.relays,
             "relays",
             "relays forward one partial sum per round, asynchronous merges take each site's update "

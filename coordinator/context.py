@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from geoloco.algorithms.aggregation import new_aggregation
 from geoloco.algorithms.async_merge import AsyncMerge
@@ -89,10 +90,26 @@ class RoundContext:
         """Asynchronous merges (``[algorithm.asynchronous]``): the engine's close rule, and the
         one the intake tells of each arrival; None for synchronous rounds."""
 
+        self.held_updates: dict[str, Any] = {}
+        """Asynchronous merges: site -> its verified update held for the next merge
+        (``geoloco.coordinator.intake.HeldUpdate``)."""
+        self.step_s: dict[str, float] = {}
+        """Dynamic Local Updates: site -> seconds per inner step over its latest phase."""
         self.merged_updates: dict[str, tuple[int, tuple[int, str], int]] = {}
         """Asynchronous merges: site -> (base version, checksum, merge) of its latest update that
         entered a merge, kept in the durable state, so a resend after a lost answer or a restart
         is recognised and never counted twice."""
+
+    def observe_speed(self, site: str, inner_steps: int, inner_time_s: float) -> None:
+        """Asynchronous merges with Dynamic Local Updates: ``site``'s latest phase ran
+        ``inner_steps`` in ``inner_time_s`` (its update's manifest); the fastest member's speed
+        goes out in every ``RoundInfo`` (``fastest_step_s``)."""
+        if self.config.algorithm.asynchronous.dynamic_local_updates and inner_steps >= 1 and inner_time_s > 0:
+            self.step_s[site] = inner_time_s / inner_steps
+
+    def fastest_step_s(self) -> float:
+        """The fewest seconds per inner step among the members' latest phases; 0: none known."""
+        return min((s for site, s in self.step_s.items() if site in self.members), default=0.0)
 
     def expected(self) -> list[str]:
         """The sites the open round waits for: every member; for an asynchronous merge only the
@@ -163,7 +180,7 @@ class RoundContext:
         codec = self.uplink_codec_for(site, r.number) if site and self.link_codecs is not None else ""
         return RoundInfo(
             round=r.number, round_seed=self.round_seed(r.number), deadline_remaining_s=remaining,
-            uplink_codec=codec,
+            uplink_codec=codec, fastest_step_s=self.fastest_step_s(),
         )
 
     def uplink_codec_for(self, site: str, round_number: int) -> str:

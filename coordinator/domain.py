@@ -60,6 +60,9 @@ class RoundInfo:
     deadline_remaining_s: float
     uplink_codec: str = ""
     """The site's own uplink codec this round (adaptive uplink); empty: the run's."""
+    fastest_step_s: float = 0.0
+    """Asynchronous merges with Dynamic Local Updates: the fastest member's seconds per inner
+    step (``RoundContext.fastest_step_s``); 0: unknown or not used."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +208,9 @@ class CoordinatorRound:
     """Sites that left or were dropped during the round without contributing."""
     uploads: dict[str, Any] = field(default_factory=dict)
     """site -> its upload (``geoloco.coordinator.intake.PlainUpload``)."""
+    held: dict[str, Any] = field(default_factory=dict)
+    """Asynchronous merges: the next update of a site whose update is already in this merge,
+    held for the next one (site -> ``PlainUpload``)."""
     stale_uploads: dict[str, Any] = field(default_factory=dict)
     """Uploads for the previous round, to be folded into this one (``late_updates = "fold"``)."""
     bytes_up: dict[str, int] = field(default_factory=dict)

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -38,13 +39,20 @@ from geoloco.algorithms.weighting import check_inner_steps, most_inner_steps, si
 from geoloco.compression import Encoded
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext
-from geoloco.coordinator.domain import OPEN_PHASES, RoundPhase, UploadProgress, UploadSpec
+from geoloco.coordinator.domain import OPEN_PHASES, CoordinatorRound, RoundPhase, UploadProgress, UploadSpec
 from geoloco.coordinator.errors import ShuttingDownError, rejection_message
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 from geoloco.coordinator.round_timing import RoundTimings
 from geoloco.coordinator.shards import ShardedUploads
-from geoloco.protos.errors import InvalidUpdateError, NotAMemberError, UpdateRejectedError, WrongRoundError, quoted
+from geoloco.protos.errors import (
+    InvalidUpdateError,
+    NotAMemberError,
+    StatusError,
+    UpdateRejectedError,
+    WrongRoundError,
+    quoted,
+)
 from geoloco.protos.upload_check import checked_update
 from geoloco.protos.wire_assembly import UploadAssembler
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
@@ -117,6 +125,15 @@ def _progress(
     )
 
 
+@dataclass(slots=True)
+class HeldUpdate:
+    """An asynchronous site's verified update, held for the next merge (``_open_held``)."""
+
+    assembler: PlainUpload
+    decoded: Encoded | torch.Tensor
+    screen: Screen
+
+
 class UploadIntake(Protocol):
     """Uploads into the open round, and when that round may close."""
 
@@ -164,6 +181,10 @@ class UploadIntake(Protocol):
 
     def withdraw(self, site: str, round_number: int) -> None:
         """``site`` waits for round ``round_number``'s broadcast (lock held)."""
+        ...
+
+    def next_round(self, previous: CoordinatorRound, now: float) -> None:
+        """The round after ``previous`` just opened (lock held)."""
         ...
 
     def shutdown(self) -> None:
@@ -422,19 +443,31 @@ class PlainIntake:
         with SITE_REPLACED as soon as another process of the site (``instance`` is the
         stream's) took the name over."""
         ctx = self.ctx
-        round_number = assembler.spec.round
         for chunk, nbytes in chunks:
             with ctx.cond:
                 ctx.count_up(site, nbytes)
                 self.membership.check_instance(site, instance)
-                if ctx.round.stale_uploads.get(site) is assembler and ctx.phase in OPEN_PHASES:
-                    yield chunk
-                    continue
-                if ctx.round.number != round_number or ctx.phase not in OPEN_PHASES:
-                    ctx.check_upload_round(round_number)
-                if ctx.round.uploads.get(site) is not assembler:
-                    raise _discarded(site, round_number)
+                r = ctx.round
+                goes_on = (ctx.phase in OPEN_PHASES and (
+                    r.stale_uploads.get(site) is assembler or r.held.get(site) is assembler
+                )) or self._carried_over(site, assembler)
+                if not goes_on:
+                    round_number = assembler.spec.round  # an asynchronous upload may have moved on
+                    if r.number != round_number or ctx.phase not in OPEN_PHASES:
+                        ctx.check_upload_round(round_number)
+                    if r.uploads.get(site) is not assembler:
+                        raise _discarded(site, round_number)
             yield chunk
+
+    def _carried_over(self, site: str, assembler: PlainUpload) -> bool:
+        """An asynchronous upload of the merge being applied, which the next merge takes over
+        (``next_round``) instead of cutting it off (lock held)."""
+        ctx = self.ctx
+        r = ctx.round
+        return (
+            ctx.merge_rule is not None and ctx.phase is RoundPhase.AGGREGATING
+            and r.uploads.get(site) is assembler and site not in r.contributed and site not in r.rejected
+        )
 
     def finish(self, site: str, assembler: PlainUpload, *, instance: str = "") -> UploadProgress:
         """After a stream ended: if every chunk is there, verify and aggregate the update.
@@ -451,10 +484,10 @@ class PlainIntake:
             return _progress(assembler)
         with self.ctx.cond:
             late = self.ctx.round.stale_uploads.get(site) is assembler
+            held = self.ctx.round.held.get(site) is assembler or self._carried_over(site, assembler)
+        verify = self._verify_and_fold if late else self._verify_and_hold if held else self._verify_and_add
         try:
-            future = self.verifier.submit(
-                self._verify_and_fold if late else self._verify_and_add, site, assembler, instance
-            )
+            future = self.verifier.submit(verify, site, assembler, instance)
         except RuntimeError:  # the executor is shut down: close() was called
             raise ShuttingDownError(
                 "the coordinator is shutting down; retry to reach its successor"
@@ -484,58 +517,65 @@ class PlainIntake:
     def _verify_and_add(self, site: str, assembler: PlainUpload, instance: str = "") -> UploadProgress:
         ctx = self.ctx
         round_number = assembler.spec.round
-        merging = ctx.merge_rule is not None
-        merged_round = round_number if merging else None
         with self.verify_lock:
             with ctx.cond:
                 if site in ctx.round.contributed and ctx.round.number == round_number:
-                    return _progress(assembler, merged_round=merged_round)
+                    return _progress(assembler, merged_round=round_number if ctx.merge_rule is not None else None)
                 ctx.check_upload_round(round_number)
                 dense = not isinstance(ctx.round.core.aggregation, RunningSum)
             verify_start = time.monotonic()
             data = assembler.finish()  # checksum; a mismatch resets the assembler (DATA_LOSS)
             decoded, norm, finite = self._verified(site, round_number, data, assembler.spec, dense=dense)
             del data
-            weight = self.upload_weight(assembler.spec)
-            if merging:  # computed from an older version: discounted by its staleness
-                weight = stale_admission(
-                    ctx.config.algorithm.asynchronous, base=assembler.base_round, into=round_number, weight=weight
-                ).weight
-            add_start = time.monotonic()
-            assembler.timings.spent("verify", verify_start, add_start)
+            assembler.timings.spent("verify", verify_start, time.monotonic())
             with ctx.cond:
-                ctx.check_upload_round(round_number)
-                self.membership.check_instance(site, instance)  # replaced while it was verified
-                r = ctx.round
-                if r.uploads.get(site) is not assembler:
-                    raise _discarded(site, round_number)
-                admission = ctx.engine.admit(
-                    r.core, site, decoded, weight, screen=Screen(norm, finite), now=ctx.clock()
-                )
-                if ctx.merge_rule is not None:
-                    ctx.merge_rule.observe_arrival(ctx.clock())
-                if admission.verdict == "duplicate":
-                    raise UpdateRejectedError(f"{admission.reason}; wait for the broadcast (AwaitBroadcast)")
-                if not admission.ok:
-                    assert admission.reason is not None
-                    self.rejected(site, round_number, admission.reason)
-                    raise InvalidUpdateError(rejection_message(
-                        f"site {site!r}'s update for round {round_number}", admission.reason,
-                        aborted=bool(r.core.aborted),
-                    ))
-                assembler.timings.spent("add", add_start, time.monotonic())
-                self._observe_link(site, assembler)
-                r.site_metrics[site] = dict(assembler.spec.metrics)
-                if merging:
-                    ctx.merged_updates[site] = (assembler.base_round, assembler.spec.checksum, round_number)
-                ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
-                logger.debug(
-                    "round %d: update of %s aggregated (%d of %d members)",
-                    round_number, site, len(r.contributed), len(ctx.members),
-                )
-                ctx.cond.notify_all()
+                progress = self._admit_verified(site, assembler, decoded, Screen(norm, finite), instance)
             del decoded
-        return _progress(assembler, merged_round=merged_round)
+        return progress
+
+    def _admit_verified(
+        self, site: str, assembler: PlainUpload, decoded: Encoded | torch.Tensor, screen: Screen, instance: str
+    ) -> UploadProgress:
+        """Admit ``site``'s verified update into the open round, its own (lock held): accepted,
+        or refused with the reason on the round and in the error raised."""
+        ctx = self.ctx
+        round_number = assembler.spec.round
+        merging = ctx.merge_rule is not None
+        add_start = time.monotonic()
+        weight = self.upload_weight(assembler.spec)
+        if merging:  # computed from an older version: discounted by its staleness
+            weight = stale_admission(
+                ctx.config.algorithm.asynchronous, base=assembler.base_round, into=round_number, weight=weight
+            ).weight
+        ctx.check_upload_round(round_number)
+        self.membership.check_instance(site, instance)  # replaced while it was verified
+        r = ctx.round
+        if r.uploads.get(site) is not assembler:
+            raise _discarded(site, round_number)
+        admission = ctx.engine.admit(r.core, site, decoded, weight, screen=screen, now=ctx.clock())
+        if ctx.merge_rule is not None:
+            ctx.merge_rule.observe_arrival(ctx.clock())
+        if admission.verdict == "duplicate":
+            raise UpdateRejectedError(f"{admission.reason}; wait for the broadcast (AwaitBroadcast)")
+        if not admission.ok:
+            assert admission.reason is not None
+            self.rejected(site, round_number, admission.reason)
+            raise InvalidUpdateError(rejection_message(
+                f"site {site!r}'s update for round {round_number}", admission.reason,
+                aborted=bool(r.core.aborted),
+            ))
+        assembler.timings.spent("add", add_start, time.monotonic())
+        self._observe_link(site, assembler)
+        r.site_metrics[site] = dict(assembler.spec.metrics)
+        if merging:
+            ctx.merged_updates[site] = (assembler.base_round, assembler.spec.checksum, round_number)
+        ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
+        logger.debug(
+            "round %d: update of %s aggregated (%d of %d members)",
+            round_number, site, len(r.contributed), len(ctx.members),
+        )
+        ctx.cond.notify_all()
+        return _progress(assembler, merged_round=round_number if merging else None)
 
     # -- asynchronous merges (``[algorithm.asynchronous]``) --
 
@@ -558,6 +598,9 @@ class PlainIntake:
         ``max_staleness``; one update per site and merge."""
         ctx = self.ctx
         r = ctx.round
+        # Its speed counts for Dynamic Local Updates even when the update itself is refused: a
+        # slow site's first, too stale update is how the run learns how slow it is.
+        ctx.observe_speed(site, int(spec.inner_steps), float(spec.metrics.get("inner_time_s", 0.0)))
         if ctx.phase not in OPEN_PHASES:
             ctx.check_upload_round(r.number)  # the run is over, or the merge is being applied
         verdict = stale_admission(ctx.config.algorithm.asynchronous, base=spec.round, into=r.number, weight=1.0)
@@ -574,11 +617,7 @@ class PlainIntake:
             existing.check_same_manifest(spec.wire)  # MANIFEST_CONFLICT if it differs
             return existing
         if site in r.contributed or site in r.rejected:
-            raise WrongRoundError(
-                f"site {site!r} already sent its update of merge {r.number} "
-                f"({'counted' if site in r.contributed else 'rejected: ' + r.rejected[site]}); send the "
-                f"next one after merge {r.number}'s broadcast"
-            )
+            return self._open_held(site, spec)
         self.validate(site, respec)
         assembler = PlainUpload(respec, max_total_bytes=self.max_upload_bytes, timings=r.timings)
         assembler.base_round = spec.round
@@ -589,6 +628,99 @@ class PlainIntake:
         ctx.count_up(site, spec.nbytes)
         return assembler
 
+    def _open_held(self, site: str, spec: UploadSpec) -> PlainUpload:
+        """The next update of a site whose previous one is already in the open merge: held for
+        the next merge (as the simulator holds it) instead of refused, so the site never waits
+        for the merge to close before it sends (lock held). One held update per site."""
+        ctx = self.ctx
+        r = ctx.round
+        into = r.number + 1
+        verdict = stale_admission(ctx.config.algorithm.asynchronous, base=spec.round, into=into, weight=1.0)
+        if verdict.refused is not None:
+            raise WrongRoundError(
+                f"site {site!r}'s update cannot enter merge {into}: {verdict.refused}; keep it in the "
+                "error-feedback residual and go on from the newest broadcast"
+            )
+        respec = dataclasses.replace(spec, round=into)
+        existing = r.held.get(site)
+        if existing is not None:
+            if existing.base_round == spec.round and existing.spec == respec:
+                existing.check_same_manifest(spec.wire)  # MANIFEST_CONFLICT if it differs
+                return existing
+            if site in ctx.held_updates:
+                raise WrongRoundError(
+                    f"site {site!r} already has an update held for merge {into}; send the next one "
+                    f"after merge {r.number}'s broadcast"
+                )
+        self.validate(site, respec)
+        assembler = PlainUpload(respec, max_total_bytes=self.max_upload_bytes, timings=r.timings)
+        assembler.base_round = spec.round
+        r.held[site] = assembler
+        ctx.count_up(site, spec.nbytes)
+        return assembler
+
+    def _verify_and_hold(self, site: str, assembler: PlainUpload, instance: str = "") -> UploadProgress:
+        """Verify a held update now (the verifier is idle between the site's uploads) and keep it
+        for the next merge; if that merge opened meanwhile, admit it at once."""
+        ctx = self.ctx
+        with self.verify_lock:
+            with ctx.cond:
+                r = ctx.round
+                into = r.number + 1 if self._pending(site, assembler) else assembler.spec.round
+                held = ctx.held_updates.get(site)
+                if held is not None and held.assembler is assembler:
+                    return _progress(assembler, complete=True, merged_round=into)
+                dense = not isinstance(r.core.aggregation, RunningSum)
+            data = assembler.finish()  # checksum; a mismatch resets the assembler (DATA_LOSS)
+            decoded, norm, finite = self._verified(site, into, data, assembler.spec, dense=dense)
+            del data
+            with ctx.cond:
+                self.membership.check_instance(site, instance)
+                r = ctx.round
+                if r.number == into and r.uploads.get(site) is assembler:
+                    return self._admit_verified(site, assembler, decoded, Screen(norm, finite), instance)
+                if r.number + 1 != into or not self._pending(site, assembler):
+                    raise _discarded(site, into)
+                ctx.held_updates[site] = HeldUpdate(assembler, decoded, Screen(norm, finite))
+        logger.debug("merge %d: the next update of %s is held for merge %d", into - 1, site, into)
+        return _progress(assembler, complete=True, merged_round=into)
+
+    def _pending(self, site: str, assembler: PlainUpload) -> bool:
+        """The upload goes to the next merge: held, or carried over (lock held)."""
+        return self.ctx.round.held.get(site) is assembler or self._carried_over(site, assembler)
+
+    def next_round(self, previous: CoordinatorRound, now: float) -> None:
+        """Asynchronous merges: the uploads held during ``previous``, and those it closed on
+        before they were complete, enter the merge just opened (lock held): verified ones now,
+        the others as uploads of it. One now beyond ``max_staleness`` is left behind (its
+        stream ends with WRONG_ROUND, as for any closed round)."""
+        ctx = self.ctx
+        if ctx.merge_rule is None:
+            return
+        r = ctx.round
+        unfinished = {
+            site: a for site, a in previous.uploads.items()
+            if site not in previous.contributed and site not in previous.rejected
+        }
+        for site, assembler in {**unfinished, **previous.held}.items():
+            verdict = stale_admission(
+                ctx.config.algorithm.asynchronous, base=assembler.base_round, into=r.number, weight=1.0
+            )
+            held = ctx.held_updates.pop(site, None)
+            if verdict.refused is not None:
+                logger.info("merge %d: the update of %s is left behind: %s", r.number, site, verdict.refused)
+                continue
+            assembler.spec = dataclasses.replace(assembler.spec, round=r.number)
+            r.uploads[site] = assembler
+            r.inner_steps[site] = assembler.spec.inner_steps
+            r.staleness[site] = verdict.staleness
+            if held is None:
+                continue
+            try:
+                self._admit_verified(site, assembler, held.decoded, held.screen, assembler.spec.instance_id)
+            except StatusError as err:  # refused (e.g. by the update guard): on the round's record
+                logger.info("merge %d: the held update of %s was not admitted: %s", r.number, site, err)
+
     def _status_async(self, site: str, base: int) -> UploadProgress:
         """UploadStatus of the update computed from version ``base`` (lock held): in the open
         merge, or already merged into an earlier one (its answer was lost)."""
@@ -598,6 +730,11 @@ class PlainIntake:
         if assembler is not None and assembler.base_round == base:
             counted = site in r.contributed
             return _progress(assembler, complete=counted, merged_round=r.number if counted else None)
+        held = r.held.get(site)
+        if held is not None and held.base_round == base:
+            kept = ctx.held_updates.get(site)
+            complete = kept is not None and kept.assembler is held
+            return _progress(held, complete=complete, merged_round=held.spec.round if complete else None)
         previous = ctx.merged_updates.get(site)
         if previous is not None and previous[0] == base:
             return UploadProgress(complete=True, merged_round=previous[2])

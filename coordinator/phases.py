@@ -342,6 +342,7 @@ class RoundPhases:
             else:
                 ctx.phase = RoundPhase.WAITING_FOR_QUORUM
                 self.maybe_start(now)
+                self.intake.next_round(r, now)
             members = sorted(ctx.members)
             bytes_up_total, bytes_down_total = ctx.bytes_up_total, ctx.bytes_down_total
             ctx.cond.notify_all()

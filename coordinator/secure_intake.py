@@ -25,7 +25,7 @@ from geoloco.algorithms.secagg_stages import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext
-from geoloco.coordinator.domain import OPEN_PHASES, RoundPhase, UploadProgress, UploadSpec
+from geoloco.coordinator.domain import OPEN_PHASES, CoordinatorRound, RoundPhase, UploadProgress, UploadSpec
 from geoloco.coordinator.intake import Chunks
 from geoloco.coordinator.membership import Membership
 from geoloco.coordinator.privacy_rounds import PrivateRounds, SecureUpload
@@ -304,6 +304,9 @@ class SecureIntake:
                 # deadline passed, and answers from the protocol as it is now.
                 reply = privacy.stage(site, round_number, stage, message, set(ctx.members), ctx.clock())
                 self._changed()
+
+    def next_round(self, previous: CoordinatorRound, now: float) -> None:
+        """Nothing carries over: each secure round has its own cohort."""
 
     def withdraw(self, site: str, round_number: int) -> None:
         # A site waiting for the broadcast without having advertised keys will not (e.g. its

@@ -113,6 +113,7 @@ def round_info(info: RoundInfo) -> pb.RoundInfo:
         round_seed=info.round_seed,
         deadline_remaining_ms=int(info.deadline_remaining_s * 1000),
         uplink_codec=info.uplink_codec,
+        fastest_step_s=info.fastest_step_s,
     )
 
 

@@ -23,6 +23,7 @@ site's or relay's line.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from geoloco.algorithms.dp_accountant import describe_epsilon
 from geoloco.scenarios.emulation import EmulationResult
 from geoloco.scenarios.overlap_fidelity import overlap_fidelity
 from geoloco.scenarios.progress import human_bytes
+from geoloco.site_agent.async_rounds import COMPUTE_S_TOTAL
 
 __all__ = ["Fidelity", "SiteFidelity", "SiteReport", "fidelity", "site_reports", "write_report"]
 
@@ -68,6 +70,9 @@ class SiteReport:
     startup_s: float = 0.0
     """Seconds from the site's first process start until it first held the weights (imports,
     TLS, join, the full-weights fetch): part of ``idle_s``, left out of the steady-state figure."""
+    wind_down_s: float = 0.0
+    """Seconds the site lived after the run's last round was aggregated (the last broadcast,
+    leaving, the process's exit): left out of the steady-state figure like start-up."""
 
     @property
     def alive_s(self) -> float:
@@ -79,10 +84,11 @@ class SiteReport:
 
     @property
     def steady_utilization(self) -> float:
-        """Compute share once training began: what a long run converges to, since start-up is
-        paid once (a short emulation's start-up would otherwise dominate the figure)."""
-        steady = self.alive_s - self.startup_s
-        return self.compute_s / steady if steady > 0 else 0.0
+        """Compute share once training began and until the run's last round: what a long run
+        converges to, since start-up and wind-down are paid once (a short emulation's would
+        otherwise dominate the figure)."""
+        steady = self.alive_s - self.startup_s - self.wind_down_s
+        return min(1.0, self.compute_s / steady) if steady > 0 else 0.0
 
     @property
     def network_wait_s(self) -> float:
@@ -208,12 +214,37 @@ def _startup_s(result: EmulationResult, name: str) -> float:
     return min(min(ends, default=stop), stop) - start
 
 
+def _wind_down_s(result: EmulationResult, name: str) -> float:
+    """Seconds of the site's last lifetime after the run's last round was aggregated (0 when
+    the run did not finish, or the site was gone by then)."""
+    spans = _lifetimes(result, name)
+    finished = [r for r in result.records if r.get("run_finished")]
+    if not spans or not finished:
+        return 0.0
+    end = float(finished[-1].get("observed_s", result.wall_s))
+    start, stop = spans[-1]
+    return max(0.0, stop - max(start, end))
+
+
+def _restarted_totals(running: list[float]) -> float:
+    """The sum of a running total that starts again from 0 when its process restarts: the
+    last value before every drop, plus the last one."""
+    total = 0.0
+    for before, after in itertools.pairwise(running):
+        if after < before:
+            total += before
+    return total + (running[-1] if running else 0.0)
+
+
 def site_reports(result: EmulationResult) -> list[SiteReport]:
     payload_up: dict[str, int] = {}
     payload_down: dict[str, int] = {}
     included: dict[str, int] = {}
     last_loss: dict[str, float] = {}
     inner_time: dict[str, float] = {}
+    async_compute: dict[str, list[float]] = {}
+    """Asynchronous merges: per site, the process's running compute total its merged updates
+    reported (``AsyncRounds``'s ``compute_s_total``), in merge order."""
     for record in result.records:
         for site, n in (record.get("bytes_up") or {}).items():
             payload_up[site] = payload_up.get(site, 0) + int(n)
@@ -225,15 +256,22 @@ def site_reports(result: EmulationResult) -> list[SiteReport]:
             if metrics.get("train_loss") is not None:
                 last_loss[site] = float(metrics["train_loss"])
             inner_time[site] = inner_time.get(site, 0.0) + float(metrics.get("inner_time_s") or 0.0)
+            if metrics.get(COMPUTE_S_TOTAL) is not None:
+                async_compute.setdefault(site, []).append(float(metrics[COMPUTE_S_TOTAL]))
+    for site, totals_seen in async_compute.items():
+        inner_time[site] = _restarted_totals(totals_seen)
     reports = []
     for site in result.scenario.sites:
         totals = {COMPUTE: 0.0, COMMUNICATION: 0.0, IDLE: 0.0, DOWN: 0.0}
         for kind, t0, t1 in site_timeline(result, site.name):
             totals[kind] += t1 - t0
-        if result.scenario.algorithm.streaming.enabled:
-            # Streaming DiLoCo trains while its transfers travel, so the link bursts cannot tell
-            # compute from waiting: compute is the inner-step time the site reported with each
-            # upload, the rest of its lifetime is counted as waiting (idle).
+        algo = result.scenario.algorithm
+        if algo.streaming.enabled or algo.asynchronous.enabled:
+            # Streaming and asynchronous DiLoCo train while their transfers travel, so the link
+            # bursts cannot tell compute from waiting: compute is the inner-step time the site
+            # reported with each update that entered a round (asynchronous: the running total of
+            # every phase it trained, merged or not, as of its latest merged update), the rest of
+            # its lifetime is counted as waiting (idle).
             alive = totals[COMPUTE] + totals[COMMUNICATION] + totals[IDLE]
             totals[COMPUTE] = min(alive, inner_time.get(site.name, 0.0))
             totals[COMMUNICATION], totals[IDLE] = 0.0, alive - totals[COMPUTE]
@@ -252,6 +290,7 @@ def site_reports(result: EmulationResult) -> list[SiteReport]:
                 down_s=totals[DOWN],
                 final_train_loss=last_loss.get(site.name),
                 startup_s=_startup_s(result, site.name),
+                wind_down_s=_wind_down_s(result, site.name),
             )
         )
     return reports
@@ -313,6 +352,10 @@ def fidelity(result: EmulationResult) -> Fidelity:
     with ``[[regions]]``, each site's link to its relay and each relay's link to the coordinator."""
     if result.scenario.faults:
         return Fidelity([], skipped="the scenario injects faults (compare fault-free runs only)")
+    if result.scenario.algorithm.asynchronous.enabled:
+        return Fidelity(
+            [], skipped="asynchronous merges: a site's uploads and broadcasts do not pair up one per round"
+        )
     records = [r for r in result.records if r.get("participants")]
     if not records:
         return Fidelity([], skipped="no round was aggregated")
@@ -512,12 +555,19 @@ def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fi
         f"- wall-clock: {result.wall_s:.1f} s",
         f"- workload: {s.workload_name} {s.workload_options}",
         f"- algorithm: {algo.name}, H={algo.inner_steps}, uplink {algo.uplink_codec}, "
-        f"downlink {algo.downlink_codec}, {len(s.sites)} sites (quorum {s.quorum})",
+        f"downlink {algo.downlink_codec}, {len(s.sites)} sites (quorum "
+        f"{algo.asynchronous.min_quorum if algo.asynchronous.enabled else s.quorum})",
         *([f"- streaming: {algo.streaming.fragments} fragments (one synced every "
             f"{algo.inner_steps // algo.streaming.fragments} steps), overlap "
             f"{algo.streaming.overlap_steps} steps, mix {algo.streaming.mix:g}; compute utilization "
             "from the sites' reported inner-step time (transfers overlap compute)"]
           if algo.streaming.enabled else []),
+        *([f"- asynchronous merges: min_quorum {algo.asynchronous.min_quorum}, "
+           + ("adaptive grace window" if algo.asynchronous.adaptive_grace
+              else f"grace {algo.asynchronous.grace_window_s:g} s")
+           + f", max_staleness {algo.asynchronous.max_staleness}; rounds are merges; compute "
+           "utilization from the sites' reported inner-step time (transfers overlap compute)"]
+          if algo.asynchronous.enabled else []),
         f"- rounds: {_lost_rounds(result)}",
         f"- link shaping: {result.shaping or 'relay'}",
         f"- final eval loss: {'n/a' if final_eval is None else f'{final_eval:.4f}'}",
@@ -526,7 +576,7 @@ def summary_markdown(result: EmulationResult, reports: list[SiteReport], fid: Fi
         "## Sites",
         "",
         "| site | link up/down, latency | speed | bytes up (payload / wire) | bytes down (payload / wire) "
-        "| rounds included | compute utilization (after start-up) | waiting on network (comm + idle) "
+        "| rounds included | compute utilization (between start-up and wind-down) | waiting on network (comm + idle) "
         "| down | final train loss |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -14,15 +14,20 @@ once, each on its own thread:
   weights (digest-checked; a site that fell behind fetches the full weights);
 * **the uploader**: sends each update labelled with its base version ``v``. The coordinator
   puts it into the merge that is open (``geoloco.coordinator.intake``), discounted by its
-  staleness, and answers with that merge's number; the site's next update waits for that
-  merge's broadcast (one update per site and merge). An update the coordinator cannot take
+  staleness, or holds it for the next merge when the site's previous update is already in the
+  open one, and answers with the merge's number; the site's update after that waits until that
+  merge is open (one update per site and merge, one held). An update the coordinator cannot take
   now (its merge is being applied) is sent again after the next broadcast; one beyond
   ``max_staleness`` goes back into the error-feedback residual, as a synchronous round's
   missed update does.
 
-Training therefore waits only when the uploader is still busy with the previous update (a
-link slower than the phases) or before the very first broadcast arrived. The site's inner
+Training never waits for the link: an update still queued when the next one is ready (a link
+slower than the phases) goes back into the error-feedback residual and so into the next update
+(without error feedback, training waits for the uploader instead). The site's inner
 learning-rate schedule follows its own phases, which differ from the coordinator's merges.
+With ``dynamic_local_updates`` a site runs ``H · v / v_max`` steps per phase (Liu et al.'s DyLU,
+``dynamic_local_steps``): ``v`` its own speed over its latest phase, ``v_max`` the fastest site's,
+which every broadcast carries (``RoundInfo.fastest_step_s``, from the updates' manifests).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from geoloco.algorithms.async_merge import dynamic_local_steps
 from geoloco.algorithms.diloco import pseudo_gradient_into_local
 from geoloco.algorithms.finite import all_finite
 from geoloco.protos import geoloco_pb2 as pb
@@ -40,7 +46,10 @@ from geoloco.site_agent.client import AgentStopped, RoundClosed, RunFinished, Up
 from geoloco.site_agent.config import RoundResult
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
 
-__all__ = ["AsyncRounds"]
+__all__ = ["COMPUTE_S_TOTAL", "AsyncRounds"]
+
+COMPUTE_S_TOTAL = "compute_s_total"
+"""Upload metric: the site process's inner-step seconds so far (``_Outgoing.compute_s_total``)."""
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +63,9 @@ class _Outgoing:
 
     trained: TrainedUpdate
     phase: int
+    compute_s_total: float
+    """Inner-step seconds of this site process up to and including this phase (sent with the
+    update: the emulator's compute utilization, where transfers overlap training)."""
 
 
 class AsyncRounds(RoundRunner):
@@ -66,13 +78,21 @@ class AsyncRounds(RoundRunner):
         """Held while the follower changes the global weights and while a phase copies them."""
         self._uplink_lock = threading.Lock()
         """The error-feedback residual is encoded into by training and restored by the uploader."""
-        self._outbox: _Outgoing | None = None
+        self._queued: _Outgoing | None = None
+        """The newest update, not yet taken by the uploader."""
+        self._in_flight: _Outgoing | None = None
+        """The update the uploader is sending."""
         self._last_merge: int | None = None
-        """The merge the latest uploaded update entered: the next waits for its broadcast."""
+        """The merge the latest uploaded update entered (or is held for)."""
         self._failure: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self._halt = threading.Event()
         self._phase = 0
+        self._compute_s = 0.0
+        self._step_s: float | None = None
+        """Seconds per inner step over the latest phase (Dynamic Local Updates)."""
+        self._fastest_step_s: float | None = None
+        """The fastest site's, as the latest broadcast said (``RoundInfo.fastest_step_s``)."""
 
     # -- the agent's loop ----------------------------------------------------------------------
 
@@ -89,14 +109,16 @@ class AsyncRounds(RoundRunner):
         if outgoing is None:
             return
         with self._changed:
-            while self._outbox is not None and self._failure is None and not state.finished:
+            # Only without an error-feedback residual (the queued update could not be folded
+            # into this one, ``_train_phase``) does training wait for the uploader.
+            while self._queued is not None and self._failure is None and not state.finished:
                 if self._halt.is_set():
                     raise AgentStopped()
                 self._changed.wait(_POLL_S)
             if state.finished:
                 self._restore(outgoing.trained)
                 return
-            self._outbox = outgoing
+            self._queued = outgoing
             self._changed.notify_all()
         self._raise_failure()
 
@@ -113,14 +135,20 @@ class AsyncRounds(RoundRunner):
         self._failure = None
         if new_session:
             self._last_merge = None
-        outgoing = self._outbox
+        interrupted, self._in_flight = self._in_flight, None
+        if interrupted is not None:
+            if self._queued is None:
+                self._queued = interrupted  # sent again first
+            else:
+                self._restore(interrupted.trained)
+        outgoing = self._queued
         if outgoing is not None and outgoing.trained.round > coordinator_round:
             logger.info(
                 "site %s: the coordinator is at version %d, before its update's base %d; the update "
                 "goes back into the residual", self.site, coordinator_round, outgoing.trained.round,
             )
             self._restore(outgoing.trained)
-            self._outbox = None
+            self._queued = None
         return False
 
     def _load_fetched(self, weights: object, held_before: int | None, round_number: int) -> None:
@@ -140,6 +168,8 @@ class AsyncRounds(RoundRunner):
         # the follower may have moved past the version whose RoundInfo the site last heard.
         round_seed = self.strategy.configure_round(base_round, ()).seed
         inner_steps = int(state.run_config.inner_steps)
+        if state.algorithm.asynchronous.dynamic_local_updates:
+            inner_steps = dynamic_local_steps(inner_steps, self._step_s, self._fastest_step_s)
         phase = self._phase
         self._phase += 1
         started = time.monotonic()
@@ -153,6 +183,16 @@ class AsyncRounds(RoundRunner):
         update = pseudo_gradient_into_local(base, trainer.flatten())
         del base
         formed_at = time.monotonic()
+        # An update still queued (the uploader is busy with the one before) is folded into this
+        # one through the error-feedback residual rather than making training wait.
+        superseded = None
+        if self.uplink.residual(0) is not None:
+            with self._changed:
+                superseded, self._queued = self._queued, None
+        if superseded is not None:
+            logger.debug("site %s: phase %d folded into phase %d (the uploader was busy)",
+                         self.site, superseded.phase, phase)
+            self._finish(superseded.trained, included=False)
         encoded = None
         if all_finite(update):
             with self._uplink_lock:
@@ -172,10 +212,13 @@ class AsyncRounds(RoundRunner):
             round=base_round, update=encoded, loss=result.loss, samples=result.samples,
             inner_steps=result.steps, inner_time_s=result.seconds, started_s=started, phases_s=phases,
         )
+        self._compute_s += result.seconds
+        if result.steps > 0 and result.seconds > 0:
+            self._step_s = result.seconds / result.steps
         if encoded is None:  # non-finite: not sent
             state.count_round(included=False)
             return None
-        return _Outgoing(trained, phase)
+        return _Outgoing(trained, phase, self._compute_s)
 
     def _restore(self, trained: TrainedUpdate) -> None:
         """An update that will not be merged goes back into the error-feedback residual."""
@@ -211,7 +254,7 @@ class AsyncRounds(RoundRunner):
         """The run is over: let the uploader finish or give up its update, then stop."""
         with self._changed:
             self._changed.notify_all()
-            while self._outbox is not None and self._failure is None and self._threads:
+            while (self._queued is not None or self._in_flight is not None) and self._failure is None and self._threads:
                 self._changed.wait(_POLL_S)
         self._stop_threads()
         self._raise_failure()
@@ -243,6 +286,8 @@ class AsyncRounds(RoundRunner):
             if answer is None:  # the run finished
                 break
             header, data = answer
+            if header.next_round.fastest_step_s > 0:
+                self._fastest_step_s = header.next_round.fastest_step_s
             with self._weights_lock:
                 self._apply_broadcast(round_number, header, data)
                 state.take_broadcast_header(header)
@@ -257,16 +302,18 @@ class AsyncRounds(RoundRunner):
         state = self.state
         while not self._halt.is_set():
             with self._changed:
-                while self._outbox is None and not self._halt.is_set():
+                while self._queued is None and not self._halt.is_set():
                     if state.finished:
                         return
                     self._changed.wait(_POLL_S)
-                outgoing = self._outbox
+                outgoing, self._queued = self._queued, None
+                self._in_flight = outgoing
+                self._changed.notify_all()
             if outgoing is None:
                 return
             self._deliver(outgoing)
             with self._changed:
-                self._outbox = None
+                self._in_flight = None
                 self._changed.notify_all()
 
     def _wait_for_version_after(self, merge: int) -> bool:
@@ -286,7 +333,9 @@ class AsyncRounds(RoundRunner):
         assert update is not None
         bound = state.algorithm.asynchronous.max_staleness
         while True:
-            if self._last_merge is not None and not self._wait_for_version_after(self._last_merge):
+            # The previous update entered merge m (or is held for it): this one may go once merge
+            # m is open, when it is held for m + 1 (one update held per site).
+            if self._last_merge is not None and not self._wait_for_version_after(self._last_merge - 1):
                 self._restore(trained)
                 return
             state.phase = pb.SITE_PHASE_UPLOADING
@@ -294,7 +343,7 @@ class AsyncRounds(RoundRunner):
             try:
                 response = self.uplink.upload(
                     self.client, update, round_number=trained.round, inner_steps=trained.inner_steps,
-                    metrics=trained.metrics(),
+                    metrics={**trained.metrics(), COMPUTE_S_TOTAL: outgoing.compute_s_total},
                 )
             except RoundClosed as why:
                 # The open merge is being applied, already holds this site's update, or the

@@ -45,22 +45,30 @@ def test_a_merge_waits_its_grace_window_then_takes_stale_updates_discounted() ->
     assert record is not None and record["participants"] == ["a"] and record["staleness"] == {"a": 0}
     assert record["excluded"] == []  # b and c are not late: a merge waits for nobody
 
-    # b trained from version 0 too: it enters merge 1 one version behind, at half weight.
+    # b trained from version 0 too: it enters merge 1 one version behind, at half weight. Its
+    # next update (from version 1) comes while merge 1 still holds the first: held for merge 2.
     late = upload(rounds, "b", _update(2, rounds.numel), round_number=0)
     assert late.merged_round == 1
-    with pytest.raises(WrongRoundError, match="already sent its update of merge 1"):
-        upload(rounds, "b", _update(3, rounds.numel), round_number=1)
+    early = upload(rounds, "b", _update(3, rounds.numel), round_number=1)
+    assert early.complete and early.merged_round == 2
+    with pytest.raises(WrongRoundError, match="already has an update held for merge 2"):
+        upload(rounds, "b", _update(4, rounds.numel), round_number=1)
     assert rounds.poll() is None  # the driver polls after every upload: the window starts
     clock.advance(2.5)
     record = rounds.poll()
     assert record is not None
     assert record["staleness"] == {"b": 1} and record["sample_weights"] == {"b": 0.5}
+    # merge 2 opened with b's held update in it: fresh (computed from version 1, merged into 2)
+    assert rounds.poll() is None
+    clock.advance(2.5)
+    record = rounds.poll()
+    assert record is not None and record["staleness"] == {"b": 1} and record["participants"] == ["b"]
 
-    # c's update from version 0 is two merges behind merge 2: over max_staleness 1.
-    with pytest.raises(WrongRoundError, match="stale: computed from version 0, 2 merges behind"):
-        upload(rounds, "c", _update(4, rounds.numel), round_number=0)
+    # c's update from version 0 is three merges behind merge 3: over max_staleness 1.
+    with pytest.raises(WrongRoundError, match="stale: computed from version 0, 3 merges behind"):
+        upload(rounds, "c", _update(5, rounds.numel), round_number=0)
     with pytest.raises(WrongRoundError, match="does not exist yet"):
-        upload(rounds, "c", _update(5, rounds.numel), round_number=3)
+        upload(rounds, "c", _update(6, rounds.numel), round_number=4)
 
 
 def test_a_resent_update_is_answered_with_its_merge_and_not_counted_again(tmp_path: object) -> None:

@@ -63,3 +63,26 @@ def test_errors_name_the_key_and_what_is_allowed(tmp_path: Path, text: str, key:
         load_scenario(path)
     assert info.value.key == key, str(info.value)
     assert allowed in info.value.message, str(info.value)
+
+
+def test_async_scenarios_reach_the_coordinator_config(tmp_path: Path) -> None:
+    for name in ("async.toml", "async_faults.toml"):
+        scenario = load_scenario(SCENARIOS / name)
+        assert "What it shows" in (SCENARIOS / name).read_text()
+        merge = scenario.algorithm.asynchronous
+        assert merge.enabled and merge.max_staleness == 6
+        table = Emulation(scenario, tmp_path / name).coordinator_config()
+        config = CoordinatorConfig.from_dict(tomllib.loads(toml_text(table)))
+        assert config.algorithm.asynchronous == merge
+    assert load_scenario(SCENARIOS / "async.toml").algorithm.asynchronous.dynamic_local_updates
+
+
+def test_an_async_scenario_with_secure_aggregation_is_refused_naming_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "scenario.toml"
+    path.write_text(
+        BASE + "[algorithm.asynchronous]\nenabled = true\n[privacy]\nsecure_aggregation = true\nclip_norm = 1.0\n"
+    )
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    assert info.value.key == "algorithm.asynchronous.enabled", str(info.value)
+    assert "cohort" in info.value.message

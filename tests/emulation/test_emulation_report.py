@@ -37,3 +37,32 @@ def test_start_up_is_left_out_of_the_steady_state_utilization(tmp_path: Path) ->
     assert report.steady_utilization == pytest.approx(20 / 23)
     # A site that never got the weights spent its whole life starting up.
     assert {r.name: r for r in site_reports(result)}[far].steady_utilization == 0.0
+
+
+def test_asynchronous_compute_is_the_running_total_and_the_wind_down_is_left_out(tmp_path: Path) -> None:
+    """Asynchronous merges: compute is the running total the site's merged updates report
+    (summed over its process restarts), and the time it lived after the run's last merge is
+    left out of the steady state like start-up."""
+    scenario = load_scenario(SCENARIOS / "async.toml")
+    fast = scenario.sites[0].name
+    # fast: fetches until t=2, trains until the run's last merge at t=12, exits at t=14; its
+    # process restarted once at t=6 (3.5 s computed before, 5.5 s after).
+    records = [
+        {"round": 0, "observed_s": 4.0, "participants": [fast], "site_metrics": {fast: {"compute_s_total": 2.0}}},
+        {"round": 1, "observed_s": 6.0, "participants": [fast], "site_metrics": {fast: {"compute_s_total": 3.5}}},
+        {"round": 2, "observed_s": 9.0, "participants": [fast], "site_metrics": {fast: {"compute_s_total": 2.5}}},
+        {"round": 3, "observed_s": 12.0, "participants": [fast], "run_finished": True,
+         "site_metrics": {fast: {"compute_s_total": 5.5}}},
+    ]
+    names = [site.name for site in scenario.sites]
+    result = EmulationResult(
+        scenario=scenario, out=tmp_path, status="completed", reason="test", wall_s=14.0,
+        records=records, bursts={fast: [_burst("down", 1, 2)]}, wire_bytes={},
+        site_starts={name: [0.0] for name in names}, site_stops={name: [14.0] for name in names},
+        faults=[], coordinator_starts=[0.0],
+    )
+    report = {r.name: r for r in site_reports(result)}[fast]
+    assert report.compute_s == pytest.approx(9.0)
+    assert (report.startup_s, report.wind_down_s) == pytest.approx((2.0, 2.0))
+    assert report.utilization == pytest.approx(9 / 14)
+    assert report.steady_utilization == pytest.approx(9 / 10)

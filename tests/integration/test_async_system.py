@@ -84,10 +84,6 @@ def test_what_asynchronous_merges_refuse_is_named(certs: Path) -> None:
         run.coordinator_config(
             certs, algorithm=AlgorithmConfig(asynchronous=merge), relays={"eu": ["0", "1"]},
         )
-    with pytest.raises(ConfigError, match="dynamic_local_updates"):
-        run.coordinator_config(
-            certs, algorithm=AlgorithmConfig(asynchronous=AsyncConfig(enabled=True, dynamic_local_updates=True)),
-        )
     with pytest.raises(ConfigError, match="round deadline"):
         run.coordinator_config(certs, algorithm=AlgorithmConfig(asynchronous=merge), round_deadline_s=5.0)
     with pytest.raises(ConfigError, match="asynchronous.enabled.*Streaming"):
@@ -128,3 +124,30 @@ def test_a_fixed_arrival_order_ends_on_the_simulators_weights_bit_for_bit(certs:
     assert [r.staleness for r in simulated] == [r["staleness"] for r in records]
     assert [r.weights_digest for r in simulated] == [r["weights_digest"] for r in records]
     assert torch.equal(server.rounds.weights, simulator.global_flat)
+
+
+def test_dynamic_local_updates_size_each_sites_phases_by_its_speed(certs: Path, tmp_path: Path) -> None:
+    """With ``dynamic_local_updates`` every broadcast carries the fastest site's seconds per step
+    and a site four or more times slower runs about H/4 steps per phase once it measured itself
+    (its first phase is a full H)."""
+    merge = AsyncConfig(enabled=True, min_quorum=1, dynamic_local_updates=True)
+    run = Run(
+        workload=build_workload("mlp"), num_sites=2, rounds=16, seed=3,
+        algorithm=AlgorithmConfig(inner_steps=8, asynchronous=merge),
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    server = run.start_coordinator(certs, metrics_path=str(metrics), min_sites=1)
+    threads = [AgentThread(run.agent(certs, server.port, k, pause_s=0.04 if k == 1 else 0.002)) for k in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        summaries = [t.finish(120) for t in threads]
+        assert server.wait_until_finished(30)
+    finally:
+        server.stop(grace=0)
+    assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
+    steps = [(r["round"], r["inner_steps"]) for r in read_metrics(metrics)]
+    slow = [n["1"] for _, n in steps if "1" in n]
+    fast = [n["0"] for _, n in steps if "0" in n]
+    assert slow[0] == 8 and len(slow) >= 2 and max(slow[1:]) <= 4, steps
+    assert max(fast) == 8, steps

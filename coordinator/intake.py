@@ -79,7 +79,11 @@ MAX_METRIC_NAME_CHARS = 64
 
 
 def run_most_inner_steps(algorithm: AlgorithmConfig) -> int | None:
-    """The most inner steps an update of this run may report (``weighting.most_inner_steps``)."""
+    """The most inner steps an update of this run may report (``weighting.most_inner_steps``);
+    None: no bound (an asynchronous site whose uploader was busy sends one update covering
+    several phases, ``geoloco.site_agent.async_rounds``; the update guard bounds its weight)."""
+    if algorithm.asynchronous.enabled:
+        return None
     return most_inner_steps(
         algorithm.inner_steps, round_time_budget_s=algorithm.round_time_budget_s,
         interval_steps_max=algorithm.streaming.interval_steps_max if algorithm.streaming.enabled else 0,

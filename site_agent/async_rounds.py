@@ -21,9 +21,9 @@ once, each on its own thread:
   ``max_staleness`` goes back into the error-feedback residual, as a synchronous round's
   missed update does.
 
-Training never waits for the link: an update still queued when the next one is ready (a link
-slower than the phases) goes back into the error-feedback residual and so into the next update
-(without error feedback, training waits for the uploader instead). The site's inner
+Training never waits for the link: while the uploader has not yet taken the previous update (a
+link slower than the phases, or down), the site trains on from its own weights, and the update it
+sends next covers every step since its base version (``_Trajectory``). The site's inner
 learning-rate schedule follows its own phases, which differ from the coordinator's merges.
 With ``dynamic_local_updates`` a site runs ``H · v / v_max`` steps per phase (Liu et al.'s DyLU,
 ``dynamic_local_steps``): ``v`` its own speed over its latest phase, ``v_max`` the fastest site's,
@@ -37,6 +37,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from geoloco.algorithms.async_merge import dynamic_local_steps
 from geoloco.algorithms.diloco import pseudo_gradient_into_local
@@ -55,6 +58,30 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2
 """How often a waiting thread looks at the stop flag and the other threads' failures."""
+
+
+@dataclass(slots=True)
+class _Trajectory:
+    """The inner steps a site ran since it last took a global version: one phase, or several
+    while the uploader was busy (``AsyncRounds._train_phase``)."""
+
+    base_round: int
+    base: torch.Tensor
+    """``θ_v``, the version the trajectory started from."""
+    steps: int = 0
+    samples: int = 0
+    inner_time_s: float = 0.0
+    train_s: float = 0.0
+    started_s: float | None = None
+
+    def add(self, result: Any, started_s: float) -> None:
+        """One more phase of ``SiteTrainer.train_round`` (``result``) begun at ``started_s``."""
+        self.steps += int(result.steps)
+        self.samples += int(result.samples)
+        self.inner_time_s += float(result.seconds)
+        self.train_s += time.monotonic() - started_s
+        if self.started_s is None:
+            self.started_s = started_s
 
 
 @dataclass(slots=True)
@@ -88,6 +115,7 @@ class AsyncRounds(RoundRunner):
         self._threads: list[threading.Thread] = []
         self._halt = threading.Event()
         self._phase = 0
+        self._trajectory: _Trajectory | None = None
         self._compute_s = 0.0
         self._step_s: float | None = None
         """Seconds per inner step over the latest phase (Dynamic Local Updates)."""
@@ -109,12 +137,6 @@ class AsyncRounds(RoundRunner):
         if outgoing is None:
             return
         with self._changed:
-            # Only without an error-feedback residual (the queued update could not be folded
-            # into this one, ``_train_phase``) does training wait for the uploader.
-            while self._queued is not None and self._failure is None and not state.finished:
-                if self._halt.is_set():
-                    raise AgentStopped()
-                self._changed.wait(_POLL_S)
             if state.finished:
                 self._restore(outgoing.trained)
                 return
@@ -160,43 +182,57 @@ class AsyncRounds(RoundRunner):
     # -- training ------------------------------------------------------------------------------
 
     def _train_phase(self) -> _Outgoing | None:
+        """One phase of inner steps; the update it ends, or None when there is none to send
+        now. While the uploader has not yet taken the previous update, the phase goes on from
+        the site's own weights instead (its trajectory since its base grows, and the update
+        that finally goes covers all of it: one pseudo-gradient ``θ_v − θ_k``, never two
+        measured from the same base). A trajectory whose base fell more than ``max_staleness``
+        merges behind is abandoned for the newest version, its steps lost."""
         state, trainer = self.state, self.trainer
-        with self._weights_lock:
-            base_round = state.held_round
-            base = state.global_weights.clone()
-        # The version's seed from the strategy, as the coordinator derives it (RoundInfo.round_seed):
-        # the follower may have moved past the version whose RoundInfo the site last heard.
-        round_seed = self.strategy.configure_round(base_round, ()).seed
+        trajectory = self._trajectory
+        if trajectory is not None and self._too_stale(trajectory.base_round):
+            logger.info(
+                "site %s: %d inner steps from version %d are too stale to send (the site holds version "
+                "%d); going on from there", self.site, trajectory.steps, trajectory.base_round, state.held_round,
+            )
+            trajectory = self._trajectory = None
+        if trajectory is None:
+            with self._weights_lock:
+                trajectory = self._trajectory = _Trajectory(state.held_round, state.global_weights.clone())
+            start = trajectory.base
+        else:
+            start = trainer.flatten()  # the site's own weights: the trajectory goes on
         inner_steps = int(state.run_config.inner_steps)
         if state.algorithm.asynchronous.dynamic_local_updates:
             inner_steps = dynamic_local_steps(inner_steps, self._step_s, self._fastest_step_s)
         phase = self._phase
         self._phase += 1
         started = time.monotonic()
-        with self._changed:
-            phases: dict[str, float] = self.transfer_phases_s
-            self.transfer_phases_s = {}
         state.phase = pb.SITE_PHASE_TRAINING
         trainer.tell_followers_to_train(phase, inner_steps, None)
-        result = trainer.train_round(base, phase, inner_steps)
+        result = trainer.train_round(start, phase, inner_steps)
+        del start
         trained_at = time.monotonic()
-        update = pseudo_gradient_into_local(base, trainer.flatten())
-        del base
+        self._compute_s += result.seconds
+        if result.steps > 0 and result.seconds > 0:
+            self._step_s = result.seconds / result.steps
+        trajectory.add(result, started)
+        with self._changed:
+            if self._queued is not None:
+                return None  # the uploader is busy: train on before forming an update
+            phases: dict[str, float] = dict(self.transfer_phases_s)
+            self.transfer_phases_s.clear()
+        self._trajectory = None
+        base_round = trajectory.base_round
+        update = pseudo_gradient_into_local(trajectory.base, trainer.flatten())
         formed_at = time.monotonic()
-        # An update still queued (the uploader is busy with the one before) is folded into this
-        # one through the error-feedback residual rather than making training wait.
-        superseded = None
-        if self.uplink.residual(0) is not None:
-            with self._changed:
-                superseded, self._queued = self._queued, None
-        if superseded is not None:
-            logger.debug("site %s: phase %d folded into phase %d (the uploader was busy)",
-                         self.site, superseded.phase, phase)
-            self._finish(superseded.trained, included=False)
+        # The version's seed from the strategy, as the coordinator derives it (RoundInfo.round_seed):
+        # the follower may have moved past the version whose RoundInfo the site last heard.
+        round_seed = self.strategy.configure_round(base_round, ()).seed
         encoded = None
         if all_finite(update):
             with self._uplink_lock:
-                encoded = self.uplink.encode(update, round_seed=round_seed, fragment=0, samples=result.samples)
+                encoded = self.uplink.encode(update, round_seed=round_seed, fragment=0, samples=trajectory.samples)
         else:
             logger.error(
                 "site %s: the pseudo-gradient of phase %d (from version %d) has NaN/Inf values; not "
@@ -206,19 +242,23 @@ class AsyncRounds(RoundRunner):
                 self.uplink.reset(0)
         del update
         phases.update(
-            train=trained_at - started, pseudo_gradient=formed_at - trained_at, encode=time.monotonic() - formed_at
+            train=trajectory.train_s, pseudo_gradient=formed_at - trained_at, encode=time.monotonic() - formed_at
         )
         trained = TrainedUpdate(
-            round=base_round, update=encoded, loss=result.loss, samples=result.samples,
-            inner_steps=result.steps, inner_time_s=result.seconds, started_s=started, phases_s=phases,
+            round=base_round, update=encoded, loss=result.loss, samples=trajectory.samples,
+            inner_steps=trajectory.steps, inner_time_s=trajectory.inner_time_s,
+            started_s=trajectory.started_s or started, phases_s=phases,
         )
-        self._compute_s += result.seconds
-        if result.steps > 0 and result.seconds > 0:
-            self._step_s = result.seconds / result.steps
         if encoded is None:  # non-finite: not sent
             state.count_round(included=False)
             return None
         return _Outgoing(trained, phase, self._compute_s)
+
+    def _too_stale(self, base_round: int) -> bool:
+        """An update from ``base_round`` could not enter the merge after the newest version
+        the site holds (``max_staleness``)."""
+        bound = self.state.algorithm.asynchronous.max_staleness
+        return bound is not None and self.state.held_round - base_round > bound
 
     def _restore(self, trained: TrainedUpdate) -> None:
         """An update that will not be merged goes back into the error-feedback residual."""

@@ -98,3 +98,20 @@ def test_a_resent_update_is_answered_with_its_merge_and_not_counted_again(tmp_pa
     clock.advance(10)
     assert restarted.poll() is None and torch.equal(restarted.weights, weights)
     restarted.close()
+
+
+def test_robust_aggregation_takes_an_asynchronous_merge_like_a_round() -> None:
+    """A coordinate-wise median over a merge of every site's fresh update is the synchronous
+    round's median, bit for bit."""
+    updates = [_update(k, 23) for k in (11, 12, 13)]
+    weights = []
+    for merge in (AsyncConfig(enabled=True, min_quorum=3), AsyncConfig()):
+        rounds = make(FakeClock(), algorithm=AlgorithmConfig(inner_steps=2, aggregation="median", asynchronous=merge))
+        for site in "abc":
+            join(rounds, site)
+        for k, site in enumerate("abc"):
+            upload(rounds, site, updates[k], round_number=0)
+        record = rounds.poll()
+        assert record is not None and sorted(record["participants"]) == ["a", "b", "c"]
+        weights.append(rounds.weights.clone())
+    assert torch.equal(weights[0], weights[1])

@@ -185,6 +185,13 @@ def plan(
             "does not model; plan without [privacy] secure_aggregation (the masked update is "
             "fixed-point, so expect larger uploads) or measure with `geoloco simulate`"
         )
+    if training.algorithm.asynchronous.enabled:
+        raise PlanError(
+            "the planner predicts synchronous rounds, and asynchronous merges have no round "
+            "barrier; predict them with `geoloco simulate` (its event-driven simulator reports "
+            "merges, staleness and each site's utilization), or plan the synchronous run from the file "
+            "with [algorithm.asynchronous] enabled = false"
+        )
     algo = training.algorithm
     names = [site.name or f"site-{k}" for k, site in enumerate(sites)]
     clocks = [_SiteClock() for _ in sites]

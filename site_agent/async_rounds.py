@@ -6,7 +6,8 @@ once, each on its own thread:
 * **training** (the agent's loop, ``step``): a phase of H inner steps starts from the newest
   global model the site has fully received, ``θ_v``; its pseudo-gradient ``θ_v − θ_k`` is
   encoded (error feedback as in synchronous rounds) and handed to the uploader, and the next
-  phase starts at once. Not from the site's own weights: the coordinator merges an update
+  phase starts at once. Not from the site's own weights (except while the uploader is busy,
+  below): the coordinator merges an update
   into whatever model it holds then, so the update must be measured from a model the
   coordinator knows, or the next update would carry this one's movement a second time
   (``geoloco.algorithms.async_sim`` explains the same choice for the simulator);
@@ -24,7 +25,9 @@ once, each on its own thread:
 Training never waits for the link: while the uploader has not yet taken the previous update (a
 link slower than the phases, or down), the site trains on from its own weights, and the update it
 sends next covers every step since its base version (``_Trajectory``). The site's inner
-learning-rate schedule follows its own phases, which differ from the coordinator's merges.
+learning-rate schedule follows its own phases, which differ from the coordinator's merges. With
+a ``state_dir`` the site saves its state (weights, inner optimizer, data position, residual)
+after a hand-off, at most every ``_SAVE_EVERY_S`` seconds; a restarted process resumes from it.
 With ``dynamic_local_updates`` a site runs ``H · v / v_max`` steps per phase (Liu et al.'s DyLU,
 ``dynamic_local_steps``): ``v`` its own speed over its latest phase, ``v_max`` the fastest site's,
 which every broadcast carries (``RoundInfo.fastest_step_s``, from the updates' manifests).
@@ -33,6 +36,7 @@ which every broadcast carries (``RoundInfo.fastest_step_s``, from the updates' m
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -47,7 +51,10 @@ from geoloco.algorithms.finite import all_finite
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import AgentStopped, RoundClosed, RunFinished, UpdateRejected
 from geoloco.site_agent.config import RoundResult
+from geoloco.site_agent.persist import prefixed, unprefixed
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
+from geoloco.site_agent.trainer import RoundTraining
+from geoloco.site_agent.uplink import StrategyUplink
 
 __all__ = ["COMPUTE_S_TOTAL", "AsyncRounds"]
 
@@ -58,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2
 """How often a waiting thread looks at the stop flag and the other threads' failures."""
+_SAVE_EVERY_S = 5.0
+"""With a ``state_dir``: the state is saved after a hand-off at most this often (phases can be
+a fraction of a second; a restart loses at most this much training besides the update in hand)."""
 
 
 @dataclass(slots=True)
@@ -74,7 +84,7 @@ class _Trajectory:
     train_s: float = 0.0
     started_s: float | None = None
 
-    def add(self, result: Any, started_s: float) -> None:
+    def add(self, result: RoundTraining, started_s: float) -> None:
         """One more phase of ``SiteTrainer.train_round`` (``result``) begun at ``started_s``."""
         self.steps += int(result.steps)
         self.samples += int(result.samples)
@@ -117,6 +127,7 @@ class AsyncRounds(RoundRunner):
         self._phase = 0
         self._trajectory: _Trajectory | None = None
         self._compute_s = 0.0
+        self._saved_s = -math.inf
         self._step_s: float | None = None
         """Seconds per inner step over the latest phase (Dynamic Local Updates)."""
         self._fastest_step_s: float | None = None
@@ -142,10 +153,36 @@ class AsyncRounds(RoundRunner):
                 return
             self._queued = outgoing
             self._changed.notify_all()
+        now = time.monotonic()
+        if now - self._saved_s >= _SAVE_EVERY_S:
+            self._saved_s = now
+            with self._weights_lock:  # the follower changes the held weights in place
+                self._boundary()
         self._raise_failure()
 
     def close(self) -> None:
+        """Stop the threads; with a ``state_dir``, save the state once more (a site stopped
+        cleanly resumes exactly where it stopped)."""
         self._stop_threads()
+        if self._phase:
+            self._boundary()
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The uplink's error-feedback residual (the agent saves the weights, the inner
+        optimizer and the data position beside it); the update in hand is not saved: a
+        restarted site's steps since its last hand-off are lost. None with secure aggregation
+        (refused with asynchronous merges anyway)."""
+        uplink = self.uplink
+        if not isinstance(uplink, StrategyUplink):
+            return None
+        with self._uplink_lock:
+            tensors, meta = uplink.state()
+        return prefixed("uplink.", tensors), {"uplink": meta}
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        uplink = self.uplink
+        if isinstance(uplink, StrategyUplink):
+            uplink.load_state(unprefixed("uplink.", tensors), meta["uplink"], self.trainer.device)
 
     def rejoined(self, *, coordinator_round: int, new_session: bool, must_fetch: bool) -> bool:
         """After a re-join the threads start again and the update in hand is sent (again): the

@@ -25,7 +25,11 @@ from geoloco.algorithms.sim_config import SimulationConfig, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.coordinator.metrics import read_metrics
+from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.workloads import build_workload
+from geoloco.site_agent.agent import SiteAgent
+from geoloco.site_agent.config import SiteAgentConfig
+from geoloco.site_agent.persist import SiteStateStore
 
 SLOW_PAUSE_S = 0.03
 """Seconds the slow site pauses per batch (its phase of 4 steps takes about 0.12 s longer)."""
@@ -151,3 +155,40 @@ def test_dynamic_local_updates_size_each_sites_phases_by_its_speed(certs: Path, 
     fast = [n["0"] for _, n in steps if "0" in n]
     assert slow[0] == 8 and len(slow) >= 2 and max(slow[1:]) <= 4, steps
     assert max(fast) == 8, steps
+
+
+def test_a_restarted_asynchronous_site_resumes_from_its_saved_state(certs: Path, tmp_path: Path) -> None:
+    """With a ``state_dir`` an asynchronous site saves its state (weights, inner optimizer, data
+    position, residual) after a hand-off, at most every few seconds, and when it stops; a new
+    process of it resumes from there instead of from the first batch, and ends on the
+    coordinator's weights."""
+    merge = AsyncConfig(enabled=True, min_quorum=1)
+    run = Run(
+        workload=build_workload("mlp"), num_sites=1, rounds=8, seed=2,
+        algorithm=AlgorithmConfig(inner_steps=4, uplink_codec="int8", asynchronous=merge),
+    )
+    server = run.start_coordinator(certs, min_sites=1)
+    state_dir = tmp_path / "site-state"
+
+    def agent() -> SiteAgent:
+        model = run.workload.build_model(run.seed)
+        return SiteAgent(
+            model, run.inner.build(model.parameters()), run.workload.site_batches(0, 1, run.seed),
+            run.workload.loss, coordinator=f"localhost:{server.port}", site="0",
+            tls=TLSFiles.from_dir(certs, "0"),
+            config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05, backoff_max_s=0.5, state_dir=str(state_dir)),
+        )
+
+    try:
+        first = agent().run(max_rounds=3)
+        assert not first.run_finished
+        saved = SiteStateStore(state_dir).load()
+        assert saved is not None and saved.meta["runner"]["uplink"] is not None
+        assert saved.meta["trainer"]["batches_drawn"] >= 12  # at least three phases of 4 steps
+        second = AgentThread(agent())
+        second.start()
+        summary = second.finish(60)
+        assert server.wait_until_finished(30)
+    finally:
+        server.stop(grace=0)
+    assert summary.run_finished and summary.weights_digest == server.rounds.digest_hex

@@ -194,3 +194,8 @@ def test_planner_refuses_what_it_cannot_predict() -> None:
     })
     with pytest.raises(PlanError, match="secure aggregation"):
         plan(secure.training, numel=10, sites=secure.sites, step_time_s=0.1)
+    asynchronous = SimulatorConfig.from_dict({
+        "algorithm": {"name": "diloco", "asynchronous": {"enabled": True}}, "sites": SITES,
+    })
+    with pytest.raises(PlanError, match="geoloco simulate"):
+        plan(asynchronous.training, numel=10, sites=asynchronous.sites, step_time_s=0.1)

@@ -125,6 +125,41 @@ def speed_study(seed: int, wall_s: float) -> tuple[dict[str, Any], Rows]:
     return base, rows
 
 
+UNIFORM_SITES = 4
+UNIFORM_ROUNDS = 60
+
+
+def uniform_study(seed: int, wall_s: float) -> tuple[dict[str, Any], Rows]:
+    """Identical sites, no failures, at equal inner steps: ``UNIFORM_ROUNDS`` synchronous rounds
+    of every site's H steps against asynchronous merges of the same total (merges of every site:
+    as many merges; merges of half the sites: twice as many). ``wall_s`` is not used."""
+    base = {
+        "algorithm": {"inner_steps": 10},
+        "sites": {"count": UNIFORM_SITES, "latency_s": 0.05},
+        "simulation": {
+            "seed": seed, "rounds": UNIFORM_ROUNDS, "eval_every": 1_000_000, "step_time_s": 0.1,
+            "chaos": {"enabled": True, "seed": seed},
+        },
+    }
+
+    def merges_of(quorum: int, **outer: float) -> Callable[[dict[str, Any]], None]:
+        def change(config: dict[str, Any]) -> None:
+            # No grace window: a merge takes exactly its quorum, so the step counts are equal.
+            config.setdefault("algorithm", {})["asynchronous"] = {"enabled": True, "min_quorum": quorum}
+            config["outer_optimizer"] = {"name": "nesterov", "momentum_period": UNIFORM_SITES // quorum, **outer}
+            config["simulation"]["rounds"] = UNIFORM_ROUNDS * UNIFORM_SITES // quorum
+        return change
+
+    rows: Rows = [
+        ("sync", lambda c: None),
+        (f"async, merges of {UNIFORM_SITES} (Nesterov)", merges_of(UNIFORM_SITES)),
+        (f"async, merges of {UNIFORM_SITES // 2}, Delayed Nesterov", merges_of(UNIFORM_SITES // 2)),
+        (f"async, merges of {UNIFORM_SITES}, outer lr 0.4", merges_of(UNIFORM_SITES, lr=0.4)),
+        (f"async, merges of {UNIFORM_SITES}, outer momentum 0.6", merges_of(UNIFORM_SITES, momentum=0.6)),
+    ]
+    return base, rows
+
+
 def run_one(
     study: str, row: str, seed: int, config: dict[str, Any], workload: Any
 ) -> tuple[Outcome, DecoupledSimulator]:
@@ -151,8 +186,9 @@ def mean_std(values: Sequence[float], fmt: str) -> str:
 
 def table(outcomes: list[Outcome], study: str) -> list[str]:
     rows = list(dict.fromkeys(o.row for o in outcomes if o.study == study))
+    equal = "equal inner steps" if study == "uniform" else "equal wall-clock"
     lines = [
-        "| rule | goodput | global downtime (s) | eval loss at equal wall-clock | merges | useful steps "
+        f"| rule | goodput | global downtime (s) | eval loss at {equal} | merges | useful steps "
         "| mean staleness |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -202,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one seed, 20 virtual seconds, 1,000 sites at scale")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--scale-sites", type=int, default=10_000)
+    parser.add_argument("--only", nargs="+", choices=["failures", "speeds", "uniform", "scale"],
+                        help="run these studies only (default: all)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     seeds = args.seeds[:1] if args.quick else args.seeds
@@ -209,7 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     scale_sites = min(args.scale_sites, 1000) if args.quick else args.scale_sites
     workload = build_workload("mlp")
     outcomes: list[Outcome] = []
-    for study, build in (("failures", failure_study), ("speeds", speed_study)):
+    studies = (("failures", failure_study), ("speeds", speed_study), ("uniform", uniform_study))
+    for study, build in studies:
+        if args.only and study not in args.only:
+            continue
         for seed in seeds:
             base, rows = build(seed, wall_s)
             for row, change in rows:
@@ -220,6 +261,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{study:8s} seed {seed} {row:34s} goodput {100 * outcome.goodput:5.1f} % downtime "
                       f"{outcome.downtime_s:6.2f} s eval {outcome.eval_loss:.4f} merges {outcome.merges:4d} "
                       f"({outcome.seconds:.1f} s)", file=sys.stderr, flush=True)
+    if args.only and "scale" not in args.only:
+        print("\n".join(
+            line for study in ("failures", "speeds", "uniform") if not args.only or study in args.only
+            for line in (f"## {study}", "", *table(outcomes, study), "")
+        ))
+        return 0
     scale = scale_study(scale_sites, workload)
     print(f"scale: {json.dumps(scale)}", file=sys.stderr, flush=True)
 
@@ -237,6 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "## Speeds 1x / 0.5x / 0.25x (6 sites, no failures)",
         "",
         *table(outcomes, "speeds"),
+        "",
+        f"## Equal inner steps: {UNIFORM_SITES} identical sites, no failures, {UNIFORM_ROUNDS} rounds' worth",
+        "",
+        *table(outcomes, "uniform"),
         "",
         f"## Scale: {scale['sites']} asynchronous sites with failures, 2.5 virtual seconds",
         "",

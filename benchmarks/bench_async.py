@@ -1,10 +1,11 @@
 """Decoupled (asynchronous) DiLoCo against synchronous rounds, on the same failures (issue 28).
 
     python benchmarks/bench_async.py [--quick] [--seeds 0 1 2] [--scale-sites 10000]
+                                     [--only failures speeds uniform scale]
 
 Everything runs in the event-driven simulator (``geoloco.algorithms.async_sim``) on the tiny MLP
 workload (1,732 parameters, non-IID sites), 1 Gbit/s links with 50 ms latency, DiLoCo with
-AdamW inner steps. Three studies, each seed ``s`` seeding the model, the data and the failure
+AdamW inner steps. Four studies, each seed ``s`` seeding the model, the data and the failure
 schedule alike, so every rule of a row set meets the same failures:
 
 1. **Failures** — 32 identical sites, ``H = 5`` steps of 0.2 s (a 1 s phase); every site fails
@@ -17,7 +18,10 @@ schedule alike, so every rule of a row set meets the same failures:
 2. **Speeds** — 6 sites at 1x, 0.5x, 0.25x compute (two of each), no failures, ``H = 10`` steps
    of 0.1 s, 60 virtual seconds: synchronous rounds (they wait for the 0.25x sites), naive
    asynchronous, asynchronous with Delayed Nesterov, and with Dynamic Local Updates on top.
-3. **Scale** — ``--scale-sites`` sites (10,000) asynchronous with failures for a short run:
+3. **Uniform** — 4 identical sites, no failures, at *equal inner steps*: 60 synchronous rounds
+   against asynchronous merges of the same total steps (merges of every site, of half of them
+   with Delayed Nesterov, and two other outer settings); the eval loss at the end.
+4. **Scale** — ``--scale-sites`` sites (10,000) asynchronous with failures for a short run:
    real time, peak memory (the process's maximum RSS) and memory per site.
 
 Columns: goodput (share of computed inner steps that reached the global model), global downtime

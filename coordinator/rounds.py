@@ -449,7 +449,7 @@ class RoundStateMachine:
                 progress=RoundProgress(
                     round=round_number,
                     uploads_complete=len(r.contributed),
-                    quorum=self.policy.min_sites,
+                    quorum=ctx.merge_rule.config.min_quorum if ctx.merge_rule is not None else self.policy.min_sites,
                     deadline_remaining_s=0.0 if deadline_at is None else max(0.0, deadline_at - now),
                 )
             )

@@ -345,6 +345,17 @@ def config_summary(config: CoordinatorConfig, rounds: RoundStateMachine) -> dict
         "round_time_budget_s": algorithm.round_time_budget_s,
         "weighting": algorithm.weighting,
         "late_updates": algorithm.late_updates,
+        "asynchronous": (
+            {
+                "min_quorum": algorithm.asynchronous.min_quorum,
+                "grace": "adaptive" if algorithm.asynchronous.adaptive_grace
+                else f"{algorithm.asynchronous.grace_window_s:g} s",
+                "max_staleness": algorithm.asynchronous.max_staleness,
+                "discount_per_version": algorithm.asynchronous.discount_per_version,
+                "dynamic_local_updates": algorithm.asynchronous.dynamic_local_updates,
+            }
+            if algorithm.asynchronous.enabled else None
+        ),
         "streaming": (
             {
                 "fragments": algorithm.streaming.fragments,

@@ -63,7 +63,11 @@ function renderConfig(cfg) {
     ["codecs", "up " + cfg.uplink_codec + " · down " + cfg.downlink_codec],
     ["outer optimizer", (cfg.outer_optimizer && cfg.outer_optimizer.name) || "the algorithm's default"],
     ["rounds", cfg.total_rounds === 0 ? "until stopped" : cfg.total_rounds],
-    ["quorum / deadline", cfg.min_sites + (cfg.min_sites === 1 ? " site / " : " sites / ") + describeDeadline(cfg)],
+    cfg.asynchronous
+      ? ["asynchronous merges", "at least " + cfg.asynchronous.min_quorum + (cfg.asynchronous.min_quorum === 1 ? " update" : " updates")
+          + ", grace " + cfg.asynchronous.grace + ", max staleness " + (cfg.asynchronous.max_staleness === null ? "none" : cfg.asynchronous.max_staleness)
+          + ", discount " + cfg.asynchronous.discount_per_version + (cfg.asynchronous.dynamic_local_updates ? ", dynamic local updates" : "")]
+      : ["quorum / deadline", cfg.min_sites + (cfg.min_sites === 1 ? " site / " : " sites / ") + describeDeadline(cfg)],
     ["weighting / late updates", (cfg.weighting || "uniform") + " / " + (cfg.late_updates || "drop")],
     ["streaming", cfg.streaming ? cfg.streaming.fragments + " fragments, overlap " + cfg.streaming.overlap_steps + " steps, mix " + cfg.streaming.mix : "off"],
     ["privacy", describePrivacy(cfg.privacy)],

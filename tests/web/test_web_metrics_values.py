@@ -214,6 +214,7 @@ def test_silence_before_the_first_heartbeat_is_not_a_fault(scripted) -> None:
 
 
 def test_run_summary_names_streaming_privacy_and_the_deadline_policy() -> None:
+    from geoloco.algorithms.async_merge import AsyncConfig
     from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
     from geoloco.algorithms.privacy import PrivacyConfig
     from geoloco.algorithms.streaming import StreamingConfig
@@ -245,3 +246,12 @@ def test_run_summary_names_streaming_privacy_and_the_deadline_policy() -> None:
     summary = config_summary(timed, RoundStateMachine(timed, weights, layout))
     assert summary["adaptive_deadline"] == {"min_s": 2.0, "max_s": 90.0}
     assert summary["round_time_budget_s"] == 2.0 and summary["weighting"] == "steps"
+    assert summary["asynchronous"] is None
+
+    merge = AsyncConfig(enabled=True, min_quorum=2, adaptive_grace=True)
+    merging = CoordinatorConfig(insecure=True, algorithm=AlgorithmConfig(asynchronous=merge))
+    summary = config_summary(merging, RoundStateMachine(merging, weights, layout))
+    assert summary["asynchronous"] == {
+        "min_quorum": 2, "grace": "adaptive", "max_staleness": None, "discount_per_version": 1.0,
+        "dynamic_local_updates": False,
+    }

@@ -89,12 +89,13 @@ class RoundContext:
         self.merge_rule: AsyncMerge | None = AsyncMerge(merge, 0) if merge.enabled else None
         """Asynchronous merges (``[algorithm.asynchronous]``): the engine's close rule, and the
         one the intake tells of each arrival; None for synchronous rounds."""
-
         self.held_updates: dict[str, Any] = {}
         """Asynchronous merges: site -> its verified update held for the next merge
         (``geoloco.coordinator.intake.HeldUpdate``)."""
         self.step_s: dict[str, float] = {}
         """Dynamic Local Updates: site -> seconds per inner step over its latest phase."""
+        self._fastest: tuple[int, float] = (-1, 0.0)
+        """(merge, the fastest step time then): computed once per merge, not per header."""
         self.merged_updates: dict[str, tuple[int, tuple[int, str], int]] = {}
         """Asynchronous merges: site -> (base version, checksum, merge) of its latest update that
         entered a merge, kept in the durable state, so a resend after a lost answer or a restart
@@ -108,8 +109,14 @@ class RoundContext:
             self.step_s[site] = inner_time_s / inner_steps
 
     def fastest_step_s(self) -> float:
-        """The fewest seconds per inner step among the members' latest phases; 0: none known."""
-        return min((s for site, s in self.step_s.items() if site in self.members), default=0.0)
+        """The fewest seconds per inner step among the members' latest phases, as of the open
+        merge's first question (every site's header asks: once per merge keeps it linear in the
+        sites); 0: none known."""
+        number = self._round.number
+        if self._fastest[0] != number:
+            fastest = min((s for site, s in self.step_s.items() if site in self.members), default=0.0)
+            self._fastest = (number, fastest)
+        return self._fastest[1]
 
     def expected(self) -> list[str]:
         """The sites the open round waits for: every member; for an asynchronous merge only the

@@ -22,9 +22,10 @@ once, each on its own thread:
   ``max_staleness`` goes back into the error-feedback residual, as a synchronous round's
   missed update does.
 
-Training never waits for the link: while the uploader has not yet taken the previous update (a
+Training does not wait for the link: while the uploader has not yet taken the previous update (a
 link slower than the phases, or down), the site trains on from its own weights, and the update it
-sends next covers every step since its base version (``_Trajectory``). The site's inner
+sends next covers every step since its base version (``_Trajectory``), for up to
+``_MAX_TRAJECTORY_PHASES`` phases; a longer outage makes it wait. The site's inner
 learning-rate schedule follows its own phases, which differ from the coordinator's merges. With
 a ``state_dir`` the site saves its state (weights, inner optimizer, data position, residual)
 after a hand-off, at most every ``_SAVE_EVERY_S`` seconds; a restarted process resumes from it.
@@ -65,6 +66,10 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2
 """How often a waiting thread looks at the stop flag and the other threads' failures."""
+_MAX_TRAJECTORY_PHASES = 4
+"""While the uploader is busy, a site trains on from its own weights for at most this many phases
+in all; then it waits for the link. Without a bound, a link or coordinator down for minutes would
+make one update of thousands of steps, which the update guard refuses as an outlier anyway."""
 _SAVE_EVERY_S = 5.0
 """With a ``state_dir``: the state is saved after a hand-off at most this often (phases can be
 a fraction of a second; a restart loses at most this much training besides the update in hand)."""
@@ -83,6 +88,7 @@ class _Trajectory:
     inner_time_s: float = 0.0
     train_s: float = 0.0
     started_s: float | None = None
+    phases: int = 0
 
     def add(self, result: RoundTraining, started_s: float) -> None:
         """One more phase of ``SiteTrainer.train_round`` (``result``) begun at ``started_s``."""
@@ -148,11 +154,14 @@ class AsyncRounds(RoundRunner):
         if outgoing is None:
             return
         with self._changed:
-            if state.finished:
-                self._restore(outgoing.trained)
-                return
-            self._queued = outgoing
-            self._changed.notify_all()
+            kept = not state.finished and self._queued is None  # else over, or the uploader failed
+            if kept:
+                self._queued = outgoing
+                self._changed.notify_all()
+        if not kept:
+            self._restore(outgoing.trained)
+            self._raise_failure()
+            return
         now = time.monotonic()
         if now - self._saved_s >= _SAVE_EVERY_S:
             self._saved_s = now
@@ -254,9 +263,14 @@ class AsyncRounds(RoundRunner):
         if result.steps > 0 and result.seconds > 0:
             self._step_s = result.seconds / result.steps
         trajectory.add(result, started)
+        trajectory.phases += 1
         with self._changed:
-            if self._queued is not None:
+            if self._queued is not None and trajectory.phases < _MAX_TRAJECTORY_PHASES:
                 return None  # the uploader is busy: train on before forming an update
+            while self._queued is not None and self._failure is None and not state.finished:
+                if self._halt.is_set():
+                    raise AgentStopped()
+                self._changed.wait(_POLL_S)  # the trajectory is long enough: wait for the link
             phases: dict[str, float] = dict(self.transfer_phases_s)
             self.transfer_phases_s.clear()
         self._trajectory = None

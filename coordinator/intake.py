@@ -452,9 +452,11 @@ class PlainIntake:
                 ctx.count_up(site, nbytes)
                 self.membership.check_instance(site, instance)
                 r = ctx.round
-                goes_on = (ctx.phase in OPEN_PHASES and (
-                    r.stale_uploads.get(site) is assembler or r.held.get(site) is assembler
-                )) or self._carried_over(site, assembler)
+                goes_on = (
+                    (ctx.phase in OPEN_PHASES and r.stale_uploads.get(site) is assembler)
+                    or (ctx.phase is not RoundPhase.FINISHED and r.held.get(site) is assembler)
+                    or self._carried_over(site, assembler)
+                )
                 if not goes_on:
                     round_number = assembler.spec.round  # an asynchronous upload may have moved on
                     if r.number != round_number or ctx.phase not in OPEN_PHASES:
@@ -616,7 +618,7 @@ class PlainIntake:
         respec = dataclasses.replace(spec, round=r.number)
         existing = r.uploads.get(site)
         if existing is not None and existing.base_round == spec.round and (
-            site in r.contributed or existing.spec == respec
+            existing.spec == respec or (site in r.contributed and existing.spec.checksum == spec.checksum)
         ):
             existing.check_same_manifest(spec.wire)  # MANIFEST_CONFLICT if it differs
             return existing
@@ -727,7 +729,7 @@ class PlainIntake:
 
     def _status_async(self, site: str, base: int) -> UploadProgress:
         """UploadStatus of the update computed from version ``base`` (lock held): in the open
-        merge, or already merged into an earlier one (its answer was lost)."""
+        merge or held for the next (the stored manifest lets the site check it is its own)."""
         ctx = self.ctx
         r = ctx.round
         assembler = r.uploads.get(site)
@@ -739,9 +741,9 @@ class PlainIntake:
             kept = ctx.held_updates.get(site)
             complete = kept is not None and kept.assembler is held
             return _progress(held, complete=complete, merged_round=held.spec.round if complete else None)
-        previous = ctx.merged_updates.get(site)
-        if previous is not None and previous[0] == base:
-            return UploadProgress(complete=True, merged_round=previous[2])
+        # An update that already entered an earlier merge is not named here: two updates can
+        # share a base version, and this answer could not tell them apart; resent, it is
+        # recognised by its checksum (``_merged_before``).
         if ctx.phase is RoundPhase.FINISHED:
             ctx.check_upload_round(base)
         return UploadProgress(known=False)

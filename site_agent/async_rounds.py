@@ -107,6 +107,7 @@ class _Outgoing:
     trained: TrainedUpdate
     phase: int
     compute_s_total: float
+    nbytes: int = 0
     """Inner-step seconds of this site process up to and including this phase (sent with the
     update: the emulator's compute utilization, where transfers overlap training)."""
 
@@ -125,6 +126,9 @@ class AsyncRounds(RoundRunner):
         """The newest update, not yet taken by the uploader."""
         self._in_flight: _Outgoing | None = None
         """The update the uploader is sending."""
+        self._awaiting: dict[int, _Outgoing] = {}
+        """Updates the coordinator took, by the merge they entered (or are held for), until that
+        merge's broadcast says whether they counted."""
         self._last_merge: int | None = None
         """The merge the latest uploaded update entered (or is held for)."""
         self._failure: BaseException | None = None
@@ -173,6 +177,9 @@ class AsyncRounds(RoundRunner):
         """Stop the threads; with a ``state_dir``, save the state once more (a site stopped
         cleanly resumes exactly where it stopped)."""
         self._stop_threads()
+        queued, self._queued = self._queued, None
+        if queued is not None:  # never sent: its content goes on in the residual
+            self._restore(queued.trained)
         if self._phase:
             self._boundary()
 
@@ -186,36 +193,43 @@ class AsyncRounds(RoundRunner):
             return None
         with self._uplink_lock:
             tensors, meta = uplink.state()
-        return prefixed("uplink.", tensors), {"uplink": meta}
+        return prefixed("uplink.", tensors), {"uplink": meta, "phase": self._phase}
 
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         uplink = self.uplink
         if isinstance(uplink, StrategyUplink):
             uplink.load_state(unprefixed("uplink.", tensors), meta["uplink"], self.trainer.device)
+        # The inner lr schedule is positioned by the phase count: go on from where it was.
+        self._phase = int(meta.get("phase", 0))
 
     def rejoined(self, *, coordinator_round: int, new_session: bool, must_fetch: bool) -> bool:
-        """After a re-join the threads start again and the update in hand is sent (again): the
-        coordinator answers a resend of one that already entered a merge with that merge, from
-        its durable state after a restart too, so it is never counted twice. Only an update
-        computed from a version the coordinator does not have (it started a new run) goes back
-        into the residual."""
+        """After a re-join the threads start again. The update that was being sent is sent
+        again (the coordinator answers a resend of one that already entered a merge with that
+        merge, from its durable state after a restart too, so it is never counted twice); an
+        update queued behind it, never sent, goes back into the residual instead. In a new
+        session, updates the old one took into merges it did not make durable (at or after the
+        round it resumed at) go back into the residual too, and those before it count as
+        merged. An update computed from a version the coordinator does not have (it started a
+        new run) goes back into the residual."""
         self._stop_threads()
         self._failure = None
-        if new_session:
-            self._last_merge = None
         interrupted, self._in_flight = self._in_flight, None
         if interrupted is not None:
-            if self._queued is None:
-                self._queued = interrupted  # sent again first
-            else:
-                self._restore(interrupted.trained)
-        outgoing = self._queued
-        if outgoing is not None and outgoing.trained.round > coordinator_round:
+            if self._queued is not None:
+                self._restore(self._queued.trained)
+            self._queued = interrupted  # sent again first
+        if new_session:
+            self._last_merge = None
+            awaiting, self._awaiting = self._awaiting, {}
+            for merge, taken in sorted(awaiting.items()):
+                self._finish(taken.trained, included=merge < coordinator_round, merged=merge)
+        queued = self._queued
+        if queued is not None and queued.trained.round > coordinator_round:
             logger.info(
                 "site %s: the coordinator is at version %d, before its update's base %d; the update "
-                "goes back into the residual", self.site, coordinator_round, outgoing.trained.round,
+                "goes back into the residual", self.site, coordinator_round, queued.trained.round,
             )
-            self._restore(outgoing.trained)
+            self._restore(queued.trained)
             self._queued = None
         return False
 
@@ -303,7 +317,7 @@ class AsyncRounds(RoundRunner):
         if encoded is None:  # non-finite: not sent
             state.count_round(included=False)
             return None
-        return _Outgoing(trained, phase, self._compute_s)
+        return _Outgoing(trained, phase, self._compute_s, nbytes=len(encoded.data))
 
     def _too_stale(self, base_round: int) -> bool:
         """An update from ``base_round`` could not enter the merge after the newest version
@@ -383,6 +397,7 @@ class AsyncRounds(RoundRunner):
                 self._apply_broadcast(round_number, header, data)
                 state.take_broadcast_header(header)
             del answer, data
+            self._resolve(round_number, included=bool(header.included))
             with self._changed:
                 self._changed.notify_all()
         with self._changed:
@@ -467,8 +482,29 @@ class AsyncRounds(RoundRunner):
                 "site %s: phase %d (from version %d) entered merge %d (staleness %d), loss %.4f",
                 self.site, outgoing.phase, trained.round, merged, merged - trained.round, trained.loss,
             )
-            self._finish(trained, included=True, merged=merged, nbytes=len(update.data))
+            # Kept until the merge's broadcast says it counted (an aborted merge, or an update
+            # held for a merge that a coordinator restart lost, goes back into the residual).
+            with self._changed:
+                self._awaiting[merged] = outgoing
+            if self.state.held_round > merged:  # the follower applied that broadcast already
+                self._resolve(merged, included=None)
             return
+
+    def _resolve(self, merge: int, *, included: bool | None) -> None:
+        """Merge ``merge``'s broadcast was applied: the site's update in it (if any) counted or
+        not (``included``; None: unknown, the broadcast was applied before the upload's answer
+        came, so it counted). Updates awaiting earlier merges the follower skipped (it fetched
+        the weights instead) are taken to have counted."""
+        with self._changed:
+            resolved = sorted((m, o) for m, o in self._awaiting.items() if m <= merge)
+            for m, _ in resolved:
+                del self._awaiting[m]
+        for m, outgoing in resolved:
+            counted = included if (m == merge and included is not None) else True
+            if not counted:
+                logger.info("site %s: its update was not counted in merge %d (aborted or lost); back "
+                            "into the residual", self.site, m)
+            self._finish(outgoing.trained, included=counted, merged=m, nbytes=outgoing.nbytes)
 
     def _finish(self, trained: TrainedUpdate, *, included: bool, merged: int | None = None, nbytes: int = 0) -> None:
         """Count the phase and tell ``hooks.on_round_end``; an update not merged goes back into

@@ -442,11 +442,19 @@ class CoordinatorClient:
             # Broken or incomplete stream: ask what arrived and send only the rest.
             status = self._call("UploadStatus", lambda: self._upload_status(round_number, fragment))
             backoff.alive()  # the coordinator answers: the give-up clock starts again
-            if status.complete:
-                return pb.UploadResponse(
+            # The coordinator knows an upload by site, round and fragment; another update of the
+            # same round (an asynchronous site's two updates from one base version) is not this one.
+            other = status.known and status.HasField("manifest") and (
+                status.manifest.blob.checksum != manifest.blob.checksum
+            )
+            if status.complete and not other:
+                response = pb.UploadResponse(
                     complete=True, received_bytes=len(data), folded_late=status.folded_late
                 )
-            missing = [(r.start, r.end) for r in status.missing] if status.known else None
+                if status.HasField("merged_round"):
+                    response.merged_round = status.merged_round
+                return response
+            missing = [(r.start, r.end) for r in status.missing] if status.known and not other else None
             logger.info(
                 "upload for round %d incomplete after stream %d; resending %s",
                 round_number, attempt_index + 1,

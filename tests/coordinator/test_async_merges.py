@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _round_helpers import FakeClock, join, tiny_weights, upload
+from _round_helpers import FakeClock, encode_update, join, tiny_weights, upload, upload_manifest, upload_status
 
 from geoloco.algorithms.async_merge import AsyncConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
@@ -115,3 +115,25 @@ def test_robust_aggregation_takes_an_asynchronous_merge_like_a_round() -> None:
         assert record is not None and sorted(record["participants"]) == ["a", "b", "c"]
         weights.append(rounds.weights.clone())
     assert torch.equal(weights[0], weights[1])
+
+
+def test_two_updates_from_one_base_are_two_updates_not_a_resend() -> None:
+    """A fast site's next update often has the same base version as the one already in the open
+    merge: it is held for the next merge, and UploadStatus answers with the stored manifest (the
+    site checks the checksum) rather than declaring a different update complete."""
+    clock = FakeClock()
+    rounds = make(clock, algorithm=AlgorithmConfig(inner_steps=2, asynchronous=AsyncConfig(enabled=True, min_quorum=2)))
+    join(rounds, "a")
+    join(rounds, "b")
+    first, second = _update(21, rounds.numel), _update(22, rounds.numel)
+    assert upload(rounds, "a", first, round_number=0).merged_round == 0
+    assert upload(rounds, "a", second, round_number=0).merged_round == 1  # held, not a conflict
+    status = upload_status(rounds, "a", rounds.session_id, 0, 0)
+    assert status.known and status.complete and status.merged_round == 0  # the counted one...
+    sent, codec = encode_update(first)
+    own = upload_manifest(rounds.session_id, 0, sent, codec=codec, numel=rounds.numel)
+    assert status.manifest.blob.checksum == own.blob.checksum  # ...named by its checksum
+    assert upload(rounds, "b", _update(23, rounds.numel), round_number=0).merged_round == 0
+    record = rounds.poll()
+    assert record is not None and sorted(record["participants"]) == ["a", "b"]
+    assert upload_status(rounds, "a", rounds.session_id, 0, 0).merged_round == 1  # the held one now

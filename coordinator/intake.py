@@ -540,10 +540,13 @@ class PlainIntake:
         return progress
 
     def _admit_verified(
-        self, site: str, assembler: PlainUpload, decoded: Encoded | torch.Tensor, screen: Screen, instance: str
+        self, site: str, assembler: PlainUpload, decoded: Encoded | torch.Tensor, screen: Screen, instance: str,
+        *, arrival: bool = True,
     ) -> UploadProgress:
         """Admit ``site``'s verified update into the open round, its own (lock held): accepted,
-        or refused with the reason on the round and in the error raised."""
+        or refused with the reason on the round and in the error raised. ``arrival`` False: an
+        update held for this merge, which the adaptive grace window must not count as an
+        arrival now (all of them enter at the merge's opening, gaps of zero)."""
         ctx = self.ctx
         round_number = assembler.spec.round
         merging = ctx.merge_rule is not None
@@ -559,7 +562,7 @@ class PlainIntake:
         if r.uploads.get(site) is not assembler:
             raise _discarded(site, round_number)
         admission = ctx.engine.admit(r.core, site, decoded, weight, screen=screen, now=ctx.clock())
-        if ctx.merge_rule is not None:
+        if ctx.merge_rule is not None and arrival:
             ctx.merge_rule.observe_arrival(ctx.clock())
         if admission.verdict == "duplicate":
             raise UpdateRejectedError(f"{admission.reason}; wait for the broadcast (AwaitBroadcast)")
@@ -686,8 +689,15 @@ class PlainIntake:
                 if r.number == into and r.uploads.get(site) is assembler:
                     return self._admit_verified(site, assembler, decoded, Screen(norm, finite), instance)
                 if r.number + 1 != into or not self._pending(site, assembler):
+                    if site in ctx.members:  # left behind by ``next_round``: beyond max_staleness
+                        raise WrongRoundError(
+                            f"site {site!r}'s update could not enter merge {into}: it is too stale by "
+                            "now; keep it in the error-feedback residual and go on from the newest broadcast"
+                        )
                     raise _discarded(site, into)
                 ctx.held_updates[site] = HeldUpdate(assembler, decoded, Screen(norm, finite))
+                if ctx.merge_rule is not None:  # it arrived now, though it enters the next merge
+                    ctx.merge_rule.observe_arrival(ctx.clock())
         logger.debug("merge %d: the next update of %s is held for merge %d", into - 1, site, into)
         return _progress(assembler, complete=True, merged_round=into)
 
@@ -723,7 +733,9 @@ class PlainIntake:
             if held is None:
                 continue
             try:
-                self._admit_verified(site, assembler, held.decoded, held.screen, assembler.spec.instance_id)
+                self._admit_verified(
+                    site, assembler, held.decoded, held.screen, assembler.spec.instance_id, arrival=False
+                )
             except StatusError as err:  # refused (e.g. by the update guard): on the round's record
                 logger.info("merge %d: the held update of %s was not admitted: %s", r.number, site, err)
 

@@ -72,9 +72,11 @@ class Run:
         return server
 
     def agent(
-        self, certs: Path, port: int, index: int, results: list[RoundResult] | None = None, *, pause_s: float = 0.0
+        self, certs: Path, port: int, index: int, results: list[RoundResult] | None = None, *, pause_s: float = 0.0,
+        state_dir: Path | None = None,
     ) -> SiteAgent:
-        """Site ``index``'s agent; ``pause_s``: seconds it sleeps before each batch (a slow site)."""
+        """Site ``index``'s agent; ``pause_s``: seconds it sleeps before each batch (a slow site);
+        ``state_dir``: where it saves its state (``SiteAgentConfig.state_dir``)."""
         model = self.workload.build_model(self.seed)
         name = str(index)
         batches = self.workload.site_batches(index, self.num_sites, self.seed)
@@ -86,7 +88,10 @@ class Run:
             coordinator=f"localhost:{port}",
             site=name,
             tls=TLSFiles.from_dir(certs, name),
-            config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05, backoff_max_s=0.5),
+            config=SiteAgentConfig(
+                device="cpu", backoff_initial_s=0.05, backoff_max_s=0.5,
+                state_dir=None if state_dir is None else str(state_dir),
+            ),
             hooks=SiteHooks(on_round_end=results.append if results is not None else None),
         )
 

@@ -10,7 +10,9 @@ replica ends on the coordinator's weights.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,10 +27,9 @@ from geoloco.algorithms.sim_config import SimulationConfig, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.coordinator.metrics import read_metrics
-from geoloco.protos.transport_tls import TLSFiles
+from geoloco.coordinator.server import CoordinatorServer
 from geoloco.scenarios.workloads import build_workload
-from geoloco.site_agent.agent import SiteAgent
-from geoloco.site_agent.config import SiteAgentConfig
+from geoloco.site_agent.agent import SiteRunSummary
 from geoloco.site_agent.persist import SiteStateStore
 
 SLOW_PAUSE_S = 0.03
@@ -40,17 +41,13 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_certs(tmp_path_factory.mktemp("certs"), ["0", "1", "2"])
 
 
-def test_sites_never_wait_for_each_other_and_stale_updates_are_discounted(certs: Path, tmp_path: Path) -> None:
-    merge = AsyncConfig(enabled=True, min_quorum=1, max_staleness=6, discount_per_version=0.5)
-    run = Run(
-        workload=build_workload("mlp"), num_sites=3, rounds=12, seed=3,
-        algorithm=AlgorithmConfig(inner_steps=4, uplink_codec="int8", asynchronous=merge),
-    )
-    metrics = tmp_path / "metrics.jsonl"
-    server = run.start_coordinator(certs, metrics_path=str(metrics), min_sites=1)
-    threads = [
-        AgentThread(run.agent(certs, server.port, k, pause_s=SLOW_PAUSE_S if k == 2 else 0.0)) for k in range(3)
-    ]
+def _run_sites(
+    run: Run, certs: Path, metrics: Path, pauses: Sequence[float], **coordinator: Any
+) -> tuple[list[SiteRunSummary], list[dict[str, Any]], CoordinatorServer]:
+    """The coordinator and one agent thread per site (site ``k`` pausing ``pauses[k]`` seconds
+    per batch) until the run ends: the sites' summaries, the coordinator's records, the server."""
+    server = run.start_coordinator(certs, metrics_path=str(metrics), **coordinator)
+    threads = [AgentThread(run.agent(certs, server.port, k, pause_s=pause)) for k, pause in enumerate(pauses)]
     try:
         for t in threads:
             t.start()
@@ -58,7 +55,18 @@ def test_sites_never_wait_for_each_other_and_stale_updates_are_discounted(certs:
         assert server.wait_until_finished(30)
     finally:
         server.stop(grace=0)
-    records = read_metrics(metrics)
+    return summaries, read_metrics(metrics), server
+
+
+def test_sites_never_wait_for_each_other_and_stale_updates_are_discounted(certs: Path, tmp_path: Path) -> None:
+    merge = AsyncConfig(enabled=True, min_quorum=1, max_staleness=6, discount_per_version=0.5)
+    run = Run(
+        workload=build_workload("mlp"), num_sites=3, rounds=12, seed=3,
+        algorithm=AlgorithmConfig(inner_steps=4, uplink_codec="int8", asynchronous=merge),
+    )
+    summaries, records, server = _run_sites(
+        run, certs, tmp_path / "metrics.jsonl", [0.0, 0.0, SLOW_PAUSE_S], min_sites=1
+    )
     assert [r["round"] for r in records] == list(range(run.rounds))
     assert all(s.run_finished for s in summaries)
     assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
@@ -105,17 +113,7 @@ def test_a_fixed_arrival_order_ends_on_the_simulators_weights_bit_for_bit(certs:
     merge = AsyncConfig(enabled=True, min_quorum=2)
     algorithm = AlgorithmConfig(inner_steps=4, uplink_codec="int8", downlink_codec="int8", asynchronous=merge)
     run = Run(workload=build_workload("mlp"), num_sites=2, rounds=6, seed=5, algorithm=algorithm)
-    metrics = tmp_path / "metrics.jsonl"
-    server = run.start_coordinator(certs, metrics_path=str(metrics))
-    threads = [AgentThread(run.agent(certs, server.port, k, pause_s=0.025)) for k in range(2)]
-    try:
-        for t in threads:
-            t.start()
-        summaries = [t.finish(120) for t in threads]
-        assert server.wait_until_finished(30)
-    finally:
-        server.stop(grace=0)
-    records = read_metrics(metrics)
+    summaries, records, server = _run_sites(run, certs, tmp_path / "metrics.jsonl", [0.025, 0.025])
     assert [r["staleness"] for r in records] == [{"0": 0, "1": 0}] + [{"0": 1, "1": 1}] * (run.rounds - 1)
     assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
 
@@ -139,18 +137,9 @@ def test_dynamic_local_updates_size_each_sites_phases_by_its_speed(certs: Path, 
         workload=build_workload("mlp"), num_sites=2, rounds=16, seed=3,
         algorithm=AlgorithmConfig(inner_steps=8, asynchronous=merge),
     )
-    metrics = tmp_path / "metrics.jsonl"
-    server = run.start_coordinator(certs, metrics_path=str(metrics), min_sites=1)
-    threads = [AgentThread(run.agent(certs, server.port, k, pause_s=0.04 if k == 1 else 0.002)) for k in range(2)]
-    try:
-        for t in threads:
-            t.start()
-        summaries = [t.finish(120) for t in threads]
-        assert server.wait_until_finished(30)
-    finally:
-        server.stop(grace=0)
+    summaries, records, server = _run_sites(run, certs, tmp_path / "metrics.jsonl", [0.002, 0.04], min_sites=1)
     assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
-    steps = [(r["round"], r["inner_steps"]) for r in read_metrics(metrics)]
+    steps = [(r["round"], r["inner_steps"]) for r in records]
     slow = [n["1"] for _, n in steps if "1" in n]
     fast = [n["0"] for _, n in steps if "0" in n]
     assert slow[0] == 8 and len(slow) >= 2 and max(slow[1:]) <= 4, steps
@@ -170,22 +159,13 @@ def test_a_restarted_asynchronous_site_resumes_from_its_saved_state(certs: Path,
     server = run.start_coordinator(certs, min_sites=1)
     state_dir = tmp_path / "site-state"
 
-    def agent() -> SiteAgent:
-        model = run.workload.build_model(run.seed)
-        return SiteAgent(
-            model, run.inner.build(model.parameters()), run.workload.site_batches(0, 1, run.seed),
-            run.workload.loss, coordinator=f"localhost:{server.port}", site="0",
-            tls=TLSFiles.from_dir(certs, "0"),
-            config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05, backoff_max_s=0.5, state_dir=str(state_dir)),
-        )
-
     try:
-        first = agent().run(max_rounds=3)
+        first = run.agent(certs, server.port, 0, state_dir=state_dir).run(max_rounds=3)
         assert not first.run_finished
         saved = SiteStateStore(state_dir).load()
         assert saved is not None and saved.meta["runner"]["uplink"] is not None
         assert saved.meta["trainer"]["batches_drawn"] >= 12  # at least three phases of 4 steps
-        second = AgentThread(agent())
+        second = AgentThread(run.agent(certs, server.port, 0, state_dir=state_dir))
         second.start()
         summary = second.finish(60)
         assert server.wait_until_finished(30)

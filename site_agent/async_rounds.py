@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.async_merge import dynamic_local_steps
+from geoloco.algorithms.async_merge import dynamic_local_steps, stale_admission
 from geoloco.algorithms.diloco import pseudo_gradient_into_local
 from geoloco.algorithms.finite import all_finite
 from geoloco.protos import geoloco_pb2 as pb
@@ -96,6 +96,7 @@ class _Trajectory:
         self.samples += int(result.samples)
         self.inner_time_s += float(result.seconds)
         self.train_s += time.monotonic() - started_s
+        self.phases += 1
         if self.started_s is None:
             self.started_s = started_s
 
@@ -277,7 +278,6 @@ class AsyncRounds(RoundRunner):
         if result.steps > 0 and result.seconds > 0:
             self._step_s = result.seconds / result.steps
         trajectory.add(result, started)
-        trajectory.phases += 1
         with self._changed:
             if self._queued is not None and trajectory.phases < _MAX_TRAJECTORY_PHASES:
                 return None  # the uploader is busy: train on before forming an update
@@ -319,11 +319,13 @@ class AsyncRounds(RoundRunner):
             return None
         return _Outgoing(trained, phase, self._compute_s, nbytes=len(encoded.data))
 
-    def _too_stale(self, base_round: int) -> bool:
-        """An update from ``base_round`` could not enter the merge after the newest version
-        the site holds (``max_staleness``)."""
-        bound = self.state.algorithm.asynchronous.max_staleness
-        return bound is not None and self.state.held_round - base_round > bound
+    def _too_stale(self, base_round: int, *, later: int = 0) -> bool:
+        """An update from ``base_round`` could not enter the open merge (the one the newest
+        version the site holds comes out of), or the one ``later`` merges after it: the
+        coordinator's rule, ``stale_admission``."""
+        into = self.state.held_round + later
+        verdict = stale_admission(self.state.algorithm.asynchronous, base=base_round, into=into, weight=1.0)
+        return verdict.refused is not None
 
     def _restore(self, trained: TrainedUpdate) -> None:
         """An update that will not be merged goes back into the error-feedback residual."""
@@ -368,7 +370,7 @@ class AsyncRounds(RoundRunner):
         try:
             body()
         except AgentStopped:
-            pass
+            return  # the agent is stopping: the thread's normal end
         except BaseException as err:  # noqa: BLE001 (handed to the agent's loop: re-join, stop or fail)
             if not self._halt.is_set():
                 with self._changed:
@@ -437,7 +439,6 @@ class AsyncRounds(RoundRunner):
         trained, state = outgoing.trained, self.state
         update = trained.update
         assert update is not None
-        bound = state.algorithm.asynchronous.max_staleness
         while True:
             # The previous update entered merge m (or is held for it): this one may go once merge
             # m is open, when it is held for m + 1 (one update held per site).
@@ -455,7 +456,7 @@ class AsyncRounds(RoundRunner):
                 # The open merge is being applied, already holds this site's update, or the
                 # update is too stale: try the next merge, unless it is over the bound by then.
                 version = state.held_round
-                if bound is not None and version + 1 - trained.round > bound:
+                if self._too_stale(trained.round, later=1):
                     logger.info("site %s: update from version %d dropped into the residual (%s)",
                                 self.site, trained.round, why)
                     self._finish(trained, included=False)

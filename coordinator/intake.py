@@ -612,12 +612,7 @@ class PlainIntake:
         ctx.observe_speed(site, int(spec.inner_steps), float(spec.metrics.get("inner_time_s", 0.0)))
         if ctx.phase not in OPEN_PHASES:
             ctx.check_upload_round(r.number)  # the run is over, or the merge is being applied
-        verdict = stale_admission(ctx.config.algorithm.asynchronous, base=spec.round, into=r.number, weight=1.0)
-        if verdict.refused is not None:
-            raise WrongRoundError(
-                f"site {site!r}'s update cannot enter merge {r.number}: {verdict.refused}; keep it in the "
-                "error-feedback residual and go on from the newest broadcast"
-            )
+        staleness = self._admissible_staleness(site, spec, into=r.number)
         respec = dataclasses.replace(spec, round=r.number)
         existing = r.uploads.get(site)
         if existing is not None and existing.base_round == spec.round and (
@@ -627,14 +622,11 @@ class PlainIntake:
             return existing
         if site in r.contributed or site in r.rejected:
             return self._open_held(site, spec)
-        self.validate(site, respec)
-        assembler = PlainUpload(respec, max_total_bytes=self.max_upload_bytes, timings=r.timings)
-        assembler.base_round = spec.round
+        assembler = self._new_async_upload(site, spec, respec)
         r.uploads[site] = assembler
         r.inner_steps[site] = spec.inner_steps
-        r.staleness[site] = verdict.staleness
+        r.staleness[site] = staleness
         ctx.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)
-        ctx.count_up(site, spec.nbytes)
         return assembler
 
     def _open_held(self, site: str, spec: UploadSpec) -> PlainUpload:
@@ -644,12 +636,7 @@ class PlainIntake:
         ctx = self.ctx
         r = ctx.round
         into = r.number + 1
-        verdict = stale_admission(ctx.config.algorithm.asynchronous, base=spec.round, into=into, weight=1.0)
-        if verdict.refused is not None:
-            raise WrongRoundError(
-                f"site {site!r}'s update cannot enter merge {into}: {verdict.refused}; keep it in the "
-                "error-feedback residual and go on from the newest broadcast"
-            )
+        self._admissible_staleness(site, spec, into=into)
         respec = dataclasses.replace(spec, round=into)
         existing = r.held.get(site)
         if existing is not None:
@@ -661,11 +648,27 @@ class PlainIntake:
                     f"site {site!r} already has an update held for merge {into}; send the next one "
                     f"after merge {r.number}'s broadcast"
                 )
+        assembler = r.held[site] = self._new_async_upload(site, spec, respec)
+        return assembler
+
+    def _admissible_staleness(self, site: str, spec: UploadSpec, *, into: int) -> int:
+        """The staleness an update computed from version ``spec.round`` has in merge ``into``;
+        WRONG_ROUND when it may not enter it (``stale_admission``)."""
+        verdict = stale_admission(self.ctx.config.algorithm.asynchronous, base=spec.round, into=into, weight=1.0)
+        if verdict.refused is not None:
+            raise WrongRoundError(
+                f"site {site!r}'s update cannot enter merge {into}: {verdict.refused}; keep it in the "
+                "error-feedback residual and go on from the newest broadcast"
+            )
+        return verdict.staleness
+
+    def _new_async_upload(self, site: str, spec: UploadSpec, respec: UploadSpec) -> PlainUpload:
+        """A checked assembler for an asynchronous update (``spec`` as sent, ``respec`` naming the
+        merge it goes to); its manifest's bytes are counted (lock held)."""
         self.validate(site, respec)
-        assembler = PlainUpload(respec, max_total_bytes=self.max_upload_bytes, timings=r.timings)
+        assembler = PlainUpload(respec, max_total_bytes=self.max_upload_bytes, timings=self.ctx.round.timings)
         assembler.base_round = spec.round
-        r.held[site] = assembler
-        ctx.count_up(site, spec.nbytes)
+        self.ctx.count_up(site, spec.nbytes)
         return assembler
 
     def _verify_and_hold(self, site: str, assembler: PlainUpload, instance: str = "") -> UploadProgress:

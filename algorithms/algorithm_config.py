@@ -279,27 +279,31 @@ class AlgorithmConfig:
         if self.asynchronous.enabled:
             self._validate_asynchronous()
 
-    def _validate_asynchronous(self) -> None:
-        """What asynchronous merges cannot take, for every host that runs them: each rule here
-        assumes a round every site trains for."""
-        unsupported = [
-            (self.name == "ddp", "the ddp baseline (it synchronises every step; set name to diloco, fedavg, "
-                                 "fedopt or sparseloco)"),
-            (self.streaming.enabled, "Streaming DiLoCo ([algorithm.streaming]: its fragments follow a shared "
-                                     "round schedule)"),
-            (self.partial_updates.enabled, "partial updates ([algorithm.partial_updates])"),
-            (self.adaptive_uplink.enabled, "adaptive uplink codecs ([algorithm.adaptive_uplink]: they are "
-                                           "planned per round)"),
-            (self.late_updates == "fold", "late_updates = \"fold\" (in asynchronous merges every update "
-                                          "enters the open merge, discounted by its staleness)"),
-            (self.round_time_budget_s is not None, "time-budget rounds (round_time_budget_s; "
-                                                   "dynamic_local_updates sizes phases by speed)"),
+    def shared_round_features(self) -> list[str]:
+        """The enabled settings that assume one round every site trains for, named for a
+        message: what asynchronous merges (every host) and the event-driven simulator's sites on
+        their own clocks (chaos) cannot run."""
+        features = [
+            (self.name == "ddp", "the ddp baseline (set name to diloco, fedavg, fedopt or sparseloco)"),
+            (self.streaming.enabled, "Streaming DiLoCo ([algorithm.streaming])"),
+            (self.adaptive_uplink.enabled, "adaptive uplink codecs ([algorithm.adaptive_uplink])"),
+            (self.late_updates == "fold", "folding late updates (late_updates = \"fold\")"),
+            (self.round_time_budget_s is not None,
+             "time-budget rounds (round_time_budget_s; dynamic_local_updates sizes phases by speed)"),
             (self.warmup_steps > 0, "a data-parallel warm-up (warmup_steps)"),
         ]
-        for refused, what in unsupported:
-            require(
-                not refused, "asynchronous.enabled",
-                f"asynchronous merges do not run with {what}; change that, or disable [algorithm.asynchronous]",
+        return [what for enabled, what in features if enabled]
+
+    def _validate_asynchronous(self) -> None:
+        """What asynchronous merges cannot take, for every host that runs them."""
+        unsupported = self.shared_round_features()
+        if self.partial_updates.enabled:
+            unsupported.append("partial updates ([algorithm.partial_updates])")
+        if unsupported:
+            raise ConfigError(
+                "asynchronous.enabled",
+                f"asynchronous merges do not run with {unsupported[0]}; change that, or disable "
+                "[algorithm.asynchronous]",
             )
 
     @property

@@ -236,16 +236,8 @@ class SimulatorConfig:
             )
             return
         key = "algorithm.asynchronous" if merge.enabled else "simulation.chaos"
-        # What asynchronous merges refuse on every host is refused by AlgorithmConfig already;
-        # these are what the event-driven simulator does not model for failures either.
-        unsupported = [
-            (algo.name == "ddp", "the ddp baseline (set algorithm.name to diloco, fedavg, fedopt or sparseloco)"),
-            (algo.streaming.enabled, "Streaming DiLoCo ([algorithm.streaming] enabled)"),
-            (algo.adaptive_uplink.enabled, "adaptive uplink codecs ([algorithm.adaptive_uplink] enabled)"),
-            (algo.late_updates == "fold", "folding late updates (algorithm.late_updates = \"fold\")"),
-            (algo.round_time_budget_s is not None,
-             "time-budget rounds (algorithm.round_time_budget_s; dynamic_local_updates sizes phases by speed)"),
-            (algo.warmup_steps > 0, "a data-parallel warm-up (algorithm.warmup_steps)"),
+        # AlgorithmConfig refuses these for asynchronous merges already; chaos alone meets them here.
+        unsupported = [(True, what) for what in algo.shared_round_features()] + [
             (self.privacy.secure_aggregation or self.privacy.dp != "off", "secure aggregation or DP ([privacy])"),
             (bool(self.regions) or self.coordinator_link.shaped, "regions and a shaped coordinator link"),
             (sim.step_time_s == MEASURE, "measured step times (step_time_s = \"measure\"; give seconds)"),

@@ -51,7 +51,6 @@ from geoloco.algorithms.diloco import pseudo_gradient_into_local
 from geoloco.algorithms.finite import all_finite
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import AgentStopped, RoundClosed, RunFinished, UpdateRejected
-from geoloco.site_agent.config import RoundResult
 from geoloco.site_agent.persist import prefixed, unprefixed
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
 from geoloco.site_agent.trainer import RoundTraining
@@ -512,23 +511,7 @@ class AsyncRounds(RoundRunner):
         the residual first."""
         if not included:
             self._restore(trained)
-        state = self.state
-        state.count_round(included=included)
-        if self.hooks.on_round_end is not None:
-            self.hooks.on_round_end(
-                RoundResult(
-                    round=trained.round if merged is None else merged,
-                    train_loss=trained.loss,
-                    samples=trained.samples,
-                    inner_steps=trained.inner_steps,
-                    included=included,
-                    num_contributors=0,
-                    resynced=False,
-                    bytes_up=nbytes,
-                    bytes_down=0,
-                    inner_time_s=trained.inner_time_s,
-                    round_time_s=time.monotonic() - trained.started_s,
-                    weights_digest=state.digest or "",
-                    next_round=state.held_round,
-                )
-            )
+        self._round_end(
+            trained, round_number=trained.round if merged is None else merged, included=included,
+            num_contributors=0, resynced=False, bytes_up=nbytes, bytes_down=0,
+        )

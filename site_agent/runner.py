@@ -261,23 +261,33 @@ class RoundRunner(ABC):
         bytes_up: int, bytes_down: int, fragment: int | None = None,
     ) -> None:
         """Count the round, log it and call ``hooks.on_round_end``."""
-        state = self.state
-        state.count_round(included=included)
         logger.info(
             "site %s round %d%s: loss %.4f, %s (%d sites), now at round %d",
             self.site, trained.round, "" if fragment is None else f" (fragment {fragment})",
             trained.loss, "included" if included else "NOT included", header.num_contributors,
-            state.held_round,
+            self.state.held_round,
         )
+        self._round_end(
+            trained, round_number=trained.round, included=included, num_contributors=header.num_contributors,
+            resynced=resynced, bytes_up=bytes_up, bytes_down=bytes_down,
+        )
+
+    def _round_end(
+        self, trained: TrainedUpdate, *, round_number: int, included: bool, num_contributors: int,
+        resynced: bool, bytes_up: int, bytes_down: int,
+    ) -> None:
+        """Count the round and call ``hooks.on_round_end`` with its ``RoundResult``."""
+        state = self.state
+        state.count_round(included=included)
         if self.hooks.on_round_end is not None:
             self.hooks.on_round_end(
                 RoundResult(
-                    round=trained.round,
+                    round=round_number,
                     train_loss=trained.loss,
                     samples=trained.samples,
                     inner_steps=trained.inner_steps,
                     included=included,
-                    num_contributors=header.num_contributors,
+                    num_contributors=num_contributors,
                     resynced=resynced,
                     bytes_up=bytes_up,
                     bytes_down=bytes_down,

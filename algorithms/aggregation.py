@@ -9,7 +9,7 @@ as updates arrive and ``take_result()`` once at the close, so the round above it
   to ``clip_norm``, Gaussian noise added once to the sum.
 - ``RobustAggregation`` (``geoloco.algorithms.robust``): clipping to a multiple of the median
   norm, coordinate-wise trimmed mean or median; holds the round's updates until the close.
-- the secure (masked) sum, ``geoloco.algorithms.secure_sum.InMemorySecureSum`` in the simulator;
+- the secure (masked) sum, ``geoloco.algorithms.privacy.secure_sum.InMemorySecureSum`` in the simulator;
   the coordinator runs the same protocol over gRPC.
 """
 

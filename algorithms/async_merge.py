@@ -3,7 +3,7 @@
 A merge is a round of the round engine (``geoloco.algorithms.engine``) whose close rule is
 ``AsyncMerge`` (a ``ClosePolicy``) and whose updates may be computed from an older global model
 than the one they are merged into. What is decided here, once, for the event-driven simulator
-(``geoloco.algorithms.async_sim``) and the coordinator alike:
+(``geoloco.algorithms.simulation.async_sim``) and the coordinator alike:
 
 * ``AsyncConfig`` — ``[algorithm.asynchronous]``: quorum, grace window, staleness bound and
   discount, Dynamic Local Updates;
@@ -35,7 +35,7 @@ class AsyncConfig:
     """``[algorithm.asynchronous]``: decoupled (asynchronous) DiLoCo. Sites never wait at a
     round barrier: each uploads when its inner steps are done and goes on at once from the
     newest global model it has received; the synchronizer merges what has arrived. The
-    event-driven simulator (``geoloco.algorithms.async_sim``) and the coordinator
+    event-driven simulator (``geoloco.algorithms.simulation.async_sim``) and the coordinator
     (``geoloco.coordinator``, with ``geoloco.site_agent.async_rounds`` on the sites) run it."""
 
     enabled: bool = False

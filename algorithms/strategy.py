@@ -33,7 +33,7 @@ from geoloco.algorithms.diloco import UpdateEncoder, apply_downlink, encode_down
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, OuterOptimizerConfig
 from geoloco.algorithms.params import ParamLayout, derive_seed, weights_digest
 from geoloco.algorithms.partial import PartialAssignment
-from geoloco.algorithms.privacy import secure_index_seed
+from geoloco.algorithms.privacy.private_aggregation import secure_index_seed
 from geoloco.algorithms.streaming import (
     FRAGMENT_PREFIX,
     Fragment,

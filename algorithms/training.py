@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from geoloco.algorithms.config import ConfigError, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
-from geoloco.algorithms.privacy import PrivacyConfig, check_privacy_setup
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig, check_privacy_setup
 from geoloco.algorithms.robust import check_robust_privacy
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.strategy import AlgorithmConfig

@@ -3,7 +3,7 @@
     python benchmarks/bench_async.py [--quick] [--seeds 0 1 2] [--scale-sites 10000]
                                      [--only failures speeds uniform scale]
 
-Everything runs in the event-driven simulator (``geoloco.algorithms.async_sim``) on the tiny MLP
+Everything runs in the event-driven simulator (``geoloco.algorithms.simulation.async_sim``) on the tiny MLP
 workload (1,732 parameters, non-IID sites), 1 Gbit/s links with 50 ms latency, DiLoCo with
 AdamW inner steps. Four studies, each seed ``s`` seeding the model, the data and the failure
 schedule alike, so every rule of a row set meets the same failures:
@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.async_sim import DecoupledSimulator
-from geoloco.algorithms.sim_config import SimulatorConfig
+from geoloco.algorithms.simulation.async_sim import DecoupledSimulator
+from geoloco.algorithms.simulation.sim_config import SimulatorConfig
 from geoloco.scenarios.workloads import build_workload
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

@@ -4,7 +4,7 @@
 
 Four sites train the byte-level GPT of ``geoloco.scenarios.workloads`` ("small" preset, ~484K
 parameters, batches of 16 x 128 bytes per site), each on its own top-level modules of the Python
-standard library (non-IID), in the single-process simulator (``geoloco.algorithms.simulator``).
+standard library (non-IID), in the single-process simulator (``geoloco.algorithms.simulation.simulator``).
 Every configuration runs the same ``T`` inner steps per site on the same per-site batch; a
 synchronous warm-up's steps count towards ``T`` and its fp32 gradients towards the uplink bytes.
 
@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
-from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.workload import Workload
 from geoloco.scenarios.progress import human_bytes

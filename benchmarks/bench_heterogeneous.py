@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
 from geoloco.scenarios.workloads import build_workload
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

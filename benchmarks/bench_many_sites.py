@@ -229,7 +229,7 @@ def _role_coordinator(args: argparse.Namespace) -> None:
     _exit_with_parent()
     from geoloco.algorithms.optimizers import InnerOptimizerConfig
     from geoloco.algorithms.params import ParamLayout
-    from geoloco.algorithms.privacy import PrivacyConfig
+    from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
     from geoloco.algorithms.strategy import AlgorithmConfig
     from geoloco.coordinator import events as ev
     from geoloco.coordinator.config import CoordinatorConfig

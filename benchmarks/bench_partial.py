@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
 from geoloco.scenarios.workloads import build_workload
 
 ROWS: dict[str, dict[str, Any]] = {

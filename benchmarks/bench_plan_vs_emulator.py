@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.planner import Plan, plan
+from geoloco.algorithms.simulation.planner import Plan, plan
 from geoloco.scenarios.scenario import Scenario, load_scenario
 
 

@@ -7,7 +7,7 @@ Printed side by side, one row per run: mean round time (coordinator, rounds afte
 coordinator egress and ingress payload bytes per round (its metrics, rounds after the first: the
 first also carries each site's full-weights fetch), bytes through the shaped coordinator link
 (wire, whole run), the two-tier clock's communication time per round for the same bytes
-(``geoloco.algorithms.sim_regions``, compute left out), and the emulator-vs-simulator fidelity
+(``geoloco.algorithms.simulation.sim_regions``, compute left out), and the emulator-vs-simulator fidelity
 check of ``geoloco emulate``'s report (measured / simulated communication time per link, mean;
 with relays the links are each site's link to its relay and each relay's link).
 """
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from geoloco.algorithms.sim_regions import TwoTierClock
+from geoloco.algorithms.simulation.sim_regions import TwoTierClock
 from geoloco.scenarios.emulation import Emulation
 from geoloco.scenarios.report import fidelity
 from geoloco.scenarios.scenario import Scenario, load_scenario

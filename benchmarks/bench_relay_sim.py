@@ -1,5 +1,5 @@
 """Round time and coordinator bytes, flat vs regional relays, on the two-tier virtual clock
-(``geoloco.algorithms.sim_regions``): the issue's 64 sites in 4 regions, coordinator link
+(``geoloco.algorithms.simulation.sim_regions``): the issue's 64 sites in 4 regions, coordinator link
 1 Gbit/s, intra-region 10 Gbit/s, a 100M-parameter model's bytes with int8 up and down.
 
     python benchmarks/bench_relay_sim.py [--numel N] [--sites 64] [--regions 4] [--compute-s 60]
@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from geoloco.algorithms.clock import SiteConfig
-from geoloco.algorithms.planner_sizes import encoded_nbytes
-from geoloco.algorithms.sim_regions import CoordinatorLink, RegionConfig, flat_round, relayed_round
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.planner_sizes import encoded_nbytes
+from geoloco.algorithms.simulation.sim_regions import CoordinatorLink, RegionConfig, flat_round, relayed_round
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_robust.py [--sites N] [--rounds R] [--inner-steps H] [--numel M] [--quick]
 
-Quality (the simulator, ``geoloco.algorithms.simulator``): the built-in MLP workload, N non-IID
+Quality (the simulator, ``geoloco.algorithms.simulation.simulator``): the built-in MLP workload, N non-IID
 sites, DiLoCo with H inner steps for R rounds, uplink uncompressed. Site N-1 is honest in the
 clean run and poisoned in the others (``SiteConfig.attack``): its update scaled by 100
 (``scale:100``), sign-flipped (``sign_flip``) or replaced by Gaussian noise (``noise:S``). Each of
@@ -85,7 +85,7 @@ def simulate(
     options: dict[str, Any], attack: str | None, *, sites: int, rounds: int, inner_steps: int
 ) -> dict[str, Any]:
     """One simulated run: its final weights, eval loss and real seconds per round."""
-    from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+    from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
     from geoloco.scenarios.workloads import build_workload
 
     site_tables: list[dict[str, Any]] = [{} for _ in range(sites)]

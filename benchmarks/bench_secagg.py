@@ -35,15 +35,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.diloco import UpdateEncoder
 from geoloco.algorithms.fixed_point import lift
-from geoloco.algorithms.privacy import (
+from geoloco.algorithms.privacy.private_aggregation import (
     PrivacyConfig,
     PrivateUpdateEncoder,
     decode_secure_sum,
     plan_secure_round,
 )
-from geoloco.algorithms.secagg_client import SecAggClient
-from geoloco.algorithms.secagg_crypto import keystream_into, num_chunks
-from geoloco.algorithms.secagg_server import SecAggServer
+from geoloco.algorithms.privacy.secagg_client import SecAggClient
+from geoloco.algorithms.privacy.secagg_crypto import keystream_into, num_chunks
+from geoloco.algorithms.privacy.secagg_server import SecAggServer
 
 
 def _timed(fn):  # type: ignore[no-untyped-def]

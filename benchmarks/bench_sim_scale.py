@@ -5,7 +5,7 @@
 For each site count N, one fresh subprocess runs ``R`` DiLoCo rounds of ``H`` inner steps of the
 "small" byte-level GPT (~484K parameters, batch 16 x 128 per site, AdamW inner optimizer, int8
 uplink with error feedback so every site also holds a residual) in
-``geoloco.algorithms.simulator`` and reports its peak resident memory (``ru_maxrss`` of that
+``geoloco.algorithms.simulation.simulator`` and reports its peak resident memory (``ru_maxrss`` of that
 process, which includes the Python interpreter, torch and the corpus) and the real seconds per
 round. A subprocess per N keeps one run's peak from hiding the next one's. The simulator keeps
 one model and per site only the inner-optimizer state, the error-feedback residual and the data
@@ -42,8 +42,8 @@ def child(sites: int, rounds: int, inner_steps: int, size: str, codec: str) -> d
     """Run the simulation in this process and return its measurements."""
     import torch
 
-    from geoloco.algorithms.clock import SiteConfig
-    from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
+    from geoloco.algorithms.simulation.clock import SiteConfig
+    from geoloco.algorithms.simulation.simulator import SimulationConfig, Simulator, SimulatorConfig
     from geoloco.algorithms.strategy import AlgorithmConfig
     from geoloco.scenarios.workloads import build_workload
 

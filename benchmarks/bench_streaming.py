@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_streaming.py [--quick] [--steps T] [--step-time S]
 
-Runs in the single-process simulator (``geoloco.algorithms.simulator``) with the links of the two
+Runs in the single-process simulator (``geoloco.algorithms.simulation.simulator``) with the links of the two
 shipped scenarios it compares against:
 
 * ``transatlantic``: us-east (1 Gbit/s, 2 ms) and eu-west (10 Mbit/s, 80 ms each way), H = 20,
@@ -47,9 +47,9 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
-from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.scenarios.workloads import build_workload

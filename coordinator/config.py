@@ -18,7 +18,7 @@ from geoloco.algorithms.algorithm_config import DISTRIBUTED_ALGORITHM_NAMES
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
-from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.training import TrainingConfig, TrainingKeys
 from geoloco.algorithms.update_guard import UpdateGuardConfig

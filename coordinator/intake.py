@@ -33,7 +33,7 @@ from geoloco.algorithms.aggregation import Aggregation, RunningSum
 from geoloco.algorithms.algorithm_config import AlgorithmConfig
 from geoloco.algorithms.async_merge import stale_admission
 from geoloco.algorithms.engine import UNSCREENED, RoundSum, Screen
-from geoloco.algorithms.secagg_stages import StageMessage, StageReply
+from geoloco.algorithms.privacy.secagg_stages import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan
 from geoloco.algorithms.weighting import check_inner_steps, most_inner_steps, site_weight
 from geoloco.compression import Encoded

@@ -18,7 +18,7 @@ well-defined points; all privacy decisions live here:
 * **Differential privacy.** ``central``: with secure aggregation the coordinator adds Gaussian
   noise to the unmasked sum; without it the (trusted) coordinator clips each decoded update to
   ``clip_norm`` before summing and adds the noise to the sum. ``distributed``: sites add Skellam
-  noise before masking (``geoloco.algorithms.privacy``). Either way every site counts the same
+  noise before masking (``geoloco.algorithms.privacy.private_aggregation``). Either way every site counts the same
   in the mean (uniform weighting: per-site sample weights would change the sensitivity).
 * **Accounting.** After every released round the accountant (Google's ``dp-accounting``)
   composes the round's noise multiplier; ε at ``privacy.delta`` goes into the round's metrics
@@ -38,7 +38,7 @@ import torch
 
 from geoloco.algorithms.aggregation import Aggregation
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES
-from geoloco.algorithms.privacy import (
+from geoloco.algorithms.privacy.private_aggregation import (
     SECURE_UPLOAD_CODEC,
     PrivacyAccountant,
     PrivacyConfig,
@@ -46,9 +46,9 @@ from geoloco.algorithms.privacy import (
     secure_context,
     secure_index_seed,
 )
-from geoloco.algorithms.secagg_crypto import num_chunks, site_index
-from geoloco.algorithms.secagg_messages import SecAggAbort, SecAggViolation
-from geoloco.algorithms.secagg_stages import StageMessage
+from geoloco.algorithms.privacy.secagg_crypto import num_chunks, site_index
+from geoloco.algorithms.privacy.secagg_messages import SecAggAbort, SecAggViolation
+from geoloco.algorithms.privacy.secagg_stages import StageMessage
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate, Strategy
 from geoloco.coordinator.domain import UploadProgress, UploadSpec
 from geoloco.coordinator.secure_round import SecureRound, StageReply

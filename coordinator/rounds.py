@@ -44,8 +44,8 @@ import torch
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.engine import RoundEngine
 from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.privacy.secagg_stages import StageMessage, StageReply
 from geoloco.algorithms.round import RoundPolicy
-from geoloco.algorithms.secagg_stages import StageMessage, StageReply
 from geoloco.algorithms.strategy import Strategy, build_strategy
 from geoloco.algorithms.update_guard import UpdateGuard
 from geoloco.compression import parse_codec

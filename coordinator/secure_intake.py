@@ -18,10 +18,10 @@ import torch
 from geoloco.algorithms.aggregation import Aggregation
 from geoloco.algorithms.engine import UNSCREENED, RoundSum
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES
-from geoloco.algorithms.privacy import SECURE_UPLOAD_CODEC
+from geoloco.algorithms.privacy.private_aggregation import SECURE_UPLOAD_CODEC
+from geoloco.algorithms.privacy.secagg_crypto import num_chunks, site_index
+from geoloco.algorithms.privacy.secagg_stages import StageMessage, StageReply
 from geoloco.algorithms.round import CloseDecision, Round
-from geoloco.algorithms.secagg_crypto import num_chunks, site_index
-from geoloco.algorithms.secagg_stages import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.context import RoundContext

@@ -1,15 +1,15 @@
 """The coordinator's side of one secure-aggregation round, as stage calls from named sites.
 
-``geoloco.algorithms.secagg_server.SecAggServer`` is the protocol; this class adapts it to the real
+``geoloco.algorithms.privacy.secagg_server.SecAggServer`` is the protocol; this class adapts it to the real
 system: sites are names (``site_index`` maps them to protocol ids), stages close when every live
 site has answered or a stage deadline passes (a site that vanished is waited for no longer than
 that, or than the heartbeat timeout that drops it), and stage calls carry the dataclasses of
-``geoloco.algorithms.secagg_stages`` both ways (the servicer translates them from and to
+``geoloco.algorithms.privacy.secagg_stages`` both ways (the servicer translates them from and to
 ``SecureStageRequest`` / ``SecureStageResponse`` with ``geoloco.protos.secagg_wire``). It is not
 thread-safe: ``RoundStateMachine`` calls it under its lock and runs ``result()`` (the unmasking,
 the heavy part) outside the lock.
 
-Stage calls of a site, in order (``stage`` names from ``geoloco.algorithms.secagg_messages``):
+Stage calls of a site, in order (``stage`` names from ``geoloco.algorithms.privacy.secagg_messages``):
 
 1. ``advertise_keys`` with ``AdvertiseKeys`` (advertisement + identity binding) -> ``Advertisements``.
 2. ``share_keys`` with its ``ShareBundle`` -> a ``ShareBundle`` of the shares addressed to it.
@@ -41,15 +41,15 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from geoloco.algorithms.fixed_point import FixedPoint, lift
-from geoloco.algorithms.privacy import (
+from geoloco.algorithms.privacy.private_aggregation import (
     PrivacyConfig,
     decode_secure_sum,
     effective_noise_multiplier,
     secure_context,
     secure_fixed_point,
 )
-from geoloco.algorithms.secagg_crypto import site_index
-from geoloco.algorithms.secagg_messages import (
+from geoloco.algorithms.privacy.secagg_crypto import site_index
+from geoloco.algorithms.privacy.secagg_messages import (
     MIN_SITES,
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
@@ -62,8 +62,8 @@ from geoloco.algorithms.secagg_messages import (
     SecAggViolation,
     UnmaskResponse,
 )
-from geoloco.algorithms.secagg_server import SecAggServer
-from geoloco.algorithms.secagg_stages import (
+from geoloco.algorithms.privacy.secagg_server import SecAggServer
+from geoloco.algorithms.privacy.secagg_stages import (
     AdvertiseKeys,
     Advertisements,
     IdentityBinding,

@@ -110,7 +110,7 @@ class FileKind:
 
 
 def file_kinds() -> list[FileKind]:
-    from geoloco.algorithms.sim_config import SimulatorConfig
+    from geoloco.algorithms.simulation.sim_config import SimulatorConfig
     from geoloco.coordinator.config import CoordinatorConfig
     from geoloco.relay import RelayConfig
     from geoloco.scenarios.config_kinds import KINDS
@@ -405,7 +405,7 @@ def build_config_reference() -> ConfigReference:
 
 def _add_file_form_keys(tables: dict[str, Table]) -> None:
     """Keys a file may hold beyond the dataclass fields (a schema's ``prepare_config_dict``)."""
-    from geoloco.algorithms.sim_config import _default_sites
+    from geoloco.algorithms.simulation.sim_config import _default_sites
 
     site = tables["site"]
     site.keys.insert(0, Key(
@@ -605,7 +605,7 @@ def _parser_lines(parser: argparse.ArgumentParser, prog: str, level: int) -> Ite
 
 
 def render_round_record() -> str:
-    from geoloco.algorithms.sim_config import SHARED_RECORD_KEYS, RoundRecord
+    from geoloco.algorithms.simulation.sim_config import SHARED_RECORD_KEYS, RoundRecord
     from geoloco.protos.round_phases import COORDINATOR_PHASES, SITE_PHASES
 
     hints = typing.get_type_hints(RoundRecord)
@@ -614,7 +614,7 @@ def render_round_record() -> str:
            "# Round record reference\n"]
     out.append(
         "One JSON object per round in `metrics.jsonl`: `geoloco simulate --out DIR` writes the "
-        "simulator's records (`geoloco.algorithms.sim_config.RoundRecord`, below), `geoloco coordinator` "
+        "simulator's records (`geoloco.algorithms.simulation.sim_config.RoundRecord`, below), `geoloco coordinator` "
         "and `geoloco emulate` the coordinator's. The keys marked **shared** mean the same and have the "
         "same types in both (`SHARED_RECORD_KEYS`, built once by the round engine's `round_facts`; a "
         "test compares both records from one run).\n"

@@ -20,8 +20,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from geoloco.algorithms.secagg_messages import SecAggViolation
-from geoloco.algorithms.secagg_stages import IdentityBinding
+from geoloco.algorithms.privacy.secagg_messages import SecAggViolation
+from geoloco.algorithms.privacy.secagg_stages import IdentityBinding
 from geoloco.protos.identity import site_from_uri
 
 __all__ = ["IDENTITY_DOMAIN", "binding_bytes", "load_ca", "verify_binding", "verify_bindings"]

@@ -1,5 +1,5 @@
 """Secure aggregation on the wire: the one translation between the dataclasses of
-``geoloco.algorithms.secagg_messages`` / ``secagg_stages`` and the ``SecAgg*`` protobuf messages
+``geoloco.algorithms.privacy.secagg_messages`` / ``secagg_stages`` and the ``SecAgg*`` protobuf messages
 of the SecureStage RPC.
 
 Each side calls it in one place: the coordinator's servicer (``request_message`` in,
@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import grpc
 
-from geoloco.algorithms.secagg_messages import (
+from geoloco.algorithms.privacy.secagg_messages import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
     STAGE_SHARE_KEYS,
@@ -38,7 +38,7 @@ from geoloco.algorithms.secagg_messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
-from geoloco.algorithms.secagg_stages import (
+from geoloco.algorithms.privacy.secagg_stages import (
     AdvertiseKeys,
     Advertisements,
     IdentityBinding,

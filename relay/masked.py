@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES
-from geoloco.algorithms.privacy import SECURE_UPLOAD_CODEC
+from geoloco.algorithms.privacy.private_aggregation import SECURE_UPLOAD_CODEC
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import InvalidUpdateError, quoted
 

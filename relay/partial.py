@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from geoloco.algorithms.aggregation import RunningSum
-from geoloco.algorithms.privacy import SECURE_UPLOAD_CODEC
+from geoloco.algorithms.privacy.private_aggregation import SECURE_UPLOAD_CODEC
 from geoloco.algorithms.round import CloseDecision, Round
 from geoloco.compression import Encoded, decode, parse_codec
 from geoloco.protos import geoloco_pb2 as pb

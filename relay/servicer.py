@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from geoloco.algorithms.secagg_messages import STAGE_WITHDRAW
+from geoloco.algorithms.privacy.secagg_messages import STAGE_WITHDRAW
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos.transport_tls import resolve_site

@@ -303,7 +303,7 @@ def _privacy_line(record: Mapping[str, Any]) -> str:
 def privacy_summary_line(record: Mapping[str, Any]) -> str:
     """The run's closing privacy line (machine-readable ``key=value`` fields first), flagged when
     epsilon is too large to mean anything, so a demonstration is never read as a guarantee."""
-    from geoloco.algorithms.dp_accountant import MEANINGFUL_EPSILON
+    from geoloco.algorithms.privacy.dp_accountant import MEANINGFUL_EPSILON
 
     eps = record["epsilon"]
     line = (

@@ -179,7 +179,7 @@ def emulate(
     print(f"  wall-clock {result.wall_s:.1f} s, {len(result.records)} rounds aggregated")
     epsilon = next((r["epsilon"] for r in reversed(result.records) if r.get("epsilon") is not None), None)
     if epsilon is not None:
-        from geoloco.algorithms.dp_accountant import describe_epsilon
+        from geoloco.algorithms.privacy.dp_accountant import describe_epsilon
 
         print(f"  privacy: {describe_epsilon(epsilon, result.scenario.privacy.delta)}")
     summary, fid = write_report(result)

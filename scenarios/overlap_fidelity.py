@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from geoloco.algorithms.streaming_clock import overlap_clock
+from geoloco.algorithms.simulation.streaming_clock import overlap_clock
 from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapChoice, choose_overlap
 from geoloco.scenarios.scenario import Scenario
 

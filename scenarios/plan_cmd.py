@@ -15,7 +15,7 @@ Two ways to describe the run:
 
 ``--compare diloco,streaming,ddp`` plans the same sites and the same inner steps per site with
 each algorithm and prints them side by side. The numbers come from
-``geoloco.algorithms.planner`` (the simulator's clock; see its docstring for what is assumed).
+``geoloco.algorithms.simulation.planner`` (the simulator's clock; see its docstring for what is assumed).
 Bad input exits with status 2 and a message naming the flag or key and what is allowed.
 """
 
@@ -41,7 +41,7 @@ from geoloco.scenarios.config_kinds import COORDINATOR, SCENARIO, SIMULATE, read
 from geoloco.scenarios.progress import human_bytes, human_seconds
 
 if TYPE_CHECKING:  # torch; `geoloco --help` stays fast without it
-    from geoloco.algorithms.clock import SiteConfig
+    from geoloco.algorithms.simulation.clock import SiteConfig
     from geoloco.algorithms.training import TrainingConfig
     from geoloco.scenarios.workloads import WorkloadSpec
 
@@ -238,7 +238,7 @@ def _refuse_two_tiers(source: str, regions: list[Any], coordinator_link: Any) ->
 
 
 def _sites(args: argparse.Namespace, run_file: RunFile | None) -> list[Any]:
-    from geoloco.algorithms.clock import SiteConfig
+    from geoloco.algorithms.simulation.clock import SiteConfig
 
     if run_file is not None and run_file.sites is not None:
         if args.sites is not None or args.link or args.speed_factors:
@@ -305,7 +305,7 @@ def _training(args: argparse.Namespace, run_file: RunFile | None, name: str) -> 
     from geoloco.algorithms.algorithm_config import AlgorithmConfig
     from geoloco.algorithms.config import ConfigError, config_from_dict
     from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
-    from geoloco.algorithms.privacy import PrivacyConfig
+    from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
     from geoloco.algorithms.training import TrainingConfig
 
     base = (
@@ -327,7 +327,7 @@ def _training(args: argparse.Namespace, run_file: RunFile | None, name: str) -> 
 
 
 def _with_rounds(args: argparse.Namespace, training: Any, run_file: RunFile | None) -> Any:
-    from geoloco.algorithms.planner import rounds_for_steps
+    from geoloco.algorithms.simulation.planner import rounds_for_steps
 
     if args.total_steps is not None:
         rounds = rounds_for_steps(training, args.total_steps)
@@ -394,7 +394,7 @@ def _time_steps(run_file: RunFile, num_sites: int, steps: int) -> float:
 def build_plans(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
     """The plans the flags ask for, and what they were built from (for the header)."""
     from geoloco.algorithms.params import ParamLayout
-    from geoloco.algorithms.planner import PlanError, plan
+    from geoloco.algorithms.simulation.planner import PlanError, plan
 
     if args.config is not None and args.config_flag is not None and args.config != args.config_flag:
         raise ConfigFileError(COMMAND_LINE, "--config", "give the config file once: as an argument or with --config")

@@ -12,7 +12,7 @@ moving bytes, in which direction) and the process start/stop times. A site's tim
 
 **Fidelity.** For each site, the measured communication time per round (mean upload burst + mean
 download burst, the initial full-weights fetch excluded) is compared with the simulator's clock,
-``geoloco.algorithms.clock.transfer_time(bytes, bandwidth, latency)`` for the round's upload and
+``geoloco.algorithms.simulation.clock.transfer_time(bytes, bandwidth, latency)`` for the round's upload and
 broadcast payload bytes from the coordinator's metrics — what ``geoloco simulate`` would charge.
 With ``[[regions]]`` the links are each site's link to its relay (its upload bytes from the relay's
 records) and each relay's link; a shaped ``[coordinator_link]`` is one more line: its busy time
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geoloco.algorithms.clock import SiteConfig, transfer_time
-from geoloco.algorithms.dp_accountant import describe_epsilon
+from geoloco.algorithms.privacy.dp_accountant import describe_epsilon
+from geoloco.algorithms.simulation.clock import SiteConfig, transfer_time
 from geoloco.scenarios.emulation import EmulationResult
 from geoloco.scenarios.overlap_fidelity import overlap_fidelity
 from geoloco.scenarios.progress import human_bytes

@@ -1,6 +1,6 @@
 """Simulator runs as results: ``run(config) -> RunResult``, saved to and loaded from a run folder.
 
-The simulator (``geoloco.algorithms.simulator``) yields round records and does no I/O; research
+The simulator (``geoloco.algorithms.simulation.simulator``) yields round records and does no I/O; research
 code wants the finished run instead: the resolved config with the package version and commit it
 ran on, the evaluation curve against cumulative inner steps, bytes and virtual time, the totals,
 and the step, byte and time cost of reaching a loss. A run folder holds ``config.json`` (the
@@ -204,7 +204,7 @@ def prepare_raw(raw: Mapping[str, Any], overrides: Sequence[str], source: str) -
 
     An override of ``simulation.rounds`` drops the file's ``total_inner_steps`` (and the other
     pairs alike), so the command line wins over the file instead of setting both."""
-    from geoloco.algorithms.simulator import SimulatorConfig
+    from geoloco.algorithms.simulation.simulator import SimulatorConfig
 
     prepared: dict[str, Any] = copy.deepcopy(dict(raw))
     overridden = {parse_override(text)[0] for text in overrides}
@@ -225,7 +225,7 @@ def load_run_config(raw: dict[str, Any], source: str) -> tuple[Any, Any]:
     """``(WorkloadSpec, SimulatorConfig)`` from a prepared dict (``prepare_raw``); consumes it.
     A ``[research]`` table still in it is read first (``load_research_config``: its plug-ins are
     imported, so the names they register resolve) and dropped."""
-    from geoloco.algorithms.simulator import SimulatorConfig
+    from geoloco.algorithms.simulation.simulator import SimulatorConfig
     from geoloco.scenarios.workloads import WORKLOAD_TABLE, parse_workload
 
     if RESEARCH_TABLE in raw:
@@ -537,7 +537,7 @@ def run(
     geoloco commit may differ) is loaded instead of run again; a finished folder of another run
     is refused rather than overwritten.
     """
-    from geoloco.algorithms.async_sim import build_simulator
+    from geoloco.algorithms.simulation.async_sim import build_simulator
 
     if isinstance(config, (str, Path)):
         source, raw = str(config), read_toml(Path(config))

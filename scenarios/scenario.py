@@ -13,7 +13,7 @@ comment):
 - ``[privacy]``: secure aggregation and differential privacy (``PrivacyConfig``, the same table as
   ``geoloco simulate`` and ``geoloco coordinator`` take).
 - ``[[regions]]`` and ``[coordinator_link]``: regional relays and the coordinator's shared link
-  (``RegionSpec``, ``CoordinatorLinkSpec`` in ``geoloco.algorithms.sim_regions``).
+  (``RegionSpec``, ``CoordinatorLinkSpec`` in ``geoloco.algorithms.simulation.sim_regions``).
 
 Every error names the file, the dotted key and what is allowed (``ScenarioError``), and is raised
 by ``load_scenario`` before any process starts. The parsing reuses the simulator's machinery:
@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from geoloco.algorithms.algorithm_config import DISTRIBUTED_ALGORITHM_NAMES
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
-from geoloco.algorithms.privacy import PrivacyConfig
-from geoloco.algorithms.sim_regions import CoordinatorLinkSpec, RegionSpec, check_regions
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.sim_regions import CoordinatorLinkSpec, RegionSpec, check_regions
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.training import TrainingConfig, TrainingKeys
 from geoloco.protos.identity import validate_site_name

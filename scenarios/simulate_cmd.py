@@ -1,6 +1,6 @@
 """``geoloco simulate``: run the single-process simulator from a TOML file and flags.
 
-The file's sections map one to one onto ``geoloco.algorithms.simulator.SimulatorConfig``
+The file's sections map one to one onto ``geoloco.algorithms.simulation.simulator.SimulatorConfig``
 (``[algorithm]``, ``[inner_optimizer]``, ``[outer_optimizer]``, ``[sites]`` or ``[[sites]]``,
 ``[simulation]``) plus ``[workload]`` (``name`` and the workload's options). See the shipped
 ``simulate.toml`` for every key with a comment. A bad value exits with status 2 and a message
@@ -187,9 +187,9 @@ def _run(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace, source: str, research: ResearchConfig, spec: Any, config: Any) -> int:
     from tqdm import tqdm
 
-    from geoloco.algorithms.async_sim import build_simulator
     from geoloco.algorithms.config import ConfigError
-    from geoloco.algorithms.dp_accountant import describe_epsilon
+    from geoloco.algorithms.privacy.dp_accountant import describe_epsilon
+    from geoloco.algorithms.simulation.async_sim import build_simulator
 
     name = spec.name
     try:

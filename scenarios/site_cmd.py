@@ -21,7 +21,7 @@ named with a number ("3") takes that number and ``num_sites`` = the coordinator'
 Secure aggregation's threshold is the one run setting a site does not take on the
 coordinator's word: a round whose threshold breaks ``2 t > holders + C`` is refused, with ``C``
 from ``--colluding-sites`` (default 1) whatever ``colluding_sites`` the coordinator declares, and
-below ``--min-threshold`` when given (``geoloco.algorithms.secagg_crypto.ThresholdPolicy``).
+below ``--min-threshold`` when given (``geoloco.algorithms.privacy.secagg_crypto.ThresholdPolicy``).
 
 ``--state-dir DIR`` saves the site's state at every round boundary and resumes from it when the
 same command runs again after a crash (``geoloco.site_agent.persist``).

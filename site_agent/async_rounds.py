@@ -10,7 +10,7 @@ once, each on its own thread:
   below): the coordinator merges an update
   into whatever model it holds then, so the update must be measured from a model the
   coordinator knows, or the next update would carry this one's movement a second time
-  (``geoloco.algorithms.async_sim`` explains the same choice for the simulator);
+  (``geoloco.algorithms.simulation.async_sim`` explains the same choice for the simulator);
 * **the follower**: waits for every merge's broadcast and applies it to the held global
   weights (digest-checked; a site that fell behind fetches the full weights);
 * **the uploader**: sends each update labelled with its base version ``v``. The coordinator

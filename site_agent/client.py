@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from geoloco.algorithms.secagg_stages import StageMessage
+from geoloco.algorithms.privacy.secagg_stages import StageMessage
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import secagg_wire
 from geoloco.protos.identity import new_instance_id
@@ -481,7 +481,7 @@ class CoordinatorClient:
         self, round_number: int, stage: str, message: StageMessage, *, wait_ms: int = 1000
     ) -> tuple[StageMessage, str]:
         """One secure-aggregation stage: ``(reply, abort reason or "")`` once it closes; the
-        messages are ``geoloco.algorithms.secagg_stages`` dataclasses (``secagg_wire`` translates).
+        messages are ``geoloco.algorithms.privacy.secagg_stages`` dataclasses (``secagg_wire`` translates).
 
         The coordinator holds each call up to ``wait_ms``; an open stage is simply asked again
         (stage calls are idempotent), and a transient failure is retried like any call.

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from geoloco.algorithms.config import config_from_dict, config_to_dict, require
 from geoloco.algorithms.device import resolve_device
-from geoloco.algorithms.secagg_crypto import DEFAULT_COLLUDING_SITES, ThresholdPolicy
+from geoloco.algorithms.privacy.secagg_crypto import DEFAULT_COLLUDING_SITES, ThresholdPolicy
 from geoloco.protos.transport_options import DEFAULT_MIN_TRANSFER_RATE
 from geoloco.protos.wire_buffers import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 from geoloco.site_agent.client_streams import parse_parallel_streams

@@ -1,6 +1,6 @@
 """A site's side of secure aggregation over stage calls, with its identity bound to its TLS certificate.
 
-``geoloco.algorithms.secagg_client.SecAggClient`` is the protocol; this adapts it to the real system:
+``geoloco.algorithms.privacy.secagg_client.SecAggClient`` is the protocol; this adapts it to the real system:
 
 * **Identity binding** (``geoloco.protos.secagg_identity``). Each site process makes an Ed25519
   identity key and signs ``(site name, identity public key)`` with its TLS private key; the
@@ -11,7 +11,7 @@
   coordinator's word: the protocol still hides updates from a coordinator that follows it, but
   substitution can no longer be detected.
 * **Stage calls.** ``StageCall(stage, message) -> (reply, aborted)`` is the transport (the gRPC
-  client, retrying until the stage is ready; it translates the ``geoloco.algorithms.secagg_stages``
+  client, retrying until the stage is ready; it translates the ``geoloco.algorithms.privacy.secagg_stages``
   dataclasses with ``geoloco.protos.secagg_wire``); ``SecureSite`` runs the key stages before
   training, masks the encoded update chunk by chunk, and runs the unmask stages after upload.
   A reply that is not what its stage answers with is refused (``SecAggViolation``).
@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES, FixedPoint
-from geoloco.algorithms.privacy import (
+from geoloco.algorithms.privacy.private_aggregation import (
     SECURE_UPLOAD_CODEC,
     PrivacyConfig,
     PrivateUpdateEncoder,
@@ -43,9 +43,9 @@ from geoloco.algorithms.privacy import (
     secure_fixed_point,
     secure_index_seed,
 )
-from geoloco.algorithms.secagg_client import SecAggClient
-from geoloco.algorithms.secagg_crypto import ThresholdPolicy, public_bytes, site_index
-from geoloco.algorithms.secagg_messages import (
+from geoloco.algorithms.privacy.secagg_client import SecAggClient
+from geoloco.algorithms.privacy.secagg_crypto import ThresholdPolicy, public_bytes, site_index
+from geoloco.algorithms.privacy.secagg_messages import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
     STAGE_SHARE_KEYS,
@@ -56,7 +56,7 @@ from geoloco.algorithms.secagg_messages import (
     SecAggViolation,
     UnmaskRequest,
 )
-from geoloco.algorithms.secagg_stages import (
+from geoloco.algorithms.privacy.secagg_stages import (
     STAGE_REPLIES,
     AdvertiseKeys,
     Advertisements,

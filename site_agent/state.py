@@ -21,7 +21,7 @@ import torch
 
 from geoloco.algorithms.config import config_from_dict
 from geoloco.algorithms.params import weights_digest
-from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig, Strategy
 from geoloco.compression import Encoded, PipelineCodec, parse_codec
 from geoloco.protos import geoloco_pb2 as pb

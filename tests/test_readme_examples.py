@@ -478,7 +478,7 @@ MATH_RE = re.compile(r"^[a-z]_[a-z0-9]+$")
 
 
 def _config_field_names() -> set[str]:
-    from geoloco.algorithms.simulator import RoundRecord, SimulatorConfig
+    from geoloco.algorithms.simulation.simulator import RoundRecord, SimulatorConfig
     from geoloco.coordinator.config import CoordinatorConfig
     from geoloco.protos.round_phases import COORDINATOR_PHASES, SITE_PHASES
     from geoloco.relay import RelayConfig

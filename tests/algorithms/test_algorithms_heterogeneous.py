@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from geoloco.algorithms.aggregation import RunningSum
-from geoloco.algorithms.clock import transfer_time
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig, RoundDeadline, quantile
 from geoloco.algorithms.diloco import run_inner_steps
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig, simulate
+from geoloco.algorithms.simulation.clock import transfer_time
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig, simulate
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within, steps_in_budget
 from geoloco.algorithms.weighting import (

@@ -10,7 +10,7 @@ import torch
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.lr_schedule import InnerLRSchedule, lr_multiplier, resolve_decay_steps
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
 
 
 def test_warmup_is_linear_from_one_over_warmup_to_one() -> None:

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from geoloco.algorithms.clock import transfer_time
 from geoloco.algorithms.config import ConfigError
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig, simulate
+from geoloco.algorithms.simulation.clock import transfer_time
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig, simulate
 from geoloco.compression import parse_codec
 
 

@@ -11,7 +11,7 @@ from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.diloco import apply_downlink, pseudo_gradient, run_inner_steps
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
 from geoloco.algorithms.params import ParamLayout, weights_digest
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import (
     ALGORITHMS,
     AlgorithmConfig,

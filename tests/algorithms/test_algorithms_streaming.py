@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from geoloco.algorithms import streaming_sim
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.simulation import streaming_sim
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy
 from geoloco.algorithms.streaming import (
     FragmentPartition,
@@ -388,7 +388,7 @@ def test_simulator_streaming_secure_aggregation_matches_plain_streaming(deep, mo
         "algorithm": {"uplink_codec": "none", "downlink_codec": "none"},
         "simulation": {"rounds": 4, "eval_every": 4, "device": "cpu", "step_time_s": 0.1},
     }
-    from geoloco.algorithms import secure_sum as secure_sum_module
+    from geoloco.algorithms.privacy import secure_sum as secure_sum_module
 
     sums: list[int] = []
     real = secure_sum_module.private_round_in_memory
@@ -421,7 +421,7 @@ def test_simulator_streaming_secure_aggregation_matches_plain_streaming(deep, mo
 def test_simulator_streaming_distributed_dp_accounts_one_release_per_fragment_sync(deep) -> None:
     """Each fragment sync is one DP release: epsilon after r rounds is the accountant's epsilon
     of r compositions of the fragment round's noise multiplier."""
-    from geoloco.algorithms.privacy import PrivacyAccountant
+    from geoloco.algorithms.privacy.private_aggregation import PrivacyAccountant
 
     config = _sim_config(
         {"enabled": True, "fragments": 2},

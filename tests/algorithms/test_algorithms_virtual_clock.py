@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from geoloco.algorithms.clock import SiteConfig, download_ends, transfer_time, upload_arrivals
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.round import RoundPolicy
+from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, transfer_time, upload_arrivals
 
 
 def _round(*, open_s, starts, compute_s, upload_bytes, download_bytes, sites, deadline_s=None, min_sites=1):
@@ -106,7 +106,7 @@ def test_site_config_errors(data, key) -> None:
 
 
 def test_the_old_step_time_factor_key_says_what_replaced_it() -> None:
-    from geoloco.algorithms.simulator import SimulatorConfig
+    from geoloco.algorithms.simulation.simulator import SimulatorConfig
 
     with pytest.raises(ConfigError) as err:
         SimulatorConfig.from_dict({"sites": [{}, {"step_time_factor": 2.0}]})

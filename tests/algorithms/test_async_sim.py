@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from geoloco.algorithms.async_merge import dynamic_local_steps
-from geoloco.algorithms.async_sim import DecoupledSimulator, build_simulator
-from geoloco.algorithms.chaos import ChaosSchedule
-from geoloco.algorithms.clock import transfer_time
 from geoloco.algorithms.config import ConfigError
-from geoloco.algorithms.sim_config import SimulatorConfig
-from geoloco.algorithms.simulator import Simulator
+from geoloco.algorithms.simulation.async_sim import DecoupledSimulator, build_simulator
+from geoloco.algorithms.simulation.chaos import ChaosSchedule
+from geoloco.algorithms.simulation.clock import transfer_time
+from geoloco.algorithms.simulation.sim_config import SimulatorConfig
+from geoloco.algorithms.simulation.simulator import Simulator
 
 INSTANT = {"latency_s": 0.0, "uplink_bps": math.inf, "downlink_bps": math.inf}
 """Links that take no time: an upload arrives, and a broadcast reaches every site, at once."""

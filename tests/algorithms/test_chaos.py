@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from geoloco.algorithms.chaos import ChaosConfig, ChaosSchedule, StepLedger, global_downtime
 from geoloco.algorithms.config import ConfigError
+from geoloco.algorithms.simulation.chaos import ChaosConfig, ChaosSchedule, StepLedger, global_downtime
 
 
 def _downs(schedule: ChaosSchedule, site: int, until: float) -> list[tuple[float, float]]:

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from geoloco.algorithms.config import config_from_dict
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
 from geoloco.scenarios.workloads import build_workload
 
 GOLDEN = Path(__file__).parent / "golden" / "rounds.json"

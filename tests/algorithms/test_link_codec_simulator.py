@@ -8,7 +8,7 @@ import math
 import pytest
 
 from geoloco.algorithms.config import ConfigError
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
 
 SLOW_BPS, FAST_BPS = 1e6, 1e7
 

@@ -10,7 +10,7 @@ from torch import nn
 from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.partial import PartialAssignment, PartialMean, PartialUpdatesConfig
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
 from geoloco.compression import parse_codec
 
 # LinearRegressionWorkload(hidden=8): 0.weight (32), 0.bias (8), 2.weight (8), 2.bias (1).

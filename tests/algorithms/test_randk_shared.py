@@ -8,7 +8,7 @@ import torch
 
 from geoloco.algorithms.algorithm_config import AlgorithmConfig
 from geoloco.algorithms.config import ConfigError
-from geoloco.algorithms.privacy import PrivacyConfig, check_composition, secure_index_seed
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig, check_composition, secure_index_seed
 from geoloco.algorithms.strategy import build_strategy, uplink_seed
 from geoloco.compression import decode, parse_codec
 
@@ -76,7 +76,7 @@ def test_site_agent_encodes_with_the_simulators_seed(codec: str) -> None:
 
 
 def test_a_secure_round_takes_randk_shared_and_sends_what_randk_sends(make_workload) -> None:
-    from geoloco.algorithms.simulator import SimulatorConfig, simulate
+    from geoloco.algorithms.simulation.simulator import SimulatorConfig, simulate
 
     def run(codec: str) -> list[dict[str, int]]:
         config = SimulatorConfig.from_dict({

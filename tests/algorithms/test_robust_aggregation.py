@@ -11,7 +11,7 @@ import torch
 from geoloco.algorithms.aggregation import RunningSum, new_aggregation
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.robust import RobustAggregation, RobustRule, clip_scales, combine, median_of
-from geoloco.algorithms.sim_config import SimulatorConfig
+from geoloco.algorithms.simulation.sim_config import SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 
 MEDIAN = RobustRule(aggregation="median")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from geoloco.algorithms.config import ConfigError
-from geoloco.algorithms.robust_attack import Attack, parse_attack
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.robust_attack import Attack, parse_attack
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
 
 NUM_SITES = 5
 

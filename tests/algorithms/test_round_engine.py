@@ -9,10 +9,10 @@ from collections.abc import Collection
 import torch
 
 from geoloco.algorithms.aggregation import RunningSum
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.engine import NOT_FINITE, UNSCREENED, RoundEngine, Screen
 from geoloco.algorithms.round import CloseDecision, Round, RoundPolicy
-from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig, Strategy, build_strategy
 from geoloco.algorithms.update_guard import UpdateGuard, UpdateGuardConfig
 from geoloco.scenarios.workloads import build_workload

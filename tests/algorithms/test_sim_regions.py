@@ -1,4 +1,4 @@
-"""The two-tier virtual clock (``geoloco.algorithms.sim_regions``): its shared coordinator link,
+"""The two-tier virtual clock (``geoloco.algorithms.simulation.sim_regions``): its shared coordinator link,
 its agreement with the plain clock when that link is not a bottleneck, and the issue's target
 for 64 sites in 4 regions."""
 
@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from geoloco.algorithms.clock import SiteConfig, download_ends, upload_arrivals
 from geoloco.algorithms.config import ConfigError
-from geoloco.algorithms.planner_sizes import encoded_nbytes
-from geoloco.algorithms.sim_regions import CoordinatorLink, RegionConfig, flat_round, relayed_round, shared_fifo
+from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, upload_arrivals
+from geoloco.algorithms.simulation.planner_sizes import encoded_nbytes
+from geoloco.algorithms.simulation.sim_regions import (
+    CoordinatorLink,
+    RegionConfig,
+    flat_round,
+    relayed_round,
+    shared_fifo,
+)
 
 
 def test_a_shared_link_serves_transfers_one_at_a_time_in_ready_order() -> None:

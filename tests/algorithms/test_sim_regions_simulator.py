@@ -1,5 +1,5 @@
 """``geoloco simulate`` with ``[[regions]]`` / ``[coordinator_link]``: the simulator's round clock is
-the two-tier clock (``geoloco.algorithms.sim_regions``), the training math is unchanged."""
+the two-tier clock (``geoloco.algorithms.simulation.sim_regions``), the training math is unchanged."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import ConfigError
-from geoloco.algorithms.sim_regions import CoordinatorLink, RegionConfig, relayed_round
-from geoloco.algorithms.simulator import SimulatorConfig, simulate
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.sim_regions import CoordinatorLink, RegionConfig, relayed_round
+from geoloco.algorithms.simulation.simulator import SimulatorConfig, simulate
 from geoloco.scenarios.research import load_run_config, prepare_raw
 
 NAMES = ["e1", "e2", "u1", "u2"]

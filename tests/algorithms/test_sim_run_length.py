@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from geoloco.algorithms.config import ConfigError, config_from_dict
-from geoloco.algorithms.simulator import SimulationConfig, SimulatorConfig, simulate
+from geoloco.algorithms.simulation.simulator import SimulationConfig, SimulatorConfig, simulate
 
 
 def _config(algorithm: dict[str, Any], simulation: dict[str, Any]) -> SimulatorConfig:

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from geoloco.algorithms import streaming_sim
 from geoloco.algorithms.config import ConfigError, config_from_dict
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.simulation import streaming_sim
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.streaming_clock import overlap_clock
 from geoloco.algorithms.strategy import AlgorithmConfig
-from geoloco.algorithms.streaming_clock import overlap_clock
 from geoloco.algorithms.streaming_overlap import (
     OverlapBounds,
     OverlapChoice,

@@ -20,7 +20,7 @@ from _round_helpers import chunk_requests, tiny_weights, upload_manifest
 from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.link_codec import AdaptiveUplinkConfig
 from geoloco.algorithms.optimizers import OuterOptimizerConfig
-from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.compression import decode, parse_codec
 from geoloco.compression.encoded import Encoded

@@ -16,7 +16,7 @@ import torch
 from _round_helpers import FakeClock, encode_update, join, tiny_weights, upload, upload_manifest
 from _round_helpers import send as send_upload
 
-from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.coordinator.checkpoint import CheckpointError, load_latest_checkpoint

@@ -20,8 +20,8 @@ import pytest
 import torch
 from _round_helpers import FakeClock, heartbeat, join, tiny_weights, upload
 
-from geoloco.algorithms.privacy import PrivacyConfig
-from geoloco.algorithms.secagg_messages import STAGE_CONSISTENCY
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
+from geoloco.algorithms.privacy.secagg_messages import STAGE_CONSISTENCY
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.checkpoint import load_latest_checkpoint
 from geoloco.coordinator.config import CoordinatorConfig

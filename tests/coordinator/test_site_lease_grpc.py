@@ -25,8 +25,8 @@ import pytest
 import torch
 from _round_helpers import chunk_requests, encode_update, tiny_weights, upload_manifest
 
-from geoloco.algorithms.privacy import PrivacyConfig
-from geoloco.algorithms.secagg_messages import STAGE_CONSISTENCY, STAGE_WITHDRAW
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
+from geoloco.algorithms.privacy.secagg_messages import STAGE_CONSISTENCY, STAGE_WITHDRAW
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer

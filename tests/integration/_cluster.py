@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.simulator import RoundRecord, SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.simulator import RoundRecord, SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer

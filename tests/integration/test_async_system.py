@@ -19,11 +19,11 @@ import torch
 from _cluster import AgentThread, Run, make_certs
 
 from geoloco.algorithms.async_merge import AsyncConfig
-from geoloco.algorithms.async_sim import DecoupledSimulator
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import ConfigError
-from geoloco.algorithms.privacy import PrivacyConfig
-from geoloco.algorithms.sim_config import SimulationConfig, SimulatorConfig
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
+from geoloco.algorithms.simulation.async_sim import DecoupledSimulator
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.sim_config import SimulationConfig, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.coordinator.metrics import read_metrics

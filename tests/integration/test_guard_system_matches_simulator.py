@@ -15,8 +15,8 @@ import pytest
 import torch
 from _cluster import AgentThread, Run, make_certs
 
-from geoloco.algorithms.clock import SiteConfig
-from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.update_guard import UpdateGuardConfig
 from geoloco.coordinator.metrics import read_metrics

@@ -22,7 +22,7 @@ import pytest
 import torch
 from _cluster import AgentThread, Run, make_certs, on_round, relative_difference, wait_for
 
-from geoloco.algorithms.sim_config import SHARED_RECORD_KEYS
+from geoloco.algorithms.simulation.sim_config import SHARED_RECORD_KEYS
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer

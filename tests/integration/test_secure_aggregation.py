@@ -30,7 +30,7 @@ from _cluster import AgentThread, Run, make_certs
 from _processes import SITE_JOINED, Processes
 
 from geoloco.algorithms.config import ConfigError
-from geoloco.algorithms.privacy import PrivacyAccountant, PrivacyConfig, PrivateUpdateEncoder
+from geoloco.algorithms.privacy.private_aggregation import PrivacyAccountant, PrivacyConfig, PrivateUpdateEncoder
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.config import CoordinatorConfig

@@ -31,10 +31,10 @@ from typing import Any
 import pytest
 from _cluster import AgentThread, Run, make_certs
 
-from geoloco.algorithms.privacy import PrivacyConfig
-from geoloco.algorithms.secagg_client import SecAggClient
-from geoloco.algorithms.secagg_crypto import site_index
-from geoloco.algorithms.secagg_messages import SecAggViolation, UnmaskRequest, UnmaskResponse
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
+from geoloco.algorithms.privacy.secagg_client import SecAggClient
+from geoloco.algorithms.privacy.secagg_crypto import site_index
+from geoloco.algorithms.privacy.secagg_messages import SecAggViolation, UnmaskRequest, UnmaskResponse
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.scenarios.workloads import build_workload

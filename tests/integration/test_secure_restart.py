@@ -20,7 +20,7 @@ import pytest
 import torch
 from _cluster import AgentThread, Run, make_certs, wait_for
 
-from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer

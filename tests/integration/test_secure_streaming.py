@@ -15,7 +15,7 @@ import pytest
 from _cluster import AgentThread, Run, make_certs
 
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import FragmentPartition, StreamingConfig
 from geoloco.coordinator.metrics import read_metrics

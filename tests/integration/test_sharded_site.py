@@ -33,10 +33,10 @@ from _cluster import AgentThread, make_certs
 from _sharded_site import LR, SEED, WORKLOAD
 from _torchrun import finish, torchrun
 
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.config import CoordinatorConfig

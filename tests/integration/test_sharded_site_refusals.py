@@ -16,7 +16,7 @@ from _cluster import make_certs
 from torch import nn
 
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
 from geoloco.algorithms.shard_split import shard_numel, shard_ranges
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.compression import Encoded, decode

@@ -43,9 +43,9 @@ from _processes import (
     Processes,
 )
 
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
-from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.checkpoint import load_latest_checkpoint
 from geoloco.scenarios.workloads import build_workload

@@ -26,10 +26,10 @@ import torch
 from _cluster import AgentThread, Run, make_certs, on_round, wait_for
 from _processes import COORDINATOR_END, COORDINATOR_ROUND, LISTENING, SITE_END, SITE_ROUND, Processes, names
 
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.simulator import SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import FragmentPartition, StreamingConfig
 from geoloco.coordinator.metrics import read_metrics

@@ -92,7 +92,7 @@ def test_coordinator_cli_refuses_secure_aggregation_with_a_quorum_below_three(
 def test_coordinator_config_refuses_a_deadline_under_secure_aggregation() -> None:
     from geoloco.algorithms.config import ConfigError
     from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
-    from geoloco.algorithms.privacy import PrivacyConfig
+    from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
     from geoloco.coordinator.config import CoordinatorConfig
 
     privacy = PrivacyConfig(secure_aggregation=True, clip_norm=1.0)

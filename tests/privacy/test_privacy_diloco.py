@@ -8,7 +8,7 @@ from _privacy_helpers import identity_keys
 from geoloco.algorithms.diloco import pseudo_gradient, run_inner_steps
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizer, OuterOptimizerConfig
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.privacy import (
+from geoloco.algorithms.privacy.private_aggregation import (
     PrivacyConfig,
     PrivateUpdateEncoder,
     plan_secure_round,

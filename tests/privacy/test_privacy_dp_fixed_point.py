@@ -13,7 +13,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.fixed_point import clip_l2, lift, pack, plan_fixed_point, stochastic_round, unpack
-from geoloco.algorithms.privacy import (
+from geoloco.algorithms.privacy.private_aggregation import (
     PrivacyAccountant,
     PrivacyConfig,
     PrivateUpdateEncoder,
@@ -24,7 +24,7 @@ from geoloco.algorithms.privacy import (
     private_round_in_memory,
     skellam_noise,
 )
-from geoloco.algorithms.secagg_messages import SecAggAbort
+from geoloco.algorithms.privacy.secagg_messages import SecAggAbort
 
 
 def test_headroom_keeps_the_worst_case_sum_from_wrapping() -> None:
@@ -66,7 +66,7 @@ def test_clip_l2() -> None:
 
 
 def test_skellam_noise_is_accurate_at_the_largest_planned_variance() -> None:
-    from geoloco.algorithms.privacy import MAX_NOISE_STD_UNITS
+    from geoloco.algorithms.privacy.private_aggregation import MAX_NOISE_STD_UNITS
 
     variance = MAX_NOISE_STD_UNITS**2 / 2  # per site with t = 2, the largest the planner allows
     noise = skellam_noise(400_000, variance, np.random.default_rng(2)).double()
@@ -200,7 +200,7 @@ def test_below_threshold_private_round_aborts() -> None:
 def test_private_encoder_restore_and_keep_put_the_update_back(codec: str) -> None:
     """An update the secure sum did not include returns whole into the residual (``restore``
     after ``encode``; ``keep`` when it never reached ``encode``), as a plain straggler does."""
-    from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, plan_secure_round
+    from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig, PrivateUpdateEncoder, plan_secure_round
 
     privacy = PrivacyConfig(secure_aggregation=True, clip_norm=0.5)
     g = torch.Generator().manual_seed(0)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from geoloco.algorithms.dp_accountant import MEANINGFUL_EPSILON, describe_epsilon
-from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.privacy.dp_accountant import MEANINGFUL_EPSILON, describe_epsilon
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
 from geoloco.scenarios.cli import main
 from geoloco.scenarios.report import _privacy_lines
 from geoloco.scenarios.sweep import sweep

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from geoloco.algorithms.aggregation import CentralDPSum, new_aggregation
-from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy
 from geoloco.coordinator.privacy_rounds import PrivateRounds
 

@@ -11,11 +11,17 @@ from _privacy_helpers import identity_keys, seeded_bytes
 from scipy import stats
 
 from geoloco.algorithms.fixed_point import lift
-from geoloco.algorithms.secagg_client import SecAggClient
-from geoloco.algorithms.secagg_crypto import default_threshold, neighbour_graph, num_chunks
-from geoloco.algorithms.secagg_in_memory import run_round_in_memory
-from geoloco.algorithms.secagg_messages import MIN_SITES, RoundContext, SecAggAbort, SecAggViolation, UnmaskRequest
-from geoloco.algorithms.secagg_server import SecAggServer
+from geoloco.algorithms.privacy.secagg_client import SecAggClient
+from geoloco.algorithms.privacy.secagg_crypto import default_threshold, neighbour_graph, num_chunks
+from geoloco.algorithms.privacy.secagg_in_memory import run_round_in_memory
+from geoloco.algorithms.privacy.secagg_messages import (
+    MIN_SITES,
+    RoundContext,
+    SecAggAbort,
+    SecAggViolation,
+    UnmaskRequest,
+)
+from geoloco.algorithms.privacy.secagg_server import SecAggServer
 
 
 def _inputs(n: int, numel: int, rng: np.random.Generator, bound: int = 1 << 20) -> dict[int, np.ndarray]:
@@ -268,7 +274,7 @@ def test_resent_chunk_is_idempotent_and_altered_chunk_rejected() -> None:
 
 
 def test_masks_of_distinct_chunks_and_rounds_differ() -> None:
-    from geoloco.algorithms.secagg_crypto import keystream, mask_key
+    from geoloco.algorithms.privacy.secagg_crypto import keystream, mask_key
 
     secret = random.Random(0).randbytes(32)
     k5 = mask_key(secret, "s", 5, pair=(1, 2))
@@ -279,7 +285,7 @@ def test_masks_of_distinct_chunks_and_rounds_differ() -> None:
 
 
 def test_messages_round_trip_through_bytes_and_tampering_is_caught() -> None:
-    from geoloco.algorithms.secagg_messages import message_from_bytes, message_to_bytes
+    from geoloco.algorithms.privacy.secagg_messages import message_from_bytes, message_to_bytes
 
     context, clients, server, survivors = _uploaded()
     ads = server.advertisements()

@@ -20,12 +20,12 @@ from _privacy_helpers import identity_keys
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
-from geoloco.algorithms import shamir
 from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.fixed_point import lift
-from geoloco.algorithms.privacy import PrivacyConfig
-from geoloco.algorithms.secagg_client import SecAggClient
-from geoloco.algorithms.secagg_crypto import (
+from geoloco.algorithms.privacy import shamir
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
+from geoloco.algorithms.privacy.secagg_client import SecAggClient
+from geoloco.algorithms.privacy.secagg_crypto import (
     ThresholdPolicy,
     add_masks,
     mask_key,
@@ -33,7 +33,7 @@ from geoloco.algorithms.secagg_crypto import (
     secure_threshold,
     split_view_bound,
 )
-from geoloco.algorithms.secagg_messages import (
+from geoloco.algorithms.privacy.secagg_messages import (
     EncryptedShare,
     KeyAdvertisement,
     RoundContext,
@@ -43,7 +43,7 @@ from geoloco.algorithms.secagg_messages import (
     UnmaskResponse,
     survivors_signed_bytes,
 )
-from geoloco.algorithms.secagg_server import SecAggServer
+from geoloco.algorithms.privacy.secagg_server import SecAggServer
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.site_agent.config import SiteAgentConfig
 

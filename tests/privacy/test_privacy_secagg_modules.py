@@ -9,7 +9,7 @@ import sys
 def test_secagg_imports_neither_protos_nor_grpc() -> None:
     code = (
         "import sys\n"
-        "import geoloco.algorithms.secagg_in_memory, geoloco.algorithms.secagg_stages\n"
+        "import geoloco.algorithms.privacy.secagg_in_memory, geoloco.algorithms.privacy.secagg_stages\n"
         "bad = sorted(m for m in sys.modules if m.startswith(('geoloco.protos', 'grpc', 'google.protobuf')))\n"
         "assert not bad, bad\n"
     )

@@ -12,16 +12,16 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from geoloco.algorithms.privacy import (
+from geoloco.algorithms.privacy.private_aggregation import (
     SECURE_UPLOAD_CODEC,
     PrivacyConfig,
     PrivateUpdateEncoder,
     secure_context,
     secure_fixed_point,
 )
-from geoloco.algorithms.secagg_client import SecAggClient
-from geoloco.algorithms.secagg_crypto import site_index
-from geoloco.algorithms.secagg_messages import (
+from geoloco.algorithms.privacy.secagg_client import SecAggClient
+from geoloco.algorithms.privacy.secagg_crypto import site_index
+from geoloco.algorithms.privacy.secagg_messages import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
     STAGE_SHARE_KEYS,
@@ -30,7 +30,13 @@ from geoloco.algorithms.secagg_messages import (
     SecAggViolation,
     UnmaskRequest,
 )
-from geoloco.algorithms.secagg_stages import AdvertiseKeys, Advertisements, ShareBundle, SurvivorList, SurvivorSignature
+from geoloco.algorithms.privacy.secagg_stages import (
+    AdvertiseKeys,
+    Advertisements,
+    ShareBundle,
+    SurvivorList,
+    SurvivorSignature,
+)
 from geoloco.coordinator.secure_round import SecureRound
 
 NAMES = ["alpha", "beta", "gamma", "delta"]

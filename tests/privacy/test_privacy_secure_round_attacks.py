@@ -9,10 +9,10 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, secure_context
-from geoloco.algorithms.secagg_client import SecAggClient
-from geoloco.algorithms.secagg_crypto import public_bytes, site_index
-from geoloco.algorithms.secagg_messages import (
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig, PrivateUpdateEncoder, secure_context
+from geoloco.algorithms.privacy.secagg_client import SecAggClient
+from geoloco.algorithms.privacy.secagg_crypto import public_bytes, site_index
+from geoloco.algorithms.privacy.secagg_messages import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
     STAGE_SHARE_KEYS,
@@ -23,7 +23,7 @@ from geoloco.algorithms.secagg_messages import (
     SecAggViolation,
     UnmaskRequest,
 )
-from geoloco.algorithms.secagg_stages import (
+from geoloco.algorithms.privacy.secagg_stages import (
     AdvertiseKeys,
     Advertisements,
     IdentityBinding,

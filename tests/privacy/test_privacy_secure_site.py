@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder
-from geoloco.algorithms.secagg_messages import STAGE_ADVERTISE_KEYS, SecAggViolation
-from geoloco.algorithms.secagg_stages import Advertisements, StageMessage
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig, PrivateUpdateEncoder
+from geoloco.algorithms.privacy.secagg_messages import STAGE_ADVERTISE_KEYS, SecAggViolation
+from geoloco.algorithms.privacy.secagg_stages import Advertisements, StageMessage
 from geoloco.coordinator.secure_round import SecureRound
 from geoloco.protos import secagg_wire
 from geoloco.scenarios.certs import init_ca, issue_site

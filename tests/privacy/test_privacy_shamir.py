@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from geoloco.algorithms import shamir
+from geoloco.algorithms.privacy import shamir
 
 
 def test_any_threshold_subset_reconstructs_the_exact_secret() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from geoloco.algorithms.config import ConfigError
-from geoloco.algorithms.simulator import SimulatorConfig, simulate
+from geoloco.algorithms.simulation.simulator import SimulatorConfig, simulate
 from geoloco.scenarios.workloads.mlp import MLPWorkload
 
 

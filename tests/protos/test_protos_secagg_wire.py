@@ -21,10 +21,10 @@ import torch
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from geoloco.algorithms.privacy import PrivacyConfig
-from geoloco.algorithms.secagg_client import SecAggClient
-from geoloco.algorithms.secagg_crypto import num_chunks
-from geoloco.algorithms.secagg_messages import (
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
+from geoloco.algorithms.privacy.secagg_client import SecAggClient
+from geoloco.algorithms.privacy.secagg_crypto import num_chunks
+from geoloco.algorithms.privacy.secagg_messages import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
     STAGE_SHARE_KEYS,
@@ -40,8 +40,8 @@ from geoloco.algorithms.secagg_messages import (
     advert_signed_bytes,
     survivors_signed_bytes,
 )
-from geoloco.algorithms.secagg_server import SecAggServer
-from geoloco.algorithms.secagg_stages import (
+from geoloco.algorithms.privacy.secagg_server import SecAggServer
+from geoloco.algorithms.privacy.secagg_stages import (
     STAGE_REPLIES,
     STAGE_REQUESTS,
     AdvertiseKeys,

@@ -12,11 +12,11 @@ import pytest
 from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.engine import UNSCREENED, RoundEngine
 from geoloco.algorithms.fixed_point import lift
+from geoloco.algorithms.privacy.secagg_client import SecAggClient
+from geoloco.algorithms.privacy.secagg_crypto import num_chunks
+from geoloco.algorithms.privacy.secagg_messages import RoundContext
+from geoloco.algorithms.privacy.secagg_server import SecAggServer
 from geoloco.algorithms.round import RoundPolicy
-from geoloco.algorithms.secagg_client import SecAggClient
-from geoloco.algorithms.secagg_crypto import num_chunks
-from geoloco.algorithms.secagg_messages import RoundContext
-from geoloco.algorithms.secagg_server import SecAggServer
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import InvalidUpdateError
 from geoloco.protos.wire_manifests import blob_manifest

@@ -30,8 +30,8 @@ import torch
 from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay, tiny_weights, updates
 from google.protobuf.message import Message
 
-from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, secure_index_seed
-from geoloco.algorithms.secagg_stages import StageMessage
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig, PrivateUpdateEncoder, secure_index_seed
+from geoloco.algorithms.privacy.secagg_stages import StageMessage
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb

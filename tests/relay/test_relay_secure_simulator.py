@@ -26,9 +26,9 @@ from test_relay_secure import NUMEL, PRIVACY, SECURE_VS_PLAIN, SecureTestSite, _
 from torch import nn
 
 from geoloco.algorithms.aggregation import Aggregation
-from geoloco.algorithms.privacy import PrivacyConfig
-from geoloco.algorithms.sim_uplinks import Payload
-from geoloco.algorithms.simulator import Simulator, SimulatorConfig
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
+from geoloco.algorithms.simulation.sim_uplinks import Payload
+from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import RoundPlan
 from geoloco.protos import geoloco_pb2 as pb
 

@@ -355,7 +355,7 @@ def test_workload_option_values_are_toml_or_bare_strings() -> None:
 
 def test_site_threshold_flags_set_the_agents_own_secure_aggregation_bound() -> None:
     """The least threshold a site accepts comes from its own flags, never from the coordinator."""
-    from geoloco.algorithms.secagg_crypto import ThresholdPolicy
+    from geoloco.algorithms.privacy.secagg_crypto import ThresholdPolicy
 
     base = ["site", "--coordinator", "h:1", "--name", "0", "--insecure"]
     default = build_agent_config(build_parser().parse_args(base))

@@ -6,7 +6,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from geoloco.algorithms.streaming_clock import overlap_clock
+from geoloco.algorithms.simulation.streaming_clock import overlap_clock
 from geoloco.algorithms.streaming_overlap import OverlapBounds
 from geoloco.scenarios.overlap_fidelity import overlap_fidelity
 from geoloco.scenarios.scenario import Scenario, load_scenario

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from geoloco.algorithms.config import ConfigError, config_from_dict
-from geoloco.algorithms.sim_config import SimulatorConfig
+from geoloco.algorithms.simulation.sim_config import SimulatorConfig
 from geoloco.scenarios.cli import build_parser, main
 from geoloco.scenarios.config_file import ConfigFileError, tomllib
 from geoloco.scenarios.overrides import apply_overrides

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from geoloco.algorithms.planner import plan
+from geoloco.algorithms.simulation.planner import plan
 from geoloco.scenarios.cli import main
 from geoloco.scenarios.plan_cmd import parse_link
 from geoloco.scenarios.scenario import load_scenario
@@ -160,7 +160,7 @@ def test_a_simulate_file_without_params_plans_its_workloads_model(
 
 
 def test_a_coordinator_file_plans_with_the_links_of_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    from geoloco.algorithms.clock import SiteConfig
+    from geoloco.algorithms.simulation.clock import SiteConfig
     from geoloco.scenarios.config_file import read_toml
     from geoloco.scenarios.coordinator_cmd import parse_config
 

@@ -14,10 +14,17 @@ import pytest
 import torch
 from torch import nn
 
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.planner import Plan, PlanError, encoded_nbytes, fragment_numels, plan, rounds_for_steps
-from geoloco.algorithms.simulator import SimulatorConfig, simulate
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.planner import (
+    Plan,
+    PlanError,
+    encoded_nbytes,
+    fragment_numels,
+    plan,
+    rounds_for_steps,
+)
+from geoloco.algorithms.simulation.simulator import SimulatorConfig, simulate
 
 
 class TinyWorkload:

@@ -12,7 +12,7 @@ from typing import Any, Union
 import pytest
 
 from geoloco.algorithms.algorithm_config import DEFAULT_OUTER_OPTIMIZERS
-from geoloco.algorithms.sim_config import SimulatorConfig
+from geoloco.algorithms.simulation.sim_config import SimulatorConfig
 from geoloco.scenarios.cli import build_parser, main
 from geoloco.scenarios.config_file import toml_text, tomllib
 from geoloco.scenarios.config_kinds import SIMULATE, detect_config_kind

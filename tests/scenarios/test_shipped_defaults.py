@@ -17,8 +17,8 @@ import pytest
 import tomllib
 
 from geoloco.algorithms.algorithm_config import DEFAULT_OUTER_OPTIMIZERS
-from geoloco.algorithms.clock import SiteConfig
-from geoloco.algorithms.sim_config import SimulatorConfig
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.sim_config import SimulatorConfig
 from geoloco.scenarios.research import SECTIONS
 from geoloco.scenarios.workloads import DEFAULT_WORKLOAD, workload_config
 

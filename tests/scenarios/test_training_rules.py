@@ -10,7 +10,7 @@ import pytest
 import tomllib
 
 from geoloco.algorithms.config import ConfigError
-from geoloco.algorithms.simulator import SimulatorConfig
+from geoloco.algorithms.simulation.simulator import SimulatorConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.scenarios.config_file import ConfigFileError
 from geoloco.scenarios.scenario import parse_scenario

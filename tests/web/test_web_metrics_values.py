@@ -216,7 +216,7 @@ def test_silence_before_the_first_heartbeat_is_not_a_fault(scripted) -> None:
 def test_run_summary_names_streaming_privacy_and_the_deadline_policy() -> None:
     from geoloco.algorithms.async_merge import AsyncConfig
     from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
-    from geoloco.algorithms.privacy import PrivacyConfig
+    from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
     from geoloco.algorithms.streaming import StreamingConfig
     from geoloco.coordinator.http_status import config_summary
 

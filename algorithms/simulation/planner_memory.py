@@ -1,4 +1,4 @@
-"""Peak-memory estimates per process for the training-time planner (``geoloco.algorithms.planner``).
+"""Peak-memory estimates per process for the training-time planner (``geoloco.algorithms.simulation.planner``).
 
 An estimate of the tensors each process holds at its peak, from the parameter count and the
 configured optimizers and codecs, in bytes (every vector is fp32, 4 bytes per element). It counts
@@ -37,7 +37,7 @@ from typing import Any
 
 from geoloco.algorithms.algorithm_config import DEFAULT_OUTER_OPTIMIZERS
 from geoloco.algorithms.diloco import LOSSLESS_SPEC
-from geoloco.algorithms.planner_sizes import encoded_nbytes
+from geoloco.algorithms.simulation.planner_sizes import encoded_nbytes
 from geoloco.algorithms.training import TrainingConfig
 from geoloco.compression import parse_codec
 

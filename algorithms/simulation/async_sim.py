@@ -1,6 +1,6 @@
 """Decoupled (asynchronous) DiLoCo and chaos on an event-driven virtual clock.
 
-The round-by-round simulator (``geoloco.algorithms.simulator``) advances every site through the
+The round-by-round simulator (``geoloco.algorithms.simulation.simulator``) advances every site through the
 same round; here each site runs on its own clock and the run is a queue of events (a site's
 phase starts, its steps are done, its upload arrives, it fails, it is repaired, a merge's grace
 window ends), so two rules can run on the same sites and the same failures:
@@ -27,7 +27,7 @@ window ends), so two rules can run on the same sites and the same failures:
 - **synchronous** (``[simulation.chaos]`` enabled, asynchronous off): DiLoCo rounds with the
   run's ``RoundPolicy`` (quorum, deadline), the expected sites being those that are up; a site
   waits for the broadcast before its next round. ``sync_on_failure`` says what a failure does
-  to the round (``geoloco.algorithms.chaos``).
+  to the round (``geoloco.algorithms.simulation.chaos``).
 
 Identities that hold (tests check them bit for bit): without failures, the synchronous rule
 gives the round-by-round simulator's weights, evaluations and close times; the asynchronous rule
@@ -64,17 +64,17 @@ import torch
 
 from geoloco.algorithms.aggregation import Aggregation
 from geoloco.algorithms.async_merge import AsyncMerge, dynamic_local_steps, stale_admission
-from geoloco.algorithms.chaos import ChaosSchedule, SiteTimeline, StepLedger
-from geoloco.algorithms.clock import SiteConfig, transfer_time
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.diloco import pseudo_gradient
 from geoloco.algorithms.engine import RoundEngine
 from geoloco.algorithms.params import ParamLayout, weights_digest
-from geoloco.algorithms.robust_attack import parse_attack
 from geoloco.algorithms.round import Round, RoundPolicy
-from geoloco.algorithms.sim_config import RoundRecord, SimulatorConfig
-from geoloco.algorithms.sim_state import SimSite, SimTrainer
-from geoloco.algorithms.sim_uplinks import AttackedUplinks, Payload, PlainUplinks, SimUplinks
+from geoloco.algorithms.simulation.chaos import ChaosSchedule, SiteTimeline, StepLedger
+from geoloco.algorithms.simulation.clock import SiteConfig, transfer_time
+from geoloco.algorithms.simulation.robust_attack import parse_attack
+from geoloco.algorithms.simulation.sim_config import RoundRecord, SimulatorConfig
+from geoloco.algorithms.simulation.sim_state import SimSite, SimTrainer
+from geoloco.algorithms.simulation.sim_uplinks import AttackedUplinks, Payload, PlainUplinks, SimUplinks
 from geoloco.algorithms.strategy import RoundPlan, Strategy, build_strategy
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.algorithms.update_guard import UpdateGuard
@@ -192,7 +192,7 @@ class DecoupledSimulator:
         if not config.event_driven:
             raise ValueError(
                 "the event-driven simulator runs [algorithm.asynchronous] or [simulation.chaos]; "
-                "neither is enabled (geoloco.algorithms.simulator.Simulator runs this config)"
+                "neither is enabled (geoloco.algorithms.simulation.simulator.Simulator runs this config)"
             )
         self.config = config
         self.workload = workload
@@ -824,6 +824,6 @@ def build_simulator(config: SimulatorConfig, workload: Workload) -> Any:
     ``device``, ``layout`` and ``strategy``."""
     if config.event_driven:
         return DecoupledSimulator(config, workload)
-    from geoloco.algorithms.simulator import Simulator
+    from geoloco.algorithms.simulation.simulator import Simulator
 
     return Simulator(config, workload)

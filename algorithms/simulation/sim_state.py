@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.diloco import InnerResult, run_inner_steps
 from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.partial import PartialAssignment
-from geoloco.algorithms.sim_config import MEASURE
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.sim_config import MEASURE
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within, steps_in_budget
 from geoloco.algorithms.workload import Workload

@@ -1,13 +1,13 @@
 """The single-process simulator: N sites in a loop on a virtual network clock, same math as the real system.
 
-The sites take turns on one shared model (``geoloco.algorithms.sim_state``); rounds run through
+The sites take turns on one shared model (``geoloco.algorithms.simulation.sim_state``); rounds run through
 the same round engine as the coordinator's (``geoloco.algorithms.engine``: admission with the
 update guard, the close policy, late folding, the guarded outer step with abort), uploads
 are encoded and aggregated through one interface whatever the privacy settings
-(``geoloco.algorithms.sim_uplinks``), and Streaming DiLoCo rounds run in
-``geoloco.algorithms.streaming_sim``.
+(``geoloco.algorithms.simulation.sim_uplinks``), and Streaming DiLoCo rounds run in
+``geoloco.algorithms.simulation.streaming_sim``.
 
-Time is virtual (``geoloco.algorithms.clock``): compute is ``step_time_s / speed_factor`` per
+Time is virtual (``geoloco.algorithms.simulation.clock``): compute is ``step_time_s / speed_factor`` per
 step (or the measured wall time of the real steps with ``step_time_s = "measure"``) and every
 transfer costs ``latency + 8 · nbytes / bandwidth``, from the bytes really produced by the codecs
 (or the secure aggregation protocol).
@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.clock import download_ends, upload_arrivals
 from geoloco.algorithms.config import require
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.diloco import batch_size, compute_gradient, pseudo_gradient
@@ -35,15 +34,16 @@ from geoloco.algorithms.optimizers import (
     split_flat_optimizer_state,
 )
 from geoloco.algorithms.params import ParamLayout, weights_digest
-from geoloco.algorithms.privacy import PrivacyAccountant
-from geoloco.algorithms.robust_attack import parse_attack
+from geoloco.algorithms.privacy.private_aggregation import PrivacyAccountant
 from geoloco.algorithms.round import Round, RoundPolicy
-from geoloco.algorithms.sim_config import MEASURE, RoundRecord, SimulationConfig, SimulatorConfig
-from geoloco.algorithms.sim_state import SimSite, SimTrainer
-from geoloco.algorithms.sim_uplinks import Payload, build_uplinks, round_noise_multiplier
+from geoloco.algorithms.simulation.clock import download_ends, upload_arrivals
+from geoloco.algorithms.simulation.robust_attack import parse_attack
+from geoloco.algorithms.simulation.sim_config import MEASURE, RoundRecord, SimulationConfig, SimulatorConfig
+from geoloco.algorithms.simulation.sim_state import SimSite, SimTrainer
+from geoloco.algorithms.simulation.sim_uplinks import Payload, build_uplinks, round_noise_multiplier
+from geoloco.algorithms.simulation.streaming_sim import StreamingRounds
 from geoloco.algorithms.strategy import UPDATE_GRADIENT, AlgorithmConfig, DataParallel, Strategy, build_strategy
 from geoloco.algorithms.streaming import FragmentUplink
-from geoloco.algorithms.streaming_sim import StreamingRounds
 from geoloco.algorithms.update_guard import UpdateGuard
 from geoloco.algorithms.workload import Workload
 from geoloco.compression import Encoded
@@ -134,7 +134,7 @@ class Simulator:
         self.clock_s = 0.0
         self.open_s = 0.0
         self.tiers = config.tier_clock()
-        """Regions / the coordinator's shared link (``geoloco.algorithms.sim_regions``), or None."""
+        """Regions / the coordinator's shared link (``geoloco.algorithms.simulation.sim_regions``), or None."""
         self.bytes_up_total = 0
         self.bytes_down_total = 0
         self.inner_steps_total = 0
@@ -150,7 +150,7 @@ class Simulator:
             StreamingRounds(self.strategy, self.trainer, self.uplinks, self.engine, self.sites)
             if algo.streaming.enabled else None
         )
-        """Streaming DiLoCo (``geoloco.algorithms.streaming_sim``): per-site weights and overlap."""
+        """Streaming DiLoCo (``geoloco.algorithms.simulation.streaming_sim``): per-site weights and overlap."""
 
     def _evaluate(self) -> float:
         return self.trainer.evaluate(self.global_flat)

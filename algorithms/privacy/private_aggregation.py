@@ -55,15 +55,15 @@ import torch
 
 from geoloco.algorithms.aggregation import add_gaussian_noise
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
-from geoloco.algorithms.dp_accountant import PrivacyAccountant
 from geoloco.algorithms.fixed_point import FixedPoint, plan_fixed_point, secure_generator, stochastic_round
-from geoloco.algorithms.secagg_crypto import (
+from geoloco.algorithms.privacy.dp_accountant import PrivacyAccountant
+from geoloco.algorithms.privacy.secagg_crypto import (
     DEFAULT_COLLUDING_SITES,
     check_threshold,
     neighbour_graph,
     secure_threshold,
 )
-from geoloco.algorithms.secagg_messages import MIN_SITES, RoundContext
+from geoloco.algorithms.privacy.secagg_messages import MIN_SITES, RoundContext
 from geoloco.compression import parse_codec
 from geoloco.compression.sparsify import RandK, random_indices
 
@@ -571,7 +571,7 @@ def private_round_in_memory(
     ``SecAggServer`` stages over gRPC. Raises ``SecAggAbort`` when too few sites remain.
     """
     from geoloco.algorithms.fixed_point import lift
-    from geoloco.algorithms.secagg_in_memory import run_round_in_memory
+    from geoloco.algorithms.privacy.secagg_in_memory import run_round_in_memory
 
     numel = next(iter(updates.values())).numel()
     context, fixed = plan_secure_round(

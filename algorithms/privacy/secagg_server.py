@@ -1,6 +1,6 @@
 """Secure aggregation, the coordinator's side: the ``SecAggServer`` workflow of one round.
 
-The protocol is described in ``geoloco.algorithms.secagg_messages``. The server relays advertisements and
+The protocol is described in ``geoloco.algorithms.privacy.secagg_messages``. The server relays advertisements and
 encrypted shares, adds masked chunks into one aggregate buffer in ``Z_{2^b}`` (keeping CRC-32s of
 chunks, never a site's vector), freezes the survivor list, and with ``t`` unmask answers removes
 the survivors' self-masks and the pairwise masks shared with dropped sites. Too few sites at any
@@ -25,9 +25,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
-from geoloco.algorithms import shamir
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES
-from geoloco.algorithms.secagg_crypto import (
+from geoloco.algorithms.privacy import shamir
+from geoloco.algorithms.privacy.secagg_crypto import (
     add_masks,
     check_threshold,
     mask_key,
@@ -36,7 +36,7 @@ from geoloco.algorithms.secagg_crypto import (
     public_bytes,
     seed_commitment,
 )
-from geoloco.algorithms.secagg_messages import (
+from geoloco.algorithms.privacy.secagg_messages import (
     MIN_SITES,
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,

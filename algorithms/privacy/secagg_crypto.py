@@ -1,7 +1,7 @@
 """Secure aggregation's crypto primitives: X25519 keys, HKDF, the ChaCha20 mask PRG, the neighbour graph.
 
 Pure functions shared by the site (``secagg_client``) and the coordinator (``secagg_server``);
-the protocol itself is described in ``geoloco.algorithms.secagg_messages``. Every derived key is bound by
+the protocol itself is described in ``geoloco.algorithms.privacy.secagg_messages``. Every derived key is bound by
 HKDF to ``DOMAIN``, a purpose, the session and the round, so no two masks of a run share a
 keystream and no key of one purpose can be replayed as another's.
 """

@@ -32,15 +32,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from geoloco.algorithms.aggregation import Aggregation, new_aggregation
 from geoloco.algorithms.config import require
 from geoloco.algorithms.engine import UNSCREENED, Screen
-from geoloco.algorithms.privacy import (
+from geoloco.algorithms.privacy.private_aggregation import (
     PrivacyConfig,
     PrivateUpdateEncoder,
     effective_noise_multiplier,
     plan_secure_round,
     secure_index_seed,
 )
-from geoloco.algorithms.robust_attack import Attack
-from geoloco.algorithms.secure_sum import InMemorySecureSum
+from geoloco.algorithms.privacy.secure_sum import InMemorySecureSum
+from geoloco.algorithms.simulation.robust_attack import Attack
 from geoloco.algorithms.strategy import RoundPlan, Strategy
 from geoloco.algorithms.streaming import FragmentUplink
 from geoloco.compression import Encoded
@@ -184,7 +184,7 @@ class SecureUplinks:
 
 
 class AttackedUplinks:
-    """Poisoned sites (``SiteConfig.attack``, ``geoloco.algorithms.robust_attack``): their
+    """Poisoned sites (``SiteConfig.attack``, ``geoloco.algorithms.simulation.robust_attack``): their
     honest update is replaced before it reaches the wrapped uplinks' encoder; everything else
     is the wrapped kind of round's."""
 

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from typing import Final, TypeAlias
 
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES
-from geoloco.algorithms.secagg_crypto import DOMAIN, NeighbourMode, num_chunks, secure_threshold
+from geoloco.algorithms.privacy.secagg_crypto import DOMAIN, NeighbourMode, num_chunks, secure_threshold
 
 __all__ = [
     "MIN_SITES",

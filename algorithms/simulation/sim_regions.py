@@ -1,7 +1,7 @@
 """Two tiers on a virtual clock: sites -> regional relay -> coordinator, against the same sites
 flat, with the coordinator's own link shared by every transfer that crosses it.
 
-``geoloco.algorithms.clock`` gives every site its own independent link to the coordinator, so
+``geoloco.algorithms.simulation.clock`` gives every site its own independent link to the coordinator, so
 the number of sites never slows a round there; relays only pay off when the coordinator's link
 is the bottleneck. This module adds that link and the relay tier (pure arithmetic, seconds and
 bytes; the real relay is ``geoloco.relay``):
@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from geoloco.algorithms.algorithm_config import AlgorithmConfig
-from geoloco.algorithms.clock import SiteConfig, transfer_time
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
-from geoloco.algorithms.privacy import PrivacyConfig
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
+from geoloco.algorithms.simulation.clock import SiteConfig, transfer_time
 
 __all__ = [
     "CoordinatorLink",

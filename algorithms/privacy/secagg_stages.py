@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
-from geoloco.algorithms.secagg_messages import (
+from geoloco.algorithms.privacy.secagg_messages import (
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,
     STAGE_SHARE_KEYS,

@@ -3,7 +3,7 @@ and the two numbers that say what they cost: goodput and global downtime.
 
 Decoupled DiLoCo (Douillard et al. 2026) borrows "chaos engineering" to show that training on
 many independent learners survives hardware that keeps failing; this module is that failure
-model, for the event-driven simulator (``geoloco.algorithms.async_sim``), so the synchronous and
+model, for the event-driven simulator (``geoloco.algorithms.simulation.async_sim``), so the synchronous and
 the asynchronous rule can be run on *the same* failures and compared.
 
 The schedule (``ChaosSchedule``) is a fact about the hardware, not about the training: site

@@ -1,6 +1,6 @@
 """The simulator's streaming clock without the training: what the overlap rule chooses, per site.
 
-``geoloco.algorithms.streaming_sim`` trains a model and advances the virtual clock; this module
+``geoloco.algorithms.simulation.streaming_sim`` trains a model and advances the virtual clock; this module
 advances the same clock (``streaming_site_time``, ``download_ends``) with the same overlap rule
 (``OverlapMeter``, ``choose_overlap``) in the same order, for given step times and transfer sizes,
 in microseconds of CPU. The emulator's fidelity check uses it to predict what each real site
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from geoloco.algorithms.clock import SiteConfig, download_ends
+from geoloco.algorithms.simulation.clock import SiteConfig, download_ends
+from geoloco.algorithms.simulation.streaming_sim import streaming_site_time
 from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapChoice, OverlapMeter
-from geoloco.algorithms.streaming_sim import streaming_site_time
 
 __all__ = ["ClockSite", "overlap_clock"]
 

@@ -1,6 +1,6 @@
 """One whole secure-aggregation round with every party in this process.
 
-The simulator (``geoloco.algorithms.privacy``), tests and benchmarks run the real protocol here
+The simulator (``geoloco.algorithms.privacy.private_aggregation``), tests and benchmarks run the real protocol here
 (``SecAggClient`` and ``SecAggServer`` passing their messages in memory), not an exact-sum
 shortcut, so what they measure and check is what the coordinator and the sites do over gRPC.
 """
@@ -13,10 +13,10 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from geoloco.algorithms.secagg_client import SecAggClient
-from geoloco.algorithms.secagg_crypto import RandomBytes, num_chunks
-from geoloco.algorithms.secagg_messages import RoundContext, message_to_bytes
-from geoloco.algorithms.secagg_server import SecAggServer
+from geoloco.algorithms.privacy.secagg_client import SecAggClient
+from geoloco.algorithms.privacy.secagg_crypto import RandomBytes, num_chunks
+from geoloco.algorithms.privacy.secagg_messages import RoundContext, message_to_bytes
+from geoloco.algorithms.privacy.secagg_server import SecAggServer
 
 __all__ = ["run_round_in_memory"]
 
@@ -39,7 +39,7 @@ def run_round_in_memory(
     ``SecAggAbort`` when too few sites remain. ``traffic``, when given, receives each site's
     upload bytes (messages as ``message_to_bytes`` encodes them, plus the masked chunks);
     ``masked_traffic`` the masked chunks' part of them (what a relay adds into its ring sum
-    instead of passing it on, ``geoloco.algorithms.sim_regions``).
+    instead of passing it on, ``geoloco.algorithms.simulation.sim_regions``).
     """
     sent: dict[int, int] = {s: 0 for s in inputs}
     masked: dict[int, int] = {s: 0 for s in inputs}

@@ -13,7 +13,12 @@ from collections.abc import Mapping, Sequence
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from geoloco.algorithms.privacy import PrivacyConfig, PrivateUpdateEncoder, central_dp_mean, private_round_in_memory
+from geoloco.algorithms.privacy.private_aggregation import (
+    PrivacyConfig,
+    PrivateUpdateEncoder,
+    central_dp_mean,
+    private_round_in_memory,
+)
 from geoloco.compression import Encoded
 
 __all__ = ["InMemorySecureSum"]

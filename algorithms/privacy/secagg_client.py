@@ -1,6 +1,6 @@
 """Secure aggregation, a site's side: the ``SecAggClient`` state machine of one round.
 
-The protocol is described in ``geoloco.algorithms.secagg_messages``. The client verifies every
+The protocol is described in ``geoloco.algorithms.privacy.secagg_messages``. The client verifies every
 advertisement against the sites' identity keys, Shamir-shares its self-mask seed and mask key
 (each share AES-GCM encrypted for its holder), masks its input chunk by chunk, signs the survivor
 list once, and answers one unmask request, never revealing both secrets of one site. Any detected
@@ -21,9 +21,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from geoloco.algorithms import shamir
 from geoloco.algorithms.fixed_point import MODULUS_DTYPES
-from geoloco.algorithms.secagg_crypto import (
+from geoloco.algorithms.privacy import shamir
+from geoloco.algorithms.privacy.secagg_crypto import (
     DOMAIN,
     PURPOSE_SHARE_KEY,
     RandomBytes,
@@ -37,7 +37,7 @@ from geoloco.algorithms.secagg_crypto import (
     public_bytes,
     seed_commitment,
 )
-from geoloco.algorithms.secagg_messages import (
+from geoloco.algorithms.privacy.secagg_messages import (
     MIN_SITES,
     STAGE_ADVERTISE_KEYS,
     STAGE_CONSISTENCY,

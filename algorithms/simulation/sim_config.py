@@ -9,13 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from geoloco.algorithms.chaos import ChaosConfig
-from geoloco.algorithms.clock import SiteConfig
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
-from geoloco.algorithms.privacy import PrivacyConfig
-from geoloco.algorithms.sim_regions import CoordinatorLinkSpec, RegionSpec, TwoTierClock, check_regions
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
+from geoloco.algorithms.simulation.chaos import ChaosConfig
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.sim_regions import CoordinatorLinkSpec, RegionSpec, TwoTierClock, check_regions
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.training import TrainingConfig, TrainingKeys
 from geoloco.algorithms.update_guard import UpdateGuardConfig
@@ -168,10 +168,10 @@ class SimulatorConfig:
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     """Run length, evaluation, clock and round policy."""
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-    """Secure aggregation and differential privacy (``geoloco.algorithms.privacy``)."""
+    """Secure aggregation and differential privacy (``geoloco.algorithms.privacy.private_aggregation``)."""
     regions: list[RegionSpec] = field(default_factory=list)
     """``[[regions]]``: relays, as in an emulator scenario; the clock then charges two tiers
-    (``geoloco.algorithms.sim_regions``). Sites are named by ``name`` (unset: ``site-K``)."""
+    (``geoloco.algorithms.simulation.sim_regions``). Sites are named by ``name`` (unset: ``site-K``)."""
     coordinator_link: CoordinatorLinkSpec = field(default_factory=CoordinatorLinkSpec)
     """``[coordinator_link]``: the coordinator's link, shared by every transfer crossing it."""
     update_guard: UpdateGuardConfig = field(default_factory=UpdateGuardConfig)
@@ -188,7 +188,7 @@ class SimulatorConfig:
 
     def tier_clock(self) -> TwoTierClock | None:
         """The two-tier clock when regions or a shaped coordinator link are declared, else None
-        (every site on its own link: ``geoloco.algorithms.clock``)."""
+        (every site on its own link: ``geoloco.algorithms.simulation.clock``)."""
         if not self.regions and not self.coordinator_link.shaped:
             return None
         return TwoTierClock.from_specs(self.sites, self.site_names, self.regions, self.coordinator_link)
@@ -218,7 +218,7 @@ class SimulatorConfig:
 
     @property
     def event_driven(self) -> bool:
-        """The run needs the event-driven simulator (``geoloco.algorithms.async_sim``): sites on
+        """The run needs the event-driven simulator (``geoloco.algorithms.simulation.async_sim``): sites on
         their own clocks, asynchronous merges or failures."""
         return self.algorithm.asynchronous.enabled or self.simulation.chaos.enabled
 
@@ -461,7 +461,7 @@ class RoundRecord:
     rounds (the round-by-round simulator, the coordinator)."""
     goodput: float | None = None
     """Event-driven simulator: the share of the inner steps computed so far whose update reached
-    the global model (``geoloco.algorithms.chaos``); ``None`` from the round-by-round simulator."""
+    the global model (``geoloco.algorithms.simulation.chaos``); ``None`` from the round-by-round simulator."""
     inner_steps_lost: int | None = None
     """Event-driven simulator: inner steps computed so far that never reached the global model
     (failed, stale, refused, aborted, restarted); ``None`` from the round-by-round simulator."""

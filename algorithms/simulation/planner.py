@@ -2,10 +2,10 @@
 
 From a model size (or its ``ParamLayout``), a step time per site, the sites' links and the
 algorithm, ``plan`` predicts each round's virtual wall clock, every site's compute utilization,
-the bytes on every link and a peak-memory estimate per process (``geoloco.algorithms.planner_memory``).
+the bytes on every link and a peak-memory estimate per process (``geoloco.algorithms.simulation.planner_memory``).
 
 It is the simulator's clock without the training: the same functions advance the same times
-(``geoloco.algorithms.clock``: compute is ``steps · step_time_s / speed_factor``, a transfer
+(``geoloco.algorithms.simulation.clock``: compute is ``steps · step_time_s / speed_factor``, a transfer
 ``latency + 8 · bytes / bandwidth``; rounds close through the same round engine and ``RoundPolicy`` as the
 simulator and the coordinator; Streaming DiLoCo sites follow ``streaming_site_time``), and the
 bytes are the codecs' exact wire sizes (``Codec.encoded_nbytes``), which do not depend on the
@@ -29,14 +29,14 @@ from typing import Any
 import torch
 
 from geoloco.algorithms.aggregation import CountingAggregation
-from geoloco.algorithms.clock import SiteConfig, download_ends, upload_arrivals
 from geoloco.algorithms.engine import UNSCREENED, RoundEngine
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.planner_memory import MemoryEstimate, estimate_memory
-from geoloco.algorithms.planner_sizes import PlanError, encoded_nbytes, fragment_numels
 from geoloco.algorithms.round import RoundPolicy
+from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, upload_arrivals
+from geoloco.algorithms.simulation.planner_memory import MemoryEstimate, estimate_memory
+from geoloco.algorithms.simulation.planner_sizes import PlanError, encoded_nbytes, fragment_numels
+from geoloco.algorithms.simulation.streaming_sim import streaming_site_time
 from geoloco.algorithms.streaming import StreamingSchedule
-from geoloco.algorithms.streaming_sim import streaming_site_time
 from geoloco.algorithms.time_budget import steps_in_budget
 from geoloco.algorithms.training import TrainingConfig
 

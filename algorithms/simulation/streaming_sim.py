@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from geoloco.algorithms.clock import SiteConfig, download_ends, transfer_time
 from geoloco.algorithms.diloco import pseudo_gradient
 from geoloco.algorithms.engine import RoundEngine
-from geoloco.algorithms.sim_state import SimSite, SimTrainer
-from geoloco.algorithms.sim_uplinks import Payload, SimUplinks
+from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, transfer_time
+from geoloco.algorithms.simulation.sim_state import SimSite, SimTrainer
+from geoloco.algorithms.simulation.sim_uplinks import Payload, SimUplinks
 from geoloco.algorithms.strategy import Strategy
 from geoloco.algorithms.streaming import merge_fragment_
 from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapChoice, OverlapMeter

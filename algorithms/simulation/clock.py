@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from geoloco.algorithms.config import ConfigError, config_to_dict, require
-from geoloco.algorithms.robust_attack import parse_attack
+from geoloco.algorithms.simulation.robust_attack import parse_attack
 
 __all__ = [
     "SiteConfig",
@@ -56,7 +56,7 @@ class SiteConfig:
     site's ``speed_factor``."""
     attack: str | None = None
     """Research hook (simulator only): upload a poisoned update instead of the honest one,
-    ``"scale:F"``, ``"sign_flip"`` or ``"noise:S"`` (``geoloco.algorithms.robust_attack``);
+    ``"scale:F"``, ``"sign_flip"`` or ``"noise:S"`` (``geoloco.algorithms.simulation.robust_attack``);
     unset = an honest site."""
 
     def __post_init__(self) -> None:

@@ -18,6 +18,10 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 T = TypeVar("T")
 
 
+RUN_TABLE = "run"
+"""The table every config file kind keeps the run's knobs in (length, seed, quorum, deadline,
+evaluation, heartbeats): ``geoloco.algorithms.training.RunLayout``."""
+
 class ConfigError(ValueError):
     """A config value is unknown, of the wrong type or impossible.
 
@@ -170,7 +174,12 @@ def config_from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "")
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(key, f"unknown key; allowed keys: {', '.join(sorted(fields))}")
+        allowed = set(fields)
+        layout = getattr(cls, "RUN_LAYOUT", None)  # the file form: fields a file writes under [run]
+        if layout is not None:
+            allowed = allowed - {path for path in layout.fields.values() if "." not in path} | {RUN_TABLE}
+        allowed -= getattr(cls, "MOVED_TO_RUN", frozenset())
+        raise ConfigError(key, f"unknown key; allowed keys: {', '.join(sorted(allowed))}")
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name

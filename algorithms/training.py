@@ -1,21 +1,32 @@
 """One description of *what is trained and how*, shared by the simulator, the coordinator and the
-emulator's scenarios, and checked in one place.
+emulator's scenarios, and checked in one place; and one file layout for the run's knobs.
 
-Each of those configs keeps its own file layout (the round policy sits under ``[simulation]`` in
-a simulator file, at the top of a coordinator file and under ``[run]`` in a scenario), so each
-hands its values over as a ``TrainingConfig`` (``.training``) together with ``TrainingKeys``,
-the dotted names those values have in its file. ``TrainingConfig.validate`` then runs every
-cross-field rule once, with errors that name the user's own key: the inner lr schedule's horizon,
-the quorum and deadline, what the ddp baseline and privacy cannot do. ``round_policy()`` builds the
-``RoundPolicy`` the simulator's virtual clock and the coordinator's real clock both close rounds by.
+Every file kind writes the run's length, seed, quorum, deadline, evaluation period and
+heartbeats under ``[run]`` with the same key names (``RUN_TABLE``). Each config class keeps them
+where its Python API always had them (``CoordinatorConfig.total_rounds``,
+``SimulatorConfig.simulation.rounds``, ``Scenario.run.rounds``), and its ``RunLayout`` says where:
+it lifts a file's ``[run]`` table into those fields, reads a file of the old layout with a
+deprecation message that shows the new keys, writes files in the new layout, and names a bad
+value by the key the file used.
+
+Each config hands its values over as a ``TrainingConfig`` (``.training``) together with
+``TrainingKeys``, the dotted names those values have in its file. ``TrainingConfig.validate``
+then runs every cross-field rule once, with errors that name the user's own key: the inner lr
+schedule's horizon, the quorum and deadline, what the ddp baseline and privacy cannot do.
+``round_policy()`` builds the ``RoundPolicy`` the simulator's virtual clock and the
+coordinator's real clock both close rounds by.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from geoloco.algorithms.config import ConfigError, require
+from geoloco.algorithms.config import RUN_TABLE, ConfigError, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
 from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig, check_privacy_setup
@@ -23,19 +34,166 @@ from geoloco.algorithms.robust import check_robust_privacy
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.strategy import AlgorithmConfig
 
-__all__ = ["TrainingConfig", "TrainingKeys"]
+__all__ = ["RUN_KEYS", "RunLayout", "TrainingConfig", "TrainingKeys"]
+
+logger = logging.getLogger(__name__)
+
+_warned: set[str] = set()
+
+
+@dataclass(frozen=True, slots=True)
+class RunLayout:
+    """Where one config class keeps the keys that files write under ``[run]``.
+
+    ``fields`` maps each ``[run]`` key to the dotted path of the class's field that holds it.
+    A path outside ``[run]`` is also that key's place in the old file layout, which ``lift``
+    still reads (with a deprecation message naming the new key) for one release."""
+
+    fields: Mapping[str, str]
+    """``[run]`` key -> dotted field path (``"rounds": "total_rounds"``)."""
+    kind: str
+    """The file kind in words, for messages (``"a coordinator file"``)."""
+
+    def lift(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """The file form (``[run]``) as the class's fields; the old layout read alike."""
+        out = copy.copy(dict(data))
+        run = out.pop(RUN_TABLE, None)
+        if run is None:
+            run = {}
+        if not isinstance(run, Mapping):
+            raise ConfigError(RUN_TABLE, f"expected a [run] table, got {run!r}")
+        unknown = sorted(set(run) - set(self.fields))
+        if unknown:
+            raise ConfigError(
+                f"{RUN_TABLE}.{unknown[0]}", f"unknown key; allowed keys: {', '.join(sorted(self.fields))}"
+            )
+        old = [key for key, path in self.fields.items() if _has(out, path)]
+        for key, value in run.items():
+            path = self.fields[key]
+            if _has(out, path):
+                raise ConfigError(
+                    f"{RUN_TABLE}.{key}",
+                    f"is set twice: also as {path}, its place before [run]; keep only {RUN_TABLE}.{key}",
+                )
+            out = _put(out, path, value)
+        if old:
+            moved = ", ".join(f"{self.fields[key]} -> [run] {key}" for key in old)
+            message = (
+                f"{self.kind} keeps the run's keys under [run] now; the old places are read until the "
+                f"next release: {moved}"
+            )
+            if message not in _warned:
+                _warned.add(message)
+                logger.warning("%s", message)
+        return out
+
+    def lower(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """The class's fields (``config_to_dict``) in the file form, for files that are written
+        to be read again (``geoloco simulate --print-config``, a coordinator file the emulator
+        writes for its child process)."""
+        out = copy.deepcopy(dict(data))
+        run: dict[str, Any] = {}
+        for key, path in self.fields.items():
+            found, value = _pop(out, path)
+            if found:
+                run[key] = value
+        if run:
+            out[RUN_TABLE] = run
+        return out
+
+    def override_key(self, key: str) -> tuple[str, str | None]:
+        """``(key to set, old place of its [run] key)`` for a ``--set`` of dotted ``key`` on a
+        file: a key of the old layout is set under ``[run]`` instead (with the deprecation
+        message); the caller moves what the file has at the old place into ``[run]`` first, so a
+        command-line value wins over either layout and a table keeps the keys it does not set."""
+        renamed = self.file_key(key)
+        if renamed != key:
+            message = (
+                f"--set {key}: the key is [run] {renamed.split('.', 1)[1]} now; the old name is read "
+                "until the next release"
+            )
+            if message not in _warned:
+                _warned.add(message)
+                logger.warning("%s", message)
+            key = renamed
+        parts = key.split(".")
+        if parts[0] != RUN_TABLE or len(parts) < 2 or parts[1] not in self.fields:
+            return key, None
+        return key, self.fields[parts[1]]
+
+    def file_key(self, key: str) -> str:
+        """A field's dotted key as a file in the new layout names it (error messages)."""
+        for name, path in self.fields.items():
+            if key == path or key.startswith(f"{path}."):
+                return f"{RUN_TABLE}.{name}{key[len(path):]}"
+        return key
+
+    def error(self, err: ConfigError, data: Mapping[str, Any]) -> ConfigError:
+        """``err`` naming the key where ``data`` has it: under ``[run]``, or at its old place
+        in a file of the old layout (checks name a run key by its ``[run]`` name)."""
+        renamed = self.file_key(err.key)
+        parts = renamed.split(".")
+        if parts[0] != RUN_TABLE or len(parts) < 2 or parts[1] not in self.fields:
+            return err
+        run = data.get(RUN_TABLE)
+        if isinstance(run, Mapping) and parts[1] in run:
+            return ConfigError(renamed, err.message)
+        old = ".".join([self.fields[parts[1]], *parts[2:]])
+        if _has(data, self.fields[parts[1]]):
+            return ConfigError(old, err.message)
+        return ConfigError(renamed, err.message)
+
+
+def _has(data: Mapping[str, Any], path: str) -> bool:
+    node: Any = data
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _put(data: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """``data`` with ``value`` at ``path``, the tables along the path copied (the caller's stay)."""
+    *tables, last = path.split(".")
+    node = data
+    for part in tables:
+        child = node.get(part)
+        if child is None:
+            child = {}
+        if not isinstance(child, Mapping):
+            raise ConfigError(part, f"expected a table, got {child!r}")
+        child = dict(child)
+        node[part] = child
+        node = child
+    node[last] = value
+    return data
+
+
+def _pop(data: dict[str, Any], path: str) -> tuple[bool, Any]:
+    *tables, last = path.split(".")
+    node: Any = data
+    for part in tables:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or last not in node:
+        return False, None
+    return True, node.pop(last)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainingKeys:
     """Where a config file keeps the round policy and the run length (for error messages)."""
 
-    min_sites: str = "min_sites"
-    round_deadline_s: str = "round_deadline_s"
-    adaptive_deadline: str = "adaptive_deadline"
-    rounds: str = "rounds"
+    min_sites: str = f"{RUN_TABLE}.min_sites"
+    round_deadline_s: str = f"{RUN_TABLE}.round_deadline_s"
+    adaptive_deadline: str = f"{RUN_TABLE}.adaptive_deadline"
+    rounds: str = f"{RUN_TABLE}.rounds"
     sites: str = "sites"
     """What the config calls its list of sites (``allowed_sites`` for a coordinator)."""
+
+
+RUN_KEYS = TrainingKeys()
+"""The keys of every file kind: ``[run]`` holds the round policy and the run length."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

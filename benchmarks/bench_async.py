@@ -95,8 +95,8 @@ def failure_study(seed: int, wall_s: float) -> tuple[dict[str, Any], Rows]:
     base = {
         "algorithm": {"inner_steps": 5},
         "sites": {"count": FAILURE_SITES, "latency_s": 0.05},
+        "run": {"seed": seed, "rounds": 1_000_000, "eval_every": 1_000_000, "max_wall_clock_s": wall_s},
         "simulation": {
-            "seed": seed, "rounds": 1_000_000, "eval_every": 1_000_000, "max_wall_clock_s": wall_s,
             "step_time_s": 0.2,
             "chaos": {"enabled": True, "seed": seed, "mtbf_s": MTBF_S, "repair_s": REPAIR_S},
         },
@@ -115,10 +115,8 @@ def speed_study(seed: int, wall_s: float) -> tuple[dict[str, Any], Rows]:
     base = {
         "algorithm": {"inner_steps": 10},
         "sites": [{"speed_factor": SPEEDS[k % len(SPEEDS)], "latency_s": 0.05} for k in range(sites)],
-        "simulation": {
-            "seed": seed, "rounds": 1_000_000, "eval_every": 1_000_000, "max_wall_clock_s": wall_s,
-            "step_time_s": 0.1, "chaos": {"enabled": True, "seed": seed},
-        },
+        "run": {"seed": seed, "rounds": 1_000_000, "eval_every": 1_000_000, "max_wall_clock_s": wall_s},
+        "simulation": {"step_time_s": 0.1, "chaos": {"enabled": True, "seed": seed}},
     }
     rows: Rows = [
         ("sync", lambda c: None),
@@ -140,10 +138,8 @@ def uniform_study(seed: int, wall_s: float) -> tuple[dict[str, Any], Rows]:
     base = {
         "algorithm": {"inner_steps": 10},
         "sites": {"count": UNIFORM_SITES, "latency_s": 0.05},
-        "simulation": {
-            "seed": seed, "rounds": UNIFORM_ROUNDS, "eval_every": 1_000_000, "step_time_s": 0.1,
-            "chaos": {"enabled": True, "seed": seed},
-        },
+        "run": {"seed": seed, "rounds": UNIFORM_ROUNDS, "eval_every": 1_000_000},
+        "simulation": {"step_time_s": 0.1, "chaos": {"enabled": True, "seed": seed}},
     }
 
     def merges_of(quorum: int, **outer: float) -> Callable[[dict[str, Any]], None]:
@@ -151,7 +147,7 @@ def uniform_study(seed: int, wall_s: float) -> tuple[dict[str, Any], Rows]:
             # No grace window: a merge takes exactly its quorum, so the step counts are equal.
             config.setdefault("algorithm", {})["asynchronous"] = {"enabled": True, "min_quorum": quorum}
             config["outer_optimizer"] = {"name": "nesterov", "momentum_period": UNIFORM_SITES // quorum, **outer}
-            config["simulation"]["rounds"] = UNIFORM_ROUNDS * UNIFORM_SITES // quorum
+            config["run"]["rounds"] = UNIFORM_ROUNDS * UNIFORM_SITES // quorum
         return change
 
     rows: Rows = [
@@ -219,8 +215,8 @@ def scale_study(sites: int, workload: Any) -> dict[str, Any]:
     config = {
         "algorithm": {"inner_steps": 2},
         "sites": {"count": sites, "latency_s": 0.05},
+        "run": {"seed": 0, "rounds": 1_000_000, "eval_every": 1_000_000, "max_wall_clock_s": 2.5},
         "simulation": {
-            "seed": 0, "rounds": 1_000_000, "eval_every": 1_000_000, "max_wall_clock_s": 2.5,
             "step_time_s": 0.5, "chaos": {"enabled": True, "seed": 0, "mtbf_s": MTBF_S, "repair_s": REPAIR_S},
         },
     }

@@ -94,8 +94,8 @@ def run(variant: Variant, *, size: str, wall_s: float, seed: int) -> Outcome:
              "downlink_bps": LINK_BPS, "latency_s": LATENCY_S}
             for speed in SPEEDS
         ],
-        "simulation": {"rounds": 100_000, "eval_every": 100_000, "device": "cpu",
-                       "step_time_s": STEP_TIME_S, "seed": seed, **variant.simulation},
+        "run": {"rounds": 100_000, "eval_every": 100_000, "seed": seed, **variant.simulation},
+        "simulation": {"device": "cpu", "step_time_s": STEP_TIME_S},
     })
     t0 = time.perf_counter()
     sim = Simulator(config, workload)

@@ -57,8 +57,8 @@ def run_row(algorithm: dict[str, Any], args: argparse.Namespace) -> dict[str, fl
         "algorithm": {"inner_steps": args.inner_steps, **algorithm},
         "inner_optimizer": {"lr": 2e-3},
         "sites": {"count": args.sites},
-        "simulation": {"rounds": args.rounds, "eval_every": args.rounds, "seed": 0, "device": "cpu",
-                       "step_time_s": 0.07},
+        "run": {"rounds": args.rounds, "eval_every": args.rounds, "seed": 0},
+        "simulation": {"device": "cpu", "step_time_s": 0.07},
     })
     sim = Simulator(config, workload)
     started = time.perf_counter()

@@ -95,7 +95,8 @@ def simulate(
         "algorithm": {"inner_steps": inner_steps, **options},
         "inner_optimizer": {"lr": 3e-3},
         "sites": site_tables,
-        "simulation": {"rounds": rounds, "seed": 0, "device": "cpu", "eval_every": rounds},
+        "run": {"rounds": rounds, "seed": 0, "eval_every": rounds},
+        "simulation": {"device": "cpu"},
     })
     simulator = Simulator(config, build_workload("mlp"))
     start = simulator.global_flat.clone()

@@ -227,7 +227,7 @@ def grpc_round_table(n: int, params: int, chunk: int, rounds: int, warmup: int) 
             layout = ParamLayout.from_model(model)
             config = CoordinatorConfig.from_dict({
                 "algorithm": AlgorithmConfig(inner_steps=1, uplink_codec="none", downlink_codec="int8").to_dict(),
-                "total_rounds": rounds, "min_sites": n, "certs_dir": certs, "allowed_sites": names,
+                "run": {"rounds": rounds, "min_sites": n}, "certs_dir": certs, "allowed_sites": names,
                 "privacy": privacy, "max_sites": 2 * n + 4,
             })
             stamps: list[float] = []

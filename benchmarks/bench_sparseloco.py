@@ -27,7 +27,7 @@ from geoloco.scenarios.sweep_stats import SeedStats, paired_difference, seed_sta
 
 BASE = Path(__file__).resolve().parent.parent / "scenarios" / "headline.toml"
 
-REGIME = ["algorithm.inner_steps=10", "simulation.total_inner_steps=2000", "simulation.eval_every_steps=250"]
+REGIME = ["algorithm.inner_steps=10", "run.total_inner_steps=2000", "run.eval_every_steps=250"]
 """H = 10 inner steps, 200 rounds per run (the headline: H = 50, 10 rounds)."""
 
 OUTER_SGD = ["outer_optimizer.name=sgd", "outer_optimizer.lr=1.0", "outer_optimizer.momentum=0.0"]

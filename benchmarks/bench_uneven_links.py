@@ -90,8 +90,8 @@ def run(variant: Variant, *, size: str, wall_s: float, seed: int) -> Outcome:
             {"name": name, "uplink_bps": bps, "downlink_bps": bps, "latency_s": LATENCY_S}
             for name, bps in LINKS.items()
         ],
-        "simulation": {"rounds": 100_000, "eval_every": 100_000, "device": "cpu",
-                       "step_time_s": STEP_TIME_S, "seed": seed},
+        "run": {"rounds": 100_000, "eval_every": 100_000, "seed": seed},
+        "simulation": {"device": "cpu", "step_time_s": STEP_TIME_S},
     })
     t0 = time.perf_counter()
     sim = Simulator(config, workload)

@@ -2,17 +2,19 @@
 checkpoint and metrics file.
 
 A TOML file maps onto it one to one (``[algorithm]``, ``[outer_optimizer]``, ``[inner_optimizer]``
-tables plus top-level keys); ``CoordinatorConfig.from_dict`` reports unknown keys and wrong types
-with their dotted path, so the ``geoloco coordinator --config FILE`` command can point at the line
-to change.
+tables plus top-level keys), except the run's knobs, which every file kind keeps under ``[run]``
+(``COORDINATOR_RUN``: ``[run] rounds`` is ``total_rounds``); ``CoordinatorConfig.from_dict``
+reports unknown keys and wrong types with their dotted path, so the ``geoloco coordinator
+--config FILE`` command can point at the line to change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from geoloco.algorithms.algorithm_config import DISTRIBUTED_ALGORITHM_NAMES
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
@@ -20,7 +22,7 @@ from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
 from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
-from geoloco.algorithms.training import TrainingConfig, TrainingKeys
+from geoloco.algorithms.training import RUN_KEYS, RunLayout, TrainingConfig
 from geoloco.algorithms.update_guard import UpdateGuardConfig
 from geoloco.coordinator.admission_config import AdmissionConfig, AdmissionLimits
 from geoloco.coordinator.http_config import HTTPStatusConfig
@@ -28,16 +30,35 @@ from geoloco.protos.identity import validate_site_name
 from geoloco.protos.transport_tls import TLSFiles
 from geoloco.protos.wire_buffers import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 
-__all__ = ["COORDINATOR_KEYS", "CoordinatorConfig"]
+__all__ = ["COORDINATOR_KEYS", "COORDINATOR_RUN", "CoordinatorConfig"]
 
-COORDINATOR_KEYS = TrainingKeys(rounds="total_rounds", sites="allowed_sites")
-"""Where a coordinator file keeps the round policy (top level) and the run length."""
+COORDINATOR_KEYS = dataclasses.replace(RUN_KEYS, sites="allowed_sites")
+"""Where a coordinator file keeps the round policy and the run length (``[run]``)."""
+
+COORDINATOR_RUN = RunLayout(
+    {
+        "rounds": "total_rounds",
+        "seed": "seed",
+        "min_sites": "min_sites",
+        "round_deadline_s": "round_deadline_s",
+        "adaptive_deadline": "adaptive_deadline",
+        "eval_every": "eval_every",
+        "heartbeat_interval_s": "heartbeat_interval_s",
+        "heartbeat_timeout_s": "heartbeat_timeout_s",
+    },
+    kind="a coordinator file",
+)
+"""The fields a coordinator file writes under ``[run]`` (before: at the top level, the run
+length as ``total_rounds``)."""
 
 
 
 @dataclass(kw_only=True, slots=True)
 class CoordinatorConfig:
     """Everything one coordinator process needs besides the model's initial weights."""
+
+    RUN_LAYOUT: ClassVar[RunLayout] = COORDINATOR_RUN
+    """Where a file's ``[run]`` keys go among the fields (``COORDINATOR_RUN``)."""
 
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Algorithm, H (``inner_steps``), uplink/downlink codecs, error feedback, weighting. Sites
@@ -67,7 +88,7 @@ class CoordinatorConfig:
     for every site that was a member when it opened. With ``adaptive_deadline`` enabled: the
     deadline of the rounds before any arrival was observed."""
     adaptive_deadline: AdaptiveDeadlineConfig = field(default_factory=AdaptiveDeadlineConfig)
-    """``[adaptive_deadline]``: set each round's deadline from the arrival times of recent rounds
+    """``[run.adaptive_deadline]``: set each round's deadline from the arrival times of recent rounds
     (``geoloco.algorithms.deadline``); the deadline in force is logged and in metrics."""
     heartbeat_interval_s: float = 2.0
     """Sites send a heartbeat at least this often."""
@@ -362,8 +383,21 @@ class CoordinatorConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CoordinatorConfig:
-        """Build from a parsed TOML/JSON table; errors name the dotted key and what is allowed."""
-        return config_from_dict(cls, data)
+        """Build from a parsed TOML/JSON table (the file form, ``[run]`` included); errors name
+        the dotted key as the table has it and what is allowed."""
+        try:
+            return config_from_dict(cls, data)
+        except ConfigError as err:
+            raise COORDINATOR_RUN.error(err, data) from None
+
+    @classmethod
+    def prepare_config_dict(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """The file form as fields: ``[run]`` lifted into the top-level fields."""
+        return COORDINATOR_RUN.lift(data)
+
+    def to_file_dict(self) -> dict[str, Any]:
+        """``to_dict`` in the file form (``[run]``), for a file that is read again."""
+        return COORDINATOR_RUN.lower(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict (written into checkpoints, metrics and ``RunConfig.config_json``)."""

@@ -279,6 +279,7 @@ def _anchor(cls: type) -> str:
 
 
 def build_config_reference() -> ConfigReference:
+    from geoloco.algorithms.config import RUN_TABLE
     from geoloco.scenarios.workloads import DEFAULT_WORKLOAD, WORKLOADS
 
     kinds = file_kinds()
@@ -375,7 +376,7 @@ def build_config_reference() -> ConfigReference:
                         del places[kind.name]
             keys = [key for key in keys if key.name in kind.sections]
         for section in kind.sections:
-            if section in fields:
+            if section in fields or section == RUN_TABLE:  # [run]: _lift_run_tables
                 continue
             if section == WORKLOAD:
                 doc = f"The built-in workload and its options (read beside `{kind.root.__name__}`)."
@@ -392,15 +393,65 @@ def build_config_reference() -> ConfigReference:
             doc = markdown_text((inspect.getdoc(cls) or "").split("\n\n")[0])
             keys.append(Key(section, "table", "", doc, table=table_of(cls, kind.name, f"[{section}]", section)))
         top[kind.name] = keys
+    run_titles = _lift_run_tables(kinds, top, tables)
     _add_file_form_keys(tables)
     for anchor, table in tables.items():
         if anchor == "site-agent":
+            continue
+        if anchor in run_titles:
+            table.title = run_titles[anchor]
             continue
         if anchor.startswith(f"{WORKLOAD}-"):
             table.title = f'`[{WORKLOAD}]` options of `name = "{anchor.split("-", 1)[1]}"`'
         else:
             table.title = " ".join(f"`{w}`" for w in _ordered_places(table)) or f"`{table.python}`"
     return ConfigReference(kinds, top, tables, missing, not_read)
+
+
+def _lift_run_tables(kinds: list[FileKind], top: dict[str, list[Key]], tables: dict[str, Table]) -> dict[str, str]:
+    """The keys a kind's ``RunLayout`` lifts from ``[run]`` shown under ``[run]``, where the file
+    has them, instead of where its dataclass keeps them; anchor -> title of each such table."""
+    from geoloco.algorithms.config import RUN_TABLE
+    from geoloco.algorithms.simulation.sim_config import SIMULATE_RUN
+    from geoloco.coordinator.config import COORDINATOR_RUN
+
+    layouts = {"coordinator": COORDINATOR_RUN, "simulate": SIMULATE_RUN}
+    titles: dict[str, str] = {}
+    for kind in kinds:
+        layout = layouts.get(kind.name)
+        if layout is None:
+            continue
+        moved: list[Key] = []
+        firsts = {path.split(".")[0] for path in layout.fields.values()}
+        at = min(i for i, k in enumerate(top[kind.name]) if k.name in firsts)
+        for name, path in layout.fields.items():
+            *parents, last = path.split(".")
+            holder = top[kind.name]
+            for parent in parents:
+                table = next(k for k in holder if k.name == parent).table
+                assert table is not None
+                holder = tables[table].keys
+            key = next(k for k in holder if k.name == last)
+            holder.remove(key)
+            moved.append(dataclasses.replace(key, name=name))
+            if key.table is not None:
+                places = tables[key.table].places
+                old = "[" + path + "]"
+                places[kind.name] = [f"[{RUN_TABLE}.{name}]" if p == old else p for p in places.get(kind.name, [])]
+        anchor = f"{kind.name}-{RUN_TABLE}"
+        fields = ", ".join(
+            f"`{name}`" + ("" if path == name else f" as `{path}`") for name, path in layout.fields.items()
+        )
+        summary = "The run's length, seed, quorum, deadline and evaluation"
+        doc = (
+            f"{summary}, under `[run]` as in every file kind ({fields} of the dataclass). A file of the "
+            f"layout before `[run]`, with these fields where the dataclass has them, is still read, with "
+            f"a deprecation message that names each key's new place."
+        )
+        tables[anchor] = Table(anchor, "", _python_name(kind.root), doc, moved, {kind.name: [f"[{RUN_TABLE}]"]})
+        titles[anchor] = f"`[{RUN_TABLE}]` of {kind.what}"
+        top[kind.name].insert(at, Key(RUN_TABLE, "table", "", f"{summary}.", table=anchor))
+    return titles
 
 
 def _add_file_form_keys(tables: dict[str, Table]) -> None:

@@ -39,17 +39,21 @@ def geoloco_command(*args: str) -> list[str]:
 def coordinator_table(
     scenario: Scenario, *, certs_dir: Path, checkpoint_dir: Path, metrics_path: Path
 ) -> dict[str, Any]:
-    """The ``geoloco coordinator --config`` table for ``scenario`` (port 0, mutual TLS)."""
+    """The ``geoloco coordinator --config`` table for ``scenario`` (port 0, mutual TLS): the
+    scenario's ``[run]`` keys under the coordinator file's ``[run]``, with the same names."""
     s = scenario
     run = s.run
     return {
-        "seed": run.seed,
-        "total_rounds": run.rounds,
-        "min_sites": s.quorum,
-        "round_deadline_s": run.round_deadline_s,
-        "adaptive_deadline": run.adaptive_deadline.to_dict(),
-        "heartbeat_interval_s": run.heartbeat_interval_s,
-        "heartbeat_timeout_s": run.heartbeat_timeout_s,
+        "run": {
+            "rounds": run.rounds,
+            "seed": run.seed,
+            "min_sites": s.quorum,
+            **({"round_deadline_s": run.round_deadline_s} if run.round_deadline_s is not None else {}),
+            "adaptive_deadline": run.adaptive_deadline.to_dict(),
+            "eval_every": run.eval_every,
+            "heartbeat_interval_s": run.heartbeat_interval_s,
+            "heartbeat_timeout_s": run.heartbeat_timeout_s,
+        },
         "host": "127.0.0.1",
         "port": 0,
         "certs_dir": str(certs_dir.resolve()),
@@ -57,7 +61,6 @@ def coordinator_table(
         "checkpoint_dir": str(checkpoint_dir.resolve()),
         "checkpoint_every": 1,
         "metrics_path": str(metrics_path.resolve()),
-        "eval_every": run.eval_every,
         "drain_timeout_s": COORDINATOR_DRAIN_S,
         "device": "cpu",
         "algorithm": s.algorithm.to_dict(),

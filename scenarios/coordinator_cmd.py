@@ -132,7 +132,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     parser.add_argument("--config", type=Path, required=True, metavar="FILE", help="TOML config file")
-    add_set_argument(parser, examples="algorithm.inner_steps=50, min_sites=3, update_guard.norm_factor=10")
+    add_set_argument(parser, examples="algorithm.inner_steps=50, run.min_sites=3, update_guard.norm_factor=10")
     parser.add_argument("--host", help="address to listen on, overrides `host` (0.0.0.0: every interface)")
     parser.add_argument("--port", type=port_number, help="port to listen on, overrides `port` (0: a free one)")
     parser.add_argument(

@@ -101,6 +101,19 @@ def _field_type(schema: Any, path: Sequence[str]) -> Any:
     return _unwrap(current)
 
 
+def _move_to(raw: dict[str, Any], old: Sequence[str], new: Sequence[str]) -> None:
+    """Move what the file has at ``old`` (a ``[run]`` key's place in the old layout) to ``new``
+    unless the file has that too (then both stay, and the schema refuses the file)."""
+    node: Any = raw
+    for part in old[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or old[-1] not in node:
+        return
+    table = raw.setdefault(new[0], {})
+    if isinstance(table, dict) and new[1] not in table:
+        table[new[1]] = node.pop(old[-1])
+
+
 def _is_list(schema: Any, path: Sequence[str]) -> bool:
     """Whether the schema says ``path`` is a list (``sites``, which a file may also write as one
     ``[sites]`` table with ``count``)."""
@@ -148,8 +161,15 @@ def apply_overrides(
     ``schema`` is the config dataclass the file is read into (``None``: values are TOML literals
     or text); a ``[sites]`` list is indexed by number, a missing table is created.
     """
+    layout = getattr(schema, "RUN_LAYOUT", None)  # the schema's [run] table (training.RunLayout)
     for text in overrides:
         key, value_text = parse_override(text)
+        field_parts = key.split(".")
+        if layout is not None:
+            key, old_place = layout.override_key(key)
+            if old_place is not None:  # the key's field, for its type; the file's old place moved
+                field_parts = [*old_place.split("."), *key.split(".")[2:]]
+                _move_to(raw, old_place.split("."), key.split(".")[:2])
         parts = key.split(".")
         node: Any = raw
         parent: Any = None
@@ -170,7 +190,7 @@ def apply_overrides(
         last = parts[-1]
         if isinstance(node, dict) and last.isdigit() and len(parts) > 1 and _is_list(schema, parts[:-1]):
             node = parent[parts[-2]] = _as_list(node, key, ".".join(parts[:-1]), source)
-        value = _typed(value_text, _field_type(schema, parts) if schema is not None else None)
+        value = _typed(value_text, _field_type(schema, field_parts) if schema is not None else None)
         if isinstance(node, list):
             if not last.isdigit() or int(last) >= len(node):
                 raise ConfigFileError(source, key, _index_error(key, last, len(node)))

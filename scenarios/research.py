@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
+from geoloco.algorithms.config import RUN_TABLE, ConfigError, config_from_dict, config_to_dict, require
 from geoloco.scenarios.config_file import COMMAND_LINE, ConfigFileError, from_config_error, read_toml
 from geoloco.scenarios.overrides import apply_overrides, parse_override
 from geoloco.scenarios.plugins import import_plugins, module_provenance, plugin_modules, workload_identity
@@ -62,7 +62,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SECTIONS = (
-    "workload", "algorithm", "inner_optimizer", "outer_optimizer", "sites", "simulation", "privacy",
+    "workload", "algorithm", "inner_optimizer", "outer_optimizer", "sites", RUN_TABLE, "simulation", "privacy",
     "regions", "coordinator_link", "update_guard", "research",
 )
 """Top-level keys of a simulate config file."""
@@ -79,8 +79,8 @@ SUMMARY_FORMAT = 1
 """Version of ``summary.json``'s layout, so a later reader can tell old folders apart."""
 
 RUN_LENGTH_PAIRS = (("rounds", "total_inner_steps"), ("eval_every", "eval_every_steps"))
-"""``[simulation]`` keys that say the same thing in rounds or in inner steps: exactly one of
-each pair may be set, so an override of one replaces the file's other."""
+"""``[run]`` keys that say the same thing in rounds or in inner steps: exactly one of each pair
+may be set, so an override of one replaces the file's other."""
 
 
 # -- provenance ------------------------------------------------------------------------------------
@@ -202,18 +202,19 @@ def torch_threads(threads: int) -> Iterator[None]:
 def prepare_raw(raw: Mapping[str, Any], overrides: Sequence[str], source: str) -> dict[str, Any]:
     """A copy of the file's dict with ``--set`` overrides applied and the sections checked.
 
-    An override of ``simulation.rounds`` drops the file's ``total_inner_steps`` (and the other
+    An override of ``run.rounds`` drops the file's ``total_inner_steps`` (and the other
     pairs alike), so the command line wins over the file instead of setting both."""
     from geoloco.algorithms.simulation.simulator import SimulatorConfig
 
     prepared: dict[str, Any] = copy.deepcopy(dict(raw))
     overridden = {parse_override(text)[0] for text in overrides}
-    simulation = prepared.get("simulation")
-    if isinstance(simulation, dict):
-        for a, b in RUN_LENGTH_PAIRS:
-            for mine, other in ((a, b), (b, a)):
-                if f"simulation.{mine}" in overridden and f"simulation.{other}" not in overridden:
-                    simulation.pop(other, None)
+    overridden = {key.replace("simulation.", f"{RUN_TABLE}.", 1) for key in overridden}  # the old layout's
+    for table in (prepared.get(RUN_TABLE), prepared.get("simulation")):
+        if isinstance(table, dict):
+            for a, b in RUN_LENGTH_PAIRS:
+                for mine, other in ((a, b), (b, a)):
+                    if f"{RUN_TABLE}.{mine}" in overridden and f"{RUN_TABLE}.{other}" not in overridden:
+                        table.pop(other, None)
     apply_overrides(prepared, overrides, source, SimulatorConfig)
     unknown = sorted(set(prepared) - set(SECTIONS))
     if unknown:

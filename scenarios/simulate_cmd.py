@@ -2,7 +2,8 @@
 
 The file's sections map one to one onto ``geoloco.algorithms.simulation.simulator.SimulatorConfig``
 (``[algorithm]``, ``[inner_optimizer]``, ``[outer_optimizer]``, ``[sites]`` or ``[[sites]]``,
-``[simulation]``) plus ``[workload]`` (``name`` and the workload's options). See the shipped
+``[simulation]``), ``[run]`` (the run's length, seed and round policy, which ``SimulatorConfig``
+keeps in ``simulation``) and ``[workload]`` (``name`` and the workload's options). See the shipped
 ``simulate.toml`` for every key with a comment. A bad value exits with status 2 and a message
 naming the file, the key and what is allowed — never a traceback; a file of another kind (an
 emulate scenario, a coordinator config) is refused naming the command that runs it
@@ -23,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from geoloco.algorithms.config import RUN_TABLE
 from geoloco.scenarios.config_file import (
     COMMAND_LINE,
     ConfigFileError,
@@ -72,9 +74,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--config", type=Path, help="TOML config file (default: built-in defaults)")
     parser.add_argument("--workload", help="workload name, overrides [workload] name (gpt, mlp)")
-    parser.add_argument("--rounds", type=positive_int, help="overrides [simulation] rounds")
+    parser.add_argument("--rounds", type=positive_int, help="overrides [run] rounds")
     parser.add_argument("--sites", type=positive_int, help="number of identical sites, overrides [sites] count")
-    parser.add_argument("--seed", type=int, help="overrides [simulation] seed")
+    parser.add_argument("--seed", type=int, help="overrides [run] seed")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="overrides [simulation] device")
     add_set_argument(parser)
     add_plugin_argument(parser)
@@ -98,15 +100,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _apply_flags(raw: dict[str, Any], args: argparse.Namespace, source: str) -> None:
     """Fold the command-line overrides into the raw config dict (flags win over the file)."""
-    simulation = raw.setdefault("simulation", {})
-    if not isinstance(simulation, dict):
-        raise ConfigFileError(source, "simulation", "expected a [simulation] table")
-    for flag in ("rounds", "seed", "device"):
+    for flag, table_name in (("rounds", RUN_TABLE), ("seed", RUN_TABLE), ("device", "simulation")):
         value = getattr(args, flag)
-        if value is not None:
-            simulation[flag] = value
+        if value is None:
+            continue
+        table = raw.setdefault(table_name, {})
+        if not isinstance(table, dict):
+            raise ConfigFileError(source, table_name, f"expected a [{table_name}] table")
+        old = raw.get("simulation")
+        if table_name == RUN_TABLE and isinstance(old, dict):
+            old.pop(flag, None)  # the file's old layout ([simulation] rounds): the flag wins
+        table[flag] = value
     if args.rounds is not None:
-        simulation.pop("total_inner_steps", None)  # the flag wins over the file's run length
+        for table in (raw.get(RUN_TABLE), raw.get("simulation")):
+            if isinstance(table, dict):
+                table.pop("total_inner_steps", None)  # the flag wins over the file's run length
     if args.workload is not None:
         workload = raw.setdefault("workload", {})
         if not isinstance(workload, dict):
@@ -151,10 +159,13 @@ def config_file_text(resolved: dict[str, Any]) -> str:
     """``--print-config``: a ``resolved_config`` as a simulate file that ``--config`` reads back
     to the same config. The device ``auto`` resolved to and the run length in rounds are derived,
     not keys of the file (the file would be refused with them), so they are comments on top."""
+    from geoloco.algorithms.simulation.sim_config import SIMULATE_RUN
+
     table = dict(resolved)
     device = table.pop("resolved_device")
     rounds = table.pop("run_rounds")
     asked = table["simulation"]["device"]
+    table = SIMULATE_RUN.lower(table)
     return toml_text(
         table,
         comments=[

@@ -589,7 +589,7 @@ def sweep(
     tasks: list[tuple[int, int, RunTask]] = []
     for i, point in enumerate(points):
         for seed in seeds:
-            texts = (*overrides, *(f"{k}={v}" for k, v in point), f"simulation.seed={seed}")
+            texts = (*overrides, *(f"{k}={v}" for k, v in point), f"run.seed={seed}")
             research = _check_config(raw, texts, source, workload)
             identity = json.dumps(run_identity(research, workload), sort_keys=True, default=str)
             digest = hashlib.sha256("\n".join([base_hash, *texts, identity]).encode()).hexdigest()[:10]

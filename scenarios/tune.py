@@ -265,7 +265,7 @@ def _objective(optuna: Any, raw: Mapping[str, Any], overrides: Sequence[str], pa
         result = run(dict(raw), overrides=texts, out=folder, on_record=on_record, workload=workload)
         final = result.final_eval_loss
         if final is None:
-            raise ConfigFileError(COMMAND_LINE, "simulation", "the run made no evaluation to tune on")
+            raise ConfigFileError(COMMAND_LINE, "run.eval_every", "the run made no evaluation to tune on")
         logger.info("trial %d: final eval loss %.4f with %s", trial.number, final, " ".join(texts[len(overrides):]))
         return final
 

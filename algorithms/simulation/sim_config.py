@@ -7,7 +7,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from geoloco.algorithms.config import ConfigError, config_from_dict, config_to_dict, require
 from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
@@ -17,7 +17,7 @@ from geoloco.algorithms.simulation.chaos import ChaosConfig
 from geoloco.algorithms.simulation.clock import SiteConfig
 from geoloco.algorithms.simulation.sim_regions import CoordinatorLinkSpec, RegionSpec, TwoTierClock, check_regions
 from geoloco.algorithms.strategy import AlgorithmConfig
-from geoloco.algorithms.training import TrainingConfig, TrainingKeys
+from geoloco.algorithms.training import RUN_KEYS, RunLayout, TrainingConfig
 from geoloco.algorithms.update_guard import UpdateGuardConfig
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_ROUNDS",
     "MEASURE",
     "SHARED_RECORD_KEYS",
+    "SIMULATE_RUN",
     "SIMULATOR_KEYS",
     "RoundRecord",
     "SimulationConfig",
@@ -33,13 +34,21 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SIMULATOR_KEYS = TrainingKeys(
-    min_sites="simulation.min_sites",
-    round_deadline_s="simulation.round_deadline_s",
-    adaptive_deadline="simulation.adaptive_deadline",
-    rounds="simulation.rounds",
+SIMULATOR_KEYS = RUN_KEYS
+"""Where a simulator file keeps the round policy and the run length (``[run]``)."""
+
+SIMULATE_RUN = RunLayout(
+    {
+        key: f"simulation.{key}"
+        for key in (
+            "rounds", "total_inner_steps", "target_eval_loss", "eval_every", "eval_every_steps", "seed",
+            "min_sites", "round_deadline_s", "adaptive_deadline", "max_wall_clock_s",
+        )
+    },
+    kind="a simulate file",
 )
-"""Where a simulator file keeps the round policy and the run length."""
+"""The fields of ``SimulationConfig`` a simulate file writes under ``[run]`` (before: under
+``[simulation]``, which keeps the simulator's own keys: ``step_time_s``, ``device``, ``chaos``)."""
 
 DEFAULT_ROUNDS = 100
 """Run length when neither ``rounds`` nor ``total_inner_steps`` is set."""
@@ -52,7 +61,15 @@ MEASURE = "measure"
 
 @dataclass(kw_only=True, slots=True)
 class SimulationConfig:
-    """How long to run, what to measure, and the coordinator's round policy."""
+    """The simulator's virtual clock, device and failure model; in Python also how long to run,
+    what to measure and the coordinator's round policy, which a file writes under ``[run]``.
+
+    (``SIMULATE_RUN`` says which fields those are.)"""
+
+    MOVED_TO_RUN: ClassVar[frozenset[str]] = frozenset(
+        path.split(".", 1)[1] for path in SIMULATE_RUN.fields.values()
+    )
+    """Fields a file writes under ``[run]``: not offered as ``[simulation]`` keys in errors."""
 
     rounds: int | None = None
     """Maximum number of rounds (the run stops earlier once ``target_eval_loss`` is reached).
@@ -82,7 +99,7 @@ class SimulationConfig:
     min_sites: int = 1
     """Quorum: with a deadline, wait past it until at least this many uploads arrived."""
     adaptive_deadline: AdaptiveDeadlineConfig = field(default_factory=AdaptiveDeadlineConfig)
-    """``[simulation.adaptive_deadline]``: learn each round's deadline from recent arrivals
+    """``[run.adaptive_deadline]``: learn each round's deadline from recent arrivals
     (``geoloco.algorithms.deadline``); ``round_deadline_s`` is then the first rounds' deadline."""
     max_wall_clock_s: float | None = None
     """Stop the run when the virtual clock reaches this many seconds, the global model evaluated
@@ -154,7 +171,11 @@ def _default_sites() -> list[SiteConfig]:
 
 @dataclass(kw_only=True, slots=True)
 class SimulatorConfig:
-    """Everything a simulated run needs besides the workload; TOML sections map onto the fields."""
+    """Everything a simulated run needs besides the workload; TOML sections map onto the fields
+    (``[run]`` onto ``simulation``'s run fields: ``SIMULATE_RUN``)."""
+
+    RUN_LAYOUT: ClassVar[RunLayout] = SIMULATE_RUN
+    """Where a file's ``[run]`` keys go among the fields (``SIMULATE_RUN``)."""
 
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Algorithm, H, codecs, error feedback, weighting, warm-up."""
@@ -166,7 +187,8 @@ class SimulatorConfig:
     """One entry per site (in a file: ``[[sites]]`` entries, or a ``[sites]`` table with
     ``count`` plus the fields every site shares)."""
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
-    """Run length, evaluation, clock and round policy."""
+    """The virtual clock, the device and the failure model; in Python also the run's length,
+    evaluation, seed and round policy, which a file writes under ``[run]`` (``SIMULATE_RUN``)."""
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     """Secure aggregation and differential privacy (``geoloco.algorithms.privacy.private_aggregation``)."""
     regions: list[RegionSpec] = field(default_factory=list)
@@ -202,7 +224,7 @@ class SimulatorConfig:
                 algo.name != "ddp" and not algo.streaming.enabled and self.simulation.round_deadline_s is None,
                 "regions",
                 "the two-tier clock models rounds that wait for every site: drop "
-                "simulation.round_deadline_s, streaming and the ddp baseline, or drop [[regions]] "
+                "run.round_deadline_s, streaming and the ddp baseline, or drop [[regions]] "
                 "and [coordinator_link]",
             )
         for k, site in enumerate(self.sites):
@@ -230,7 +252,7 @@ class SimulatorConfig:
         if not self.event_driven:
             require(
                 sim.max_wall_clock_s is None,
-                "simulation.max_wall_clock_s",
+                "run.max_wall_clock_s",
                 "only the event-driven simulator stops on the virtual clock: enable "
                 "[algorithm.asynchronous] or [simulation.chaos], or set rounds instead",
             )
@@ -253,7 +275,7 @@ class SimulatorConfig:
             )
         require(
             not sim.chaos.failures or sim.max_wall_clock_s is not None,
-            "simulation.max_wall_clock_s",
+            "run.max_wall_clock_s",
             "sites fail ([simulation.chaos] mtbf_s): bound the run on the virtual clock too, or a "
             "rule that cannot finish its rounds (a lock-step restart) runs for ever",
         )
@@ -262,17 +284,17 @@ class SimulatorConfig:
         sim, algo = self.simulation, self.algorithm
         if sim.total_inner_steps is None and sim.eval_every_steps is None:
             return
-        key = "simulation.total_inner_steps" if sim.total_inner_steps is not None else "simulation.eval_every_steps"
+        key = "run.total_inner_steps" if sim.total_inner_steps is not None else "run.eval_every_steps"
         require(
             algo.round_time_budget_s is None,
             key,
             "the inner steps of a round vary with algorithm.round_time_budget_s; set "
-            "simulation.rounds and simulation.eval_every instead, or unset round_time_budget_s",
+            "run.rounds and run.eval_every instead, or unset round_time_budget_s",
         )
         if sim.total_inner_steps is not None:
             require(
                 sim.total_inner_steps > algo.warmup_steps,
-                "simulation.total_inner_steps",
+                "run.total_inner_steps",
                 f"counts the warm-up too: must be > algorithm.warmup_steps ({algo.warmup_steps}), "
                 f"got {sim.total_inner_steps}",
             )
@@ -286,8 +308,8 @@ class SimulatorConfig:
 
     @property
     def run_rounds(self) -> int:
-        """The run's number of rounds: ``simulation.rounds``, or the fewest rounds whose inner
-        steps (after the warm-up) reach ``simulation.total_inner_steps``."""
+        """The run's number of rounds: ``run.rounds``, or the fewest rounds whose inner
+        steps (after the warm-up) reach ``run.total_inner_steps``."""
         sim = self.simulation
         if sim.rounds is not None:
             return sim.rounds
@@ -326,16 +348,25 @@ class SimulatorConfig:
         """Build from a parsed TOML/JSON dict; errors name the dotted key and what is allowed.
 
         ``sites`` may be a list of site tables, or one table with ``count`` (default 4) and the
-        fields all sites share. The same as ``config_from_dict(SimulatorConfig, data)``.
+        fields all sites share; the run's knobs sit under ``[run]`` (``SIMULATE_RUN``). Errors
+        name the key as ``data`` has it.
         """
-        return config_from_dict(cls, data)
+        try:
+            return config_from_dict(cls, data)
+        except ConfigError as err:
+            raise SIMULATE_RUN.error(err, data) from None
+
+    def to_file_dict(self) -> dict[str, Any]:
+        """``to_dict`` in the file form (``[run]``), for a file that is read again."""
+        return SIMULATE_RUN.lower(self.to_dict())
 
     @classmethod
     def prepare_config_dict(cls, data: Mapping[str, Any]) -> dict[str, Any]:
-        """The file form as fields: a ``[sites]`` table with ``count`` becomes the site list;
-        ``[simulation.asynchronous]`` (its place until the coordinator ran asynchronous merges
-        too) is read as ``[algorithm.asynchronous]``, with a warning that shows the new key."""
-        data = dict(data)
+        """The file form as fields: ``[run]`` lifted into ``simulation``; a ``[sites]`` table
+        with ``count`` becomes the site list; ``[simulation.asynchronous]`` (its place until the
+        coordinator ran asynchronous merges too) is read as ``[algorithm.asynchronous]``, with a
+        warning that shows the new key."""
+        data = SIMULATE_RUN.lift(data)
         simulation = data.get("simulation")
         if isinstance(simulation, Mapping) and "asynchronous" in simulation:
             simulation = dict(simulation)

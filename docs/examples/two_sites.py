@@ -48,7 +48,8 @@ from geoloco.algorithms import SimulatorConfig, simulate
 sim_config = SimulatorConfig.from_dict({
     "algorithm": {"inner_steps": 20, "uplink_codec": "int8"},
     "sites": {"count": 2, "uplink_bps": 1e7, "latency_s": 0.08},  # 10 Mbit/s, 80 ms one way
-    "simulation": {"rounds": 5, "eval_every": 1, "device": "cpu"},
+    "run": {"rounds": 5, "eval_every": 1},
+    "simulation": {"device": "cpu"},
 })
 for record in simulate(sim_config, workload):
     simulated = record

@@ -69,7 +69,7 @@ def test_child_commands_carry_the_scenario(tmp_path: Path) -> None:
         scenario, certs_dir=tmp_path / "certs", checkpoint_dir=tmp_path / "ck", metrics_path=tmp_path / "m.jsonl"
     )
     assert table["workload"] == {"name": "mlp", "hidden_dim": 8}
-    assert table["allowed_sites"] == ["a", "b"] and table["total_rounds"] == 3 and table["min_sites"] == 2
+    assert table["allowed_sites"] == ["a", "b"] and table["run"]["rounds"] == 3 and table["run"]["min_sites"] == 2
     command = site_command(scenario, 1, coordinator="127.0.0.1:9", certs_dir=tmp_path, log_level="INFO")
     assert command[command.index("--speed-factor") + 1] == "0.5"
     assert command[command.index("--site-index") + 1] == "0"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from geoloco.algorithms.params import ParamLayout
-from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.coordinator.config import COORDINATOR_RUN, CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 from geoloco.scenarios.cli import build_parser, main
@@ -102,15 +103,18 @@ def test_shipped_example_config_is_valid_and_every_key_is_commented() -> None:
             # A key sits right under its comment, or under a sibling key sharing that comment.
             above = lines[i - 1].strip()
             assert above.startswith("#") or "=" in above, f"line {i + 1} has no comment: {line}"
-    # Every top-level key appears, set or (optional ones) commented out as `# key = value`.
+    # Every key appears, set or (optional ones) commented out as `# key = value`: the top-level
+    # fields, and under [run] the run's fields by their [run] names (`rounds`, not `total_rounds`).
     shown = {m[1] for line in lines if (m := re.match(r"^#? ?([a-z_]+) = ", line))}
-    top_level = set(CoordinatorConfig.__dataclass_fields__) - {
+    fields = {f.name for f in dataclasses.fields(CoordinatorConfig)}
+    top_level = (fields - set(COORDINATOR_RUN.fields.values()) | set(COORDINATOR_RUN.fields)) - {
         "algorithm", "outer_optimizer", "inner_optimizer", "workload", "http", "adaptive_deadline",
         "privacy", "admission", "update_guard", "relays",
     }
+    assert "total_rounds" not in shown and "[run]" in lines
     assert top_level <= shown, f"keys missing from the example: {top_level - shown}"
-    tables = {m[1] for line in lines if (m := re.match(r"^\[([a-z_]+)\]$", line))}
-    assert {"admission", "update_guard", "adaptive_deadline", "http"} <= tables
+    tables = {m[1] for line in lines if (m := re.match(r"^\[([a-z_.]+)\]$", line))}
+    assert {"admission", "update_guard", "run", "run.adaptive_deadline", "http"} <= tables
     # Optional tables are shown commented out.
     assert {"# [privacy]", "# [relays]"} <= {line.strip() for line in lines}
 

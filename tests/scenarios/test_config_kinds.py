@@ -46,8 +46,12 @@ def _no_reexec(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_each_kind_is_told_by_keys_only_its_schema_has() -> None:
     keys = distinguishing_keys()
     assert set(keys) == set(KINDS)
-    assert keys[SCENARIO] == {"run", "faults"}
-    assert keys[SIMULATE] == {"simulation", "research"}
+    # [run] is every kind's; the [run] keys only one kind has tell it (run.KEY).
+    assert keys[SCENARIO] == {"faults", "run.timeout_s", "run.time_budget_s"}
+    assert keys[SIMULATE] == {
+        "simulation", "research", "run.total_inner_steps", "run.target_eval_loss", "run.eval_every_steps",
+        "run.max_wall_clock_s",
+    }
     assert {"total_rounds", "allowed_sites", "checkpoint_dir"} <= keys[COORDINATOR]
     assert {"coordinator", "upward_codec"} <= keys[RELAY]
     for kind, own in keys.items():
@@ -65,7 +69,8 @@ def test_every_shipped_file_has_a_kind(path: Path) -> None:
     ("raw", "kind"),
     [
         ({"algorithm": {"inner_steps": 5}, "workload": {"name": "mlp"}}, None),  # shared tables only
-        ({"run": {"rounds": 1}, "simulation": {"rounds": 1}}, None),  # two kinds: the schema says which key is wrong
+        ({"run": {"timeout_s": 1.0}, "simulation": {}}, None),  # two kinds: the schema says which key is wrong
+        ({"run": {"rounds": 1}}, None),  # [run] alone: every kind has it
         ({"faults": [{"kind": "kill_site"}]}, SCENARIO),
         ({"total_rounds": 3, "algorithm": {}}, COORDINATOR),
     ],
@@ -116,7 +121,7 @@ def test_the_refusal_is_the_whole_of_stderr_in_a_real_process(tmp_path: Path) ->
     )
     assert proc.returncode == EXIT_CONFIG_ERROR
     assert proc.stderr == (
-        "geoloco simulate: error: scenarios/quickstart.toml: is an emulate scenario (it has [run]), "
+        "geoloco simulate: error: scenarios/quickstart.toml: is an emulate scenario (it has run.timeout_s), "
         "not a simulate config; run it with `geoloco emulate scenarios/quickstart.toml`\n"
     )
     assert proc.stdout == ""

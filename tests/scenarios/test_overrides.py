@@ -119,10 +119,13 @@ def test_coordinator_config_override_is_checked(tmp_path: Path) -> None:
 
     config = tmp_path / "c.toml"
     config.write_text((SCENARIOS / "coordinator.toml").read_text())
-    args = build_parser().parse_args(["coordinator", "--config", str(config), "--set", "total_rounds=7"])
+    args = build_parser().parse_args(["coordinator", "--config", str(config), "--set", "run.rounds=7"])
     assert load_config(args)[0].total_rounds == 7
-    args = build_parser().parse_args(["coordinator", "--config", str(config), "--set", "total_rounds=abc"])
-    with pytest.raises(ConfigFileError, match="total_rounds: got 'abc'; expected an integer"):
+    # The old layout's name still works, set where the file keeps it now ([run] rounds).
+    args = build_parser().parse_args(["coordinator", "--config", str(config), "--set", "total_rounds=8"])
+    assert load_config(args)[0].total_rounds == 8
+    args = build_parser().parse_args(["coordinator", "--config", str(config), "--set", "run.rounds=abc"])
+    with pytest.raises(ConfigFileError, match="run.rounds: got 'abc'; expected an integer"):
         load_config(args)
 
 

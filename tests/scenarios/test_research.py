@@ -99,12 +99,12 @@ def test_an_unfinished_folder_is_not_loaded(tmp_path: Path) -> None:
 
 
 def test_an_override_of_one_run_length_key_replaces_the_others() -> None:
-    base = {**BASE, "simulation": {"rounds": 2, "eval_every": 1, "device": "cpu"}}
-    result = run(base, overrides=["simulation.total_inner_steps=15", "simulation.eval_every_steps=15"])
+    base = {**BASE, "run": {"rounds": 2, "eval_every": 1}, "simulation": {"device": "cpu"}}
+    result = run(base, overrides=["run.total_inner_steps=15", "run.eval_every_steps=15"])
     assert [p.inner_steps for p in result.curve] == [15]
     with pytest.raises(ConfigFileError) as info:
-        run(base, overrides=["simulation.rounds=3", "simulation.total_inner_steps=15"])
-    assert info.value.key == "simulation.total_inner_steps" and "not both" in info.value.message
+        run(base, overrides=["run.rounds=3", "run.total_inner_steps=15"])
+    assert info.value.key == "run.total_inner_steps" and "not both" in info.value.message
 
 
 def test_commit_is_none_outside_a_git_checkout(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import tomllib
 from geoloco.algorithms.algorithm_config import DEFAULT_OUTER_OPTIMIZERS
 from geoloco.algorithms.simulation.clock import SiteConfig
 from geoloco.algorithms.simulation.sim_config import SimulatorConfig
-from geoloco.scenarios.research import SECTIONS
+from geoloco.scenarios.config_kinds import SIMULATE, detect_config_kind
 from geoloco.scenarios.workloads import DEFAULT_WORKLOAD, workload_config
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
@@ -37,8 +37,8 @@ DELIBERATE: dict[str, dict[str, str]] = {
         "inner_optimizer.grad_clip_norm": "clipping suits the GPT; the default (no clipping) is what the "
         "golden round fixtures and the real system's tests record",
         "workload.seq_len": "64-byte windows halve the example's step time (default: the model's block size)",
-        "simulation.rounds": RUN_LENGTH,
-        "simulation.eval_every": RUN_LENGTH,
+        "run.rounds": RUN_LENGTH,
+        "run.eval_every": RUN_LENGTH,
     },
     "sweep.toml": {
         "": "the README's recorded H x codec study (benchmarks/README.md): its settings are the "
@@ -67,8 +67,7 @@ DELIBERATE: dict[str, dict[str, str]] = {
 def simulator_configs() -> list[Path]:
     files = []
     for path in sorted(SCENARIOS.glob("*.toml")):
-        raw = tomllib.loads(path.read_text())
-        if set(raw) <= set(SECTIONS):  # scenario and coordinator files have tables of their own
+        if detect_config_kind(tomllib.loads(path.read_text())) == SIMULATE:
             files.append(path)
     return files
 
@@ -93,7 +92,7 @@ def defaults_for(raw: dict[str, Any]) -> dict[str, Any]:
     """The built-in value of every key a file may set (outer optimizer resolved for the file's
     algorithm, workload options for the file's workload)."""
     config = SimulatorConfig()
-    data = config.to_dict()
+    data = config.to_file_dict()
     algorithm = raw.get("algorithm", {}).get("name", config.algorithm.name)
     outer = SimulatorConfig.from_dict({"algorithm": {"name": algorithm}}).outer_optimizer
     data["outer_optimizer"] = outer.resolved(DEFAULT_OUTER_OPTIMIZERS.get(algorithm, "nesterov")).to_dict()

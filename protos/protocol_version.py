@@ -9,11 +9,15 @@ from __future__ import annotations
 
 __all__ = ["PROTOCOL_VERSION"]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Sent in Join; bump on incompatible changes to the meaning of geoloco.proto.
 
 2: SecureStage carries typed ``SecAgg*`` messages in oneofs instead of JSON in a ``payload``
 field (now reserved), so a version-1 peer cannot take part in a secure round.
 3: Blob manifests carry SHA-256 by default and a CRC-32 equal to ``CRC32_RESIDUE`` (what every
 version-2 upload and delta carried) is refused, so a version-2 peer's uploads would fail.
+4: A secure round's ``advertise_keys`` reply carries every site's name but only the receiving
+site's and its neighbours' advertisements and identity bindings, and the unmask request only
+its share holders' signatures; a version-3 site derives the neighbour graph from the
+advertisements it receives and would refuse the round.
 """

@@ -149,16 +149,22 @@ class SecureSite:
         """Stages 1-2 (before training): advertise, verify identities, share keys, get shares."""
         ad = self.client.advertise()
         reply = self._stage(STAGE_ADVERTISE_KEYS, AdvertiseKeys(ad, self.identity.binding), Advertisements)
+        # The coordinator sends every site's name but only this site's and its neighbours' keys
+        # and identity bindings (the ones the protocol uses here), so those are what is checked.
         identities = verify_bindings(reply.bindings, self._ca_pem)
+        adverts = reply.advertisements
         by_index: dict[int, Ed25519PublicKey] = {}
         for index, name in reply.names.items():
-            if site_index(name) != index or name not in identities:
-                raise SecAggViolation(f"site {self.identity.name}: no valid identity for site {name!r}")
-            by_index[index] = identities[name]
+            if site_index(name) != index:
+                raise SecAggViolation(f"site {self.identity.name}: site {name!r} is not protocol site {index}")
+        for ad in adverts:
+            name = reply.names.get(ad.site)
+            if name is None or name not in identities:
+                raise SecAggViolation(f"site {self.identity.name}: no valid identity for site {name or ad.site!r}")
+            by_index[ad.site] = identities[name]
         self.client.add_identities(by_index)
-        adverts = reply.advertisements
-        self.num_sites = len(adverts)
-        shares = self.client.share_keys(adverts)
+        self.num_sites = len(reply.names)
+        shares = self.client.share_keys(adverts, reply.names.keys())
         self.fixed = secure_fixed_point(self.privacy, self.num_sites)
         mine = self._stage(STAGE_SHARE_KEYS, ShareBundle(tuple(shares)), ShareBundle)
         self.client.receive_shares(mine.shares)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -104,6 +104,9 @@ class SecAggClient:
         self._self_seed = random_bytes(32)
         self._advertisement: KeyAdvertisement | None = None
         self._peers: dict[int, _Peer] = {}
+        """The neighbours' verified keys (``share_keys``)."""
+        self._advertised: frozenset[int] = frozenset()
+        """Every site that advertised keys this round: who may be a survivor or dropped."""
         self._graph: dict[int, frozenset[int]] = {}
         self._own_shares: tuple[bytes, bytes] | None = None
         self._held: dict[int, tuple[bytes, bytes]] = {}
@@ -149,11 +152,23 @@ class SecAggClient:
         return self._advertisement
 
     # stage 2
-    def share_keys(self, advertisements: Sequence[KeyAdvertisement]) -> list[EncryptedShare]:
-        """Verify every advertisement, then Shamir-share ``b_u`` and ``s_u`` encrypted per holder."""
+    def share_keys(
+        self, advertisements: Sequence[KeyAdvertisement], sites: Collection[int] | None = None
+    ) -> list[EncryptedShare]:
+        """Verify the neighbours' advertisements, then Shamir-share ``b_u`` and ``s_u``
+        encrypted per holder.
+
+        ``sites``: every site that advertised keys this round (the neighbour graph is derived
+        from them); ``None``: the sites of ``advertisements``, which must then be all of them.
+        Only a neighbour's keys are used here, so ``advertisements`` need hold only this site's
+        and its neighbours' (``SecAggServer.advertisements_for``), and only those are verified
+        and kept: with SecAgg+'s graph a site receives and checks O(log n) advertisements
+        instead of n, and every site's is still checked by each of its neighbours (with
+        ``full``, every site by every site)."""
         self._expect(STAGE_SHARE_KEYS)
         c = self.context
         seen: set[int] = set()
+        by_site: dict[int, KeyAdvertisement] = {}
         for ad in advertisements:
             if ad.site in seen:
                 raise SecAggViolation(f"site {self.site}: two advertisements for site {ad.site}")
@@ -164,28 +179,44 @@ class SecAggClient:
                     f"{ad.session!r}, not {c.session!r}; refusing a replayed message"
                 )
             self._check_round(ad.round_index, f"the advertisement of site {ad.site}")
-            identity = self._identities.get(ad.site)
-            if identity is None:
+            if ad.site not in self._identities:
                 raise SecAggViolation(f"site {self.site}: advertisement from unknown site {ad.site}")
-            try:
-                identity.verify(ad.signature, ad.signed_bytes())
-            except InvalidSignature:
+            by_site[ad.site] = ad
+        if sites is not None:
+            if not seen <= set(sites):
                 raise SecAggViolation(
-                    f"site {self.site}: the keys advertised for site {ad.site} are not signed by its "
-                    "identity key; the coordinator substituted or corrupted them"
-                ) from None
-            self._peers[ad.site] = _Peer(
-                X25519PublicKey.from_public_bytes(ad.cipher_public_key),
-                X25519PublicKey.from_public_bytes(ad.mask_public_key),
-            )
-        if self._advertisement not in advertisements:
+                    f"site {self.site}: advertisements of sites {sorted(seen - set(sites))} that the "
+                    "round's site list does not name"
+                )
+            seen = set(sites)
+        if by_site.get(self.site) != self._advertisement:
             raise SecAggViolation(f"site {self.site}: its own advertisement is missing or altered")
         if len(seen) < MIN_SITES:
             raise SecAggAbort(
                 f"only {len(seen)} sites advertised keys; secure aggregation needs at least "
                 f"{MIN_SITES} (with 2, the sum reveals the other site's update)"
             )
+        self._advertised = frozenset(seen)
         self._graph = neighbour_graph(seen, c.neighbours, session=c.session, round_index=c.round_index)
+        missing = sorted(self._graph[self.site] - set(by_site))
+        if missing:
+            raise SecAggViolation(
+                f"site {self.site}: no advertisement from its neighbours {missing}; the coordinator "
+                "withheld keys this site must mask with"
+            )
+        for peer in sorted(self._graph[self.site]):
+            ad = by_site[peer]
+            try:
+                self._identities[peer].verify(ad.signature, ad.signed_bytes())
+            except InvalidSignature:
+                raise SecAggViolation(
+                    f"site {self.site}: the keys advertised for site {ad.site} are not signed by its "
+                    "identity key; the coordinator substituted or corrupted them"
+                ) from None
+            self._peers[peer] = _Peer(
+                X25519PublicKey.from_public_bytes(ad.cipher_public_key),
+                X25519PublicKey.from_public_bytes(ad.mask_public_key),
+            )
         holders = self._graph[self.site] | {self.site}
         t = c.threshold_for(len(holders))
         if len(holders) < t:
@@ -307,7 +338,7 @@ class SecAggClient:
                 f"site {self.site} uploaded its masked input but is not listed as a survivor; "
                 "answering would let the coordinator strip its masks"
             )
-        if len(set(survivors)) != len(survivors) or not set(survivors) <= set(self._peers):
+        if len(set(survivors)) != len(survivors) or not set(survivors) <= self._advertised:
             raise SecAggViolation(f"site {self.site}: invalid survivor list {list(survivors)}")
         t = self.context.threshold_for(len(self._graph[self.site]) + 1)
         if len(survivors) < t:
@@ -336,12 +367,17 @@ class SecAggClient:
             )
         message = survivors_signed_bytes(c.session, c.round_index, self._survivors)
         valid, invalid = 0, []
+        holders = self._graph[self.site] | {self.site}
         for signer, signature in request.signatures.items():
             # An invalid signature only fails to count: refusing over it would let one hostile
-            # site abort every round. What protects the sites is that t valid ones are needed.
+            # site abort every round. What protects the sites is that t valid ones are needed,
+            # from the holders of this site's shares (SecAgg+'s rule: with the sparse graph, a
+            # site checks O(log n) signatures; with ``full`` every site holds shares).
             identity = self._identities.get(signer)
             if signer not in survivors or identity is None:
                 invalid.append(signer)
+                continue
+            if signer not in holders:
                 continue
             try:
                 identity.verify(signature, message)
@@ -354,8 +390,8 @@ class SecAggClient:
                 f"site {self.site}: the unmask request carries {valid} valid survivor signatures "
                 f"(invalid or foreign: {sorted(invalid)}), fewer than the threshold {t}; refusing"
             )
-        if not dropped <= set(self._peers):
-            raise SecAggViolation(f"site {self.site}: unknown dropped sites {sorted(dropped - set(self._peers))}")
+        if not dropped <= self._advertised:
+            raise SecAggViolation(f"site {self.site}: unknown dropped sites {sorted(dropped - self._advertised)}")
         held = dict(self._held)
         assert self._own_shares is not None
         held[self.site] = self._own_shares

@@ -8,7 +8,10 @@ shortcut, so what they measure and check is what the coordinator and the sites d
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -18,7 +21,7 @@ from geoloco.algorithms.privacy.secagg_crypto import RandomBytes, num_chunks
 from geoloco.algorithms.privacy.secagg_messages import RoundContext, message_to_bytes
 from geoloco.algorithms.privacy.secagg_server import SecAggServer
 
-__all__ = ["run_round_in_memory"]
+__all__ = ["StageCost", "run_round_in_memory"]
 
 
 def run_round_in_memory(
@@ -31,6 +34,7 @@ def run_round_in_memory(
     random_bytes: RandomBytes = os.urandom,
     traffic: dict[int, int] | None = None,
     masked_traffic: dict[int, int] | None = None,
+    stages: dict[str, StageCost] | None = None,
 ) -> tuple[np.ndarray, tuple[int, ...]]:
     """One whole secure round with every party in this process (simulator, tests, benchmarks).
 
@@ -39,8 +43,12 @@ def run_round_in_memory(
     ``SecAggAbort`` when too few sites remain. ``traffic``, when given, receives each site's
     upload bytes (messages as ``message_to_bytes`` encodes them, plus the masked chunks);
     ``masked_traffic`` the masked chunks' part of them (what a relay adds into its ring sum
-    instead of passing it on, ``geoloco.algorithms.simulation.sim_regions``).
+    instead of passing it on, ``geoloco.algorithms.simulation.sim_regions``). ``stages``, when
+    given, receives each stage's ``StageCost``: the seconds every party spent in it together, and
+    the bytes up (sites to the coordinator) and down (the coordinator to every site), messages
+    sized as ``message_to_bytes`` encodes them.
     """
+    clock = _StageClock(stages)
     sent: dict[int, int] = {s: 0 for s in inputs}
     masked: dict[int, int] = {s: 0 for s in inputs}
     identities = {s: k.public_key() for s, k in identity_keys.items()}
@@ -48,42 +56,90 @@ def run_round_in_memory(
         s: SecAggClient(s, context, identity_keys[s], identities, random_bytes=random_bytes) for s in inputs
     }
     server = SecAggServer(context)
-    for site, client in clients.items():
-        ad = client.advertise()
-        sent[site] += len(message_to_bytes(ad))
-        server.receive_advertisement(ad, identities[site])
-    ads = server.advertisements()
-    for site, client in clients.items():
-        shares = client.share_keys(ads)
-        sent[site] += sum(len(message_to_bytes(x)) for x in shares)
-        server.receive_shares(site, shares)
-    server.close_share_keys()
+    with clock.stage("advertise_keys") as cost:
+        for site, client in clients.items():
+            ad = client.advertise()
+            cost.up(sent, site, len(message_to_bytes(ad)))
+            server.receive_advertisement(ad, identities[site])
+        server.advertisements()
+        sites = server.sites
+        ads = {site: server.advertisements_for(site) for site in clients}
+        cost.bytes_down += sum(4 * len(sites) + sum(len(message_to_bytes(ad)) for ad in ads[s]) for s in clients)
+    with clock.stage("share_keys") as cost:
+        for site, client in clients.items():
+            shares = client.share_keys(ads[site], sites)
+            cost.up(sent, site, sum(len(message_to_bytes(x)) for x in shares))
+            server.receive_shares(site, shares)
+        server.close_share_keys()
     before, after = set(drop_before_upload), set(drop_after_upload)
-    for site, client in clients.items():
-        client.receive_shares(server.shares_for(site))
-        if site in before:
-            continue
-        chunks = (
-            inputs[site][i * context.chunk_size : (i + 1) * context.chunk_size]
-            for i in range(num_chunks(context.numel, context.chunk_size))
-        )
-        for index, data in client.masked_chunks(chunks):
-            sent[site] += len(data)
-            masked[site] += len(data)
-            server.receive_masked_chunk(site, index, data)
-    survivors = server.close_upload()
+    with clock.stage("masked_input") as cost:
+        for site, client in clients.items():
+            delivered = server.shares_for(site)
+            cost.bytes_down += sum(len(message_to_bytes(x)) for x in delivered)
+            client.receive_shares(delivered)
+            if site in before:
+                continue
+            chunks = (
+                inputs[site][i * context.chunk_size : (i + 1) * context.chunk_size]
+                for i in range(num_chunks(context.numel, context.chunk_size))
+            )
+            for index, data in client.masked_chunks(chunks):
+                cost.up(sent, site, len(data))
+                masked[site] += len(data)
+                server.receive_masked_chunk(site, index, data)
+        survivors = server.close_upload()
     answering = [s for s in survivors if s not in after]
-    for site in answering:
-        signature = clients[site].sign_survivors(context.round_index, survivors)
-        sent[site] += len(signature)
-        server.receive_signature(site, signature)
-    request = server.unmask_request()
-    for site in answering:
-        response = clients[site].unmask(request)
-        sent[site] += len(message_to_bytes(response))
-        server.receive_unmask(response)
+    with clock.stage("consistency") as cost:
+        for site in answering:
+            signature = clients[site].sign_survivors(context.round_index, survivors)
+            cost.up(sent, site, len(signature))
+            cost.bytes_down += 4 * len(survivors)
+            server.receive_signature(site, signature)
+    with clock.stage("unmask") as cost:
+        request = server.unmask_request()
+        for site in answering:
+            mine = server.unmask_request_for(site, request)
+            cost.bytes_down += len(message_to_bytes(mine))
+            response = clients[site].unmask(mine)
+            cost.up(sent, site, len(message_to_bytes(response)))
+            server.receive_unmask(response)
+        result = server.result()
     if traffic is not None:
         traffic.update(sent)
     if masked_traffic is not None:
         masked_traffic.update(masked)
-    return server.result(), server.survivors
+    return result, server.survivors
+
+
+@dataclass(slots=True)
+class StageCost:
+    """One protocol stage of one round, all parties together."""
+
+    seconds: float = 0.0
+    """CPU time of every party in the stage (they run one after another in this process)."""
+    bytes_up: int = 0
+    """What the sites sent the coordinator."""
+    bytes_down: int = 0
+    """What the coordinator sent the sites (a message every site gets counts once per site)."""
+
+    def up(self, sent: dict[int, int], site: int, nbytes: int) -> None:
+        sent[site] += nbytes
+        self.bytes_up += nbytes
+
+
+class _StageClock:
+    """Times the stages into ``stages`` (a cost object either way, so the round has one path)."""
+
+    def __init__(self, stages: dict[str, StageCost] | None) -> None:
+        self.stages = stages
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[StageCost]:
+        cost = StageCost()
+        started = time.perf_counter()
+        try:
+            yield cost
+        finally:
+            cost.seconds = time.perf_counter() - started
+            if self.stages is not None:
+                self.stages[name] = cost

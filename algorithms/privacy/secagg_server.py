@@ -16,6 +16,7 @@ rebuilt mask key misses its advertised public key: ``SecAggAbort``, the model st
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -136,6 +137,18 @@ class SecAggServer:
             self._graph = graph
             self.stage = STAGE_SHARE_KEYS
         return [self._ads[s] for s in sorted(self._ads)]
+
+    def advertisements_for(self, site: int) -> list[KeyAdvertisement]:
+        """What ``site`` must receive of the advertisements (after ``advertisements`` closed
+        the stage): its own and its neighbours', the only keys it uses; with the round's site
+        list (``sites``) it derives the same graph (``SecAggClient.share_keys``)."""
+        self._expect(STAGE_SHARE_KEYS, STAGE_MASKED_INPUT, STAGE_CONSISTENCY, STAGE_UNMASK)
+        return [self._ads[s] for s in sorted(self._graph[site] | {site})]
+
+    @property
+    def sites(self) -> tuple[int, ...]:
+        """Every site that advertised keys this round, sorted."""
+        return tuple(sorted(self._ads))
 
     # stage 2
     def receive_shares(self, sender: int, shares: Sequence[EncryptedShare]) -> None:
@@ -260,10 +273,19 @@ class SecAggServer:
         self._signatures[site] = signature
 
     def unmask_request(self) -> UnmaskRequest:
+        """Close the consistency check: the request with every survivor's signature."""
         self._expect(STAGE_CONSISTENCY, STAGE_UNMASK)
         self._check_enough(len(self._signatures), "signed the survivor list")
         self.stage = STAGE_UNMASK
         return UnmaskRequest(self.context.round_index, self._survivors, self._dropped, dict(self._signatures))
+
+    def unmask_request_for(self, site: int, request: UnmaskRequest) -> UnmaskRequest:
+        """``request`` as ``site`` needs it: the signatures of its share holders only, the ones
+        it counts (``SecAggClient.unmask``); with SecAgg+'s graph, O(log n) of them instead of n."""
+        holders = self._graph.get(site, frozenset()) | {site}
+        return dataclasses.replace(
+            request, signatures={u: sig for u, sig in request.signatures.items() if u in holders}
+        )
 
     # stage 5
     def receive_unmask(self, response: UnmaskResponse) -> None:

@@ -13,7 +13,7 @@ from scipy import stats
 from geoloco.algorithms.fixed_point import lift
 from geoloco.algorithms.privacy.secagg_client import SecAggClient
 from geoloco.algorithms.privacy.secagg_crypto import default_threshold, neighbour_graph, num_chunks
-from geoloco.algorithms.privacy.secagg_in_memory import run_round_in_memory
+from geoloco.algorithms.privacy.secagg_in_memory import StageCost, run_round_in_memory
 from geoloco.algorithms.privacy.secagg_messages import (
     MIN_SITES,
     RoundContext,
@@ -197,9 +197,12 @@ def test_replayed_round_messages_are_refused() -> None:
     ads = server.advertisements()
     with pytest.raises(SecAggViolation, match="replayed"):
         clients[0].share_keys([ads[0], old_ads[1], ads[2], ads[3]])
-    # A signed advertisement whose round field is rewritten fails the signature instead.
+    # A signed advertisement whose round field is rewritten fails the signature at its
+    # neighbours instead (every site is one with the full graph), and at itself as altered.
     rewritten = dataclasses.replace(old_ads[1], round_index=5)
     with pytest.raises(SecAggViolation, match="not signed"):
+        clients[0].share_keys([ads[0], rewritten, ads[2], ads[3]])
+    with pytest.raises(SecAggViolation, match="its own advertisement is missing or altered"):
         clients[1].share_keys([ads[0], rewritten, ads[2], ads[3]])
 
 
@@ -327,3 +330,44 @@ def test_server_refuses_an_advertisement_for_another_round_or_session() -> None:
         with pytest.raises(SecAggViolation, match="another round or session"):
             server.receive_advertisement(dataclasses.replace(ad, **changed))
     server.receive_advertisement(ad)
+
+
+def test_with_the_secagg_plus_graph_a_site_checks_only_its_neighbours_keys_and_signatures() -> None:
+    n = 24
+    keys = identity_keys(n)
+    identities = {s: k.public_key() for s, k in keys.items()}
+    context = RoundContext(session="run-a", round_index=5, numel=64, chunk_size=32, neighbours="secagg+")
+    clients = {
+        s: SecAggClient(s, context, keys[s], identities, random_bytes=seeded_bytes(s)) for s in range(n)
+    }
+    server = SecAggServer(context)
+    for client in clients.values():
+        server.receive_advertisement(client.advertise())
+    ads = server.advertisements()
+    graph = neighbour_graph(range(n), "secagg+", session="run-a", round_index=5)
+    assert all(len(graph[s]) < n - 1 for s in range(n))  # sparse: not every site is a neighbour
+    # The coordinator corrupts site 7's keys: exactly its neighbours, who would use them, refuse.
+    forged = [dataclasses.replace(ad, mask_public_key=bytes(32)) if ad.site == 7 else ad for ad in ads]
+    refused = set()
+    for s, client in clients.items():
+        if s == 7:
+            continue
+        try:
+            client.share_keys(forged)
+        except SecAggViolation as why:
+            assert "not signed by its identity key" in str(why)
+            refused.add(s)
+    assert refused == set(graph[7])
+    # The whole round over the sparse graph still sums exactly, with one site dropped after upload.
+    inputs = {s: np.random.default_rng(s).integers(0, 2**32, 64, dtype=np.uint32) for s in range(n)}
+    stages: dict[str, StageCost] = {}
+    total, survivors = run_round_in_memory(
+        context, inputs, keys, drop_after_upload=[3], random_bytes=seeded_bytes(99), stages=stages
+    )
+    expected = np.zeros(64, dtype=np.uint64)
+    for s in survivors:
+        expected += inputs[s]
+    assert survivors == tuple(range(n)) and np.array_equal(total.astype(np.uint64), expected % 2**32)
+    assert list(stages) == ["advertise_keys", "share_keys", "masked_input", "consistency", "unmask"]
+    assert stages["masked_input"].bytes_up == n * 64 * 4
+    assert all(cost.seconds > 0 and cost.bytes_up > 0 for cost in stages.values())

@@ -158,10 +158,10 @@ class SecureSite:
             if site_index(name) != index:
                 raise SecAggViolation(f"site {self.identity.name}: site {name!r} is not protocol site {index}")
         for ad in adverts:
-            name = reply.names.get(ad.site)
-            if name is None or name not in identities:
-                raise SecAggViolation(f"site {self.identity.name}: no valid identity for site {name or ad.site!r}")
-            by_index[ad.site] = identities[name]
+            named = reply.names.get(ad.site)
+            if named is None or named not in identities:
+                raise SecAggViolation(f"site {self.identity.name}: no valid identity for site {named or ad.site!r}")
+            by_index[ad.site] = identities[named]
         self.client.add_identities(by_index)
         self.num_sites = len(reply.names)
         shares = self.client.share_keys(adverts, reply.names.keys())

@@ -8,6 +8,7 @@ keystream and no key of one purpose can be replayed as another's.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -270,7 +271,17 @@ def neighbour_graph(
     sites) and links each to its ``k/2`` nearest on either side, ``k = 2 ceil(log2 n)`` by default,
     so per-site cost grows with ``log n`` and total cost with ``n log n``.
     """
-    ordered = sorted(set(sites))
+    return _neighbour_graph(tuple(sorted(set(sites))), mode, session, round_index, degree)
+
+
+@functools.lru_cache(maxsize=16)
+def _neighbour_graph(
+    ordered_sites: tuple[int, ...], mode: NeighbourMode, session: str, round_index: int, degree: int | None
+) -> dict[int, frozenset[int]]:
+    """``neighbour_graph`` of sorted sites, built once per round: every party of a round in one
+    process (the simulator) derives the same graph, which is O(n log n) to build. Shared between
+    callers, so nobody may change it."""
+    ordered = list(ordered_sites)
     n = len(ordered)
     if mode == "full":
         return {u: frozenset(v for v in ordered if v != u) for u in ordered}

@@ -384,7 +384,8 @@ class CoordinatorConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CoordinatorConfig:
         """Build from a parsed TOML/JSON table (the file form, ``[run]`` included); errors name
-        the dotted key as the table has it and what is allowed."""
+        the dotted key as the table has it and what is allowed. ``to_file_dict()`` writes that
+        form; ``to_dict()``'s field form is the old layout, read with its deprecation warning."""
         try:
             return config_from_dict(cls, data)
         except ConfigError as err:

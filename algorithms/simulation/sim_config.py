@@ -349,7 +349,8 @@ class SimulatorConfig:
 
         ``sites`` may be a list of site tables, or one table with ``count`` (default 4) and the
         fields all sites share; the run's knobs sit under ``[run]`` (``SIMULATE_RUN``). Errors
-        name the key as ``data`` has it.
+        name the key as ``data`` has it. ``to_file_dict()`` writes this form; ``to_dict()``'s
+        field form is the old layout, read with its deprecation warning.
         """
         try:
             return config_from_dict(cls, data)

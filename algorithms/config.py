@@ -161,6 +161,16 @@ def config_from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "")
     """
     if not isinstance(data, Mapping):
         raise ConfigError(prefix, f"expected a table, got {data!r}")
+    layout = getattr(cls, "RUN_LAYOUT", None)  # a schema whose file keeps some fields under [run]
+    if layout is None:
+        return _from_dict(cls, data, prefix)
+    try:
+        return _from_dict(cls, layout.lift(data), prefix)
+    except ConfigError as err:
+        raise layout.error(err, data) from None  # named as the file has the key
+
+
+def _from_dict(cls: type[T], data: Mapping[str, Any], prefix: str) -> T:
     # A schema whose file form is richer than its fields (``[sites]`` with ``count``) says how to
     # read it, so every way of building it (file, dict, sweep grid) accepts the same input.
     prepare = getattr(cls, "prepare_config_dict", None)

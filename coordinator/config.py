@@ -386,15 +386,7 @@ class CoordinatorConfig:
         """Build from a parsed TOML/JSON table (the file form, ``[run]`` included); errors name
         the dotted key as the table has it and what is allowed. ``to_file_dict()`` writes that
         form; ``to_dict()``'s field form is the old layout, read with its deprecation warning."""
-        try:
-            return config_from_dict(cls, data)
-        except ConfigError as err:
-            raise COORDINATOR_RUN.error(err, data) from None
-
-    @classmethod
-    def prepare_config_dict(cls, data: Mapping[str, Any]) -> dict[str, Any]:
-        """The file form as fields: ``[run]`` lifted into the top-level fields."""
-        return COORDINATOR_RUN.lift(data)
+        return config_from_dict(cls, data)
 
     def to_file_dict(self) -> dict[str, Any]:
         """``to_dict`` in the file form (``[run]``), for a file that is read again."""

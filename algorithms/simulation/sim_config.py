@@ -352,10 +352,7 @@ class SimulatorConfig:
         name the key as ``data`` has it. ``to_file_dict()`` writes this form; ``to_dict()``'s
         field form is the old layout, read with its deprecation warning.
         """
-        try:
-            return config_from_dict(cls, data)
-        except ConfigError as err:
-            raise SIMULATE_RUN.error(err, data) from None
+        return config_from_dict(cls, data)
 
     def to_file_dict(self) -> dict[str, Any]:
         """``to_dict`` in the file form (``[run]``), for a file that is read again."""
@@ -363,11 +360,12 @@ class SimulatorConfig:
 
     @classmethod
     def prepare_config_dict(cls, data: Mapping[str, Any]) -> dict[str, Any]:
-        """The file form as fields: ``[run]`` lifted into ``simulation``; a ``[sites]`` table
-        with ``count`` becomes the site list; ``[simulation.asynchronous]`` (its place until the
+        """The file form as fields (``[run]`` is already lifted into ``simulation`` by
+        ``config_from_dict``, from ``RUN_LAYOUT``): a ``[sites]`` table with ``count`` becomes
+        the site list; ``[simulation.asynchronous]`` (its place until the
         coordinator ran asynchronous merges too) is read as ``[algorithm.asynchronous]``, with a
         warning that shows the new key."""
-        data = SIMULATE_RUN.lift(data)
+        data = dict(data)
         simulation = data.get("simulation")
         if isinstance(simulation, Mapping) and "asynchronous" in simulation:
             simulation = dict(simulation)

@@ -45,7 +45,7 @@ _EXPORTS: dict[str, str] = {
     "RoundPlan": "geoloco.algorithms.strategy",
     "Round": "geoloco.algorithms.round",
     "RoundPolicy": "geoloco.algorithms.round",
-    "RoundRecord": "geoloco.algorithms.simulation.simulator",
+    "RoundRecord": "geoloco.algorithms.record",
     "RoundUpdate": "geoloco.algorithms.strategy",
     "SimulationConfig": "geoloco.algorithms.simulation.simulator",
     "Simulator": "geoloco.algorithms.simulation.simulator",

@@ -406,28 +406,6 @@ class RoundEngine:
         assert result is not None
         return Stepped(result, None)
 
-    @staticmethod
-    def round_facts(outcome: RoundOutcome, stepped: Stepped) -> dict[str, Any]:
-        """The facts of a closed and stepped round that every host's record holds under the
-        same keys and types (``sim_config.SHARED_RECORD_KEYS`` lists them with the host's own):
-        built here once, so the coordinator's ``metrics.jsonl`` and the simulator's records
-        cannot drift apart."""
-        return {
-            "round": outcome.round,
-            "participants": list(stepped.result.contributors),
-            "sample_weights": dict(outcome.weights),
-            "excluded": list(outcome.excluded),
-            "rejected": list(outcome.rejected),
-            "rejected_reasons": dict(outcome.rejected),
-            "folded_late": dict(outcome.folded),
-            "deadline_s": outcome.deadline_s,
-            "deadline_hit": outcome.deadline_hit,
-            "arrival_s": dict(outcome.arrivals_s),
-            "update_norm": stepped.result.update_norm,
-            "aborted": stepped.aborted,
-            "weights_digest": stepped.result.update.digest,
-        }
-
     def _plain_step(
         self, global_flat: torch.Tensor, aggregation: Aggregation, plan: RoundPlan, contributors: list[str]
     ) -> RoundSum:

@@ -103,6 +103,7 @@ def run(certs: Path, *, flood: int, rounds: int, inner_steps: int, reopen_s: flo
 
     from geoloco.algorithms.optimizers import InnerOptimizerConfig
     from geoloco.algorithms.params import ParamLayout
+    from geoloco.algorithms.record import RoundRecord
     from geoloco.algorithms.strategy import AlgorithmConfig
     from geoloco.coordinator import events as ev
     from geoloco.coordinator.config import CoordinatorConfig
@@ -124,7 +125,7 @@ def run(certs: Path, *, flood: int, rounds: int, inner_steps: int, reopen_s: flo
     )
     model = workload.build_model(0)
     layout = ParamLayout.from_model(model)
-    records: list[dict[str, Any]] = []
+    records: list[RoundRecord] = []
     server = CoordinatorServer(config, layout.flatten(model), layout, on_round_end=records.append)
     seen: Counter[str] = Counter()
     server.rounds.events.add_listener(
@@ -185,8 +186,8 @@ def run(certs: Path, *, flood: int, rounds: int, inner_steps: int, reopen_s: flo
         "flood": flood,
         "finished": finished,
         "elapsed_s": elapsed,
-        "round_times_s": [r["round_time_s"] for r in records],
-        "contributors": [len(r["participants"]) for r in records],
+        "round_times_s": [r.round_time_s for r in records],
+        "contributors": [len(r.participants) for r in records],
         "sites_dropped": seen[ev.SITE_DROPPED],
         "rejected": {k.split(":", 1)[1]: v for k, v in seen.items() if k.startswith(ev.REQUEST_REJECTED)},
         "heartbeats": dict(heartbeats),

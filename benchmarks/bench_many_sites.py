@@ -230,6 +230,7 @@ def _role_coordinator(args: argparse.Namespace) -> None:
     from geoloco.algorithms.optimizers import InnerOptimizerConfig
     from geoloco.algorithms.params import ParamLayout
     from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
+    from geoloco.algorithms.record import RoundRecord
     from geoloco.algorithms.strategy import AlgorithmConfig
     from geoloco.coordinator import events as ev
     from geoloco.coordinator.config import CoordinatorConfig
@@ -269,14 +270,14 @@ def _role_coordinator(args: argparse.Namespace) -> None:
 
     pids_file = out / "worker-pids"
 
-    def on_round_end(record: dict[str, Any]) -> None:
+    def on_round_end(record: RoundRecord) -> None:
         nonlocal probe_cpu_s
         now, cpu = time.monotonic(), _process_cpu()
         workers = [int(pid) for pid in pids_file.read_text().split()] if pids_file.exists() else []
-        threads, cost = probe.submit(probe_round, record["round"]).result()
-        marks.append({"round": record["round"], "t": now, "cpu_s": cpu - probe_cpu_s,
+        threads, cost = probe.submit(probe_round, record.round).result()
+        marks.append({"round": record.round, "t": now, "cpu_s": cpu - probe_cpu_s,
                       "workers_cpu_s": _processes_cpu(workers), "threads": threads,
-                      "participants": len(record["participants"])})
+                      "participants": len(record.participants)})
         probe_cpu_s += cost
 
     server = CoordinatorServer(config, layout.flatten(model), layout, on_round_end=on_round_end)

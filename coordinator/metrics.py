@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from geoloco.algorithms.record import RoundRecord
 from geoloco.protos.tensorboard import TensorBoardWriter
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,9 @@ class MetricsWriter:
             self._tensorboard = TensorBoardWriter(tensorboard_dir, step_key="round")
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
-    def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(_plain(record), sort_keys=True, allow_nan=False)
+    def write(self, record: RoundRecord) -> None:
+        data = record.to_dict()
+        line = json.dumps(_plain(data), sort_keys=True, allow_nan=False)
         with self._lock:
             if self._file.closed:
                 logger.warning("metrics record after close dropped: %s", line[:200])
@@ -69,9 +71,9 @@ class MetricsWriter:
             self._file.flush()
             if self._tensorboard is not None:
                 try:
-                    self._tensorboard.write(record)
+                    self._tensorboard.write(data)
                 except Exception:
-                    logger.exception("TensorBoard scalars of round %s not written", record.get("round"))
+                    logger.exception("TensorBoard scalars of round %s not written", record.round)
 
     def close(self) -> None:
         with self._lock:

@@ -24,8 +24,10 @@ unchanged weights when there is one: ``restore_outer``), and the reason is in th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from geoloco.algorithms.params import ParamLayout, weights_digest
+from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.round import RoundOutcome
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate
 from geoloco.coordinator import events as ev
@@ -223,10 +226,10 @@ class RoundPhases:
 
     # -- aggregate --
 
-    def aggregate(self) -> dict[str, Any]:
+    def aggregate(self) -> RoundRecord:
         """Aggregate the closed round (outside the lock; ``close_if_due`` said it is ready):
         outer step, downlink, checkpoint, then install the new weights and open the next round.
-        Returns the round's metrics record."""
+        Returns the round's record."""
         # Memory: the aggregation buffer and the encoded downlink are released as soon as they
         # are used (no caller frame holds them), so neither is alive while the checkpoint is
         # written. The weights and the aggregation cannot change meanwhile: the phase is
@@ -247,11 +250,11 @@ class RoundPhases:
         fragment_outer.last_step_s = {}
         stepped = ctx.engine.step(r.core, self.weights.flat, plan, contributors, self.intake.aggregate)
         result = stepped.result
-        facts = ctx.engine.round_facts(outcome, stepped)
+        aborted = stepped.aborted
         update, contributors, update_norm, privacy_record = (
             result.update, result.contributors, result.update_norm, result.privacy
         )
-        del result, stepped
+        del result
         serialised = time.perf_counter()
         # The broadcast's manifest checksum, hashed beside the round log's commit (hashlib
         # releases the GIL) instead of by the first AwaitBroadcast after the round; a large
@@ -275,43 +278,48 @@ class RoundPhases:
             )
             finished = True
         aggregate_s = time.perf_counter() - t0
-        metrics: dict[str, Any] = {
-            "session_id": ctx.session_id,
-            **facts,
-            # The shared record's rule (sim_config.RoundRecord.fragment): None without streaming.
-            "fragment": ctx.fragment_of(r.number) if ctx.config.algorithm.streaming.enabled else None,
-            "departed": sorted(r.departed),
-            "partial_uploads": closed.partial,
-            "bytes_up": dict(r.bytes_up),
-            "bytes_down": dict(r.bytes_down),
-            "downlink_bytes": delta_size,
-            "round_time_s": closed.closed_s - r.core.opened_s,
-            "wait_for_quorum_s": None if r.core.started_s is None else r.core.started_s - r.core.opened_s,
-            "aggregate_time_s": aggregate_s,
-            "next_deadline_s": ctx.policy.deadline_s(),
-            "inner_steps": {site: r.inner_steps[site] for site in contributors if site in r.inner_steps},
-            "staleness": (
+        site_metrics = {site: m for site, m in r.site_metrics.items() if site in contributors}
+        losses = [m["train_loss"] for m in site_metrics.values() if math.isfinite(m.get("train_loss", math.nan))]
+        with ctx.cond:
+            totals = {"bytes_up_total": ctx.bytes_up_total, "bytes_down_total": ctx.bytes_down_total}
+        round_record = RoundRecord.closed(
+            outcome, stepped,
+            session_id=ctx.session_id,
+            # None without streaming, as the simulator's records have it.
+            fragment=ctx.fragment_of(r.number) if ctx.config.algorithm.streaming.enabled else None,
+            departed=sorted(r.departed),
+            partial_uploads=closed.partial,
+            bytes_up=dict(r.bytes_up),
+            bytes_down=dict(r.bytes_down),
+            downlink_bytes=delta_size,
+            round_time_s=closed.closed_s - r.core.opened_s,
+            wait_for_quorum_s=None if r.core.started_s is None else r.core.started_s - r.core.opened_s,
+            aggregate_time_s=aggregate_s,
+            next_deadline_s=ctx.policy.deadline_s(),
+            inner_steps={site: r.inner_steps[site] for site in contributors if site in r.inner_steps},
+            train_loss=sum(losses) / len(losses) if losses else None,
+            staleness=(
                 {site: r.staleness.get(site, 0) for site in contributors} if ctx.merge_rule is not None else None
             ),
-            "site_metrics": {site: m for site, m in r.site_metrics.items() if site in contributors},
-            "run_finished": finished,
-        }
-        if privacy_record:
-            metrics["privacy"] = privacy_record
-            if "epsilon" in privacy_record:
-                metrics["epsilon"] = privacy_record["epsilon"]
-                metrics["privacy_delta"] = privacy_record["delta"]
+            site_metrics=site_metrics,
+            run_finished=finished,
+            replayed=False,
+            privacy=privacy_record or None,
+            epsilon=privacy_record.get("epsilon"),
+            privacy_delta=privacy_record.get("delta") if "epsilon" in privacy_record else None,
+            **totals,
+        )
+        del stepped
         snapshot: dict[str, Any] | None = None
         if ctx.config.checkpoint_dir is not None:
             # The round's record goes into its durable state, so a restart replays it when the
             # process dies before writing it (members and totals as of now; eval recomputed).
             with ctx.cond:
-                replay = {**metrics, "members": sorted(ctx.members), "bytes_up_total": ctx.bytes_up_total,
-                          "bytes_down_total": ctx.bytes_down_total, "eval_loss": None, "replayed": True}
+                replay = dataclasses.replace(round_record, members=sorted(ctx.members), replayed=True)
             checkpoint_start = time.perf_counter()
             snapshot = self.make_durable(
                 r.number, plan.fragment, contributors, new_weights, new_digest,
-                frozenset(outcome.folded), replay, sync=facts["aborted"] is not None,
+                frozenset(outcome.folded), replay, sync=aborted is not None,
                 snapshot_due=finished or next_round % ctx.config.checkpoint_every == 0,
             )
             timings.record("checkpoint", time.perf_counter() - checkpoint_start)
@@ -365,13 +373,13 @@ class RoundPhases:
             except Exception:
                 # A broken evaluation must not stop the training of every site.
                 logger.exception("eval_fn failed after round %d; training continues", r.number)
-        metrics.update(
-            members=members, bytes_up_total=bytes_up_total, bytes_down_total=bytes_down_total, eval_loss=eval_loss,
-            phases_s=timings.table(), round_wall_s=timings.wall_s(),
-            site_phases_s={site: site_phases_from_metrics(m) for site, m in metrics["site_metrics"].items()},
+        round_record = dataclasses.replace(
+            round_record, members=members, bytes_up_total=bytes_up_total, bytes_down_total=bytes_down_total,
+            eval_loss=eval_loss, phases_s=timings.table(), round_wall_s=timings.wall_s(),
+            site_phases_s={site: site_phases_from_metrics(m) for site, m in site_metrics.items()},
         )
-        ctx.events.emit(ev.ROUND_AGGREGATED, round=r.number, data=metrics)
-        return metrics
+        ctx.events.emit(ev.ROUND_AGGREGATED, round=r.number, data=round_record.to_dict())
+        return round_record
 
     def restore_outer(self, weights: torch.Tensor) -> str | None:
         """The engine's rewind after an aborted step: the outer optimizer's state (momentum,
@@ -535,7 +543,7 @@ class RoundPhases:
         weights: torch.Tensor,
         digest: str,
         folded: frozenset[str],
-        record: dict[str, Any],
+        record: RoundRecord,
         *,
         sync: bool,
         snapshot_due: bool,
@@ -604,7 +612,7 @@ class RoundPhases:
         folded: frozenset[str],
         *,
         last: int,
-        record: dict[str, Any] | None,
+        record: RoundRecord | None,
     ) -> dict[str, Any]:
         """What a checkpoint (or round-log entry) of round ``last + 1`` holds besides tensors,
         as plain JSON values: a snapshot written later must not see the next round's changes.
@@ -644,6 +652,6 @@ class RoundPhases:
         if self.privacy is not None:
             metadata[PRIVACY_KEY] = self.privacy.state()
         if record is not None:
-            metadata[ROUND_RECORD_KEY] = plain_record(record)
+            metadata[ROUND_RECORD_KEY] = plain_record(record.to_dict())
         frozen: dict[str, Any] = json.loads(json.dumps(metadata))
         return frozen

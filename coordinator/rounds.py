@@ -45,6 +45,7 @@ from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.engine import RoundEngine
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.privacy.secagg_stages import StageMessage, StageReply
+from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.strategy import Strategy, build_strategy
 from geoloco.algorithms.update_guard import UpdateGuard
@@ -480,10 +481,10 @@ class RoundStateMachine:
         with self._cond:
             self._cond.wait(timeout=timeout_s)
 
-    def poll(self) -> dict[str, Any] | None:
+    def poll(self) -> RoundRecord | None:
         """Drop silent sites, start or close the round; aggregate when it closes.
 
-        Returns the round's metrics record when a round was aggregated, else None. Polls are
+        Returns the round's record when a round was aggregated, else None. Polls are
         serialised so only one aggregation runs at a time.
         """
         with self._poll_lock:

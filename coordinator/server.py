@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.record import RoundRecord
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.admission import Admission
 from geoloco.coordinator.checkpoint import CheckpointFolderLock
@@ -57,12 +58,13 @@ class CoordinatorServer:
         layout: ParamLayout,
         eval_fn: EvalFn | None = None,
         *,
-        on_round_end: Callable[[dict[str, Any]], None] | None = None,
+        on_round_end: Callable[[RoundRecord], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``initial_weights``: flat fp32 ``θ_0`` (``layout.flatten(model)``), ignored when
         ``config.checkpoint_dir`` holds a checkpoint. ``eval_fn(flat_weights) -> loss`` is
-        called every ``eval_every`` rounds; ``on_round_end(metrics)`` after every round.
+        called every ``eval_every`` rounds; ``on_round_end(record)`` after every round, with the
+        round's ``RoundRecord`` (``record.to_dict()`` is the ``metrics.jsonl`` line).
         Raises ``CheckpointError`` when another coordinator holds ``config.checkpoint_dir`` or
         its checkpoint cannot be resumed."""
         self.config = config
@@ -203,7 +205,7 @@ class CoordinatorServer:
             self._driver_error = err
             self.rounds.close()
 
-    def _publish(self, record: dict[str, Any]) -> None:
+    def _publish(self, record: RoundRecord) -> None:
         if self._metrics is not None:
             self._metrics.write(record)
         if self._user_on_round_end is not None:

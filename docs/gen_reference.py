@@ -656,30 +656,29 @@ def _parser_lines(parser: argparse.ArgumentParser, prog: str, level: int) -> Ite
 
 
 def render_round_record() -> str:
-    from geoloco.algorithms.simulation.sim_config import SHARED_RECORD_KEYS, RoundRecord
+    from geoloco.algorithms.record import RECORD_HOSTS, RoundRecord
     from geoloco.protos.round_phases import COORDINATOR_PHASES, SITE_PHASES
 
     hints = typing.get_type_hints(RoundRecord)
     docs = field_docstrings(RoundRecord)
-    out = [HEADER.format(command=REGENERATE, source="`RoundRecord` and `SHARED_RECORD_KEYS`"),
+    out = [HEADER.format(command=REGENERATE, source="`geoloco.algorithms.record.RoundRecord`"),
            "# Round record reference\n"]
     out.append(
-        "One JSON object per round in `metrics.jsonl`: `geoloco simulate --out DIR` writes the "
-        "simulator's records (`geoloco.algorithms.simulation.sim_config.RoundRecord`, below), `geoloco coordinator` "
-        "and `geoloco emulate` the coordinator's. The keys marked **shared** mean the same and have the "
-        "same types in both (`SHARED_RECORD_KEYS`, built once by the round engine's `round_facts`; a "
-        "test compares both records from one run).\n"
+        "One JSON object per round in `metrics.jsonl`, of one type whichever host wrote it: "
+        "`geoloco simulate --out DIR` writes the simulator's records, `geoloco coordinator` and "
+        "`geoloco emulate` the coordinator's (`geoloco.algorithms.record.RoundRecord`; every host builds "
+        "it with `RoundRecord.closed` from the round engine's outcome, and a test compares both hosts' "
+        "records from one run). Every key is in every record; a key another host fills is `null`.\n"
     )
     out.append(markdown_text(inspect.getdoc(RoundRecord) or "") + "\n")
-    out.append("## Keys\n")
-    for f in dataclasses.fields(RoundRecord):
-        shared = ", **shared**" if f.name in SHARED_RECORD_KEYS else ""
-        json_type = type_text(hints[f.name]).replace("unset", "null")
-        out.append(f"- **`{f.name}`** (`{json_type}`{shared}): {markdown_text(docs.get(f.name, ''))}")
-    out.append("")
-    only_coordinator = [k for k in SHARED_RECORD_KEYS if k not in {f.name for f in dataclasses.fields(RoundRecord)}]
-    if only_coordinator:
-        out.append("Shared keys the simulator's record lacks: " + ", ".join(f"`{k}`" for k in only_coordinator) + ".\n")
+    for host in RECORD_HOSTS:
+        out.append(f"## Filled by {'every host' if host == 'every host' else 'the ' + host}\n")
+        for f in dataclasses.fields(RoundRecord):
+            if f.metadata["host"] != host:
+                continue
+            json_type = type_text(hints[f.name]).replace("unset", "null")
+            out.append(f"- **`{f.name}`** (`{json_type}`): {markdown_text(docs.get(f.name, ''))}")
+        out.append("")
     out.append("## Phases of a round\n")
     out.append(
         "The coordinator's record carries its round's time split into phases (`phases_s`, summing to "

@@ -44,7 +44,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from geoloco.scenarios.config_file import (
     COMMAND_LINE,
@@ -58,6 +58,9 @@ from geoloco.scenarios.config_file import (
 from geoloco.scenarios.config_kinds import COORDINATOR, read_config
 from geoloco.scenarios.overrides import add_set_argument, apply_overrides
 from geoloco.scenarios.research import require_tensorboard
+
+if TYPE_CHECKING:
+    from geoloco.algorithms.record import RoundRecord
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +299,7 @@ def _privacy_line(record: Mapping[str, Any]) -> str:
         f"{PROGRAM} round {record['round']} privacy: "
         f"secure={'yes' if privacy.get('secure_aggregation') else 'no'} {outcome} "
         f"epsilon={'-' if eps is None else f'{eps:.6g}'} "
-        f"delta={record.get('privacy_delta', '-')}"
+        f"delta={'-' if record.get('privacy_delta') is None else record['privacy_delta']}"
     )
 
 
@@ -363,11 +366,12 @@ def _serve(config: Any, spec: Any, source: str, stop: GracefulStop) -> int:
 
     last_privacy: dict[str, Any] = {}
 
-    def on_round_end(record: dict[str, Any]) -> None:
-        say(_round_line(record))
-        if "privacy" in record:
-            last_privacy.update(record)
-            say(_privacy_line(record))
+    def on_round_end(record: RoundRecord) -> None:
+        data = record.to_dict()
+        say(_round_line(data))
+        if record.privacy is not None:
+            last_privacy.update(data)
+            say(_privacy_line(data))
 
     def on_event(event: Any) -> None:
         if event.kind == ev.UPDATE_AGGREGATED:

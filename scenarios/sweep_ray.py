@@ -23,9 +23,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +105,32 @@ def connect(address: str | None) -> bool:
     return True
 
 
+@contextmanager
+def _own_signal_handlers() -> Iterator[None]:
+    """Keep this process's SIGTERM and SIGINT handlers across a Ray instance started and shut
+    down here: ``ray.init`` installs its own and ``ray.shutdown`` leaves them, so a sweep run
+    from a user's program would otherwise change how that program stops."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread sets handlers, Ray's included
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
 def run_on_ray(tasks: Sequence[RunTask], options: BackendOptions) -> Iterator[tuple[Path, str | None]]:
     """Backend ``"ray"``: every task as a Ray task (at most ``options.jobs`` in flight when set,
     else Ray schedules them onto its free CPUs); folders written here, in completion order."""
     ray = require_ray()
+    with _own_signal_handlers():
+        yield from _run_tasks(ray, tasks, options)
+
+
+def _run_tasks(ray: Any, tasks: Sequence[RunTask], options: BackendOptions) -> Iterator[tuple[Path, str | None]]:
     started = connect(options.address)
     remote = ray.remote(max_retries=0)(run_remote)
     waiting = list(tasks)

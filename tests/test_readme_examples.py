@@ -478,7 +478,8 @@ MATH_RE = re.compile(r"^[a-z]_[a-z0-9]+$")
 
 
 def _config_field_names() -> set[str]:
-    from geoloco.algorithms.simulation.simulator import RoundRecord, SimulatorConfig
+    from geoloco.algorithms.record import RoundRecord
+    from geoloco.algorithms.simulation.simulator import SimulatorConfig
     from geoloco.coordinator.config import CoordinatorConfig
     from geoloco.protos.round_phases import COORDINATOR_PHASES, SITE_PHASES
     from geoloco.relay import RelayConfig

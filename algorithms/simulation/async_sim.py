@@ -66,13 +66,14 @@ from geoloco.algorithms.aggregation import Aggregation
 from geoloco.algorithms.async_merge import AsyncMerge, dynamic_local_steps, stale_admission
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.diloco import pseudo_gradient
-from geoloco.algorithms.engine import RoundEngine
+from geoloco.algorithms.engine import RoundEngine, Stepped
 from geoloco.algorithms.params import ParamLayout, weights_digest
-from geoloco.algorithms.round import Round, RoundPolicy
+from geoloco.algorithms.record import RoundRecord
+from geoloco.algorithms.round import Round, RoundOutcome, RoundPolicy
 from geoloco.algorithms.simulation.chaos import ChaosSchedule, SiteTimeline, StepLedger
 from geoloco.algorithms.simulation.clock import SiteConfig, transfer_time
 from geoloco.algorithms.simulation.robust_attack import parse_attack
-from geoloco.algorithms.simulation.sim_config import RoundRecord, SimulatorConfig
+from geoloco.algorithms.simulation.sim_config import SimulatorConfig
 from geoloco.algorithms.simulation.sim_state import SimSite, SimTrainer
 from geoloco.algorithms.simulation.sim_uplinks import AttackedUplinks, Payload, PlainUplinks, SimUplinks
 from geoloco.algorithms.strategy import RoundPlan, Strategy, build_strategy
@@ -552,7 +553,7 @@ class DecoupledSimulator:
         self._forget_versions(now)
         self._peaks["versions"] = max(self._peaks["versions"], len(self._versions))
         self.bytes_down_total += update.downlink.nbytes * len(self.live)
-        self._records.append(self._record(round_.number, now, outcome, stepped, merging))
+        self._records.append(self._record(now, outcome, stepped, merging))
         self._open(now)
         if not self.asynchronous:
             for name in [*outcome.contributors, *outcome.rejected]:
@@ -671,22 +672,18 @@ class DecoupledSimulator:
     # -- records -----------------------------------------------------------------------------------
 
     def _record(
-        self, number: int, now: float, outcome: Any, stepped: Any, merging: dict[str, _Merging]
+        self, now: float, outcome: RoundOutcome, stepped: Stepped, merging: dict[str, _Merging]
     ) -> RoundRecord:
-        facts = self.engine.round_facts(outcome, stepped)
         losses = [m.loss for m in merging.values()]
         if losses:
             self._train_loss = sum(losses) / len(losses)
         steps_total = self.ledger.useful_steps // len(self.sites)
-        record = RoundRecord(
-            round=number,
-            phase="train",
+        record = RoundRecord.closed(
+            outcome, stepped,
             inner_steps={name: m.steps for name, m in merging.items()},
             inner_steps_total=steps_total,
             train_loss=self._train_loss if self._train_loss is not None else math.nan,
             eval_loss=None,
-            participants=facts["participants"],
-            excluded=facts["excluded"],
             bytes_up={name: m.nbytes for name, m in merging.items()},
             bytes_down={},
             bytes_up_total=self.bytes_up_total,
@@ -695,11 +692,6 @@ class DecoupledSimulator:
             wall_clock_s=now,
             compute_s={name: m.finish - m.start for name, m in merging.items()},
             utilization={},
-            weights_digest=facts["weights_digest"],
-            deadline_s=facts["deadline_s"],
-            rejected=facts["rejected"],
-            rejected_reasons=facts["rejected_reasons"],
-            aborted=facts["aborted"],
             staleness={name: m.staleness for name, m in merging.items()},
             goodput=self.ledger.goodput,
             inner_steps_lost=self.ledger.lost_steps,
@@ -711,7 +703,7 @@ class DecoupledSimulator:
         """The run stopped on ``max_wall_clock_s`` with a merge open: the state at that time."""
         assert self._round is not None
         return RoundRecord(
-            round=self._round.number, phase="train", inner_steps={},
+            round=self._round.number, inner_steps={},
             inner_steps_total=self.ledger.useful_steps // len(self.sites),
             train_loss=self._train_loss if self._train_loss is not None else math.nan, eval_loss=None,
             participants=[], excluded=[], bytes_up={}, bytes_down={}, bytes_up_total=self.bytes_up_total,
@@ -790,7 +782,7 @@ class DecoupledSimulator:
             return
         if last.eval_loss is None:
             last.eval_loss = self.trainer.evaluate(self.global_flat)
-        if math.isnan(last.train_loss):  # nothing merged yet: the global model's loss
+        if last.train_loss is None or math.isnan(last.train_loss):  # nothing merged yet: the global model's loss
             last.train_loss = last.eval_loss
         last.global_downtime_s = self.ledger.downtime(0.0, end_s, self.running_spans(end_s))
         self.clock_s = end_s

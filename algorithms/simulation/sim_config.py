@@ -24,10 +24,8 @@ __all__ = [
     "DEFAULT_EVAL_EVERY",
     "DEFAULT_ROUNDS",
     "MEASURE",
-    "SHARED_RECORD_KEYS",
     "SIMULATE_RUN",
     "SIMULATOR_KEYS",
-    "RoundRecord",
     "SimulationConfig",
     "SimulatorConfig",
 ]
@@ -404,100 +402,6 @@ class SimulatorConfig:
                 "sites", "expected a list of [[sites]] tables or a [sites] table with count"
             )
         return data
-
-    def to_dict(self) -> dict[str, Any]:
-        return config_to_dict(self)
-
-
-SHARED_RECORD_KEYS = (
-    "round", "fragment", "participants", "excluded", "rejected", "rejected_reasons", "folded_late",
-    "inner_steps", "bytes_up", "bytes_down", "bytes_up_total", "bytes_down_total", "deadline_s",
-    "eval_loss", "weights_digest", "aborted", "round_time_s", "staleness",
-)
-"""Facts a simulator's ``RoundRecord`` and a coordinator's ``metrics.jsonl`` record both hold,
-under these keys with the same types and meanings."""
-
-
-@dataclass(slots=True)
-class RoundRecord:
-    """What one round (or the warm-up, ``round = -1``) cost and achieved.
-
-    Every fact this record shares with the coordinator's ``metrics.jsonl`` records has the same
-    key and type there (``SHARED_RECORD_KEYS``; a test compares both from one run): rounds from
-    0; ``participants``, ``excluded``, ``rejected`` as lists of site names; per-site values as
-    ``{site: value}`` tables (``inner_steps``, ``bytes_up``, ``folded_late``,
-    ``rejected_reasons``); ``aborted`` None or the reason. ``round_time_s`` is the one shared
-    name whose span differs: the coordinator's round is open to closed, the simulator's record
-    spans from the previous record's end to this one's (the broadcast's download included)."""
-
-    round: int
-    """Round number from 0, as on the wire; -1 is the data-parallel warm-up before round 0."""
-    phase: Literal["warmup", "train"]
-    """``"warmup"`` for the synchronous warm-up, ``"train"`` for algorithm rounds."""
-    inner_steps: dict[str, int]
-    """site -> training steps it ran in this record (they differ with ``round_time_budget_s``
-    and adaptive overlap); the coordinator's record has the steps each counted update reports."""
-    inner_steps_total: int
-    """Cumulative inner steps per site since the start, warm-up included (for ``ddp`` every
-    synchronous step counts one): the x axis that compares runs of different H."""
-    train_loss: float
-    """Mean of the sites' inner-step losses."""
-    eval_loss: float | None
-    """Held-out loss of the global weights after the round (``None`` when not evaluated)."""
-    participants: list[str]
-    """Sites whose updates entered the aggregate, by name (for ddp/warm-up: every site)."""
-    excluded: list[str]
-    """Sites left out by the round deadline (stragglers), by name."""
-    bytes_up: dict[str, int]
-    """site -> bytes it uploaded in this record (``Encoded.nbytes``), in site order."""
-    bytes_down: dict[str, int]
-    """site -> bytes it downloaded in this record."""
-    bytes_up_total: int
-    """Cumulative upload bytes of all sites since the start."""
-    bytes_down_total: int
-    """Cumulative download bytes of all sites since the start."""
-    round_time_s: float
-    """Virtual seconds from the previous record's end to this one's."""
-    wall_clock_s: float
-    """Virtual time when every site held the new weights."""
-    compute_s: dict[str, float]
-    """site -> virtual seconds it spent computing in this record."""
-    utilization: dict[str, float]
-    """site -> the share of its round spent computing (``compute_s`` / its round span)."""
-    weights_digest: str
-    """``weights_digest`` of the global weights after the round."""
-    epsilon: float | None = None
-    """Accounted epsilon (at ``privacy.delta``) after this round; ``None`` without DP."""
-    deadline_s: float | None = None
-    """The round deadline in force (seconds after the round opened); ``None``: none."""
-    folded_late: dict[str, float] = field(default_factory=dict)
-    """site -> discounted weight of its previous round's late update folded into this round."""
-    peak_bytes_in_flight: dict[str, int] | None = None
-    """site -> the largest single transfer of this record (one upload or one broadcast): the
-    whole model's update in plain DiLoCo, one fragment's with streaming; ``None`` where not
-    tracked (the ddp baseline and the warm-up)."""
-    fragment: int | None = None
-    """Streaming DiLoCo: the fragment this round synchronised; ``None`` otherwise."""
-    rejected: list[str] = field(default_factory=list)
-    """Sites whose update the update guard refused this round, sorted."""
-    rejected_reasons: dict[str, str] = field(default_factory=dict)
-    """site -> why its update was refused (NaN or Inf values, its norm beyond the bound)."""
-    aborted: str | None = None
-    """Why the round was aborted with the model unchanged (its mean or new weights out of the
-    update guard's bounds); ``None``: it was not."""
-    staleness: dict[str, int] | None = None
-    """Asynchronous merges and the event-driven simulator: site -> merges between the model its
-    update was computed from and the one it was merged into (0: fresh); ``None`` for synchronous
-    rounds (the round-by-round simulator, the coordinator)."""
-    goodput: float | None = None
-    """Event-driven simulator: the share of the inner steps computed so far whose update reached
-    the global model (``geoloco.algorithms.simulation.chaos``); ``None`` from the round-by-round simulator."""
-    inner_steps_lost: int | None = None
-    """Event-driven simulator: inner steps computed so far that never reached the global model
-    (failed, stale, refused, aborted, restarted); ``None`` from the round-by-round simulator."""
-    global_downtime_s: float | None = None
-    """Event-driven simulator, last record only: virtual seconds of the run during which no site
-    computed steps that reached the global model; ``None`` elsewhere."""
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)

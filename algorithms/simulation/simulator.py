@@ -35,10 +35,11 @@ from geoloco.algorithms.optimizers import (
 )
 from geoloco.algorithms.params import ParamLayout, weights_digest
 from geoloco.algorithms.privacy.private_aggregation import PrivacyAccountant
+from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.round import Round, RoundPolicy
 from geoloco.algorithms.simulation.clock import download_ends, upload_arrivals
 from geoloco.algorithms.simulation.robust_attack import parse_attack
-from geoloco.algorithms.simulation.sim_config import MEASURE, RoundRecord, SimulationConfig, SimulatorConfig
+from geoloco.algorithms.simulation.sim_config import MEASURE, SimulationConfig, SimulatorConfig
 from geoloco.algorithms.simulation.sim_state import SimSite, SimTrainer
 from geoloco.algorithms.simulation.sim_uplinks import Payload, build_uplinks, round_noise_multiplier
 from geoloco.algorithms.simulation.streaming_sim import StreamingRounds
@@ -50,7 +51,6 @@ from geoloco.compression import Encoded
 
 __all__ = [
     "MEASURE",
-    "RoundRecord",
     "SimulationConfig",
     "Simulator",
     "SimulatorConfig",
@@ -211,8 +211,6 @@ class Simulator:
             "bytes_down": bytes_down,
             "compute_s": compute,
             "utilization": [c / span if span > 0 else 1.0 for c, span in zip(compute, spans, strict=True)],
-            "excluded": [],
-            "participants": [s.name for s in self.sites],
         }
 
     # -- one DiLoCo-family round -------------------------------------------------------------
@@ -314,7 +312,7 @@ class Simulator:
             "utilization": utilization,
             "site_inner_steps": site_steps,
             "peak_bytes_in_flight": [max(up, update.downlink.nbytes) for up in upload_sizes],
-            **engine.round_facts(outcome, stepped),
+            "closed": (outcome, stepped),
         }
 
     def _verified(self, round_: Round, site: str, payload: Payload | None, weight: float) -> bool:
@@ -395,15 +393,12 @@ class Simulator:
             return None if values is None else dict(zip(names, values, strict=True))
 
         end = stats.get("end_s", max(s.ready_s for s in self.sites))
-        record = RoundRecord(
-            round=round_number,
-            phase=phase,  # type: ignore[arg-type]
+        host = dict(
+            phase=phase,
             inner_steps=by_site(stats.get("site_inner_steps", [steps] * len(self.sites))) or {},
             inner_steps_total=self.inner_steps_total,
             train_loss=stats["train_loss"],
             eval_loss=eval_loss,
-            participants=stats["participants"],
-            excluded=stats["excluded"],
             bytes_up=by_site(stats["bytes_up"]) or {},
             bytes_down=by_site(stats["bytes_down"]) or {},
             bytes_up_total=self.bytes_up_total,
@@ -412,16 +407,17 @@ class Simulator:
             wall_clock_s=end,
             compute_s=by_site(stats["compute_s"]) or {},
             utilization=by_site(stats["utilization"]) or {},
-            weights_digest=stats.get("weights_digest") or weights_digest(self.global_flat),
             epsilon=None if self.accountant is None else self.accountant.epsilon(),
-            deadline_s=stats.get("deadline_s"),
-            folded_late=stats.get("folded_late", {}),
             peak_bytes_in_flight=by_site(stats.get("peak_bytes_in_flight")),
             fragment=stats.get("fragment"),
-            rejected=stats.get("rejected", []),
-            rejected_reasons=stats.get("rejected_reasons", {}),
-            aborted=stats.get("aborted"),
         )
+        closed = stats.get("closed")
+        if closed is not None:
+            record = RoundRecord.closed(*closed, **host)
+        else:  # data-parallel steps: every site, no engine round to close
+            record = RoundRecord(
+                round=round_number, participants=names, weights_digest=weights_digest(self.global_flat), **host
+            )
         self.clock_s = end
         return record
 

@@ -242,5 +242,5 @@ class StreamingRounds:
             "fragment": p,
             "site_inner_steps": site_steps,
             "overlap_steps": [s.choice.overlap_steps if s.choice else 0 for s in self.streams],
-            **engine.round_facts(outcome, stepped),
+            "closed": (outcome, stepped),
         }

@@ -42,8 +42,8 @@ def test_a_merge_waits_its_grace_window_then_takes_stale_updates_discounted() ->
     assert rounds.poll() is None  # the quorum is in; the 2 s grace window is not over
     clock.advance(2.5)
     record = rounds.poll()
-    assert record is not None and record["participants"] == ["a"] and record["staleness"] == {"a": 0}
-    assert record["excluded"] == []  # b and c are not late: a merge waits for nobody
+    assert record is not None and record.participants == ["a"] and record.staleness == {"a": 0}
+    assert record.excluded == []  # b and c are not late: a merge waits for nobody
 
     # b trained from version 0 too: it enters merge 1 one version behind, at half weight. Its
     # next update (from version 1) comes while merge 1 still holds the first: held for merge 2.
@@ -57,12 +57,12 @@ def test_a_merge_waits_its_grace_window_then_takes_stale_updates_discounted() ->
     clock.advance(2.5)
     record = rounds.poll()
     assert record is not None
-    assert record["staleness"] == {"b": 1} and record["sample_weights"] == {"b": 0.5}
+    assert record.staleness == {"b": 1} and record.sample_weights == {"b": 0.5}
     # merge 2 opened with b's held update in it: fresh (computed from version 1, merged into 2)
     assert rounds.poll() is None
     clock.advance(2.5)
     record = rounds.poll()
-    assert record is not None and record["staleness"] == {"b": 1} and record["participants"] == ["b"]
+    assert record is not None and record.staleness == {"b": 1} and record.participants == ["b"]
 
     # c's update from version 0 is three merges behind merge 3: over max_staleness 1.
     with pytest.raises(WrongRoundError, match="stale: computed from version 0, 3 merges behind"):
@@ -81,7 +81,7 @@ def test_a_resent_update_is_answered_with_its_merge_and_not_counted_again(tmp_pa
     assert upload(rounds, "a", sent, round_number=0).merged_round == 0
     assert upload(rounds, "b", _update(8, rounds.numel), round_number=0).merged_round == 0
     record = rounds.poll()  # both sites are in: no grace window to wait for
-    assert record is not None and sorted(record["participants"]) == ["a", "b"]
+    assert record is not None and sorted(record.participants) == ["a", "b"]
     weights = rounds.weights.clone()
 
     again = upload(rounds, "a", sent, round_number=0)  # its answer was lost: sent again
@@ -112,7 +112,7 @@ def test_robust_aggregation_takes_an_asynchronous_merge_like_a_round() -> None:
         for k, site in enumerate("abc"):
             upload(rounds, site, updates[k], round_number=0)
         record = rounds.poll()
-        assert record is not None and sorted(record["participants"]) == ["a", "b", "c"]
+        assert record is not None and sorted(record.participants) == ["a", "b", "c"]
         weights.append(rounds.weights.clone())
     assert torch.equal(weights[0], weights[1])
 
@@ -135,5 +135,5 @@ def test_two_updates_from_one_base_are_two_updates_not_a_resend() -> None:
     assert status.manifest.blob.checksum == own.blob.checksum  # ...named by its checksum
     assert upload(rounds, "b", _update(23, rounds.numel), round_number=0).merged_round == 0
     record = rounds.poll()
-    assert record is not None and sorted(record["participants"]) == ["a", "b"]
+    assert record is not None and sorted(record.participants) == ["a", "b"]
     assert upload_status(rounds, "a", rounds.session_id, 0, 0).merged_round == 1  # the held one now

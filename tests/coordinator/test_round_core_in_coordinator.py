@@ -46,9 +46,9 @@ def test_metrics_record_has_canonical_and_report_keys() -> None:
     upload(rounds, "a", update(1, rounds.numel))
     record = rounds.poll()
     assert record is not None
-    assert set(record) >= CANONICAL_KEYS | REPORT_KEYS
-    assert record["participants"] == ["a"] and record["excluded"] == [] and record["folded_late"] == {}
-    assert record["weights_digest"] == rounds.digest_hex
+    assert set(record.to_dict()) >= CANONICAL_KEYS | REPORT_KEYS
+    assert record.participants == ["a"] and record.excluded == [] and record.folded_late == {}
+    assert record.weights_digest == rounds.digest_hex
 
 
 def test_late_update_is_folded_with_the_policys_staleness_weight() -> None:
@@ -64,7 +64,7 @@ def test_late_update_is_folded_with_the_policys_staleness_weight() -> None:
     upload(rounds, "fast", update(1, rounds.numel), sample_weight=2.0)
     clock.advance(11.0)
     first = rounds.poll()
-    assert first is not None and first["excluded"] == ["slow"] and first["deadline_hit"]
+    assert first is not None and first.excluded == ["slow"] and first.deadline_hit
     # Round 1 is open; slow's round-0 update arrives now and is folded into round 1.
     response = upload(rounds, "slow", update(2, rounds.numel), round_number=0, sample_weight=4.0)
     assert response.complete and response.folded_late
@@ -75,8 +75,8 @@ def test_late_update_is_folded_with_the_policys_staleness_weight() -> None:
     upload(rounds, "slow", update(4, rounds.numel))
     second = rounds.poll()
     assert second is not None
-    assert second["folded_late"] == {"slow": rounds.policy.stale_weight(4.0)} == {"slow": 1.0}
-    assert second["participants"] == ["fast", "slow"]
+    assert second.folded_late == {"slow": rounds.policy.stale_weight(4.0)} == {"slow": 1.0}
+    assert second.participants == ["fast", "slow"]
 
 
 def test_adaptive_deadline_history_survives_a_restart(tmp_path: Path) -> None:
@@ -133,4 +133,4 @@ def test_new_global_weights_are_hashed_once_per_round(tmp_path: Path, monkeypatc
     assert record is not None
     assert any(tmp_path.iterdir()), "the round wrote no checkpoint"
     assert calls == ["digest"]
-    assert record["weights_digest"] == rounds.digest_hex == params.weights_digest(rounds.weights)
+    assert record.weights_digest == rounds.digest_hex == params.weights_digest(rounds.weights)

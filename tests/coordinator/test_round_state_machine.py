@@ -74,8 +74,8 @@ def test_round_waits_for_quorum_then_closes_when_every_expected_site_uploaded() 
     assert rounds.poll() is None  # b is expected and has not uploaded
     assert upload(rounds, "b", b).complete
     metrics = rounds.poll()
-    assert metrics is not None and metrics["participants"] == ["a", "b"]
-    assert metrics["excluded"] == [] and not metrics["deadline_hit"]
+    assert metrics is not None and metrics.participants == ["a", "b"]
+    assert metrics.excluded == [] and not metrics.deadline_hit
     assert rounds.round == 1 and rounds.phase is RoundPhase.RUNNING
     assert torch.equal(rounds.weights, expected_weights(rounds, theta0, [a, b]))
     for site in ("a", "b"):
@@ -100,8 +100,8 @@ def test_deadline_excludes_straggler_and_refuses_its_late_upload() -> None:
     clock.advance(5.5)
     metrics = rounds.poll()
     assert metrics is not None
-    assert metrics["participants"] == ["fast"] and metrics["excluded"] == ["slow"]
-    assert metrics["deadline_hit"]
+    assert metrics.participants == ["fast"] and metrics.excluded == ["slow"]
+    assert metrics.deadline_hit
     after = rounds.weights.clone()
     assert torch.equal(after, expected_weights(rounds, theta0, [a]))
 
@@ -127,7 +127,7 @@ def test_quorum_holds_a_round_open_past_its_deadline() -> None:
     assert rounds.poll() is None and rounds.round == 0
     upload(rounds, "b", update(2, rounds.numel))
     metrics = rounds.poll()
-    assert metrics is not None and sorted(metrics["participants"]) == ["a", "b"]
+    assert metrics is not None and sorted(metrics.participants) == ["a", "b"]
 
 
 def test_site_joining_mid_run_fetches_current_round_and_is_waited_for() -> None:
@@ -154,7 +154,7 @@ def test_site_joining_mid_run_fetches_current_round_and_is_waited_for() -> None:
     assert rounds.poll() is None
     upload(rounds, "late", update(3, rounds.numel))
     metrics = rounds.poll()
-    assert metrics is not None and metrics["participants"] == ["a", "b", "late"]
+    assert metrics is not None and metrics.participants == ["a", "b", "late"]
 
 
 def test_silent_site_is_dropped_and_the_round_closes_without_it() -> None:
@@ -169,8 +169,8 @@ def test_silent_site_is_dropped_and_the_round_closes_without_it() -> None:
     clock.advance(3.0)
     metrics = rounds.poll()  # silent for 6 s > 5 s: dropped, nothing left to wait for
     assert rounds.members == ["alive"]
-    assert metrics is not None and metrics["participants"] == ["alive"]
-    assert metrics["departed"] == ["silent"] and metrics["excluded"] == []
+    assert metrics is not None and metrics.participants == ["alive"]
+    assert metrics.departed == ["silent"] and metrics.excluded == []
     assert heartbeat(rounds, "silent", session).rejoin_required
     with pytest.raises(NotAMemberError) as err:
         upload(rounds, "silent", update(2, rounds.numel))
@@ -213,7 +213,7 @@ def test_non_finite_update_is_rejected_for_the_round_and_changes_nothing() -> No
     good = update(3, rounds.numel)
     upload(rounds, "good", good)
     metrics = rounds.poll()  # the rejected site is not waited for
-    assert metrics is not None and metrics["rejected"] == ["bad"]
+    assert metrics is not None and metrics.rejected == ["bad"]
     assert torch.equal(rounds.weights, expected_weights(rounds, theta0, [good]))
 
 
@@ -252,7 +252,7 @@ def test_run_finishes_after_total_rounds_and_drains_when_sites_leave() -> None:
     session = join(rounds, "a").session_id
     upload(rounds, "a", update(1, rounds.numel))
     metrics = rounds.poll()
-    assert metrics is not None and metrics["run_finished"]
+    assert metrics is not None and metrics.run_finished
     assert rounds.finished and rounds.round == 1
     final = wait_broadcast(rounds, "a", session, 0, timeout_s=0)
     assert final.header is not None and final.header.run_finished

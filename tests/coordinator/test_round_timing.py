@@ -58,9 +58,9 @@ def test_state_machine_record_carries_phases_within_the_wall_time() -> None:
     upload(rounds, "a", update(1, rounds.numel))
     record = rounds.poll()
     assert record is not None
-    assert set(record["phases_s"]) == set(COORDINATOR_PHASES)
-    assert record["phases_s"]["verify"] > 0 and record["phases_s"]["add"] > 0
-    assert sum(record["phases_s"].values()) <= record["round_wall_s"]
+    assert set(record.phases_s) == set(COORDINATOR_PHASES)
+    assert record.phases_s["verify"] > 0 and record.phases_s["add"] > 0
+    assert sum(record.phases_s.values()) <= record.round_wall_s
 
 
 def test_infinite_update_is_rejected_as_non_finite_and_an_overflowing_norm_by_the_bound() -> None:

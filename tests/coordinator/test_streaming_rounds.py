@@ -51,7 +51,7 @@ def test_each_round_aggregates_its_fragment_only() -> None:
         status = upload_status(rounds, "a", rounds.session_id, round_number, fragment.index)
         assert status.known and status.complete
         metrics = rounds.poll()
-        assert metrics is not None and metrics["fragment"] == fragment.index
+        assert metrics is not None and metrics.fragment == fragment.index
         other = partition[1 - fragment.index]
         assert torch.equal(other.gather(rounds.weights), other.gather(before))
         assert not torch.equal(fragment.gather(rounds.weights), fragment.gather(before))

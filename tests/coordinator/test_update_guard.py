@@ -149,7 +149,7 @@ def test_an_update_far_above_recent_rounds_is_rejected_and_the_history_survives_
     for site in "ab":
         join(rounds, site)
     record = round_of(rounds, {"a": unit(rounds.numel, 1.0, 1), "b": unit(rounds.numel, 2.0, 2)})
-    assert record["aborted"] is None
+    assert record.aborted is None
     # The bound is now max(10, 20 x median(1, 2)) = 30, no longer the floor's 10.
     assert upload(rounds, "a", unit(rounds.numel, 25.0, 3)).complete
     with pytest.raises(InvalidUpdateError, match="norm 40 exceeds the bound 30"):
@@ -157,7 +157,7 @@ def test_an_update_far_above_recent_rounds_is_rejected_and_the_history_survives_
     with pytest.raises(UpdateRejectedError, match="norm 40"):
         upload(rounds, "b", unit(rounds.numel, 1.0, 5))
     record = rounds.poll()
-    assert record is not None and record["participants"] == ["a"] and record["rejected"] == ["b"]
+    assert record is not None and record.participants == ["a"] and record.rejected == ["b"]
     rounds.close()
     # The norm history is in the checkpoint: a restarted coordinator keeps the same bound.
     again = make(tmp_path, update_guard=UpdateGuardConfig(norm_floor=10.0, norm_factor=20.0))
@@ -173,12 +173,12 @@ def test_an_abort_after_the_outer_step_rewinds_the_optimizer_to_the_checkpoint(t
     theta = rounds.weights.clone()
     momentum = {k: v.clone() for k, v in rounds.strategy.state_tensors().items()}
     record = round_of(rounds, {"a": torch.full((rounds.numel,), 50.0)})
-    assert "max_abs_weight" in str(record["aborted"]) and "restored from the checkpoint" in str(record["aborted"])
+    assert "max_abs_weight" in str(record.aborted) and "restored from the checkpoint" in str(record.aborted)
     assert torch.equal(rounds.weights, theta)
     state = rounds.strategy.state_tensors()
     assert state.keys() == momentum.keys() and all(torch.equal(state[k], momentum[k]) for k in state)
     # The refused step left no momentum behind: a small update is an ordinary round again.
-    assert round_of(rounds, {"a": unit(rounds.numel, 0.1, 2)})["aborted"] is None
+    assert round_of(rounds, {"a": unit(rounds.numel, 0.1, 2)}).aborted is None
     rounds.close()
 
 
@@ -192,7 +192,7 @@ def test_an_abort_rewinds_through_the_round_log_when_the_checkpoint_is_older(tmp
     theta = rounds.weights.clone()
     momentum = {k: v.clone() for k, v in rounds.strategy.state_tensors().items()}
     record = round_of(rounds, {"a": torch.full((rounds.numel,), 50.0)})
-    assert "checkpoint of round 1 and 2 logged round(s)" in str(record["aborted"]), record["aborted"]
+    assert "checkpoint of round 1 and 2 logged round(s)" in str(record.aborted), record.aborted
     assert torch.equal(rounds.weights, theta)
     state = rounds.strategy.state_tensors()
     assert state.keys() == momentum.keys() and all(torch.equal(state[k], momentum[k]) for k in state)
@@ -218,11 +218,11 @@ def test_an_aggregation_that_fails_midway_rejects_the_update_and_aborts_the_roun
     with pytest.raises(InvalidUpdateError, match="could not be added"):
         upload(rounds, "b", unit(rounds.numel, 0.1, 2))
     record = rounds.poll()  # b is rejected, not waited for: the round closes
-    assert record is not None and record["rejected"] == ["b"]
-    assert "adding the update of b failed" in str(record["aborted"]) and record["participants"] == []
+    assert record is not None and record.rejected == ["b"]
+    assert "adding the update of b failed" in str(record.aborted) and record.participants == []
     assert torch.equal(rounds.weights, theta)
     monkeypatch.setattr(RunningSum, "add", original)
-    assert round_of(rounds, {"a": unit(rounds.numel, 0.1, 3), "b": unit(rounds.numel, 0.1, 4)})["aborted"] is None
+    assert round_of(rounds, {"a": unit(rounds.numel, 0.1, 3), "b": unit(rounds.numel, 0.1, 4)}).aborted is None
     rounds.close()
 
 

@@ -18,8 +18,9 @@ import torch
 
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
 from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.simulation.clock import SiteConfig
-from geoloco.algorithms.simulation.simulator import RoundRecord, SimulationConfig, Simulator, SimulatorConfig
+from geoloco.algorithms.simulation.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.server import CoordinatorServer
@@ -153,11 +154,11 @@ def wait_for(event: threading.Event, timeout_s: float = 60.0) -> None:
         raise AssertionError(f"event not set within {timeout_s} s")
 
 
-def on_round(round_number: int, event: threading.Event) -> Callable[[dict[str, Any]], None]:
+def on_round(round_number: int, event: threading.Event) -> Callable[[RoundRecord], None]:
     """An ``on_round_end`` callback that sets ``event`` once round ``round_number`` is aggregated."""
 
-    def callback(record: dict[str, Any]) -> None:
-        if record["round"] == round_number:
+    def callback(record: RoundRecord) -> None:
+        if record.round == round_number:
             event.set()
 
     return callback

@@ -14,6 +14,7 @@ they apply the same decoded bytes, and the weights digests are compared.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 import torch
 from _cluster import AgentThread, Run, make_certs, on_round, relative_difference, wait_for
 
-from geoloco.algorithms.simulation.sim_config import SHARED_RECORD_KEYS
+from geoloco.algorithms.record import SHARED_RECORD_KEYS, RoundRecord
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer
@@ -83,9 +84,11 @@ def test_sites_end_with_the_simulators_weights(
         assert sorted(record["participants"]) == [str(k) for k in range(num_sites)]
         assert record["excluded"] == [] and record["update_norm"] > 0
         assert all(record["bytes_up"][str(k)] > 0 for k in range(num_sites))
-    # One record schema: every fact both hosts record has the same key and type in both.
+    # One record type: both hosts' records have the same keys, and every fact both fill has the
+    # same type in both.
     for real, sim in zip(records, predicted, strict=True):
         simulated = json.loads(json.dumps(sim.to_dict()))  # as metrics.jsonl would hold it
+        assert set(real) == set(simulated) == {f.name for f in dataclasses.fields(RoundRecord)}
         for key in SHARED_RECORD_KEYS:
             assert key in real and key in simulated, key
             assert _kind(real[key]) == _kind(simulated[key]) or None in (real[key], simulated[key]), (

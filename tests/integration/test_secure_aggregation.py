@@ -31,6 +31,7 @@ from _processes import SITE_JOINED, Processes
 
 from geoloco.algorithms.config import ConfigError
 from geoloco.algorithms.privacy.private_aggregation import PrivacyAccountant, PrivacyConfig, PrivateUpdateEncoder
+from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator import events as ev
 from geoloco.coordinator.config import CoordinatorConfig
@@ -212,8 +213,8 @@ def test_coordinator_never_holds_an_individual_update(
     assert record["privacy"]["secure_aggregation"] is True
 
 
-def _final(run: Run, certs: Path, **overrides: Any) -> tuple[float, torch.Tensor, list[dict[str, Any]]]:
-    events: list[dict[str, Any]] = []
+def _final(run: Run, certs: Path, **overrides: Any) -> tuple[float, torch.Tensor, list[RoundRecord]]:
+    events: list[RoundRecord] = []
     server = run.start_coordinator(certs, min_sites=3, on_round_end=events.append, **overrides)
     try:
         threads = [AgentThread(run.agent(certs, server.port, i)) for i in range(run.num_sites)]
@@ -238,7 +239,8 @@ def test_secure_diloco_matches_plain_diloco_over_grpc(certs: Path) -> None:
     privacy = PrivacyConfig(secure_aggregation=True, clip_norm=10.0, chunk_size=8192)
     plain, plain_weights, plain_records = _final(run, certs)
     secure, secure_weights, secure_records = _final(run, certs, privacy=privacy)
-    assert "privacy" not in plain_records[0] and secure_records[0]["privacy"]["secure_aggregation"]
+    assert plain_records[0].privacy is None
+    assert secure_records[0].privacy is not None and secure_records[0].privacy["secure_aggregation"]
     initial = float(run.workload.eval_loss(run.workload.build_model(run.seed)))
     assert plain < initial
     # Rounding made the weights differ, but only by the fixed-point error (< 1/scale ~ 1e-6 per

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.export import export_model
@@ -48,12 +49,12 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         layout.load_(model, flat)
         return float(workload.eval_loss(model))
 
-    records: list[dict[str, Any]] = []
+    records: list[RoundRecord] = []
     done = threading.Event()
 
-    def on_round_end(record: dict[str, Any]) -> None:
+    def on_round_end(record: RoundRecord) -> None:
         records.append(record)
-        if record["round"] == 1:
+        if record.round == 1:
             done.set()
 
     config = CoordinatorConfig(
@@ -77,7 +78,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     finally:
         server.stop(grace=0)
     return {
-        "checkpoints": folder / "checkpoints", "eval_loss": records[-1]["eval_loss"],
+        "checkpoints": folder / "checkpoints", "eval_loss": records[-1].eval_loss,
         "digest": server.rounds.digest_hex, "site_file": site_file, "spec": spec,
     }
 

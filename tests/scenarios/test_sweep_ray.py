@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +39,7 @@ def ray_cluster(require_extra: Callable[[str, str], ModuleType]) -> Iterator[Mod
     startup"); that is Ray's start-up, not what these tests check."""
     ray = require_extra("ray", "ray")
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage report: the test machine is offline
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     for attempt in (1, 2):
         try:
             ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024 * 1024,
@@ -49,6 +51,8 @@ def ray_cluster(require_extra: Callable[[str, str], ModuleType]) -> Iterator[Mod
                 raise
     yield ray
     ray.shutdown()
+    for sig, handler in kept.items():  # ray.init's handlers would outlive it in this process
+        signal.signal(sig, handler)
 
 
 @pytest.fixture
@@ -133,3 +137,17 @@ def test_without_ray_installed_the_error_names_the_extra(tmp_path: Path, monkeyp
         sweep(BASE, seeds=[0], out=tmp_path / "x", ray_address="auto", plots=False)
     assert info.value.key == "--ray"
     assert not (tmp_path / "x").exists()
+
+
+def test_a_ray_instance_started_by_a_sweep_leaves_the_programs_signal_handlers() -> None:
+    """``ray.init`` installs SIGTERM/SIGINT handlers that ``ray.shutdown`` leaves behind; a sweep
+    that started Ray puts the program's own back (checked without starting Ray: the handlers
+    installed inside stand for Ray's)."""
+    from geoloco.scenarios.sweep_ray import _own_signal_handlers
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    with _own_signal_handlers():
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -19,6 +19,7 @@ from _agent_helpers import AgentThread, FakeClock, make_agent, make_certs, start
 from torch import nn
 
 from geoloco.algorithms.params import load_flat_
+from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.protos.transport_tls import TLSFiles
@@ -231,7 +232,7 @@ def test_builtin_gpt_workload_trains_through_the_site_agent_api(certs: Path) -> 
         total_rounds=2,
         min_sites=1,
         eval_fn=eval_fn,
-        on_round_end=lambda record: losses.append(record["eval_loss"]),
+        on_round_end=lambda record: losses.append(record.eval_loss),
     )
     try:
         agent = make_agent(gpt, server, certs, "gpt", index=0, num_sites=1, seed=0, lr=1e-3)
@@ -283,7 +284,7 @@ class FalsifyFirstBroadcastDigest(grpc.UnaryStreamClientInterceptor):
 
 
 def test_digest_mismatch_after_a_delta_fetches_the_full_weights(certs: Path, mlp: Any) -> None:
-    records: list[dict[str, Any]] = []
+    records: list[RoundRecord] = []
     server = start_coordinator(
         certs, mlp.build_model(0), algorithm=AlgorithmConfig(inner_steps=2), total_rounds=2,
         min_sites=1, on_round_end=records.append,
@@ -304,7 +305,7 @@ def test_digest_mismatch_after_a_delta_fetches_the_full_weights(certs: Path, mlp
     assert [r.resynced for r in results] == [True, False]
     assert summary.weights_digest == server.rounds.digest_hex
     # After the re-fetch the site holds exactly the coordinator's weights of round 1.
-    assert results[0].weights_digest == records[0]["weights_digest"] and results[0].next_round == 1
+    assert results[0].weights_digest == records[0].weights_digest and results[0].next_round == 1
 
 
 def test_stop_interrupts_a_site_waiting_for_its_round_and_it_leaves(certs: Path, mlp: Any) -> None:

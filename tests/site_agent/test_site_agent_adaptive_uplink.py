@@ -16,6 +16,7 @@ import pytest
 from _agent_helpers import AgentThread, make_agent, make_certs, start_coordinator
 
 from geoloco.algorithms.link_codec import AdaptiveUplinkConfig
+from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.scenarios.workloads import build_workload
 
@@ -29,7 +30,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_each_agent_uploads_in_the_codec_assigned_to_it(certs: Path) -> None:
     mlp: Any = build_workload("mlp")
-    records: list[dict[str, Any]] = []
+    records: list[RoundRecord] = []
     server = start_coordinator(
         certs, mlp.build_model(0),
         algorithm=AlgorithmConfig(
@@ -55,10 +56,10 @@ def test_each_agent_uploads_in_the_codec_assigned_to_it(certs: Path) -> None:
         server.stop(grace=0)
     assert {s.weights_digest for s in summaries.values()} == {server.rounds.digest_hex}
     assert all(s.rounds_included == 3 for s in summaries.values())
-    assert [r["round"] for r in records] == [0, 1, 2]
+    assert [r.round for r in records] == [0, 1, 2]
     int8 = plans.base_codec
     for record in records:
-        plan = plans.plans[record["round"]]
+        plan = plans.plans[record.round]
         assert plan["fast"] == int8 and plan["slow"].startswith("topk:0.05,")
-        assert sorted(record["participants"]) == SITES
-        assert record["bytes_up"]["slow"] * 2 < record["bytes_up"]["fast"]
+        assert sorted(record.participants) == SITES
+        assert record.bytes_up["slow"] * 2 < record.bytes_up["fast"]

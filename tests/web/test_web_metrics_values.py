@@ -101,7 +101,7 @@ def scripted(tmp_path: Path) -> tuple[RoundStateMachine, CoordinatorStatus, Fake
     upload(rounds, "b", update(6, n))
     records.append(rounds.poll())
     assert all(r is not None for r in records)
-    return rounds, status, clock, records
+    return rounds, status, clock, [r.to_dict() for r in records]
 
 
 def test_metrics_after_rounds_rejects_and_faults(scripted) -> None:

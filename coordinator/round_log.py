@@ -263,11 +263,6 @@ class RoundLog:
             # An empty log leaves the checkpoint folder as a run without one would.
             self.folder.rmdir()
 
-    def remove_all(self) -> None:
-        """Drop every entry: a new run starts, or a snapshot replaced the log entirely."""
-        self.discard()
-        self.compact(snapshot_round=1 << 62)
-
 
 class SnapshotWriter:
     """Full checkpoints written by a background thread while the sites train the next round.

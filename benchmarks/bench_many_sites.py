@@ -4,6 +4,8 @@
     python benchmarks/bench_many_sites.py --sites 16,64,128,256,512 --mode plain
     python benchmarks/bench_many_sites.py --sites 16,64 --mode secure --rounds 5 --workers 2
     python benchmarks/bench_many_sites.py --sites 256 --mode plain --profile   # + cProfile of N = 256
+    python benchmarks/bench_many_sites.py --sites 256 --mode secure \
+        --study scenarios/privacy_frontier.toml --simulator-seeds 3           # a study through real sites
 
 What runs, per mode and N (issue #30, "a load harness", as an operator would try it):
 
@@ -16,6 +18,15 @@ What runs, per mode and N (issue #30, "a load harness", as an operator would try
 * ``--rounds`` rounds, modes ``plain`` (no TLS), ``tls`` (mutual TLS, certificates from
   ``geoloco.scenarios.certs``) and ``secure`` (mutual TLS and ``[privacy] secure_aggregation``
   with the ``secagg+`` neighbour graph, clip 1.0, no DP).
+
+``--study FILE`` runs a simulate file's study instead of the tiny MLP (issue #30's privacy
+frontier point through the real system): the coordinator takes the file's algorithm, optimizers,
+privacy, seed, rounds and workload (evaluating at the file's ``eval_every`` and the end), every
+site the workload's model, the inner optimizer and its own share of the data
+(``Workload.site_batches``), as the simulator's sites do; ``--set`` overrides the file and its
+``sites.count`` is N. ``--simulator-seeds K`` runs the same study in the simulator with seeds
+0..K-1 and prints epsilon and the final eval loss of both side by side (without DP the two end
+on the same loss; with DP the noise is drawn from the OS, so every run differs).
 
 Measured in the coordinator process (it writes them to ``coordinator.json``):
 
@@ -107,6 +118,25 @@ def _loss(model: Any, batch: Any) -> Any:
 
 def _site_name(index: int) -> str:
     return f"s{index}"
+
+
+_STUDY: list[Any] = []
+
+
+def _study(args: argparse.Namespace) -> tuple[Any, Any, Any] | None:
+    """``--study``: the simulate file's ``SimulatorConfig`` (its ``--set`` applied, and
+    ``sites.count`` = N), workload spec and built workload, read once per process; None without."""
+    if args.study is None:
+        return None
+    if not _STUDY:
+        from geoloco.scenarios.config_file import read_toml
+        from geoloco.scenarios.research import prepare_run
+
+        overrides = [*args.set, f"sites.count={args.sites}"]
+        prepared = prepare_run(read_toml(Path(args.study)), overrides, args.study)
+        _STUDY.append((prepared.simulator, prepared.workload, prepared.workload.build()))
+    study: tuple[Any, Any, Any] = _STUDY[0]
+    return study
 
 
 def _exit_with_parent() -> None:
@@ -238,19 +268,38 @@ def _role_coordinator(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     plain = args.mode == "plain"
-    model = _model()
+    study = _study(args)
+    common: dict[str, Any] = {
+        "min_sites": args.sites, "max_sites": args.sites, "insecure": plain,
+        "certs_dir": None if plain else args.certs, "metrics_path": str(out / "metrics.jsonl"),
+    }
+    eval_fn = None
+    if study is None:
+        model = _model()
+        privacy = (
+            PrivacyConfig(secure_aggregation=True, neighbours="secagg+", clip_norm=1.0)
+            if args.mode == "secure" else PrivacyConfig()
+        )
+        config = CoordinatorConfig(
+            algorithm=AlgorithmConfig(inner_steps=1, uplink_codec="none", downlink_codec="none"),
+            inner_optimizer=InnerOptimizerConfig(lr=1e-2), total_rounds=args.rounds, privacy=privacy, **common,
+        )
+    else:  # the study's run, as `geoloco simulate` would run it, through the real system
+        simulated, spec, workload = study
+        rounds = simulated.run_rounds
+        model = workload.build_model(simulated.simulation.seed)
+        config = CoordinatorConfig(
+            algorithm=simulated.algorithm, inner_optimizer=simulated.inner_optimizer,
+            outer_optimizer=simulated.outer_optimizer, privacy=simulated.privacy, seed=simulated.simulation.seed,
+            total_rounds=rounds, eval_every=simulated.simulation.eval_every or rounds, workload=spec.to_table(),
+            **common,
+        )
+
+        def eval_fn(flat: Any) -> float:
+            layout.load_(model, flat)
+            return float(workload.eval_loss(model))
+
     layout = ParamLayout.from_model(model)
-    privacy = (
-        PrivacyConfig(secure_aggregation=True, neighbours="secagg+", clip_norm=1.0)
-        if args.mode == "secure" else PrivacyConfig()
-    )
-    config = CoordinatorConfig(
-        algorithm=AlgorithmConfig(inner_steps=1, uplink_codec="none", downlink_codec="none"),
-        inner_optimizer=InnerOptimizerConfig(lr=1e-2),
-        total_rounds=args.rounds, min_sites=args.sites, max_sites=args.sites,
-        insecure=plain, certs_dir=None if plain else args.certs,
-        metrics_path=str(out / "metrics.jsonl"), privacy=privacy,
-    )
     profiles = _ThreadProfiles() if args.profile else None
     marks: list[dict[str, Any]] = []
     baseline: dict[str, Any] = {}
@@ -280,8 +329,9 @@ def _role_coordinator(args: argparse.Namespace) -> None:
                       "participants": len(record.participants)})
         probe_cpu_s += cost
 
-    server = CoordinatorServer(config, layout.flatten(model), layout, on_round_end=on_round_end)
-    del model
+    server = CoordinatorServer(config, layout.flatten(model), layout, eval_fn, on_round_end=on_round_end)
+    if eval_fn is None:
+        del model
     seen: Counter[str] = Counter()
     rejections: Counter[str] = Counter()
 
@@ -344,18 +394,27 @@ def _agent(args: argparse.Namespace, index: int) -> Any:
     from geoloco.site_agent.agent import SiteAgent
     from geoloco.site_agent.config import SiteAgentConfig
 
-    model = _model()
     name = _site_name(index)
-    generator = torch.Generator().manual_seed(index)
-    batch = (torch.randn(8, WIDTH, generator=generator), torch.randn(8, WIDTH, generator=generator))
     plain = args.mode == "plain"
+    study = _study(args)
+    if study is None:
+        model = _model()
+        generator = torch.Generator().manual_seed(index)
+        batch = (torch.randn(8, WIDTH, generator=generator), torch.randn(8, WIDTH, generator=generator))
 
-    def batches() -> Iterator[Any]:
-        while True:
-            yield batch
+        def fixed() -> Iterator[Any]:
+            while True:
+                yield batch
 
+        optimizer, batches, loss = torch.optim.SGD(model.parameters(), lr=1e-2), fixed(), _loss
+    else:  # the study's model, inner optimizer and this site's share of the data
+        simulated, _, workload = study
+        seed = simulated.simulation.seed
+        model = workload.build_model(seed)
+        optimizer = simulated.inner_optimizer.build(model.parameters())
+        batches, loss = workload.site_batches(index, int(args.sites), seed), workload.loss
     return SiteAgent(
-        model, torch.optim.SGD(model.parameters(), lr=1e-2), batches(), _loss,
+        model, optimizer, batches, loss,
         coordinator=f"localhost:{args.port}", site=name,
         tls=None if plain else TLSFiles.from_dir(Path(args.certs), name), insecure=plain,
         config=SiteAgentConfig(device="cpu"),
@@ -490,12 +549,14 @@ def run_one(mode: str, sites: int, args: argparse.Namespace, work: Path, *, prof
     out = work / f"{mode}-{sites}{'-profile' if profile else ''}"
     out.mkdir()
     certs = work / "certs"
-    common = ["--mode", mode, "--certs", str(certs), "--timeout", str(args.timeout)]
+    common = ["--mode", mode, "--certs", str(certs), "--timeout", str(args.timeout), "--sites", str(sites)]
+    if args.study is not None:
+        common += ["--study", args.study, *(word for text in args.set for word in ("--set", text))]
     load_before = os.getloadavg()
     started = time.monotonic()
     with _Children() as children:
         coordinator = children.spawn(
-            "coordinator", *common, "--out", str(out), "--sites", str(sites), "--rounds", str(args.rounds),
+            "coordinator", *common, "--out", str(out), "--rounds", str(args.rounds),
             *(["--profile"] if profile else []),
         )
         port = _wait_file(out / "port", coordinator, 120)
@@ -550,6 +611,8 @@ def run_one(mode: str, sites: int, args: argparse.Namespace, work: Path, *, prof
         "worker_peak_rss_mib": [w["peak_rss_mib"] for w in worker_results],
         "worker_cpu_s": [w["cpu_s"] for w in worker_results],
         "wall_s": wall,
+        "final_eval_loss": records[-1]["eval_loss"] if records else None,
+        "epsilon": records[-1]["epsilon"] if records else None,
         "load_before": load_before,
         "load_after": os.getloadavg(),
     }
@@ -568,9 +631,10 @@ def _load(values: Any) -> str:
     return "/".join(f"{v:.1f}" for v in values)
 
 
-def _report(results: list[dict[str, Any]], rounds: int, workers: int) -> None:
-    print(f"\none coordinator process, N sites as SiteAgent threads in {workers} worker processes, "
-          f"tiny MLP ({4 * WIDTH * WIDTH + 3 * WIDTH:,} parameters), {rounds} rounds, "
+def _report(results: list[dict[str, Any]], rounds: int, workers: int, study: str | None = None) -> None:
+    tiny = f"tiny MLP ({4 * WIDTH * WIDTH + 3 * WIDTH:,} parameters), {rounds} rounds"
+    what = f"the run of {study}" if study else tiny
+    print(f"\none coordinator process, N sites as SiteAgent threads in {workers} worker processes, {what}, "
           "min_sites = max_sites = N, checkpoints off; medians and CPU over the rounds after the first\n")
     print("| mode | N | round (median) | between broadcasts | coordinator CPU per round | per site | "
           "vs smallest N | sites' CPU per round | coordinator peak RSS | max threads | dropped / site failures "
@@ -607,6 +671,29 @@ def _report(results: list[dict[str, Any]], rounds: int, workers: int) -> None:
               f"\n  coordinator CPU s per round by thread: {groups}")
         if r["site_failure_examples"]:
             print(f"  site failures: {r['site_failure_examples']}")
+
+
+def _report_study(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    """The study's epsilon and final eval loss through the real system, beside the simulator's
+    over ``--simulator-seeds`` seeds (DP noise is drawn from the OS, so a rerun differs too)."""
+    from geoloco.scenarios.research import run
+
+    print(f"\n{args.study} ({', '.join(args.set) or 'as written'}), N = {args.sites}:\n")
+    print("| run | epsilon | final eval loss |")
+    print("|---|---:|---:|")
+    for r in results:
+        if "error" not in r:
+            print(f"| real system ({r['mode']}) | {r['epsilon']} | {r['final_eval_loss']} |")
+    losses = []
+    for seed in range(args.simulator_seeds):
+        print(f"simulating seed {seed} ...", file=sys.stderr, flush=True)
+        simulated = run(Path(args.study), overrides=[*args.set, f"sites.count={args.sites}", f"run.seed={seed}"])
+        last = simulated.records[-1]
+        losses.append(last["eval_loss"])
+        print(f"| simulator, seed {seed} | {last['epsilon']} | {last['eval_loss']} |")
+    if len(losses) > 1:
+        print(f"\nsimulator: final eval loss {min(losses):.4f} .. {max(losses):.4f} "
+              f"(mean {statistics.mean(losses):.4f}, std {statistics.stdev(losses):.4f})")
 
 
 RPCS = ("Join", "FetchModel", "Upload", "UploadStatus", "AwaitBroadcast", "Heartbeat", "SecureStage", "Leave")
@@ -661,6 +748,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --profile: profile the first worker's sites too (slows the profiled run)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "many_sites.json", help="where the results go")
+    parser.add_argument("--study", help="a simulate file (e.g. scenarios/privacy_frontier.toml) whose workload, "
+                        "algorithm, optimizers, privacy, seed and rounds the coordinator and the sites run "
+                        "instead of the tiny MLP; its sites.count is set to N")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --study: an override of the file, as `geoloco simulate --set` takes it")
+    parser.add_argument("--simulator-seeds", type=int, default=0, metavar="K",
+                        help="with --study: also run the study in the simulator with run.seed = 0..K-1 and "
+                             "print its epsilon and final eval loss beside the real system's")
     parser.add_argument("--role", choices=["coordinator", "worker"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--certs", help=argparse.SUPPRESS)
@@ -683,6 +778,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("secure aggregation needs at least 3 sites; raise --sites")
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (the first round is left out of the figures)")
+    if args.study is not None:
+        args.sites = str(counts[-1])  # one N for the study (the file's sites.count is set to it)
+        secure = _study(args)[0].privacy.secure_aggregation  # type: ignore[index]
+        if modes != ["secure" if secure else "tls"]:
+            parser.error(f"--study {args.study} runs {'with' if secure else 'without'} secure aggregation: "
+                         f"give --mode {'secure' if secure else 'tls'}")
+        counts = counts[-1:]
+    elif args.set or args.simulator_seeds:
+        parser.error("--set and --simulator-seeds go with --study")
     from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 
     # SIGTERM unwinds like Ctrl-C: the children are killed and the temporary folder removed.
@@ -710,7 +814,9 @@ def main(argv: list[str] | None = None) -> None:
                     profiled.append(run_one(mode, counts[-1], args, work, profile=True))
                 except Exception as error:  # noqa: BLE001 (reported after the table)
                     profiled.append(_failed(mode, counts[-1], error))
-    _report(results, args.rounds, args.workers)
+    _report(results, args.rounds, args.workers, args.study)
+    if args.study is not None:
+        _report_study(args, results)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     for result in profiled:
         if "error" in result:

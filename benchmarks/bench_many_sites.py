@@ -5,7 +5,8 @@
     python benchmarks/bench_many_sites.py --sites 16,64 --mode secure --rounds 5 --workers 2
     python benchmarks/bench_many_sites.py --sites 256 --mode plain --profile   # + cProfile of N = 256
     python benchmarks/bench_many_sites.py --sites 256 --mode secure \
-        --study scenarios/privacy_frontier.toml --simulator-seeds 3           # a study through real sites
+        --study scenarios/privacy_frontier.toml --repeat 3 --simulator-runs 8 --simulator-seeds 3
+                                                   # a study through real sites, beside the simulator
 
 What runs, per mode and N (issue #30, "a load harness", as an operator would try it):
 
@@ -24,9 +25,11 @@ frontier point through the real system): the coordinator takes the file's algori
 privacy, seed, rounds and workload (evaluating at the file's ``eval_every`` and the end), every
 site the workload's model, the inner optimizer and its own share of the data
 (``Workload.site_batches``), as the simulator's sites do; ``--set`` overrides the file and its
-``sites.count`` is N. ``--simulator-seeds K`` runs the same study in the simulator with seeds
-0..K-1 and prints epsilon and the final eval loss of both side by side (without DP the two end
-on the same loss; with DP the noise is drawn from the OS, so every run differs).
+``sites.count`` is N. ``--simulator-runs K`` runs the same study K times in the simulator at its
+own seed and ``--simulator-seeds K`` with seeds 0..K-1, and the report prints epsilon and the final
+eval loss of every run side by side, with where each real loss lies in the simulator's spread.
+Without DP the real system and the simulator end on the same loss; with DP the noise is drawn
+from the OS, so every run differs (``--repeat R`` runs the real system R times).
 
 Measured in the coordinator process (it writes them to ``coordinator.json``):
 
@@ -546,8 +549,7 @@ def run_one(mode: str, sites: int, args: argparse.Namespace, work: Path, *, prof
     """One coordinator and ``sites`` sites in ``args.workers`` processes; the coordinator's figures."""
     from geoloco.coordinator.metrics import read_metrics
 
-    out = work / f"{mode}-{sites}{'-profile' if profile else ''}"
-    out.mkdir()
+    out = Path(tempfile.mkdtemp(prefix=f"{mode}-{sites}{'-profile' if profile else ''}-", dir=work))
     certs = work / "certs"
     common = ["--mode", mode, "--certs", str(certs), "--timeout", str(args.timeout), "--sites", str(sites)]
     if args.study is not None:
@@ -674,26 +676,48 @@ def _report(results: list[dict[str, Any]], rounds: int, workers: int, study: str
 
 
 def _report_study(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
-    """The study's epsilon and final eval loss through the real system, beside the simulator's
-    over ``--simulator-seeds`` seeds (DP noise is drawn from the OS, so a rerun differs too)."""
+    """The study's epsilon and final eval loss through the real system, beside the simulator's.
+
+    Two simulator spreads, because the real runs vary for one reason only: ``--simulator-runs``
+    repeats the study's own seed (the real runs' data and initial weights; only the DP noise and
+    the stochastic rounding, drawn from the OS, differ, as between two real runs), and
+    ``--simulator-seeds`` varies the seed as well (the spread a paper's error bar would show).
+    """
     from geoloco.scenarios.research import run
 
     print(f"\n{args.study} ({', '.join(args.set) or 'as written'}), N = {args.sites}:\n")
-    print("| run | epsilon | final eval loss |")
-    print("|---|---:|---:|")
-    for r in results:
-        if "error" not in r:
-            print(f"| real system ({r['mode']}) | {r['epsilon']} | {r['final_eval_loss']} |")
-    losses = []
-    for seed in range(args.simulator_seeds):
-        print(f"simulating seed {seed} ...", file=sys.stderr, flush=True)
-        simulated = run(Path(args.study), overrides=[*args.set, f"sites.count={args.sites}", f"run.seed={seed}"])
+    print("| run | seed | sites counted per round | epsilon | final eval loss |")
+    print("|---|---:|---|---:|---:|")
+    real = [r for r in results if "error" not in r]
+    seed = _study(args)[0].simulation.seed  # type: ignore[index]
+    for r in real:
+        counted = ", ".join(str(n) for n in r["participants"])
+        print(f"| real system ({r['mode']}) | {seed} | {counted} | {r['epsilon']} | {r['final_eval_loss']} |")
+    spreads: dict[str, list[float]] = {}
+    plan = [(f"simulator, run {k + 1}", "same seed", seed) for k in range(args.simulator_runs)]
+    plan += [(f"simulator, seed {k}", "seeds", k) for k in range(args.simulator_seeds)]
+    for label, spread, run_seed in plan:
+        print(f"simulating ({label}) ...", file=sys.stderr, flush=True)
+        simulated = run(Path(args.study), overrides=[*args.set, f"sites.count={args.sites}", f"run.seed={run_seed}"])
         last = simulated.records[-1]
-        losses.append(last["eval_loss"])
-        print(f"| simulator, seed {seed} | {last['epsilon']} | {last['eval_loss']} |")
-    if len(losses) > 1:
-        print(f"\nsimulator: final eval loss {min(losses):.4f} .. {max(losses):.4f} "
-              f"(mean {statistics.mean(losses):.4f}, std {statistics.stdev(losses):.4f})")
+        spreads.setdefault(spread, []).append(last["eval_loss"])
+        counted = ", ".join(str(len(record["participants"])) for record in simulated.records)
+        print(f"| {label} | {run_seed} | {counted} | {last['epsilon']} | {last['eval_loss']} |")
+    print()
+    for spread, losses in spreads.items():
+        if len(losses) < 2:
+            continue
+        mean, std = statistics.mean(losses), statistics.stdev(losses)
+        print(f"simulator over {len(losses)} runs ({spread}): final eval loss {min(losses):.4f} .. "
+              f"{max(losses):.4f}, mean {mean:.4f}, std {std:.4f}")
+        for r in real:
+            if min(r["participants"]) < int(args.sites):
+                print(f"  real {r['final_eval_loss']:.4f}: not comparable, a round counted fewer than "
+                      f"{args.sites} sites (epsilon and loss are another run's)")
+                continue
+            loss = r["final_eval_loss"]
+            inside = "inside" if min(losses) <= loss <= max(losses) else "OUTSIDE"
+            print(f"  real {loss:.4f}: {inside} the range, {(loss - mean) / std:+.1f} std from the mean")
 
 
 RPCS = ("Join", "FetchModel", "Upload", "UploadStatus", "AwaitBroadcast", "Heartbeat", "SecureStage", "Leave")
@@ -756,6 +780,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--simulator-seeds", type=int, default=0, metavar="K",
                         help="with --study: also run the study in the simulator with run.seed = 0..K-1 and "
                              "print its epsilon and final eval loss beside the real system's")
+    parser.add_argument("--simulator-runs", type=int, default=0, metavar="K",
+                        help="with --study: also run the study K times in the simulator at its own seed "
+                             "(the real runs' data; fresh DP noise each time)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="R",
+                        help="run every mode and N R times (with DP, every real run draws its own noise)")
     parser.add_argument("--role", choices=["coordinator", "worker"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--certs", help=argparse.SUPPRESS)
@@ -785,8 +814,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--study {args.study} runs {'with' if secure else 'without'} secure aggregation: "
                          f"give --mode {'secure' if secure else 'tls'}")
         counts = counts[-1:]
-    elif args.set or args.simulator_seeds:
-        parser.error("--set and --simulator-seeds go with --study")
+    elif args.set or args.simulator_seeds or args.simulator_runs:
+        parser.error("--set, --simulator-seeds and --simulator-runs go with --study")
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
     from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 
     # SIGTERM unwinds like Ctrl-C: the children are killed and the temporary folder removed.
@@ -802,7 +833,7 @@ def main(argv: list[str] | None = None) -> None:
             for index in range(counts[-1]):
                 issue_site(certs, _site_name(index))
         for mode in modes:
-            for sites in counts:
+            for sites in [n for n in counts for _ in range(args.repeat)]:
                 print(f"running {mode} N={sites} ...", file=sys.stderr, flush=True)
                 try:
                     results.append(run_one(mode, sites, args, work))

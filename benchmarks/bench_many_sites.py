@@ -675,13 +675,14 @@ def _report(results: list[dict[str, Any]], rounds: int, workers: int, study: str
             print(f"  site failures: {r['site_failure_examples']}")
 
 
-def _report_study(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+def _report_study(args: argparse.Namespace, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The study's epsilon and final eval loss through the real system, beside the simulator's.
 
     Two simulator spreads, because the real runs vary for one reason only: ``--simulator-runs``
     repeats the study's own seed (the real runs' data and initial weights; only the DP noise and
     the stochastic rounding, drawn from the OS, differ, as between two real runs), and
     ``--simulator-seeds`` varies the seed as well (the spread a paper's error bar would show).
+    Returns the simulator's runs (spread, seed, sites counted per round, epsilon, final eval loss).
     """
     from geoloco.scenarios.research import run
 
@@ -694,6 +695,7 @@ def _report_study(args: argparse.Namespace, results: list[dict[str, Any]]) -> No
         counted = ", ".join(str(n) for n in r["participants"])
         print(f"| real system ({r['mode']}) | {seed} | {counted} | {r['epsilon']} | {r['final_eval_loss']} |")
     spreads: dict[str, list[float]] = {}
+    rows: list[dict[str, Any]] = []
     plan = [(f"simulator, run {k + 1}", "same seed", seed) for k in range(args.simulator_runs)]
     plan += [(f"simulator, seed {k}", "seeds", k) for k in range(args.simulator_seeds)]
     for label, spread, run_seed in plan:
@@ -701,8 +703,10 @@ def _report_study(args: argparse.Namespace, results: list[dict[str, Any]]) -> No
         simulated = run(Path(args.study), overrides=[*args.set, f"sites.count={args.sites}", f"run.seed={run_seed}"])
         last = simulated.records[-1]
         spreads.setdefault(spread, []).append(last["eval_loss"])
-        counted = ", ".join(str(len(record["participants"])) for record in simulated.records)
-        print(f"| {label} | {run_seed} | {counted} | {last['epsilon']} | {last['eval_loss']} |")
+        counted = [len(record["participants"]) for record in simulated.records]
+        rows.append({"spread": spread, "seed": run_seed, "participants": counted,
+                     "epsilon": last["epsilon"], "final_eval_loss": last["eval_loss"]})
+        print(f"| {label} | {run_seed} | {', '.join(map(str, counted))} | {last['epsilon']} | {last['eval_loss']} |")
     print()
     for spread, losses in spreads.items():
         if len(losses) < 2:
@@ -718,7 +722,10 @@ def _report_study(args: argparse.Namespace, results: list[dict[str, Any]]) -> No
             loss = r["final_eval_loss"]
             inside = "inside" if min(losses) <= loss <= max(losses) else "OUTSIDE"
             print(f"  real {loss:.4f}: {inside} the range, {(loss - mean) / std:+.1f} std from the mean")
+    return rows
 
+
+DEFAULT_ROUNDS = 5
 
 RPCS = ("Join", "FetchModel", "Upload", "UploadStatus", "AwaitBroadcast", "Heartbeat", "SecureStage", "Leave")
 
@@ -765,7 +772,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sites", default="16,64,128,256", help="comma-separated N")
     parser.add_argument("--mode", default="plain,secure", help=f"comma-separated, of {', '.join(MODES)}")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, help=f"{DEFAULT_ROUNDS} unless given (with --study: the file's)")
     parser.add_argument("--workers", type=int, default=2, help="processes the sites are spread over")
     parser.add_argument("--profile", action="store_true", help="run each mode's largest N again under cProfile")
     parser.add_argument("--profile-sites", action="store_true",
@@ -805,17 +812,28 @@ def main(argv: list[str] | None = None) -> None:
     counts = sorted({int(n) for n in args.sites.split(",")})
     if counts[0] < 3 and "secure" in modes:
         parser.error("secure aggregation needs at least 3 sites; raise --sites")
-    if args.rounds < 2:
-        parser.error("--rounds must be >= 2 (the first round is left out of the figures)")
     if args.study is not None:
         args.sites = str(counts[-1])  # one N for the study (the file's sites.count is set to it)
-        secure = _study(args)[0].privacy.secure_aggregation  # type: ignore[index]
+        from geoloco.scenarios.config_file import ConfigFileError
+
+        try:
+            simulated = _study(args)[0]  # type: ignore[index]
+        except ConfigFileError as err:
+            parser.error(str(err))
+        secure = simulated.privacy.secure_aggregation
         if modes != ["secure" if secure else "tls"]:
             parser.error(f"--study {args.study} runs {'with' if secure else 'without'} secure aggregation: "
                          f"give --mode {'secure' if secure else 'tls'}")
+        if args.rounds not in (None, simulated.run_rounds):
+            parser.error(f"--study {args.study} runs {simulated.run_rounds} rounds: give --set run.rounds="
+                         f"{args.rounds} to change them, not --rounds")
+        args.rounds = simulated.run_rounds
         counts = counts[-1:]
     elif args.set or args.simulator_seeds or args.simulator_runs:
         parser.error("--set, --simulator-seeds and --simulator-runs go with --study")
+    args.rounds = DEFAULT_ROUNDS if args.rounds is None else args.rounds
+    if args.rounds < 2:
+        parser.error("--rounds must be >= 2 (the first round is left out of the figures)")
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
     from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
@@ -846,8 +864,7 @@ def main(argv: list[str] | None = None) -> None:
                 except Exception as error:  # noqa: BLE001 (reported after the table)
                     profiled.append(_failed(mode, counts[-1], error))
     _report(results, args.rounds, args.workers, args.study)
-    if args.study is not None:
-        _report_study(args, results)
+    simulator = _report_study(args, results) if args.study is not None else []
     args.json.parent.mkdir(parents=True, exist_ok=True)
     for result in profiled:
         if "error" in result:
@@ -865,7 +882,8 @@ def main(argv: list[str] | None = None) -> None:
     args.json.write_text(json.dumps(
         {"args": {k: v for k, v in vars(args).items() if k != "json"},  # not this machine's paths
          "platform": platform.platform(), "cpus": os.cpu_count(), "results": results,
-         "profiled": [{k: v for k, v in r.items() if k not in ("profile", "sites_profile")} for r in profiled]},
+         "profiled": [{k: v for k, v in r.items() if k not in ("profile", "sites_profile")} for r in profiled],
+         "simulator": simulator},
         indent=2, default=str,
     ))
 

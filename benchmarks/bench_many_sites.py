@@ -721,7 +721,10 @@ def _report_study(args: argparse.Namespace, results: list[dict[str, Any]]) -> li
                 continue
             loss = r["final_eval_loss"]
             inside = "inside" if min(losses) <= loss <= max(losses) else "OUTSIDE"
-            print(f"  real {loss:.4f}: {inside} the range, {(loss - mean) / std:+.1f} std from the mean")
+            if std == 0:  # no noise (dp off): every run ends on one loss, and the real one should too
+                print(f"  real {loss!r}: {'equal to' if loss == mean else 'DIFFERENT from'} every simulator run")
+            else:
+                print(f"  real {loss:.4f}: {inside} the range, {(loss - mean) / std:+.1f} std from the mean")
     return rows
 
 

@@ -140,7 +140,9 @@ class RoundRecord:
     wait_for_quorum_s: float | None = field(default=None, metadata=COORDINATOR)
     """Seconds from the round's opening until it had its quorum and started."""
     aggregate_time_s: float | None = field(default=None, metadata=COORDINATOR)
-    """Seconds from the close to the published broadcast (outer step, encode, checkpoint)."""
+    """Seconds from the close to the published broadcast: the wait for the previous round's
+    background snapshot, outer step, downlink encode, the round's durable write and the publication
+    (``phases_s`` splits them; a replayed record has none)."""
     next_deadline_s: float | None = field(default=None, metadata=COORDINATOR)
     """The deadline the next round opens with (``None``: none)."""
     site_metrics: dict[str, dict[str, float]] | None = field(default=None, metadata=COORDINATOR)

@@ -238,13 +238,15 @@ class RoundPhases:
         assert self._closed is not None
         closed, self._closed = self._closed, None
         r, outcome = closed.round, closed.outcome
-        t0 = time.perf_counter()
         timings = r.timings
         contributors = list(outcome.contributors)
         # The previous round's snapshot reads the live weights and outer state the step changes.
-        waited = time.perf_counter()
+        # Its wait is the checkpoint's time, not the outer step's: t0 starts after it, or a slow
+        # disk would be counted twice and the phases would sum to more than the round's wall.
+        waited = time.perf_counter()  # also where the aggregation starts (aggregate_time_s)
         self.snapshots.join()
         timings.record("checkpoint", time.perf_counter() - waited)
+        t0 = time.perf_counter()
         plan = ctx.strategy.configure_round(r.number, contributors)
         fragment_outer = ctx.strategy.fragments[plan.fragment]
         fragment_outer.last_step_s = {}
@@ -277,7 +279,6 @@ class RoundPhases:
                 r.number, ctx.config.privacy.epsilon_budget,
             )
             finished = True
-        aggregate_s = time.perf_counter() - t0
         site_metrics = {site: m for site, m in r.site_metrics.items() if site in contributors}
         losses = [m["train_loss"] for m in site_metrics.values() if math.isfinite(m.get("train_loss", math.nan))]
         with ctx.cond:
@@ -294,7 +295,6 @@ class RoundPhases:
             downlink_bytes=delta_size,
             round_time_s=closed.closed_s - r.core.opened_s,
             wait_for_quorum_s=None if r.core.started_s is None else r.core.started_s - r.core.opened_s,
-            aggregate_time_s=aggregate_s,
             next_deadline_s=ctx.policy.deadline_s(),
             inner_steps={site: r.inner_steps[site] for site in contributors if site in r.inner_steps},
             train_loss=sum(losses) / len(losses) if losses else None,
@@ -354,7 +354,8 @@ class RoundPhases:
             members = sorted(ctx.members)
             bytes_up_total, bytes_down_total = ctx.bytes_up_total, ctx.bytes_down_total
             ctx.cond.notify_all()
-        timings.record("broadcast", time.perf_counter() - broadcast_start)
+        published = time.perf_counter()
+        timings.record("broadcast", published - broadcast_start)
         timings.published(time.monotonic())
         if snapshot is not None:
             self.start_snapshot(next_round, snapshot)
@@ -376,6 +377,7 @@ class RoundPhases:
         round_record = dataclasses.replace(
             round_record, members=members, bytes_up_total=bytes_up_total, bytes_down_total=bytes_down_total,
             eval_loss=eval_loss, phases_s=timings.table(), round_wall_s=timings.wall_s(),
+            aggregate_time_s=published - waited,
             site_phases_s={site: site_phases_from_metrics(m) for site, m in site_metrics.items()},
         )
         ctx.events.emit(ev.ROUND_AGGREGATED, round=r.number, data=round_record.to_dict())

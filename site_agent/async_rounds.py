@@ -351,9 +351,9 @@ class AsyncRounds(RoundRunner):
         self._halt.set()
         with self._changed:
             self._changed.notify_all()
-        self.client.cancel_active_calls()  # a follower blocked in AwaitBroadcast
-        for thread in self._threads:
-            thread.join()
+        with self.client.interrupting():  # a follower blocked in AwaitBroadcast, or about to be
+            for thread in self._threads:
+                thread.join()
         self._threads = []
 
     def _drain(self) -> None:

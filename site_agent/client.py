@@ -15,6 +15,7 @@ across attempts and ask the coordinator to continue from the first missing chunk
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import logging
@@ -170,6 +171,8 @@ class CoordinatorClient:
         self.stats = TransferStats()
         self._active_calls: set[Any] = set()
         self._lock = threading.Lock()
+        self._interrupting = 0
+        """``interrupting()`` bodies running: while > 0 every call ends at once (AgentStopped)."""
         self.connectivity = ConnectivityWatch(channel, stop_event)
         """Wakes retry sleeps when the path to the coordinator comes back."""
         self._last_delta_bytes = 0
@@ -185,7 +188,7 @@ class CoordinatorClient:
     def _classify(self, error: grpc.RpcError) -> Exception | None:
         """The agent-level exception for a non-transient error, or None to retry."""
         code = error.code()
-        if code == grpc.StatusCode.CANCELLED and self._stop.is_set():
+        if code == grpc.StatusCode.CANCELLED and self._halted:
             return AgentStopped()
         reason = error_reason(error)
         if reason == pb.ERROR_REASON_SITE_REPLACED:
@@ -206,7 +209,7 @@ class CoordinatorClient:
 
     def _sleep(self, seconds: float, since: int | None) -> None:
         self.connectivity.sleep(seconds, since=since)
-        if self._stop.is_set():
+        if self._halted:
             raise AgentStopped()
 
     def backoff_cap(self) -> float:
@@ -223,7 +226,7 @@ class CoordinatorClient:
         """Run ``attempt`` until it succeeds, retrying transient failures with backoff."""
         backoff = backoff or self._backoff(what)
         while True:
-            if self._stop.is_set():
+            if self._halted:
                 raise AgentStopped()
             backoff.attempting()
             try:
@@ -234,9 +237,19 @@ class CoordinatorClient:
             self._handshakes.succeeded()
             return result
 
+    @property
+    def _halted(self) -> bool:
+        """The agent stops, or an ``interrupting()`` body runs: no call may start or be retried."""
+        return self._stop.is_set() or self._interrupting > 0
+
     def _track(self, call: Any) -> Any:
+        # Checked under the lock that cancel_active_calls and interrupting() take: a call that
+        # starts just after they cancelled the active ones is cancelled here, not left to block.
         with self._lock:
             self._active_calls.add(call)
+            cancel = self._halted
+        if cancel:
+            call.cancel()
         return call
 
     def _untrack(self, call: Any) -> None:
@@ -249,6 +262,22 @@ class CoordinatorClient:
             calls = list(self._active_calls)
         for call in calls:
             call.cancel()
+
+    @contextlib.contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """While the body runs, every call of this client ends with ``AgentStopped``: those in
+        flight (cancelled, not retried) and those that start meanwhile. Stops the client's other
+        threads (``AsyncRounds``' follower and uploader) without closing the client, which the
+        agent goes on using: a plain cancel let a wait that started a moment later, or the retry
+        of a cancelled one, block for good."""
+        with self._lock:
+            self._interrupting += 1
+        try:
+            self.cancel_active_calls()
+            yield
+        finally:
+            with self._lock:
+                self._interrupting -= 1
 
     def _counted(self, responses: Iterator[Any]) -> Iterator[Any]:
         for response in responses:
@@ -425,7 +454,7 @@ class CoordinatorClient:
         missing: list[tuple[int, int]] | None = None
         backoff = self._backoff(f"Upload for round {round_number}")
         for attempt_index in range(self.config.max_upload_attempts):
-            if self._stop.is_set():
+            if self._halted:
                 raise AgentStopped()
             backoff.attempting()
             try:

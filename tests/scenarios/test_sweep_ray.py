@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -33,22 +34,24 @@ GRID = {"algorithm.uplink_codec": ["none", "int8"]}
 
 @pytest.fixture(scope="module")
 def ray_cluster(require_extra: Callable[[str, str], ModuleType]) -> Iterator[ModuleType]:
-    """One local Ray instance with two CPUs for the whole module (Ray starts slowly). Started a
-    second time if the first start times out: Ray gives its raylet a fixed 30 s to register,
-    which a busy 2-core machine has missed once in a CI run ("The current node timed out during
-    startup"); that is Ray's start-up, not what these tests check."""
+    """One local Ray instance with two CPUs for the whole module (Ray starts slowly). Started
+    again, up to three times and after a pause that lets the failed start's processes end, if a
+    start times out: Ray gives its raylet a fixed 30 s to register, which a busy 2-core machine
+    has missed in CI runs, once twice in a row ("The current node timed out during startup");
+    that is Ray's start-up, not what these tests check."""
     ray = require_extra("ray", "ray")
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage report: the test machine is offline
     kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    for attempt in (1, 2):
+    for attempt in (1, 2, 3):
         try:
             ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024 * 1024,
                      logging_level="WARNING")
             break
         except Exception as err:  # Ray raises a bare Exception for this
             ray.shutdown()
-            if attempt == 2 or "timed out during startup" not in str(err):
+            if attempt == 3 or "timed out during startup" not in str(err):
                 raise
+            time.sleep(5)
     yield ray
     ray.shutdown()
     for sig, handler in kept.items():  # ray.init's handlers would outlive it in this process

@@ -17,13 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _agent_helpers import make_certs, start_coordinator
 
-from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.strategy import AlgorithmConfig
-from geoloco.coordinator.config import CoordinatorConfig
-from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos.transport_tls import TLSFiles
-from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 from geoloco.site_agent.client import CoordinatorClient
 from geoloco.site_agent.config import SiteAgentConfig
 from geoloco.site_agent.errors import AgentStopped
@@ -31,20 +28,12 @@ from geoloco.site_agent.errors import AgentStopped
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("certs")
-    init_ca(directory)
-    issue_coordinator(directory)
-    issue_site(directory, "a")
-    return directory
+    return make_certs(tmp_path_factory.mktemp("certs"), ["a"])
 
 
 @pytest.fixture
 def client(certs: Path) -> Iterator[CoordinatorClient]:
-    model = torch.nn.Linear(8, 8)
-    layout = ParamLayout.from_model(model)
-    config = CoordinatorConfig(algorithm=AlgorithmConfig(inner_steps=1), certs_dir=str(certs), min_sites=2)
-    server = CoordinatorServer(config, layout.flatten(model), layout)
-    server.start()
+    server = start_coordinator(certs, torch.nn.Linear(8, 8), algorithm=AlgorithmConfig(inner_steps=1), min_sites=2)
     client = CoordinatorClient(
         f"localhost:{server.port}", site="a", tls=TLSFiles.from_dir(certs, "a"), insecure=False,
         config=SiteAgentConfig(backoff_initial_s=0.05, backoff_max_s=0.1), stop_event=threading.Event(),
@@ -80,7 +69,7 @@ def _until(condition, what: str, timeout_s: float = 10.0) -> None:  # type: igno
 
 
 def test_a_wait_in_flight_ends_and_is_not_retried(client: CoordinatorClient) -> None:
-    go, outcome = threading.Event(), []
+    go, outcome = threading.Event(), list[object]()
     thread = _waiter(client, go, outcome)
     go.set()
     _until(lambda: client._active_calls, "the wait did not start")
@@ -91,7 +80,7 @@ def test_a_wait_in_flight_ends_and_is_not_retried(client: CoordinatorClient) -> 
 
 
 def test_a_wait_that_starts_while_interrupting_ends_at_once(client: CoordinatorClient) -> None:
-    go, outcome = threading.Event(), []
+    go, outcome = threading.Event(), list[object]()
     thread = _waiter(client, go, outcome)
     with client.interrupting():
         go.set()  # starts after the calls in flight were cancelled: the race that hung
@@ -102,8 +91,8 @@ def test_a_wait_that_starts_while_interrupting_ends_at_once(client: CoordinatorC
 
 def test_the_client_works_again_after_the_interruption(client: CoordinatorClient) -> None:
     with client.interrupting():
-        pass
-    go, outcome = threading.Event(), []
+        pass  # entered and left: nothing is interrupted any more
+    go, outcome = threading.Event(), list[object]()
     thread = _waiter(client, go, outcome)
     go.set()
     _until(lambda: client._active_calls, "the wait did not start")

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import marshal
@@ -123,23 +124,21 @@ def _site_name(index: int) -> str:
     return f"s{index}"
 
 
-_STUDY: list[Any] = []
-
-
 def _study(args: argparse.Namespace) -> tuple[Any, Any, Any] | None:
     """``--study``: the simulate file's ``SimulatorConfig`` (its ``--set`` applied, and
     ``sites.count`` = N), workload spec and built workload, read once per process; None without."""
     if args.study is None:
         return None
-    if not _STUDY:
-        from geoloco.scenarios.config_file import read_toml
-        from geoloco.scenarios.research import prepare_run
+    return _read_study(args.study, (*args.set, f"sites.count={args.sites}"))
 
-        overrides = [*args.set, f"sites.count={args.sites}"]
-        prepared = prepare_run(read_toml(Path(args.study)), overrides, args.study)
-        _STUDY.append((prepared.simulator, prepared.workload, prepared.workload.build()))
-    study: tuple[Any, Any, Any] = _STUDY[0]
-    return study
+
+@functools.cache
+def _read_study(path: str, overrides: tuple[str, ...]) -> tuple[Any, Any, Any]:
+    from geoloco.scenarios.config_file import read_toml
+    from geoloco.scenarios.research import prepare_run
+
+    prepared = prepare_run(read_toml(Path(path)), list(overrides), path)
+    return prepared.simulator, prepared.workload, prepared.workload.build()
 
 
 def _exit_with_parent() -> None:

@@ -86,6 +86,15 @@ class Replacement:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _Arrival:
+    """A heartbeat as it arrived, before it could take the round's lock."""
+
+    at_s: float
+    session_id: str
+    instance: str
+
+
 class Membership:
     """The members of one coordinator session (``RoundContext.members``)."""
 
@@ -104,6 +113,30 @@ class Membership:
         from then on. The driver polls at every upload and join; a scan per poll would cost the
         square of the sites per round. Signs of life only move a member's limit later, so the
         earliest limit seen at the last scan stays a safe lower bound; a join lowers it."""
+        self._arrivals: dict[str, _Arrival] = {}
+        """Heartbeats received but not yet recorded (``note_arrival``), by site."""
+
+    def note_arrival(self, site: str, session_id: str, instance: str, at_s: float) -> None:
+        """Note a heartbeat when it arrives, before it waits for the round's lock.
+
+        The lock is held for whole secure stages and aggregations: with hundreds of sites on a
+        loaded machine a heartbeat can wait for it longer than the heartbeat timeout, and a
+        scan that runs first would drop a site whose sign of life is already here. The note
+        needs no lock (one dict store); ``drop_silent`` counts it only for the member's session
+        and process, and ``heartbeat`` clears it once the call is recorded.
+        """
+        self._arrivals[site] = _Arrival(at_s, session_id, instance)
+
+    def _noted_s(self, site: str, member: Member) -> float | None:
+        """When ``member``'s latest noted heartbeat arrived (None: none noted for its session
+        and process)."""
+        arrival = self._arrivals.get(site)
+        if (
+            arrival is None or arrival.session_id != self.ctx.session_id
+            or (arrival.instance and member.instance and arrival.instance != member.instance)
+        ):
+            return None
+        return arrival.at_s
 
     def check_allowed(self, site: str) -> None:
         if self._allowed is not None and site not in self._allowed:
@@ -252,6 +285,7 @@ class Membership:
         or a dropped site). A replaced process is refused (``SiteReplacedError``). ``via``: the
         relay the call came through ("" for a direct call)."""
         member = self.ctx.members.get(site)
+        self._arrivals.pop(site, None)  # recorded now (a later one waits for the lock in turn)
         rejoin = session_id != self.ctx.session_id or member is None
         if session_id == self.ctx.session_id:
             self.check_instance(site, instance)
@@ -293,25 +327,26 @@ class Membership:
             return
         earliest = math.inf
         for name, member in list(ctx.members.items()):
-            limit = self._limit(name)
-            if now - member.last_seen_s > limit:
-                ctx.events.emit(
-                    ev.SITE_DROPPED, site=name, round=ctx.round.number, silent_s=now - member.last_seen_s
-                )
-                self.remove(name, f"dropped after {now - member.last_seen_s:.1f} s of silence")
+            noted = self._noted_s(name, member)
+            limit = self._limit(name, heard=noted is not None)
+            seen = member.last_seen_s if noted is None else max(member.last_seen_s, noted)
+            if now - seen > limit:
+                ctx.events.emit(ev.SITE_DROPPED, site=name, round=ctx.round.number, silent_s=now - seen)
+                self.remove(name, f"dropped after {now - seen:.1f} s of silence")
             else:
-                earliest = min(earliest, member.last_seen_s + limit)
+                earliest = min(earliest, seen + limit)
         self._next_silence_s = earliest
 
-    def _limit(self, site: str) -> float:
-        """Seconds of silence after which ``site`` is dropped."""
+    def _limit(self, site: str, *, heard: bool = False) -> float:
+        """Seconds of silence after which ``site`` is dropped (``heard``: a call of it is noted)."""
         timeout = self.ctx.config.heartbeat_timeout_s
-        return timeout if site in self._heard else min(timeout, self.join_grace_s)
+        return timeout if heard or site in self._heard else min(timeout, self.join_grace_s)
 
     def remove(self, site: str, why: str) -> None:
         ctx = self.ctx
         ctx.members.pop(site, None)
         self._heard.discard(site)
+        self._arrivals.pop(site, None)
         r = ctx.round
         if site not in r.contributed:
             r.uploads.pop(site, None)

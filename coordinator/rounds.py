@@ -330,6 +330,7 @@ class RoundStateMachine:
         replaced process refused. ``phase``: what the site is doing
         (``geoloco.coordinator.domain.SITE_PHASES``)."""
         self.membership.check_allowed(site)
+        self.membership.note_arrival(site, session_id, instance, self.clock())
         with self._cond:
             now = self.clock()
             rejoin = self.membership.heartbeat(

@@ -6,6 +6,8 @@ Time is a fake clock, so deadlines and heartbeat timeouts are crossed by assignm
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -175,6 +177,37 @@ def test_silent_site_is_dropped_and_the_round_closes_without_it() -> None:
     with pytest.raises(NotAMemberError) as err:
         upload(rounds, "silent", update(2, rounds.numel))
     assert err.value.reason == pb.ERROR_REASON_NOT_A_MEMBER
+
+
+def test_a_heartbeat_waiting_for_the_round_lock_keeps_its_site_alive() -> None:
+    """A long secure stage or aggregation holds the round's lock; a heartbeat that arrived
+    meanwhile is a sign of life from its arrival, even when the silence scan runs first."""
+    clock = FakeClock()
+    rounds = make(clock, min_sites=1, heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0)
+    session = join(rounds, "waiting").session_id
+    join(rounds, "silent")
+    heartbeat(rounds, "silent", session)
+    upload(rounds, "waiting", update(1, rounds.numel))
+    heartbeat(rounds, "waiting", session)
+    clock.advance(4.0)
+    waiter: threading.Thread | None = None
+    with rounds._cond:  # what a long stage does: hold the lock
+        waiter = threading.Thread(target=heartbeat, args=(rounds, "waiting", session), daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + 10.0
+        while "waiting" not in rounds.membership._arrivals and time.monotonic() < deadline:
+            time.sleep(0.005)
+        clock.advance(2.0)  # 6 s since either site was recorded: past the 5 s timeout
+        rounds.membership.drop_silent(clock())
+        assert sorted(rounds.members) == ["waiting"]  # arrived 2 s ago: alive; "silent" dropped
+    waiter.join(timeout=10.0)
+    assert not waiter.is_alive()
+    assert rounds.membership._arrivals == {}  # recorded, so no longer noted
+    # A noted heartbeat of another session is not a sign of life of this one.
+    rounds.membership.note_arrival("waiting", "an-old-session", "", clock())
+    clock.advance(5.5)
+    rounds.membership.drop_silent(clock())
+    assert rounds.members == []
 
 
 def test_leave_adapts_the_quorum_round() -> None:

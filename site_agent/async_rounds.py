@@ -318,6 +318,10 @@ class AsyncRounds(RoundRunner):
             return None
         return _Outgoing(trained, phase, self._compute_s, nbytes=len(encoded.data))
 
+    def _add_phases(self, seconds: dict[str, float]) -> None:
+        with self._changed:  # the follower and the sender add, the trainer takes (_train_phase)
+            super()._add_phases(seconds)
+
     def _too_stale(self, base_round: int, *, later: int = 0) -> bool:
         """An update from ``base_round`` could not enter the open merge (the one the newest
         version the site holds comes out of), or the one ``later`` merges after it: the
@@ -472,10 +476,7 @@ class AsyncRounds(RoundRunner):
                              self.site, trained.round, why)
                 self._finish(trained, included=False)
                 return
-            with self._changed:
-                self.transfer_phases_s["upload"] = self.transfer_phases_s.get("upload", 0.0) + (
-                    time.monotonic() - started
-                )
+            self._add_phases({"upload": time.monotonic() - started})
             merged = response.merged_round if response.HasField("merged_round") else state.held_round
             self._last_merge = merged
             logger.info(

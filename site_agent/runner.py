@@ -168,24 +168,27 @@ class RoundRunner(ABC):
         weights had to be fetched instead. The seconds spent go into ``transfer_phases_s``:
         parsing the delta and loading the model count as ``apply``, the digest as ``verify``."""
         if header.action == pb.BROADCAST_ACTION_APPLY_DELTA and data is not None:
-            timings = self.transfer_phases_s
-            started = time.monotonic()
-            # A view of the download (decoded once), whose SHA-256 the download verified: the
-            # container's CRC-32 pass would add nothing.
-            downlink = Encoded.from_bytes(
-                data, copy=False,
-                check_crc=header.delta.checksum.algorithm != pb.CHECKSUM_ALGORITHM_SHA256,
-            )
-            timings["apply"] = timings.get("apply", 0.0) + time.monotonic() - started
-            # Into the held weights (no second model-sized vector); a mismatch drops them.
-            if self.state.apply_broadcast_in_place(
-                self.strategy, round_number, downlink, header.weights_digest.digest.hex(), timings=timings,
-            ):
-                del downlink
+            timings: dict[str, float] = {}
+            try:
                 started = time.monotonic()
-                self._load_broadcast(round_number)
-                timings["apply"] += time.monotonic() - started
-                return False
+                # A view of the download (decoded once), whose SHA-256 the download verified: the
+                # container's CRC-32 pass would add nothing.
+                downlink = Encoded.from_bytes(
+                    data, copy=False,
+                    check_crc=header.delta.checksum.algorithm != pb.CHECKSUM_ALGORITHM_SHA256,
+                )
+                timings["apply"] = time.monotonic() - started
+                # Into the held weights (no second model-sized vector); a mismatch drops them.
+                if self.state.apply_broadcast_in_place(
+                    self.strategy, round_number, downlink, header.weights_digest.digest.hex(), timings=timings,
+                ):
+                    del downlink
+                    started = time.monotonic()
+                    self._load_broadcast(round_number)
+                    timings["apply"] += time.monotonic() - started
+                    return False
+            finally:
+                self._add_phases(timings)
             logger.warning(
                 "site %s: weights digest after round %d differs from the coordinator's; "
                 "fetching the full weights", self.site, round_number,
@@ -207,9 +210,7 @@ class RoundRunner(ABC):
             )
             done = time.monotonic()
             header_at = min(max(self.client.stats.broadcast_header_s, started), done)
-            timings = self.transfer_phases_s
-            timings["wait"] = timings.get("wait", 0.0) + header_at - started
-            timings["download"] = timings.get("download", 0.0) + done - header_at
+            self._add_phases({"wait": header_at - started, "download": done - header_at})
             return answer
         except RunFinished:
             self.state.mark_finished()
@@ -218,6 +219,14 @@ class RoundRunner(ABC):
             # The coordinator is at an earlier round than this site (it restarted from an older
             # checkpoint): join again and take the weights it names.
             raise RejoinRequired(str(why)) from None
+
+    def _add_phases(self, seconds: dict[str, float]) -> None:
+        """Add ``seconds`` per phase to ``transfer_phases_s``. A runner whose transfers run on a
+        thread of their own (``AsyncRounds``) does it under the lock its trainer takes the
+        seconds with: a phase is never added into a table the trainer is emptying."""
+        phases = self.transfer_phases_s
+        for phase, spent in seconds.items():
+            phases[phase] = phases.get(phase, 0.0) + spent
 
     def _check_round_info(self) -> None:
         """Before training the held round: a site that fetched weights newer than its round info

@@ -14,7 +14,9 @@ of ``n``:
   with FSDP (gradients reduce-scattered across ranks) in the user's own loop (``rounds()``) or
   in ``run()``, forms the pseudo-gradient of its shard, encodes it with its own error-feedback
   residual (shard-sized) and uploads it itself (``UploadManifest.shard_index/shard_count/
-  shard_split``), in parallel with the other ranks;
+  shard_split``), in parallel with the other ranks; when any rank's shard has NaN or Inf values
+  no rank uploads and every rank resets its residual, as every other site runner does with a
+  non-finite update (the ranks agree in the all-reduce that sums the site's samples);
 * the coordinator holds the shards until all of the site's arrived and counts the site once
   (``geoloco.coordinator.shards``);
 * every rank downloads its own rows (``ShardRef`` on FetchModel and AwaitBroadcast;
@@ -60,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from geoloco.algorithms.diloco import UpdateEncoder, pseudo_gradient_into_local
+from geoloco.algorithms.finite import all_finite
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.shard_split import DIM0, ShardRange, shard_ranges
 from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy, uplink_seed
@@ -369,14 +372,18 @@ class ShardedSite:
                 "run the site data-parallel or use fragments = 1 without partial_updates"
             )
         self._heartbeat_s = max(0.05, run_config.heartbeat_interval_ms / 1000.0 or 1.0)
-        self.encoder = UpdateEncoder(
-            parse_codec(algorithm.uplink_codec).with_shapes([(self.shard_numel,)]),
-            error_feedback=algorithm.error_feedback, decay=algorithm.error_feedback_decay,
-        )
+        self.encoder = self._new_encoder(algorithm)
         self._run_identity = run_fingerprint(run_config.config_json)
         self._restore()
         self._fetch()
         return int(round_number), int(round_seed), algorithm, int(run_config.total_rounds)
+
+    def _new_encoder(self, algorithm: AlgorithmConfig) -> UpdateEncoder:
+        """This rank's uplink encoder, with an empty residual of its shard's size."""
+        return UpdateEncoder(
+            parse_codec(algorithm.uplink_codec).with_shapes([(self.shard_numel,)]),
+            error_feedback=algorithm.error_feedback, decay=algorithm.error_feedback_decay,
+        )
 
     # -- saved state --
 
@@ -468,25 +475,36 @@ class ShardedSite:
         assert self.encoder is not None
         round_number, inner_steps = current.number, current.inner_steps
         self.optimizer.zero_grad(set_to_none=True)  # spent: a shard of gradients less through the sync
-        own = float(current.samples) if current.samples > 0 else float(inner_steps)
-        total = torch.tensor([own], dtype=torch.float64, device=self._collective_device)
-        dist.all_reduce(total, group=self.group)  # the site's weight covers every rank's batches
-        metrics = self._site_metrics(current.metrics)
         update = pseudo_gradient_into_local(self.held, self._local_flat())
-        if not bool(torch.isfinite(update).all()):
-            raise SiteAgentError(f"site {self.site} rank {self.rank}: the pseudo-gradient of round "
-                                 f"{round_number} has NaN or Inf values; lower the inner lr")
+        own = float(current.samples) if current.samples > 0 else float(inner_steps)
+        # The site's weight covers every rank's batches; the site uploads only when every
+        # rank's shard is finite (a site missing a shard is never counted anyway).
+        totals = torch.tensor([own, float(all_finite(update))], dtype=torch.float64, device=self._collective_device)
+        dist.all_reduce(totals, group=self.group)
+        sample_weight, finite_ranks = totals.tolist()
+        metrics = self._site_metrics(current.metrics)
+        self.summary.rounds_trained += 1
+        if finite_ranks < self.world_size:
+            # As every site runner does (``RoundRunner._encode``): not sent, the residual reset.
+            logger.error(
+                "site %s rank %d: the pseudo-gradient of round %d has NaN/Inf values on %d of %d ranks; "
+                "not uploading it and resetting the error-feedback residual (lower the inner lr if it "
+                "happens again)", self.site, self.rank, round_number, self.world_size - int(finite_ranks),
+                self.world_size,
+            )
+            del update
+            self.encoder = self._new_encoder(algorithm)
+            return self._take_broadcast(round_number, None, None)
         seed = uplink_seed(round_seed, self.site, algorithm.uplink_codec)
         encoded = self.encoder.encode(update, seed=seed)
         del update
-        self.summary.rounds_trained += 1
         opened: OpenBroadcast | None = self.client.open_broadcast(round_number)
         started = time.time()
         on_time = True
         try:
             self.client.upload(
                 round_number=round_number, data=encoded.to_bytes(), codec=encoded.spec,
-                shape=list(encoded.shape), sample_weight=float(total.item()), inner_steps=inner_steps,
+                shape=list(encoded.shape), sample_weight=sample_weight, inner_steps=inner_steps,
                 metrics=metrics,
             )
         except (RoundClosed, UpdateRejected) as why:
@@ -500,14 +518,23 @@ class ShardedSite:
         if not on_time and opened is not None:
             opened.cancel()
             opened = None
+        return self._take_broadcast(round_number, encoded, opened)
+
+    def _take_broadcast(
+        self, round_number: int, encoded: Encoded | None, opened: OpenBroadcast | None
+    ) -> pb.BroadcastHeader | None:
+        """Wait for round ``round_number``'s broadcast and apply it; ``encoded`` (this rank's
+        upload, None when nothing was sent) goes back into the residual when the round did not
+        count it. None when the run finished meanwhile."""
+        assert self.encoder is not None
         try:
             header, data = self.client.await_broadcast(round_number, opened=opened)
         except RunFinished:
             return None
-        if not header.included:
-            self.encoder.restore(encoded)  # the update goes back into the residual
-        else:
+        if header.included:
             self.summary.rounds_included += 1
+        elif encoded is not None:
+            self.encoder.restore(encoded)  # the update goes back into the residual
         self._apply(header, data)
         self.last_broadcast = header
         self.summary.final_round = round_number + 1

@@ -7,7 +7,7 @@ checks to ``OUT_DIR/<mode>-rank<r>.pt``.
 
 Usage: ``torchrun --standalone --nproc_per_node=2 _sharded_site.py MODE SITE COORDINATOR CERTS OUT_DIR``
 (MODE ``fsdp`` or ``dp``; with ``KILL_AT_ROUND=k`` the fsdp rank 1 SIGKILLs itself during its
-upload of round k).
+upload of round k; with ``NAN_AT_ROUND=k`` the fsdp rank 1's first loss of round k is NaN).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from geoloco.site_agent.distributed import init_from_env, rank_data_seed
 
 SEED = 0
 LR = 0.05
+INNER_STEPS = 3
+"""The coordinator's H in ``test_sharded_site.py``."""
 CHUNK_SIZE = 512
 """Small chunks: an upload is a stream of many messages, as a big model's is."""
 WORKLOAD = MLPWorkloadConfig(input_dim=16, hidden_dim=256, num_classes=5)
@@ -61,8 +63,19 @@ def run_fsdp(site: str, coordinator: str, certs: Path) -> dict[str, Any]:
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     kill_at = int(os.environ.get("KILL_AT_ROUND", "-1"))
+    nan_at = int(os.environ.get("NAN_AT_ROUND", "-1"))
+    losses = 0
+
+    def loss(module: nn.Module, batch: Any) -> torch.Tensor:
+        nonlocal losses
+        value = workload.loss(module, batch)
+        if rank == 1 and losses == nan_at * INNER_STEPS:
+            value = value * float("nan")  # NaN gradients, reduce-scattered into both ranks' rows
+        losses += 1
+        return value
+
     sharded = ShardedSite(
-        model, optimizer, workload.site_batches(0, 1, rank_data_seed(SEED, rank)), workload.loss,
+        model, optimizer, workload.site_batches(0, 1, rank_data_seed(SEED, rank)), loss,
         coordinator=coordinator, site=site, tls=TLSFiles.from_dir(certs, site), config=site_config(),
     )
     if kill_at >= 0 and rank == 1:

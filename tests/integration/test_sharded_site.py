@@ -16,6 +16,8 @@ over gRPC with mutual TLS on port 0, temp dirs.
 * A rank SIGKILLed half-way through its shard's upload: its site is a straggler for that round
   (nothing of it enters the sum); the job started again joins as the same site and counts again
   in a later round, and the run finishes.
+* A NaN loss on one rank (its NaN gradients reach both ranks' rows): no rank uploads that round,
+  the site takes the broadcast and counts again in the next one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 from _cluster import AgentThread, make_certs
-from _sharded_site import LR, SEED, WORKLOAD
+from _sharded_site import INNER_STEPS, LR, SEED, WORKLOAD
 from _torchrun import finish, torchrun
 
 from geoloco.algorithms.optimizers import InnerOptimizerConfig
@@ -55,7 +57,6 @@ WORKER = Path(__file__).with_name("_sharded_site.py")
 LAUNCH_TIMEOUT_S = 240.0
 """Upper bound for one torchrun launch (seconds when idle); only a hang gets near it."""
 ROUNDS = 3
-INNER_STEPS = 3
 
 
 class _TwoRankSite:
@@ -254,3 +255,44 @@ def test_a_refused_join_stops_every_rank_with_the_reason(tmp_path: Path) -> None
     # collective until its timeout.
     assert "[rank1]:" in output and "rank 0 could not join the run" in output, output[-3000:]
     assert "not in this run's allowed_sites" in output
+
+
+def test_a_non_finite_shard_is_not_uploaded_and_the_site_goes_on(tmp_path: Path) -> None:
+    """As every site runner does with a NaN pseudo-gradient: the site sends nothing that round
+    (no rank: a site missing a shard is never counted), resets its residual, takes the round's
+    broadcast and counts again in the next round; the global weights stay finite."""
+    certs = make_certs(tmp_path / "certs", ["fs", "solo"])
+    out = tmp_path / "out"
+    out.mkdir()
+    metrics = tmp_path / "fs.jsonl"
+    # The round fs sends nothing in closes with solo's update at the deadline.
+    server = _coordinator(certs, metrics, round_deadline_s=2.0)
+    workload = MLPWorkload(WORKLOAD)
+    model = workload.build_model(SEED)
+    solo = AgentThread(SiteAgent(
+        model, torch.optim.SGD(model.parameters(), lr=LR), workload.site_batches(0, 1, SEED + 1), workload.loss,
+        coordinator=f"localhost:{server.port}", site="solo", tls=TLSFiles.from_dir(certs, "solo"),
+        config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05),
+    ))
+    try:
+        proc = _launch("fsdp", "fs", server, certs, out, NAN_AT_ROUND="1")
+        give_up = time.monotonic() + LAUNCH_TIMEOUT_S
+        while "fs" not in server.rounds.members and proc.poll() is None and time.monotonic() < give_up:
+            time.sleep(0.05)
+        solo.start()
+        output = _finish(proc)
+        solo.join(timeout=LAUNCH_TIMEOUT_S)
+        weights = server.rounds.weights.clone()
+        records = read_metrics(metrics)
+    finally:
+        solo.agent.stop()
+        server.stop(grace=0)
+    assert proc.returncode == 0, f"the sharded site failed:\n{output[-6000:]}"
+    assert solo.error is None, solo.error
+    assert "has NaN/Inf values on 2 of 2 ranks" in output, output[-3000:]
+    assert bool(torch.isfinite(weights).all())
+    assert [sorted(r["participants"]) for r in records] == [["fs", "solo"], ["solo"], ["fs", "solo"]], records
+    for rank in range(2):
+        summary = torch.load(out / f"fsdp-rank{rank}.pt", weights_only=False)["summary"]
+        assert summary["rounds_trained"] == ROUNDS and summary["rounds_included"] == ROUNDS - 1
+        assert summary["run_finished"]

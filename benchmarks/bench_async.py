@@ -146,7 +146,12 @@ def uniform_study(seed: int, wall_s: float) -> tuple[dict[str, Any], Rows]:
         def change(config: dict[str, Any]) -> None:
             # No grace window: a merge takes exactly its quorum, so the step counts are equal.
             config.setdefault("algorithm", {})["asynchronous"] = {"enabled": True, "min_quorum": quorum}
-            config["outer_optimizer"] = {"name": "nesterov", "momentum_period": UNIFORM_SITES // quorum, **outer}
+            if outer.get("momentum") == 0.0:
+                config["outer_optimizer"] = {"name": "sgd", "lr": outer.get("lr", 1.0)}
+            else:
+                config["outer_optimizer"] = {
+                    "name": "nesterov", "momentum_period": UNIFORM_SITES // quorum, **outer,
+                }
             config["run"]["rounds"] = UNIFORM_ROUNDS * UNIFORM_SITES // quorum
         return change
 
@@ -156,6 +161,12 @@ def uniform_study(seed: int, wall_s: float) -> tuple[dict[str, Any], Rows]:
         (f"async, merges of {UNIFORM_SITES // 2}, Delayed Nesterov", merges_of(UNIFORM_SITES // 2)),
         (f"async, merges of {UNIFORM_SITES}, outer lr 0.4", merges_of(UNIFORM_SITES, lr=0.4)),
         (f"async, merges of {UNIFORM_SITES}, outer momentum 0.6", merges_of(UNIFORM_SITES, momentum=0.6)),
+        (f"async, merges of {UNIFORM_SITES}, outer lr 0.5, momentum 0.6",
+         merges_of(UNIFORM_SITES, lr=0.5, momentum=0.6)),
+        (f"async, merges of {UNIFORM_SITES}, outer lr 0.8, momentum 0.3",
+         merges_of(UNIFORM_SITES, lr=0.8, momentum=0.3)),
+        (f"async, merges of {UNIFORM_SITES}, outer SGD lr 1.0 (no momentum)",
+         merges_of(UNIFORM_SITES, lr=1.0, momentum=0.0)),
     ]
     return base, rows
 

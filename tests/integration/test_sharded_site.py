@@ -115,6 +115,26 @@ def _finish(proc: subprocess.Popen[str]) -> str:
     return finish(proc, LAUNCH_TIMEOUT_S)
 
 
+def _solo(server: CoordinatorServer, certs: Path, hooks: SiteHooks | None = None) -> AgentThread:
+    """A single-process site "solo" beside the sharded site "fs" (not started yet)."""
+    workload = MLPWorkload(WORKLOAD)
+    model = workload.build_model(SEED)
+    return AgentThread(SiteAgent(
+        model, torch.optim.SGD(model.parameters(), lr=LR), workload.site_batches(0, 1, SEED + 1), workload.loss,
+        coordinator=f"localhost:{server.port}", site="solo", tls=TLSFiles.from_dir(certs, "solo"),
+        config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05), hooks=hooks or SiteHooks(),
+    ))
+
+
+def _start_once_fs_joined(server: CoordinatorServer, proc: subprocess.Popen[str], solo: AgentThread) -> None:
+    """Start ``solo`` once the sharded site joined (torchrun starts slowly), so both take part
+    from round 0 on."""
+    give_up = time.monotonic() + LAUNCH_TIMEOUT_S
+    while "fs" not in server.rounds.members and proc.poll() is None and time.monotonic() < give_up:
+        time.sleep(0.05)
+    solo.start()
+
+
 def test_fsdp_site_matches_data_parallel_site_and_uploads_shards_in_parallel(tmp_path: Path) -> None:
     certs = make_certs(tmp_path / "certs", ["fs", "dp"])
     out = tmp_path / "out"
@@ -197,22 +217,10 @@ def test_rank_killed_mid_upload_makes_its_site_a_straggler_and_torchrun_brings_i
         if relaunched.is_set() and not fs_back.wait(LAUNCH_TIMEOUT_S):
             raise AssertionError(f"the restarted sharded site did not join within {LAUNCH_TIMEOUT_S:.0f} s")
 
-    workload = MLPWorkload(WORKLOAD)
-    model = workload.build_model(SEED)
-    solo = AgentThread(SiteAgent(
-        model, torch.optim.SGD(model.parameters(), lr=0.05), workload.site_batches(0, 1, SEED + 1), workload.loss,
-        coordinator=f"localhost:{server.port}", site="solo", tls=TLSFiles.from_dir(certs, "solo"),
-        config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05),
-        hooks=SiteHooks(on_round_end=hold_until_fs_is_back),
-    ))
+    solo = _solo(server, certs, SiteHooks(on_round_end=hold_until_fs_is_back))
     try:
         proc = _launch("fsdp", "fs", server, certs, out, KILL_AT_ROUND="1")
-        # The single-process site starts once the sharded one joined (torchrun starts slowly),
-        # so both take part from round 0 on.
-        give_up = time.monotonic() + LAUNCH_TIMEOUT_S
-        while "fs" not in server.rounds.members and proc.poll() is None and time.monotonic() < give_up:
-            time.sleep(0.05)
-        solo.start()
+        _start_once_fs_joined(server, proc, solo)
         output = _finish(proc)
         killed_returncode = proc.returncode
         # The job is started again (as a supervisor or torchrun's --max-restarts would; a fresh
@@ -267,19 +275,10 @@ def test_a_non_finite_shard_is_not_uploaded_and_the_site_goes_on(tmp_path: Path)
     metrics = tmp_path / "fs.jsonl"
     # The round fs sends nothing in closes with solo's update at the deadline.
     server = _coordinator(certs, metrics, round_deadline_s=2.0)
-    workload = MLPWorkload(WORKLOAD)
-    model = workload.build_model(SEED)
-    solo = AgentThread(SiteAgent(
-        model, torch.optim.SGD(model.parameters(), lr=LR), workload.site_batches(0, 1, SEED + 1), workload.loss,
-        coordinator=f"localhost:{server.port}", site="solo", tls=TLSFiles.from_dir(certs, "solo"),
-        config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05),
-    ))
+    solo = _solo(server, certs)
     try:
         proc = _launch("fsdp", "fs", server, certs, out, NAN_AT_ROUND="1")
-        give_up = time.monotonic() + LAUNCH_TIMEOUT_S
-        while "fs" not in server.rounds.members and proc.poll() is None and time.monotonic() < give_up:
-            time.sleep(0.05)
-        solo.start()
+        _start_once_fs_joined(server, proc, solo)
         output = _finish(proc)
         solo.join(timeout=LAUNCH_TIMEOUT_S)
         weights = server.rounds.weights.clone()

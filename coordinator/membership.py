@@ -86,15 +86,6 @@ class Replacement:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _Arrival:
-    """A heartbeat as it arrived, before it could take the round's lock."""
-
-    at_s: float
-    session_id: str
-    instance: str
-
-
 class Membership:
     """The members of one coordinator session (``RoundContext.members``)."""
 
@@ -113,8 +104,10 @@ class Membership:
         from then on. The driver polls at every upload and join; a scan per poll would cost the
         square of the sites per round. Signs of life only move a member's limit later, so the
         earliest limit seen at the last scan stays a safe lower bound; a join lowers it."""
-        self._arrivals: dict[str, _Arrival] = {}
-        """Heartbeats received but not yet recorded (``note_arrival``), by site."""
+        self._arrivals: dict[tuple[str, str, str], float] = {}
+        """When heartbeats still waiting to be recorded arrived (``note_arrival``), by (site,
+        session, instance): a replaced process or a stale session cannot overwrite or clear
+        the note of the member's own call."""
 
     def note_arrival(self, site: str, session_id: str, instance: str, at_s: float) -> None:
         """Note a heartbeat when it arrives, before it waits for the round's lock.
@@ -122,21 +115,15 @@ class Membership:
         The lock is held for whole secure stages and aggregations: with hundreds of sites on a
         loaded machine a heartbeat can wait for it longer than the heartbeat timeout, and a
         scan that runs first would drop a site whose sign of life is already here. The note
-        needs no lock (one dict store); ``drop_silent`` counts it only for the member's session
-        and process, and ``heartbeat`` clears it once the call is recorded.
+        needs no lock (one dict store); ``drop_silent`` counts only the note of the member's
+        session and process, and ``heartbeat`` clears the caller's own note once it is
+        recorded, so a note lives only while its call waits.
         """
-        self._arrivals[site] = _Arrival(at_s, session_id, instance)
+        self._arrivals[site, session_id, instance] = at_s
 
     def _noted_s(self, site: str, member: Member) -> float | None:
-        """When ``member``'s latest noted heartbeat arrived (None: none noted for its session
-        and process)."""
-        arrival = self._arrivals.get(site)
-        if (
-            arrival is None or arrival.session_id != self.ctx.session_id
-            or (arrival.instance and member.instance and arrival.instance != member.instance)
-        ):
-            return None
-        return arrival.at_s
+        """When ``member``'s heartbeat that is waiting for the lock arrived (None: none is)."""
+        return self._arrivals.get((site, self.ctx.session_id, member.instance))
 
     def check_allowed(self, site: str) -> None:
         if self._allowed is not None and site not in self._allowed:
@@ -285,7 +272,7 @@ class Membership:
         or a dropped site). A replaced process is refused (``SiteReplacedError``). ``via``: the
         relay the call came through ("" for a direct call)."""
         member = self.ctx.members.get(site)
-        self._arrivals.pop(site, None)  # recorded now (a later one waits for the lock in turn)
+        self._arrivals.pop((site, session_id, instance), None)  # recorded now (or refused)
         rejoin = session_id != self.ctx.session_id or member is None
         if session_id == self.ctx.session_id:
             self.check_instance(site, instance)
@@ -346,7 +333,6 @@ class Membership:
         ctx = self.ctx
         ctx.members.pop(site, None)
         self._heard.discard(site)
-        self._arrivals.pop(site, None)
         r = ctx.round
         if site not in r.contributed:
             r.uploads.pop(site, None)

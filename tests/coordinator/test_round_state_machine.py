@@ -195,7 +195,7 @@ def test_a_heartbeat_waiting_for_the_round_lock_keeps_its_site_alive() -> None:
         waiter = threading.Thread(target=heartbeat, args=(rounds, "waiting", session), daemon=True)
         waiter.start()
         deadline = time.monotonic() + 10.0
-        while "waiting" not in rounds.membership._arrivals and time.monotonic() < deadline:
+        while not rounds.membership._arrivals and time.monotonic() < deadline:
             time.sleep(0.005)
         clock.advance(2.0)  # 6 s since either site was recorded: past the 5 s timeout
         rounds.membership.drop_silent(clock())
@@ -203,8 +203,9 @@ def test_a_heartbeat_waiting_for_the_round_lock_keeps_its_site_alive() -> None:
     waiter.join(timeout=10.0)
     assert not waiter.is_alive()
     assert rounds.membership._arrivals == {}  # recorded, so no longer noted
-    # A noted heartbeat of another session is not a sign of life of this one.
+    # A noted heartbeat of another session or another process is not a sign of life of the member.
     rounds.membership.note_arrival("waiting", "an-old-session", "", clock())
+    rounds.membership.note_arrival("waiting", session, "a-replaced-process", clock())
     clock.advance(5.5)
     rounds.membership.drop_silent(clock())
     assert rounds.members == []

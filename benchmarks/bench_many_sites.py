@@ -313,10 +313,11 @@ def _role_coordinator(args: argparse.Namespace) -> None:
 
     def probe_round(round_number: int) -> tuple[dict[str, float], float]:
         start = time.thread_time()
-        if round_number == 0:
-            baseline["connections"] = _connections(server.port)
-            if profiles is not None:
-                baseline["profile"] = profiles.snapshot()
+        # At every round's end: one count can catch a site's channel reconnecting (a loaded
+        # machine misses a keepalive) with its old and new connection both open for a moment.
+        baseline.setdefault("connections", []).append(_connections(server.port))
+        if round_number == 0 and profiles is not None:
+            baseline["profile"] = profiles.snapshot()
         return _thread_cpu(), time.thread_time() - start
 
     pids_file = out / "worker-pids"
@@ -375,7 +376,8 @@ def _role_coordinator(args: argparse.Namespace) -> None:
         "dropped": seen[ev.SITE_DROPPED],
         "rejected": seen[ev.REQUEST_REJECTED],
         "rejections": dict(rejections.most_common(8)),
-        "connections": baseline.get("connections"),
+        "connections": min(baseline.get("connections") or [0]),
+        "connections_max": max(baseline.get("connections") or [0]),
     }
     (out / "coordinator.json").write_text(json.dumps(result))
     if profiles is not None and "profile" in baseline:
@@ -607,6 +609,7 @@ def run_one(mode: str, sites: int, args: argparse.Namespace, work: Path, *, prof
         "rejected": coordinator_result["rejected"],
         "rejections": coordinator_result["rejections"],
         "connections": coordinator_result["connections"],
+        "connections_max": coordinator_result["connections_max"],
         "site_failures": sum(w["failed"] for w in worker_results),
         "site_failure_examples": {k: v for w in worker_results for k, v in w["failures"].items()},
         "worker_peak_rss_mib": [w["peak_rss_mib"] for w in worker_results],
@@ -667,7 +670,8 @@ def _report(results: list[dict[str, Any]], rounds: int, workers: int, study: str
               f"{', '.join(f'{m:.0f}' for m in r['worker_peak_rss_mib'])} MiB, CPU over their life "
               f"{', '.join(f'{c:.0f}' for c in r['worker_cpu_s'])} s; "
               f"rejected calls {r['rejected']} {r['rejections'] or ''}; "
-              f"TCP connections to the coordinator after round 0: {r['connections']}; "
+              f"TCP connections to the coordinator at round ends: {r['connections']} "
+              f"(at most {r['connections_max']}); "
               f"load after {_load(r['load_after'])}"
               f"\n  coordinator CPU s per round by thread: {groups}")
         if r["site_failure_examples"]:

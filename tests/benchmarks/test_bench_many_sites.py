@@ -62,7 +62,10 @@ def test_256_real_sites_on_one_coordinator_all_count_in_every_round(tmp_path: Pa
     result = json.loads((tmp_path / "out.json").read_text())["results"][0]
     assert result["finished"] and result["rounds"] == 2 and result["site_failures"] == 0
     assert result["participants"] == [256, 256] and result["dropped"] == 0
-    assert result["connections"] == 256  # one TCP connection per site
+    # One TCP connection per site: the fewest counted at a round's end. A site's channel that
+    # reconnects under load holds two for a moment; channels that shared a connection, or opened
+    # several, would show at every round's end.
+    assert result["connections"] == 256
     assert result["cpu_per_round_s"] > 0 and result["max_threads"] > 0
     assert not _ours(str(tmp_path))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("geoloco-many-sites-")]

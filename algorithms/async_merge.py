@@ -69,6 +69,13 @@ class AsyncConfig:
     real system each update reports its inner-step time and every broadcast carries the fastest
     site's (``RoundInfo.fastest_step_s``).
     Asynchronous merges only (like every key of this table, unread while ``enabled`` is off)."""
+    rebase: bool = False
+    """When a merge's broadcast arrives while a site is training, add its change into the running
+    local model (``geoloco.algorithms.diloco.rebase_local``) and measure the site's update from
+    the merged model. Off, a site's update is measured from the model it started from, so on
+    links with any latency every update is at least one merge stale; on, only the steps before
+    the broadcast arrived are computed from an older model, and the update's staleness counts
+    from the newest model it took in."""
 
     def __post_init__(self) -> None:
         self.validate()

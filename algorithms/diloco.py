@@ -126,6 +126,16 @@ def pseudo_gradient(global_flat: torch.Tensor, local_flat: torch.Tensor) -> torc
     return global_flat.to(torch.float32) - local_flat.to(global_flat.device, torch.float32)
 
 
+def rebase_local(local_flat: torch.Tensor, old_global: torch.Tensor, new_global: torch.Tensor) -> None:
+    """Move a running local model from ``old_global`` onto ``new_global`` in place, keeping what
+    its inner steps since ``old_global`` learned: ``θ_local += θ_new − θ_old``. An asynchronous
+    site does this when a merge arrives mid-phase, so its update is then measured against the
+    newer model (less stale) and its remaining steps start from a point that holds the merge.
+    One formula for the simulator and the site, so both round alike."""
+    change = new_global.to(torch.float32) - old_global.to(torch.float32)
+    local_flat.add_(change.to(local_flat.device, local_flat.dtype))
+
+
 def pseudo_gradient_into_local(global_flat: torch.Tensor, local_flat: torch.Tensor) -> torch.Tensor:
     """``pseudo_gradient`` (bit for bit) computed in the memory of ``local_flat``, a fresh copy
     the caller drops: one model-sized vector fewer on a site."""

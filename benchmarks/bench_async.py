@@ -75,13 +75,16 @@ class Outcome:
     seconds: float
 
 
-def asynchronous(config: dict[str, Any], *, sites: int, delayed: bool, dylu: bool = True) -> None:
+def asynchronous(
+    config: dict[str, Any], *, sites: int, delayed: bool, dylu: bool = True, rebase: bool = False
+) -> None:
     """The asynchronous rule of these studies: a quorum of half the sites, an adaptive grace
-    window, Dynamic Local Updates; Delayed Nesterov with period sites / quorum, or plain."""
+    window, Dynamic Local Updates; Delayed Nesterov with period sites / quorum, or plain; with
+    ``rebase``, merges taken into the running phases."""
     quorum = max(1, sites // 2)
     config.setdefault("algorithm", {})["asynchronous"] = {
         "enabled": True, "min_quorum": quorum, "adaptive_grace": True, "grace_arrivals": 2.0,
-        "dynamic_local_updates": dylu,
+        "dynamic_local_updates": dylu, "rebase": rebase,
     }
     if delayed:
         config["outer_optimizer"] = {"name": "nesterov", "momentum_period": max(1, sites // quorum)}
@@ -106,6 +109,9 @@ def failure_study(seed: int, wall_s: float) -> tuple[dict[str, Any], Rows]:
         ("sync, lock-step restart", lambda c: c["simulation"]["chaos"].update(sync_on_failure="restart")),
         ("async, Nesterov (naive)", lambda c: asynchronous(c, sites=FAILURE_SITES, delayed=False)),
         ("async, Delayed Nesterov", lambda c: asynchronous(c, sites=FAILURE_SITES, delayed=True)),
+        ("async + rebase, Nesterov", lambda c: asynchronous(c, sites=FAILURE_SITES, delayed=False, rebase=True)),
+        ("async + rebase, Delayed Nesterov",
+         lambda c: asynchronous(c, sites=FAILURE_SITES, delayed=True, rebase=True)),
     ]
     return base, rows
 
@@ -123,6 +129,9 @@ def speed_study(seed: int, wall_s: float) -> tuple[dict[str, Any], Rows]:
         ("async, Nesterov (naive)", lambda c: asynchronous(c, sites=sites, delayed=False)),
         ("async, Delayed Nesterov, fixed H", lambda c: asynchronous(c, sites=sites, delayed=True, dylu=False)),
         ("async, Delayed Nesterov + DyLU", lambda c: asynchronous(c, sites=sites, delayed=True)),
+        ("async + rebase, Nesterov + DyLU", lambda c: asynchronous(c, sites=sites, delayed=False, rebase=True)),
+        ("async + rebase, Delayed Nesterov + DyLU",
+         lambda c: asynchronous(c, sites=sites, delayed=True, rebase=True)),
     ]
     return base, rows
 
@@ -142,10 +151,12 @@ def uniform_study(seed: int, wall_s: float) -> tuple[dict[str, Any], Rows]:
         "simulation": {"step_time_s": 0.1, "chaos": {"enabled": True, "seed": seed}},
     }
 
-    def merges_of(quorum: int, **outer: float) -> Callable[[dict[str, Any]], None]:
+    def merges_of(quorum: int, *, rebase: bool = False, **outer: float) -> Callable[[dict[str, Any]], None]:
         def change(config: dict[str, Any]) -> None:
             # No grace window: a merge takes exactly its quorum, so the step counts are equal.
-            config.setdefault("algorithm", {})["asynchronous"] = {"enabled": True, "min_quorum": quorum}
+            config.setdefault("algorithm", {})["asynchronous"] = {
+                "enabled": True, "min_quorum": quorum, "rebase": rebase,
+            }
             if outer.get("momentum") == 0.0:
                 config["outer_optimizer"] = {"name": "sgd", "lr": outer.get("lr", 1.0)}
             else:
@@ -167,6 +178,11 @@ def uniform_study(seed: int, wall_s: float) -> tuple[dict[str, Any], Rows]:
          merges_of(UNIFORM_SITES, lr=0.8, momentum=0.3)),
         (f"async, merges of {UNIFORM_SITES}, outer SGD lr 1.0 (no momentum)",
          merges_of(UNIFORM_SITES, lr=1.0, momentum=0.0)),
+        (f"async + rebase, merges of {UNIFORM_SITES} (Nesterov)", merges_of(UNIFORM_SITES, rebase=True)),
+        (f"async + rebase, merges of {UNIFORM_SITES}, outer lr 0.5, momentum 0.6",
+         merges_of(UNIFORM_SITES, rebase=True, lr=0.5, momentum=0.6)),
+        (f"async + rebase, merges of {UNIFORM_SITES // 2}, Delayed Nesterov",
+         merges_of(UNIFORM_SITES // 2, rebase=True)),
     ]
     return base, rows
 

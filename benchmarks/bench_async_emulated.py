@@ -2,11 +2,12 @@
 
     python benchmarks/bench_async_emulated.py [--seeds 0 1 2] [--out DIR]
 
-Per seed, three runs of the same scenario (three sites at 1x, 0.5x and 0.25x compute speed, the
+Per seed, four runs of the same scenario (three sites at 1x, 0.5x and 0.25x compute speed, the
 coordinator and the sites as processes over shaped links with mutual TLS):
 
     async   the file as shipped: merges of 2 updates after an adaptive grace window, Delayed
             Nesterov (period 2), Dynamic Local Updates, outer lr 0.4
+    rebase  as async, with merges taken into the running phases (``rebase = true``)
     sync    the same file with [algorithm.asynchronous] off and plain Nesterov (lr 0.4)
     sync07  as sync with synchronous DiLoCo's usual outer lr 0.7
 
@@ -33,6 +34,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SCENARIO = ROOT / "scenarios" / "async.toml"
 RULES: dict[str, list[str]] = {
     "async": [],
+    "rebase": ["algorithm.asynchronous.rebase=true"],
     "sync": ["algorithm.asynchronous.enabled=false", "outer_optimizer.momentum_period=1", "run.rounds=24",
              "run.eval_every=2"],
     "sync07": ["algorithm.asynchronous.enabled=false", "outer_optimizer.momentum_period=1", "outer_optimizer.lr=0.7",

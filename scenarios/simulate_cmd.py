@@ -312,6 +312,7 @@ def _event_driven_rows(
     mode = (
         f"asynchronous: min_quorum {merge.min_quorum}, {grace}"
         + (", dynamic local updates" if merge.dynamic_local_updates else "")
+        + (", rebase" if merge.rebase else "")
         if merge.enabled
         else f"synchronous rounds, on failure: {sim.chaos.sync_on_failure}"
     )

@@ -32,6 +32,12 @@ after a hand-off, at most every ``_SAVE_EVERY_S`` seconds; a restarted process r
 With ``dynamic_local_updates`` a site runs ``H · v / v_max`` steps per phase (Liu et al.'s DyLU,
 ``dynamic_local_steps``): ``v`` its own speed over its latest phase, ``v_max`` the fastest site's,
 which every broadcast carries (``RoundInfo.fastest_step_s``, from the updates' manifests).
+
+With ``rebase`` the phase runs step by step: before each inner step, a version the follower
+applied since the trajectory's base is taken into the running model
+(``geoloco.algorithms.diloco.rebase_local``, the simulator's formula) and becomes the base the
+update is measured from, so on links slower than a step an update is not one merge stale. A
+single-rank site only: the ranks of a multi-rank site would have to agree on the step.
 """
 
 from __future__ import annotations
@@ -47,19 +53,23 @@ from typing import Any
 import torch
 
 from geoloco.algorithms.async_merge import dynamic_local_steps, stale_admission
-from geoloco.algorithms.diloco import pseudo_gradient_into_local
+from geoloco.algorithms.diloco import pseudo_gradient_into_local, rebase_local
 from geoloco.algorithms.finite import all_finite
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import AgentStopped, RoundClosed, RunFinished, UpdateRejected
+from geoloco.site_agent.errors import SiteAgentError
 from geoloco.site_agent.persist import prefixed, unprefixed
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
 from geoloco.site_agent.trainer import RoundTraining
 from geoloco.site_agent.uplink import StrategyUplink
 
-__all__ = ["COMPUTE_S_TOTAL", "AsyncRounds"]
+__all__ = ["COMPUTE_S_TOTAL", "REBASED_AT_STEP", "AsyncRounds"]
 
 COMPUTE_S_TOTAL = "compute_s_total"
 """Upload metric: the site process's inner-step seconds so far (``_Outgoing.compute_s_total``)."""
+REBASED_AT_STEP = "rebased_at_step"
+"""Upload metric with ``rebase``: the update's inner steps run before it took in its base
+version (absent when it took in none)."""
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +98,8 @@ class _Trajectory:
     train_s: float = 0.0
     started_s: float | None = None
     phases: int = 0
+    rebased_at_step: int | None = None
+    """With ``rebase``: ``steps`` when it last took in a newer version (None: never)."""
 
     def add(self, result: RoundTraining, started_s: float) -> None:
         """One more phase of ``SiteTrainer.train_round`` (``result``) begun at ``started_s``."""
@@ -107,15 +119,30 @@ class _Outgoing:
     trained: TrainedUpdate
     phase: int
     compute_s_total: float
-    nbytes: int = 0
     """Inner-step seconds of this site process up to and including this phase (sent with the
     update: the emulator's compute utilization, where transfers overlap training)."""
+    nbytes: int = 0
+    rebased_at_step: int | None = None
+    """The trajectory's ``rebased_at_step`` (sent with the update as ``REBASED_AT_STEP``)."""
+
+    def metrics(self) -> dict[str, float]:
+        """What the upload carries besides the update: the phase's metrics and this site's totals."""
+        metrics = {**self.trained.metrics(), COMPUTE_S_TOTAL: self.compute_s_total}
+        if self.rebased_at_step is not None:
+            metrics[REBASED_AT_STEP] = float(self.rebased_at_step)
+        return metrics
 
 
 class AsyncRounds(RoundRunner):
     """Asynchronous DiLoCo phases (see the module docstring)."""
 
     def _setup(self) -> None:
+        self._rebase = self.state.algorithm.asynchronous.rebase
+        if self._rebase and self.trainer.is_distributed:
+            raise SiteAgentError(
+                "[algorithm.asynchronous] rebase takes merges into a running phase step by step, which a "
+                "multi-rank site does not do yet; run this site on one rank or turn rebase off"
+            )
         self._changed = threading.Condition()
         """Notified when the held version moves, the outbox empties or a thread fails."""
         self._weights_lock = threading.Lock()
@@ -269,8 +296,11 @@ class AsyncRounds(RoundRunner):
         self._phase += 1
         started = time.monotonic()
         state.phase = pb.SITE_PHASE_TRAINING
-        trainer.tell_followers_to_train(phase, inner_steps, None)
-        result = trainer.train_round(start, phase, inner_steps)
+        if self._rebase:
+            result = self._train_rebasing(trajectory, start, phase, inner_steps)
+        else:
+            trainer.tell_followers_to_train(phase, inner_steps, None)
+            result = trainer.train_round(start, phase, inner_steps)
         del start
         trained_at = time.monotonic()
         self._compute_s += result.seconds
@@ -316,7 +346,47 @@ class AsyncRounds(RoundRunner):
         if encoded is None:  # non-finite: not sent
             state.count_round(included=False)
             return None
-        return _Outgoing(trained, phase, self._compute_s, nbytes=len(encoded.data))
+        return _Outgoing(
+            trained, phase, self._compute_s, nbytes=len(encoded.data), rebased_at_step=trajectory.rebased_at_step
+        )
+
+    def _train_rebasing(
+        self, trajectory: _Trajectory, start: torch.Tensor, phase: int, inner_steps: int
+    ) -> RoundTraining:
+        """``train_round`` one step at a time, taking in at each step boundary (the phase's end
+        included) a version the follower applied since the trajectory's base (one rank:
+        ``_setup`` refused more)."""
+        trainer = self.trainer
+        trainer.load_(start)
+        trainer.position_lr_schedule(phase, inner_steps)
+        losses: list[float] = []
+        samples, seconds = 0, 0.0
+        for _ in range(inner_steps):
+            self._take_newer_version(trajectory, steps_before=trajectory.steps + len(losses))
+            done = trainer.train_steps(1)
+            losses += done.losses
+            samples += done.samples
+            seconds += done.seconds
+        self._take_newer_version(trajectory, steps_before=trajectory.steps + len(losses))
+        trainer.lr_schedule_reached(phase + 1)
+        loss = sum(losses) / len(losses) if losses else math.nan
+        return RoundTraining(loss=loss, samples=samples, seconds=seconds, steps=len(losses))
+
+    def _take_newer_version(self, trajectory: _Trajectory, *, steps_before: int) -> None:
+        """Move the running model onto the newest held version if it is newer than the
+        trajectory's base (``rebase_local``), which then becomes the base."""
+        state = self.state
+        if state.held_round <= trajectory.base_round:
+            return
+        with self._weights_lock:
+            newest_round, newest = state.held_round, state.global_weights.clone()
+        local = self.trainer.flatten()
+        rebase_local(local, trajectory.base, newest)
+        self.trainer.load_(local)
+        logger.debug("site %s: took version %d into the running phase after %d steps (base was %d)",
+                     self.site, newest_round, steps_before, trajectory.base_round)
+        trajectory.base, trajectory.base_round = newest, newest_round
+        trajectory.rebased_at_step = steps_before
 
     def _add_phases(self, seconds: dict[str, float]) -> None:
         with self._changed:  # the follower and the sender add, the trainer takes (_train_phase)
@@ -453,7 +523,7 @@ class AsyncRounds(RoundRunner):
             try:
                 response = self.uplink.upload(
                     self.client, update, round_number=trained.round, inner_steps=trained.inner_steps,
-                    metrics={**trained.metrics(), COMPUTE_S_TOTAL: outgoing.compute_s_total},
+                    metrics=outgoing.metrics(),
                 )
             except RoundClosed as why:
                 # The open merge is being applied, already holds this site's update, or the

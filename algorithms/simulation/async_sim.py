@@ -15,7 +15,9 @@ window ends), so two rules can run on the same sites and the same failures:
   barrier. The synchronizer merges what has arrived once ``min_quorum`` updates are in and the
   grace window has passed (or every site that is up has sent one): a merge is a round of the
   round engine (``geoloco.algorithms.engine``), whose admission (update guard, duplicates), close
-  rule (``AsyncMerge``, a ``ClosePolicy``) and guarded outer step run unchanged. Each update's
+  rule (``AsyncMerge``, a ``ClosePolicy``) and guarded outer step run unchanged. With
+  ``rebase`` a merge whose broadcast reaches a site mid-phase is taken into its running model at
+  the next step boundary (``rebase_local``), and the update is then measured from it. Each update's
   **staleness** is the number of merges between its base version and the one it is merged
   into; beyond ``max_staleness`` it is dropped, else it enters with weight
   ``w · discount_per_version^staleness`` (``w`` from ``[algorithm] weighting``: ``samples`` is
@@ -65,7 +67,7 @@ import torch
 from geoloco.algorithms.aggregation import Aggregation
 from geoloco.algorithms.async_merge import AsyncMerge, dynamic_local_steps, stale_admission
 from geoloco.algorithms.device import resolve_device
-from geoloco.algorithms.diloco import pseudo_gradient
+from geoloco.algorithms.diloco import pseudo_gradient, rebase_local
 from geoloco.algorithms.engine import RoundEngine, Stepped
 from geoloco.algorithms.params import ParamLayout, weights_digest
 from geoloco.algorithms.record import RoundRecord
@@ -101,6 +103,9 @@ class _Phase:
     start: float
     step_s: float
     """Full-speed virtual seconds per step (``step_time_s / speed_factor``)."""
+    merged: list[int] = field(default_factory=list)
+    """With ``rebase``: the versions merged while it runs (held until it ends), each taken into
+    the running model when its broadcast reaches the site."""
 
 
 @dataclass(slots=True)
@@ -378,19 +383,24 @@ class DecoupledSimulator:
         done = site.timeline.work_between(phase.start, now)
         return min(phase.steps, int(done / phase.step_s + 1e-9)) if phase.step_s > 0 else phase.steps
 
+    def _steps_begun_by(self, site: _Site, phase: _Phase, now: float) -> int:
+        """Steps of ``phase`` begun by ``now``: a step under way when a merge arrives ends on the
+        weights it began with, so the merge is taken in at the next step boundary."""
+        if phase.step_s <= 0:
+            return phase.steps
+        done = site.timeline.work_between(phase.start, now)
+        return min(phase.steps, math.ceil(done / phase.step_s - 1e-9))
+
     def _finish(self, now: float, site: _Site) -> None:
         """``site``'s steps are done: compute them (from its base version), encode, upload."""
         phase = site.phase
         assert phase is not None
         site.phase = None
-        base = self._versions[phase.base]
         trainer_site = self._trainer_site(site)
-        self.trainer.load(base)
-        result, _ = self.trainer.steps(trainer_site, phase.steps)
-        assert result is not None
-        pseudo = pseudo_gradient(base, self.trainer.flatten())
-        self._unref(phase.base)
-        plan = self._plan(phase.base)
+        base_version, losses, samples = self._train_phase(site, trainer_site, phase, now)
+        pseudo = pseudo_gradient(self._versions[base_version], self.trainer.flatten())
+        self._release(phase)
+        plan = self._plan(base_version)
         round_ = self._round
         assert round_ is not None
         encoded = self.uplinks.encode(site.name, pseudo, plan, round_.aggregation)
@@ -401,12 +411,12 @@ class DecoupledSimulator:
         assert nbytes is not None  # plain uploads know their size at once
         site.steps_done += phase.steps
         self._measured(site, (now - phase.start) / phase.steps)
-        site.submitted = phase.base
+        site.submitted = base_version
         arrival = now + transfer_time(nbytes, site.config.uplink_bps, site.config.latency_s)
         upload = _Upload(
             site=site.index, incarnation=site.incarnation, token=site.token, payload=encoded,
-            weight=self.strategy.site_weight(result.samples, phase.steps), base=phase.base, steps=phase.steps,
-            start=phase.start, finish=now, nbytes=nbytes, loss=sum(result.losses) / len(result.losses),
+            weight=self.strategy.site_weight(samples, phase.steps), base=base_version, steps=phase.steps,
+            start=phase.start, finish=now, nbytes=nbytes, loss=sum(losses) / len(losses),
         )
         self.bytes_up_total += nbytes
         self._in_flight += 1
@@ -416,6 +426,50 @@ class DecoupledSimulator:
         self._push(arrival, _ARRIVAL, site.index, upload)
         if self.asynchronous:
             self._push(now, _START, site.index, (site.incarnation, site.token))
+
+    def _train_phase(
+        self, site: _Site, trainer_site: SimSite, phase: _Phase, now: float
+    ) -> tuple[int, list[float], int]:
+        """Run ``phase``'s steps on the shared model (left holding the trained weights): from its
+        base version, and with ``rebase`` each merge that reached the site before ``now`` taken
+        in after the steps done by its arrival. Returns the version the update is measured
+        from, the step losses and the samples."""
+        base_version = phase.base
+        self.trainer.load(self._versions[base_version])
+        losses: list[float] = []
+        samples = done = 0
+        # (steps before it is taken in, version): as the site does, one step boundary takes in
+        # only the newest version that has arrived by then.
+        takes: list[tuple[int, int]] = []
+        for version in phase.merged:
+            arrived_s = self._available_s(site, version)
+            if arrived_s > now:
+                break
+            steps = max(takes[-1][0] if takes else 0, self._steps_begun_by(site, phase, arrived_s))
+            if takes and takes[-1][0] == steps:
+                takes.pop()
+            takes.append((steps, version))
+        for steps, version in takes:
+            result, _ = self.trainer.steps(trainer_site, steps - done)
+            if result is not None:
+                losses += result.losses
+                samples += result.samples
+            done = steps
+            local = self.trainer.flatten()
+            rebase_local(local, self._versions[base_version], self._versions[version])
+            self.trainer.load(local)
+            base_version = version
+        result, _ = self.trainer.steps(trainer_site, phase.steps - done)
+        if result is not None:
+            losses += result.losses
+            samples += result.samples
+        return base_version, losses, samples
+
+    def _release(self, phase: _Phase) -> None:
+        """The versions ``phase`` held are no longer needed by it."""
+        self._unref(phase.base)
+        for version in phase.merged:
+            self._unref(version)
 
     def _plan(self, round_number: int, sites: tuple[str, ...] = ()) -> RoundPlan:
         return self.strategy.configure_round(round_number, sites)
@@ -549,6 +603,11 @@ class DecoupledSimulator:
         self._versions[self.version] = self.global_flat
         self._version_s.append(now)
         self._version_bytes.append(update.downlink.nbytes)
+        if self.asynchronous and self.config.algorithm.asynchronous.rebase:
+            for site in self.sites:
+                if site.up and site.phase is not None:
+                    site.phase.merged.append(self.version)
+                    self._ref(self.version)
         self._hold_s = max(self._hold_s, self._slowest_transfer_s(update.downlink.nbytes))
         self._forget_versions(now)
         self._peaks["versions"] = max(self._peaks["versions"], len(self._versions))
@@ -600,7 +659,7 @@ class DecoupledSimulator:
         site.token += 1
         if site.phase is not None:
             self.ledger.lost(self._steps_by(site, site.phase, now), "failed")
-            self._unref(site.phase.base)
+            self._release(site.phase)
             site.phase = None
         for steps, _, _ in site.carried:
             self.ledger.lost(steps, "failed")
@@ -637,7 +696,7 @@ class DecoupledSimulator:
             site.submitted = None
             if site.phase is not None:
                 self.ledger.lost(self._steps_by(site, site.phase, now), "restarted")
-                self._unref(site.phase.base)
+                self._release(site.phase)
                 site.phase = None
             self._push(now, _START, site.index, (site.incarnation, site.token))
         self._round = self.engine.open(round_.number, self.uplinks.begin(self._plan(round_.number)), now)

@@ -11,6 +11,7 @@ from geoloco.algorithms.diloco import (
     apply_downlink,
     encode_downlink,
     pseudo_gradient,
+    rebase_local,
     run_inner_steps,
 )
 from geoloco.algorithms.optimizers import OuterOptimizer, OuterOptimizerConfig
@@ -23,6 +24,20 @@ def test_pseudo_gradient_is_global_minus_local() -> None:
     assert torch.equal(g, torch.tensor([0.5, -1.0]))
     with pytest.raises(ValueError, match="differ in shape"):
         pseudo_gradient(torch.zeros(2), torch.zeros(3))
+
+
+def test_rebase_moves_the_local_model_by_the_merge_and_keeps_its_own_progress() -> None:
+    """After ``rebase_local`` the pseudo-gradient from the new global model is the progress
+    the local model had made from the old one (to rounding)."""
+    torch.manual_seed(0)
+    old, new = torch.randn(100), torch.randn(100)
+    local = old - 0.01 * torch.randn(100)
+    progress = pseudo_gradient(old, local)
+    expected = local + (new - old)
+    storage = local.data_ptr()
+    rebase_local(local, old, new)
+    assert local.data_ptr() == storage and torch.equal(local, expected)
+    assert torch.allclose(pseudo_gradient(new, local), progress, atol=1e-6)
 
 
 def test_streaming_aggregator_equals_batch_weighted_mean() -> None:

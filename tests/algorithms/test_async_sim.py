@@ -120,6 +120,48 @@ def test_goodput_and_downtime_on_a_hand_made_schedule_synchronous(make_workload)
     assert records[-1].goodput == pytest.approx(8 / 12) and records[-1].global_downtime_s == pytest.approx(4.0)
 
 
+def test_rebase_takes_a_merge_into_the_running_phase_at_its_next_step_boundary(make_workload) -> None:
+    """The hand-made schedule with ``rebase``: site 1 trains [5, 9] from version 0; version 1
+    (site 0's update, merged at 8 s on instant links) reaches it after 3 of its 4 steps, so its
+    update is measured from version 1 and enters merge 2 fresh, where it was one merge stale.
+    The same steps count; the weights differ from the run without rebase."""
+    workload = make_workload(hidden=8)
+    _, plain = _hand_made({"asynchronous": {"enabled": True}, "chaos": {"enabled": True}}, workload)
+    simulator, rebased = _hand_made(
+        {"asynchronous": {"enabled": True, "rebase": True}, "chaos": {"enabled": True}}, workload
+    )
+    merged = [r for r in rebased if r.participants]
+    assert [(r.wall_clock_s, r.participants, r.staleness) for r in merged] == [
+        (8.0, ["0"], {"0": 0}), (9.0, ["1"], {"1": 0})
+    ]
+    assert simulator.ledger.useful_steps == 8 and rebased[-1].goodput == pytest.approx(8 / 13)
+    plain_merged = [r for r in plain if r.participants]
+    assert merged[0].weights_digest == plain_merged[0].weights_digest
+    assert merged[1].weights_digest != plain_merged[1].weights_digest
+
+
+def test_rebase_changes_nothing_when_no_merge_arrives_mid_phase(make_workload) -> None:
+    """Every site in every merge on instant links: each phase starts from the newest model and
+    no merge lands while one runs, so ``rebase`` keeps the synchronous run bit for bit."""
+    workload = make_workload(hidden=8)
+    reference = list(Simulator(SimulatorConfig.from_dict(_config(sites=INSTANT)), workload).run())
+    merge = {"enabled": True, "min_quorum": 3, "rebase": True}
+    got = list(DecoupledSimulator(SimulatorConfig.from_dict(_config(sites=INSTANT, algorithm={"asynchronous": merge})),
+                                  workload).run())
+    assert [r.weights_digest for r in got] == [r.weights_digest for r in reference]
+
+
+def test_with_rebase_and_real_links_no_update_is_stale(make_workload) -> None:
+    """The case where, without rebase, every later update is one merge stale: the merge's
+    broadcast reaches each site one step into its next phase and is taken in there, so every
+    update is measured from the model it is merged into; the versions held stay few."""
+    config = _config(algorithm={"asynchronous": {"enabled": True, "min_quorum": 3, "rebase": True}})
+    simulator = DecoupledSimulator(SimulatorConfig.from_dict(config), make_workload(hidden=8))
+    got = list(simulator.run())
+    assert all(r.staleness == {"0": 0, "1": 0, "2": 0} for r in got)
+    assert simulator.memory()["peak_versions"] <= 3
+
+
 def test_too_stale_updates_are_dropped_and_their_steps_lost(make_workload) -> None:
     """A 0.25x site's update is several merges behind the fast sites' (quorum 1): with
     max_staleness 0 it is refused with the reason on the record."""

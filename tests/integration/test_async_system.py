@@ -30,6 +30,7 @@ from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.scenarios.workloads import build_workload
 from geoloco.site_agent.agent import SiteRunSummary
+from geoloco.site_agent.async_rounds import REBASED_AT_STEP
 from geoloco.site_agent.persist import SiteStateStore
 
 SLOW_PAUSE_S = 0.03
@@ -126,6 +127,34 @@ def test_a_fixed_arrival_order_ends_on_the_simulators_weights_bit_for_bit(certs:
     assert [r.staleness for r in simulated] == [r["staleness"] for r in records]
     assert [r.weights_digest for r in simulated] == [r["weights_digest"] for r in records]
     assert torch.equal(server.rounds.weights, simulator.global_flat)
+
+
+def test_with_rebase_merges_enter_running_phases_as_the_simulator_takes_them_in(certs: Path, tmp_path: Path) -> None:
+    """``rebase``, two sites of equal speed, merges of both: a merge's broadcast reaches each
+    site during the first step of its next phase (0.4 s per step, far longer than an upload, a
+    merge and a broadcast on loopback), so each site takes it in before its second step and its
+    update is measured from the model it is merged into: no update is stale, where without
+    rebase every later one is one merge stale (the test above). The simulator takes the
+    broadcast in at the same step boundary and ends on the same weights bit for bit. The test
+    checks the step boundaries the sites reported before it compares weights."""
+    merge = AsyncConfig(enabled=True, min_quorum=2, rebase=True)
+    algorithm = AlgorithmConfig(inner_steps=3, uplink_codec="int8", downlink_codec="int8", asynchronous=merge)
+    run = Run(workload=build_workload("mlp"), num_sites=2, rounds=4, seed=5, algorithm=algorithm)
+    summaries, records, server = _run_sites(run, certs, tmp_path / "metrics.jsonl", [0.4, 0.4])
+    assert [r["staleness"] for r in records] == [{"0": 0, "1": 0}] * run.rounds
+    rebased = [{site: m.get(REBASED_AT_STEP) for site, m in r["site_metrics"].items()} for r in records]
+    assert rebased == [{"0": None, "1": None}] + [{"0": 1.0, "1": 1.0}] * (run.rounds - 1)
+    assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
+
+    config = SimulatorConfig(
+        algorithm=algorithm, inner_optimizer=run.inner, sites=[SiteConfig() for _ in range(2)],
+        simulation=SimulationConfig(rounds=run.rounds, seed=run.seed, device="cpu", eval_every=10**6,
+                                    step_time_s=0.4),
+    )
+    simulator = DecoupledSimulator(config, run.workload)
+    simulated = list(simulator.run())
+    assert [r.staleness for r in simulated] == [r["staleness"] for r in records]
+    assert [r.weights_digest for r in simulated] == [r["weights_digest"] for r in records]
 
 
 def test_dynamic_local_updates_size_each_sites_phases_by_its_speed(certs: Path, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import torch
 from _agent_helpers import make_certs, start_coordinator
 from _torchrun import finish, torchrun
 
+from geoloco.algorithms.async_merge import AsyncConfig
 from geoloco.algorithms.lr_schedule import lr_multiplier
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.metrics import read_metrics
@@ -62,3 +63,25 @@ def test_two_rank_site_trains_as_one_site_and_every_rank_ends_in_sync(tmp_path: 
     # One site, two ranks: the sample weight counts both ranks' batches.
     batch = workload.config.batch_size
     assert all(r["sample_weights"]["duo"] == 2 * INNER_STEPS * batch for r in records)
+
+
+def test_a_multi_rank_site_refuses_rebase_with_the_reason(tmp_path: Path) -> None:
+    """``[algorithm.asynchronous] rebase`` takes merges in between single inner steps, which the
+    ranks of a multi-rank site do not agree on yet: the site stops with the reason and what to
+    change, and no rank hangs."""
+    certs = make_certs(tmp_path / "certs", ["duo"])
+    workload = MLPWorkload()
+    merge = AsyncConfig(enabled=True, min_quorum=1, rebase=True)
+    server = start_coordinator(
+        certs, workload.build_model(0), algorithm=AlgorithmConfig(inner_steps=INNER_STEPS, asynchronous=merge),
+        total_rounds=ROUNDS, min_sites=1,
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = torchrun([str(WORKER), f"localhost:{server.port}", str(certs), str(out)])
+    try:
+        output = finish(proc, LAUNCH_TIMEOUT_S)
+    finally:
+        server.stop(grace=0)
+    assert proc.returncode != 0
+    assert "rebase" in output and "run this site on one rank or turn rebase off" in output, output[-4000:]

@@ -77,17 +77,22 @@ def run_inner_steps(
     *,
     grad_clip_norm: float | None = None,
     lr_schedule: InnerLRSchedule | None = None,
+    before_step: Callable[[int], None] | None = None,
 ) -> InnerResult:
     """Run ``steps`` optimizer steps of ``model`` on the next ``steps`` batches.
 
     Losses are collected as tensors and read back once at the end, so a CUDA device is
     synchronised once per call, not once per step. ``lr_schedule`` advances after every
     ``optimizer.step()``, so the inner lr follows the site's cumulative step count.
+    ``before_step(k)`` runs before step ``k`` (0-based) at the step boundary, where a caller
+    may change the weights (an asynchronous site taking in a merge: ``rebase_local``).
     """
     model.train()
     losses: list[torch.Tensor] = []
     samples = 0
-    for _ in range(steps):
+    for step in range(steps):
+        if before_step is not None:
+            before_step(step)
         batch = next(batches)
         samples += batch_size(batch)
         optimizer.zero_grad(set_to_none=True)

@@ -5,11 +5,12 @@
 Per seed, four runs of the same scenario (three sites at 1x, 0.5x and 0.25x compute speed, the
 coordinator and the sites as processes over shaped links with mutual TLS):
 
-    async   the file as shipped: merges of 2 updates after an adaptive grace window, Delayed
-            Nesterov (period 2), Dynamic Local Updates, outer lr 0.4
-    rebase  as async, with merges taken into the running phases (``rebase = true``)
-    sync    the same file with [algorithm.asynchronous] off and plain Nesterov (lr 0.4)
-    sync07  as sync with synchronous DiLoCo's usual outer lr 0.7
+    async      the file as shipped: merges of 2 updates after an adaptive grace window, Delayed
+               Nesterov (period 2), Dynamic Local Updates, merges taken into running phases
+               (``rebase``), outer lr 0.4
+    no-rebase  as async with ``rebase = false`` (the file as shipped before 2026-12-03)
+    sync       the same file with [algorithm.asynchronous] off and plain Nesterov (lr 0.4)
+    sync07     as sync with synchronous DiLoCo's usual outer lr 0.7
 
 The columns: each site's compute utilization between start-up and wind-down (summary.md), the
 run's inner steps, and the eval loss of the global model at the async run's last evaluation time
@@ -34,7 +35,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SCENARIO = ROOT / "scenarios" / "async.toml"
 RULES: dict[str, list[str]] = {
     "async": [],
-    "rebase": ["algorithm.asynchronous.rebase=true"],
+    "no-rebase": ["algorithm.asynchronous.rebase=false"],
     "sync": ["algorithm.asynchronous.enabled=false", "outer_optimizer.momentum_period=1", "run.rounds=24",
              "run.eval_every=2"],
     "sync07": ["algorithm.asynchronous.enabled=false", "outer_optimizer.momentum_period=1", "outer_optimizer.lr=0.7",

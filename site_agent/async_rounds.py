@@ -4,16 +4,17 @@ With ``[algorithm.asynchronous]`` a site never waits at a round barrier. Three t
 once, each on its own thread:
 
 * **training** (the agent's loop, ``step``): a phase of H inner steps starts from the newest
-  global model the site has fully received, ``θ_v``; its pseudo-gradient ``θ_v − θ_k`` is
-  encoded (error feedback as in synchronous rounds) and handed to the uploader, and the next
-  phase starts at once. Not from the site's own weights (except while the uploader is busy,
+  global model the site has fully received, ``θ_v``; the trained weights ``θ_k`` are handed to
+  the uploader, and the next phase starts at once. Not from the site's own weights (except while the uploader is busy,
   below): the coordinator merges an update
   into whatever model it holds then, so the update must be measured from a model the
   coordinator knows, or the next update would carry this one's movement a second time
   (``geoloco.algorithms.simulation.async_sim`` explains the same choice for the simulator);
 * **the follower**: waits for every merge's broadcast and applies it to the held global
   weights (digest-checked; a site that fell behind fetches the full weights);
-* **the uploader**: sends each update labelled with its base version ``v``. The coordinator
+* **the uploader**: forms each update's pseudo-gradient ``θ_v − θ_k`` and encodes it (error
+  feedback as in synchronous rounds; off the training thread, so a phase never waits for the
+  encoder), then sends it labelled with its base version ``v``. The coordinator
   puts it into the merge that is open (``geoloco.coordinator.intake``), discounted by its
   staleness, or holds it for the next merge when the site's previous update is already in the
   open one, and answers with the merge's number; the site's update after that waits until that
@@ -33,7 +34,7 @@ With ``dynamic_local_updates`` a site runs ``H · v / v_max`` steps per phase (L
 ``dynamic_local_steps``): ``v`` its own speed over its latest phase, ``v_max`` the fastest site's,
 which every broadcast carries (``RoundInfo.fastest_step_s``, from the updates' manifests).
 
-With ``rebase`` the phase runs step by step: before each inner step, a version the follower
+With ``rebase``, at each step boundary of a phase (and at its end) a version the follower
 applied since the trajectory's base is taken into the running model
 (``geoloco.algorithms.diloco.rebase_local``, the simulator's formula) and becomes the base the
 update is measured from, so on links slower than a step an update is not one merge stale. A
@@ -124,6 +125,10 @@ class _Outgoing:
     nbytes: int = 0
     rebased_at_step: int | None = None
     """The trajectory's ``rebased_at_step`` (sent with the update as ``REBASED_AT_STEP``)."""
+    base: torch.Tensor | None = None
+    local: torch.Tensor | None = None
+    """``θ_v`` and the trained weights, until the uploader forms the update from them
+    (``AsyncRounds._form``: ``trained.update`` is None until then)."""
 
     def metrics(self) -> dict[str, float]:
         """What the upload carries besides the update: the phase's metrics and this site's totals."""
@@ -190,7 +195,7 @@ class AsyncRounds(RoundRunner):
                 self._queued = outgoing
                 self._changed.notify_all()
         if not kept:
-            self._restore(outgoing.trained)
+            self._give_back(outgoing)
             self._raise_failure()
             return
         now = time.monotonic()
@@ -206,7 +211,7 @@ class AsyncRounds(RoundRunner):
         self._stop_threads()
         queued, self._queued = self._queued, None
         if queued is not None:  # never sent: its content goes on in the residual
-            self._restore(queued.trained)
+            self._give_back(queued)
         if self._phase:
             self._boundary()
 
@@ -243,7 +248,7 @@ class AsyncRounds(RoundRunner):
         interrupted, self._in_flight = self._in_flight, None
         if interrupted is not None:
             if self._queued is not None:
-                self._restore(self._queued.trained)
+                self._give_back(self._queued)
             self._queued = interrupted  # sent again first
         if new_session:
             self._last_merge = None
@@ -256,7 +261,7 @@ class AsyncRounds(RoundRunner):
                 "site %s: the coordinator is at version %d, before its update's base %d; the update "
                 "goes back into the residual", self.site, coordinator_round, queued.trained.round,
             )
-            self._restore(queued.trained)
+            self._give_back(queued)
             self._queued = None
         return False
 
@@ -296,13 +301,17 @@ class AsyncRounds(RoundRunner):
         self._phase += 1
         started = time.monotonic()
         state.phase = pb.SITE_PHASE_TRAINING
+        trainer.tell_followers_to_train(phase, inner_steps, None)
         if self._rebase:
-            result = self._train_rebasing(trajectory, start, phase, inner_steps)
+            done = trajectory.steps
+            result = trainer.train_round(
+                start, phase, inner_steps,
+                before_step=lambda step: self._take_newer_version(trajectory, steps_before=done + step),
+            )
+            self._take_newer_version(trajectory, steps_before=done + result.steps)  # the phase's end
         else:
-            trainer.tell_followers_to_train(phase, inner_steps, None)
             result = trainer.train_round(start, phase, inner_steps)
         del start
-        trained_at = time.monotonic()
         self._compute_s += result.seconds
         if result.steps > 0 and result.seconds > 0:
             self._step_s = result.seconds / result.steps
@@ -317,60 +326,55 @@ class AsyncRounds(RoundRunner):
             phases: dict[str, float] = dict(self.transfer_phases_s)
             self.transfer_phases_s.clear()
         self._trajectory = None
-        base_round = trajectory.base_round
-        update = pseudo_gradient_into_local(trajectory.base, trainer.flatten())
-        formed_at = time.monotonic()
-        # The version's seed from the strategy, as the coordinator derives it (RoundInfo.round_seed):
-        # the follower may have moved past the version whose RoundInfo the site last heard.
-        round_seed = self.strategy.configure_round(base_round, ()).seed
-        encoded = None
-        if all_finite(update):
-            with self._uplink_lock:
-                encoded = self.uplink.encode(update, round_seed=round_seed, fragment=0, samples=trajectory.samples)
-        else:
-            logger.error(
-                "site %s: the pseudo-gradient of phase %d (from version %d) has NaN/Inf values; not "
-                "uploading it and resetting the error-feedback residual", self.site, phase, base_round,
-            )
-            with self._uplink_lock:
-                self.uplink.reset(0)
-        del update
-        phases.update(
-            train=trajectory.train_s, pseudo_gradient=formed_at - trained_at, encode=time.monotonic() - formed_at
-        )
+        phases["train"] = trajectory.train_s
         trained = TrainedUpdate(
-            round=base_round, update=encoded, loss=result.loss, samples=trajectory.samples,
+            round=trajectory.base_round, update=None, loss=result.loss, samples=trajectory.samples,
             inner_steps=trajectory.steps, inner_time_s=trajectory.inner_time_s,
             started_s=trajectory.started_s or started, phases_s=phases,
         )
-        if encoded is None:  # non-finite: not sent
-            state.count_round(included=False)
-            return None
         return _Outgoing(
-            trained, phase, self._compute_s, nbytes=len(encoded.data), rebased_at_step=trajectory.rebased_at_step
+            trained, phase, self._compute_s, rebased_at_step=trajectory.rebased_at_step,
+            base=trajectory.base, local=trainer.flatten(),
         )
 
-    def _train_rebasing(
-        self, trajectory: _Trajectory, start: torch.Tensor, phase: int, inner_steps: int
-    ) -> RoundTraining:
-        """``train_round`` one step at a time, taking in at each step boundary (the phase's end
-        included) a version the follower applied since the trajectory's base (one rank:
-        ``_setup`` refused more)."""
-        trainer = self.trainer
-        trainer.load_(start)
-        trainer.position_lr_schedule(phase, inner_steps)
-        losses: list[float] = []
-        samples, seconds = 0, 0.0
-        for _ in range(inner_steps):
-            self._take_newer_version(trajectory, steps_before=trajectory.steps + len(losses))
-            done = trainer.train_steps(1)
-            losses += done.losses
-            samples += done.samples
-            seconds += done.seconds
-        self._take_newer_version(trajectory, steps_before=trajectory.steps + len(losses))
-        trainer.lr_schedule_reached(phase + 1)
-        loss = sum(losses) / len(losses) if losses else math.nan
-        return RoundTraining(loss=loss, samples=samples, seconds=seconds, steps=len(losses))
+    def _form(self, outgoing: _Outgoing) -> bool:
+        """Form and encode ``outgoing``'s update unless that was done (the uploader, off the
+        training thread); False when there is nothing to send: NaN/Inf values (not sent, the
+        residual reset, as ``RoundRunner._encode`` does)."""
+        trained = outgoing.trained
+        if trained.update is not None:
+            return True
+        base, local = outgoing.base, outgoing.local
+        if base is None or local is None:
+            return False
+        outgoing.base = outgoing.local = None
+        started = time.monotonic()
+        update = pseudo_gradient_into_local(base, local)
+        del base, local
+        formed_at = time.monotonic()
+        if not all_finite(update):
+            logger.error(
+                "site %s: the pseudo-gradient of phase %d (from version %d) has NaN/Inf values; not "
+                "uploading it and resetting the error-feedback residual", self.site, outgoing.phase, trained.round,
+            )
+            with self._uplink_lock:
+                self.uplink.reset(0)
+            self.state.count_round(included=False)
+            return False
+        # The version's seed from the strategy, as the coordinator derives it (RoundInfo.round_seed):
+        # the follower may have moved past the version whose RoundInfo the site last heard.
+        round_seed = self.strategy.configure_round(trained.round, ()).seed
+        with self._uplink_lock:
+            trained.update = self.uplink.encode(update, round_seed=round_seed, fragment=0, samples=trained.samples)
+        trained.phases_s.update(pseudo_gradient=formed_at - started, encode=time.monotonic() - formed_at)
+        outgoing.nbytes = len(trained.update.data)
+        return True
+
+    def _give_back(self, outgoing: _Outgoing) -> None:
+        """An update that will not be sent goes back into the error-feedback residual (formed
+        first if it was not yet)."""
+        if self._form(outgoing):
+            self._restore(outgoing.trained)
 
     def _take_newer_version(self, trajectory: _Trajectory, *, steps_before: int) -> None:
         """Move the running model onto the newest held version if it is newer than the
@@ -492,7 +496,8 @@ class AsyncRounds(RoundRunner):
                 self._changed.notify_all()
             if outgoing is None:
                 return
-            self._deliver(outgoing)
+            if self._form(outgoing):
+                self._deliver(outgoing)
             with self._changed:
                 self._in_flight = None
                 self._changed.notify_all()

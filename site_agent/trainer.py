@@ -172,11 +172,13 @@ class SiteTrainer:
     # Training
 
     def train_round(
-        self, start: torch.Tensor, round_number: int, inner_steps: int, budget_s: float | None = None
+        self, start: torch.Tensor, round_number: int, inner_steps: int, budget_s: float | None = None,
+        *, before_step: Callable[[int], None] | None = None,
     ) -> RoundTraining:
         """Round ``round_number``'s inner steps on every rank, from the global weights ``start``
         (the leader's are sent to the other ranks): ``inner_steps`` of them, or as many as fit
-        in ``budget_s`` seconds (time-budget rounds; every rank runs the same number)."""
+        in ``budget_s`` seconds (time-budget rounds; every rank runs the same number).
+        ``before_step``: ``run_inner_steps``' hook at each step boundary (fixed-H rounds)."""
         group = self.group
         if group is not None:
             group.broadcast_flat_(start)
@@ -198,6 +200,7 @@ class SiteTrainer:
                 self._loss,
                 grad_clip_norm=self.config.grad_clip_norm,
                 lr_schedule=self.lr_schedule,
+                before_step=before_step,
             )
         self.lr_schedule_reached(round_number + 1)
         self._sync_device()

@@ -59,7 +59,8 @@ class RoundRecord:
     rejected: list[str] = field(default_factory=list, metadata=EVERY)
     """Sites whose update the update guard refused this round."""
     rejected_reasons: dict[str, str] = field(default_factory=dict, metadata=EVERY)
-    """site -> why its update was refused (NaN or Inf values, its norm beyond the bound)."""
+    """site -> why its update was refused (NaN or Inf values, its norm beyond the bound), or why
+    the site sent none ("the site sent no update: ...", e.g. its own NaN/Inf values)."""
     folded_late: dict[str, float] = field(default_factory=dict, metadata=EVERY)
     """site -> discounted weight of its previous round's late update folded into this round."""
     deadline_s: float | None = field(default=None, metadata=EVERY)

@@ -76,6 +76,8 @@ MAX_SITE_METRICS = 32
 """Entries an upload's ``metrics`` map may have (they go into every round's record)."""
 MAX_METRIC_NAME_CHARS = 64
 """Characters of one metric's name."""
+MAX_WITHHELD_CHARS = 200
+"""Characters of a site's reason for withholding its update kept for the log and the record."""
 
 
 def run_most_inner_steps(algorithm: AlgorithmConfig) -> int | None:
@@ -183,8 +185,9 @@ class UploadIntake(Protocol):
         """One SecureStage call of the process ``instance`` (refused without secure aggregation)."""
         ...
 
-    def withdraw(self, site: str, round_number: int) -> None:
-        """``site`` waits for round ``round_number``'s broadcast (lock held)."""
+    def withdraw(self, site: str, round_number: int, withheld: str = "") -> None:
+        """``site`` waits for round ``round_number``'s broadcast (lock held); ``withheld``: it
+        said it sends no update to that round, and why (``AwaitBroadcastRequest.withheld``)."""
         ...
 
     def next_round(self, previous: CoordinatorRound, now: float) -> None:
@@ -308,8 +311,23 @@ class PlainIntake:
             "upload plain updates"
         )
 
-    def withdraw(self, site: str, round_number: int) -> None:
-        """Nothing to withdraw from: only secure rounds wait for a site's key stages."""
+    def withdraw(self, site: str, round_number: int, withheld: str = "") -> None:
+        """A site that said it sends no update to the open round (its pseudo-gradient had
+        NaN/Inf values) is rejected from it with its reason, so the round does not wait for it
+        (with ``min_sites`` = every site it would wait until the deadline, or for ever without
+        one); one whose update already counted stays counted. A site that only waits (it
+        uploads after opening the wait) is waited for."""
+        ctx = self.ctx
+        r = ctx.round
+        if not withheld or round_number != r.number or ctx.phase not in OPEN_PHASES:
+            return
+        if site in r.core.contributed or site in r.core.rejected:
+            return
+        said = withheld[:MAX_WITHHELD_CHARS]
+        why = f"the site sent no update: {said}"
+        r.core.reject(site, why)
+        self.rejected(site, round_number, why)
+        logger.warning("site %s sends no update to round %d: %s", site, round_number, said)
 
     def shutdown(self) -> None:
         self.verifier.shutdown(wait=False)

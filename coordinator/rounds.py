@@ -412,9 +412,11 @@ class RoundStateMachine:
         start_chunk: int = 0,
         check_member: bool = True,
         instance: str = "",
+        withheld: str = "",
     ) -> WaitResult:
         """Block until round ``round_number`` is aggregated (then a header) or ``timeout_s``
         passes (then a progress message). Rounds older than the last broadcast get RESYNC.
+        ``withheld``: the site sends no update to the round, and why (``intake.withdraw``).
         ``instance`` is checked again after the wait: a process replaced while it waited is
         refused instead of told whether "its" update -- perhaps its successor's -- counted."""
         ctx = self._ctx
@@ -434,7 +436,7 @@ class RoundStateMachine:
                     f"{round_number} to wait for"
                 )
             if check_member:
-                self.intake.withdraw(site, round_number)
+                self.intake.withdraw(site, round_number, withheld)
             ended = ctx.round.ended if ctx.round.number == round_number else None
         if ended is not None:
             ended.wait(timeout_s)  # outside the lock, woken once per round (``CoordinatorRound.ended``)

@@ -308,9 +308,10 @@ class SecureIntake:
     def next_round(self, previous: CoordinatorRound, now: float) -> None:
         """Nothing carries over: each secure round has its own cohort."""
 
-    def withdraw(self, site: str, round_number: int) -> None:
+    def withdraw(self, site: str, round_number: int, withheld: str = "") -> None:
         # A site waiting for the broadcast without having advertised keys will not (e.g. its
-        # key stages ran with this coordinator's predecessor).
+        # key stages ran with this coordinator's predecessor); one that withholds its update
+        # withdraws alike.
         if round_number == self.ctx.round.number:
             self.privacy.withdraw(site, round_number, set(self.ctx.members), self.ctx.clock())
             self._changed()

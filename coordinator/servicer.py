@@ -183,6 +183,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 start_chunk=request.start_chunk,
                 check_member=first,
                 instance=request.instance_id,
+                withheld=request.withheld,
             )
             first = False
             if result.progress is not None:

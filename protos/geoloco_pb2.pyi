@@ -424,7 +424,7 @@ class UploadStatusResponse(_message.Message):
     def __init__(self, known: bool = ..., manifest: _Optional[_Union[UploadManifest, _Mapping]] = ..., received: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., missing: _Optional[_Iterable[_Union[IndexRange, _Mapping]]] = ..., complete: bool = ..., folded_late: bool = ..., merged_round: _Optional[int] = ...) -> None: ...
 
 class AwaitBroadcastRequest(_message.Message):
-    __slots__ = ("site", "session_id", "round", "fragment", "start_chunk", "chunk_stride", "shard", "instance_id")
+    __slots__ = ("site", "session_id", "round", "fragment", "start_chunk", "chunk_stride", "shard", "instance_id", "withheld")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -433,6 +433,7 @@ class AwaitBroadcastRequest(_message.Message):
     CHUNK_STRIDE_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    WITHHELD_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     round: int
@@ -441,7 +442,8 @@ class AwaitBroadcastRequest(_message.Message):
     chunk_stride: int
     shard: ShardRef
     instance_id: str
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., start_chunk: _Optional[int] = ..., chunk_stride: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    withheld: str
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., start_chunk: _Optional[int] = ..., chunk_stride: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ..., instance_id: _Optional[str] = ..., withheld: _Optional[str] = ...) -> None: ...
 
 class BroadcastHeader(_message.Message):
     __slots__ = ("action", "round", "included", "num_contributors", "delta", "weights_digest", "next_round", "run_finished", "start_chunk", "shard_rows", "shard_weights_digest")

@@ -201,6 +201,18 @@ class RelayHub:
             self.members.pop(site, None)
             self.cond.notify_all()
 
+    def withheld(self, site: str, round_number: int, why: str) -> None:
+        """``site`` sends no update to round ``round_number`` (``AwaitBroadcastRequest.withheld``):
+        refused here, so the partial names it as rejected with ``why`` and the coordinator does
+        not wait for it either; in a secure run it withdraws from the round instead."""
+        with self.cond:
+            self._learn_round(round_number)
+            r = self.round
+            plain = self.run is not None and self.run.secure is None
+            if plain and r.number == round_number and not r.forwarded and site not in r.updates:
+                r.withheld.setdefault(site, f"the site sent no update: {why[:200]}")
+        self.withdrew(site, round_number)
+
     def withdrew(self, site: str, round_number: int) -> None:
         """``site`` gave up secure round ``round_number`` (it will not upload): not waited for."""
         with self.cond:

@@ -97,7 +97,11 @@ class RelayRound:
     updates: dict[str, SiteUpdate] = field(default_factory=dict)
     """site -> its verified update's weight, in arrival order."""
     withdrawn: set[str] = field(default_factory=set)
-    """Secure rounds: sites that gave the round up (a ``withdraw`` stage call): not waited for."""
+    """Sites that gave the round up (a secure ``withdraw`` stage call, or a withheld update):
+    not waited for."""
+    withheld: dict[str, str] = field(default_factory=dict)
+    """site -> why it sends no update this round (``AwaitBroadcastRequest.withheld``): named in
+    the partial as rejected, so the coordinator does not wait for it either."""
     forwarded: bool = False
     """The partial went upward (or is going): later uploads are too late for this round."""
     outcome: str = ""
@@ -113,8 +117,8 @@ class RelayRound:
 
     @property
     def rejected(self) -> dict[str, str]:
-        """site -> why its upload was refused this round."""
-        return {} if self.core is None else self.core.rejected
+        """site -> why its upload was refused this round, or why it sent none."""
+        return {**self.withheld, **({} if self.core is None else self.core.rejected)}
 
     @property
     def weight(self) -> float:

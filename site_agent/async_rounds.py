@@ -34,8 +34,8 @@ With ``dynamic_local_updates`` a site runs ``H · v / v_max`` steps per phase (L
 ``dynamic_local_steps``): ``v`` its own speed over its latest phase, ``v_max`` the fastest site's,
 which every broadcast carries (``RoundInfo.fastest_step_s``, from the updates' manifests).
 
-With ``rebase``, at each step boundary of a phase (and at its end) a version the follower
-applied since the trajectory's base is taken into the running model
+With ``rebase``, at each step boundary of a phase a version the follower applied since the
+trajectory's base is taken into the running model
 (``geoloco.algorithms.diloco.rebase_local``, the simulator's formula) and becomes the base the
 update is measured from, so on links slower than a step an update is not one merge stale. A
 single-rank site only: the ranks of a multi-rank site would have to agree on the step.
@@ -174,6 +174,9 @@ class AsyncRounds(RoundRunner):
         """Seconds per inner step over the latest phase (Dynamic Local Updates)."""
         self._fastest_step_s: float | None = None
         """The fastest site's, as the latest broadcast said (``RoundInfo.fastest_step_s``)."""
+        self._non_finite = threading.Event()
+        """The uploader found an update with NaN/Inf values: the trainer resets its optimizer's
+        state and drops its trajectory before the next phase (both may hold them)."""
 
     # -- the agent's loop ----------------------------------------------------------------------
 
@@ -282,6 +285,13 @@ class AsyncRounds(RoundRunner):
         merges behind is abandoned for the newest version, its steps lost."""
         state, trainer = self.state, self.trainer
         trajectory = self._trajectory
+        if self._non_finite.is_set():
+            self._non_finite.clear()
+            trainer.reset_optimizer_state()
+            if trajectory is not None:
+                logger.info("site %s: dropping %d inner steps trained since an update with NaN/Inf values",
+                            self.site, trajectory.steps)
+            trajectory = self._trajectory = None
         if trajectory is not None and self._too_stale(trajectory.base_round):
             logger.info(
                 "site %s: %d inner steps from version %d are too stale to send (the site holds version "
@@ -308,7 +318,6 @@ class AsyncRounds(RoundRunner):
                 start, phase, inner_steps,
                 before_step=lambda step: self._take_newer_version(trajectory, steps_before=done + step),
             )
-            self._take_newer_version(trajectory, steps_before=done + result.steps)  # the phase's end
         else:
             result = trainer.train_round(start, phase, inner_steps)
         del start
@@ -355,19 +364,24 @@ class AsyncRounds(RoundRunner):
         if not all_finite(update):
             logger.error(
                 "site %s: the pseudo-gradient of phase %d (from version %d) has NaN/Inf values; not "
-                "uploading it and resetting the error-feedback residual", self.site, outgoing.phase, trained.round,
+                "uploading it and resetting the error-feedback residual and the inner optimizer's state",
+                self.site, outgoing.phase, trained.round,
             )
             with self._uplink_lock:
                 self.uplink.reset(0)
+            self._non_finite.set()
             self.state.count_round(included=False)
             return False
         # The version's seed from the strategy, as the coordinator derives it (RoundInfo.round_seed):
         # the follower may have moved past the version whose RoundInfo the site last heard.
         round_seed = self.strategy.configure_round(trained.round, ()).seed
         with self._uplink_lock:
-            trained.update = self.uplink.encode(update, round_seed=round_seed, fragment=0, samples=trained.samples)
+            encoded = self.uplink.encode(update, round_seed=round_seed, fragment=0, samples=trained.samples)
+        if encoded is None:  # only a masked uplink has nothing to send, and it is refused with these merges
+            return False
+        trained.update = encoded
         trained.phases_s.update(pseudo_gradient=formed_at - started, encode=time.monotonic() - formed_at)
-        outgoing.nbytes = len(trained.update.data)
+        outgoing.nbytes = len(encoded.data)
         return True
 
     def _give_back(self, outgoing: _Outgoing) -> None:

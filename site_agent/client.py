@@ -535,11 +535,13 @@ class CoordinatorClient:
     # ---------------------------------------------------------------------------------------
     # AwaitBroadcast
 
-    def _await_call(self, round_number: int, start_chunk: int, stride: int = 1, stub: Any = None) -> Any:
+    def _await_call(
+        self, round_number: int, start_chunk: int, stride: int = 1, stub: Any = None, withheld: str = ""
+    ) -> Any:
         request = pb.AwaitBroadcastRequest(
             site=self.site, session_id=self.session_id, round=round_number, start_chunk=start_chunk,
             chunk_stride=stride if stride > 1 else 0,  # absent: what older coordinators know
-            shard=self.shard, instance_id=self.instance_id,
+            shard=self.shard, instance_id=self.instance_id, withheld=withheld,
         )
         stub = stub if stub is not None else self._stub
         return self._track(stub.AwaitBroadcast(request, timeout=self.config.await_timeout_s))
@@ -565,8 +567,11 @@ class CoordinatorClient:
         *,
         on_progress: Callable[[pb.RoundProgress], None] | None = None,
         opened: OpenBroadcast | None = None,
+        withheld: str = "",
     ) -> tuple[pb.BroadcastHeader, memoryview | None]:
         """Wait for round ``round_number``'s broadcast: (header, encoded delta bytes or None).
+        ``withheld``: this site sends no update to the round, and why (the round stops waiting
+        for it; every attempt says so again, which the coordinator takes once).
 
         The bytes are a view of the download's own buffer (checksum-verified), not a copy: a
         256 MiB delta is not copied once more on its way to the decoder.
@@ -625,7 +630,7 @@ class CoordinatorClient:
                 if streams > 1:
                     own, _ = download.stream_resume_point(0, streams)
                     start = own if own is not None else start
-                call = self._await_call(round_number, start, streams)
+                call = self._await_call(round_number, start, streams, withheld=withheld)
             extra = ExtraStreams(streams, share)
             try:
                 responses = on_header(self._header_stamped(self._counted(call)), header_arrived)

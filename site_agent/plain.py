@@ -54,6 +54,9 @@ class PendingUpdate:
     fold_late: bool = False
     """Missed its round with ``late_updates = "fold"``: offered to the next round once the
     missed round's broadcast shows the next one is open."""
+    withheld: str = ""
+    """Why there is no update to send (NaN/Inf values), told to the coordinator with the wait
+    for the round's broadcast so the round does not wait for it; empty when there is one."""
 
     @property
     def round(self) -> int:
@@ -220,7 +223,9 @@ class PlainRounds(RoundRunner):
             round=round_number, update=encoded, loss=result.loss, samples=result.samples,
             inner_steps=result.steps, inner_time_s=result.seconds, started_s=started, phases_s=phases,
         )
-        return PendingUpdate(trained, state=PENDING_NEW if encoded is not None else PENDING_DROPPED)
+        if encoded is not None:
+            return PendingUpdate(trained)
+        return PendingUpdate(trained, state=PENDING_DROPPED, withheld=self.withheld)
 
     def _encode_added(self, round_number: int, samples: int) -> UplinkUpdate | None:
         """The round's update encoded with the pseudo-gradient ``θ_t − θ_k`` added into the
@@ -309,7 +314,7 @@ class PlainRounds(RoundRunner):
         """Wait for ``pending``'s round's broadcast and apply it; the update goes back into
         the residual when the round did not aggregate it."""
         bytes_down_before = self.client.stats.received
-        answer = self._await_broadcast(pending.round, opened)
+        answer = self._await_broadcast(pending.round, opened, withheld=pending.withheld)
         if answer is None:
             self.pending = None
             return

@@ -37,7 +37,11 @@ from geoloco.site_agent.state import SiteState
 from geoloco.site_agent.trainer import SiteTrainer
 from geoloco.site_agent.uplink import SiteUplink, UplinkUpdate
 
-__all__ = ["RoundRunner", "TrainedUpdate"]
+__all__ = ["WITHHELD_NON_FINITE", "RoundRunner", "TrainedUpdate"]
+
+WITHHELD_NON_FINITE = "its pseudo-gradient had NaN/Inf values (lower the inner lr if it happens again)"
+"""What a site tells the coordinator when it withholds a non-finite update
+(``AwaitBroadcastRequest.withheld``)."""
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +100,8 @@ class RoundRunner(ABC):
         self._client = client
         self._on_boundary = on_boundary
         """Called at every round boundary (the agent saves the site's state there)."""
+        self.withheld = ""
+        """Why the latest ``_encode`` sent nothing (``WITHHELD_NON_FINITE``); empty otherwise."""
         self.transfer_phases_s: dict[str, float] = {}
         """The upload, wait, download, apply and verify seconds of the latest round (sent with
         the next upload: ``TrainedUpdate.phases_s``)."""
@@ -197,16 +203,17 @@ class RoundRunner(ABC):
         return True
 
     def _await_broadcast(
-        self, round_number: int, opened: OpenBroadcast | None = None
+        self, round_number: int, opened: OpenBroadcast | None = None, *, withheld: str = ""
     ) -> tuple[pb.BroadcastHeader, memoryview | None] | None:
         """Round ``round_number``'s broadcast (through ``opened`` when the wait was opened
         before the upload); None when the run finished instead. The seconds until its header
-        (``wait``) and then until its last byte (``download``) go into ``transfer_phases_s``."""
+        (``wait``) and then until its last byte (``download``) go into ``transfer_phases_s``.
+        ``withheld``: the site sends no update to the round, and why."""
         self.state.phase = pb.SITE_PHASE_WAITING
         started = time.monotonic()
         try:
             answer = self.client.await_broadcast(
-                round_number, on_progress=self._on_progress, opened=opened
+                round_number, on_progress=self._on_progress, opened=opened, withheld=withheld
             )
             done = time.monotonic()
             header_at = min(max(self.client.stats.broadcast_header_s, started), done)
@@ -252,15 +259,20 @@ class RoundRunner(ABC):
         self, update: torch.Tensor, round_number: int, fragment: int, samples: int
     ) -> UplinkUpdate | None:
         """``update`` (the round's pseudo-gradient) for the wire; None for a non-finite update
-        (not sent; the fragment's residual is reset) or one the secure sum cannot take."""
+        (not sent; the fragment's residual and the inner optimizer's state are reset: a NaN in
+        AdamW's moments would make every later update NaN too) or one the secure sum cannot
+        take."""
         if not all_finite(update):
             logger.error(
                 "site %s: the pseudo-gradient of round %d (fragment %d) has NaN/Inf values; not "
-                "uploading it and resetting the error-feedback residual", self.site, round_number,
-                fragment,
+                "uploading it, resetting the error-feedback residual and the inner optimizer's "
+                "state", self.site, round_number, fragment,
             )
             self.uplink.reset(fragment)
+            self.trainer.reset_optimizer_state()
+            self.withheld = WITHHELD_NON_FINITE
             return None
+        self.withheld = ""
         return self.uplink.encode(
             update, round_seed=self.state.round_seed(round_number), fragment=fragment, samples=samples
         )

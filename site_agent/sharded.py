@@ -83,6 +83,7 @@ from geoloco.site_agent.persist import (
     lock_state_dir,
     run_fingerprint,
 )
+from geoloco.site_agent.runner import WITHHELD_NON_FINITE
 from geoloco.site_agent.state import SiteState
 
 __all__ = ["ShardedRound", "ShardedRunSummary", "ShardedSite", "local_shard", "rank_state_dir"]
@@ -488,13 +489,14 @@ class ShardedSite:
             # As every site runner does (``RoundRunner._encode``): not sent, the residual reset.
             logger.error(
                 "site %s rank %d: the pseudo-gradient of round %d has NaN/Inf values on %d of %d ranks; "
-                "not uploading it and resetting the error-feedback residual (lower the inner lr if it "
-                "happens again)", self.site, self.rank, round_number, self.world_size - int(finite_ranks),
-                self.world_size,
+                "not uploading it, resetting the error-feedback residual and the inner optimizer's "
+                "state (lower the inner lr if it happens again)", self.site, self.rank, round_number,
+                self.world_size - int(finite_ranks), self.world_size,
             )
             del update
             self.encoder = self._new_encoder(algorithm)
-            return self._take_broadcast(round_number, None, None)
+            self.optimizer.state.clear()  # AdamW's moments hold the NaN now; every later step would too
+            return self._take_broadcast(round_number, None, None, withheld=WITHHELD_NON_FINITE)
         seed = uplink_seed(round_seed, self.site, algorithm.uplink_codec)
         encoded = self.encoder.encode(update, seed=seed)
         del update
@@ -521,14 +523,15 @@ class ShardedSite:
         return self._take_broadcast(round_number, encoded, opened)
 
     def _take_broadcast(
-        self, round_number: int, encoded: Encoded | None, opened: OpenBroadcast | None
+        self, round_number: int, encoded: Encoded | None, opened: OpenBroadcast | None, *, withheld: str = ""
     ) -> pb.BroadcastHeader | None:
         """Wait for round ``round_number``'s broadcast and apply it; ``encoded`` (this rank's
         upload, None when nothing was sent) goes back into the residual when the round did not
-        count it. None when the run finished meanwhile."""
+        count it; ``withheld``: why the site sends nothing (the round stops waiting for it).
+        None when the run finished meanwhile."""
         assert self.encoder is not None
         try:
-            header, data = self.client.await_broadcast(round_number, opened=opened)
+            header, data = self.client.await_broadcast(round_number, opened=opened, withheld=withheld)
         except RunFinished:
             return None
         if header.included:

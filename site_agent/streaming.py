@@ -75,6 +75,8 @@ class _InFlight:
     """``time.monotonic()`` when its first upload attempt started."""
     back_s: float | None = None
     """...and when its broadcast had arrived (None: not on the first attempt)."""
+    withheld: str = ""
+    """Why there is no fragment to send (``RoundRunner.withheld``), said with the wait."""
 
     @property
     def round(self) -> int:
@@ -202,7 +204,10 @@ class StreamingRounds(RoundRunner):
             inner_steps=steps + self._overlap.steps, inner_time_s=result.seconds + self._overlap.seconds,
             started_s=started,
         )
-        return _InFlight(trained=trained, fragment=fragment_index, bytes_down_before=bytes_down_before)
+        return _InFlight(
+            trained=trained, fragment=fragment_index, bytes_down_before=bytes_down_before,
+            withheld=self.withheld if encoded is None else "",
+        )
 
     def _send_and_wait(self, flight: _InFlight) -> None:
         """Background thread: upload the fragment (if any), then wait for the round's broadcast."""
@@ -231,7 +236,7 @@ class StreamingRounds(RoundRunner):
                     logger.error("site %s: the coordinator rejected round %d's fragment: %s",
                                  self.site, trained.round, why)
             try:
-                flight.header, flight.data = client.await_broadcast(trained.round)
+                flight.header, flight.data = client.await_broadcast(trained.round, withheld=flight.withheld)
                 if first_attempt:
                     flight.back_s = time.monotonic()
             except RunFinished:

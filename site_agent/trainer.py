@@ -126,6 +126,9 @@ class SiteTrainer:
         self._data = iter(data)
         self._stop = stop
         self._steps_done = 0
+        self._followers_reset = False
+        """The leader reset its optimizer's state: the other ranks reset theirs before their next
+        round (``tell_followers_to_train``)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -147,6 +150,14 @@ class SiteTrainer:
     def flatten(self) -> torch.Tensor:
         """The model's parameters as one flat fp32 vector (a copy)."""
         return self.layout.flatten(self.module)
+
+    def reset_optimizer_state(self) -> None:
+        """Forget the inner optimizer's state (AdamW's moments, step counts): after a step with
+        NaN/Inf values it holds them, and every later step would too. The other ranks of a
+        multi-rank site (whose gradients were averaged with the bad ones) reset theirs with
+        their next round. The lr schedule is the site's step count and stays."""
+        self.optimizer.state.clear()
+        self._followers_reset = self.is_distributed
 
     def train_only(self, trained: Sequence[bool] | None) -> None:
         """Partial Parameter Updates: train only the tensors marked True (layout order), as the
@@ -330,8 +341,9 @@ class SiteTrainer:
         if self.is_distributed and self.group is not None and self.group.is_leader:
             self.group.broadcast_object(
                 {"action": ACTION_TRAIN, "round": round_number, "inner_steps": inner_steps,
-                 "time_budget_s": budget_s}
+                 "time_budget_s": budget_s, "reset_optimizer": self._followers_reset}
             )
+            self._followers_reset = False
 
     def stop_followers(
         self, weights: torch.Tensor | None, *, round_number: int, finished: bool, rounds_included: int
@@ -366,6 +378,8 @@ class SiteTrainer:
                 )
             if start is None:
                 start = torch.empty(self.layout.numel, dtype=torch.float32, device=self.device)
+            if control.get("reset_optimizer"):
+                self.optimizer.state.clear()
             self.train_round(start, int(control["round"]), int(control["inner_steps"]),
                              control.get("time_budget_s"))
             rounds_trained += 1

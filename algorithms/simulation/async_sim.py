@@ -431,9 +431,11 @@ class DecoupledSimulator:
         self, site: _Site, trainer_site: SimSite, phase: _Phase, now: float
     ) -> tuple[int, list[float], int]:
         """Run ``phase``'s steps on the shared model (left holding the trained weights): from its
-        base version, and with ``rebase`` each merge that reached the site before ``now`` taken
-        in after the steps done by its arrival. Returns the version the update is measured
-        from, the step losses and the samples."""
+        base version, and with ``rebase`` each merge that reached the site while a step of the
+        phase was still to come taken in at the next step boundary (one that arrives during the
+        last step is not: no step would start from it, so it would only relabel the update as
+        fresher than its steps are). Returns the version the update is measured from, the step
+        losses and the samples."""
         base_version = phase.base
         self.trainer.load(self._versions[base_version])
         losses: list[float] = []
@@ -446,6 +448,8 @@ class DecoupledSimulator:
             if arrived_s > now:
                 break
             steps = max(takes[-1][0] if takes else 0, self._steps_begun_by(site, phase, arrived_s))
+            if steps >= phase.steps:
+                break  # no step of this phase follows: it is taken in by the next phase's start
             if takes and takes[-1][0] == steps:
                 takes.pop()
             takes.append((steps, version))

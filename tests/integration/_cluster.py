@@ -74,10 +74,11 @@ class Run:
 
     def agent(
         self, certs: Path, port: int, index: int, results: list[RoundResult] | None = None, *, pause_s: float = 0.0,
-        state_dir: Path | None = None,
+        state_dir: Path | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
     ) -> SiteAgent:
         """Site ``index``'s agent; ``pause_s``: seconds it sleeps before each batch (a slow site);
-        ``state_dir``: where it saves its state (``SiteAgentConfig.state_dir``)."""
+        ``state_dir``: where it saves its state (``SiteAgentConfig.state_dir``); ``loss_fn``:
+        instead of the workload's."""
         model = self.workload.build_model(self.seed)
         name = str(index)
         batches = self.workload.site_batches(index, self.num_sites, self.seed)
@@ -85,7 +86,7 @@ class Run:
             model,
             self.inner.build(model.parameters()),
             _paused(batches, pause_s) if pause_s else batches,
-            self.workload.loss,
+            loss_fn if loss_fn is not None else self.workload.loss,
             coordinator=f"localhost:{port}",
             site=name,
             tls=TLSFiles.from_dir(certs, name),

@@ -120,10 +120,12 @@ class Site:
         response: pb.UploadResponse = self.stub.Upload(upload_requests(manifest, data), timeout=20)
         return response
 
-    def await_broadcast(self, round_number: int = 0) -> tuple[pb.BroadcastHeader, bytes]:
+    def await_broadcast(self, round_number: int = 0, *, withheld: str = "") -> tuple[pb.BroadcastHeader, bytes]:
         download = Download()
         responses = self.stub.AwaitBroadcast(
-            pb.AwaitBroadcastRequest(session_id=self.session, round=round_number, instance_id=self.instance),
+            pb.AwaitBroadcastRequest(
+                session_id=self.session, round=round_number, instance_id=self.instance, withheld=withheld
+            ),
             timeout=60,
         )
         header = read_broadcast_stream(responses, download)

@@ -207,3 +207,34 @@ def test_an_update_refused_at_the_relay_is_reported_so_the_round_does_not_wait_f
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
     assert record["rejected"] == ["site-a"]
+
+
+def test_a_site_that_withholds_its_update_through_a_relay_is_not_waited_for(certs: Path, tmp_path: Path) -> None:
+    """A site whose pseudo-gradient had NaN/Inf values sends none and says so with its wait for
+    the broadcast (``AwaitBroadcastRequest.withheld``). Through a relay, the relay's partial names
+    it as rejected with that reason, so the coordinator, which waits for every site here (no
+    deadline), closes the round with the other three instead of waiting for ever."""
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    server = coordinator(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3)
+    relays = {name: relay(certs, name, server.port) for name in REGIONS}
+    sites = {n: Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names}
+    try:
+        for s in sites.values():
+            s.join()
+        with ThreadPoolExecutor(4) as pool:
+            withheld = pool.submit(sites["site-a"].await_broadcast, withheld="its pseudo-gradient had NaN/Inf values")
+            uploads = [pool.submit(sites[n].upload, ups[n], "none") for n in ("site-b", "site-c", "site-d")]
+            assert all(u.result(timeout=60).complete for u in uploads)
+            header, _ = withheld.result(timeout=60)
+        assert not header.included and header.num_contributors == 3
+    finally:
+        for s in sites.values():
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
+    assert record["rejected"] == ["site-a"]
+    assert record["rejected_reasons"]["site-a"].startswith("the site sent no update: its pseudo-gradient had NaN/Inf")

@@ -1,0 +1,64 @@
+"""A site whose update has NaN/Inf values: withheld, said so, and the site recovers.
+
+Three sites over gRPC with mutual TLS; every round waits for every member site (no round
+deadline; ``min_sites`` = 2 lets a round close with two). Site 2's first inner step of round 1
+has a NaN loss, which makes its gradients, its weights and its AdamW moments NaN. The site does
+not upload that round, tells the coordinator so with its wait for the broadcast
+(``AwaitBroadcastRequest.withheld``), resets its error-feedback residual and its inner
+optimizer's state, and counts again from round 2. Before, the round waited for the site for ever
+(nothing closes a round that waits for every site without a deadline), and with the NaN moments
+every later update of the site was NaN too.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from _cluster import AgentThread, Run, make_certs
+
+from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.coordinator.metrics import read_metrics
+from geoloco.scenarios.workloads import build_workload
+
+INNER_STEPS = 4
+POISONED_CALL = INNER_STEPS  # the first inner step of round 1
+
+
+def test_a_site_withholds_a_non_finite_update_and_counts_again_after_it(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs", ["0", "1", "2"])
+    run = Run(
+        workload=build_workload("mlp"), num_sites=3, rounds=4, seed=1,
+        algorithm=AlgorithmConfig(inner_steps=INNER_STEPS, uplink_codec="int8"),
+    )
+    calls = [0]
+
+    def poisoned(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        loss = run.workload.loss(model, batch)
+        calls[0] += 1
+        return loss * math.nan if calls[0] - 1 == POISONED_CALL else loss
+
+    metrics = tmp_path / "metrics.jsonl"
+    server = run.start_coordinator(certs, metrics_path=str(metrics), min_sites=2)
+    threads = [
+        AgentThread(run.agent(certs, server.port, k, loss_fn=poisoned if k == 2 else None)) for k in range(3)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        summaries = [thread.finish(90) for thread in threads]
+        assert server.wait_until_finished(30)
+    finally:
+        server.stop(grace=0)
+    records = read_metrics(metrics)
+    assert [sorted(r["participants"]) for r in records] == [
+        ["0", "1", "2"], ["0", "1"], ["0", "1", "2"], ["0", "1", "2"]
+    ]
+    assert "NaN/Inf" in records[1]["rejected_reasons"]["2"]
+    assert "sent no update" in records[1]["rejected_reasons"]["2"]
+    assert all(s.run_finished for s in summaries)
+    assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
+    assert bool(torch.isfinite(server.rounds.weights).all())
+    assert summaries[2].rounds_included == 3

@@ -5,23 +5,22 @@ once, each on its own thread:
 
 * **training** (the agent's loop, ``step``): a phase of H inner steps starts from the newest
   global model the site has fully received, ``θ_v``; the trained weights ``θ_k`` are handed to
-  the uploader, and the next phase starts at once. Not from the site's own weights (except while the uploader is busy,
-  below): the coordinator merges an update
-  into whatever model it holds then, so the update must be measured from a model the
-  coordinator knows, or the next update would carry this one's movement a second time
+  the uploader, and the next phase starts at once. Not from the site's own weights (except
+  while the uploader is busy, below): the coordinator merges an update into whatever model it
+  holds then, so the update must be measured from a model the coordinator knows, or the next
+  update would carry this one's movement a second time
   (``geoloco.algorithms.simulation.async_sim`` explains the same choice for the simulator);
 * **the follower**: waits for every merge's broadcast and applies it to the held global
   weights (digest-checked; a site that fell behind fetches the full weights);
 * **the uploader**: forms each update's pseudo-gradient ``θ_v − θ_k`` and encodes it (error
   feedback as in synchronous rounds; off the training thread, so a phase never waits for the
-  encoder), then sends it labelled with its base version ``v``. The coordinator
-  puts it into the merge that is open (``geoloco.coordinator.intake``), discounted by its
-  staleness, or holds it for the next merge when the site's previous update is already in the
-  open one, and answers with the merge's number; the site's update after that waits until that
-  merge is open (one update per site and merge, one held). An update the coordinator cannot take
-  now (its merge is being applied) is sent again after the next broadcast; one beyond
-  ``max_staleness`` goes back into the error-feedback residual, as a synchronous round's
-  missed update does.
+  encoder), then sends it labelled with its base version ``v``. The coordinator puts it into the
+  merge that is open (``geoloco.coordinator.intake``), discounted by its staleness, or holds it
+  for the next merge when the site's previous update is already in the open one, and answers
+  with the merge's number; the site's update after that waits until that merge is open (one
+  update per site and merge, one held). An update the coordinator cannot take now (its merge is
+  being applied) is sent again after the next broadcast; one beyond ``max_staleness`` goes back
+  into the error-feedback residual, as a synchronous round's missed update does.
 
 Training does not wait for the link: while the uploader has not yet taken the previous update (a
 link slower than the phases, or down), the site trains on from its own weights, and the update it

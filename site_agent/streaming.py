@@ -269,6 +269,15 @@ class StreamingRounds(RoundRunner):
             self.uplink.restore(trained.update)
         resynced = self._apply_broadcast(trained.round, header, flight.data)
         state.take_broadcast_header(header)
+        if flight.withheld:
+            # The site's own weights hold the NaN/Inf values (they carry over between rounds here,
+            # unlike in plain rounds): it goes on from the global weights. The overlap steps trained
+            # from them meanwhile are dropped, and the optimizer's state they touched is reset again.
+            logger.warning("site %s: going on from the global weights of round %d after NaN/Inf values",
+                           self.site, state.held_round)
+            self.trainer.load_(state.global_weights)
+            self.trainer.reset_optimizer_state()
+            self._overlap = _Overlap()
         self._report(
             trained, header, included=bool(header.included), resynced=resynced,
             bytes_up=len(trained.update.data) if flight.uploaded and trained.update is not None else 0,

@@ -187,6 +187,18 @@ def _connections(port: int) -> int:
     return count
 
 
+def _connections_settled(port: int, reads: int = 3, gap_s: float = 0.02) -> int:
+    """The median of ``reads`` counts ``gap_s`` apart: ``/proc/net/tcp`` is produced a page at a
+    time, not as one snapshot, so a read while other sockets open or close can skip or repeat a
+    line, and a channel's reconnect holds one connection too many or too few for a moment."""
+    counts = []
+    for k in range(reads):
+        if k:
+            time.sleep(gap_s)
+        counts.append(_connections(port))
+    return sorted(counts)[reads // 2]
+
+
 def _processes_cpu(pids: list[int]) -> float:
     """CPU seconds (user + system, all threads) of the processes ``pids`` so far; 0 for any gone."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -315,7 +327,7 @@ def _role_coordinator(args: argparse.Namespace) -> None:
         start = time.thread_time()
         # At every round's end: one count can catch a site's channel reconnecting (a loaded
         # machine misses a keepalive) with its old and new connection both open for a moment.
-        baseline.setdefault("connections", []).append(_connections(server.port))
+        baseline.setdefault("connections", []).append(_connections_settled(server.port))
         if round_number == 0 and profiles is not None:
             baseline["profile"] = profiles.snapshot()
         return _thread_cpu(), time.thread_time() - start

@@ -62,10 +62,12 @@ def test_256_real_sites_on_one_coordinator_all_count_in_every_round(tmp_path: Pa
     result = json.loads((tmp_path / "out.json").read_text())["results"][0]
     assert result["finished"] and result["rounds"] == 2 and result["site_failures"] == 0
     assert result["participants"] == [256, 256] and result["dropped"] == 0
-    # One TCP connection per site: the fewest counted at a round's end. A site's channel that
-    # reconnects under load holds two for a moment; channels that shared a connection, or opened
-    # several, would show at every round's end.
-    assert result["connections"] == 256
+    # One TCP connection per site, counted at every round's end. Channels that shared a
+    # connection would show about 2 (one per worker process), channels that opened several 512 or
+    # more. Under load a few sites' channels are reconnecting at any moment (a missed keepalive):
+    # between their old and new connection they hold none or two, so a count is within a few of
+    # 256 (measured under two busy-loops: 250, 254, 257), never exactly 256 by rule.
+    assert 256 - 8 <= result["connections"] <= 256 and result["connections_max"] <= 256 + 8, result
     assert result["cpu_per_round_s"] > 0 and result["max_threads"] > 0
     assert not _ours(str(tmp_path))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("geoloco-many-sites-")]

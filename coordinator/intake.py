@@ -53,7 +53,7 @@ from geoloco.protos.errors import (
     WrongRoundError,
     quoted,
 )
-from geoloco.protos.upload_check import checked_update
+from geoloco.protos.upload_check import checked_update, withheld_reason
 from geoloco.protos.wire_assembly import UploadAssembler
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
 
@@ -76,8 +76,6 @@ MAX_SITE_METRICS = 32
 """Entries an upload's ``metrics`` map may have (they go into every round's record)."""
 MAX_METRIC_NAME_CHARS = 64
 """Characters of one metric's name."""
-MAX_WITHHELD_CHARS = 200
-"""Characters of a site's reason for withholding its update kept for the log and the record."""
 
 
 def run_most_inner_steps(algorithm: AlgorithmConfig) -> int | None:
@@ -323,11 +321,10 @@ class PlainIntake:
             return
         if site in r.core.contributed or site in r.core.rejected:
             return
-        said = withheld[:MAX_WITHHELD_CHARS]
-        why = f"the site sent no update: {said}"
+        why = withheld_reason(withheld)
         r.core.reject(site, why)
         self.rejected(site, round_number, why)
-        logger.warning("site %s sends no update to round %d: %s", site, round_number, said)
+        logger.warning("site %s: %s (round %d)", site, why, round_number)
 
     def shutdown(self) -> None:
         self.verifier.shutdown(wait=False)

@@ -8,6 +8,9 @@ norm is summed in float64, so it differs from the float32 norm of a decoded tens
 (``update_guard.update_norm``) by float32 rounding (~1e-5 relative at 1M values); the guard
 only compares it with a bound. Robust and central-DP aggregations hold or clip dense updates by
 design and get the decoded tensor.
+
+``withheld_reason`` words the rejection of a site that sent no update and said why, for the
+coordinator and a relay alike.
 """
 
 from __future__ import annotations
@@ -20,7 +23,16 @@ from geoloco.compression import CodecError, Encoded, decode, decoded_norm
 from geoloco.protos.errors import InvalidUpdateError
 from geoloco.protos.wire_buffers import DEFAULT_CHECKSUM
 
-__all__ = ["checked_update"]
+__all__ = ["MAX_WITHHELD_CHARS", "checked_update", "withheld_reason"]
+
+MAX_WITHHELD_CHARS = 200
+"""Characters of a site's reason for withholding its update kept for the log and the record."""
+
+
+def withheld_reason(said: str) -> str:
+    """The rejection reason for a site that sent no update and said why
+    (``AwaitBroadcastRequest.withheld``): the same words at the coordinator and at a relay."""
+    return f"the site sent no update: {said[:MAX_WITHHELD_CHARS]}"
 
 
 def checked_update(

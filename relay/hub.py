@@ -43,7 +43,7 @@ from geoloco.protos.errors import (
     clip,
     quoted,
 )
-from geoloco.protos.upload_check import checked_update
+from geoloco.protos.upload_check import checked_update, withheld_reason
 from geoloco.protos.wire_assembly import Download, UploadAssembler, read_broadcast_stream
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
 from geoloco.protos.wire_manifests import blob_manifest
@@ -210,7 +210,7 @@ class RelayHub:
             r = self.round
             plain = self.run is not None and self.run.secure is None
             if plain and r.number == round_number and not r.forwarded and site not in r.updates:
-                r.withheld.setdefault(site, f"the site sent no update: {why[:200]}")
+                r.withheld.setdefault(site, withheld_reason(why))
         self.withdrew(site, round_number)
 
     def withdrew(self, site: str, round_number: int) -> None:

@@ -24,8 +24,10 @@ relay (``rejected``) do not exist there: the relay cannot read a masked update.
 Relayed partials are verified like a site's update (checksum, codec, shape, finite values). The
 norm and weight bounds of ``[update_guard]`` apply to each site's own update at the relay, which
 reports the sites it refused (``RelayedSite.rejected``): they are recorded as rejected here, as
-if the coordinator had refused them, so the round does not wait for them. The partial's own norm
-is not a site's and is not checked against the bound.
+if the coordinator had refused them, so the round does not wait for them; so are the sites that
+withheld their update (``AwaitBroadcastRequest.withheld``). A partial that counts no site carries
+no values (float32 ``[0]``). The partial's own norm is not a site's, but a weighted mean of
+updates within the guard's bound is within it too, so it is held to the same bound.
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ adds the same float64 numbers; only the order of a float64 sum can differ)."""
 def relay_link(relay: str) -> str:
     """The name a relay's bytes are counted under in a round's ``bytes_up``/``bytes_down``."""
     return f"relay:{relay}"
+
+
+def _partial_numel(intake: PlainIntake, round_number: int, relayed: Sequence[RelayedSite]) -> int:
+    """Values a relay's partial for ``round_number`` carries: the round's update size, or none
+    when it counts no site (it only reports refusals; its relay may not know the size)."""
+    return intake.ctx.update_numel(round_number) if any(not r.rejected for r in relayed) else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,13 +272,14 @@ class RelayedUploads:
                 f"relay {relay!r}'s partial sum uses codec {quoted(spec.codec)}; a relay sends "
                 f"{RELAYED_CODEC!r} (lossless) or the run's uplink codec {intake.uplink_codec!r} upward"
             )
-        numel = ctx.update_numel(spec.round)
+        counts = any(not r.rejected for r in relayed)
+        numel = _partial_numel(intake, spec.round, relayed)
         if spec.dtype != "float32" or list(spec.shape) != [numel]:
+            needs = "the round needs" if counts else "a partial that counts no site (only refusals) carries no values:"
             raise InvalidUpdateError(
-                f"relay {relay!r}'s partial sum is {quoted(spec.dtype)} {list(spec.shape)}; the round "
-                f"needs float32 [{numel}]"
+                f"relay {relay!r}'s partial sum is {quoted(spec.dtype)} {list(spec.shape)}; {needs} float32 [{numel}]"
             )
-        if spec.fragment != ctx.fragment_of(spec.round):
+        if counts and spec.fragment != ctx.fragment_of(spec.round):
             raise InvalidUpdateError(
                 f"relay {relay!r}'s upload for round {spec.round} names fragment {spec.fragment}; that "
                 f"round synchronises fragment {ctx.fragment_of(spec.round)}"
@@ -324,7 +333,7 @@ class RelayedUploads:
         verify_start = time.monotonic()
         data = assembler.finish()
         mean, norm, finite = checked_update(
-            what, data, spec.checksum[0], codec=spec.codec, numel=ctx.update_numel(spec.round),
+            what, data, spec.checksum[0], codec=spec.codec, numel=_partial_numel(intake, spec.round, relayed),
             device=intake.device, dense=True,
         )
         del data

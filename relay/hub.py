@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import torch
 
-from geoloco.algorithms.aggregation import RunningSum
+from geoloco.algorithms.aggregation import CountingAggregation, RunningSum
 from geoloco.algorithms.engine import UNSCREENED, RoundEngine, Screen
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.update_guard import UpdateGuard, UpdateGuardConfig
@@ -210,7 +210,14 @@ class RelayHub:
             r = self.round
             plain = self.run is not None and self.run.secure is None
             if plain and r.number == round_number and not r.forwarded and site not in r.updates:
-                r.withheld.setdefault(site, withheld_reason(why))
+                if r.core is None:
+                    # No upload opened the round yet, and perhaps none will (every site of the
+                    # relay withholding): the round opens here, so its close rule can send the
+                    # partial that reports the refusals. Its first upload sets its running sum.
+                    r.core = self.engine.open(r.number, CountingAggregation(), r.opened_s)
+                    self.engine.maybe_start(r.core, self.clock(), members=len(self.members))
+                if site not in r.core.rejected:
+                    r.core.reject(site, withheld_reason(why))
         self.withdrew(site, round_number)
 
     def withdrew(self, site: str, round_number: int) -> None:
@@ -279,6 +286,8 @@ class RelayHub:
             if r.core is None:  # the round's first upload: its size and its clock
                 r.core = self.engine.open(r.number, RunningSum(numel=int(numel)), r.opened_s)
                 self.engine.maybe_start(r.core, self.clock(), members=len(self.members))
+            elif isinstance(r.core.aggregation, CountingAggregation):  # opened by a withheld update
+                r.core.aggregation = RunningSum(numel=int(numel))
             return assembler
 
     def _validate(self, site: str, manifest: pb.UploadManifest, r: RelayRound) -> None:
@@ -477,12 +486,13 @@ class RelayHub:
         before = self.residuals.get(fragment)
         if sites:
             encoded, residual = encode_partial(mean, r.weight, codec, before, seed=r.number)
-        else:  # every update was refused: the partial only reports that
+        else:  # every update was refused or withheld: the partial only reports that
             encoded, residual = encode_partial(mean, 1.0, "none", None)
         self._sent_residual = (fragment, before)
         if residual is not None:
             self.residuals[fragment] = residual
         data = encoded.to_bytes()
+        shape = list(mean.shape)
         del mean
         manifest = pb.UploadManifest(
             site="",
@@ -492,7 +502,7 @@ class RelayHub:
             sample_weight=r.weight,
             inner_steps=sum(r.updates[s].inner_steps for s in sites),
             blob=blob_manifest(
-                data, codec=encoded.spec, shape=list(r.shape or ()), dtype="float32", chunk_size=self.config.chunk_size
+                data, codec=encoded.spec, shape=shape, dtype="float32", chunk_size=self.config.chunk_size
             ),
             relayed_sites=[
                 pb.RelayedSite(

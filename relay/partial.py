@@ -59,8 +59,9 @@ class SiteUpdate:
 class RelayWait:
     """A relay's close rule (the round engine's ``ClosePolicy``): its partial goes upward when
     every site it waits for is in, refused or withdrew, or ``max_wait_s`` after the round's
-    first upload opened (its clock). A round whose every update was refused still goes up, to
-    tell the coordinator so; a round without any update waits."""
+    first upload or withheld update opened it (its clock). A round whose every update was
+    refused or withheld still goes up, to tell the coordinator so; a round without any update
+    waits."""
 
     def __init__(self, max_wait_s: float) -> None:
         self.max_wait_s = max_wait_s
@@ -99,9 +100,6 @@ class RelayRound:
     withdrawn: set[str] = field(default_factory=set)
     """Sites that gave the round up (a secure ``withdraw`` stage call, or a withheld update):
     not waited for."""
-    withheld: dict[str, str] = field(default_factory=dict)
-    """site -> why it sends no update this round (``AwaitBroadcastRequest.withheld``): named in
-    the partial as rejected, so the coordinator does not wait for it either."""
     forwarded: bool = False
     """The partial went upward (or is going): later uploads are too late for this round."""
     outcome: str = ""
@@ -118,7 +116,12 @@ class RelayRound:
     @property
     def rejected(self) -> dict[str, str]:
         """site -> why its upload was refused this round, or why it sent none."""
-        return {**self.withheld, **({} if self.core is None else self.core.rejected)}
+        return {} if self.core is None else dict(self.core.rejected)
+
+    @property
+    def counted(self) -> bool:
+        """Some site's update is in the partial (it carries values, not only refusals)."""
+        return bool(self.updates)
 
     @property
     def weight(self) -> float:
@@ -152,13 +155,13 @@ class RelayRound:
             buffer[:] = bytes(len(buffer))
 
     def mean(self) -> torch.Tensor:
-        """``Σ w_k g_k / W``, the partial the relay sends upward with weight ``W`` (zeros with
-        ``W = 0`` when every update was refused: the partial then only reports the refusals)."""
+        """``Σ w_k g_k / W``, the partial the relay sends upward with weight ``W``; empty when no
+        update counted (every one refused or withheld): the partial then only reports the
+        refusals, and carries no values (float32 ``[0]``), whatever size the round's updates
+        would have had (the relay may not know it: none of its sites uploaded)."""
         aggregation = None if self.core is None else self.core.aggregation
         if not isinstance(aggregation, RunningSum) or aggregation.total_weight == 0:
-            if self.shape is None:
-                raise ValueError(f"round {self.number}: no upload to forward")
-            return torch.zeros(self.shape, dtype=torch.float32)
+            return torch.zeros(0, dtype=torch.float32)
         return aggregation.result()
 
 

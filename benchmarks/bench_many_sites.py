@@ -498,6 +498,123 @@ def _role_worker(args: argparse.Namespace) -> None:
     os._exit(0)  # daemon site threads that did not end would hold up a normal exit
 
 
+# --- worker process: many light sites as asyncio tasks ---------------------------------------
+
+
+def _role_light_worker(args: argparse.Namespace) -> None:
+    """``--client light``: every site of this process is an asyncio task on one event loop, with
+    its own channel (and TCP connection), speaking the protocol directly: Join, heartbeats at
+    the run's interval, per round one Upload of a fixed encoded update (codec ``none``) and
+    one AwaitBroadcast read to its end, then Leave. No model, no training, no fetch: what the
+    coordinator serves is the same, while a site costs a few hundred microseconds a round, so
+    two cores can hold a thousand of them and the figures are the coordinator's."""
+    _exit_with_parent()
+    import asyncio
+    import uuid
+
+    import grpc
+    import torch
+
+    from geoloco.compression import parse_codec
+    from geoloco.protos import geoloco_pb2 as pb
+    from geoloco.protos import geoloco_pb2_grpc as pb_grpc
+    from geoloco.protos.protocol_version import PROTOCOL_VERSION
+    from geoloco.protos.transport_tls import TLSFiles
+    from geoloco.protos.wire_chunks import iter_chunks
+    from geoloco.protos.wire_manifests import blob_manifest
+
+    torch.set_num_threads(1)
+    first, last = (int(x) for x in args.range.split(":"))
+    outcomes: dict[str, str] = {}
+    target = f"localhost:{args.port}"
+
+    def channel(name: str) -> grpc.aio.Channel:
+        options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20)]
+        if args.mode == "plain":
+            return grpc.aio.insecure_channel(target, options=options)
+        ca, cert, key = TLSFiles.from_dir(Path(args.certs), name).read()
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        return grpc.aio.secure_channel(target, credentials, options=options)
+
+    async def site(index: int) -> None:
+        name = _site_name(index)
+        instance = uuid.uuid4().hex
+        async with channel(name) as ch:
+            stub = pb_grpc.CoordinatorStub(ch)
+            joined = await stub.Join(pb.JoinRequest(site=name, protocol_version=PROTOCOL_VERSION, instance_id=instance))
+            session, numel = joined.session_id, int(joined.layout.numel)
+            update = torch.randn(numel, generator=torch.Generator().manual_seed(index)).mul_(1e-3)
+            data = parse_codec("none").encode(update).to_bytes()
+            interval = max(0.05, joined.config.heartbeat_interval_ms / 1000)
+            round_number = int(joined.round.round)
+
+            async def heartbeats() -> None:
+                while True:
+                    await asyncio.sleep(interval)
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await stub.Heartbeat(pb.HeartbeatRequest(
+                            site=name, session_id=session, round=round_number, phase=pb.SITE_PHASE_WAITING,
+                            instance_id=instance,
+                        ))
+
+            beating = asyncio.create_task(heartbeats())
+            try:
+                while True:
+                    manifest = pb.UploadManifest(
+                        site=name, session_id=session, round=round_number, sample_weight=8.0, inner_steps=1,
+                        instance_id=instance, blob=blob_manifest(data, codec="none", shape=[numel], dtype="float32"),
+                    )
+                    requests = [pb.UploadRequest(manifest=manifest)] + [
+                        pb.UploadRequest(chunk=pb.Chunk(index=c.index, data=bytes(c.data))) for c in iter_chunks(data)
+                    ]
+                    try:
+                        await stub.Upload(iter(requests))
+                    except grpc.aio.AioRpcError as error:  # late: the broadcast still comes
+                        if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                            raise
+                    header = None
+                    async for answer in stub.AwaitBroadcast(pb.AwaitBroadcastRequest(
+                        site=name, session_id=session, round=round_number, instance_id=instance,
+                    )):
+                        if answer.HasField("header"):
+                            header = answer.header
+                    if header is None:
+                        raise RuntimeError(f"round {round_number}: the broadcast stream ended without a header")
+                    if header.run_finished:
+                        break
+                    round_number = int(header.next_round.round)
+            finally:
+                beating.cancel()
+            await stub.Leave(pb.LeaveRequest(site=name, session_id=session, reason="run finished",
+                                             instance_id=instance))
+        outcomes[name] = "finished"
+
+    async def everyone() -> None:
+        async def one(index: int) -> None:
+            try:
+                await site(index)
+            except BaseException as error:  # noqa: BLE001 (reported in the worker's result)
+                outcomes[_site_name(index)] = f"{type(error).__name__}: {error}"[:300]
+
+        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(first, last))), args.timeout)
+
+    with contextlib.suppress(TimeoutError):
+        asyncio.run(everyone())
+    names = [_site_name(i) for i in range(first, last)]
+    failures = {site: o for site, o in outcomes.items() if o != "finished"}
+    failures.update({n: "did not end in time" for n in names if n not in outcomes})
+    Path(args.out).write_text(json.dumps({
+        "sites": len(names),
+        "finished": sum(o == "finished" for o in outcomes.values()),
+        "failures": dict(list(failures.items())[:10]),
+        "failed": len(failures),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "cpu_s": _process_cpu(),
+    }))
+    sys.stdout.flush()
+    os._exit(0)
+
+
 # --- driver ----------------------------------------------------------------------------------
 
 
@@ -564,7 +681,8 @@ def run_one(mode: str, sites: int, args: argparse.Namespace, work: Path, *, prof
 
     out = Path(tempfile.mkdtemp(prefix=f"{mode}-{sites}{'-profile' if profile else ''}-", dir=work))
     certs = work / "certs"
-    common = ["--mode", mode, "--certs", str(certs), "--timeout", str(args.timeout), "--sites", str(sites)]
+    common = ["--mode", mode, "--certs", str(certs), "--timeout", str(args.timeout), "--sites", str(sites),
+              "--client", args.client]
     if args.study is not None:
         common += ["--study", args.study, *(word for text in args.set for word in ("--set", text))]
     load_before = os.getloadavg()
@@ -647,10 +765,13 @@ def _load(values: Any) -> str:
     return "/".join(f"{v:.1f}" for v in values)
 
 
-def _report(results: list[dict[str, Any]], rounds: int, workers: int, study: str | None = None) -> None:
+def _report(
+    results: list[dict[str, Any]], rounds: int, workers: int, study: str | None = None, client: str = "agent"
+) -> None:
     tiny = f"tiny MLP ({4 * WIDTH * WIDTH + 3 * WIDTH:,} parameters), {rounds} rounds"
     what = f"the run of {study}" if study else tiny
-    print(f"\none coordinator process, N sites as SiteAgent threads in {workers} worker processes, {what}, "
+    kind = "SiteAgent threads" if client == "agent" else "light asyncio sites (protocol only)"
+    print(f"\none coordinator process, N sites as {kind} in {workers} worker processes, {what}, "
           "min_sites = max_sites = N, checkpoints off; medians and CPU over the rounds after the first\n")
     print("| mode | N | round (median) | between broadcasts | coordinator CPU per round | per site | "
           "vs smallest N | sites' CPU per round | coordinator peak RSS | max threads | dropped / site failures "
@@ -792,6 +913,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", default="plain,secure", help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--rounds", type=int, help=f"{DEFAULT_ROUNDS} unless given (with --study: the file's)")
     parser.add_argument("--workers", type=int, default=2, help="processes the sites are spread over")
+    parser.add_argument("--client", choices=["agent", "light"], default="agent",
+                        help="agent: SiteAgent threads that train; light: asyncio sites that only speak the "
+                             "protocol (plain and tls modes), for N in the thousands on a small machine")
     parser.add_argument("--profile", action="store_true", help="run each mode's largest N again under cProfile")
     parser.add_argument("--profile-sites", action="store_true",
                         help="with --profile: profile the first worker's sites too (slows the profiled run)")
@@ -821,7 +945,10 @@ def main(argv: list[str] | None = None) -> None:
         _role_coordinator(args)
         return
     if args.role == "worker":
-        _role_worker(args)
+        if args.client == "light":
+            _role_light_worker(args)
+        else:
+            _role_worker(args)
         return
     modes = args.mode.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -849,6 +976,9 @@ def main(argv: list[str] | None = None) -> None:
         counts = counts[-1:]
     elif args.set or args.simulator_seeds or args.simulator_runs:
         parser.error("--set, --simulator-seeds and --simulator-runs go with --study")
+    if args.client == "light" and (args.study is not None or "secure" in modes or args.profile_sites):
+        parser.error("--client light runs the plain and tls modes of the tiny model (its sites neither train "
+                     "nor mask); use --client agent for secure, --study and --profile-sites")
     args.rounds = DEFAULT_ROUNDS if args.rounds is None else args.rounds
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (the first round is left out of the figures)")
@@ -881,7 +1011,7 @@ def main(argv: list[str] | None = None) -> None:
                     profiled.append(run_one(mode, counts[-1], args, work, profile=True))
                 except Exception as error:  # noqa: BLE001 (reported after the table)
                     profiled.append(_failed(mode, counts[-1], error))
-    _report(results, args.rounds, args.workers, args.study)
+    _report(results, args.rounds, args.workers, args.study, args.client)
     simulator = _report_study(args, results) if args.study is not None else []
     args.json.parent.mkdir(parents=True, exist_ok=True)
     for result in profiled:

@@ -84,6 +84,8 @@ ROUND_RECORD_KEY = "round_record"
 BELOW_QUORUM_LOG_S = 30.0
 """A round waiting this long for its quorum is logged (who joined, who did not), then again at
 doubling intervals."""
+LOGGED_NAMES = 20
+"""Site names a log line lists before it says how many more there are."""
 
 
 @dataclass(slots=True)
@@ -185,12 +187,10 @@ class RoundPhases:
         self._below_quorum_logged_s = waited
         members = sorted(ctx.members)
         allowed = ctx.config.allowed_sites
-        missing = "" if allowed is None else (
-            f"; not joined: {', '.join(sorted(set(allowed) - set(members))) or 'none'}"
-        )
+        missing = "" if allowed is None else f"; not joined: {_some(sorted(set(allowed) - set(members)))}"
         logger.warning(
             "round %d waits for its quorum: %d of min_sites = %d sites joined (%s)%s; waiting for %.0f s",
-            ctx.round.number, len(members), ctx.policy.min_sites, ", ".join(members) or "none", missing, waited,
+            ctx.round.number, len(members), ctx.policy.min_sites, _some(members), missing, waited,
         )
 
     def finish_run(self, now: float) -> None:
@@ -657,3 +657,12 @@ class RoundPhases:
             metadata[ROUND_RECORD_KEY] = plain_record(record.to_dict())
         frozen: dict[str, Any] = json.loads(json.dumps(metadata))
         return frozen
+
+
+def _some(names: list[str], most: int = LOGGED_NAMES) -> str:
+    """``names`` for a log line, the first ``most`` of them and how many more: with a thousand
+    sites a line that names them all is unreadable (the status page lists them all)."""
+    if not names:
+        return "none"
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"

@@ -398,3 +398,20 @@ def test_a_process_joining_twice_before_any_other_call_is_not_logged_as_a_rejoin
     rounds.heartbeat("a", session, instance=instance)
     rounds.join("a", protocol_version=PROTOCOL_VERSION, instance=instance)
     assert len([r for r in caplog.records if "re-joined" in r.getMessage()]) == 1
+
+
+def test_a_quorum_wait_of_many_sites_names_twenty_and_counts_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    """With hundreds of sites a line naming every one is unreadable: the wait names the first
+    20 joined and the first 20 missing, and says how many more there are of each."""
+    clock = FakeClock()
+    names = [f"s{i:02d}" for i in range(50)]
+    rounds = make(clock, allowed_sites=names, min_sites=50, max_sites=50, heartbeat_timeout_s=1000.0)
+    caplog.set_level("WARNING", logger="geoloco.coordinator.phases")
+    for name in names[:25]:
+        join(rounds, name)
+    for _ in range(31):
+        clock.advance(1.0)
+        rounds.poll()
+    (wait,) = [r.getMessage() for r in caplog.records if "waits for its quorum" in r.getMessage()]
+    assert f"25 of min_sites = 50 sites joined ({', '.join(names[:20])} and 5 more)" in wait
+    assert f"not joined: {', '.join(names[25:45])} and 5 more;" in wait

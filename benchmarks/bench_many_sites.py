@@ -4,6 +4,8 @@
     python benchmarks/bench_many_sites.py --sites 16,64,128,256,512 --mode plain
     python benchmarks/bench_many_sites.py --sites 16,64 --mode secure --rounds 5 --workers 2
     python benchmarks/bench_many_sites.py --sites 256 --mode plain --profile   # + cProfile of N = 256
+    python benchmarks/bench_many_sites.py --sites 64,512,1024 --mode plain --client light
+                                                   # protocol-only sites: the coordinator at 1,024
     python benchmarks/bench_many_sites.py --sites 256 --mode secure \
         --study scenarios/privacy_frontier.toml --repeat 3 --simulator-runs 8 --simulator-seeds 3
                                                    # a study through real sites, beside the simulator
@@ -15,7 +17,9 @@ What runs, per mode and N (issue #30, "a load harness", as an operator would try
   step and codec ``none`` both ways, the other settings (heartbeats, admission) their defaults;
 * N sites: ``SiteAgent`` threads spread over ``--workers`` worker processes, each with its own
   channel and TCP connection (``_own_connections``), a tiny MLP (4,192 parameters), one SGD step
-  on a fixed batch per round;
+  on a fixed batch per round; or, with ``--client light``, asyncio tasks that speak the protocol
+  without training (``_role_light_worker``: plain and tls modes), so that a thousand sites fit
+  on a small machine beside the coordinator;
 * ``--rounds`` rounds, modes ``plain`` (no TLS), ``tls`` (mutual TLS, certificates from
   ``geoloco.scenarios.certs``) and ``secure`` (mutual TLS and ``[privacy] secure_aggregation``
   with the ``secagg+`` neighbour graph, clip 1.0, no DP).
@@ -519,6 +523,7 @@ def _role_light_worker(args: argparse.Namespace) -> None:
     from geoloco.protos import geoloco_pb2 as pb
     from geoloco.protos import geoloco_pb2_grpc as pb_grpc
     from geoloco.protos.protocol_version import PROTOCOL_VERSION
+    from geoloco.protos.transport_endpoints import channel_options
     from geoloco.protos.transport_tls import TLSFiles
     from geoloco.protos.wire_chunks import iter_chunks
     from geoloco.protos.wire_manifests import blob_manifest
@@ -526,19 +531,24 @@ def _role_light_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     first, last = (int(x) for x in args.range.split(":"))
     outcomes: dict[str, str] = {}
-    target = f"localhost:{args.port}"
+    target = f"127.0.0.1:{args.port}"
 
     def channel(name: str) -> grpc.aio.Channel:
-        options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20)]
+        # A real site's channel options (keepalive, retries of the unary calls), on its own connection.
+        options = channel_options([("grpc.use_local_subchannel_pool", 1)])
         if args.mode == "plain":
             return grpc.aio.insecure_channel(target, options=options)
         ca, cert, key = TLSFiles.from_dir(Path(args.certs), name).read()
         credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
         return grpc.aio.secure_channel(target, credentials, options=options)
 
+    doing: dict[int, str] = {}
+    """site index -> the call it is in (what a failure names)."""
+
     async def site(index: int) -> None:
         name = _site_name(index)
         instance = uuid.uuid4().hex
+        doing[index] = "Join"
         async with channel(name) as ch:
             stub = pb_grpc.CoordinatorStub(ch)
             joined = await stub.Join(pb.JoinRequest(site=name, protocol_version=PROTOCOL_VERSION, instance_id=instance))
@@ -567,12 +577,14 @@ def _role_light_worker(args: argparse.Namespace) -> None:
                     requests = [pb.UploadRequest(manifest=manifest)] + [
                         pb.UploadRequest(chunk=pb.Chunk(index=c.index, data=bytes(c.data))) for c in iter_chunks(data)
                     ]
+                    doing[index] = f"Upload of round {round_number}"
                     try:
                         await stub.Upload(iter(requests))
                     except grpc.aio.AioRpcError as error:  # late: the broadcast still comes
                         if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
                             raise
                     header = None
+                    doing[index] = f"AwaitBroadcast of round {round_number}"
                     async for answer in stub.AwaitBroadcast(pb.AwaitBroadcastRequest(
                         site=name, session_id=session, round=round_number, instance_id=instance,
                     )):
@@ -585,6 +597,7 @@ def _role_light_worker(args: argparse.Namespace) -> None:
                     round_number = int(header.next_round.round)
             finally:
                 beating.cancel()
+            doing[index] = "Leave"
             await stub.Leave(pb.LeaveRequest(site=name, session_id=session, reason="run finished",
                                              instance_id=instance))
         outcomes[name] = "finished"
@@ -594,7 +607,11 @@ def _role_light_worker(args: argparse.Namespace) -> None:
             try:
                 await site(index)
             except BaseException as error:  # noqa: BLE001 (reported in the worker's result)
-                outcomes[_site_name(index)] = f"{type(error).__name__}: {error}"[:300]
+                what = (
+                    f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError)
+                    else f"{type(error).__name__}: {error}"
+                )
+                outcomes[_site_name(index)] = f"{doing.get(index, '?')}: {what}"[:300]
 
         await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(first, last))), args.timeout)
 
@@ -602,7 +619,11 @@ def _role_light_worker(args: argparse.Namespace) -> None:
         asyncio.run(everyone())
     names = [_site_name(i) for i in range(first, last)]
     failures = {site: o for site, o in outcomes.items() if o != "finished"}
-    failures.update({n: "did not end in time" for n in names if n not in outcomes})
+    failures.update({n: f"did not end in time ({doing.get(i, '?')})" for i, n in enumerate(names, first)
+                     if n not in outcomes})
+    kinds = Counter(re.sub(r"\d+", "N", why)[:160] for why in failures.values())
+    for why, count in kinds.most_common(5):
+        sys.stderr.write(f"worker {args.range}: {count} sites failed: {why}\n")
     Path(args.out).write_text(json.dumps({
         "sites": len(names),
         "finished": sum(o == "finished" for o in outcomes.values()),

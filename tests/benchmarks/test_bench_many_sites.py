@@ -73,6 +73,28 @@ def test_256_real_sites_on_one_coordinator_all_count_in_every_round(tmp_path: Pa
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("geoloco-many-sites-")]
 
 
+def test_light_sites_speak_the_protocol_and_all_count(tmp_path: Path) -> None:
+    """``--client light``: asyncio sites that upload a fixed update and read the broadcast
+    without training, over mutual TLS. Every one counts in every round, each over its own
+    connection, so what the harness measures at a thousand sites is a real round's traffic."""
+    driver = _start(tmp_path, "--sites", "96", "--mode", "tls", "--rounds", "3", "--client", "light")
+    output, _ = driver.communicate(timeout=300)
+    assert driver.returncode == 0, output
+    assert "light asyncio sites" in output and "| mutual TLS | 96 |" in output, output
+    result = json.loads((tmp_path / "out.json").read_text())["results"][0]
+    assert result["finished"] and result["site_failures"] == 0 and result["dropped"] == 0, result
+    assert result["participants"] == [96, 96, 96]
+    assert 96 - 8 <= result["connections"] <= 96 and result["connections_max"] <= 96 + 8, result
+    assert not _ours(str(tmp_path))
+
+
+def test_light_sites_refuse_what_they_cannot_do(tmp_path: Path) -> None:
+    """Light sites neither train nor mask: secure aggregation is a usage error naming the way."""
+    driver = _start(tmp_path, "--sites", "8", "--mode", "secure", "--client", "light")
+    output, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 2 and "use --client agent for secure" in output, output
+
+
 STUDY = Path(__file__).resolve().parents[2] / "scenarios" / "privacy_frontier.toml"
 
 

@@ -17,7 +17,7 @@ What runs, per mode and N (issue #30, "a load harness", as an operator would try
   step and codec ``none`` both ways, the other settings (heartbeats, admission) their defaults;
 * N sites: ``SiteAgent`` threads spread over ``--workers`` worker processes, each with its own
   channel and TCP connection (``_own_connections``), a tiny MLP (4,192 parameters), one SGD step
-  on a fixed batch per round; or, with ``--client light``, asyncio tasks that speak the protocol
+  on a fixed batch per round; or, with ``--client light``, threads that speak the protocol
   without training (``_role_light_worker``: plain and tls modes), so that a thousand sites fit
   on a small machine beside the coordinator;
 * ``--rounds`` rounds, modes ``plain`` (no TLS), ``tls`` (mutual TLS, certificates from
@@ -289,6 +289,9 @@ def _role_coordinator(args: argparse.Namespace) -> None:
     study = _study(args)
     common: dict[str, Any] = {
         "min_sites": args.sites, "max_sites": args.sites, "insecure": plain,
+        **({} if args.heartbeat_s is None else {
+            "heartbeat_interval_s": args.heartbeat_s, "heartbeat_timeout_s": max(15.0, 7.5 * args.heartbeat_s),
+        }),
         "certs_dir": None if plain else args.certs, "metrics_path": str(out / "metrics.jsonl"),
     }
     eval_fn = None
@@ -502,18 +505,19 @@ def _role_worker(args: argparse.Namespace) -> None:
     os._exit(0)  # daemon site threads that did not end would hold up a normal exit
 
 
-# --- worker process: many light sites as asyncio tasks ---------------------------------------
+# --- worker process: many light sites -----------------------------------------------------
 
 
 def _role_light_worker(args: argparse.Namespace) -> None:
-    """``--client light``: every site of this process is an asyncio task on one event loop, with
-    its own channel (and TCP connection), speaking the protocol directly: Join, heartbeats at
-    the run's interval, per round one Upload of a fixed encoded update (codec ``none``) and
-    one AwaitBroadcast read to its end, then Leave. No model, no training, no fetch: what the
-    coordinator serves is the same, while a site costs a few hundred microseconds a round, so
-    two cores can hold a thousand of them and the figures are the coordinator's."""
+    """``--client light``: every site of this process is a thread with its own channel (and TCP
+    connection, a real site's channel options) that speaks the protocol directly: Join, per round
+    one Upload of a fixed encoded update (codec ``none``) and one AwaitBroadcast read to its end,
+    then Leave; a small pool sends every site's heartbeats at the run's interval. No model, no
+    training, no fetch: what the coordinator serves is the same, while a site costs about a
+    millisecond of CPU a round, so two cores hold a thousand of them beside the coordinator and
+    the figures are the coordinator's. (An asyncio version on one event loop per worker lost
+    connections at 1,024 sites: the page of this benchmark says what was seen.)"""
     _exit_with_parent()
-    import asyncio
     import uuid
 
     import grpc
@@ -523,107 +527,133 @@ def _role_light_worker(args: argparse.Namespace) -> None:
     from geoloco.protos import geoloco_pb2 as pb
     from geoloco.protos import geoloco_pb2_grpc as pb_grpc
     from geoloco.protos.protocol_version import PROTOCOL_VERSION
-    from geoloco.protos.transport_endpoints import channel_options
+    from geoloco.protos.transport_endpoints import client_channel
     from geoloco.protos.transport_tls import TLSFiles
     from geoloco.protos.wire_chunks import iter_chunks
     from geoloco.protos.wire_manifests import blob_manifest
 
     torch.set_num_threads(1)
     first, last = (int(x) for x in args.range.split(":"))
+    names = [_site_name(i) for i in range(first, last)]
+    TRANSIENT = {  # noqa: N806 (a constant of this worker)
+        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
+    }
     outcomes: dict[str, str] = {}
-    target = f"127.0.0.1:{args.port}"
+    doing: dict[str, str] = {}
+    """site -> the call it is in (what a failure names)."""
+    beating: dict[str, tuple[Any, pb.HeartbeatRequest]] = {}
+    """site -> (stub, its heartbeat) while it is in the run."""
+    lock = threading.Lock()
+    stop = threading.Event()
+    interval = [2.0]
+    retried: Counter[str] = Counter()
+    """Calls retried after a transport failure, by what failed (a real site retries them too)."""
 
-    def channel(name: str) -> grpc.aio.Channel:
-        # A real site's channel options (keepalive, retries of the unary calls), on its own connection.
-        options = channel_options([("grpc.use_local_subchannel_pool", 1)])
-        if args.mode == "plain":
-            return grpc.aio.insecure_channel(target, options=options)
-        ca, cert, key = TLSFiles.from_dir(Path(args.certs), name).read()
-        credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-        return grpc.aio.secure_channel(target, credentials, options=options)
+    def retrying(name: str, call: Any, attempts: int = 8) -> Any:
+        for attempt in range(attempts):
+            try:
+                return call()
+            except grpc.RpcError as error:
+                if error.code() not in TRANSIENT or attempt == attempts - 1:
+                    raise
+                with lock:
+                    retried[f"{doing.get(name, '?')}: {error.code().name}"] += 1
+                time.sleep(0.5 * (attempt + 1))
+        raise AssertionError("unreachable")
 
-    doing: dict[int, str] = {}
-    """site index -> the call it is in (what a failure names)."""
-
-    async def site(index: int) -> None:
-        name = _site_name(index)
+    def site(name: str, index: int) -> None:
+        plain = args.mode == "plain"
+        tls = None if plain else TLSFiles.from_dir(Path(args.certs), name)
+        channel = client_channel(
+            f"127.0.0.1:{args.port}", tls=tls, insecure=plain, server_name=None if plain else "localhost",
+            extra_options=[("grpc.use_local_subchannel_pool", 1)],
+        )
         instance = uuid.uuid4().hex
-        doing[index] = "Join"
-        async with channel(name) as ch:
-            stub = pb_grpc.CoordinatorStub(ch)
-            joined = await stub.Join(pb.JoinRequest(site=name, protocol_version=PROTOCOL_VERSION, instance_id=instance))
+        try:
+            stub = pb_grpc.CoordinatorStub(channel)
+            doing[name] = "Join"
+            joined = retrying(name, lambda: stub.Join(
+                pb.JoinRequest(site=name, protocol_version=PROTOCOL_VERSION, instance_id=instance)
+            ))
             session, numel = joined.session_id, int(joined.layout.numel)
             update = torch.randn(numel, generator=torch.Generator().manual_seed(index)).mul_(1e-3)
             data = parse_codec("none").encode(update).to_bytes()
-            interval = max(0.05, joined.config.heartbeat_interval_ms / 1000)
+            interval[0] = max(0.05, joined.config.heartbeat_interval_ms / 1000)
             round_number = int(joined.round.round)
-
-            async def heartbeats() -> None:
-                while True:
-                    await asyncio.sleep(interval)
-                    with contextlib.suppress(grpc.aio.AioRpcError):
-                        await stub.Heartbeat(pb.HeartbeatRequest(
-                            site=name, session_id=session, round=round_number, phase=pb.SITE_PHASE_WAITING,
-                            instance_id=instance,
-                        ))
-
-            beating = asyncio.create_task(heartbeats())
-            try:
-                while True:
-                    manifest = pb.UploadManifest(
-                        site=name, session_id=session, round=round_number, sample_weight=8.0, inner_steps=1,
-                        instance_id=instance, blob=blob_manifest(data, codec="none", shape=[numel], dtype="float32"),
-                    )
-                    requests = [pb.UploadRequest(manifest=manifest)] + [
-                        pb.UploadRequest(chunk=pb.Chunk(index=c.index, data=bytes(c.data))) for c in iter_chunks(data)
-                    ]
-                    doing[index] = f"Upload of round {round_number}"
-                    try:
-                        await stub.Upload(iter(requests))
-                    except grpc.aio.AioRpcError as error:  # late: the broadcast still comes
-                        if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                            raise
-                    header = None
-                    doing[index] = f"AwaitBroadcast of round {round_number}"
-                    async for answer in stub.AwaitBroadcast(pb.AwaitBroadcastRequest(
-                        site=name, session_id=session, round=round_number, instance_id=instance,
-                    )):
-                        if answer.HasField("header"):
-                            header = answer.header
-                    if header is None:
-                        raise RuntimeError(f"round {round_number}: the broadcast stream ended without a header")
-                    if header.run_finished:
-                        break
-                    round_number = int(header.next_round.round)
-            finally:
-                beating.cancel()
-            doing[index] = "Leave"
-            await stub.Leave(pb.LeaveRequest(site=name, session_id=session, reason="run finished",
-                                             instance_id=instance))
-        outcomes[name] = "finished"
-
-    async def everyone() -> None:
-        async def one(index: int) -> None:
-            try:
-                await site(index)
-            except BaseException as error:  # noqa: BLE001 (reported in the worker's result)
-                what = (
-                    f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError)
-                    else f"{type(error).__name__}: {error}"
+            heartbeat = pb.HeartbeatRequest(
+                site=name, session_id=session, phase=pb.SITE_PHASE_WAITING, instance_id=instance
+            )
+            with lock:
+                beating[name] = (stub, heartbeat)
+            while not stop.is_set():
+                heartbeat.round = round_number
+                manifest = pb.UploadManifest(
+                    site=name, session_id=session, round=round_number, sample_weight=8.0, inner_steps=1,
+                    instance_id=instance, blob=blob_manifest(data, codec="none", shape=[numel], dtype="float32"),
                 )
-                outcomes[_site_name(index)] = f"{doing.get(index, '?')}: {what}"[:300]
+                requests = [pb.UploadRequest(manifest=manifest)] + [
+                    pb.UploadRequest(chunk=pb.Chunk(index=c.index, data=bytes(c.data))) for c in iter_chunks(data)
+                ]
+                doing[name] = f"Upload of round {round_number}"
+                try:
+                    retrying(name, lambda requests=requests: stub.Upload(iter(requests)))
+                except grpc.RpcError as error:  # late: the broadcast still comes
+                    if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise
+                doing[name] = f"AwaitBroadcast of round {round_number}"
+                request = pb.AwaitBroadcastRequest(
+                    site=name, session_id=session, round=round_number, instance_id=instance
+                )
+                header = retrying(name, lambda request=request: _header(stub.AwaitBroadcast(request)))
+                if header is None:
+                    raise RuntimeError(f"round {round_number}: the broadcast stream ended without a header")
+                if header.run_finished:
+                    break
+                round_number = int(header.next_round.round)
+            with lock:
+                beating.pop(name, None)
+            doing[name] = "Leave"
+            stub.Leave(pb.LeaveRequest(site=name, session_id=session, reason="run finished", instance_id=instance))
+            outcomes[name] = "finished"
+        except Exception as error:  # noqa: BLE001 (reported in the worker's result)
+            what = (
+                f"{error.code().name}: {error.details()}" if isinstance(error, grpc.RpcError)
+                else f"{type(error).__name__}: {error}"
+            )
+            outcomes[name] = f"{doing.get(name, '?')}: {what}"[:300]
+        finally:
+            with lock:
+                beating.pop(name, None)
+            channel.close()
 
-        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(first, last))), args.timeout)
+    def heartbeats() -> None:
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="light-heartbeat") as pool:
+            while not stop.wait(interval[0]):
+                with lock:
+                    due = list(beating.values())
+                for _ in pool.map(lambda sh: _quietly(lambda: sh[0].Heartbeat(sh[1], timeout=10)), due):
+                    pass
 
-    with contextlib.suppress(TimeoutError):
-        asyncio.run(everyone())
-    names = [_site_name(i) for i in range(first, last)]
+    beater = threading.Thread(target=heartbeats, name="light-heartbeats", daemon=True)
+    beater.start()
+    threads = [
+        threading.Thread(target=site, args=(name, index), name=f"site-{name}", daemon=True)
+        for index, name in enumerate(names, first)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + args.timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stop.set()
     failures = {site: o for site, o in outcomes.items() if o != "finished"}
-    failures.update({n: f"did not end in time ({doing.get(i, '?')})" for i, n in enumerate(names, first)
-                     if n not in outcomes})
+    failures.update({n: f"did not end in time ({doing.get(n, '?')})" for n in names if n not in outcomes})
     kinds = Counter(re.sub(r"\d+", "N", why)[:160] for why in failures.values())
     for why, count in kinds.most_common(5):
         sys.stderr.write(f"worker {args.range}: {count} sites failed: {why}\n")
+    for why, count in Counter(re.sub(r"\d+", "N", why) for why in retried.elements()).most_common(5):
+        sys.stderr.write(f"worker {args.range}: {count} calls retried: {why}\n")
     Path(args.out).write_text(json.dumps({
         "sites": len(names),
         "finished": sum(o == "finished" for o in outcomes.values()),
@@ -633,7 +663,22 @@ def _role_light_worker(args: argparse.Namespace) -> None:
         "cpu_s": _process_cpu(),
     }))
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(0)  # site threads stuck in a call would hold up a normal exit
+
+
+def _header(stream: Any) -> Any:
+    """A broadcast stream read to its end; its header (None when it had none)."""
+    header = None
+    for answer in stream:
+        if answer.HasField("header"):
+            header = answer.header
+    return header
+
+
+def _quietly(call: Any) -> None:
+    """A heartbeat: a failed one is retried at the next tick, as a real site's is."""
+    with contextlib.suppress(Exception):
+        call()
 
 
 # --- driver ----------------------------------------------------------------------------------
@@ -703,7 +748,7 @@ def run_one(mode: str, sites: int, args: argparse.Namespace, work: Path, *, prof
     out = Path(tempfile.mkdtemp(prefix=f"{mode}-{sites}{'-profile' if profile else ''}-", dir=work))
     certs = work / "certs"
     common = ["--mode", mode, "--certs", str(certs), "--timeout", str(args.timeout), "--sites", str(sites),
-              "--client", args.client]
+              "--client", args.client, *([] if args.heartbeat_s is None else ["--heartbeat-s", str(args.heartbeat_s)])]
     if args.study is not None:
         common += ["--study", args.study, *(word for text in args.set for word in ("--set", text))]
     load_before = os.getloadavg()
@@ -791,7 +836,7 @@ def _report(
 ) -> None:
     tiny = f"tiny MLP ({4 * WIDTH * WIDTH + 3 * WIDTH:,} parameters), {rounds} rounds"
     what = f"the run of {study}" if study else tiny
-    kind = "SiteAgent threads" if client == "agent" else "light asyncio sites (protocol only)"
+    kind = "SiteAgent threads" if client == "agent" else "light site threads (protocol only)"
     print(f"\none coordinator process, N sites as {kind} in {workers} worker processes, {what}, "
           "min_sites = max_sites = N, checkpoints off; medians and CPU over the rounds after the first\n")
     print("| mode | N | round (median) | between broadcasts | coordinator CPU per round | per site | "
@@ -934,8 +979,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", default="plain,secure", help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--rounds", type=int, help=f"{DEFAULT_ROUNDS} unless given (with --study: the file's)")
     parser.add_argument("--workers", type=int, default=2, help="processes the sites are spread over")
+    parser.add_argument("--heartbeat-s", type=float, metavar="S",
+                        help="the coordinator's heartbeat_interval_s (timeout 7.5 x S, at least 15 s); default "
+                             "its own 2 s. Heartbeats per round grow with the round's length, which grows with N "
+                             "where the sites share the machine")
     parser.add_argument("--client", choices=["agent", "light"], default="agent",
-                        help="agent: SiteAgent threads that train; light: asyncio sites that only speak the "
+                        help="agent: SiteAgent threads that train; light: threads that only speak the "
                              "protocol (plain and tls modes), for N in the thousands on a small machine")
     parser.add_argument("--profile", action="store_true", help="run each mode's largest N again under cProfile")
     parser.add_argument("--profile-sites", action="store_true",

@@ -87,7 +87,7 @@ def test_light_sites_speak_the_protocol_and_all_count(tmp_path: Path) -> None:
     # One connection per site: shared channels would show about 2 (one per worker). A round of
     # light sites is short (0.4 s) and its end can find a few channels between connections
     # (86 to 96 of 96 seen), so the lowest count is held to 80 %, the highest to N.
-    assert 96 * 4 // 5 <= result["connections"] and result["connections_max"] <= 96 + 8, result
+    assert result["connections"] >= 96 * 4 // 5 and result["connections_max"] <= 96 + 8, result
     assert not _ours(str(tmp_path))
 
 

@@ -513,9 +513,9 @@ def _role_light_worker(args: argparse.Namespace) -> None:
     connection, a real site's channel options) that speaks the protocol directly: Join, per round
     one Upload of a fixed encoded update (codec ``none``) and one AwaitBroadcast read to its end,
     then Leave; a small pool sends every site's heartbeats at the run's interval. No model, no
-    training, no fetch: what the coordinator serves is the same, while a site costs about a
-    millisecond of CPU a round, so two cores hold a thousand of them beside the coordinator and
-    the figures are the coordinator's. (An asyncio version on one event loop per worker lost
+    training, no fetch: what the coordinator serves is the same, while a site costs a few
+    milliseconds of CPU a round (heartbeats included), so two cores hold a thousand of them beside
+    the coordinator. (An asyncio version on one event loop per worker lost
     connections at 1,024 sites: the page of this benchmark says what was seen.)"""
     _exit_with_parent()
     import uuid
@@ -1046,6 +1046,8 @@ def main(argv: list[str] | None = None) -> None:
         counts = counts[-1:]
     elif args.set or args.simulator_seeds or args.simulator_runs:
         parser.error("--set, --simulator-seeds and --simulator-runs go with --study")
+    if args.heartbeat_s is not None and not args.heartbeat_s > 0:
+        parser.error(f"--heartbeat-s must be > 0 seconds, got {args.heartbeat_s}")
     if args.client == "light" and (args.study is not None or "secure" in modes or args.profile_sites):
         parser.error("--client light runs the plain and tls modes of the tiny model (its sites neither train "
                      "nor mask); use --client agent for secure, --study and --profile-sites")

@@ -272,8 +272,8 @@ class RelayedUploads:
                 f"relay {relay!r}'s partial sum uses codec {quoted(spec.codec)}; a relay sends "
                 f"{RELAYED_CODEC!r} (lossless) or the run's uplink codec {intake.uplink_codec!r} upward"
             )
-        counts = any(not r.rejected for r in relayed)
         numel = _partial_numel(intake, spec.round, relayed)
+        counts = numel > 0
         if spec.dtype != "float32" or list(spec.shape) != [numel]:
             needs = "the round needs" if counts else "a partial that counts no site (only refusals) carries no values:"
             raise InvalidUpdateError(

@@ -119,11 +119,6 @@ class RelayRound:
         return {} if self.core is None else dict(self.core.rejected)
 
     @property
-    def counted(self) -> bool:
-        """Some site's update is in the partial (it carries values, not only refusals)."""
-        return bool(self.updates)
-
-    @property
     def weight(self) -> float:
         """``W = Σ w_k`` of the updates added so far (the number of sites in a secure round)."""
         if self.masked is not None:

@@ -493,8 +493,14 @@ def _role_worker(args: argparse.Namespace) -> None:
         Path(args.out).with_suffix(".prof").write_bytes(marshal.dumps(profiles.snapshot()))
     failures = {site: o for site, o in outcomes.items() if o != "finished"}
     failures.update({a.site: "did not end in time" for a in agents if a.site not in outcomes})
+    _worker_result(args, len(agents), outcomes, failures)
+
+
+def _worker_result(args: argparse.Namespace, sites: int, outcomes: dict[str, str], failures: dict[str, str]) -> None:
+    """Write a worker's result for the driver and exit: daemon site threads that did not end (a
+    call stuck) would hold up a normal exit."""
     Path(args.out).write_text(json.dumps({
-        "sites": len(agents),
+        "sites": sites,
         "finished": sum(o == "finished" for o in outcomes.values()),
         "failures": dict(list(failures.items())[:10]),
         "failed": len(failures),
@@ -502,7 +508,7 @@ def _role_worker(args: argparse.Namespace) -> None:
         "cpu_s": _process_cpu(),
     }))
     sys.stdout.flush()
-    os._exit(0)  # daemon site threads that did not end would hold up a normal exit
+    os._exit(0)
 
 
 # --- worker process: many light sites -----------------------------------------------------
@@ -632,8 +638,7 @@ def _role_light_worker(args: argparse.Namespace) -> None:
             while not stop.wait(interval[0]):
                 with lock:
                     due = list(beating.values())
-                for _ in pool.map(lambda sh: _quietly(lambda: sh[0].Heartbeat(sh[1], timeout=10)), due):
-                    pass
+                list(pool.map(lambda sh: _quietly(lambda: sh[0].Heartbeat(sh[1], timeout=10)), due))
 
     beater = threading.Thread(target=heartbeats, name="light-heartbeats", daemon=True)
     beater.start()
@@ -654,16 +659,7 @@ def _role_light_worker(args: argparse.Namespace) -> None:
         sys.stderr.write(f"worker {args.range}: {count} sites failed: {why}\n")
     for why, count in Counter(re.sub(r"\d+", "N", why) for why in retried.elements()).most_common(5):
         sys.stderr.write(f"worker {args.range}: {count} calls retried: {why}\n")
-    Path(args.out).write_text(json.dumps({
-        "sites": len(names),
-        "finished": sum(o == "finished" for o in outcomes.values()),
-        "failures": dict(list(failures.items())[:10]),
-        "failed": len(failures),
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "cpu_s": _process_cpu(),
-    }))
-    sys.stdout.flush()
-    os._exit(0)  # site threads stuck in a call would hold up a normal exit
+    _worker_result(args, len(names), outcomes, failures)
 
 
 def _header(stream: Any) -> Any:

@@ -209,45 +209,20 @@ def test_an_update_refused_at_the_relay_is_reported_so_the_round_does_not_wait_f
     assert record["rejected"] == ["site-a"]
 
 
-def test_a_site_that_withholds_its_update_through_a_relay_is_not_waited_for(certs: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("withholding", [["site-a"], ["site-a", "site-b"]], ids=["one-site", "the-whole-relay"])
+def test_sites_that_withhold_their_update_through_a_relay_are_not_waited_for(
+    certs: Path, tmp_path: Path, withholding: list[str]
+) -> None:
     """A site whose pseudo-gradient had NaN/Inf values sends none and says so with its wait for
     the broadcast (``AwaitBroadcastRequest.withheld``). Through a relay, the relay's partial names
     it as rejected with that reason, so the coordinator, which waits for every site here (no
-    deadline), closes the round with the other three instead of waiting for ever."""
+    deadline), closes the round with the others instead of waiting for ever. When both sites of
+    ``eu`` withhold, no upload ever opens the relay's round: it still sends a partial that counts
+    no site and carries no values, naming both."""
     numel = 37
     ups = updates(numel, dyadic=True)
-    server = coordinator(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3)
-    relays = {name: relay(certs, name, server.port) for name in REGIONS}
-    sites = {n: Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names}
-    try:
-        for s in sites.values():
-            s.join()
-        with ThreadPoolExecutor(4) as pool:
-            withheld = pool.submit(sites["site-a"].await_broadcast, withheld="its pseudo-gradient had NaN/Inf values")
-            uploads = [pool.submit(sites[n].upload, ups[n], "none") for n in ("site-b", "site-c", "site-d")]
-            assert all(u.result(timeout=60).complete for u in uploads)
-            header, _ = withheld.result(timeout=60)
-        assert not header.included and header.num_contributors == 3
-    finally:
-        for s in sites.values():
-            s.close()
-        for r in relays.values():
-            r.stop(grace=0)
-        server.stop(grace=0)
-    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
-    assert record["rejected"] == ["site-a"]
-    assert record["rejected_reasons"]["site-a"].startswith("the site sent no update: its pseudo-gradient had NaN/Inf")
-
-
-def test_a_relay_whose_every_site_withholds_reports_them_all(certs: Path, tmp_path: Path) -> None:
-    """Both sites behind ``eu`` withhold their update, so no upload ever opens the relay's round:
-    the relay still sends a partial that counts no site and carries no values, naming both as
-    rejected, so the coordinator (waiting for every site, no deadline) closes the round with
-    ``us``'s two sites instead of waiting for ever."""
-    numel = 37
-    ups = updates(numel, dyadic=True)
-    server = coordinator(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=2)
+    uploading = [n for n in SITES if n not in withholding]
+    server = coordinator(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=len(uploading))
     relays = {name: relay(certs, name, server.port) for name in REGIONS}
     sites = {n: Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names}
     why = "its pseudo-gradient had NaN/Inf values"
@@ -255,11 +230,11 @@ def test_a_relay_whose_every_site_withholds_reports_them_all(certs: Path, tmp_pa
         for s in sites.values():
             s.join()
         with ThreadPoolExecutor(4) as pool:
-            withheld = [pool.submit(sites[n].await_broadcast, withheld=why) for n in ("site-a", "site-b")]
-            uploads = [pool.submit(sites[n].upload, ups[n], "none") for n in ("site-c", "site-d")]
+            withheld = [pool.submit(sites[n].await_broadcast, withheld=why) for n in withholding]
+            uploads = [pool.submit(sites[n].upload, ups[n], "none") for n in uploading]
             assert all(u.result(timeout=60).complete for u in uploads)
             headers = [w.result(timeout=60)[0] for w in withheld]
-        assert all(not h.included and h.num_contributors == 2 for h in headers)
+        assert all(not h.included and h.num_contributors == len(uploading) for h in headers)
     finally:
         for s in sites.values():
             s.close()
@@ -267,7 +242,7 @@ def test_a_relay_whose_every_site_withholds_reports_them_all(certs: Path, tmp_pa
             r.stop(grace=0)
         server.stop(grace=0)
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(record["participants"]) == ["site-c", "site-d"]
-    assert record["rejected"] == ["site-a", "site-b"]
+    assert sorted(record["participants"]) == uploading
+    assert record["rejected"] == withholding
     reasons = record["rejected_reasons"]
-    assert all(reasons[s].startswith(f"the site sent no update: {why}") for s in ("site-a", "site-b"))
+    assert all(reasons[s].startswith(f"the site sent no update: {why}") for s in withholding)

@@ -60,7 +60,7 @@ from geoloco.site_agent.client import AgentStopped, RoundClosed, RunFinished, Up
 from geoloco.site_agent.errors import SiteAgentError
 from geoloco.site_agent.persist import prefixed, unprefixed
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
-from geoloco.site_agent.trainer import RoundTraining
+from geoloco.site_agent.trainer import RoundTraining, SiteTrainer
 from geoloco.site_agent.uplink import StrategyUplink
 
 __all__ = ["COMPUTE_S_TOTAL", "REBASED_AT_STEP", "AsyncRounds"]
@@ -139,6 +139,9 @@ class _Outgoing:
 
 class AsyncRounds(RoundRunner):
     """Asynchronous DiLoCo phases (see the module docstring)."""
+
+    trainer: SiteTrainer
+    """A data-parallel site's trainer: these rounds train through it themselves."""
 
     def _setup(self) -> None:
         self._rebase = self.state.algorithm.asynchronous.rebase

@@ -19,15 +19,16 @@ from typing import Any, Final, Literal
 
 import torch
 
-from geoloco.algorithms.diloco import pseudo_gradient, pseudo_gradient_into_local
+from geoloco.algorithms.diloco import pseudo_gradient
 from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import OpenBroadcast, RoundClosed, RunFinished, UpdateRejected
 from geoloco.site_agent.persist import prefixed, unprefixed
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
+from geoloco.site_agent.trainer import SiteTrainer
 from geoloco.site_agent.uplink import StrategyUplink, UplinkUpdate
 
-__all__ = ["PendingUpdate", "PlainRounds"]
+__all__ = ["PendingUpdate", "PlainRounds", "SyncRounds"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,26 +64,40 @@ class PendingUpdate:
         return self.trained.round
 
 
-class PlainRounds(RoundRunner):
-    """Synchronous DiLoCo rounds (see the module docstring)."""
+class SyncRounds(RoundRunner):
+    """Synchronous DiLoCo rounds, whatever trains them (see the module docstring): a subclass
+    trains the held round and hands its update to ``_sync``."""
 
     pending: PendingUpdate | None = None
     """The update trained for ``pending.round``, until that round's broadcast resolves it."""
 
-    def step(self) -> None:
+    folds_late = True
+    """An update that missed its round may be offered to the next one (``late_updates =
+    "fold"``, when the uplink can too)."""
+
+    def _ready_to_train(self) -> bool:
+        """True when the held round is the one to train now; otherwise chase the coordinator's
+        broadcasts (behind it after a re-join) or mark the run finished (its end reached)."""
         state = self.state
-        pending = self.pending
-        if pending is None:
-            if state.is_behind:
-                self._chase()
-                return
-            if state.at_end:
-                state.mark_finished()
-                return
-            self._check_round_info()
-            pending = self.pending = self._train_round()
-            # Saved before the upload: a site killed after it re-sends the very same bytes.
-            self._boundary()
+        if state.is_behind:
+            self._chase()
+            return False
+        if state.at_end:
+            state.mark_finished()
+            return False
+        self._check_round_info()
+        return True
+
+    def _pending(self, trained: TrainedUpdate) -> PendingUpdate:
+        """``trained`` kept until its round's broadcast: to be sent, or (nothing to send) only
+        the broadcast to take, with why."""
+        if trained.update is not None:
+            return PendingUpdate(trained)
+        return PendingUpdate(trained, state=PENDING_DROPPED, withheld=self.withheld)
+
+    def _sync(self, pending: PendingUpdate) -> None:
+        """Upload ``pending`` (unless it was sent already, or there is nothing to send), then
+        take its round's broadcast."""
         opened = None
         if pending.state == PENDING_NEW:
             opened = self.client.open_broadcast(pending.round)
@@ -184,79 +199,6 @@ class PlainRounds(RoundRunner):
 
     # ---------------------------------------------------------------------------------------
 
-    def _train_round(self) -> PendingUpdate:
-        state, trainer = self.state, self.trainer
-        round_number = state.held_round
-        inner_steps = int(state.run_config.inner_steps)
-        budget_s = state.algorithm.round_time_budget_s
-        round_seed = state.round_seed(round_number)
-        started = time.monotonic()
-        trainer.tell_followers_to_train(round_number, inner_steps, budget_s)
-        # Secure aggregation: the key stages run beside the inner steps.
-        self.uplink.begin_round(
-            self.client, round_number=round_number, round_seed=round_seed,
-            numel=self.strategy.update_numel(round_number),
-        )
-        state.phase = pb.SITE_PHASE_TRAINING
-        # The previous round's transfers are reported with this round's upload.
-        phases, self.transfer_phases_s = self.transfer_phases_s, {}
-        training_at = time.monotonic()
-        result = trainer.train_round(state.global_weights, round_number, inner_steps, budget_s)
-        trained_at = time.monotonic()
-        if isinstance(self.uplink, StrategyUplink) and state.algorithm.adaptive_uplink.enabled:
-            # The coordinator's codec for this site and round (empty: the run's uplink codec).
-            self.uplink.use_codec(state.uplink_codec(round_number) or state.algorithm.uplink_codec)
-        encoded = self._encode_added(round_number, result.samples)
-        encoding_at = time.monotonic()
-        if encoded is None:
-            update = pseudo_gradient_into_local(state.global_weights, trainer.flatten())
-            encoding_at = time.monotonic()
-            encoded = self._encode(update, round_number, 0, result.samples)
-            del update
-        else:
-            encoding_at = trained_at  # formed in the residual as it was encoded: all "encode"
-        phases.update(
-            train=trained_at - training_at, pseudo_gradient=encoding_at - trained_at,
-            encode=time.monotonic() - encoding_at,
-        )
-        trained = TrainedUpdate(
-            round=round_number, update=encoded, loss=result.loss, samples=result.samples,
-            inner_steps=result.steps, inner_time_s=result.seconds, started_s=started, phases_s=phases,
-        )
-        if encoded is not None:
-            return PendingUpdate(trained)
-        return PendingUpdate(trained, state=PENDING_DROPPED, withheld=self.withheld)
-
-    def _encode_added(self, round_number: int, samples: int) -> UplinkUpdate | None:
-        """The round's update encoded with the pseudo-gradient ``θ_t − θ_k`` added into the
-        uplink's error-feedback residual piece by piece (``StrategyUplink.encode_added``), so
-        no model-sized update vector exists; None where the dense path must run instead (no
-        error feedback, secure aggregation, weights not fp32 on one device, a non-finite or
-        unencodable update)."""
-        uplink, trainer = self.uplink, self.trainer
-        held = self.state.global_weights
-        if not isinstance(uplink, StrategyUplink) or uplink.encoders.encoders[0].error_feedback is None:
-            return None
-        tensors = list(trainer.layout.tensors(trainer.module))
-        if held.dtype != torch.float32 or not held.is_contiguous() or any(
-            p.dtype != torch.float32 or p.device != held.device for _, p in tensors
-        ):
-            return None
-
-        def pieces() -> Iterator[tuple[int, torch.Tensor]]:
-            with torch.no_grad():
-                for entry, param in tensors:
-                    local = param.detach().reshape(-1)
-                    for start in range(0, entry.numel, _PIECE_ELEMENTS):
-                        stop = min(entry.numel, start + _PIECE_ELEMENTS)
-                        at = entry.offset + start
-                        yield at, pseudo_gradient(held[at : at + stop - start], local[start:stop])
-
-        return uplink.encode_added(
-            pieces, trainer.layout.numel, device=held.device,
-            round_seed=self.state.round_seed(round_number), fragment=0, samples=samples,
-        )
-
     def _upload(self, pending: PendingUpdate) -> bool:
         """Upload ``pending``; True when it reached its own round before that round closed."""
         trained = pending.trained
@@ -279,7 +221,9 @@ class PlainRounds(RoundRunner):
             # A masked update belongs to its own round's sum. The missed round may still be
             # aggregating: the update is offered once its broadcast is here (the next round is
             # open by then), not on a timer that a slow aggregation would outlast.
-            pending.fold_late = self.state.algorithm.late_updates == "fold" and self.uplink.folds_late
+            pending.fold_late = (
+                self.state.algorithm.late_updates == "fold" and self.folds_late and self.uplink.folds_late
+            )
         except RunFinished as why:
             logger.info("site %s: update for round %d is late (%s)", self.site, trained.round, why)
             pending.state = PENDING_LATE
@@ -336,3 +280,93 @@ class PlainRounds(RoundRunner):
             bytes_down=self.client.stats.received - bytes_down_before,
         )
         self._boundary()
+
+
+class PlainRounds(SyncRounds):
+    """Synchronous DiLoCo rounds trained by the site's ``SiteTrainer`` (see the module
+    docstring)."""
+
+    trainer: SiteTrainer
+    """A data-parallel site's trainer: every rank holds the whole model."""
+
+    def step(self) -> None:
+        pending = self.pending
+        if pending is None:
+            if not self._ready_to_train():
+                return
+            pending = self.pending = self._train_round()
+            # Saved before the upload: a site killed after it re-sends the very same bytes.
+            self._boundary()
+        self._sync(pending)
+
+    def _train_round(self) -> PendingUpdate:
+        state, trainer = self.state, self.trainer
+        round_number = state.held_round
+        inner_steps = int(state.run_config.inner_steps)
+        budget_s = state.algorithm.round_time_budget_s
+        round_seed = state.round_seed(round_number)
+        started = time.monotonic()
+        trainer.tell_followers_to_train(round_number, inner_steps, budget_s)
+        # Secure aggregation: the key stages run beside the inner steps.
+        self.uplink.begin_round(
+            self.client, round_number=round_number, round_seed=round_seed,
+            numel=self.strategy.update_numel(round_number),
+        )
+        state.phase = pb.SITE_PHASE_TRAINING
+        # The previous round's transfers are reported with this round's upload.
+        phases = self.transfer_phases_s
+        self.transfer_phases_s = {}
+        training_at = time.monotonic()
+        result = trainer.train_round(state.global_weights, round_number, inner_steps, budget_s)
+        trained_at = time.monotonic()
+        if isinstance(self.uplink, StrategyUplink) and state.algorithm.adaptive_uplink.enabled:
+            # The coordinator's codec for this site and round (empty: the run's uplink codec).
+            self.uplink.use_codec(state.uplink_codec(round_number) or state.algorithm.uplink_codec)
+        encoded = self._encode_added(round_number, result.samples)
+        encoding_at = time.monotonic()
+        if encoded is None:
+            update = self._pseudo_gradient()
+            encoding_at = time.monotonic()
+            encoded = self._encode(update, round_number, 0, result.samples)
+            del update
+        else:
+            encoding_at = trained_at  # formed in the residual as it was encoded: all "encode"
+        phases.update(
+            train=trained_at - training_at, pseudo_gradient=encoding_at - trained_at,
+            encode=time.monotonic() - encoding_at,
+        )
+        trained = TrainedUpdate(
+            round=round_number, update=encoded, loss=result.loss, samples=result.samples,
+            inner_steps=result.steps, inner_time_s=result.seconds, started_s=started, phases_s=phases,
+        )
+        return self._pending(trained)
+
+    def _encode_added(self, round_number: int, samples: int) -> UplinkUpdate | None:
+        """The round's update encoded with the pseudo-gradient ``θ_t − θ_k`` added into the
+        uplink's error-feedback residual piece by piece (``StrategyUplink.encode_added``), so
+        no model-sized update vector exists; None where the dense path must run instead (no
+        error feedback, secure aggregation, weights not fp32 on one device, a non-finite or
+        unencodable update)."""
+        uplink, trainer = self.uplink, self.trainer
+        held = self.state.global_weights
+        if not isinstance(uplink, StrategyUplink) or uplink.encoders.encoders[0].error_feedback is None:
+            return None
+        tensors = list(trainer.layout.tensors(trainer.module))
+        if held.dtype != torch.float32 or not held.is_contiguous() or any(
+            p.dtype != torch.float32 or p.device != held.device for _, p in tensors
+        ):
+            return None
+
+        def pieces() -> Iterator[tuple[int, torch.Tensor]]:
+            with torch.no_grad():
+                for entry, param in tensors:
+                    local = param.detach().reshape(-1)
+                    for start in range(0, entry.numel, _PIECE_ELEMENTS):
+                        stop = min(entry.numel, start + _PIECE_ELEMENTS)
+                        at = entry.offset + start
+                        yield at, pseudo_gradient(held[at : at + stop - start], local[start:stop])
+
+        return uplink.encode_added(
+            pieces, trainer.layout.numel, device=held.device,
+            round_seed=self.state.round_seed(round_number), fragment=0, samples=samples,
+        )

@@ -1,12 +1,15 @@
 """What every round runner does the same way: fetch, apply a broadcast, chase, report.
 
 A round runner drives a site's rounds against the coordinator through the public methods of
-the site's parts: ``SiteState`` (the global weights and rounds), ``SiteTrainer`` (inner steps,
-the model) and a ``SiteUplink`` (plain or masked encoding), with the run's ``Strategy`` for the
+the site's parts: ``SiteState`` (the global weights and rounds), a ``RoundTrainer`` (the model
+as the rounds see it: ``SiteTrainer`` for a data-parallel site, a sharded rank's rows for an
+FSDP site) and a ``SiteUplink`` (plain or masked encoding), with the run's ``Strategy`` for the
 math the simulator shares (downlink application, fragments, schedule). ``PlainRounds``
-(``geoloco.site_agent.plain``) runs synchronous DiLoCo rounds, ``StreamingRounds``
-(``geoloco.site_agent.streaming``) Streaming DiLoCo's overlapped fragment syncs; what differs
-is only what the model does with new global weights, and when training and transfers happen.
+(``geoloco.site_agent.plain``) and ``ShardedRounds`` (``geoloco.site_agent.sharded``) run
+synchronous DiLoCo rounds on the same ``SyncRounds`` mechanics, ``StreamingRounds``
+(``geoloco.site_agent.streaming``) Streaming DiLoCo's overlapped fragment syncs and
+``AsyncRounds`` (``geoloco.site_agent.async_rounds``) asynchronous DiLoCo; what differs is only
+what the model does with new global weights, and when training and transfers happen.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from geoloco.algorithms.diloco import pseudo_gradient_into_local
 from geoloco.algorithms.finite import all_finite
+from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.strategy import Strategy
 from geoloco.compression import Encoded
 from geoloco.protos import geoloco_pb2 as pb
@@ -34,10 +39,9 @@ from geoloco.site_agent.client import (
 )
 from geoloco.site_agent.config import RoundResult, SiteHooks
 from geoloco.site_agent.state import SiteState
-from geoloco.site_agent.trainer import SiteTrainer
 from geoloco.site_agent.uplink import SiteUplink, UplinkUpdate
 
-__all__ = ["WITHHELD_NON_FINITE", "RoundRunner", "TrainedUpdate"]
+__all__ = ["WITHHELD_NON_FINITE", "RoundRunner", "RoundTrainer", "TrainedUpdate"]
 
 WITHHELD_NON_FINITE = "its pseudo-gradient had NaN/Inf values (lower the inner lr if it happens again)"
 """What a site tells the coordinator when it withholds a non-finite update
@@ -63,6 +67,9 @@ class TrainedUpdate:
     """Seconds per site phase (``geoloco.protos.round_phases``): this round's train,
     pseudo_gradient and encode, and the *previous* round's upload, wait, download, apply and
     verify (over only after that round's broadcast, so reported with this upload)."""
+    loop_metrics: dict[str, float] = field(default_factory=dict)
+    """What the site's own training loop reports beside these (a sharded site's loop metrics,
+    averaged over its ranks)."""
 
     def metrics(self) -> dict[str, float]:
         """The training metrics sent with the upload, and the site's phase times."""
@@ -73,7 +80,28 @@ class TrainedUpdate:
             "inner_time_s": self.inner_time_s,
         }
         metrics.update({site_metric_name(phase): seconds for phase, seconds in self.phases_s.items()})
+        metrics.update(self.loop_metrics)
         return metrics
+
+
+class RoundTrainer(Protocol):
+    """What the shared round mechanics touch of a site's training: the weights the rounds
+    exchange, as one flat vector in ``ParamLayout`` order (the whole model on a data-parallel
+    site, one rank's rows on a sharded one)."""
+
+    device: torch.device
+    """Where the global weights and the update are kept."""
+    layout: ParamLayout
+    """The whole model's layout (its ``numel`` is what a full fetch downloads)."""
+
+    def load_(self, flat: torch.Tensor) -> None:
+        """Set the trained weights to ``flat``."""
+
+    def flatten(self) -> torch.Tensor:
+        """The trained weights as one flat fp32 vector (a copy the caller may overwrite)."""
+
+    def reset_optimizer_state(self) -> None:
+        """Forget the inner optimizer's state after a non-finite update."""
 
 
 class RoundRunner(ABC):
@@ -84,7 +112,7 @@ class RoundRunner(ABC):
         *,
         site: str,
         state: SiteState,
-        trainer: SiteTrainer,
+        trainer: RoundTrainer,
         client: Callable[[], CoordinatorClient],
         hooks: SiteHooks,
         strategy: Strategy,
@@ -255,27 +283,38 @@ class RoundRunner(ABC):
         self.state.take_broadcast_header(header)
         self._boundary()
 
+    def _pseudo_gradient(self) -> torch.Tensor:
+        """The round's ``θ_t − θ_k`` of the weights the rounds exchange (the whole model, or a
+        sharded rank's rows), formed in the copy of the trained weights ``trainer.flatten()``
+        gives, so it costs one model-sized vector."""
+        return pseudo_gradient_into_local(self.state.global_weights, self.trainer.flatten())
+
     def _encode(
-        self, update: torch.Tensor, round_number: int, fragment: int, samples: int
+        self, update: torch.Tensor, round_number: int, fragment: int, samples: float
     ) -> UplinkUpdate | None:
         """``update`` (the round's pseudo-gradient) for the wire; None for a non-finite update
-        (not sent; the fragment's residual and the inner optimizer's state are reset: a NaN in
-        AdamW's moments would make every later update NaN too) or one the secure sum cannot
-        take."""
+        (``_withhold``) or one the secure sum cannot take."""
         if not all_finite(update):
-            logger.error(
-                "site %s: the pseudo-gradient of round %d (fragment %d) has NaN/Inf values; not "
-                "uploading it, resetting the error-feedback residual and the inner optimizer's "
-                "state", self.site, round_number, fragment,
-            )
-            self.uplink.reset(fragment)
-            self.trainer.reset_optimizer_state()
-            self.withheld = WITHHELD_NON_FINITE
+            self._withhold(round_number, fragment)
             return None
         self.withheld = ""
         return self.uplink.encode(
             update, round_seed=self.state.round_seed(round_number), fragment=fragment, samples=samples
         )
+
+    def _withhold(self, round_number: int, fragment: int, where: str = "") -> None:
+        """Send nothing for a non-finite update: the fragment's residual and the inner
+        optimizer's state are reset (a NaN in AdamW's moments would make every later update
+        NaN too) and the wait for the broadcast says why (``withheld``). ``where``: which
+        ranks had the NaN/Inf values, when the site's ranks agreed on it."""
+        logger.error(
+            "site %s: the pseudo-gradient of round %d (fragment %d) has NaN/Inf values%s; not "
+            "uploading it, resetting the error-feedback residual and the inner optimizer's "
+            "state", self.site, round_number, fragment, where,
+        )
+        self.uplink.reset(fragment)
+        self.trainer.reset_optimizer_state()
+        self.withheld = WITHHELD_NON_FINITE
 
     def _report(
         self, trained: TrainedUpdate, header: pb.BroadcastHeader, *, included: bool, resynced: bool,

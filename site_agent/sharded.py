@@ -17,6 +17,10 @@ of ``n``:
   shard_split``), in parallel with the other ranks; when any rank's shard has NaN or Inf values
   no rank uploads and every rank resets its residual, as every other site runner does with a
   non-finite update (the ranks agree in the all-reduce that sums the site's samples);
+* the round itself is a data-parallel site's (``ShardedRounds`` runs ``SyncRounds``, as
+  ``PlainRounds`` does: the pseudo-gradient, the withheld non-finite update, the upload, the
+  broadcast's resolution, the report), with the rank's rows as the weights it exchanges and
+  ``ShardTrainer`` as what trains them;
 * the coordinator holds the shards until all of the site's arrived and counts the site once
   (``geoloco.coordinator.shards``);
 * every rank downloads its own rows (``ShardRef`` on FetchModel and AwaitBroadcast;
@@ -46,8 +50,8 @@ Limits of this version, said where they bite:
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -61,19 +65,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from geoloco.algorithms.diloco import UpdateEncoder, pseudo_gradient_into_local
 from geoloco.algorithms.finite import all_finite
-from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.params import ParamEntry, ParamLayout
 from geoloco.algorithms.shard_split import DIM0, ShardRange, shard_ranges
-from geoloco.algorithms.strategy import AlgorithmConfig, build_strategy, uplink_seed
-from geoloco.compression import Encoded, add_decoded_into, decode, parse_codec, slicing
+from geoloco.algorithms.strategy import build_strategy
+from geoloco.compression import Encoded, add_decoded_into, decode, slicing
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.folder_lock import FolderLock
 from geoloco.protos.transport_errors import error_reason
 from geoloco.protos.transport_tls import TLSFiles
-from geoloco.protos.wire_buffers import as_byte_view
-from geoloco.site_agent.client import CoordinatorClient, OpenBroadcast, RoundClosed, RunFinished, UpdateRejected
-from geoloco.site_agent.config import SiteAgentConfig
+from geoloco.site_agent.client import CoordinatorClient
+from geoloco.site_agent.config import SiteAgentConfig, SiteHooks
 from geoloco.site_agent.errors import SiteAgentError
 from geoloco.site_agent.persist import (
     SiteSnapshot,
@@ -83,14 +85,22 @@ from geoloco.site_agent.persist import (
     lock_state_dir,
     run_fingerprint,
 )
-from geoloco.site_agent.runner import WITHHELD_NON_FINITE
+from geoloco.site_agent.plain import PendingUpdate, SyncRounds
+from geoloco.site_agent.runner import TrainedUpdate
 from geoloco.site_agent.state import SiteState
+from geoloco.site_agent.uplink import StrategyUplink
 
-__all__ = ["ShardedRound", "ShardedRunSummary", "ShardedSite", "local_shard", "rank_state_dir"]
+__all__ = [
+    "ShardTrainer", "ShardedRound", "ShardedRounds", "ShardedRunSummary", "ShardedSite", "local_shard",
+    "rank_state_dir",
+]
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+JOIN_ATTEMPTS = 5
+"""Joins a sharded site makes before it gives up on holding one round's rows on every rank."""
 
 
 def rank_state_dir(state_dir: str | os.PathLike[str], rank: int, world_size: int) -> Path:
@@ -125,8 +135,9 @@ class ShardedRound:
     the loop adds to it. The site's weight is the sum over its ranks; left at 0, each rank
     counts its inner steps instead."""
     metrics: dict[str, float] = field(default_factory=dict)
-    """What the loop wants the coordinator's metrics to show for the site (e.g. ``{"loss": x}``);
-    averaged over the ranks key by key, reported with the upload."""
+    """What the loop wants the coordinator's metrics to show for the site (e.g. ``{"loss": x}``,
+    which is also the site's ``train_loss``); averaged over the ranks key by key, reported with
+    the upload beside the site's own (at most 12; the coordinator takes 32 in all)."""
 
 
 @dataclass(slots=True)
@@ -147,6 +158,218 @@ class ShardedRunSummary:
     """Message bytes this rank received from the coordinator (its rows, not the model)."""
     upload_spans: list[tuple[int, float, float]] = field(default_factory=list)
     """(round, start, end) of every upload, ``time.time()`` seconds (comparable across ranks)."""
+
+
+class ShardTrainer:
+    """What a sharded rank trains, as the rounds see it (``RoundTrainer``): the rank's rows of
+    every parameter (FSDP2's local shards) as one flat vector in ``ranges`` order, and
+    ``run()``'s inner loop."""
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, data: Iterable[Any] | None,
+        loss_fn: LossFn | None, *, layout: ParamLayout, views: list[tuple[int, torch.Tensor]],
+        numel: int, device: torch.device,
+    ) -> None:
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.layout = layout
+        self.device = device
+        """Where the global rows and the residual live (``ShardedSite``'s ``offload``)."""
+        self._data: Iterator[Any] | None = None if data is None else iter(data)
+        self._views = views
+        """(position in the rank's rows, flat view of the parameter's local rows)."""
+        self._numel = numel
+
+    @property
+    def trains_itself(self) -> bool:
+        """It was given data and a loss (``ShardedSite.run()``)."""
+        return self._data is not None and self.loss_fn is not None
+
+    def load_(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for at, view in self._views:
+                view.copy_(flat[at : at + view.numel()].view_as(view))
+
+    def flatten(self) -> torch.Tensor:
+        flat = torch.empty(self._numel, dtype=torch.float32, device=self.device)
+        for at, view in self._views:
+            flat[at : at + view.numel()].copy_(view.detach().reshape(-1))
+        return flat
+
+    def reset_optimizer_state(self) -> None:
+        self.optimizer.state.clear()  # every rank does it: the ranks agreed the update was not finite
+
+    def train(self, current: ShardedRound) -> None:
+        """``current.inner_steps`` steps of ``loss_fn`` on ``data``: backward and an optimizer
+        step per batch; the samples and the mean loss go into ``current``."""
+        if self._data is None or self.loss_fn is None:
+            raise SiteAgentError("run() trains on data with loss_fn; pass both to ShardedSite, or write "
+                                 "the inner loop yourself with rounds()")
+        losses = []
+        for _ in range(current.inner_steps):
+            batch = next(self._data)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.loss_fn(self.model, batch)
+            loss.backward()
+            self.optimizer.step()
+            current.samples += _samples(batch)
+            losses.append(loss.detach())
+        if losses:
+            current.metrics["loss"] = float(torch.stack(losses).float().mean())
+
+
+class ShardedRounds(SyncRounds):
+    """A sharded rank's synchronous rounds: ``SyncRounds`` with the rank's rows as the weights
+    (see the module docstring). The user's loop trains between ``begin`` and ``finish``;
+    ``step`` trains with ``ShardTrainer.train`` (``ShardedSite.run()``)."""
+
+    trainer: ShardTrainer
+    folds_late = False
+    """The coordinator refuses a late shard: a site's shards are one update of one round."""
+
+    def __init__(
+        self, *, group: dist.ProcessGroup | None, collective_device: torch.device, rows: torch.Tensor,
+        ranges: list[ShardRange], rank: int, world_size: int, **runner: Any,
+    ) -> None:
+        self.group, self.collective_device = group, collective_device
+        self.rows = rows
+        """The global weights of this rank's rows (``θ_t``; pinned when offloaded from a GPU): the
+        state holds this very tensor."""
+        self.ranges, self.rank, self.world_size = ranges, rank, world_size
+        self.resyncs = 0
+        self.digests_checked = 0
+        self.upload_spans: list[tuple[int, float, float]] = []
+        self.last_broadcast: pb.BroadcastHeader | None = None
+        self._started_s = 0.0
+        super().__init__(**runner)
+
+    def begin(self) -> ShardedRound | None:
+        """The next round to train, the model's rows holding its start weights; None when the
+        run is over."""
+        state = self.state
+        while not state.finished:
+            if self._ready_to_train():
+                self._started_s = time.monotonic()
+                state.phase = pb.SITE_PHASE_TRAINING
+                return ShardedRound(
+                    number=state.held_round, inner_steps=int(state.algorithm.inner_steps),
+                    total_rounds=state.total_rounds,
+                )
+        return None
+
+    def finish(self, current: ShardedRound) -> None:
+        """Upload this rank's rows of ``current``'s pseudo-gradient and take the broadcast."""
+        pending = self.pending = self._take(current)
+        self._sync(pending)
+
+    def step(self) -> None:
+        current = self.begin()
+        if current is not None:
+            self.trainer.train(current)
+            self.finish(current)
+
+    def _take(self, current: ShardedRound) -> PendingUpdate:
+        """The round the user's loop trained, as the update every rank sends its rows of: the
+        site's weight is the sum over its ranks (``current.samples``, or each rank's inner
+        steps), its metrics the ranks' mean, and it is sent only when every rank's rows are
+        finite (a site missing a shard is never counted)."""
+        round_number, inner_steps = current.number, current.inner_steps
+        trained_at = time.monotonic()
+        self.trainer.optimizer.zero_grad(set_to_none=True)  # spent: a shard of gradients less through the sync
+        update = self._pseudo_gradient()
+        own = float(current.samples) if current.samples > 0 else float(inner_steps)
+        totals = torch.tensor([own, float(all_finite(update))], dtype=torch.float64, device=self.collective_device)
+        dist.all_reduce(totals, group=self.group)
+        sample_weight, finite_ranks = totals.tolist()
+        metrics = self._site_metrics(current.metrics)
+        encoding_at = time.monotonic()
+        if finite_ranks < self.world_size:
+            del update
+            self._withhold(round_number, 0, f" on {self.world_size - int(finite_ranks)} of {self.world_size} ranks")
+            encoded = None
+        else:
+            encoded = self._encode(update, round_number, 0, sample_weight)
+            del update
+        phases = self.transfer_phases_s
+        self.transfer_phases_s = {}
+        phases.update(
+            train=trained_at - self._started_s, pseudo_gradient=encoding_at - trained_at,
+            encode=time.monotonic() - encoding_at,
+        )
+        return self._pending(TrainedUpdate(
+            round=round_number, update=encoded, loss=metrics.get("loss", math.nan), samples=int(sample_weight),
+            inner_steps=inner_steps, inner_time_s=trained_at - self._started_s, started_s=self._started_s,
+            phases_s=phases, loop_metrics=metrics,
+        ))
+
+    def _site_metrics(self, own: dict[str, float]) -> dict[str, float]:
+        """The ranks' metrics averaged key by key (a key some rank lacks is averaged over those
+        that have it), so every shard reports the same site-level numbers."""
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, {str(k): float(v) for k, v in own.items()}, group=self.group)
+        keys = sorted({key for ranks in everyone for key in ranks})
+        return {key: sum(r[key] for r in everyone if key in r) / sum(key in r for r in everyone) for key in keys}
+
+    def _upload(self, pending: PendingUpdate) -> bool:
+        started = time.time()
+        try:
+            return super()._upload(pending)
+        finally:
+            self.upload_spans.append((pending.round, started, time.time()))
+
+    def fetch(self) -> None:
+        """The global weights' rows of this rank, and only those (``ModelManifest.shard_rows``;
+        their checksum, checked by the download, is the SHA-256 of the coordinator's rows)."""
+        self.state.phase = pb.SITE_PHASE_FETCHING
+        manifest, rows = self.client.fetch_model(self.rows.numel())
+        if not manifest.shard_rows:
+            raise SiteAgentError("the coordinator served the whole model to a rank that asked for its rows; "
+                                 "run a coordinator of this version with sharded sites")
+        self.rows.copy_(rows)
+        self.state.adopt_weights(self.rows, manifest.round)
+        self.trainer.load_(self.rows)
+
+    def _apply_broadcast(
+        self, round_number: int, header: pb.BroadcastHeader, data: bytes | memoryview | None
+    ) -> bool:
+        """Add this rank's rows of the broadcast delta (the same float sum as the coordinator's),
+        then check them against the coordinator's digest of its rows; True when they had to be
+        fetched instead."""
+        self.last_broadcast = header
+        if header.action != pb.BROADCAST_ACTION_APPLY_DELTA or data is None:
+            self.fetch()
+            return True
+        started = time.monotonic()
+        encoded = Encoded.from_bytes(data, copy=False)
+        rows = self.rows
+        block = slicing.slice_block(header.delta.codec) if header.shard_rows else None
+        if block == 1:  # ``none`` or a cast: exactly the rank's rows, added piece by piece
+            add_decoded_into(encoded.to(rows.device), rows)
+        else:  # quantizer blocks around the rows, or (sparse downlink) the whole delta
+            delta = decode(encoded, device=rows.device).reshape(-1)
+            positions = (
+                [offset for offset, _ in self.ranges] if block is None
+                else slicing.row_positions(self.ranges, block, self.trainer.layout.numel)
+            )
+            at = 0
+            for (_, n), position in zip(self.ranges, positions, strict=True):
+                rows[at : at + n].add_(delta[position : position + n])
+                at += n
+            del delta
+        del encoded
+        applied = time.monotonic()
+        self.state.adopt_weights(rows, round_number + 1)
+        self._add_phases({"apply": applied - started, "verify": time.monotonic() - applied})
+        expected = header.shard_weights_digest.digest if header.HasField("shard_weights_digest") else b""
+        if expected:
+            self.digests_checked += 1
+            if self.state.digest != expected.hex():
+                logger.warning("site %s rank %d: rows after round %d differ from the coordinator's; fetching them",
+                               self.site, self.rank, round_number)
+                self.resyncs += 1
+                self.fetch()
+                return True
+        self._load_broadcast(round_number)
+        return False
 
 
 class ShardedSite:
@@ -199,18 +422,17 @@ class ShardedSite:
                 "a sharded site runs under torchrun with an initialised process group "
                 "(torch.distributed.init_process_group); start it with torchrun --nproc_per_node=N"
             )
-        self.site, self.model, self.optimizer, self.loss_fn = site, model, inner_optimizer, loss_fn
+        self.site, self.model, self.optimizer = site, model, inner_optimizer
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.config = config or SiteAgentConfig(device="cpu")
-        self._data: Iterator[Any] | None = None if data is None else iter(data)
         self.layout = ParamLayout.from_model(model)  # DTensor shapes are the global ones
         shapes = [e.shape for e in self.layout.entries]
         self.ranges: list[ShardRange] = shard_ranges(shapes, self.rank, self.world_size, DIM0)
-        self._locals = self._local_views(shapes)
+        views = self._local_views(shapes)
         self.shard_numel = sum(n for _, n in self.ranges)
-        model_device = self._locals[0][1].device if self._locals else torch.device("cpu")
+        model_device = views[0][1].device if views else torch.device("cpu")
         self.device = torch.device("cpu") if offload else model_device
         """Where the global rows and the residual live (module doc: offload)."""
         nccl = dist.get_backend(group) == dist.Backend.NCCL
@@ -219,16 +441,18 @@ class ShardedSite:
         self.held = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device,
                                 pin_memory=offload and model_device.type == "cuda")
         """The global weights of this rank's shard (``θ_t`` rows), never the whole vector."""
+        self.trainer = ShardTrainer(
+            model, inner_optimizer, data, loss_fn, layout=self.layout, views=views, numel=self.shard_numel,
+            device=self.device,
+        )
+        self.state = SiteState()
+        self._rounds: ShardedRounds | None = None
         self._stop = threading.Event()
         self.client = CoordinatorClient(
             coordinator, site=site, tls=tls, insecure=insecure, config=self.config,
             stop_event=self._stop, server_name=server_name, instance_id=instance_id,
         )
         self.client.shard = pb.ShardRef(index=self.rank, count=self.world_size, split=DIM0)
-        self.encoder: UpdateEncoder | None = None
-        self.last_broadcast: pb.BroadcastHeader | None = None
-        """The header of the last broadcast applied (whether this site was included, how many
-        sites were, the weights digest, the next round): what a loop logs after each round."""
         self.store = None if state_dir is None else SiteStateStore(
             rank_state_dir(state_dir, self.rank, self.world_size)
         )
@@ -237,7 +461,7 @@ class ShardedSite:
             self._state_lock = lock_state_dir(self.store.directory, site)
         self._run_identity: dict[str, Any] = {}
         self._heartbeat_s = 1.0
-        self.summary = ShardedRunSummary()
+        self._restored_round: int | None = None
 
     def _local_views(self, shapes: list[tuple[int, ...]]) -> list[tuple[int, torch.Tensor]]:
         """(position in the rank's shard, flat view of the local rows) per parameter with rows
@@ -263,6 +487,30 @@ class ShardedSite:
             at += n
         return views
 
+    @property
+    def last_broadcast(self) -> pb.BroadcastHeader | None:
+        """The header of the last broadcast applied (whether this site was included, how many
+        sites were, the weights digest, the next round): what a loop logs after each round."""
+        return None if self._rounds is None else self._rounds.last_broadcast
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """This rank's error-feedback residual (None before the join, or without error feedback)."""
+        return None if self._rounds is None else self._rounds.uplink.residual(0)
+
+    @property
+    def summary(self) -> ShardedRunSummary:
+        """What this rank did so far."""
+        state, rounds = self.state, self._rounds
+        return ShardedRunSummary(
+            rounds_trained=state.rounds_trained, rounds_included=state.rounds_included,
+            final_round=state.held_round if state.has_weights else 0, run_finished=state.finished,
+            resyncs=0 if rounds is None else rounds.resyncs,
+            digests_checked=0 if rounds is None else rounds.digests_checked,
+            restored_round=self._restored_round, bytes_received=self.client.stats.received,
+            upload_spans=[] if rounds is None else list(rounds.upload_spans),
+        )
+
     # -- the run --
 
     def rounds(self, max_rounds: int | None = None) -> Iterator[ShardedRound]:
@@ -272,35 +520,46 @@ class ShardedSite:
         loop body runs ``round.inner_steps`` optimizer steps its own way (its optimizer, LR
         scheduler, autocast, gradient clipping) and adds what it trained on to
         ``round.samples``. Asking for the next round uploads this rank's shard, waits for the
-        broadcast and applies it. Every rank iterates alike (the collectives inside must
-        match); leaving the loop early leaves the run (the client closes).
+        broadcast and applies it (``ShardedRounds``, the same synchronous round as a
+        data-parallel site's). Every rank iterates alike (the collectives inside must match);
+        leaving the loop early leaves the run (the client closes).
         """
+        return self._run(max_rounds, user_loop=True)
+
+    def run(self, max_rounds: int | None = None) -> ShardedRunSummary:
+        """``rounds()`` with the inner loop written for you: ``loss_fn(model, batch)``, backward
+        and ``inner_optimizer.step()`` per batch of ``data``; every rank calls it."""
+        if not self.trainer.trains_itself:
+            raise SiteAgentError("run() trains on data with loss_fn; pass both to ShardedSite, or write "
+                                 "the inner loop yourself with rounds()")
+        for _ in self._run(max_rounds, user_loop=False):
+            pass
+        return self.summary
+
+    def _run(self, max_rounds: int | None, *, user_loop: bool) -> Iterator[ShardedRound]:
+        """Join, then the rounds: yielded to the user's loop between ``begin`` and ``finish``,
+        or (``run()``, nothing yielded) stepped with ``ShardTrainer.train``."""
         heartbeat: threading.Thread | None = None
         leaving = "run finished"
         try:
-            round_number, round_seed, algorithm, total_rounds = self._join()
+            rounds = self._rounds = self._join()
             if self.rank == 0:
                 heartbeat = threading.Thread(target=self._heartbeats, name="geoloco-heartbeat", daemon=True)
                 heartbeat.start()
-            unbounded = total_rounds == 0  # the coordinator's total_rounds = 0: until it stops
-            while (unbounded or round_number < total_rounds) and (
-                max_rounds is None or self.summary.rounds_trained < max_rounds
-            ):
-                self._load_held()
-                current = ShardedRound(
-                    number=round_number, inner_steps=int(algorithm.inner_steps), total_rounds=total_rounds
-                )
+            state = self.state
+            while not state.finished and (max_rounds is None or state.rounds_trained < max_rounds):
+                if not user_loop:
+                    rounds.step()
+                    continue
+                current = rounds.begin()
+                if current is None:
+                    break
                 leaving = "the site's loop stopped"
                 yield current
-                header = self._sync(current, round_seed, algorithm)
+                rounds.finish(current)
                 leaving = "run finished"
-                if header is None or header.run_finished:
-                    self.summary.run_finished = True
-                    break
-                round_number, round_seed = header.next_round.round, header.next_round.round_seed
             else:
-                self.summary.run_finished = not unbounded and round_number >= total_rounds
-                if not self.summary.run_finished:
+                if not state.finished:
                     leaving = f"max_rounds={max_rounds} trained"
         except GeneratorExit:  # the loop left early (break, or the generator was closed)
             raise
@@ -313,40 +572,40 @@ class ShardedSite:
                 heartbeat.join(timeout=5.0)
             if leaving and self.rank == 0 and self.client.session_id:
                 self.client.leave(leaving)  # the coordinator need not wait for a silent site
-            self.summary.bytes_received = self.client.stats.received
             self.client.close()
             if self._state_lock is not None:
                 self._state_lock.release()
 
-    def run(self, max_rounds: int | None = None) -> ShardedRunSummary:
-        """``rounds()`` with the inner loop written for you: ``loss_fn(model, batch)``, backward
-        and ``inner_optimizer.step()`` per batch of ``data``; every rank calls it."""
-        if self._data is None or self.loss_fn is None:
-            raise SiteAgentError("run() trains on data with loss_fn; pass both to ShardedSite, or write "
-                                 "the inner loop yourself with rounds()")
-        for current in self.rounds(max_rounds):
-            losses = []
-            for _ in range(current.inner_steps):
-                batch = next(self._data)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss = self.loss_fn(self.model, batch)
-                loss.backward()
-                self.optimizer.step()
-                current.samples += _samples(batch)
-                losses.append(loss.detach())
-            if losses:
-                current.metrics["loss"] = float(torch.stack(losses).float().mean())
-        return self.summary
+    def _join(self) -> ShardedRounds:
+        """Rank 0 joins; every rank takes its session, run config and its rows of the weights.
+        A round that closes between the join and the ranks' fetches leaves a rank holding rows
+        of a round whose seed it does not know, or the ranks holding rows of different rounds:
+        the site then joins again (as a data-parallel site does, ``RejoinRequired``)."""
+        for attempt in range(1, JOIN_ATTEMPTS + 1):
+            self._join_run()
+            rounds = self._rounds
+            if rounds is None:
+                rounds = self._rounds = self._build_rounds()
+                self._restore(rounds)
+            rounds.fetch()
+            if self._ranks_agree():
+                return rounds
+            logger.info("site %s rank %d: a round closed while the ranks fetched their rows (join %d of %d); "
+                        "joining again", self.site, self.rank, attempt, JOIN_ATTEMPTS)
+        raise SiteAgentError(
+            f"site {self.site}: rounds closed during each of {JOIN_ATTEMPTS} joins before every rank held its rows "
+            "of the round it joined; the coordinator's rounds are shorter than a join takes"
+        )
 
-    def _join(self) -> tuple[int, int, AlgorithmConfig, int]:
-        """Rank 0 joins; every rank takes its session, run config and its rows of the weights."""
+    def _join_run(self) -> None:
+        """Rank 0 joins (again); every rank takes the session, the run config and the round."""
         shared: list[Any] = [None]
         failure: BaseException | None = None
         if self.rank == 0:
             try:
                 response = self.client.join(has_weights=False, weights_round=0, digest_hex=None)
-                shared[0] = (response.session_id, response.config.SerializeToString(), response.round.round,
-                             response.round.round_seed, self.client.instance_id)
+                shared[0] = (response.session_id, response.config.SerializeToString(),
+                             response.round.SerializeToString(), self.client.instance_id)
             except Exception as err:  # noqa: BLE001 - re-raised once the other ranks heard of it
                 failure, shared[0] = err, f"{type(err).__name__}: {err}"
         dist.broadcast_object_list(shared, src=0, group=self.group)
@@ -354,37 +613,50 @@ class ShardedSite:
             raise failure
         if isinstance(shared[0], str):
             raise SiteAgentError(f"site {self.site}: rank 0 could not join the run ({shared[0]})")
-        session_id, config_bytes, round_number, round_seed, instance_id = shared[0]
+        session_id, config_bytes, round_bytes, instance_id = shared[0]
         self.client.session_id = session_id
         self.client.instance_id = instance_id
         run_config = pb.RunConfig.FromString(config_bytes)
-        state = SiteState()
+        state = self.state
         state.adopt_run_config(run_config)
-        algorithm, privacy = state.algorithm, state.privacy
-        if privacy.secure_aggregation:
+        state.joined(pb.RoundInfo.FromString(round_bytes))
+        if state.privacy.secure_aggregation:
             raise SiteAgentError(
                 "sharded sites do not combine with secure aggregation; run the site data-parallel "
                 "(SiteAgent with an IntraSiteGroup) or turn [privacy] secure_aggregation off"
             )
+        self._heartbeat_s = max(0.05, run_config.heartbeat_interval_ms / 1000.0 or 1.0)
+        self._run_identity = run_fingerprint(run_config.config_json)
+
+    def _build_rounds(self) -> ShardedRounds:
+        """The rank's round runner for the joined run's algorithm."""
+        algorithm = self.state.algorithm
         strategy = build_strategy(algorithm, numel=self.layout.numel, layout=self.layout)
         if not strategy.partition.is_whole or strategy.partial is not None:
             raise SiteAgentError(
                 "sharded sites do not combine with Streaming DiLoCo fragments or partial updates; "
                 "run the site data-parallel or use fragments = 1 without partial_updates"
             )
-        self._heartbeat_s = max(0.05, run_config.heartbeat_interval_ms / 1000.0 or 1.0)
-        self.encoder = self._new_encoder(algorithm)
-        self._run_identity = run_fingerprint(run_config.config_json)
-        self._restore()
-        self._fetch()
-        return int(round_number), int(round_seed), algorithm, int(run_config.total_rounds)
-
-    def _new_encoder(self, algorithm: AlgorithmConfig) -> UpdateEncoder:
-        """This rank's uplink encoder, with an empty residual of its shard's size."""
-        return UpdateEncoder(
-            parse_codec(algorithm.uplink_codec).with_shapes([(self.shard_numel,)]),
-            error_feedback=algorithm.error_feedback, decay=algorithm.error_feedback_decay,
+        # The rank's rows encoded as a model of their own: one 1-D tensor, with its own residual.
+        rows = ParamLayout(entries=(ParamEntry("rows", (self.shard_numel,), 0),), numel=self.shard_numel)
+        return ShardedRounds(
+            group=self.group, collective_device=self._collective_device, rows=self.held, ranges=self.ranges,
+            rank=self.rank, world_size=self.world_size,
+            site=self.site, state=self.state, trainer=self.trainer, client=lambda: self.client, hooks=SiteHooks(),
+            strategy=strategy, uplink=StrategyUplink(build_strategy(algorithm, numel=self.shard_numel, layout=rows),
+                                                     self.site),
+            on_boundary=self._save,
         )
+
+    def _ranks_agree(self) -> bool:
+        """Every rank holds rows of the same round, one whose seed the join told."""
+        state = self.state
+        held = float(state.held_round)
+        known = 1.0 if state.knows_round(state.held_round) else 0.0
+        votes = torch.tensor([held, -held, -known], dtype=torch.float64, device=self._collective_device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group)
+        highest, lowest, any_unknown = float(votes[0]), -float(votes[1]), float(votes[2])
+        return highest == lowest and any_unknown < 0
 
     # -- saved state --
 
@@ -398,17 +670,21 @@ class ShardedSite:
         }
 
     def _save(self) -> None:
-        """This rank's residual as of the round boundary just passed (atomically, on every rank)."""
-        if self.store is None or self.encoder is None:
+        """This rank's uplink state as of the round boundary just passed (atomically, on every
+        rank; the runner's snapshot, which holds no pending update at a boundary)."""
+        if self.store is None or self._rounds is None:
             return
-        residual = self.encoder.residual
-        tensors = {} if residual is None else {"residual": residual.detach().cpu().contiguous()}
-        self.store.save(SiteSnapshot(tensors=tensors, meta={**self._state_meta(), "round": self.summary.final_round}))
+        saved = self._rounds.snapshot()
+        assert saved is not None  # a StrategyUplink's state
+        tensors, meta = saved
+        meta = {**meta, **self._state_meta(), "round": self.state.held_round}
+        self.store.save(SiteSnapshot(tensors=tensors, meta=meta))
 
-    def _restore(self) -> None:
-        """Take up this rank's saved residual, or refuse a state of another site, shard, model or run."""
+    def _restore(self, rounds: ShardedRounds) -> None:
+        """Take up this rank's saved uplink state, or refuse a state of another site, shard,
+        model or run."""
         snapshot = None if self.store is None else self.store.load()
-        if snapshot is None or self.encoder is None:
+        if snapshot is None:
             return
         assert self.store is not None
         saved = {key: snapshot.meta.get(key) for key in self._state_meta()}
@@ -419,27 +695,20 @@ class ShardedSite:
                 f"(site {saved['site']!r}, shard {saved['shard']}); point state_dir at this site's own "
                 "folder, or delete it to start this rank afresh"
             )
-        saved_residual = snapshot.tensors.get("residual")
-        feedback = self.encoder.error_feedback
-        if feedback is not None and saved_residual is not None:
-            feedback.residual = saved_residual.to(device=self.device, dtype=torch.float32).reshape(self.shard_numel)
-        self.summary.restored_round = int(snapshot.meta.get("round", 0))
+        if "uplink" not in snapshot.meta:
+            raise SiteStateError(
+                f"the state in {self.store.directory} was saved by an earlier geoloco version; delete it to "
+                "start this rank afresh"
+            )
+        rounds.restore(snapshot.tensors, snapshot.meta)
+        self._restored_round = int(snapshot.meta.get("round", 0))
         logger.info("site %s rank %d: took up the residual saved after round %d", self.site, self.rank,
-                    self.summary.restored_round - 1)
-
-    def _fetch(self) -> None:
-        """The global weights' rows of this rank, and only those (``ModelManifest.shard_rows``;
-        their checksum, checked by the download, is the SHA-256 of the coordinator's rows)."""
-        manifest, rows = self.client.fetch_model(self.shard_numel)
-        if not manifest.shard_rows:
-            raise SiteAgentError("the coordinator served the whole model to a rank that asked for its rows; "
-                                 "run a coordinator of this version with sharded sites")
-        self.held.copy_(rows)
+                    self._restored_round - 1)
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self._heartbeat_s):
             try:
-                self.client.heartbeat(round_number=self.summary.final_round, phase=pb.SITE_PHASE_TRAINING,
+                self.client.heartbeat(round_number=self.state.held_round, phase=self.state.phase,
                                       inner_steps_done=0)
             except grpc.RpcError as error:
                 if error_reason(error) == pb.ERROR_REASON_SITE_REPLACED:
@@ -449,129 +718,3 @@ class ShardedSite:
                 logger.debug("site %s: heartbeat failed", self.site, exc_info=True)
             except Exception:  # a missed heartbeat is retried at the next tick
                 logger.debug("site %s: heartbeat failed", self.site, exc_info=True)
-
-    def _load_held(self) -> None:
-        with torch.no_grad():
-            for at, view in self._locals:
-                view.copy_(self.held[at : at + view.numel()].view_as(view))
-
-    def _local_flat(self) -> torch.Tensor:
-        """This rank's trained rows, concatenated like ``held`` on its device (a shard-sized copy)."""
-        flat = torch.empty_like(self.held)
-        for at, view in self._locals:
-            flat[at : at + view.numel()].copy_(view.detach().reshape(-1))
-        return flat
-
-    def _site_metrics(self, own: dict[str, float]) -> dict[str, float]:
-        """The ranks' metrics averaged key by key (a key some rank lacks is averaged over those
-        that have it), so every shard reports the same site-level numbers."""
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, {str(k): float(v) for k, v in own.items()}, group=self.group)
-        keys = sorted({key for ranks in everyone for key in ranks})
-        return {key: sum(r[key] for r in everyone if key in r) / sum(key in r for r in everyone) for key in keys}
-
-    def _sync(self, current: ShardedRound, round_seed: int, algorithm: AlgorithmConfig) -> pb.BroadcastHeader | None:
-        """Upload this rank's shard of the round's pseudo-gradient, then apply the broadcast;
-        None when the run finished meanwhile."""
-        assert self.encoder is not None
-        round_number, inner_steps = current.number, current.inner_steps
-        self.optimizer.zero_grad(set_to_none=True)  # spent: a shard of gradients less through the sync
-        update = pseudo_gradient_into_local(self.held, self._local_flat())
-        own = float(current.samples) if current.samples > 0 else float(inner_steps)
-        # The site's weight covers every rank's batches; the site uploads only when every
-        # rank's shard is finite (a site missing a shard is never counted anyway).
-        totals = torch.tensor([own, float(all_finite(update))], dtype=torch.float64, device=self._collective_device)
-        dist.all_reduce(totals, group=self.group)
-        sample_weight, finite_ranks = totals.tolist()
-        metrics = self._site_metrics(current.metrics)
-        self.summary.rounds_trained += 1
-        if finite_ranks < self.world_size:
-            # As every site runner does (``RoundRunner._encode``): not sent, the residual reset.
-            logger.error(
-                "site %s rank %d: the pseudo-gradient of round %d has NaN/Inf values on %d of %d ranks; "
-                "not uploading it, resetting the error-feedback residual and the inner optimizer's "
-                "state (lower the inner lr if it happens again)", self.site, self.rank, round_number,
-                self.world_size - int(finite_ranks), self.world_size,
-            )
-            del update
-            self.encoder = self._new_encoder(algorithm)
-            self.optimizer.state.clear()  # AdamW's moments hold the NaN now; every later step would too
-            return self._take_broadcast(round_number, None, None, withheld=WITHHELD_NON_FINITE)
-        seed = uplink_seed(round_seed, self.site, algorithm.uplink_codec)
-        encoded = self.encoder.encode(update, seed=seed)
-        del update
-        opened: OpenBroadcast | None = self.client.open_broadcast(round_number)
-        started = time.time()
-        on_time = True
-        try:
-            self.client.upload(
-                round_number=round_number, data=encoded.to_bytes(), codec=encoded.spec,
-                shape=list(encoded.shape), sample_weight=sample_weight, inner_steps=inner_steps,
-                metrics=metrics,
-            )
-        except (RoundClosed, UpdateRejected) as why:
-            logger.info("site %s rank %d: shard of round %d not counted (%s)", self.site, self.rank, round_number, why)
-            on_time = False
-        except RunFinished:
-            assert opened is not None
-            opened.cancel()
-            return None
-        self.summary.upload_spans.append((round_number, started, time.time()))
-        if not on_time and opened is not None:
-            opened.cancel()
-            opened = None
-        return self._take_broadcast(round_number, encoded, opened)
-
-    def _take_broadcast(
-        self, round_number: int, encoded: Encoded | None, opened: OpenBroadcast | None, *, withheld: str = ""
-    ) -> pb.BroadcastHeader | None:
-        """Wait for round ``round_number``'s broadcast and apply it; ``encoded`` (this rank's
-        upload, None when nothing was sent) goes back into the residual when the round did not
-        count it; ``withheld``: why the site sends nothing (the round stops waiting for it).
-        None when the run finished meanwhile."""
-        assert self.encoder is not None
-        try:
-            header, data = self.client.await_broadcast(round_number, opened=opened, withheld=withheld)
-        except RunFinished:
-            return None
-        if header.included:
-            self.summary.rounds_included += 1
-        elif encoded is not None:
-            self.encoder.restore(encoded)  # the update goes back into the residual
-        self._apply(header, data)
-        self.last_broadcast = header
-        self.summary.final_round = round_number + 1
-        self._save()
-        return header
-
-    def _apply(self, header: pb.BroadcastHeader, data: memoryview | bytes | None) -> None:
-        """Add this rank's rows of the broadcast delta (the same float sum as the coordinator's),
-        then check them against the coordinator's digest of its rows."""
-        if header.action != pb.BROADCAST_ACTION_APPLY_DELTA or data is None:
-            self._fetch()
-            return
-        encoded = Encoded.from_bytes(data, copy=False)
-        block = slicing.slice_block(header.delta.codec) if header.shard_rows else None
-        if block == 1:  # ``none`` or a cast: exactly the rank's rows, added piece by piece
-            add_decoded_into(encoded.to(self.held.device), self.held)
-        else:  # quantizer blocks around the rows, or (sparse downlink) the whole delta
-            delta = decode(encoded, device=self.held.device).reshape(-1)
-            positions = (
-                [offset for offset, _ in self.ranges] if block is None
-                else slicing.row_positions(self.ranges, block, self.layout.numel)
-            )
-            at = 0
-            for (_, n), position in zip(self.ranges, positions, strict=True):
-                self.held[at : at + n].add_(delta[position : position + n])
-                at += n
-            del delta
-        del encoded
-        expected = header.shard_weights_digest.digest if header.HasField("shard_weights_digest") else b""
-        if not expected:
-            return
-        self.summary.digests_checked += 1
-        if hashlib.sha256(as_byte_view(self.held.cpu())).digest() != expected:
-            logger.warning("site %s rank %d: rows after round %d differ from the coordinator's; fetching them",
-                           self.site, self.rank, header.round)
-            self.summary.resyncs += 1
-            self._fetch()

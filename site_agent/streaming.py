@@ -47,6 +47,7 @@ from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapChoice, O
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import RoundClosed, RunFinished, SiteAgentError, UpdateRejected
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
+from geoloco.site_agent.trainer import SiteTrainer
 
 __all__ = ["StreamingRounds"]
 
@@ -95,6 +96,9 @@ class _Overlap:
 
 class StreamingRounds(RoundRunner):
     """Streaming DiLoCo rounds (see the module docstring)."""
+
+    trainer: SiteTrainer
+    """A data-parallel site's trainer: these rounds train through it themselves."""
 
     def _setup(self) -> None:
         if self.trainer.is_distributed:

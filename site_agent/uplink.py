@@ -74,7 +74,7 @@ class SiteUplink(Protocol):
     ) -> None: ...
 
     def encode(
-        self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: int
+        self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: float
     ) -> UplinkUpdate | None: ...
 
     def upload(
@@ -131,7 +131,7 @@ class StrategyUplink:
         )
 
     def encode(
-        self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: int
+        self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: float
     ) -> UplinkUpdate:
         encoder = self.encoders.encoders[fragment]
         # Partial updates: only the site's group's subset travels (the coordinator knows which).
@@ -153,7 +153,7 @@ class StrategyUplink:
 
     def encode_added(
         self, pieces: Callable[[], Iterator[tuple[int, torch.Tensor]]], numel: int, *,
-        device: torch.device, round_seed: int, fragment: int, samples: int,
+        device: torch.device, round_seed: int, fragment: int, samples: float,
     ) -> UplinkUpdate | None:
         """``encode`` of an update given piece by piece (``UpdateEncoder.encode_added``): the
         pseudo-gradient is added into the error-feedback residual and never held whole. None
@@ -242,7 +242,7 @@ class MaskedUplink:
         )
 
     def encode(
-        self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: int
+        self, update: torch.Tensor, *, round_seed: int, fragment: int, samples: float
     ) -> UplinkUpdate | None:
         """The masked update (None: the site is not part of this round's secure sum; the
         update then went whole into the fragment's residual)."""

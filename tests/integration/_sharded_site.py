@@ -83,7 +83,7 @@ def run_fsdp(site: str, coordinator: str, certs: Path) -> dict[str, Any]:
     summary = sharded.run()
     result = {
         "held": sharded.held.clone(), "ranges": sharded.ranges, "summary": dataclasses.asdict(summary),
-        "residual": sharded.encoder.residual if sharded.encoder is not None else None,
+        "residual": sharded.residual,
     }
     dist.destroy_process_group()
     return result

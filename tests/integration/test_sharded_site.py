@@ -176,6 +176,17 @@ def test_fsdp_site_matches_data_parallel_site_and_uploads_shards_in_parallel(tmp
         dp = torch.load(out / f"dp-rank{dp_rank}.pt", weights_only=False)
         assert torch.equal(dp["weights"], dp_weights)
 
+    # The sharded site runs a data-parallel site's round (``SyncRounds``), so it reports what
+    # one reports: the same metric names (training, phase seconds) and the same mean loss.
+    fs_records, dp_records = read_metrics(tmp_path / "fs.jsonl"), read_metrics(tmp_path / "dp.jsonl")
+    assert len(fs_records) == len(dp_records) == ROUNDS
+    for fs_record, dp_record in zip(fs_records, dp_records, strict=True):
+        fs_metrics, dp_metrics = fs_record["site_metrics"]["fs"], dp_record["site_metrics"]["dp"]
+        assert set(dp_metrics) <= set(fs_metrics), (fs_metrics, dp_metrics)
+        assert fs_metrics["train_loss"] == pytest.approx(dp_metrics["train_loss"], rel=1e-4)
+        assert fs_metrics["inner_steps"] == dp_metrics["inner_steps"] == INNER_STEPS
+        assert set(fs_record["site_phases_s"]["fs"]) == set(dp_record["site_phases_s"]["dp"])
+
     # The ranks uploaded concurrently: in some round each started before the other ended.
     spans = [{r: (s, e) for r, s, e in saved["summary"]["upload_spans"]} for saved in ranks]
     overlapping = [

@@ -86,16 +86,16 @@ def test_a_restarted_rank_takes_up_its_residual_and_refuses_another_sites_state(
         # The int8 broadcast reached the rank sliced (the blocks around its rows; with one rank,
         # every block), and what it added matched the coordinator's digest of its rows both times.
         assert first.summary.digests_checked == 2 and first.summary.resyncs == 0
-        assert first.encoder is not None and first.encoder.residual is not None
-        saved = first.encoder.residual.clone()
+        assert first.residual is not None
+        saved = first.residual.clone()
         assert saved.abs().sum() > 0  # int8 left something behind
 
         restarted = _sharded(certs, server.port, state)
         rounds = restarted.rounds()
         current = next(rounds)  # joined: the state is taken up before the first round
         assert current.number == 2 and restarted.summary.restored_round == 2
-        assert restarted.encoder is not None and restarted.encoder.residual is not None
-        assert torch.equal(restarted.encoder.residual, saved)
+        assert restarted.residual is not None
+        assert torch.equal(restarted.residual, saved)
         rounds.close()
 
         pointer = state / "rank-0-of-1" / POINTER_NAME
@@ -150,4 +150,67 @@ def test_a_run_without_a_round_count_trains_until_the_site_stops(world: None, tm
         summary = site.run(max_rounds=2)
         assert summary.rounds_trained == 2 and summary.rounds_included == 2 and not summary.run_finished
     finally:
+        server.stop(grace=0)
+
+
+def test_a_round_that_closes_between_join_and_fetch_makes_the_site_join_again(
+    world: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ranks fetch their rows after rank 0 joined; when a round closes in between, the rows
+    are of a round whose seed the join did not tell. The site joins again and trains the round
+    its rows are of, instead of labelling them with the round it joined at."""
+    import threading
+
+    from _cluster import AgentThread
+
+    from geoloco.site_agent.agent import SiteAgent
+    from geoloco.site_agent.config import SiteHooks
+
+    certs = make_certs(tmp_path / "certs", ["fs", "solo"])
+    model = MLPWorkload(WORKLOAD).build_model(0)
+    layout = ParamLayout.from_model(model)
+    server = CoordinatorServer(
+        CoordinatorConfig(certs_dir=str(certs), min_sites=1, total_rounds=4, heartbeat_timeout_s=600.0,
+                          round_deadline_s=1.0, algorithm=AlgorithmConfig(inner_steps=1, uplink_codec="none")),
+        layout.flatten(model), layout, None,
+    )
+    server.start()
+    released = threading.Event()
+    solo_model = MLPWorkload(WORKLOAD).build_model(0)
+    solo = AgentThread(SiteAgent(
+        solo_model, torch.optim.SGD(solo_model.parameters(), lr=0.05), MLPWorkload(WORKLOAD).site_batches(1, 2, 0),
+        MLPWorkload(WORKLOAD).loss, coordinator=f"localhost:{server.port}", site="solo",
+        tls=TLSFiles.from_dir(certs, "solo"), config=SiteAgentConfig(device="cpu", backoff_initial_s=0.05),
+        # After its first round solo holds until the test has seen fs's first round.
+        hooks=SiteHooks(on_round_end=lambda result: released.wait(60.0)),
+    ))
+    try:
+        site = _sharded(certs, server.port, tmp_path / "state")
+        fetch_model = site.client.fetch_model
+        joined_at: list[int] = []
+
+        def fetch_after_a_round_closed(numel: int) -> object:
+            if not joined_at:  # the first fetch: let round 0 close (solo's upload, fs past the deadline)
+                joined_at.append(server.rounds.round)
+                solo.start()
+                for _ in range(600):
+                    if server.rounds.round > joined_at[0]:
+                        break
+                    threading.Event().wait(0.05)
+            return fetch_model(numel)
+
+        site.client.fetch_model = fetch_after_a_round_closed  # type: ignore[method-assign]
+        rounds = site.rounds()
+        with caplog.at_level("INFO", logger="geoloco.site_agent.sharded"):
+            current = next(rounds)
+        assert joined_at == [0]
+        assert current.number == 1, "the site must train the round its rows are of"
+        assert "joining again" in caplog.text
+        held = torch.cat([p.to_local().detach().reshape(-1) for p in site.model.parameters()])
+        assert torch.equal(held, server.rounds.weights)
+        rounds.close()
+    finally:
+        released.set()
+        solo.agent.stop()
+        solo.join(30.0)
         server.stop(grace=0)

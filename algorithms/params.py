@@ -97,16 +97,6 @@ class ParamLayout:
             for entry, p in zip(self.entries, self._params(model), strict=True):
                 p.copy_(flat[entry.offset : entry.offset + entry.numel].view(entry.shape))
 
-    def load_grads_(self, model: nn.Module, flat: torch.Tensor) -> None:
-        """Set every parameter's ``.grad`` from ``flat`` (used to apply an averaged gradient)."""
-        self._check(flat)
-        for entry, p in zip(self.entries, self._params(model), strict=True):
-            g = flat[entry.offset : entry.offset + entry.numel].view(entry.shape).to(p)
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
-
     def state_dict(self, flat: torch.Tensor, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """``flat`` as a normal ``state_dict``: parameter name -> tensor of its shape (views of
         ``flat``, no copy). With ``model`` (of this layout's class), every key of

@@ -237,31 +237,10 @@ def checksum_hex(checksum: pb.Checksum) -> str:
     return f"{name.lower()}:{checksum.digest.hex()}"
 
 
-def verify_checksum(data: Buffer, expected: pb.Checksum) -> None:
-    """Raise ``ChecksumMismatchError`` unless ``data`` has checksum ``expected``."""
-    actual = compute_checksum(data, expected.algorithm)
-    if actual.digest != expected.digest:
-        raise ChecksumMismatchError(
-            f"checksum mismatch: expected {checksum_hex(expected)}, got {checksum_hex(actual)}; "
-            "every chunk must be sent again"
-        )
-
-
 def num_chunks_for(total_bytes: int, chunk_size: int) -> int:
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return -(-total_bytes // chunk_size)
-
-
-def indices_to_ranges(indices: Iterable[int]) -> list[tuple[int, int]]:
-    """Sorted, merged half-open ranges covering ``indices``: [0, 1, 2, 5] -> [(0, 3), (5, 6)]."""
-    ranges: list[tuple[int, int]] = []
-    for i in sorted(set(indices)):
-        if ranges and ranges[-1][1] == i:
-            ranges[-1] = (ranges[-1][0], i + 1)
-        else:
-            ranges.append((i, i + 1))
-    return ranges
 
 
 def ranges_to_indices(ranges: Iterable[tuple[int, int] | pb.IndexRange]) -> list[int]:

@@ -97,7 +97,6 @@ MAX_NOISE_STD_UNITS = float(1 << 20)
 """Distributed DP caps the scale so the sum's noise std is at most 2^20 integer units: Poisson
 samplers lose accuracy for rates far above 1e12 (measured: +17% variance at 1.5e15), and at 2^20
 units the rounding noise (std < 1 unit) is still negligible beside the DP noise."""
-SECURE_CODECS = ("none", "randk")
 SECURE_INDEX_SEED_PURPOSE = "secure-randk"
 """Random-k under secure aggregation: ONE seed per round shared by every site (masked sums only
 add up on shared coordinates), so a private round reads ``randk:F`` as ``randk:F,shared``; plain
@@ -415,8 +414,6 @@ class PrivateUpdateEncoder:
     uplink_codec: str = "none"
     error_feedback: bool = True
     residual: torch.Tensor | None = field(default=None, init=False)
-    last_norm: float = field(default=0.0, init=False)
-    """L2 norm of the last update before clipping (for metrics)."""
     _sent: tuple[torch.Tensor, torch.Tensor | None] | None = field(default=None, init=False)
     """What the last ``encode`` sent (float values, random-k index or None), for ``restore``."""
 
@@ -452,7 +449,6 @@ class PrivateUpdateEncoder:
         if values.numel() != context.numel:
             raise ValueError(f"the update has {values.numel()} values to send, the round expects {context.numel}")
         norm = float(torch.linalg.vector_norm(values, dtype=torch.float64))
-        self.last_norm = norm
         factor = fixed.scale * min(1.0, fixed.clip_norm / norm) if norm > 0 else fixed.scale
         residual = u.clone() if self.error_feedback else None
         sent_values = torch.empty(context.numel, dtype=torch.float32) if self.error_feedback else None

@@ -98,7 +98,6 @@ class SecAggClient:
         self.stage = STAGE_ADVERTISE_KEYS
         self._identity = identity_key
         self._identities = dict(identities)
-        self._random = random_bytes
         self._cipher_key = X25519PrivateKey.from_private_bytes(random_bytes(32))
         self._mask_key = X25519PrivateKey.from_private_bytes(random_bytes(32))
         self._self_seed = random_bytes(32)

@@ -187,6 +187,9 @@ def test_fsdp_site_under_torchrun_finishes_the_run_as_one_site_and_prints_the_co
             r"digest=[0-9a-f]{64}",
             done[0],
         ), done[0]
+        # The loss printed is the one the coordinator recorded for the site (sent with the upload).
+        printed = float(re.search(r"loss=(\S+)", done[0])[1])  # type: ignore[index]
+        assert records[r]["site_metrics"]["0"]["train_loss"] == pytest.approx(printed, rel=1e-4), records[r]
     finished = [line for line in lines if " finished: " in line]
     assert finished == [
         f"geoloco-site 0 finished: final_round={ROUNDS} rounds_trained={ROUNDS} rounds_included={ROUNDS} "

@@ -11,6 +11,7 @@ is left out by the coordinator instead of making every honest site refuse the ro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Final
 
@@ -38,8 +39,18 @@ def load_ca(ca_pem: bytes | None) -> x509.Certificate | None:
     return x509.load_pem_x509_certificate(ca_pem) if ca_pem is not None else None
 
 
+VERIFIED_BINDINGS: Final = 4096
+"""Bindings whose check is remembered: a site's binding is the same every round of its process,
+and the coordinator checks every site's and each site its neighbours' every round."""
+
+
+@functools.lru_cache(maxsize=VERIFIED_BINDINGS)
 def verify_binding(binding: IdentityBinding, ca: x509.Certificate | None) -> Ed25519PublicKey:
-    """The identity key of a binding checked against the CA (None: --insecure); else ``SecAggViolation``."""
+    """The identity key of a binding checked against the CA (None: --insecure); else ``SecAggViolation``.
+
+    A pure function of the binding's bytes and the CA (``verify_directly_issued_by`` checks the
+    signature, not the validity period), so a check passed once is remembered; one that fails
+    raises again each time."""
     name, public = binding.name, binding.identity_key
     if ca is not None:
         if not binding.certificate or not binding.signature:

@@ -249,6 +249,7 @@ def test_an_unmask_request_changed_on_the_wire_is_refused(change: str) -> None:
 
 
 def test_an_identity_binding_changed_on_the_wire_fails_verification(tmp_path: Path) -> None:
+    from geoloco.protos.secagg_identity import verify_binding
     from geoloco.scenarios.certs import init_ca, issue_site
     from geoloco.site_agent.secure_site import SiteIdentity, verify_bindings
 
@@ -259,6 +260,14 @@ def test_an_identity_binding_changed_on_the_wire_fails_verification(tmp_path: Pa
     cert, key = (tmp_path / "s0.crt").read_bytes(), (tmp_path / "s0.key").read_bytes()
     identity = SiteIdentity.create("s0", cert, key)
     assert set(verify_bindings([_wire(identity.binding)], ca)) == {"s0"}
+    # Checked once per process, then remembered (the binding is the same every round) ...
+    hits = verify_binding.cache_info().hits
+    assert set(verify_bindings([_wire(identity.binding)], ca)) == {"s0"}
+    assert verify_binding.cache_info().hits == hits + 1
+    # ... for the CA it was checked against only.
+    init_ca(tmp_path / "other")
+    with pytest.raises(SecAggViolation, match="not bound to a certificate of this run's CA"):
+        verify_bindings([_wire(identity.binding)], (tmp_path / "other" / "ca.crt").read_bytes())
     other = SiteIdentity.create("s1").binding.identity_key
     for field, value in (("identity_key", other), ("name", "s1"), ("signature", bytes(70))):
         wire = to_pb(identity.binding)

@@ -474,6 +474,11 @@ class RoundStateMachine:
                 wait = min(wait, max(0.0, deadline_at - now))
             return max(0.005, wait)
 
+    def wake(self) -> None:
+        """Wake the driver and waiting calls (e.g. after an injected clock jumped forward)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def wait_for_change(self, timeout_s: float) -> None:
         """Block until some state changes (an upload, a join) or ``timeout_s`` passes."""
         with self._cond:

@@ -15,6 +15,7 @@ what the model does with new global weights, and when training and transfers hap
 from __future__ import annotations
 
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -72,7 +73,10 @@ class TrainedUpdate:
     averaged over its ranks)."""
 
     def metrics(self) -> dict[str, float]:
-        """The training metrics sent with the upload, and the site's phase times."""
+        """The training metrics sent with the upload, and the site's phase times; the finite
+        ones only (a loop that reports no loss has a NaN ``train_loss``): the coordinator keeps
+        finite numbers, and a manifest holding a NaN is not equal to itself, so each of an
+        upload's parallel streams would take it for a new upload replacing the others'."""
         metrics = {
             "train_loss": self.loss,
             "samples": float(self.samples),
@@ -81,7 +85,7 @@ class TrainedUpdate:
         }
         metrics.update({site_metric_name(phase): seconds for phase, seconds in self.phases_s.items()})
         metrics.update(self.loop_metrics)
-        return metrics
+        return {name: value for name, value in metrics.items() if math.isfinite(value)}
 
 
 class RoundTrainer(Protocol):

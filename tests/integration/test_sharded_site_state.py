@@ -214,3 +214,47 @@ def test_a_round_that_closes_between_join_and_fetch_makes_the_site_join_again(
         solo.agent.stop()
         solo.join(30.0)
         server.stop(grace=0)
+
+
+def test_a_loop_that_reports_no_loss_uploads_its_rows_over_parallel_streams(world: None, tmp_path: Path) -> None:
+    """A ``rounds()`` loop need not report a loss. The site's ``train_loss`` is then unknown and
+    not sent: a NaN in the upload's manifest made it unequal to itself, so each of the rank's
+    parallel streams replaced the other's upload and the round failed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    certs = make_certs(tmp_path / "certs", ["fs"])
+    metrics = tmp_path / "metrics.jsonl"
+    model = MLPWorkload(WORKLOAD).build_model(0)
+    layout = ParamLayout.from_model(model)
+    server = CoordinatorServer(
+        CoordinatorConfig(certs_dir=str(certs), min_sites=1, total_rounds=2, heartbeat_timeout_s=600.0,
+                          metrics_path=str(metrics), algorithm=AlgorithmConfig(inner_steps=1, uplink_codec="none")),
+        layout.flatten(model), layout, None,
+    )
+    server.start()
+    try:
+        workload = MLPWorkload(WORKLOAD)
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        site = ShardedSite(
+            model, optimizer, coordinator=f"localhost:{server.port}", site="fs", tls=TLSFiles.from_dir(certs, "fs"),
+            config=SiteAgentConfig(device="cpu", chunk_size=256, parallel_streams=2),
+        )
+        batches = workload.site_batches(0, 1, 0)
+        for current in site.rounds():
+            for _ in range(current.inner_steps):
+                optimizer.zero_grad()
+                workload.loss(model, next(batches)).backward()
+                optimizer.step()
+        assert site.summary.rounds_included == 2 and site.summary.run_finished
+    finally:
+        server.stop(grace=0)
+    from geoloco.coordinator.metrics import read_metrics
+
+    reported = [record["site_metrics"]["fs"] for record in read_metrics(metrics)]
+    assert [("train_loss" in m, m["inner_steps"]) for m in reported] == [(False, 1.0), (False, 1.0)], reported

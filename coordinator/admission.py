@@ -57,7 +57,7 @@ from geoloco.coordinator import events as ev
 from geoloco.coordinator.admission_config import CONTROL_PER_PEER, AdmissionLimits
 from geoloco.coordinator.errors import SiteNotAllowedError
 from geoloco.protos.errors import StatusError
-from geoloco.protos.transport_errors import THREAD_POOL_ATTRIBUTE, rebuild_handler
+from geoloco.protos.transport_errors import THREAD_POOL_ATTRIBUTE, WrappingInterceptor, rebuild_handler
 from geoloco.protos.transport_tls import peer_relay, peer_site
 
 __all__ = [
@@ -369,22 +369,16 @@ def _cancel(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) 
     context.cancel()
 
 
-class AdmissionInterceptor(grpc.ServerInterceptor):
+class AdmissionInterceptor(WrappingInterceptor):
     """Wraps every handler so that ``Admission.admit`` runs before the request is read, the
     control calls run on the control pool, and Upload reads are watched for idleness."""
 
     def __init__(self, admission: Admission) -> None:
+        super().__init__()
         self.admission = admission
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+    def wrap(self, handler: grpc.RpcMethodHandler, full_method: str) -> grpc.RpcMethodHandler:
+        method = full_method.rsplit("/", 1)[-1]
         admission = self.admission
         streaming_request = bool(handler.request_streaming)
 

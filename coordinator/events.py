@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from geoloco.protos.errors import StatusError
-from geoloco.protos.transport_errors import rebuild_handler
+from geoloco.protos.transport_errors import WrappingInterceptor, rebuild_handler
 
 __all__ = [
     "BYTES_RECEIVED",
@@ -160,7 +160,7 @@ class EventHub:
                 logger.exception("event listener %r failed on %s", listener, kind)
 
 
-class RejectedRequestInterceptor(grpc.ServerInterceptor):
+class RejectedRequestInterceptor(WrappingInterceptor):
     """Emits ``REQUEST_REJECTED`` for every ``StatusError`` a handler raises, then re-raises it.
 
     Install it *after* ``ErrorStatusInterceptor`` in the server's interceptor list (gRPC nests
@@ -169,6 +169,7 @@ class RejectedRequestInterceptor(grpc.ServerInterceptor):
     """
 
     def __init__(self, hub: EventHub) -> None:
+        super().__init__()
         self.hub = hub
 
     def _emit(self, method: str, error: StatusError) -> None:
@@ -180,15 +181,7 @@ class RejectedRequestInterceptor(grpc.ServerInterceptor):
             message=str(error),
         )
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         emit = self._emit
 
         def unary(behavior: Callable[..., Any]) -> Callable[..., Any]:

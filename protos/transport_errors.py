@@ -9,6 +9,7 @@ key ``ERROR_REASON_KEY``; ``error_reason`` reads it back on the client.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -136,6 +137,39 @@ THREAD_POOL_ATTRIBUTE = "experimental_thread_pool"
 that runs it (``grpc._server._select_thread_pool_for_behavior``)."""
 
 
+class WrappingInterceptor(grpc.ServerInterceptor, ABC):
+    """A server interceptor that wraps each method's handler the same way for every call.
+
+    gRPC asks the interceptors for a call's handler on its one dispatch thread, for every call;
+    rebuilding the same wrapper each time (four interceptors deep) was serial work that grows
+    with the calls of every site. The wrapper is built once per method and kept while the
+    handler below it is the same object (it is: the servicer's handlers, and the interceptors'
+    below, are kept too). Unknown methods have no handler and are not kept."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        known = self._wrapped.get(method)
+        if known is not None and known[0] is handler:
+            return known[1]
+        wrapped = self.wrap(handler, method)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    @abstractmethod
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """``handler`` of the full method name ``method``, wrapped (``rebuild_handler``)."""
+
+
 class MalformedRequestError(StatusError):
     """Bytes that do not parse as the method's request message (INVALID_ARGUMENT, where grpc
     itself would answer INTERNAL "Exception deserializing request!" and count nothing)."""
@@ -196,22 +230,15 @@ def checked_requests(requests: Iterator[Any], method: str) -> Iterator[Any]:
         yield check_request(request, method)
 
 
-class ErrorStatusInterceptor(grpc.ServerInterceptor):
+class ErrorStatusInterceptor(WrappingInterceptor):
     """Turns a ``StatusError`` escaping a handler into its status code + ``ErrorReason``, so
     servicers raise domain errors instead of calling ``context.abort`` by hand."""
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        return _wrap_handler(handler, handler_call_details.method, map_errors=True)
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        return _wrap_handler(handler, method, map_errors=True)
 
 
-class RequireSiteCertificateInterceptor(grpc.ServerInterceptor):
+class RequireSiteCertificateInterceptor(WrappingInterceptor):
     """Refuses, before any servicer code runs, TLS peers whose certificate names no site (nor a
     regional relay, whose every request is checked against its ``[relays]`` list later).
 
@@ -220,18 +247,10 @@ class RequireSiteCertificateInterceptor(grpc.ServerInterceptor):
     """
 
     def __init__(self, *, allow_common_name: bool = False) -> None:
+        super().__init__()
         self.allow_common_name = allow_common_name
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         def check(context: grpc.ServicerContext) -> None:
             try:
                 site = peer_site(context, allow_common_name=self.allow_common_name)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from concurrent import futures
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -33,7 +34,7 @@ from geoloco.protos.transport_endpoints import (
     coordinator_stub,
     stop_server,
 )
-from geoloco.protos.transport_errors import error_reason
+from geoloco.protos.transport_errors import WrappingInterceptor, error_reason, rebuild_handler
 from geoloco.protos.transport_malloc import is_glibc, recommended_env
 from geoloco.protos.transport_options import CHANNEL_OPTIONS, SERVER_OPTIONS, server_workers, transfer_timeout
 from geoloco.protos.transport_tls import TLSFiles, site_from_auth_context
@@ -526,3 +527,27 @@ def test_leaf_certificates_expire_with_their_ca(pki):
     site = x509.load_pem_x509_certificate((pki / f"{SITES[0]}.crt").read_bytes())
     assert site.not_valid_after_utc <= authority.cert.not_valid_after_utc
     assert site.not_valid_before_utc < datetime.datetime.now(datetime.timezone.utc)
+
+
+def test_an_interceptor_wraps_a_methods_handler_once():
+    """gRPC asks for a call's handler on its one dispatch thread for every call: the wrapper is
+    built once per method while the handler below stays the same object, and again when it
+    changes."""
+    built: list[str] = []
+
+    class Counting(WrappingInterceptor):
+        def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+            built.append(method)
+            return rebuild_handler(handler, lambda behavior: behavior, lambda behavior: behavior)
+
+    interceptor = Counting()
+    heartbeat = SimpleNamespace(method="/geoloco.v1.Coordinator/Heartbeat")
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+    first = interceptor.intercept_service(lambda details: handler, heartbeat)
+    assert first is not None and first is not handler
+    assert all(interceptor.intercept_service(lambda details: handler, heartbeat) is first for _ in range(3))
+    assert built == [heartbeat.method]
+    replaced = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+    assert interceptor.intercept_service(lambda details: replaced, heartbeat) is not first
+    assert interceptor.intercept_service(lambda details: None, SimpleNamespace(method="/x/Unknown")) is None
+    assert built == [heartbeat.method, heartbeat.method]

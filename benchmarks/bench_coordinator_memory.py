@@ -61,16 +61,20 @@ def _peak_rss_bytes() -> int:
 
 
 def _aggregation_stack() -> list[str]:
-    """Where the aggregating thread is (innermost geoloco frames first), or []: what the
-    coordinator was doing when its RSS reached a new high (a sampling profile of the peak)."""
+    """Where the coordinator's threads are in the project's code (innermost frames first, a
+    line per thread, the aggregating thread first), or []: what the coordinator was doing when
+    its RSS reached a new high (a sampling profile of the peak)."""
     import traceback
 
+    root = str(Path(__file__).resolve().parents[1])
+    lines: list[tuple[bool, str]] = []
     for frames in sys._current_frames().values():
         stack = traceback.extract_stack(frames)
-        if any(frame.name == "aggregate" for frame in stack):
-            inner = [f for f in reversed(stack) if "geoloco" in f.filename or "/wt/" in f.filename]
-            return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in inner[:6]]
-    return []
+        inner = [f for f in reversed(stack) if f.filename.startswith(root) and "benchmarks" not in f.filename]
+        if inner:
+            where = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in inner[:5])
+            lines.append((any(frame.name == "aggregate" for frame in stack), where))
+    return [where for _, where in sorted(lines, key=lambda line: not line[0])]
 
 
 # --- roles (each runs in its own process) ----------------------------------------------------

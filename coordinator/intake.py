@@ -552,6 +552,7 @@ class PlainIntake:
             with ctx.cond:
                 progress = self._admit_verified(site, assembler, decoded, Screen(norm, finite), instance)
             del decoded
+            assembler.release()  # in the sum now
         return progress
 
     def _admit_verified(
@@ -863,4 +864,5 @@ class PlainIntake:
                 )
                 ctx.cond.notify_all()
             del decoded
+            assembler.release()  # in the sum now
         return _progress(assembler, folded=True)

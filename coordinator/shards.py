@@ -391,6 +391,8 @@ class ShardedUploads:
                 ))
             shards.added = True
             shards.verified.clear()  # the encoded shards are in the sum now
+            for upload in shards.uploads.values():
+                upload.release()
             r.site_metrics[site] = dict(shards.first.metrics)
             ctx.events.emit(ev.UPDATE_AGGREGATED, site=site, round=round_number, weight=weight)
             logger.debug("round %d: sharded update of %s aggregated (%d shards)", round_number, site, shards.count)

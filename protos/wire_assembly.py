@@ -138,6 +138,7 @@ class BlobAssembler:
         self._received_bytes = 0
         self._duplicates = 0
         self._verified = False
+        self._released = False
         self._digest = _RunningDigest(manifest.checksum.algorithm)
         self._hashed = 0  # chunks [0, _hashed) are in the running digest
         self._hash_scheduled = False  # a pool task will advance the digest (under _lock)
@@ -288,6 +289,8 @@ class BlobAssembler:
 
         On a checksum mismatch every chunk is marked missing again, so a retry resends all.
         """
+        if self._released:
+            raise RuntimeError("internal error: the blob's bytes were released after they were used")
         with self._hash_lock:
             with self._lock:
                 if self._verified or self._received_count != self._num_chunks:
@@ -326,6 +329,17 @@ class BlobAssembler:
     @property
     def verified(self) -> bool:
         return self._verified
+
+    def release(self) -> None:
+        """Drop the assembled bytes once they were used (a verified upload added to its round):
+        the assembler goes on answering for the blob (complete, which chunks, its manifest) for
+        resumed or repeated streams without holding a copy of it. Before, every counted upload
+        stayed in memory until its round ended: a model's worth per site with a dense codec."""
+        with self._lock:
+            if not self._verified:
+                raise RuntimeError("internal error: an unverified blob's bytes are still needed")
+            self._released = True
+            self._view = memoryview(bytearray(0))
 
 
 class UploadAssembler(BlobAssembler):

@@ -450,3 +450,21 @@ def test_running_checksum_handles_out_of_order_arrival():
         assembler = BlobAssembler(manifest)
         assembler.consume(chunks[3:] + chunks[:3])  # the digest catches up when 0..2 arrive
         assert bytes(assembler.finish()) == data
+
+
+def test_a_released_blob_answers_for_itself_without_its_bytes():
+    """Once a verified upload was added to its round the coordinator drops its bytes; a resumed
+    or repeated stream still learns that it is complete, and nothing reads the bytes again."""
+    data = random.Random(7).randbytes(5000)
+    manifest = blob_manifest(data, chunk_size=1000)
+    assembler = BlobAssembler(manifest)
+    with pytest.raises(RuntimeError, match="still needed"):
+        assembler.release()  # not verified yet: its bytes are the upload
+    assembler.consume(_chunks(data, 1000))
+    assert bytes(assembler.finish()) == data
+    assembler.release()
+    assert assembler.complete and assembler.verified and assembler.missing() == []
+    assert ranges_to_indices(assembler.received()) == list(range(manifest.num_chunks))
+    assert assembler.consume(_chunks(data, 1000)) == 0  # a repeated stream: duplicates, ignored
+    with pytest.raises(RuntimeError, match="released"):
+        assembler.finish()

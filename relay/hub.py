@@ -411,6 +411,8 @@ class RelayHub:
                 )
                 logger.debug("relay %s: round %d update of %s in", self.config.name, r.number, site)
                 self.cond.notify_all()
+            del update, data
+            assembler.release()  # in the partial sum now
             if self.on_update is not None:
                 self.on_update(int(manifest.round), site)
 

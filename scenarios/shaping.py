@@ -521,6 +521,14 @@ class RelayHub:
         async def close_all() -> None:
             for relay in self.relays.values():
                 await relay.close()
+            # The connections' pumps end once their transports are aborted, but only at their
+            # next turn of the loop: cancelled and awaited here, none is left pending when the
+            # loop closes ("Task was destroyed but it is pending!").
+            current = asyncio.current_task()
+            pending = [task for task in asyncio.all_tasks() if task is not current]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
         try:
             self._call(close_all())

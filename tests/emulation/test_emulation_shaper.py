@@ -146,3 +146,26 @@ def _wait(condition, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped
             return True
         time.sleep(0.005)
     return False
+
+
+def test_closing_the_hub_mid_connection_leaves_no_task_pending() -> None:
+    """A connection still open when the run ends: its relay tasks are cancelled and awaited
+    before the hub's loop closes, not left pending for the interpreter to report at exit."""
+    import asyncio
+
+    hub = RelayHub()
+    sink = Sink()
+    slow = LinkShape(1e6, 0.5)  # bytes still queued in the relay when it closes
+    relay = hub.add("open", slow, slow)
+    hub.set_target("127.0.0.1", sink.port)
+    conn = socket.create_connection(("127.0.0.1", relay.port))
+    try:
+        conn.sendall(b"x" * 200_000)
+        assert _wait(lambda: sink.received > 0)
+        loop = hub._loop
+        hub.close()
+        assert loop.is_closed()
+        assert [task for task in asyncio.all_tasks(loop) if not task.done()] == []
+    finally:
+        conn.close()
+        sink.close()

@@ -50,12 +50,13 @@ Limits of this version, said where they bite:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,8 +220,9 @@ class ShardTrainer:
 
 class ShardedRounds(SyncRounds):
     """A sharded rank's synchronous rounds: ``SyncRounds`` with the rank's rows as the weights
-    (see the module docstring). The user's loop trains between ``begin`` and ``finish``;
-    ``step`` trains with ``ShardTrainer.train`` (``ShardedSite.run()``)."""
+    (see the module docstring). ``ShardedSite.rounds()`` runs the training between ``begin``
+    and ``finish`` (the user's loop, or ``ShardTrainer.train`` for ``run()``); ``step`` is the
+    same round in one call, the turn every runner offers a caller that drives it itself."""
 
     trainer: ShardTrainer
     folds_late = False
@@ -513,7 +515,7 @@ class ShardedSite:
 
     # -- the run --
 
-    def rounds(self, max_rounds: int | None = None) -> Iterator[ShardedRound]:
+    def rounds(self, max_rounds: int | None = None) -> Generator[ShardedRound, None, None]:
         """The run as a loop the user writes: join, then one ``ShardedRound`` per round.
 
         When a round is yielded the model's local rows hold the round's global weights; the
@@ -524,21 +526,6 @@ class ShardedSite:
         data-parallel site's). Every rank iterates alike (the collectives inside must match);
         leaving the loop early leaves the run (the client closes).
         """
-        return self._run(max_rounds, user_loop=True)
-
-    def run(self, max_rounds: int | None = None) -> ShardedRunSummary:
-        """``rounds()`` with the inner loop written for you: ``loss_fn(model, batch)``, backward
-        and ``inner_optimizer.step()`` per batch of ``data``; every rank calls it."""
-        if not self.trainer.trains_itself:
-            raise SiteAgentError("run() trains on data with loss_fn; pass both to ShardedSite, or write "
-                                 "the inner loop yourself with rounds()")
-        for _ in self._run(max_rounds, user_loop=False):
-            pass
-        return self.summary
-
-    def _run(self, max_rounds: int | None, *, user_loop: bool) -> Iterator[ShardedRound]:
-        """Join, then the rounds: yielded to the user's loop between ``begin`` and ``finish``,
-        or (``run()``, nothing yielded) stepped with ``ShardTrainer.train``."""
         heartbeat: threading.Thread | None = None
         leaving = "run finished"
         try:
@@ -548,9 +535,6 @@ class ShardedSite:
                 heartbeat.start()
             state = self.state
             while not state.finished and (max_rounds is None or state.rounds_trained < max_rounds):
-                if not user_loop:
-                    rounds.step()
-                    continue
                 current = rounds.begin()
                 if current is None:
                     break
@@ -575,6 +559,18 @@ class ShardedSite:
             self.client.close()
             if self._state_lock is not None:
                 self._state_lock.release()
+
+    def run(self, max_rounds: int | None = None) -> ShardedRunSummary:
+        """``rounds()`` with the inner loop written for you: ``loss_fn(model, batch)``, backward
+        and ``inner_optimizer.step()`` per batch of ``data`` (``ShardTrainer.train``); every rank
+        calls it."""
+        if not self.trainer.trains_itself:
+            raise SiteAgentError("run() trains on data with loss_fn; pass both to ShardedSite, or write "
+                                 "the inner loop yourself with rounds()")
+        with contextlib.closing(self.rounds(max_rounds)) as rounds:
+            for current in rounds:
+                self.trainer.train(current)
+        return self.summary
 
     def _join(self) -> ShardedRounds:
         """Rank 0 joins; every rank takes its session, run config and its rows of the weights.

@@ -280,8 +280,7 @@ def _train(
             stats = torch.tensor([sum(result.losses), float(len(result.losses))], dtype=torch.float64)
             group.all_reduce_(stats, "sum")
             pending = (current.number, float(stats[0] / stats[1]) if stats[1] > 0 else float("nan"))
-            if stats[1] > 0:
-                current.metrics["loss"] = pending[1]  # the site's train_loss in the coordinator's record
+            current.metrics["loss"] = pending[1]  # the site's train_loss in the record (sent when finite)
     finally:
         rounds.close()
     summary = site.summary

@@ -5,7 +5,9 @@ One small threaded HTTP server (standard library) next to the gRPC port serves
 * ``/`` (with ``/static/app.js`` and ``/static/style.css``): a page that polls ``/api/status``
   and draws the site table, the loss curve and the bytes-per-round chart on canvases (no
   library, nothing fetched from the internet, no build step);
-* ``/api/status``: JSON, see ``StatusBoard.snapshot``;
+* ``/api/status``: JSON, see ``StatusBoard.snapshot``; ``?site_offset=&site_limit=&site_name=
+  &site_state=`` pick the page of the site table and ``rounds_after=`` the rounds not seen yet
+  (``StatusQuery``), so a thousand sites and a long run cost the page one screenful;
 * ``/metrics``: ``CoordinatorMetrics.render()`` in the Prometheus text format.
 
 Only GET and HEAD exist: nothing on the page changes the run.
@@ -39,6 +41,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
 
 from geoloco.coordinator.http_config import DEFAULT_HTTP_PORT, HTTPStatusConfig, is_loopback
 from geoloco.coordinator.prometheus import CONTENT_TYPE_LATEST, CoordinatorMetrics
@@ -47,6 +50,7 @@ from geoloco.coordinator.status_board import (
     STATE_DOWN,
     STATE_LEFT,
     StatusBoard,
+    StatusQuery,
     config_summary,
 )
 
@@ -177,9 +181,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if path == "/metrics":
             self._send(HTTPStatus.OK, owner.metrics.render(), CONTENT_TYPE_LATEST)
-        else:
-            body = json.dumps(owner.status(), allow_nan=False).encode()
-            self._send(HTTPStatus.OK, body, "application/json")
+            return
+        try:
+            query = StatusQuery.from_params(parse_qs(urlsplit(self.path).query, keep_blank_values=True))
+        except ValueError as err:
+            self._send(HTTPStatus.BAD_REQUEST, f"{err}\n".encode(), "text/plain; charset=utf-8")
+            return
+        body = json.dumps(owner.status(query), allow_nan=False).encode()
+        self._send(HTTPStatus.OK, body, "application/json")
 
     def _refuse(self) -> None:
         self._send(
@@ -210,7 +219,7 @@ class StatusHTTPServer:
         config: HTTPStatusConfig,
         *,
         metrics: CoordinatorMetrics,
-        status: Callable[[], dict[str, Any]],
+        status: Callable[[StatusQuery], dict[str, Any]],
         tls: TLSFiles | None = None,
     ) -> None:
         """``tls``: the coordinator's ``TLSFiles`` (CA, certificate, key), or None."""
@@ -315,10 +324,11 @@ class CoordinatorStatus:
             config.http, metrics=self.metrics, status=self.status, tls=config.tls_files
         )
 
-    def status(self) -> dict[str, Any]:
+    def status(self, query: StatusQuery | None = None) -> dict[str, Any]:
+        """``/api/status``: ``query`` picks the page of the site table and the rounds."""
         rounds = self.rounds
         return self.board.snapshot(
-            round_number=rounds.round, phase=rounds.phase.value, session_id=rounds.session_id
+            round_number=rounds.round, phase=rounds.phase.value, session_id=rounds.session_id, query=query
         )
 
     def start(self) -> int:

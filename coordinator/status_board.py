@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from geoloco.coordinator import events as ev
@@ -23,11 +24,14 @@ if TYPE_CHECKING:
     from geoloco.coordinator.rounds import RoundStateMachine
 
 __all__ = [
+    "DEFAULT_SITE_PAGE",
+    "MAX_SITE_PAGE",
     "STATE_DONE",
     "STATE_DOWN",
     "STATE_JOINED",
     "STATE_LEFT",
     "StatusBoard",
+    "StatusQuery",
     "config_summary",
 ]
 
@@ -39,6 +43,8 @@ STATE_DONE = "done"
 STATE_JOINED = "joined"
 PHASE_STATES = frozenset(SITE_PHASES)
 """Site states shown for what a member reports doing in its heartbeats."""
+SITE_STATES = PHASE_STATES | {STATE_DOWN, STATE_LEFT, STATE_DONE, STATE_JOINED}
+"""Every state a site row can show (``StatusQuery.site_state`` filters by one)."""
 DOWN_AFTER_HEARTBEATS = 3.0
 """A member is shown down after this many heartbeat intervals without a sign of life: it is
 still in the run (its upload may still count) until ``heartbeat_timeout_s`` drops it."""
@@ -50,6 +56,62 @@ MAX_EVENT_TEXT = 400
 """Characters of one event's text: it may quote what a request carried."""
 RELAY_LINK_PREFIX = "relay:"
 """Bytes a relay moved are counted under ``relay:NAME`` (``coordinator.relayed.relay_link``)."""
+DEFAULT_SITE_PAGE = 100
+"""Site rows in one ``/api/status`` answer unless it asks for another page size: with a thousand
+sites the whole table every second was megabytes of JSON built under the board's lock."""
+MAX_SITE_PAGE = 1000
+"""Most site rows one answer may ask for."""
+
+
+@dataclass(frozen=True, slots=True)
+class StatusQuery:
+    """What one ``/api/status`` answer carries: the sites whose name holds ``site_name`` and,
+    when ``site_state`` is set, are in that state, in natural name order (``s2`` before
+    ``s10``), ``site_limit`` of them from ``site_offset``; and the rounds after
+    ``rounds_after`` (all kept rounds when None), so a page that polls every second asks only
+    for what it has not seen."""
+
+    site_offset: int = 0
+    site_limit: int = DEFAULT_SITE_PAGE
+    site_name: str = ""
+    site_state: str = ""
+    rounds_after: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.site_offset < 0:
+            raise ValueError(f"site_offset must be >= 0, got {self.site_offset}")
+        if not 1 <= self.site_limit <= MAX_SITE_PAGE:
+            raise ValueError(f"site_limit must be between 1 and {MAX_SITE_PAGE}, got {self.site_limit}")
+        if self.site_state and self.site_state not in SITE_STATES:
+            raise ValueError(
+                f"site_state {clip(self.site_state, 40)!r} is not a state; one of {', '.join(sorted(SITE_STATES))}"
+            )
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Sequence[str]]) -> StatusQuery:
+        """From a parsed query string (``urllib.parse.parse_qs``); ``ValueError`` names the
+        parameter that is wrong and what it allows."""
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(params) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+        values: dict[str, Any] = {}
+        for key, given in params.items():
+            if len(given) != 1:
+                raise ValueError(f"{key} given {len(given)} times; give it once")
+            values[key] = given[0]
+        for key in ("site_offset", "site_limit", "rounds_after"):
+            if key in values:
+                try:
+                    values[key] = int(values[key])
+                except ValueError:
+                    raise ValueError(f"{key} must be a whole number, got {clip(values[key], 40)!r}") from None
+        return cls(**values)
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key that orders the digit runs in a name by value: ``s2`` before ``s10``."""
+    return tuple((0, int(part)) if part.isdecimal() else (1, part) for part in re.split(r"(\d+)", name) if part)
 
 
 def _phase_table(phases: Any) -> dict[str, float]:
@@ -105,6 +167,8 @@ class StatusBoard:
         self._sites: dict[str, _Site] = {}
         self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self._rounds: deque[dict[str, Any]] = deque(maxlen=MAX_ROUNDS)
+        self._site_phases: tuple[int, dict[str, dict[str, float]]] | None = None
+        """(round, site -> seconds per phase) of the latest round whose record had them."""
         self._run_finished = False
         self._started_wall = wall_clock()
         self._rejected_total = 0
@@ -230,13 +294,17 @@ class StatusBoard:
                 "aborted": bool(record.get("aborted")),
                 "phases_s": _phase_table(record.get("phases_s")),
                 "round_wall_s": _finite(record.get("round_wall_s")),
-                "site_phases_s": {
-                    str(site): _phase_table(phases)
-                    for site, phases in (record.get("site_phases_s") or {}).items()
-                },
                 "time": self.wall_clock(),
             }
         )
+        site_phases = record.get("site_phases_s") or {}
+        if site_phases:
+            # The latest round's only: one table per round per site grew without bound (a
+            # thousand sites, thousands of rounds) and the page shows the latest one.
+            self._site_phases = (
+                int(record["round"]),
+                {str(site): _phase_table(phases) for site, phases in site_phases.items()},
+            )
         if record.get("aborted"):
             self._event(
                 "fault", f"round {record['round']} aborted, the model is unchanged: {record['aborted']}"
@@ -250,38 +318,35 @@ class StatusBoard:
             self._run_finished = True
             self._event("round", f"run finished after round {record['round']}")
 
-    def snapshot(self, *, round_number: int, phase: str, session_id: str) -> dict[str, Any]:
-        """The JSON document of ``/api/status``."""
+    def snapshot(
+        self, *, round_number: int, phase: str, session_id: str, query: StatusQuery | None = None
+    ) -> dict[str, Any]:
+        """The JSON document of ``/api/status``, with the page of the site table ``query`` asks
+        for (the first ``DEFAULT_SITE_PAGE`` rows by default), every site counted by state
+        (``site_states``) and the rounds it has not seen: its cost and size grow with the page
+        and the new rounds, not with the sites or the run's length."""
+        query = query or StatusQuery()
         with self._lock:
             now = self.clock()
-            sites: list[dict[str, Any]] = []
+            states: dict[str, str] = {}
             links: dict[str, dict[str, Any]] = {}
-            for site in sorted(self._sites.values(), key=lambda s: s.name):
+            for site in self._sites.values():
                 if site.name.startswith(RELAY_LINK_PREFIX):
                     links[site.name] = self._link(site, now)
                     continue
-                silent = now - site.last_seen_s
-                state = site.state
-                if site.member and site.heard and silent > self.down_after_s and not self._run_finished:
-                    state = STATE_DOWN
-                    if not site.down_reported:
-                        site.down_reported = True
-                        self._event("fault", f"{site.name} silent for {silent:.1f} s", site.name)
-                self._prune(site, now)
-                window = min(RATE_WINDOW_S, max(now - site.first_seen_s, 1e-3))
-                sites.append(
-                    {
-                        "name": site.name,
-                        "state": state,
-                        "member": site.member,
-                        "last_seen_s": round(max(0.0, silent), 3),
-                        "rounds_joined": site.rounds_joined,
-                        "bytes_up": site.bytes_up,
-                        "bytes_down": site.bytes_down,
-                        "rate_up_bps": 8 * sum(x[1] for x in site.recent) / window,
-                        "rate_down_bps": 8 * sum(x[2] for x in site.recent) / window,
-                    }
-                )
+                states[site.name] = self._state(site, now)
+            matched = sorted(
+                (
+                    name for name, state in states.items()
+                    if query.site_name in name and (not query.site_state or state == query.site_state)
+                ),
+                key=natural_key,
+            )
+            page = matched[query.site_offset : query.site_offset + query.site_limit]
+            after = query.rounds_after
+            rounds = list(self._rounds) if after is None else self._new_rounds(after)
+            rows = [self._row(self._sites[name], states[name], now) for name in page]
+            phases_round, phases = self._site_phases if self._site_phases is not None else (None, {})
             return {
                 "session_id": session_id,
                 "time": self.wall_clock(),
@@ -290,12 +355,62 @@ class StatusBoard:
                 "phase": phase,
                 "run_finished": self._run_finished,
                 "config": self.config_summary,
-                "sites": sites,
-                "rounds": list(self._rounds),
+                "sites": rows,
+                "site_page": {
+                    "offset": query.site_offset,
+                    "limit": query.site_limit,
+                    "name": query.site_name,
+                    "state": query.site_state,
+                    "matched": len(matched),
+                    "total": len(states),
+                },
+                "site_states": dict(sorted(Counter(states.values()).items())),
+                "site_phases": {
+                    "round": phases_round,
+                    "sites": {name: phases[name] for name in page if name in phases},
+                },
+                "rounds": rounds,
+                "rounds_after": after,
                 "events": list(self._events)[::-1],
                 "rejected_total": self._rejected_total,
-                "tree": self._tree(links, [str(s["name"]) for s in sites]),
+                "tree": self._tree(links, states),
             }
+
+    def _new_rounds(self, after: int) -> list[dict[str, Any]]:
+        """The kept rounds numbered above ``after``: the newest are at the end, so the walk
+        stops at the first one already seen."""
+        new: list[dict[str, Any]] = []
+        for record in reversed(self._rounds):
+            if record["round"] <= after:
+                break
+            new.append(record)
+        return new[::-1]
+
+    def _state(self, site: _Site, now: float) -> str:
+        """What the site's row shows now; a member silent for too long shows down, and the
+        first time it does the event list says so."""
+        state = site.state
+        if site.member and site.heard and now - site.last_seen_s > self.down_after_s and not self._run_finished:
+            state = STATE_DOWN
+            if not site.down_reported:
+                site.down_reported = True
+                self._event("fault", f"{site.name} silent for {now - site.last_seen_s:.1f} s", site.name)
+        return state
+
+    def _row(self, site: _Site, state: str, now: float) -> dict[str, Any]:
+        self._prune(site, now)
+        window = min(RATE_WINDOW_S, max(now - site.first_seen_s, 1e-3))
+        return {
+            "name": site.name,
+            "state": state,
+            "member": site.member,
+            "last_seen_s": round(max(0.0, now - site.last_seen_s), 3),
+            "rounds_joined": site.rounds_joined,
+            "bytes_up": site.bytes_up,
+            "bytes_down": site.bytes_down,
+            "rate_up_bps": 8 * sum(x[1] for x in site.recent) / window,
+            "rate_down_bps": 8 * sum(x[2] for x in site.recent) / window,
+        }
 
     def _link(self, site: _Site, now: float) -> dict[str, Any]:
         """Bytes and rates of one coordinator <-> relay link."""
@@ -308,21 +423,24 @@ class StatusBoard:
             "rate_down_bps": 8 * sum(x[2] for x in site.recent) / window,
         }
 
-    def _tree(self, links: dict[str, dict[str, Any]], seen: list[str]) -> dict[str, Any]:
+    def _tree(self, links: dict[str, dict[str, Any]], states: dict[str, str]) -> dict[str, Any]:
         """coordinator -> relays -> sites: each relay of the ``[relays]`` table with the bytes on
-        its link to the coordinator and its sites (their own rows are in ``sites``), then the
-        sites that talk to the coordinator directly. The bytes between a site and its relay are
-        the relay's to count (its metrics file); the coordinator sees only its own links."""
+        its link to the coordinator and its sites, then the sites that talk to the coordinator
+        directly, with every named site's state (``states``; the site table is paged, the tree
+        is not). The bytes between a site and its relay are the relay's to count (its metrics
+        file); the coordinator sees only its own links."""
         relays = self.config_summary.get("relays") or {}
         behind = {site for names in relays.values() for site in names}
         idle = {"bytes_up": 0, "bytes_down": 0, "rate_up_bps": 0.0, "rate_down_bps": 0.0}
+        direct = sorted((name for name in states if name not in behind), key=natural_key)
         return {
             "relays": [
                 {"name": name, "link": RELAY_LINK_PREFIX + name, **links.get(RELAY_LINK_PREFIX + name, idle),
                  "sites": list(names)}
                 for name, names in sorted(relays.items())
             ],
-            "direct": [name for name in seen if name not in behind],
+            "direct": direct,
+            "states": {name: states[name] for name in (*sorted(behind), *direct) if name in states} if relays else {},
         }
 
 

@@ -97,15 +97,66 @@ function renderSites(sites) {
   }));
 }
 
-function renderTree(tree, sites) {
+// Which page of the site table the page asks for; the server counts every site by state.
+const sitePage = { offset: 0, limit: 100, name: "", state: "" };
+
+// The rounds seen so far in this session: each poll asks only for the ones after them.
+let session = null, rounds = [];
+const MAX_ROUNDS = 5000;
+
+function statusQuery() {
+  const q = new URLSearchParams({ site_offset: sitePage.offset, site_limit: sitePage.limit });
+  if (sitePage.name) q.set("site_name", sitePage.name);
+  if (sitePage.state) q.set("site_state", sitePage.state);
+  if (session !== null && rounds.length) q.set("rounds_after", rounds[rounds.length - 1].round);
+  return q.toString();
+}
+
+function takeRounds(s) {
+  // A new session (a restarted coordinator) starts the list again; its answer to a query made
+  // for the old one may lack rounds, so ask again at once.
+  if (session !== s.session_id) {
+    const partial = s.rounds_after !== null && s.rounds_after !== undefined;
+    session = s.session_id; rounds = [];
+    if (partial) { again = true; return false; }
+  }
+  rounds = rounds.concat(s.rounds).slice(-MAX_ROUNDS);
+  return true;
+}
+
+function renderSitePage(page, states) {
+  if (page.offset > 0 && page.offset >= page.matched) {
+    // Sites left or the filter narrowed: show the last page there is, at once.
+    sitePage.offset = Math.max(0, Math.floor((page.matched - 1) / page.limit) * page.limit);
+    again = true;
+  }
+  const total = page.total;
+  const counts = Object.entries(states).map(([state, n]) => n.toLocaleString() + " " + state);
+  document.getElementById("site-states").textContent =
+    total.toLocaleString() + (total === 1 ? " site" : " sites") + (counts.length ? ": " + counts.join(" · ") : "");
+  const select = document.getElementById("site-state");
+  const wanted = ["", ...Object.keys(states)];
+  if (sitePage.state && !wanted.includes(sitePage.state)) wanted.push(sitePage.state);
+  if ([...select.options].map((o) => o.value).join() !== wanted.join()) {
+    select.replaceChildren(...wanted.map((v) => el("option", v || "any state", { value: v })));
+    select.value = sitePage.state;
+  }
+  const first = page.matched ? page.offset + 1 : 0, last = Math.min(page.offset + page.limit, page.matched);
+  document.getElementById("site-range").textContent =
+    first.toLocaleString() + "–" + last.toLocaleString() + " of " + page.matched.toLocaleString();
+  document.getElementById("site-prev").disabled = page.offset === 0;
+  document.getElementById("site-next").disabled = page.offset + page.limit >= page.matched;
+}
+
+function renderTree(tree) {
   const card = document.getElementById("tree-card");
   const relays = (tree && tree.relays) || [];
   card.hidden = relays.length === 0;
-  const state = Object.fromEntries(sites.map((s) => [s.name, s]));
+  const states = (tree && tree.states) || {};
   const siteItem = (name) => {
-    const s = state[name];
-    const li = el("li", null, { "data-site": name, "data-state": s ? s.state : "unseen" });
-    li.append(el("span", name, { class: "name" }), el("span", s ? s.state : "not seen yet", { class: "state", "data-state": s ? s.state : "" }));
+    const state = states[name];
+    const li = el("li", null, { "data-site": name, "data-state": state || "unseen" });
+    li.append(el("span", name, { class: "name" }), el("span", state || "not seen yet", { class: "state", "data-state": state || "" }));
     return li;
   };
   const root = el("li", null, { "data-node": "coordinator" });
@@ -273,22 +324,22 @@ function drawPhases(canvas, rounds) {
   }
 }
 
-function renderPhaseTables(rounds) {
+function renderPhaseTables(rounds, sitePhases) {
   const last = [...rounds].reverse().find((r) => r.phases_s && Object.keys(r.phases_s).length);
   const coordinatorBody = document.querySelector("#coordinator-phases tbody");
   const siteBody = document.querySelector("#site-phases tbody");
-  if (!last) { coordinatorBody.replaceChildren(); siteBody.replaceChildren(); return; }
-  const row = el("tr", null, { "data-round": last.round });
-  row.append(el("td", last.round));
-  for (const p of COORDINATOR_PHASES) row.append(el("td", fmtSeconds(last.phases_s[p]), { class: "num", "data-phase": p }));
-  row.append(el("td", fmtSeconds(otherSeconds(last)), { class: "num" }), el("td", fmtSeconds(last.round_wall_s), { class: "num" }));
-  coordinatorBody.replaceChildren(row);
-  siteBody.replaceChildren(...Object.entries(last.site_phases_s || {}).sort().map(([site, phases]) => {
+  siteBody.replaceChildren(...Object.entries((sitePhases && sitePhases.sites) || {}).map(([site, phases]) => {
     const tr = el("tr", null, { "data-site": site });
     tr.append(el("td", site));
     for (const p of SITE_PHASES) tr.append(el("td", fmtSeconds(phases[p]), { class: "num", "data-phase": p }));
     return tr;
   }));
+  if (!last) { coordinatorBody.replaceChildren(); return; }
+  const row = el("tr", null, { "data-round": last.round });
+  row.append(el("td", last.round));
+  for (const p of COORDINATOR_PHASES) row.append(el("td", fmtSeconds(last.phases_s[p]), { class: "num", "data-phase": p }));
+  row.append(el("td", fmtSeconds(otherSeconds(last)), { class: "num" }), el("td", fmtSeconds(last.round_wall_s), { class: "num" }));
+  coordinatorBody.replaceChildren(row);
 }
 
 // -- polling ----------------------------------------------------------------------------------
@@ -299,27 +350,51 @@ async function refresh() {
   const conn = document.getElementById("connection");
   try {
     const headers = token ? { Authorization: "Bearer " + token } : {};
-    const response = await fetch("/api/status", { headers, cache: "no-store" });
+    const response = await fetch("/api/status?" + statusQuery(), { headers, cache: "no-store" });
     if (!response.ok) throw new Error("HTTP " + response.status);
     const s = await response.json();
+    if (!takeRounds(s)) return;
     document.getElementById("round").textContent = s.run_finished ? "finished" : "round " + s.round;
     document.getElementById("phase").textContent = s.phase.replaceAll("_", " ");
     conn.textContent = "live"; conn.setAttribute("data-ok", "true");
     if (configShown !== s.session_id) { renderConfig(s.config); configShown = s.session_id; }
+    renderSitePage(s.site_page, s.site_states);
     renderSites(s.sites);
-    renderTree(s.tree, s.sites);
+    renderTree(s.tree);
     renderEvents(s.events);
-    renderLive(s.rounds);
-    drawLoss(document.getElementById("loss-chart"), s.rounds);
-    drawBytes(document.getElementById("bytes-chart"), s.rounds);
+    renderLive(rounds);
+    drawLoss(document.getElementById("loss-chart"), rounds);
+    drawBytes(document.getElementById("bytes-chart"), rounds);
     renderPhaseLegend();
-    drawPhases(document.getElementById("phases-chart"), s.rounds);
-    renderPhaseTables(s.rounds);
+    drawPhases(document.getElementById("phases-chart"), rounds);
+    renderPhaseTables(rounds, s.site_phases);
   } catch (err) {
     conn.textContent = "no connection (" + err.message + ")"; conn.setAttribute("data-ok", "false");
-  } finally {
-    setTimeout(refresh, POLL_MS);
   }
 }
 
-refresh();
+// One poll at a time: a change of the site page asks at once, or right after the poll in flight.
+let timer = null, polling = false, again = false;
+
+function poll() {
+  clearTimeout(timer);
+  if (polling) { again = true; return; }
+  polling = true;
+  refresh().finally(() => {
+    polling = false;
+    timer = setTimeout(poll, again ? 0 : POLL_MS);
+    again = false;
+  });
+}
+
+function showSites(change) {
+  Object.assign(sitePage, change);
+  poll();
+}
+
+document.getElementById("site-name").addEventListener("input", (e) => showSites({ name: e.target.value, offset: 0 }));
+document.getElementById("site-state").addEventListener("change", (e) => showSites({ state: e.target.value, offset: 0 }));
+document.getElementById("site-prev").addEventListener("click", () => showSites({ offset: Math.max(0, sitePage.offset - sitePage.limit) }));
+document.getElementById("site-next").addEventListener("click", () => showSites({ offset: sitePage.offset + sitePage.limit }));
+
+poll();

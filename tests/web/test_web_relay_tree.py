@@ -35,6 +35,8 @@ def test_the_tree_puts_sites_under_their_relay_with_the_relays_link_bytes() -> N
     assert (us["bytes_up"], us["bytes_down"]) == (0, 2000) and us["sites"] == ["u1"]
     assert eu["rate_up_bps"] > 0 and us["rate_up_bps"] == 0
     assert tree["direct"] == ["flat"]
+    # Every site on the tree has its state there: the site table is paged, the tree is not.
+    assert tree["states"] == {"e1": "joined", "e2": "joined", "u1": "joined", "flat": "joined"}
 
 
 def test_a_relay_not_heard_from_yet_is_on_the_tree_with_no_bytes() -> None:
@@ -43,10 +45,12 @@ def test_a_relay_not_heard_from_yet_is_on_the_tree_with_no_bytes() -> None:
         "relays": [{"name": "eu", "link": "relay:eu", "bytes_up": 0, "bytes_down": 0, "rate_up_bps": 0.0,
                     "rate_down_bps": 0.0, "sites": ["e1"]}],
         "direct": [],
+        "states": {},
     }
 
 
 def test_without_relays_every_site_is_direct() -> None:
     b = board({})
     feed(b, ev.SITE_JOINED, "a")
-    assert b.snapshot(round_number=0, phase="waiting", session_id="s")["tree"] == {"relays": [], "direct": ["a"]}
+    tree = b.snapshot(round_number=0, phase="waiting", session_id="s")["tree"]
+    assert tree == {"relays": [], "direct": ["a"], "states": {}}

@@ -21,21 +21,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _browser import CHROMIUM, CHROMIUM_FLAGS, require_browser
 
 from geoloco.scenarios.config_file import toml_text
 from geoloco.scenarios.emulation import STATUS_PAGE_RE
 from geoloco.scenarios.launcher import wait_for
 
-CHROMIUM = os.environ.get("GEOLOCO_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_FLAGS = [
-    "--no-sandbox",  # CI runs the browser as root
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "status-page.png"
 KILLED = "lisbon"
 
@@ -64,29 +55,6 @@ SCENARIO = {
 def scenario_toml(scenario: dict) -> str:
     """The scenario as a TOML file (``[[sites]]`` / ``[[faults]]`` for its lists of tables)."""
     return toml_text(scenario)
-
-
-REQUIRED = os.environ.get("GEOLOCO_REQUIRE_BROWSER") == "1"
-"""``.ci/run`` sets this: there a missing browser fails the test instead of skipping it."""
-
-
-def _missing(reason: str) -> None:
-    (pytest.fail if REQUIRED else pytest.skip)(reason)
-
-
-def require_browser():
-    """The Playwright module; without a browser the test skips with what to install (fails
-    under ``GEOLOCO_REQUIRE_BROWSER=1``)."""
-    if not Path(CHROMIUM).exists():
-        _missing(
-            f"Chromium not found at {CHROMIUM}: install Debian's browser with `apt-get install -y "
-            "chromium` (or point GEOLOCO_CHROMIUM at a Chromium binary)"
-        )
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _missing("the `playwright` package is missing: `pip install playwright` (no `playwright install` needed)")
-    return sync_playwright
 
 
 @pytest.fixture

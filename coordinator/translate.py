@@ -30,6 +30,7 @@ from geoloco.coordinator.shard_views import ShardKey, ShardSlice
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import InvalidUpdateError
 from geoloco.protos.protocol_version import PROTOCOL_VERSION
+from geoloco.protos.upload_check import finite_metrics
 from geoloco.protos.wire_buffers import RAW_CODEC, ManifestError, num_chunks_for, to_index_ranges
 from geoloco.protos.wire_chunks import ChunkRef, message_nbytes
 from geoloco.protos.wire_manifests import blob_manifest
@@ -179,7 +180,8 @@ def model_manifest(
 
 
 def upload_spec(manifest: pb.UploadManifest, site: str) -> UploadSpec:
-    """An Upload stream's manifest; ``site`` is the caller (the certificate's name with TLS)."""
+    """An Upload stream's manifest; ``site`` is the caller (the certificate's name with TLS).
+    Metrics that are not finite numbers are left out (``finite_metrics``)."""
     normalized = pb.UploadManifest()
     normalized.CopyFrom(manifest)
     normalized.site = site
@@ -199,7 +201,7 @@ def upload_spec(manifest: pb.UploadManifest, site: str) -> UploadSpec:
         checksum=(blob.checksum.algorithm, blob.checksum.digest.hex()),
         sample_weight=manifest.sample_weight,
         inner_steps=manifest.inner_steps,
-        metrics=dict(manifest.metrics),
+        metrics=finite_metrics(manifest.metrics),
         nbytes=message_nbytes(manifest),
         wire=normalized,
         raw=manifest,

@@ -9,11 +9,14 @@ norm is summed in float64, so it differs from the float32 norm of a decoded tens
 only compares it with a bound. Robust and central-DP aggregations hold or clip dense updates by
 design and get the decoded tensor.
 
-``withheld_reason`` words the rejection of a site that sent no update and said why, for the
-coordinator and a relay alike.
+``withheld_reason`` words the rejection of a site that sent no update and said why, and
+``finite_metrics`` keeps what an upload's metrics say, for the coordinator and a relay alike.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
 
 import torch
 
@@ -23,7 +26,7 @@ from geoloco.compression import CodecError, Encoded, decode, decoded_norm
 from geoloco.protos.errors import InvalidUpdateError
 from geoloco.protos.wire_buffers import DEFAULT_CHECKSUM
 
-__all__ = ["MAX_WITHHELD_CHARS", "checked_update", "withheld_reason"]
+__all__ = ["MAX_WITHHELD_CHARS", "checked_update", "finite_metrics", "withheld_reason"]
 
 MAX_WITHHELD_CHARS = 200
 """Characters of a site's reason for withholding its update kept for the log and the record."""
@@ -33,6 +36,13 @@ def withheld_reason(said: str) -> str:
     """The rejection reason for a site that sent no update and said why
     (``AwaitBroadcastRequest.withheld``): the same words at the coordinator and at a relay."""
     return f"the site sent no update: {said[:MAX_WITHHELD_CHARS]}"
+
+
+def finite_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """An upload's metrics without the values that are not finite numbers: they say nothing (a
+    loop that reports no loss), and a NaN makes an upload's description unequal to its own
+    resend, so a second stream of one upload would be taken for a new one."""
+    return {name: value for name, value in metrics.items() if math.isfinite(value)}
 
 
 def checked_update(

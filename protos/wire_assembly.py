@@ -367,8 +367,10 @@ class UploadAssembler(BlobAssembler):
         """A resumed upload must resend the identical manifest (same bytes, same checksum).
         The refusal names what differs: the checksums, or -- the same bytes sent with other
         metrics, weight or session, e.g. by a restarted or a second process of the site --
-        the fields that do."""
-        if manifest == self.upload:
+        the fields that do. Equal means the same serialised bytes too: a metric that is NaN
+        makes a message unequal to its own copy under ``==``, and a client's parallel streams
+        of one upload would refuse each other."""
+        if manifest == self.upload or _same_bytes(manifest, self.upload):
             return
         stored, sent = self.upload.blob.checksum, manifest.blob.checksum
         if stored != sent:
@@ -580,3 +582,8 @@ def _only_chunks(responses: Iterable[Any], rpc: str) -> Iterator[Any]:
                 f"{rpc} sent a {response.WhichOneof('kind')!r} message among the chunks"
             )
         yield response
+
+
+def _same_bytes(a: Message, b: Message) -> bool:
+    """Whether two messages serialise to the same bytes (map entries in a fixed order)."""
+    return a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)

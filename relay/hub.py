@@ -43,7 +43,7 @@ from geoloco.protos.errors import (
     clip,
     quoted,
 )
-from geoloco.protos.upload_check import checked_update, withheld_reason
+from geoloco.protos.upload_check import checked_update, finite_metrics, withheld_reason
 from geoloco.protos.wire_assembly import Download, UploadAssembler, read_broadcast_stream
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
 from geoloco.protos.wire_manifests import blob_manifest
@@ -407,7 +407,7 @@ class RelayHub:
                     raise InvalidUpdateError(f"{what} is refused: {admission.reason}; it is dropped for this round")
                 r.updates[site] = SiteUpdate(
                     weight=weight, inner_steps=int(manifest.inner_steps),
-                    upload_bytes=int(manifest.blob.total_bytes), metrics=dict(manifest.metrics),
+                    upload_bytes=int(manifest.blob.total_bytes), metrics=finite_metrics(manifest.metrics),
                 )
                 logger.debug("relay %s: round %d update of %s in", self.config.name, r.number, site)
                 self.cond.notify_all()
@@ -429,7 +429,7 @@ class RelayHub:
                 raise
             r.add_masked(
                 site, data, secure, inner_steps=int(manifest.inner_steps),
-                upload_bytes=int(manifest.blob.total_bytes), metrics=dict(manifest.metrics),
+                upload_bytes=int(manifest.blob.total_bytes), metrics=finite_metrics(manifest.metrics),
             )
             assert r.core is not None  # opened with the round's first upload
             self.engine.admit(r.core, site, None, 1.0, screen=UNSCREENED, now=self.clock())

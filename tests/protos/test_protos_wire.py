@@ -468,3 +468,15 @@ def test_a_released_blob_answers_for_itself_without_its_bytes():
     assert assembler.consume(_chunks(data, 1000)) == 0  # a repeated stream: duplicates, ignored
     with pytest.raises(RuntimeError, match="released"):
         assembler.finish()
+
+
+def test_a_manifest_with_a_nan_metric_is_the_same_as_its_copy():
+    """A manifest holding a NaN metric is the same as its resent copy: protobuf backends that
+    compare floats by IEEE ``==`` (NaN unequal to itself) would otherwise refuse a client's
+    second stream of its own upload; the serialised bytes decide then."""
+    data = bytes(range(250))
+    manifest = _upload_manifest(data, metrics={"loss": float("nan"), "steps": 3.0})
+    assembler = UploadAssembler(manifest)
+    assembler.check_same_manifest(pb.UploadManifest.FromString(manifest.SerializeToString()))
+    with pytest.raises(ManifestConflictError, match="these fields differ"):
+        assembler.check_same_manifest(_upload_manifest(data, metrics={"loss": float("nan"), "steps": 4.0}))

@@ -17,6 +17,11 @@ RSS reaches a new high (``peak_stack``: where the peak is). Reported against the
     target = 3 x fp32 model (weights, outer optimizer state, aggregation buffer)
              + every site's compressed upload + 300 MB (interpreter, torch, gRPC)
 
+and its resident *anonymous* memory (``RssAnon``, sampled with RSS) against issue #26's floor,
+baseline + 3 x model (weights, momentum, running sum): an upload that arrives in a file-backed
+buffer (``UploadSpill``) is page cache, which RSS counts while it is mapped and the kernel can
+write back and reclaim, and anonymous memory does not count.
+
     python benchmarks/bench_coordinator_memory.py                   # both downlink codecs
     python benchmarks/bench_coordinator_memory.py --downlink none   # one configuration
     python benchmarks/bench_coordinator_memory.py --downlink none --baseline-ref main
@@ -54,6 +59,16 @@ TENSORS = 50
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE
+
+
+def _anon_bytes() -> int:
+    """Resident anonymous memory (``RssAnon``): what the kernel cannot write back to a file and
+    drop; an upload arriving in a file-backed buffer is page cache, counted in RSS, not here."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _peak_rss_bytes() -> int:
@@ -117,10 +132,13 @@ def _role_coordinator(args: argparse.Namespace) -> None:
 
     peak_stack: list[str] = []
 
+    peak_anon = [0]
+
     def sample() -> None:
         t0 = time.perf_counter()
         highest = 0
         while not stop.wait(0.02):
+            peak_anon[0] = max(peak_anon[0], _anon_bytes())
             rss = _rss_bytes()
             samples.append((time.perf_counter() - t0, rss, server.rounds.phase.value))
             if rss > highest:
@@ -146,6 +164,7 @@ def _role_coordinator(args: argparse.Namespace) -> None:
                 "baseline_rss": baseline,
                 "after_start_rss": after_start,
                 "peak_rss": _peak_rss_bytes(),
+                "peak_anon": peak_anon[0],
                 "peak_rss_by_phase": by_phase,
                 "peak_stack": peak_stack,
                 "numel": layout.numel,
@@ -301,9 +320,10 @@ def _counts(text: str) -> list[int]:
 def _print_table(rows: list[dict]) -> None:
     print(
         "| code | params | sites | downlink | model MB | upload MB/site | baseline RSS MB | peak RSS MB "
-        "| target MB | peak / target | peak while receiving MB | peak while aggregating MB | seconds |"
+        "| target MB | peak / target | peak while receiving MB | peak while aggregating MB "
+        "| peak anonymous MB | floor MB | anonymous / floor | seconds |"
     )
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         aggregating = row["peak_rss_by_phase"].get("aggregating")
         receiving = row["peak_rss_by_phase"].get("running")
@@ -313,8 +333,18 @@ def _print_table(rows: list[dict]) -> None:
             f"| {row['baseline_rss'] / MB:.0f} | {row['peak_rss'] / MB:.0f} | {row['target_bytes'] / MB:.0f} "
             f"| {row['peak_rss'] / row['target_bytes']:.2f} "
             f"| {'-' if receiving is None else f'{receiving / MB:.0f}'} "
-            f"| {'-' if aggregating is None else f'{aggregating / MB:.0f}'} | {row['seconds']:.0f} |"
+            f"| {'-' if aggregating is None else f'{aggregating / MB:.0f}'} "
+            f"| {row.get('peak_anon', 0) / MB:.0f} | {_floor(row) / MB:.0f} "
+            f"| {row.get('peak_anon', 0) / _floor(row):.2f} "
+            f"| {row['seconds']:.0f} |"
         )
+
+
+def _floor(row: dict) -> float:
+    """What the coordinator cannot do without: the interpreter (baseline), the weights, the
+    outer optimizer's momentum and the round's running sum, a model each (Nesterov, ``none``
+    downlink: no downlink residual); chunk buffers and thread stacks come on top."""
+    return row["baseline_rss"] + 3 * row["model_bytes"]
 
 
 def _plot(rows: list[dict], path: Path) -> None:

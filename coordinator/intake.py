@@ -38,6 +38,7 @@ from geoloco.algorithms.strategy import RoundPlan
 from geoloco.algorithms.weighting import check_inner_steps, most_inner_steps, site_weight
 from geoloco.compression import Encoded
 from geoloco.coordinator import events as ev
+from geoloco.coordinator.broadcast_store import SPILL_MIN_BYTES
 from geoloco.coordinator.context import RoundContext
 from geoloco.coordinator.domain import OPEN_PHASES, CoordinatorRound, RoundPhase, UploadProgress, UploadSpec
 from geoloco.coordinator.errors import ShuttingDownError, rejection_message
@@ -56,6 +57,7 @@ from geoloco.protos.errors import (
 from geoloco.protos.upload_check import checked_update, withheld_reason
 from geoloco.protos.wire_assembly import UploadAssembler
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
+from geoloco.protos.wire_files import FileBuffer
 
 __all__ = [
     "MAX_METRIC_NAME_CHARS",
@@ -97,12 +99,29 @@ def _discarded(site: str, round_number: int) -> NotAMemberError:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class UploadSpill:
+    """Uploads of ``min_bytes`` or more arrive into an unnamed file in ``directory`` (the
+    checkpoint folder; the system's temporary folder when None), not into memory: with dense
+    codecs every site's upload in flight was a model's worth of the coordinator's anonymous
+    memory, so the peak grew with the sites; the page cache holds them instead, which the
+    kernel can write back and reclaim (``geoloco.protos.wire_files``)."""
+
+    directory: str | None
+    min_bytes: int = SPILL_MIN_BYTES
+
+
 class PlainUpload(UploadAssembler):
     """One site's upload for one round: the wire-level chunk buffer, kept across streams, and
     the spec it was opened with (what the intake reads; the buffer keeps the wire manifest)."""
 
-    def __init__(self, spec: UploadSpec, *, max_total_bytes: int, timings: RoundTimings) -> None:
-        super().__init__(spec.wire, max_total_bytes=max_total_bytes, max_chunk_size=MAX_CHUNK_SIZE)
+    def __init__(
+        self, spec: UploadSpec, *, max_total_bytes: int, timings: RoundTimings, spill: UploadSpill | None = None
+    ) -> None:
+        """``spill``: where a big upload arrives (a ``FileBuffer``), None to keep it in memory."""
+        total = spec.total_bytes
+        out = None if spill is None or total < spill.min_bytes else FileBuffer(total, spill.directory)
+        super().__init__(spec.wire, max_total_bytes=max_total_bytes, max_chunk_size=MAX_CHUNK_SIZE, out=out)
         self.spec = spec
         self.timings = timings
         """The phase times of the round the upload arrives in (a late one's: the open round)."""
@@ -217,6 +236,8 @@ class PlainIntake:
         self.uplink_codec = uplink_codec
         self.numel = numel
         self.max_upload_bytes = max_upload_bytes
+        self.spill = UploadSpill(ctx.config.checkpoint_dir)
+        """Where big uploads arrive (``UploadSpill``)."""
         self.device = device
         self.privacy = privacy
         """Central DP without secure aggregation: the trusted coordinator clips each update."""
@@ -449,7 +470,7 @@ class PlainIntake:
                 # A different update for the same round before the first completed: the site
                 # restarted and recomputed it. The newest one wins; the partial one is dropped.
                 logger.info("round %d: %s replaced its partial upload", r.number, site)
-            assembler = PlainUpload(spec, max_total_bytes=self.max_upload_bytes, timings=r.timings)
+            assembler = PlainUpload(spec, max_total_bytes=self.max_upload_bytes, timings=r.timings, spill=self.spill)
             r.uploads[site] = assembler
             r.inner_steps[site] = spec.inner_steps
             ctx.events.emit(ev.UPLOAD_OPENED, site=site, round=r.number)
@@ -682,7 +703,9 @@ class PlainIntake:
         """A checked assembler for an asynchronous update (``spec`` as sent, ``respec`` naming the
         merge it goes to); its manifest's bytes are counted (lock held)."""
         self.validate(site, respec)
-        assembler = PlainUpload(respec, max_total_bytes=self.max_upload_bytes, timings=self.ctx.round.timings)
+        assembler = PlainUpload(
+            respec, max_total_bytes=self.max_upload_bytes, timings=self.ctx.round.timings, spill=self.spill
+        )
         assembler.base_round = spec.round
         self.ctx.count_up(site, spec.nbytes)
         return assembler
@@ -816,7 +839,7 @@ class PlainIntake:
         if existing is not None and (site in r.folded or existing.spec == spec):
             existing.check_same_manifest(spec.wire)
             return existing
-        assembler = PlainUpload(spec, max_total_bytes=self.max_upload_bytes, timings=r.timings)
+        assembler = PlainUpload(spec, max_total_bytes=self.max_upload_bytes, timings=r.timings, spill=self.spill)
         r.stale_uploads[site] = assembler
         ctx.count_up(site, spec.nbytes)
         logger.info("round %d: %s is sending its late update of round %d", r.number, site, spec.round)

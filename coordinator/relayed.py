@@ -305,7 +305,9 @@ class RelayedUploads:
                 del self._uploads[relay]
             for r in relayed:
                 self._check_not_in_round(intake, r.site)
-            assembler = PlainUpload(spec, max_total_bytes=intake.max_upload_bytes, timings=cr.timings)
+            assembler = PlainUpload(
+                spec, max_total_bytes=intake.max_upload_bytes, timings=cr.timings, spill=intake.spill
+            )
             self._uploads[relay] = assembler
             ctx.count_up(relay_link(relay), spec.nbytes)
             return assembler

@@ -40,6 +40,7 @@ from geoloco.protos.wire_buffers import (
     to_index_ranges,
 )
 from geoloco.protos.wire_chunks import ChunkRef
+from geoloco.protos.wire_files import FileBuffer
 from geoloco.protos.wire_manifests import validate_blob_manifest
 
 
@@ -112,9 +113,10 @@ class BlobAssembler:
         *,
         max_total_bytes: int = DEFAULT_MAX_BLOB_BYTES,
         max_chunk_size: int = MAX_CHUNK_SIZE,
-        out: Buffer | None = None,
+        out: Buffer | FileBuffer | None = None,
     ) -> None:
-        """``out``: where to write (e.g. the uint8 view of a weight tensor), exactly
+        """``out``: where to write (e.g. the uint8 view of a weight tensor, or a ``FileBuffer``
+        for a big upload, whose hashed bytes leave the process's memory), exactly
         ``manifest.total_bytes`` long; a new bytearray when None."""
         validate_blob_manifest(
             manifest, max_total_bytes=max_total_bytes, max_chunk_size=max_chunk_size
@@ -122,8 +124,13 @@ class BlobAssembler:
         self.manifest = pb.BlobManifest()
         self.manifest.CopyFrom(manifest)
         total = manifest.total_bytes
+        self._file: FileBuffer | None = out if isinstance(out, FileBuffer) else None
         if out is None:
             self._view = memoryview(bytearray(total))
+        elif self._file is not None:
+            self._view = self._file.view()
+            if len(self._view) != total:
+                raise ValueError(f"file buffer has {len(self._view)} bytes, the manifest needs {total}")
         else:
             self._view = as_byte_view(out, writable=True)
             if len(self._view) != total:
@@ -246,8 +253,11 @@ class BlobAssembler:
     def _hash_run(self, first: int, stop: int) -> None:
         """Hash chunks ``[first, stop)`` without ``_lock`` (``_hash_lock`` held)."""
         if first < stop:
+            start = first * self._chunk_size
             end = min((stop - 1) * self._chunk_size + self.slot_size(stop - 1), len(self._view))
-            self._digest.update(self._view[first * self._chunk_size : end])
+            self._digest.update(self._view[start:end])
+            if self._file is not None:
+                self._file.forget(start, end - start)
         with self._lock:
             self._hashed = stop
 
@@ -340,6 +350,7 @@ class BlobAssembler:
                 raise RuntimeError("internal error: an unverified blob's bytes are still needed")
             self._released = True
             self._view = memoryview(bytearray(0))
+            self._file = None  # its mapping goes once the last view of it does
 
 
 class UploadAssembler(BlobAssembler):
@@ -355,7 +366,7 @@ class UploadAssembler(BlobAssembler):
         *,
         max_total_bytes: int = DEFAULT_MAX_BLOB_BYTES,
         max_chunk_size: int = MAX_CHUNK_SIZE,
-        out: Buffer | None = None,
+        out: Buffer | FileBuffer | None = None,
     ) -> None:
         super().__init__(
             manifest.blob, max_total_bytes=max_total_bytes, max_chunk_size=max_chunk_size, out=out

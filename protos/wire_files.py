@@ -1,4 +1,5 @@
-"""Blobs served from a file instead of memory: the coordinator's last broadcast for stragglers.
+"""Blobs in a file instead of memory: the coordinator's last broadcast for stragglers, and big
+uploads while they arrive.
 
 A coordinator keeps the last round's encoded delta until the next round closes, so that sites
 that wait, reconnect or resume late can still fetch it. With a lossless downlink that delta is
@@ -9,6 +10,12 @@ disk) and reads each chunk with ``os.pread`` as it is sent, so the bytes live in
 cache, which the kernel can drop, not in the process's resident memory. ``pread`` rather than
 ``mmap``: pages of a mapping that were sent count in the process's RSS until it is unmapped.
 
+A big upload arrives into a ``FileBuffer``: an unnamed file mapped into memory, the buffer the
+assembler copies chunks into and hashes. Its pages belong to the page cache, which the kernel
+may write back and reclaim, not to the process's anonymous memory; the assembler gives back the
+mapping of what it has hashed (``forget``), so a transfer's bytes do not stay resident while the
+rest arrives, and the decode maps them in again once, when the verified update is added.
+
 The chunk senders (``geoloco.protos.wire_chunks``) and ``blob_manifest`` accept a ``RangeBlob``
 (a ``FileBlob``, or the coordinator's blob that moves from memory to a file while it is served)
 wherever they accept a buffer. The file is unnamed (``tempfile.TemporaryFile``): it disappears
@@ -18,6 +25,7 @@ when the blob is garbage-collected or the process dies, whatever happened.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import tempfile
 from abc import ABC, abstractmethod
@@ -27,7 +35,7 @@ from typing import IO, Any
 
 from geoloco.protos.wire_buffers import Buffer, MiB, as_byte_view
 
-__all__ = ["FileBlob", "RangeBlob"]
+__all__ = ["FileBlob", "FileBuffer", "RangeBlob"]
 
 _COPY_BLOCK = 16 * MiB
 """Bytes written or hashed at a time (one block in flight, never a second copy of the blob)."""
@@ -132,3 +140,37 @@ class FileBlob(RangeBlob):
 
     def __repr__(self) -> str:
         return f"FileBlob({self._size} bytes)"
+
+
+class FileBuffer:
+    """A writable buffer of ``size`` bytes backed by an unnamed file in ``directory`` (the
+    system's temporary folder when None; on a RAM disk it saves nothing): what a big upload is
+    assembled in (module doc). Supports the buffer protocol through ``view``."""
+
+    __slots__ = ("_map", "size")
+
+    def __init__(self, size: int, directory: str | os.PathLike[str] | None = None) -> None:
+        if size <= 0:
+            raise ValueError(f"a file buffer needs at least one byte, got {size}")
+        folder = None if directory is None else Path(directory)
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder) as file:  # the mapping keeps the unnamed file
+            file.truncate(size)
+            self._map = mmap.mmap(file.fileno(), size)
+        self.size = size
+
+    def view(self) -> memoryview:
+        return memoryview(self._map)
+
+    def forget(self, offset: int, size: int) -> None:
+        """Drop the pages of bytes ``offset .. offset + size`` from this process's memory: they
+        stay in the file (the page cache) and are read back when touched again. A no-op where
+        the platform cannot."""
+        start = offset - offset % mmap.PAGESIZE  # madvise wants a page-aligned start
+        end = min(self.size, offset + size)
+        if end > start and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def __repr__(self) -> str:
+        return f"FileBuffer({self.size} bytes)"

@@ -110,6 +110,20 @@ class UploadSpill:
     directory: str | None
     min_bytes: int = SPILL_MIN_BYTES
 
+    def buffer(self, size: int) -> FileBuffer | None:
+        """A file buffer for an upload of ``size`` bytes, or None: a small one, or no file could
+        be made (a full disk, a missing folder), and then it arrives in memory as before."""
+        if size < self.min_bytes:
+            return None
+        try:
+            return FileBuffer(size, self.directory)
+        except OSError as err:
+            logger.warning(
+                "an upload of %d bytes arrives in memory: no file for it in %s (%s)",
+                size, self.directory or "the temporary folder", err,
+            )
+            return None
+
 
 class PlainUpload(UploadAssembler):
     """One site's upload for one round: the wire-level chunk buffer, kept across streams, and
@@ -119,8 +133,7 @@ class PlainUpload(UploadAssembler):
         self, spec: UploadSpec, *, max_total_bytes: int, timings: RoundTimings, spill: UploadSpill | None = None
     ) -> None:
         """``spill``: where a big upload arrives (a ``FileBuffer``), None to keep it in memory."""
-        total = spec.total_bytes
-        out = None if spill is None or total < spill.min_bytes else FileBuffer(total, spill.directory)
+        out = None if spill is None else spill.buffer(spec.total_bytes)
         super().__init__(spec.wire, max_total_bytes=max_total_bytes, max_chunk_size=MAX_CHUNK_SIZE, out=out)
         self.spec = spec
         self.timings = timings

@@ -145,7 +145,8 @@ class FileBlob(RangeBlob):
 class FileBuffer:
     """A writable buffer of ``size`` bytes backed by an unnamed file in ``directory`` (the
     system's temporary folder when None; on a RAM disk it saves nothing): what a big upload is
-    assembled in (module doc). Supports the buffer protocol through ``view``."""
+    assembled in (module doc), through ``view``. ``OSError`` when the file cannot be made or
+    the disk has not ``size`` bytes free."""
 
     __slots__ = ("_map", "size")
 
@@ -156,7 +157,12 @@ class FileBuffer:
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder) as file:  # the mapping keeps the unnamed file
-            file.truncate(size)
+            if hasattr(os, "posix_fallocate"):
+                # The disk space up front: a sparse file on a full disk would fail a later write
+                # into the mapping with SIGBUS, killing the process; this raises OSError now.
+                os.posix_fallocate(file.fileno(), 0, size)
+            else:
+                file.truncate(size)
             self._map = mmap.mmap(file.fileno(), size)
         self.size = size
 

@@ -7,12 +7,14 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from _round_helpers import chunk_requests, encode_update, join, tiny_weights, upload_manifest
 
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator import translate
 from geoloco.coordinator.config import CoordinatorConfig
+from geoloco.coordinator.intake import UploadSpill
 from geoloco.coordinator.rounds import RoundStateMachine
 
 
@@ -36,7 +38,9 @@ def run_round(folder: Path, *, spill_min_bytes: int) -> tuple[str, bool]:
     for k, site in enumerate(("a", "b")):
         update = torch.randn(rounds.numel, generator=torch.Generator().manual_seed(k)) * 0.01
         data, codec = encode_update(update, "none")
-        manifest = upload_manifest(rounds.session_id, 0, data, codec=codec, numel=rounds.numel, site=site, chunk_size=32)
+        manifest = upload_manifest(
+            rounds.session_id, 0, data, codec=codec, numel=rounds.numel, site=site, chunk_size=32
+        )
         pieces = list(translate.upload_chunks(chunk_requests(manifest, data)))
         spec = translate.upload_spec(manifest, site)
         assert not rounds.receive_upload(site, spec, iter(pieces[:3])).complete
@@ -52,3 +56,14 @@ def test_a_spilled_upload_gives_the_same_round_as_one_in_memory(tmp_path: Path) 
     kept, kept_mapped = run_round(tmp_path / "kept", spill_min_bytes=1 << 40)
     assert mapped and (not kept_mapped or not sys.platform.startswith("linux"))
     assert spilled == kept
+
+
+def test_without_a_file_an_upload_arrives_in_memory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A folder that cannot hold the file (here: a file where the folder should be) costs the
+    memory, not the upload."""
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    assert UploadSpill(str(blocked), min_bytes=1).buffer(1000) is None
+    assert "arrives in memory: no file for it" in caplog.text
+    assert UploadSpill(str(tmp_path), min_bytes=1).buffer(1000) is not None
+    assert UploadSpill(str(tmp_path), min_bytes=1001).buffer(1000) is None

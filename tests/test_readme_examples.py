@@ -481,6 +481,7 @@ def _config_field_names() -> set[str]:
     from geoloco.algorithms.record import RoundRecord
     from geoloco.algorithms.simulation.simulator import SimulatorConfig
     from geoloco.coordinator.config import CoordinatorConfig
+    from geoloco.coordinator.status_board import StatusBoard, StatusQuery
     from geoloco.protos.round_phases import COORDINATOR_PHASES, SITE_PHASES
     from geoloco.relay import RelayConfig
     from geoloco.scenarios.scenario import FAULT_KINDS, Scenario
@@ -488,6 +489,10 @@ def _config_field_names() -> set[str]:
     from geoloco.site_agent.config import SiteAgentConfig
 
     names: set[str] = set(FAULT_KINDS) | METRICS_KEYS | set(COORDINATOR_PHASES) | set(SITE_PHASES)
+    # The status page's JSON (``/api/status``): its top-level keys and its query parameters.
+    board = StatusBoard({"relays": {}}, heartbeat_interval_s=1.0)
+    names |= set(board.snapshot(round_number=0, phase="running", session_id="s"))
+    names |= {field.name for field in dataclasses.fields(StatusQuery)}
     seen: set[type] = set()
 
     def walk(cls: type) -> None:

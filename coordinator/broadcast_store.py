@@ -19,14 +19,12 @@ import os
 import threading
 
 from geoloco.compression import Encoded
-from geoloco.protos.wire_files import FileBlob, RangeBlob
+from geoloco.protos.wire_files import SPILL_MIN_BYTES, FileBlob, RangeBlob
 
-__all__ = ["SPILL_MIN_BYTES", "PreparedBroadcast", "SpillingBlob"]
+__all__ = ["PreparedBroadcast", "SpillingBlob"]
 
 logger = logging.getLogger(__name__)
 
-SPILL_MIN_BYTES = 64 << 20
-"""Deltas this large or larger are served from a file, smaller ones from memory."""
 
 
 class SpillingBlob(RangeBlob):

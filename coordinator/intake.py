@@ -38,7 +38,6 @@ from geoloco.algorithms.strategy import RoundPlan
 from geoloco.algorithms.weighting import check_inner_steps, most_inner_steps, site_weight
 from geoloco.compression import Encoded
 from geoloco.coordinator import events as ev
-from geoloco.coordinator.broadcast_store import SPILL_MIN_BYTES
 from geoloco.coordinator.context import RoundContext
 from geoloco.coordinator.domain import OPEN_PHASES, CoordinatorRound, RoundPhase, UploadProgress, UploadSpec
 from geoloco.coordinator.errors import ShuttingDownError, rejection_message
@@ -57,7 +56,7 @@ from geoloco.protos.errors import (
 from geoloco.protos.upload_check import checked_update, withheld_reason
 from geoloco.protos.wire_assembly import UploadAssembler
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
-from geoloco.protos.wire_files import FileBuffer
+from geoloco.protos.wire_files import UploadSpill
 
 __all__ = [
     "MAX_METRIC_NAME_CHARS",
@@ -97,32 +96,6 @@ def _discarded(site: str, round_number: int) -> NotAMemberError:
         f"site {site!r}'s upload for round {round_number} was discarded (the site was dropped, "
         "or a newer upload replaced it); call Join again"
     )
-
-
-@dataclass(frozen=True, slots=True)
-class UploadSpill:
-    """Uploads of ``min_bytes`` or more arrive into an unnamed file in ``directory`` (the
-    checkpoint folder; the system's temporary folder when None), not into memory: with dense
-    codecs every site's upload in flight was a model's worth of the coordinator's anonymous
-    memory, so the peak grew with the sites; the page cache holds them instead, which the
-    kernel can write back and reclaim (``geoloco.protos.wire_files``)."""
-
-    directory: str | None
-    min_bytes: int = SPILL_MIN_BYTES
-
-    def buffer(self, size: int) -> FileBuffer | None:
-        """A file buffer for an upload of ``size`` bytes, or None: a small one, or no file could
-        be made (a full disk, a missing folder), and then it arrives in memory as before."""
-        if size < self.min_bytes:
-            return None
-        try:
-            return FileBuffer(size, self.directory)
-        except OSError as err:
-            logger.warning(
-                "an upload of %d bytes arrives in memory: no file for it in %s (%s)",
-                size, self.directory or "the temporary folder", err,
-            )
-            return None
 
 
 class PlainUpload(UploadAssembler):

@@ -40,7 +40,7 @@ from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.round import RoundOutcome
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate
 from geoloco.coordinator import events as ev
-from geoloco.coordinator.broadcast_store import SPILL_MIN_BYTES, PreparedBroadcast
+from geoloco.coordinator.broadcast_store import PreparedBroadcast
 from geoloco.coordinator.checkpoint import FRESH_HINT, CheckpointError, load_latest_checkpoint, save_checkpoint
 from geoloco.coordinator.context import CONTRIBUTOR_HISTORY, RoundContext
 from geoloco.coordinator.domain import (
@@ -58,6 +58,7 @@ from geoloco.coordinator.round_log import LoggedRound, RoundLog, SnapshotWriter
 from geoloco.protos.errors import InvalidUpdateError
 from geoloco.protos.round_phases import site_phases_from_metrics
 from geoloco.protos.wire_buffers import num_chunks_for
+from geoloco.protos.wire_files import SPILL_MIN_BYTES
 
 __all__ = ["HISTORY_KEY", "PRIVACY_KEY", "STRATEGY_PREFIX", "WEIGHTS_KEY", "EvalFn", "GlobalWeights", "RoundPhases"]
 

@@ -25,17 +25,25 @@ when the blob is garbage-collected or the process dies, whatever happened.
 from __future__ import annotations
 
 import hashlib
+import logging
 import mmap
 import os
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from geoloco.protos.wire_buffers import Buffer, MiB, as_byte_view
 
-__all__ = ["FileBlob", "FileBuffer", "RangeBlob"]
+__all__ = ["SPILL_MIN_BYTES", "FileBlob", "FileBuffer", "RangeBlob", "UploadSpill"]
+
+logger = logging.getLogger(__name__)
+
+SPILL_MIN_BYTES = 64 << 20
+"""Blobs this large or larger go to a file (a broadcast, an upload), smaller ones stay in memory,
+where a file would only add work."""
 
 _COPY_BLOCK = 16 * MiB
 """Bytes written or hashed at a time (one block in flight, never a second copy of the blob)."""
@@ -180,3 +188,28 @@ class FileBuffer:
 
     def __repr__(self) -> str:
         return f"FileBuffer({self.size} bytes)"
+
+
+@dataclass(frozen=True, slots=True)
+class UploadSpill:
+    """Uploads of ``min_bytes`` or more arrive in a ``FileBuffer`` in ``directory`` (the
+    coordinator's checkpoint folder; the system's temporary folder when None) instead of
+    memory: with dense codecs every upload in flight was a model's worth of anonymous memory,
+    so a coordinator's or a relay's peak grew with the sites uploading at once."""
+
+    directory: str | None
+    min_bytes: int = SPILL_MIN_BYTES
+
+    def buffer(self, size: int) -> FileBuffer | None:
+        """A file buffer for an upload of ``size`` bytes, or None: a small one, or no file could
+        be made (a full disk, a missing folder), and then it arrives in memory as before."""
+        if size < self.min_bytes:
+            return None
+        try:
+            return FileBuffer(size, self.directory)
+        except OSError as err:
+            logger.warning(
+                "an upload of %d bytes arrives in memory: no file for it in %s (%s)",
+                size, self.directory or "the temporary folder", err,
+            )
+            return None

@@ -46,6 +46,7 @@ from geoloco.protos.errors import (
 from geoloco.protos.upload_check import checked_update, finite_metrics, withheld_reason
 from geoloco.protos.wire_assembly import Download, UploadAssembler, read_broadcast_stream
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
+from geoloco.protos.wire_files import UploadSpill
 from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay.config import RelayConfig
 from geoloco.relay.masked import SecureRun, check_masked_manifest
@@ -127,6 +128,9 @@ class RelayHub:
         run's ``[update_guard]`` (from the coordinator's config; the relay refuses what the
         coordinator would refuse of a site's own upload) and the relay's close rule
         (``RelayWait``); no outer step: the partial sum goes upward instead."""
+        self.spill = UploadSpill(None)
+        """Where big plain uploads arrive: a file in the system's temporary folder
+        (``geoloco.protos.wire_files``)."""
         self.residuals: dict[int, torch.Tensor] = {}
         """fragment -> the relay's error-feedback residual of its upward codec (sum space)."""
         self._sent_residual: tuple[int, torch.Tensor | None] | None = None
@@ -275,13 +279,18 @@ class RelayHub:
                 existing.check_same_manifest(_named(manifest, site))
                 return existing
             numel = manifest.blob.shape[0]
-            buffer = bytearray(manifest.blob.total_bytes)
+            secure = self.run is not None and self.run.secure is not None
+            # A masked upload's buffer is the ring sum's input (``r.buffers``): memory. A plain
+            # one of a big model arrives in a file, as at the coordinator (``UploadSpill``).
+            buffer = None if secure else self.spill.buffer(manifest.blob.total_bytes)
+            out = bytearray(manifest.blob.total_bytes) if buffer is None else buffer
             assembler = UploadAssembler(
                 _named(manifest, site), max_total_bytes=2 * 4 * numel + (1 << 20), max_chunk_size=MAX_CHUNK_SIZE,
-                out=buffer,
+                out=out,
             )
-            if self.run is not None and self.run.secure is not None:
-                r.buffers[site] = buffer
+            if secure:
+                assert isinstance(out, bytearray)
+                r.buffers[site] = out
             r.assemblers[site] = assembler
             if r.core is None:  # the round's first upload: its size and its clock
                 r.core = self.engine.open(r.number, RunningSum(numel=int(numel)), r.opened_s)

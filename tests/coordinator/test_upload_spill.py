@@ -14,8 +14,8 @@ from _round_helpers import chunk_requests, encode_update, join, tiny_weights, up
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator import translate
 from geoloco.coordinator.config import CoordinatorConfig
-from geoloco.coordinator.intake import UploadSpill
 from geoloco.coordinator.rounds import RoundStateMachine
+from geoloco.protos.wire_files import UploadSpill
 
 
 def _mapped_under(folder: Path) -> bool:

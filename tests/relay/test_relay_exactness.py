@@ -25,6 +25,7 @@ import torch
 from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay, updates
 
 from geoloco.coordinator.server import CoordinatorServer
+from geoloco.protos.wire_files import UploadSpill
 from geoloco.relay import RelayServer
 
 
@@ -62,7 +63,9 @@ def _flat(
 def _relayed(
     certs: Path, ups: dict[str, torch.Tensor], weights: dict[str, float], codec: str, tmp_path: Path,
     upward_codec: str = "none",
+    spill: bool = False,
 ) -> Iterator[tuple[torch.Tensor, dict[str, tuple[object, bytes]], CoordinatorServer, dict[str, RelayServer]]]:
+    """``spill``: every upload, at the relays and the coordinator, arrives in a file buffer."""
     server = coordinator(
         certs, codec=codec, numel=next(iter(ups.values())).numel(), metrics_path=tmp_path / "metrics.jsonl"
     )
@@ -72,6 +75,10 @@ def _relayed(
         )
         for name in REGIONS
     }
+    if spill:
+        server.rounds.intake.spill = UploadSpill(str(tmp_path / "coordinator-uploads"), min_bytes=1)
+        for name, r in relays.items():
+            r.hub.spill = UploadSpill(str(tmp_path / f"{name}-uploads"), min_bytes=1)
     sites = [
         Site(name, certs, f"localhost:{relays[region].port}") for region, names in REGIONS.items() for name in names
     ]
@@ -93,13 +100,14 @@ def _relayed(
         server.stop(grace=0)
 
 
-def test_relayed_round_is_bitwise_the_flat_round_when_sums_are_exact(certs: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("spill", [False, True], ids=["in-memory", "file-backed-uploads"])
+def test_relayed_round_is_bitwise_the_flat_round_when_sums_are_exact(certs: Path, tmp_path: Path, spill: bool) -> None:
     numel = 37
     ups = updates(numel, dyadic=True)
     # Each relay's W is a power of two, so its mean Σ w_k g_k / W times W gives back the sum.
     weights = {"site-a": 1.0, "site-b": 3.0, "site-c": 2.0, "site-d": 2.0}
     flat_weights, flat_delta = _flat(certs, ups, weights, "none")
-    for relayed_weights, broadcasts, server, _relays in _relayed(certs, ups, weights, "none", tmp_path):
+    for relayed_weights, broadcasts, server, _relays in _relayed(certs, ups, weights, "none", tmp_path, spill=spill):
         assert torch.equal(relayed_weights, flat_weights)
         for name, (header, delta) in broadcasts.items():
             assert header.included, name  # type: ignore[attr-defined]
@@ -109,6 +117,10 @@ def test_relayed_round_is_bitwise_the_flat_round_when_sums_are_exact(certs: Path
         # from the sites' region arrived on the relay's link.
         status = server.rounds.status()
         assert status["members"] == sorted(SITES)
+    if spill:  # each host made its file buffers in its own folder (unnamed files: none left)
+        for host in ("coordinator", *REGIONS):
+            folder = tmp_path / f"{host}-uploads"
+            assert folder.is_dir() and not any(folder.iterdir()), host
     # The coordinator's record: each relayed site with its own metrics and its relay, and the
     # bytes per link (the relays', no site's).
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -303,10 +303,12 @@ def _neighbour_graph(
     return {u: frozenset(vs) for u, vs in graph.items()}
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def site_index(name: str) -> int:
     """The protocol's integer id of a named site: 32 bits of SHA-256 of the name.
 
     Both sides compute it without a round trip; a collision between two names of one run (odds
     about 1 in 4e9 per pair) is detected by the coordinator, which refuses the second site.
+    Remembered: every site maps every survivor's name every round, N² hashes a round at N sites.
     """
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")

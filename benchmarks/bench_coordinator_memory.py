@@ -19,7 +19,7 @@ RSS reaches a new high (``peak_stack``: where the peak is). Reported against the
 
 and its resident *anonymous* memory (``RssAnon``, sampled with RSS) against issue #26's floor,
 baseline + 3 x model (weights, momentum, running sum): an upload that arrives in a file-backed
-buffer (``UploadSpill``) is page cache, which RSS counts while it is mapped and the kernel can
+buffer (``BlobSpill``) is page cache, which RSS counts while it is mapped and the kernel can
 write back and reclaim, and anonymous memory does not count.
 
     python benchmarks/bench_coordinator_memory.py                   # both downlink codecs

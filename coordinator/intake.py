@@ -56,7 +56,7 @@ from geoloco.protos.errors import (
 from geoloco.protos.upload_check import checked_update, withheld_reason
 from geoloco.protos.wire_assembly import UploadAssembler
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
-from geoloco.protos.wire_files import UploadSpill
+from geoloco.protos.wire_files import BlobSpill
 
 __all__ = [
     "MAX_METRIC_NAME_CHARS",
@@ -103,7 +103,7 @@ class PlainUpload(UploadAssembler):
     the spec it was opened with (what the intake reads; the buffer keeps the wire manifest)."""
 
     def __init__(
-        self, spec: UploadSpec, *, max_total_bytes: int, timings: RoundTimings, spill: UploadSpill | None = None
+        self, spec: UploadSpec, *, max_total_bytes: int, timings: RoundTimings, spill: BlobSpill | None = None
     ) -> None:
         """``spill``: where a big upload arrives (a ``FileBuffer``), None to keep it in memory."""
         out = None if spill is None else spill.buffer(spec.total_bytes)
@@ -222,8 +222,8 @@ class PlainIntake:
         self.uplink_codec = uplink_codec
         self.numel = numel
         self.max_upload_bytes = max_upload_bytes
-        self.spill = UploadSpill(ctx.config.checkpoint_dir)
-        """Where big uploads arrive (``UploadSpill``)."""
+        self.spill = BlobSpill(ctx.config.checkpoint_dir)
+        """Where big uploads arrive (``BlobSpill``)."""
         self.device = device
         self.privacy = privacy
         """Central DP without secure aggregation: the trusted coordinator clips each update."""

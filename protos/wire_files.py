@@ -37,7 +37,7 @@ from typing import IO, Any
 
 from geoloco.protos.wire_buffers import Buffer, MiB, as_byte_view
 
-__all__ = ["SPILL_MIN_BYTES", "FileBlob", "FileBuffer", "RangeBlob", "UploadSpill"]
+__all__ = ["SPILL_MIN_BYTES", "BlobSpill", "FileBlob", "FileBuffer", "RangeBlob"]
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +191,8 @@ class FileBuffer:
 
 
 @dataclass(frozen=True, slots=True)
-class UploadSpill:
-    """Uploads of ``min_bytes`` or more arrive in a ``FileBuffer`` in ``directory`` (the
+class BlobSpill:
+    """Blobs of ``min_bytes`` or more arrive in a ``FileBuffer`` in ``directory`` (the
     coordinator's checkpoint folder; the system's temporary folder when None) instead of
     memory: with dense codecs every upload in flight was a model's worth of anonymous memory,
     so a coordinator's or a relay's peak grew with the sites uploading at once."""
@@ -201,15 +201,15 @@ class UploadSpill:
     min_bytes: int = SPILL_MIN_BYTES
 
     def buffer(self, size: int) -> FileBuffer | None:
-        """A file buffer for an upload of ``size`` bytes, or None: a small one, or no file could
-        be made (a full disk, a missing folder), and then it arrives in memory as before."""
+        """A file buffer for a blob of ``size`` bytes, or None: a small one, or no file could be
+        made (a full disk, a missing folder), and then it arrives in memory as before."""
         if size < self.min_bytes:
             return None
         try:
             return FileBuffer(size, self.directory)
         except OSError as err:
             logger.warning(
-                "an upload of %d bytes arrives in memory: no file for it in %s (%s)",
+                "a transfer of %d bytes arrives in memory: no file for it in %s (%s)",
                 size, self.directory or "the temporary folder", err,
             )
             return None

@@ -46,7 +46,7 @@ from geoloco.protos.errors import (
 from geoloco.protos.upload_check import checked_update, finite_metrics, withheld_reason
 from geoloco.protos.wire_assembly import Download, UploadAssembler, read_broadcast_stream
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
-from geoloco.protos.wire_files import UploadSpill
+from geoloco.protos.wire_files import BlobSpill
 from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay.config import RelayConfig
 from geoloco.relay.masked import SecureRun, check_masked_manifest
@@ -128,7 +128,7 @@ class RelayHub:
         run's ``[update_guard]`` (from the coordinator's config; the relay refuses what the
         coordinator would refuse of a site's own upload) and the relay's close rule
         (``RelayWait``); no outer step: the partial sum goes upward instead."""
-        self.spill = UploadSpill(None)
+        self.spill = BlobSpill(None)
         """Where big plain uploads arrive: a file in the system's temporary folder
         (``geoloco.protos.wire_files``)."""
         self.residuals: dict[int, torch.Tensor] = {}
@@ -281,7 +281,7 @@ class RelayHub:
             numel = manifest.blob.shape[0]
             secure = self.run is not None and self.run.secure is not None
             # A masked upload's buffer is the ring sum's input (``r.buffers``): memory. A plain
-            # one of a big model arrives in a file, as at the coordinator (``UploadSpill``).
+            # one of a big model arrives in a file, as at the coordinator (``BlobSpill``).
             buffer = None if secure else self.spill.buffer(manifest.blob.total_bytes)
             out = bytearray(manifest.blob.total_bytes) if buffer is None else buffer
             assembler = UploadAssembler(

@@ -1,4 +1,4 @@
-"""Big uploads arrive into an unnamed file in the checkpoint folder (``UploadSpill``), not into
+"""Big uploads arrive into an unnamed file in the checkpoint folder (``BlobSpill``), not into
 the coordinator's memory; the round's result is the same bit for bit as with uploads in memory."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator import translate
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.rounds import RoundStateMachine
-from geoloco.protos.wire_files import UploadSpill
+from geoloco.protos.wire_files import BlobSpill
 
 
 def _mapped_under(folder: Path) -> bool:
@@ -63,7 +63,7 @@ def test_without_a_file_an_upload_arrives_in_memory(tmp_path: Path, caplog: pyte
     memory, not the upload."""
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("")
-    assert UploadSpill(str(blocked), min_bytes=1).buffer(1000) is None
+    assert BlobSpill(str(blocked), min_bytes=1).buffer(1000) is None
     assert "arrives in memory: no file for it" in caplog.text
-    assert UploadSpill(str(tmp_path), min_bytes=1).buffer(1000) is not None
-    assert UploadSpill(str(tmp_path), min_bytes=1001).buffer(1000) is None
+    assert BlobSpill(str(tmp_path), min_bytes=1).buffer(1000) is not None
+    assert BlobSpill(str(tmp_path), min_bytes=1001).buffer(1000) is None

@@ -25,7 +25,7 @@ import torch
 from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay, updates
 
 from geoloco.coordinator.server import CoordinatorServer
-from geoloco.protos.wire_files import UploadSpill
+from geoloco.protos.wire_files import BlobSpill
 from geoloco.relay import RelayServer
 
 
@@ -76,9 +76,9 @@ def _relayed(
         for name in REGIONS
     }
     if spill:
-        server.rounds.intake.spill = UploadSpill(str(tmp_path / "coordinator-uploads"), min_bytes=1)
+        server.rounds.intake.spill = BlobSpill(str(tmp_path / "coordinator-uploads"), min_bytes=1)
         for name, r in relays.items():
-            r.hub.spill = UploadSpill(str(tmp_path / f"{name}-uploads"), min_bytes=1)
+            r.hub.spill = BlobSpill(str(tmp_path / f"{name}-uploads"), min_bytes=1)
     sites = [
         Site(name, certs, f"localhost:{relays[region].port}") for region, names in REGIONS.items() for name in names
     ]

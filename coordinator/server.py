@@ -210,11 +210,6 @@ class CoordinatorServer:
             self._metrics.write(record)
         if self._user_on_round_end is not None:
             self._user_on_round_end(record)
-        # The round's model-sized temporaries and its transfer buffers are freed by now; the
-        # malloc tunables (transport_malloc) would keep up to 1 GiB of them warm, resident
-        # through the next round's receiving, where they add to its peak. A big model's next
-        # round pays a few page faults per MiB to grow them again.
-        return_free_heap()
 
     def wait_until_finished(self, timeout: float | None = None) -> bool:
         """Block until the last round is broadcast and every site left (or ``drain_timeout_s``

@@ -33,6 +33,7 @@ __all__ = [
     "StatusBoard",
     "StatusQuery",
     "config_summary",
+    "natural_key",
 ]
 
 STATE_DOWN = "down"

@@ -161,7 +161,8 @@ class EventHub:
 
 
 class RejectedRequestInterceptor(WrappingInterceptor):
-    """Emits ``REQUEST_REJECTED`` for every ``StatusError`` a handler raises, then re-raises it.
+    """Emits ``REQUEST_REJECTED`` for every ``StatusError`` a handler raises that refuses its
+    input (``StatusError.refuses_input``), then re-raises it.
 
     Install it *after* ``ErrorStatusInterceptor`` in the server's interceptor list (gRPC nests
     later interceptors inside earlier ones), so it sees the domain error before it is turned
@@ -173,6 +174,8 @@ class RejectedRequestInterceptor(WrappingInterceptor):
         self.hub = hub
 
     def _emit(self, method: str, error: StatusError) -> None:
+        if not error.refuses_input:
+            return  # a late answer the protocol expects (``LateStageAnswerError``)
         self.hub.emit(
             REQUEST_REJECTED,
             method=method.rsplit("/", 1)[-1],

@@ -48,15 +48,24 @@ from geoloco.algorithms.privacy.private_aggregation import (
 )
 from geoloco.algorithms.privacy.secagg_crypto import num_chunks, site_index
 from geoloco.algorithms.privacy.secagg_messages import SecAggAbort, SecAggViolation
-from geoloco.algorithms.privacy.secagg_stages import StageMessage
+from geoloco.algorithms.privacy.secagg_stages import (
+    STAGE_CONSISTENCY,
+    STAGE_UNMASK,
+    STAGE_UNMASK_RESPONSE,
+    StageMessage,
+)
 from geoloco.algorithms.strategy import RoundPlan, RoundUpdate, Strategy
 from geoloco.coordinator.domain import UploadProgress, UploadSpec
 from geoloco.coordinator.secure_round import SecureRound, StageReply
-from geoloco.protos.errors import InvalidUpdateError, WrongRoundError
+from geoloco.protos.errors import InvalidUpdateError, LateStageAnswerError, WrongRoundError
 
 __all__ = ["PrivateRounds", "SecureUpload", "epsilon_text"]
 
 logger = logging.getLogger(__name__)
+
+AFTER_UPLOAD_STAGES = frozenset({STAGE_CONSISTENCY, STAGE_UNMASK, STAGE_UNMASK_RESPONSE})
+"""Stages a site answers after its upload: one that arrives once its round finished is late,
+not a replay (``LateStageAnswerError``)."""
 
 @dataclass(slots=True)
 class SecureUpload:
@@ -144,6 +153,12 @@ class PrivateRounds:
         current = self._round(round_number)
         if current is None:
             if self.current is not None and round_number < self.current.round_number:
+                if stage in AFTER_UPLOAD_STAGES:
+                    raise LateStageAnswerError(
+                        f"secure-aggregation stage {stage!r} of round {round_number} came after the round "
+                        f"finished without it (the coordinator is at round {self.current.round_number}); "
+                        "the broadcast says whether this site's update counted"
+                    )
                 raise WrongRoundError(
                     f"secure-aggregation stage {stage!r} for round {round_number}, but the coordinator "
                     f"is at round {self.current.round_number}; a replay or a late call is refused"

@@ -55,6 +55,9 @@ class StatusError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
     reason: int = pb.ERROR_REASON_UNSPECIFIED
+    refuses_input: bool = True
+    """Whether the caller sent something the server refused, counted as a rejected request
+    (metrics, status page); False for an outcome the protocol expects and the caller handles."""
 
     def __init__(
         self,
@@ -101,6 +104,14 @@ class WrongRoundError(StatusError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = pb.ERROR_REASON_WRONG_ROUND
+
+
+class LateStageAnswerError(WrongRoundError):
+    """A secure-aggregation answer that arrives after its round finished without it: the
+    slowest sites' usual case, not a refused input (``refuses_input`` False); the broadcast
+    tells the site whether its update counted."""
+
+    refuses_input = False
 
 
 class ProtocolVersionError(StatusError):

@@ -67,6 +67,7 @@ AFTER_UPLOAD_STAGES = frozenset({STAGE_CONSISTENCY, STAGE_UNMASK, STAGE_UNMASK_R
 """Stages a site answers after its upload: one that arrives once its round finished is late,
 not a replay (``LateStageAnswerError``)."""
 
+
 @dataclass(slots=True)
 class SecureUpload:
     """What the coordinator keeps of one site's masked upload: its manifest, never its values."""

@@ -127,12 +127,8 @@ class BlobAssembler:
         self._file: FileBuffer | None = out if isinstance(out, FileBuffer) else None
         if out is None:
             self._view = memoryview(bytearray(total))
-        elif self._file is not None:
-            self._view = self._file.view()
-            if len(self._view) != total:
-                raise ValueError(f"file buffer has {len(self._view)} bytes, the manifest needs {total}")
         else:
-            self._view = as_byte_view(out, writable=True)
+            self._view = self._file.view() if self._file is not None else as_byte_view(out, writable=True)
             if len(self._view) != total:
                 raise ValueError(
                     f"output buffer has {len(self._view)} bytes, the manifest needs {total}"
@@ -378,9 +374,9 @@ class UploadAssembler(BlobAssembler):
         """A resumed upload must resend the identical manifest (same bytes, same checksum).
         The refusal names what differs: the checksums, or -- the same bytes sent with other
         metrics, weight or session, e.g. by a restarted or a second process of the site --
-        the fields that do. Equal means the same serialised bytes too: a metric that is NaN
-        makes a message unequal to its own copy under ``==``, and a client's parallel streams
-        of one upload would refuse each other."""
+        the fields that do. Equal serialised bytes count as the same manifest too: protobuf
+        backends that compare floats with IEEE ``==`` find a manifest holding a NaN unequal to
+        its own copy (upb does not), and a client's parallel streams would refuse each other."""
         if manifest == self.upload or _same_bytes(manifest, self.upload):
             return
         stored, sent = self.upload.blob.checksum, manifest.blob.checksum

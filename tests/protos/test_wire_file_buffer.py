@@ -53,7 +53,7 @@ def test_a_checksum_failure_is_resent_into_the_same_file(tmp_path: Path) -> None
 
 def test_a_file_buffer_must_fit_the_manifest(tmp_path: Path) -> None:
     data = bytes(100)
-    with pytest.raises(ValueError, match="file buffer has 99 bytes, the manifest needs 100"):
+    with pytest.raises(ValueError, match="output buffer has 99 bytes, the manifest needs 100"):
         BlobAssembler(blob_manifest(data, chunk_size=10), out=FileBuffer(99, tmp_path))
 
 

@@ -264,6 +264,12 @@ class Round:
     def reject(self, site: str, why: str) -> None:
         self.rejected[site] = why
 
+    def retry(self, site: str) -> None:
+        """``site`` sends another update after its last one was rejected: an asynchronous merge
+        waits for a quorum of admitted updates, and a rejected one is none (held for the next
+        merge, the new one would wait for a merge that, short of its quorum, never closes)."""
+        self.rejected.pop(site, None)
+
     def abort(self, why: str) -> None:
         """The round's aggregate cannot be trusted: it closes with the model unchanged (the
         first reason is kept)."""

@@ -627,7 +627,7 @@ class PlainIntake:
     def _open_async(self, site: str, spec: UploadSpec) -> PlainUpload:
         """The (new or resumed) assembler of an update computed from version ``spec.round``,
         offered to the open merge (lock held). It enters that merge whatever its base, within
-        ``max_staleness``; one update per site and merge."""
+        ``max_staleness``; one admitted update per site and merge (a refused one may be followed by another)."""
         ctx = self.ctx
         r = ctx.round
         # Its speed counts for Dynamic Local Updates even when the update itself is refused: a
@@ -643,9 +643,12 @@ class PlainIntake:
         ):
             existing.check_same_manifest(spec.wire)  # MANIFEST_CONFLICT if it differs
             return existing
-        if site in r.contributed or site in r.rejected:
+        if site in r.contributed:
             return self._open_held(site, spec)
         assembler = self._new_async_upload(site, spec, respec)
+        if site in r.rejected:
+            logger.info("merge %d: %s sends another update after its last was refused", r.number, site)
+            r.core.retry(site)
         r.uploads[site] = assembler
         r.inner_steps[site] = spec.inner_steps
         r.staleness[site] = staleness

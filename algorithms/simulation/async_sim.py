@@ -536,6 +536,7 @@ class DecoupledSimulator:
         if site.name in round_.contributed:
             self._held.append(upload)  # its previous update is still in the open merge
             return
+        round_.retry(site.name)  # a refused update does not count: the next one may enter
         admission = stale_admission(
             self.config.algorithm.asynchronous, base=upload.base, into=round_.number, weight=upload.weight
         )

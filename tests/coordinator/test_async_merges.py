@@ -12,7 +12,7 @@ from geoloco.algorithms.async_merge import AsyncConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.rounds import RoundStateMachine
-from geoloco.protos.errors import WrongRoundError
+from geoloco.protos.errors import InvalidUpdateError, WrongRoundError
 
 MERGE = AsyncConfig(enabled=True, min_quorum=1, grace_window_s=2.0, max_staleness=1, discount_per_version=0.5)
 
@@ -137,3 +137,22 @@ def test_two_updates_from_one_base_are_two_updates_not_a_resend() -> None:
     record = rounds.poll()
     assert record is not None and sorted(record.participants) == ["a", "b"]
     assert upload_status(rounds, "a", rounds.session_id, 0, 0).merged_round == 1  # the held one now
+
+
+def test_a_site_whose_update_was_refused_sends_its_next_one_into_the_same_merge() -> None:
+    """A merge needs ``min_quorum`` admitted updates; a refused one does not count. Held for the
+    next merge, the refused site's next update would wait for a merge that can never close when
+    the quorum is every site (with one site, always): it enters the open merge instead."""
+    clock = FakeClock()
+    rounds = make(clock, algorithm=AlgorithmConfig(inner_steps=2, asynchronous=AsyncConfig(enabled=True, min_quorum=2)))
+    join(rounds, "a")
+    join(rounds, "b")
+    assert upload(rounds, "b", _update(31, rounds.numel), round_number=0).merged_round == 0
+    with pytest.raises(InvalidUpdateError, match="norm"):
+        upload(rounds, "a", torch.full((rounds.numel,), 1e5), round_number=0)  # over the norm floor
+    assert rounds.poll() is None  # one update counted, the quorum is two
+    assert upload(rounds, "a", _update(32, rounds.numel), round_number=0).merged_round == 0
+    record = rounds.poll()
+    assert record is not None and sorted(record.participants) == ["a", "b"]
+    assert record.rejected == []  # its refused update is not the merge's last word on it
+    assert upload(rounds, "a", _update(33, rounds.numel), round_number=1).merged_round == 1

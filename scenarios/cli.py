@@ -83,6 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         logging.getLogger("geoloco").warning("interrupted")
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of our output left (``geoloco plan ... | head``): stop quietly, as a Unix
+        # tool does, and keep the interpreter's own flush at exit from failing once more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,8 +74,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "(default with a config file: its workload's model)")
     parser.add_argument("--step-time", type=_step_time, metavar="SECONDS|measure",
                         help="seconds per inner step at speed_factor 1, or 'measure' (time the "
-                        "config file's workload's steps on this machine); default with a simulate "
-                        "file: its simulation.step_time_s")
+                        "config file's workload's steps on this machine; an emulate scenario's as "
+                        "the emulator runs them: every site's process at once, each at its speed "
+                        "factor); default with a simulate file: its simulation.step_time_s")
     parser.add_argument("--sites", type=positive_int,
                         help="number of identical sites (flags or a coordinator file; default: the "
                         "coordinator file's allowed_sites, else 8)")
@@ -195,6 +195,8 @@ class RunFile:
     step_time_s: float | str | None = None
     """A simulate file's ``simulation.step_time_s``: ``--step-time``'s default, so the plan
     reproduces ``geoloco simulate``'s clock."""
+    faults: int = 0
+    """A scenario's ``[[faults]]``: the plan is of the same run without them (said in its header)."""
 
 
 def load_run_file(path: Path) -> RunFile:
@@ -218,7 +220,10 @@ def load_run_file(path: Path) -> RunFile:
 
     scenario = parse_scenario(raw, source)
     _refuse_two_tiers(source, scenario.regions, scenario.coordinator_link)
-    return RunFile(source, kind, scenario.training, scenario.workload, [s.clock_site() for s in scenario.sites])
+    return RunFile(
+        source, kind, scenario.training, scenario.workload, [s.clock_site() for s in scenario.sites],
+        faults=len(scenario.faults),
+    )
 
 
 def _refuse_two_tiers(source: str, regions: list[Any], coordinator_link: Any) -> None:
@@ -344,9 +349,9 @@ def _with_rounds(args: argparse.Namespace, training: Any, run_file: RunFile | No
     return dataclasses.replace(training, rounds=rounds)
 
 
-def _step_time_s(args: argparse.Namespace, run_file: RunFile | None, num_sites: int) -> float:
+def _step_time_s(args: argparse.Namespace, run_file: RunFile | None, sites: list[SiteConfig]) -> tuple[float, str]:
     """``--step-time``, else a simulate file's ``step_time_s``; ``measure`` times the file's
-    workload here."""
+    workload here (``geoloco.scenarios.step_timing``). Also says where the value came from."""
     value = args.step_time if args.step_time is not None else run_file.step_time_s if run_file else None
     if value is None:
         raise ConfigFileError(
@@ -355,40 +360,19 @@ def _step_time_s(args: argparse.Namespace, run_file: RunFile | None, num_sites: 
             "to time a config file's workload here",
         )
     if value != "measure":
-        return float(value)
+        return float(value), "given" if args.step_time is not None else "the file's simulation.step_time_s"
     if run_file is None:
         raise ConfigFileError(COMMAND_LINE, "--step-time", "'measure' times a config file's workload; give seconds")
-    return _measure_step_time(run_file, num_sites)
+    from geoloco.scenarios.step_timing import time_steps_alone, time_steps_together
 
-
-def _measure_step_time(run_file: RunFile, num_sites: int, steps: int = 5) -> float:
-    """Seconds per inner step of the file's workload here (after two warm-up steps), on one CPU
-    thread as the emulator's site processes run (``OMP_NUM_THREADS=1``)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        return _time_steps(run_file, num_sites, steps)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _time_steps(run_file: RunFile, num_sites: int, steps: int) -> float:
-    seed = run_file.training.seed
-    workload = run_file.workload.build()
-    model = workload.build_model(seed)
-    optimizer = run_file.training.inner_optimizer.build(model.parameters())
-    batches = workload.site_batches(0, num_sites, seed)
-    elapsed = 0.0
-    for step in range(steps + 2):
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        workload.loss(model, next(batches)).backward()
-        optimizer.step()
-        if step >= 2:
-            elapsed += time.perf_counter() - t0
-    return elapsed / steps
+        if run_file.kind == SCENARIO:  # every site will be a process on this machine
+            timing = time_steps_together(run_file.workload, run_file.training, [s.speed_factor for s in sites])
+        else:
+            timing = time_steps_alone(run_file.workload, run_file.training, len(sites))
+    except RuntimeError as err:
+        raise ConfigFileError(COMMAND_LINE, "--step-time", f"could not measure it: {err}") from None
+    return timing.seconds, timing.how
 
 
 def build_plans(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
@@ -411,7 +395,7 @@ def build_plans(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
     if run_file is not None and numel is None:
         layout = ParamLayout.from_model(run_file.workload.build().build_model(run_file.training.seed))
         numel = layout.numel
-    step_time = _step_time_s(args, run_file, len(sites))
+    step_time, step_time_source = _step_time_s(args, run_file, sites)
     algorithm = run_file.training.algorithm if run_file is not None else None
     default_name = "diloco" if algorithm is None else "streaming" if algorithm.streaming.enabled else algorithm.name
     names = args.compare or [args.algorithm or default_name]
@@ -423,7 +407,10 @@ def build_plans(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
             plans.append(plan(training, numel=numel, sites=sites, step_time_s=step_time, layout=layout))
         except (PlanError, ValueError) as err:
             raise ConfigFileError(source, f"algorithm {name}", str(err)) from None
-    return plans, {"numel": numel, "sites": sites, "step_time_s": step_time}
+    return plans, {
+        "numel": numel, "sites": sites, "step_time_s": step_time, "step_time_source": step_time_source,
+        "faults": run_file.faults if run_file is not None else 0,
+    }
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -460,9 +447,14 @@ def format_plans(plans: list[Any], info: dict[str, Any]) -> str:
     sites = info["sites"]
     lines = [
         f"plan: {info['numel']:,} parameters, {len(sites)} sites, {info['step_time_s']:.4g} s per inner "
-        "step at speed 1 (virtual clock: latency + bytes/bandwidth, no training)",
-        "",
+        f"step at speed 1 ({info['step_time_source']}; virtual clock: latency + bytes/bandwidth, no training)",
     ]
+    if info["faults"]:
+        lines.append(
+            f"the scenario's {info['faults']} [[faults]] are not on the planner's clock: this is the same run "
+            "without them (crashes, restarts and link outages add their recovery time)"
+        )
+    lines.append("")
     rows = [["algorithm", "syncs", "steps/site", "per sync", "total", "mean util", "up/site/sync",
              "down/site/sync", "site mem", "coord mem"]]
     for p in plans:
@@ -500,7 +492,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigFileError as err:
         return report_config_error("plan", err)
     if args.json:
-        print(json.dumps({"step_time_s": info["step_time_s"], "plans": [p.to_dict() for p in plans]}, indent=2))
+        print(json.dumps({
+            "step_time_s": info["step_time_s"], "step_time_source": info["step_time_source"],
+            "faults_left_out": info["faults"],
+            "plans": [p.to_dict() for p in plans],
+        }, indent=2))
     else:
         print(format_plans(plans, info))
     return 0

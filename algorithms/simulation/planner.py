@@ -7,7 +7,9 @@ the bytes on every link and a peak-memory estimate per process (``geoloco.algori
 It is the simulator's clock without the training: the same functions advance the same times
 (``geoloco.algorithms.simulation.clock``: compute is ``steps · step_time_s / speed_factor``, a transfer
 ``latency + 8 · bytes / bandwidth``; rounds close through the same round engine and ``RoundPolicy`` as the
-simulator and the coordinator; Streaming DiLoCo sites follow ``streaming_site_time``), and the
+simulator and the coordinator; Streaming DiLoCo sites follow ``streaming_site_time`` and, with
+``adaptive_overlap``, choose τ and their rounds' steps with the simulator's ``OverlapMeter``; with
+``[algorithm.adaptive_uplink]`` each site's codec comes from the same ``CodecPlans``), and the
 bytes are the codecs' exact wire sizes (``Codec.encoded_nbytes``), which do not depend on the
 values encoded. So for a fixed ``step_time_s`` the planner's times and bytes equal the
 simulator's, round for round, except where the simulator's outcome depends on values: secure
@@ -30,6 +32,7 @@ import torch
 
 from geoloco.algorithms.aggregation import CountingAggregation
 from geoloco.algorithms.engine import UNSCREENED, RoundEngine
+from geoloco.algorithms.link_codec import CodecPlans
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, upload_arrivals
@@ -37,6 +40,7 @@ from geoloco.algorithms.simulation.planner_memory import MemoryEstimate, estimat
 from geoloco.algorithms.simulation.planner_sizes import PlanError, encoded_nbytes, fragment_numels
 from geoloco.algorithms.simulation.streaming_sim import streaming_site_time
 from geoloco.algorithms.streaming import StreamingSchedule
+from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapMeter
 from geoloco.algorithms.time_budget import steps_in_budget
 from geoloco.algorithms.training import TrainingConfig
 
@@ -277,10 +281,12 @@ def _plain(
     step_time_s: float, numel: int, policy: RoundPolicy, done: list[PlannedRound], open_s: float,
 ) -> list[PlannedRound]:
     """DiLoCo/FedAvg/FedOpt rounds (``Simulator._diloco_round``'s clock), the first opened at
-    ``open_s``."""
+    ``open_s``. With ``[algorithm.adaptive_uplink]`` each site's codec comes from the same
+    ``CodecPlans`` the simulator and the coordinator use, fed each upload's time on the clock."""
     algo = training.algorithm
     up = encoded_nbytes(algo.uplink_codec, numel)
     down = encoded_nbytes(algo.downlink_codec, numel)
+    link_codecs = CodecPlans(algo.adaptive_uplink, algo.uplink_codec) if algo.adaptive_uplink.enabled else None
     n = len(sites)
     out: list[PlannedRound] = []
     end = done[-1].wall_clock_s if done else 0.0
@@ -289,7 +295,14 @@ def _plain(
         # ``steps · step_time_s / speed_factor``: the simulator's order of operations.
         compute = [k * step_time_s / s.speed_factor for k, s in zip(steps, sites, strict=True)]
         starts = [c.ready_s for c in clocks]
-        arrivals = upload_arrivals(starts, compute, [up] * n, sites)
+        if link_codecs is None:
+            ups = [up] * n
+        else:
+            ups = [encoded_nbytes(link_codecs.codec_for(name, r, numel), numel) for name in names]
+        arrivals = upload_arrivals(starts, compute, ups, sites)
+        if link_codecs is not None:  # what the coordinator measures of each upload
+            for k, name in enumerate(names):
+                link_codecs.observe_upload(name, ups[k], arrivals[k] - starts[k] - compute[k])
         closed, excluded, _ = _close_round(policy, r, open_s, names, arrivals)
         ends = download_ends(closed, arrivals, down, sites)
         spans = [e - s for e, s in zip(ends, starts, strict=True)]
@@ -299,7 +312,7 @@ def _plain(
         new_end = max(ends)
         out.append(
             PlannedRound(
-                round=r, phase="train", inner_steps=max(steps), bytes_up=[up] * n, bytes_down=[down] * n,
+                round=r, phase="train", inner_steps=max(steps), bytes_up=ups, bytes_down=[down] * n,
                 round_time_s=new_end - end, wall_clock_s=new_end, compute_s=compute,
                 utilization=[c / sp if sp > 0 else 1.0 for c, sp in zip(compute, spans, strict=True)],
                 excluded=excluded,
@@ -315,39 +328,51 @@ def _streaming(
     done: list[PlannedRound], open_s: float,
 ) -> list[PlannedRound]:
     """Streaming DiLoCo rounds (``StreamingRounds.round``'s clock): one fragment per round, the
-    site training on through ``overlap_steps`` before it must merge the previous broadcast."""
+    site training on through ``overlap_steps`` before it must merge the previous broadcast. With
+    ``adaptive_overlap`` every site chooses its τ and its round's steps from what its clock
+    measured, with the simulator's meter and rule in the simulator's order."""
     algo = training.algorithm
     stream = algo.streaming
     schedule = StreamingSchedule.from_config(algo.inner_steps, stream)
+    bounds = OverlapBounds.from_config(algo.inner_steps, stream)
     sizes = fragment_numels(numel, stream.fragments, layout=layout, split=stream.split)
     n = len(sites)
+    meters = [OverlapMeter() for _ in sites]
+    choices = [bounds.fixed] * n
     out: list[PlannedRound] = []
     end = done[-1].wall_clock_s if done else 0.0
     for r in range(training.rounds):
         p = schedule.fragment_for_round(r)
         up = encoded_nbytes(algo.uplink_codec, sizes[p])
         down = encoded_nbytes(algo.downlink_codec, sizes[p])
-        overlap = schedule.overlap_before_merge(r)
         times = []
-        for site, clock in zip(sites, clocks, strict=True):
+        steps = []
+        for k, (site, clock) in enumerate(zip(sites, clocks, strict=True)):
+            overlap = choices[k].overlap_steps if r > 0 else 0
+            rest = choices[k].round_steps - overlap
+            first_s = overlap * step_time_s / site.speed_factor
+            rest_s = rest * step_time_s / site.speed_factor
+            meters[k].record_steps(overlap + rest, first_s + rest_s)
+            choices[k] = meters[k].choose(bounds)  # when its upload starts, as the site does
+            steps.append(overlap + rest)
             times.append(
                 streaming_site_time(
-                    start_s=clock.ready_s, overlap_compute_s=overlap * step_time_s / site.speed_factor,
-                    rest_compute_s=(schedule.interval - overlap) * step_time_s / site.speed_factor,
+                    start_s=clock.ready_s, overlap_compute_s=first_s, rest_compute_s=rest_s,
                     previous_broadcast_s=clock.broadcast_s, upload_bytes=up, site=site,
                 )
             )
         arrivals = [t.arrival_s for t in times]
         closed, excluded, _ = _close_round(policy, r, open_s, names, arrivals)
         ends = download_ends(closed, arrivals, down, sites)
-        for clock, timing, e in zip(clocks, times, ends, strict=True):
+        for meter, clock, timing, e in zip(meters, clocks, times, ends, strict=True):
+            meter.record_transfer(e - timing.upload_s)
             clock.broadcast_s = e
             clock.ready_s = timing.upload_s
         open_s = closed
         new_end = max(ends)
         out.append(
             PlannedRound(
-                round=r, phase="train", inner_steps=schedule.interval, bytes_up=[up] * n,
+                round=r, phase="train", inner_steps=max(steps), bytes_up=[up] * n,
                 bytes_down=[down] * n, round_time_s=new_end - end, wall_clock_s=new_end,
                 compute_s=[t.compute_s for t in times], utilization=[t.utilization for t in times],
                 excluded=excluded, fragment=p,

@@ -210,3 +210,13 @@ def test_what_a_run_file_cannot_be_planned_with_is_named(
         assert code == 0, err
         return
     assert code == 2 and err.startswith("geoloco plan: error:") and expected in err, err
+
+
+def test_a_scenario_with_faults_says_the_plan_leaves_them_out(capsys: pytest.CaptureFixture[str]) -> None:
+    path = SCENARIOS / "flaky.toml"
+    faults = len(load_scenario(path).faults)
+    assert faults > 0
+    assert main(["plan", str(path), "--step-time", "0.01"]) == 0
+    assert f"the scenario's {faults} [[faults]] are not on the planner's clock" in capsys.readouterr().out
+    assert _json(capsys, str(path), "--step-time", "0.01")["faults_left_out"] == faults
+    assert _json(capsys, str(SCENARIOS / "quickstart.toml"), "--step-time", "0.01")["faults_left_out"] == 0

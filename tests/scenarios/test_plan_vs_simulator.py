@@ -61,6 +61,19 @@ SITES = [
 ]
 
 
+STREAMING_ADAPTIVE: dict[str, Any] = {
+    "name": "diloco", "inner_steps": 8, "uplink_codec": "int8", "downlink_codec": "int8",
+    "streaming": {"enabled": True, "fragments": 4, "overlap_steps": 1, "adaptive_overlap": True,
+                  "interval_steps_max": 6},
+}
+
+
+ADAPTIVE_UPLINK: dict[str, Any] = {
+    "name": "diloco", "inner_steps": 4, "uplink_codec": "int8",
+    "adaptive_uplink": {"enabled": True, "min_density": 0.05, "min_upload_s": 0.001},
+}
+
+
 def _config(algorithm: dict[str, Any], simulation: dict[str, Any] | None = None) -> SimulatorConfig:
     return SimulatorConfig.from_dict({
         "algorithm": algorithm,
@@ -132,6 +145,8 @@ def _assert_same(records: list[Any], predicted: Plan) -> None:
              "streaming": {"enabled": True, "fragments": 3, "overlap_steps": 2, "split": "contiguous"}},
             {"rounds": 7, "round_deadline_s": 0.5, "min_sites": 2}, id="streaming-deadline",
         ),
+        pytest.param(STREAMING_ADAPTIVE, {"rounds": 10}, id="streaming-adaptive-overlap"),
+        pytest.param(ADAPTIVE_UPLINK, {"rounds": 6}, id="adaptive-uplink"),
     ],
 )
 def test_planner_reproduces_the_simulators_clock_and_bytes(
@@ -139,6 +154,24 @@ def test_planner_reproduces_the_simulators_clock_and_bytes(
 ) -> None:
     records, predicted = _both(_config(algorithm, simulation))
     _assert_same(records, predicted)
+
+
+def test_the_adaptive_overlap_case_stretches_rounds() -> None:
+    """The sites' links hide a fragment behind no fewer than two steps: the rule lengthens τ and
+    the rounds, or the case above compares only the fixed cadence."""
+    _, predicted = _both(_config(STREAMING_ADAPTIVE, {"rounds": 10}))
+    interval = STREAMING_ADAPTIVE["inner_steps"] // STREAMING_ADAPTIVE["streaming"]["fragments"]
+    assert predicted.rounds[0].inner_steps == interval
+    assert max(r.inner_steps for r in predicted.rounds) > interval
+
+
+def test_the_adaptive_uplink_case_gives_the_slow_link_a_sparser_codec() -> None:
+    """Site 1's 50 kbit/s uplink gets a top-k codec once measured, or the case above compares only
+    the dense codec's sizes."""
+    _, predicted = _both(_config(ADAPTIVE_UPLINK, {"rounds": 6}))
+    dense = predicted.rounds[0].bytes_up
+    assert dense[0] == dense[1]
+    assert any(r.bytes_up[1] < dense[1] for r in predicted.rounds[1:])
 
 
 def test_deadline_case_excludes_a_straggler() -> None:

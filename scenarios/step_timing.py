@@ -1,0 +1,166 @@
+"""The seconds an inner step of a config file's workload takes on this machine, for ``geoloco plan
+--step-time measure``.
+
+The planner's error against a real run is mostly its step-time input (``benchmarks/pages/
+planner.md``). Timed alone on one thread, a step is what one site gets from an idle core; the
+emulator runs every site as a process on this machine, each on one thread, so they share its
+cores, and a site slowed by ``speed_factor`` sleeps part of each step and leaves more for the
+others. For an emulate scenario the steps are therefore timed the way the emulator will run them:
+one process per site, all at once, each throttled by its own speed factor
+(``geoloco.scenarios.throttle``). The result is the unthrottled compute time per step (the
+planner's step time at speed 1: it divides by each site's factor itself), averaged over the sites.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from multiprocessing.synchronize import Barrier
+
+    from geoloco.algorithms.training import TrainingConfig
+    from geoloco.scenarios.workloads import WorkloadSpec
+
+__all__ = ["StepTiming", "time_steps_alone", "time_steps_together"]
+
+WARMUP_STEPS = 2
+"""Steps run before the clock starts (the first ones allocate and warm caches)."""
+_START_TIMEOUT_S = 300.0
+"""How long the processes may take to build their workloads before the measurement gives up."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """A measured step time and how it was measured (``geoloco plan`` prints both)."""
+
+    seconds: float
+    """Unthrottled seconds per inner step (the planner's step time at speed 1)."""
+    how: str
+    """In words, for the plan's header."""
+    per_site_s: tuple[float, ...] = ()
+    """Each site's own mean (concurrent measurement only), in the sites' order."""
+
+
+def _time_steps(workload: WorkloadSpec, training: TrainingConfig, site: int, num_sites: int, steps: int,
+                speed_factor: float = 1.0, barrier: Barrier | None = None) -> float:
+    """Mean unthrottled seconds of ``steps`` inner steps of site ``site`` (after the warm-up);
+    with ``barrier`` the timed steps start when every process is ready."""
+    from geoloco.scenarios.throttle import ComputeThrottle
+
+    seed = training.seed
+    built = workload.build()
+    model = built.build_model(seed)
+    optimizer = training.inner_optimizer.build(model.parameters())
+    batches = built.site_batches(site, num_sites, seed)
+    throttle = ComputeThrottle(speed_factor) if speed_factor != 1.0 else None
+    loss_fn = built.loss if throttle is None else throttle.wrap_loss(built.loss)
+    if throttle is not None:
+        throttle.attach(optimizer)
+    elapsed = 0.0
+    for step in range(steps + WARMUP_STEPS):
+        if step == WARMUP_STEPS and barrier is not None:
+            barrier.wait(timeout=_START_TIMEOUT_S)
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model, next(batches)).backward()
+        optimizer.step()
+        if step >= WARMUP_STEPS:
+            compute = time.perf_counter() - t0
+            if throttle is not None:  # its sleep came after the step's compute, inside the timer
+                compute -= throttle.slept_s
+                throttle.slept_s = 0.0
+            elapsed += compute
+        elif throttle is not None:
+            throttle.slept_s = 0.0
+    return elapsed / steps
+
+
+def time_steps_alone(workload: WorkloadSpec, training: TrainingConfig, num_sites: int, steps: int = 5) -> StepTiming:
+    """One site's steps here, on one CPU thread as a site process runs (``OMP_NUM_THREADS=1``):
+    for sites that will each have a machine of this kind to themselves."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds = _time_steps(workload, training, 0, num_sites, steps)
+    finally:
+        torch.set_num_threads(threads)
+    return StepTiming(seconds, f"timed here, one site alone on one thread, {steps} steps")
+
+
+def _worker(workload: WorkloadSpec, training: TrainingConfig, site: int, num_sites: int, steps: int,
+            speed_factor: float, barrier: Barrier, results: multiprocessing.Queue[tuple[int, float | str]]) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        results.put((site, _time_steps(workload, training, site, num_sites, steps, speed_factor, barrier)))
+    except BaseException as err:  # noqa: BLE001 (reported to the parent, which names the site)
+        barrier.abort()
+        results.put((site, f"{type(err).__name__}: {err}"))
+
+
+def time_steps_together(
+    workload: WorkloadSpec, training: TrainingConfig, speed_factors: list[float], steps: int = 8,
+) -> StepTiming:
+    """Every site's steps at once, one process per site on one thread each, each throttled by its
+    speed factor: the contention ``geoloco emulate`` runs them under on this machine."""
+    context = multiprocessing.get_context("spawn")  # torch and fork do not mix
+    num_sites = len(speed_factors)
+    barrier = context.Barrier(num_sites)
+    results: multiprocessing.Queue[tuple[int, float | str]] = context.Queue()
+    env_before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # as the emulator starts its sites
+    try:
+        processes = [
+            context.Process(
+                target=_worker, args=(workload, training, site, num_sites, steps, factor, barrier, results),
+                daemon=True,
+            )
+            for site, factor in enumerate(speed_factors)
+        ]
+        for process in processes:
+            process.start()
+    finally:
+        if env_before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_before
+    answers: dict[int, float | str] = {}
+    try:
+        deadline = time.monotonic() + _START_TIMEOUT_S + 60.0 * steps
+        while len(answers) < num_sites:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(f"timing the steps took longer than {deadline:.0f} s; {len(answers)} of "
+                                   f"{num_sites} sites reported")
+            try:
+                site, answer = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in processes):
+                    raise RuntimeError("a step-timing process died; run with --step-time SECONDS instead") from None
+                continue
+            answers[site] = answer
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    failed = {site: a for site, a in answers.items() if isinstance(a, str)}
+    if failed:
+        site, why = min(failed.items())
+        raise RuntimeError(f"timing site {site}'s steps failed: {why}")
+    per_site = tuple(float(answers[site]) for site in range(num_sites))
+    return StepTiming(
+        sum(per_site) / num_sites,
+        f"timed here as the emulator runs the sites: {num_sites} processes at once, one thread each, "
+        f"each at its speed factor, {steps} steps",
+        per_site,
+    )

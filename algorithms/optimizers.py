@@ -490,7 +490,9 @@ class OuterOptimizer:
 
     Memory: the parameter holds weights only during ``step``; between steps it is empty, so the
     coordinator keeps one copy of the weights (its own) besides the optimizer state, and the copy
-    made for a step becomes the returned ``θ'`` instead of being cloned again.
+    made for a step becomes the returned ``θ'`` instead of being cloned again. DiLoCo's Nesterov
+    step on a consumed gradient needs no copy at all: ``θ'`` is written into the gradient's memory
+    (``_nesterov_in_gradient``, the same bits).
 
     ``from_inner`` builds one from an inner-optimizer config: the data-parallel baseline's single
     shared AdamW state, applied by the coordinator to the averaged gradient (with the inner
@@ -548,6 +550,10 @@ class OuterOptimizer:
                 f"{tuple(global_flat.shape)} and pseudo-gradient {tuple(pseudo_gradient.shape)}"
             )
         param = self.param
+        if consume_gradient:
+            stepped = self._nesterov_in_gradient(global_flat.detach(), pseudo_gradient.detach())
+            if stepped is not None:
+                return stepped
         with torch.no_grad():
             # The copy of θ_t this step works on; it becomes the returned θ'.
             param.set_(global_flat.detach().to(param.device, torch.float32, copy=True))  # type: ignore[call-overload]
@@ -565,6 +571,41 @@ class OuterOptimizer:
             with torch.no_grad():
                 param.set_(torch.empty(0, dtype=torch.float32, device=param.device))  # type: ignore[call-overload]
         return new_flat
+
+    def _nesterov_in_gradient(self, global_flat: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+        """DiLoCo's outer step (Nesterov SGD without weight decay) with ``θ'`` written into the
+        consumed gradient's memory: ``θ_t``, the momentum and the gradient are the only
+        model-sized tensors, where ``optimizer.step()`` needs a fourth, the copy of ``θ_t`` it
+        steps (the coordinator's aggregation peak). The calls are the ones torch's foreach SGD
+        makes on CPU, element by element, so ``θ'`` and the momentum are bit-identical to it
+        (``tests/algorithms/test_outer_in_place.py``). None where it does not apply: another
+        optimizer or setting, or a gradient that is not an fp32 tensor beside the weights."""
+        optimizer = self.optimizer
+        if type(optimizer) is not torch.optim.SGD or self.grad_clip_norm is not None:
+            return None
+        group = optimizer.param_groups[0]
+        momentum, lr = group["momentum"], group["lr"]
+        if (
+            not group["nesterov"] or group["weight_decay"] != 0 or group["dampening"] != 0 or group["maximize"]
+            or isinstance(lr, torch.Tensor) or momentum == 0
+        ):
+            return None
+        device = self.param.device
+        if not (
+            grad.dtype == global_flat.dtype == torch.float32 and grad.device == global_flat.device == device
+            and grad.is_contiguous() and global_flat.is_contiguous() and not grad.requires_grad
+        ):
+            return None
+        with torch.no_grad():
+            state = optimizer.state[self.param]
+            buffer = state.get("momentum_buffer")
+            if buffer is None:  # torch's first step: the buffer starts as a copy of the gradient
+                state["momentum_buffer"] = torch.clone(grad).detach()
+                buffer = state["momentum_buffer"]
+            else:
+                buffer.mul_(momentum).add_(grad, alpha=1)
+            grad.add_(buffer, alpha=momentum)  # the Nesterov look-ahead g + μ·buf
+            return torch.add(global_flat, grad, alpha=-lr, out=grad)  # θ_t − lr·(g + μ·buf)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Optimizer state as named tensors (momentum buffer, Adam moments and step): the live

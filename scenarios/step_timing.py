@@ -17,8 +17,13 @@ import multiprocessing
 import os
 import queue
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from geoloco.scenarios.throttle import ComputeThrottle
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Barrier
@@ -46,49 +51,58 @@ class StepTiming:
     """Each site's own mean (concurrent measurement only), in the sites' order."""
 
 
-def _time_steps(workload: WorkloadSpec, training: TrainingConfig, site: int, num_sites: int, steps: int,
-                speed_factor: float = 1.0, barrier: Barrier | None = None) -> float:
-    """Mean unthrottled seconds of ``steps`` inner steps of site ``site`` (after the warm-up);
-    with ``barrier`` the timed steps start when every process is ready."""
-    from geoloco.scenarios.throttle import ComputeThrottle
+@dataclass(slots=True)
+class _Site:
+    """One site's model, optimizer and batches, built before any step is timed."""
 
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: Iterator[Any]
+    loss: Callable[..., torch.Tensor]
+    throttle: ComputeThrottle | None
+
+
+def _prepare(workload: WorkloadSpec, training: TrainingConfig, site: int, num_sites: int,
+             speed_factor: float = 1.0) -> _Site:
     seed = training.seed
     built = workload.build()
     model = built.build_model(seed)
     optimizer = training.inner_optimizer.build(model.parameters())
-    batches = built.site_batches(site, num_sites, seed)
     throttle = ComputeThrottle(speed_factor) if speed_factor != 1.0 else None
-    loss_fn = built.loss if throttle is None else throttle.wrap_loss(built.loss)
+    loss = built.loss if throttle is None else throttle.wrap_loss(built.loss)
     if throttle is not None:
         throttle.attach(optimizer)
+    return _Site(model, optimizer, built.site_batches(site, num_sites, seed), loss, throttle)
+
+
+def _time_steps(site: _Site, steps: int, barrier: Barrier | None = None) -> float:
+    """Mean unthrottled seconds of ``steps`` inner steps (after the warm-up); with ``barrier``
+    the timed steps start when every process is ready."""
+    throttle = site.throttle
     elapsed = 0.0
     for step in range(steps + WARMUP_STEPS):
         if step == WARMUP_STEPS and barrier is not None:
             barrier.wait(timeout=_START_TIMEOUT_S)
         t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model, next(batches)).backward()
-        optimizer.step()
-        if step >= WARMUP_STEPS:
-            compute = time.perf_counter() - t0
-            if throttle is not None:  # its sleep came after the step's compute, inside the timer
-                compute -= throttle.slept_s
-                throttle.slept_s = 0.0
-            elapsed += compute
-        elif throttle is not None:
+        site.optimizer.zero_grad(set_to_none=True)
+        site.loss(site.model, next(site.batches)).backward()
+        site.optimizer.step()
+        compute = time.perf_counter() - t0
+        if throttle is not None:  # its sleep came after the step's compute, inside the timer
+            compute -= throttle.slept_s
             throttle.slept_s = 0.0
+        if step >= WARMUP_STEPS:
+            elapsed += compute
     return elapsed / steps
 
 
 def time_steps_alone(workload: WorkloadSpec, training: TrainingConfig, num_sites: int, steps: int = 5) -> StepTiming:
     """One site's steps here, on one CPU thread as a site process runs (``OMP_NUM_THREADS=1``):
     for sites that will each have a machine of this kind to themselves."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        seconds = _time_steps(workload, training, 0, num_sites, steps)
+        seconds = _time_steps(_prepare(workload, training, 0, num_sites), steps)
     finally:
         torch.set_num_threads(threads)
     return StepTiming(seconds, f"timed here, one site alone on one thread, {steps} steps")
@@ -96,11 +110,10 @@ def time_steps_alone(workload: WorkloadSpec, training: TrainingConfig, num_sites
 
 def _worker(workload: WorkloadSpec, training: TrainingConfig, site: int, num_sites: int, steps: int,
             speed_factor: float, barrier: Barrier, results: multiprocessing.Queue[tuple[int, float | str]]) -> None:
-    import torch
-
     torch.set_num_threads(1)
     try:
-        results.put((site, _time_steps(workload, training, site, num_sites, steps, speed_factor, barrier)))
+        prepared = _prepare(workload, training, site, num_sites, speed_factor)
+        results.put((site, _time_steps(prepared, steps, barrier)))
     except BaseException as err:  # noqa: BLE001 (reported to the parent, which names the site)
         barrier.abort()
         results.put((site, f"{type(err).__name__}: {err}"))

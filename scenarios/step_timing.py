@@ -51,6 +51,27 @@ class StepTiming:
     """Each site's own mean (concurrent measurement only), in the sites' order."""
 
 
+class _SleepMeter:
+    """The throttle's sleep, timed: what it asked for is less than it got (timer slack), and on
+    millisecond steps the difference would be counted as compute."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self._clock = clock
+        self._sleep = sleep
+        self.slept_s = 0.0
+
+    def __call__(self, seconds: float) -> None:
+        started = self._clock()
+        self._sleep(seconds)
+        self.slept_s += self._clock() - started
+
+    def take(self) -> float:
+        """Seconds slept since the last call."""
+        slept, self.slept_s = self.slept_s, 0.0
+        return slept
+
+
 @dataclass(slots=True)
 class _Site:
     """One site's model, optimizer and batches, built before any step is timed."""
@@ -59,7 +80,8 @@ class _Site:
     optimizer: torch.optim.Optimizer
     batches: Iterator[Any]
     loss: Callable[..., torch.Tensor]
-    throttle: ComputeThrottle | None
+    sleep: _SleepMeter | None
+    """The throttle's sleep (None at speed 1)."""
 
 
 def _prepare(workload: WorkloadSpec, training: TrainingConfig, site: int, num_sites: int,
@@ -68,17 +90,17 @@ def _prepare(workload: WorkloadSpec, training: TrainingConfig, site: int, num_si
     built = workload.build()
     model = built.build_model(seed)
     optimizer = training.inner_optimizer.build(model.parameters())
-    throttle = ComputeThrottle(speed_factor) if speed_factor != 1.0 else None
-    loss = built.loss if throttle is None else throttle.wrap_loss(built.loss)
-    if throttle is not None:
-        throttle.attach(optimizer)
-    return _Site(model, optimizer, built.site_batches(site, num_sites, seed), loss, throttle)
+    if speed_factor == 1.0:
+        return _Site(model, optimizer, built.site_batches(site, num_sites, seed), built.loss, None)
+    sleep = _SleepMeter()
+    throttle = ComputeThrottle(speed_factor, sleep=sleep)
+    throttle.attach(optimizer)
+    return _Site(model, optimizer, built.site_batches(site, num_sites, seed), throttle.wrap_loss(built.loss), sleep)
 
 
 def _time_steps(site: _Site, steps: int, barrier: Barrier | None = None) -> float:
     """Mean unthrottled seconds of ``steps`` inner steps (after the warm-up); with ``barrier``
     the timed steps start when every process is ready."""
-    throttle = site.throttle
     elapsed = 0.0
     for step in range(steps + WARMUP_STEPS):
         if step == WARMUP_STEPS and barrier is not None:
@@ -88,9 +110,8 @@ def _time_steps(site: _Site, steps: int, barrier: Barrier | None = None) -> floa
         site.loss(site.model, next(site.batches)).backward()
         site.optimizer.step()
         compute = time.perf_counter() - t0
-        if throttle is not None:  # its sleep came after the step's compute, inside the timer
-            compute -= throttle.slept_s
-            throttle.slept_s = 0.0
+        if site.sleep is not None:  # the throttle slept after the step's compute, inside the timer
+            compute -= site.sleep.take()
         if step >= WARMUP_STEPS:
             elapsed += compute
     return elapsed / steps

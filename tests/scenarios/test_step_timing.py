@@ -72,14 +72,15 @@ def test_a_slowed_sites_time_leaves_out_the_throttles_sleep(
     built = load_run_file(scenario).workload.build()
     model = built.build_model(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    throttle = ComputeThrottle(0.25, clock=clock.perf_counter, sleep=clock.sleep)
+    sleep = step_timing._SleepMeter(clock=clock.perf_counter, sleep=clock.sleep)
+    throttle = ComputeThrottle(0.25, clock=clock.perf_counter, sleep=sleep)
     throttle.attach(optimizer)
 
     def loss(m: torch.nn.Module, batch: object) -> torch.Tensor:
         clock.now += 0.001
         return built.loss(m, batch)
 
-    site = step_timing._Site(model, optimizer, built.site_batches(0, 2, 0), throttle.wrap_loss(loss), throttle)
+    site = step_timing._Site(model, optimizer, built.site_batches(0, 2, 0), throttle.wrap_loss(loss), sleep)
     assert step_timing._time_steps(site, 5) == pytest.approx(0.001)
     assert throttle.steps == 5 + step_timing.WARMUP_STEPS
 

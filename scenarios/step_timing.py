@@ -117,21 +117,31 @@ def _time_steps(site: _Site, steps: int, barrier: Barrier | None = None) -> floa
     return elapsed / steps
 
 
+def _site_threads() -> int:
+    """Compute threads of an emulated site process: ``OMP_NUM_THREADS`` as the user set it, else 1
+    (what ``geoloco emulate`` gives its sites, ``Emulation._child_env``)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
 def time_steps_alone(workload: WorkloadSpec, training: TrainingConfig, num_sites: int, steps: int = 5) -> StepTiming:
-    """One site's steps here, on one CPU thread as a site process runs (``OMP_NUM_THREADS=1``):
-    for sites that will each have a machine of this kind to themselves."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    """One site's steps here, with a site process's threads: for sites that will each have a
+    machine of this kind to themselves."""
+    before = torch.get_num_threads()
+    threads = _site_threads()
+    torch.set_num_threads(threads)
     try:
         seconds = _time_steps(_prepare(workload, training, 0, num_sites), steps)
     finally:
-        torch.set_num_threads(threads)
-    return StepTiming(seconds, f"timed here, one site alone on one thread, {steps} steps")
+        torch.set_num_threads(before)
+    return StepTiming(seconds, f"timed here, one site alone on {threads} thread(s), {steps} steps")
 
 
 def _worker(workload: WorkloadSpec, training: TrainingConfig, site: int, num_sites: int, steps: int,
             speed_factor: float, barrier: Barrier, results: multiprocessing.Queue[tuple[int, float | str]]) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(_site_threads())
     try:
         prepared = _prepare(workload, training, site, num_sites, speed_factor)
         results.put((site, _time_steps(prepared, steps, barrier)))
@@ -143,36 +153,28 @@ def _worker(workload: WorkloadSpec, training: TrainingConfig, site: int, num_sit
 def time_steps_together(
     workload: WorkloadSpec, training: TrainingConfig, speed_factors: list[float], steps: int = 8,
 ) -> StepTiming:
-    """Every site's steps at once, one process per site on one thread each, each throttled by its
-    speed factor: the contention ``geoloco emulate`` runs them under on this machine."""
+    """Every site's steps at once, one process per site with a site process's threads, each
+    throttled by its speed factor: the contention ``geoloco emulate`` runs them under here."""
     context = multiprocessing.get_context("spawn")  # torch and fork do not mix
     num_sites = len(speed_factors)
     barrier = context.Barrier(num_sites)
     results: multiprocessing.Queue[tuple[int, float | str]] = context.Queue()
-    env_before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # as the emulator starts its sites
-    try:
-        processes = [
-            context.Process(
-                target=_worker, args=(workload, training, site, num_sites, steps, factor, barrier, results),
-                daemon=True,
-            )
-            for site, factor in enumerate(speed_factors)
-        ]
-        for process in processes:
-            process.start()
-    finally:
-        if env_before is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_before
+    processes = [
+        context.Process(
+            target=_worker, args=(workload, training, site, num_sites, steps, factor, barrier, results), daemon=True,
+        )
+        for site, factor in enumerate(speed_factors)
+    ]
+    for process in processes:
+        process.start()
     answers: dict[int, float | str] = {}
     try:
-        deadline = time.monotonic() + _START_TIMEOUT_S + 60.0 * steps
+        limit_s = _START_TIMEOUT_S + 60.0 * steps
+        deadline = time.monotonic() + limit_s
         while len(answers) < num_sites:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RuntimeError(f"timing the steps took longer than {deadline:.0f} s; {len(answers)} of "
+                raise RuntimeError(f"timing the steps took longer than {limit_s:.0f} s; {len(answers)} of "
                                    f"{num_sites} sites reported")
             try:
                 site, answer = results.get(timeout=min(remaining, 1.0))
@@ -194,7 +196,7 @@ def time_steps_together(
     per_site = tuple(float(answers[site]) for site in range(num_sites))
     return StepTiming(
         sum(per_site) / num_sites,
-        f"timed here as the emulator runs the sites: {num_sites} processes at once, one thread each, "
-        f"each at its speed factor, {steps} steps",
+        f"timed here as the emulator runs the sites: {num_sites} processes at once, {_site_threads()} "
+        f"thread(s) each, each at its speed factor, {steps} steps",
         per_site,
     )

@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.simulation.planner import Plan, plan
+from geoloco.scenarios.child_commands import geoloco_command
 from geoloco.scenarios.scenario import Scenario, load_scenario
 
 
@@ -93,7 +93,7 @@ def compare(scenario_path: Path, run_dir: Path, given_step_s: float | None) -> C
 def _measured_step(scenario: Path) -> float:
     """``geoloco plan SCENARIO --step-time measure``, as a user runs it before a run."""
     answer = subprocess.run(
-        [sys.executable, "-m", "geoloco.scenarios.cli", "plan", str(scenario), "--step-time", "measure", "--json"],
+        geoloco_command("plan", str(scenario), "--step-time", "measure", "--json"),
         check=True, capture_output=True, text=True,
     )
     return float(json.loads(answer.stdout)["step_time_s"])
@@ -139,7 +139,7 @@ def main() -> None:
                 out = base / f"{scenario.stem}-{run}"
                 started = time.monotonic()
                 subprocess.run(
-                    [sys.executable, "-m", "geoloco.scenarios.cli", "emulate", str(scenario), "--out", str(out)],
+                    geoloco_command("emulate", str(scenario), "--out", str(out)),
                     check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )
                 result = compare(scenario, out, step)

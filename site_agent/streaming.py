@@ -46,6 +46,7 @@ from geoloco.algorithms.streaming import merge_fragment_
 from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapChoice, OverlapMeter
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import RoundClosed, RunFinished, SiteAgentError, UpdateRejected
+from geoloco.site_agent.client_broadcast import OpenBroadcast
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
 from geoloco.site_agent.trainer import SiteTrainer
 
@@ -221,11 +222,16 @@ class StreamingRounds(RoundRunner):
         trained = flight.trained
         if first_attempt:
             flight.sent_s = time.monotonic()
+        opened: OpenBroadcast | None = None
         try:
             if trained.update is not None and not flight.skip_upload and not flight.uploaded:
+                # The wait goes out ahead of the upload, as a plain site's does: the broadcast
+                # then leaves the moment the round closes, not one round trip later.
+                opened = client.open_broadcast(trained.round)
+                on_time = False
                 try:
                     # A masked fragment is followed by the unmask stages (before the broadcast).
-                    self.uplink.upload(
+                    response = self.uplink.upload(
                         client, trained.update, round_number=trained.round,
                         inner_steps=trained.inner_steps,
                         metrics={**trained.metrics(), "fragment": float(flight.fragment),
@@ -233,20 +239,32 @@ class StreamingRounds(RoundRunner):
                     )
                     flight.uploaded = True
                     self.uplink.uploaded()
+                    on_time = not response.folded_late
                 except (RoundClosed, RunFinished) as why:
                     logger.info("site %s: fragment upload for round %d is late (%s)",
                                 self.site, trained.round, why)
                 except UpdateRejected as why:
                     logger.error("site %s: the coordinator rejected round %d's fragment: %s",
                                  self.site, trained.round, why)
+                if not on_time:
+                    # The early wait may hold a header written before the update was refused
+                    # or folded into a later round: ask again.
+                    opened.cancel()
+                    opened = None
             try:
-                flight.header, flight.data = client.await_broadcast(trained.round, withheld=flight.withheld)
+                flight.header, flight.data = client.await_broadcast(
+                    trained.round, opened=opened, withheld=flight.withheld
+                )
+                opened = None
                 if first_attempt:
                     flight.back_s = time.monotonic()
             except RunFinished:
                 flight.finished = True
         except BaseException as error:  # noqa: BLE001 (re-raised in the training thread)
             flight.error = error
+        finally:
+            if opened is not None:
+                opened.cancel()
 
     def _overlap_metrics(self, choice: OverlapChoice) -> dict[str, float]:
         """What the overlap rule saw and chose for a fragment (the fidelity check replays it);

@@ -21,6 +21,7 @@ from torch import nn
 from geoloco.algorithms.params import load_flat_
 from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.strategy import AlgorithmConfig
+from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.workloads import build_workload
@@ -359,12 +360,17 @@ class RecordCallOrder(grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientI
         return response
 
 
-def test_the_broadcast_wait_is_open_before_the_upload_starts(certs: Path, mlp: Any) -> None:
+@pytest.mark.parametrize("streaming", [False, True], ids=["plain", "streaming"])
+def test_the_broadcast_wait_is_open_before_the_upload_starts(certs: Path, mlp: Any, streaming: bool) -> None:
     """The last site's broadcast must leave the coordinator when the round closes, not one round
-    trip later: the site asks for it before uploading, with a single call per round."""
-    server = start_coordinator(
-        certs, mlp.build_model(0), algorithm=AlgorithmConfig(inner_steps=2), total_rounds=3, min_sites=1
+    trip later: the site asks for it before uploading, with a single call per round. A streaming
+    site's fragments take the same path (on a 160 ms round trip it asked only after its upload's
+    answer, and every fragment came back a round trip late)."""
+    algorithm = AlgorithmConfig(
+        inner_steps=2,
+        streaming=StreamingConfig(enabled=True, fragments=2, overlap_steps=1) if streaming else StreamingConfig(),
     )
+    server = start_coordinator(certs, mlp.build_model(0), algorithm=algorithm, total_rounds=3, min_sites=1)
     recorder = RecordCallOrder()
     try:
         agent = make_agent(mlp, server, certs, "solo", index=0, num_sites=1, seed=0, interceptors=[recorder])

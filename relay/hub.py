@@ -118,6 +118,11 @@ class RelayHub:
         self.partials: dict[int, dict[str, float]] = {}
         """round -> site -> weight of the partial that went upward (for the metrics record)."""
         self._fetching: set[int] = set()
+        self._forwarding: set[int] = set()
+        """Rounds whose partial went upward and whose answer has not come back. The relay asks for
+        their broadcast while the partial travels (``RelayServer.forward_if_due``), so the
+        broadcast may arrive before that answer; which sites it counted (``included``) is known
+        only from the answer, and its cached copy waits for it."""
         self._verify_lock = threading.Lock()
         self.records: list[dict[str, Any]] = []
         """One record per round whose partial went upward (drained by the server's writer)."""
@@ -484,6 +489,7 @@ class RelayHub:
             if not self.engine.decide(r.core, now=now, expected=live - r.withdrawn).close:
                 return None
             r.forwarded = True
+            self._forwarding.add(r.number)
             mean = r.mean()
             sites = list(r.updates)
             rejected = dict(r.rejected)
@@ -542,6 +548,7 @@ class RelayHub:
                 self.engine.guard.round_done(r.number, list(sites) if outcome == "accepted" else None)
             r.outcome = outcome
             self.included[r.number] = frozenset(sites) if outcome == "accepted" else frozenset()
+            self._forwarding.discard(r.number)
             self.partials[r.number] = {s: r.updates[s].weight for s in r.updates}
             for old in [n for n in self.partials if n < r.number - KEEP_BROADCASTS]:
                 del self.partials[old], self.included[old]
@@ -583,6 +590,7 @@ class RelayHub:
             logger.exception("relay %s: the broadcast of round %d could not be read", self.config.name, round_number)
             cached.error = StatusError(f"relay: broadcast unreadable ({err})", code=grpc.StatusCode.UNAVAILABLE)
         with self.cond:
+            self.cond.wait_for(lambda: self.closing or round_number not in self._forwarding)
             self._fetching.discard(round_number)
             cached.included = self.included.get(round_number, frozenset())
             self.broadcasts[round_number] = cached

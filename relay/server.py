@@ -92,6 +92,11 @@ class RelayServer:
             return False
         r, manifest, data = taken
         sites = [s.site for s in manifest.relayed_sites if not s.rejected]
+        if sites:
+            # The broadcast wait goes upward ahead of the partial, as a site's does ahead of its
+            # upload: the broadcast then leaves the coordinator the moment the round closes,
+            # not one round trip of the relay's link later.
+            self.hub.fetch_broadcast(r.number, sites[0])
         try:
             self.upstream.upload(manifest, data)
             outcome = "accepted"
@@ -102,6 +107,10 @@ class RelayServer:
         except StatusError as err:
             outcome = f"refused: {err}"
             logger.warning("relay %s: round %d partial refused by the coordinator: %s", self.config.name, r.number, err)
+        except Exception as err:
+            # Still answered below: the round's broadcast waits for the partial's outcome.
+            outcome = f"failed: {err}"
+            logger.exception("relay %s: sending round %d's partial failed", self.config.name, r.number)
         self.hub.forwarded(r, outcome, sites)
         return True
 

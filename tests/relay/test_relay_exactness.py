@@ -27,6 +27,7 @@ from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay,
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos.wire_files import BlobSpill
 from geoloco.relay import RelayServer
+from geoloco.relay.upstream import Upstream
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +139,47 @@ def test_relayed_round_is_bitwise_the_flat_round_when_sums_are_exact(certs: Path
         links = records[0]["bytes"]
         assert links["relay->coordinator"] > 0 and links["coordinator->relay"] > 0
         assert all(links[f"site:{name}->relay"] > 0 for name in names)
+
+
+def test_the_relay_asks_for_the_broadcast_ahead_of_its_partial_and_counts_its_sites_from_the_answer(
+    certs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay's upward broadcast wait goes out before its partial, as a site's goes out before
+    its upload, so the broadcast leaves the coordinator when the round closes. It can then arrive
+    before the coordinator's answer to the partial (slowed here by 0.5 s), and only that answer
+    says which sites counted: the relay's copy of the broadcast waits for it instead of telling
+    the sites they were left out (they would put their updates back and send them twice)."""
+    events: list[tuple[str, str, float]] = []
+    real_upload, real_stream = Upstream.upload, Upstream.stream
+
+    def slow_answer(self: Upstream, manifest: object, data: bytes) -> object:
+        response = real_upload(self, manifest, data)  # type: ignore[arg-type]
+        time.sleep(0.5)
+        events.append(("answered", self.config.name, time.monotonic()))
+        return response
+
+    def watched_stream(self: Upstream, method: str, request: object) -> Iterator[object]:
+        if method == "AwaitBroadcast":
+            events.append(("asked", self.config.name, time.monotonic()))
+        return real_stream(self, method, request)
+
+    monkeypatch.setattr(Upstream, "upload", slow_answer)
+    monkeypatch.setattr(Upstream, "stream", watched_stream)
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    weights = {"site-a": 1.0, "site-b": 3.0, "site-c": 2.0, "site-d": 2.0}
+    flat_weights, flat_delta = _flat(certs, ups, weights, "none")
+    for relayed_weights, broadcasts, _server, _relays in _relayed(certs, ups, weights, "none", tmp_path):
+        assert torch.equal(relayed_weights, flat_weights)
+        for name, (header, delta) in broadcasts.items():
+            assert header.included, name  # type: ignore[attr-defined]
+            assert delta == flat_delta, name
+    for region in REGIONS:
+        asked = [t for what, name, t in events if what == "asked" and name == region]
+        answered = [t for what, name, t in events if what == "answered" and name == region]
+        assert len(answered) == 1 and asked and asked[0] < answered[0], events
+        (record,) = [json.loads(line) for line in (tmp_path / f"{region}.jsonl").read_text().splitlines()]
+        assert record["counted_by_coordinator"] is True
 
 
 def test_relayed_round_matches_flat_within_float32_rounding_with_int8(certs: Path, tmp_path: Path) -> None:

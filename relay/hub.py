@@ -76,7 +76,22 @@ class CachedBroadcast:
     data: bytes | None = None
     error: StatusError | None = None
     included: frozenset[str] = field(default_factory=frozenset)
-    """Sites whose update the coordinator counted through this relay's partial."""
+    """Sites whose update the coordinator took through this relay's partial (its answer)."""
+    claim: str = ""
+    """The site the relay asked the coordinator for (``header.included`` is about it)."""
+
+    def counts(self, site: str) -> bool:
+        """Whether ``site``'s update is in the round's aggregate. The partial's answer says the
+        coordinator took it; the broadcast has the last word, for the round may still have been
+        aborted after that (the model unchanged, nobody counted) or a secure sum may have left
+        the partial out. The header speaks of the claim site: when the claim went up in the same
+        partial, its ``included`` is the partial's; otherwise only an aborted round
+        (``num_contributors`` 0) is known to have dropped it."""
+        if site not in self.included or self.header is None:
+            return False
+        if self.claim in self.included:
+            return self.header.included
+        return self.header.num_contributors > 0
 
 
 class RelayHub:
@@ -489,7 +504,6 @@ class RelayHub:
             if not self.engine.decide(r.core, now=now, expected=live - r.withdrawn).close:
                 return None
             r.forwarded = True
-            self._forwarding.add(r.number)
             mean = r.mean()
             sites = list(r.updates)
             rejected = dict(r.rejected)
@@ -497,7 +511,20 @@ class RelayHub:
             run = self.run
             assert run is not None
         if run.secure is not None:
-            return r, *masked_partial(r, session, run.secure)
+            manifest, data = masked_partial(r, session, run.secure)
+        else:
+            manifest, data = self._plain_partial(r, session, run, mean, sites, rejected)
+        with self.cond:
+            # Only now: a partial that failed to build never goes up, and nothing may wait for
+            # its answer. Its broadcast cannot come earlier unless the round closed without it.
+            self._forwarding.add(r.number)
+        return r, manifest, data
+
+    def _plain_partial(
+        self, r: RelayRound, session: str, run: RunInfo, mean: torch.Tensor, sites: list[str],
+        rejected: dict[str, str],
+    ) -> tuple[pb.UploadManifest, bytes]:
+        """A plain round's partial: the weighted mean, encoded for the way up, and its manifest."""
         codec = run.uplink_codec if self.config.upward_codec == "uplink" else "none"
         fragment = r.fragment or 0
         before = self.residuals.get(fragment)
@@ -530,7 +557,7 @@ class RelayHub:
             ]
             + [pb.RelayedSite(site=s, weight=0.0, rejected=why) for s, why in rejected.items()],
         )
-        return r, manifest, data
+        return manifest, data
 
     def forwarded(self, r: RelayRound, outcome: str, sites: Iterable[str]) -> None:
         """The coordinator's answer to round ``r``'s partial; then fetch its broadcast once."""
@@ -577,7 +604,7 @@ class RelayHub:
 
     def _fetch(self, round_number: int, claim: str, session: str) -> None:
         request = pb.AwaitBroadcastRequest(site=claim, session_id=session, round=round_number)
-        cached = CachedBroadcast()
+        cached = CachedBroadcast(claim=claim)
         try:
             download = Download()
             header = read_broadcast_stream(self.upstream.stream("AwaitBroadcast", request), download)
@@ -644,9 +671,7 @@ class RelayHub:
             assert cached.header is not None
             header = pb.BroadcastHeader()
             header.CopyFrom(cached.header)
-            # A secure round the coordinator aborted counts no partial: the claim's answer says so.
-            secure = self.run is not None and self.run.secure is not None
-            header.included = site in cached.included and (cached.header.included or not secure)
+            header.included = cached.counts(site)
             header.start_chunk = request.start_chunk
             return header, cached.data
 

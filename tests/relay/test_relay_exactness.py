@@ -24,6 +24,7 @@ import pytest
 import torch
 from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay, updates
 
+from geoloco.algorithms.update_guard import UpdateGuardConfig
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos.wire_files import BlobSpill
 from geoloco.relay import RelayServer
@@ -261,6 +262,43 @@ def test_an_update_refused_at_the_relay_is_reported_so_the_round_does_not_wait_f
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
     assert record["rejected"] == ["site-a"]
+
+
+def test_a_round_the_coordinator_aborts_after_taking_the_partials_counts_no_relayed_site(
+    certs: Path, tmp_path: Path
+) -> None:
+    """The coordinator took both partials, then aborted the round: the new weights would leave
+    ``[update_guard] max_abs_weight``. Nobody counted and the model is unchanged, so every site,
+    relayed or not, hears ``included = false`` and keeps its update in its residual. The relay
+    used to answer from its partial's acceptance alone, and its sites' work was lost."""
+    numel = 37
+    ups = {name: torch.full((numel,), 50.0) for name in SITES}  # each norm ~304, inside the bound
+    server = coordinator(
+        certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl",
+        update_guard=UpdateGuardConfig(max_abs_weight=10.0),
+    )
+    before = server.rounds.weights.clone()
+    relays = {name: relay(certs, name, server.port) for name in REGIONS}
+    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
+    try:
+        for s in sites:
+            s.join()
+        with ThreadPoolExecutor(len(sites)) as pool:
+            done = list(pool.map(lambda s: s.upload(ups[s.name], "none", weight=1.0), sites))
+        assert all(d.complete for d in done)  # both partials were taken
+        _wait_round(server, 1)
+        for s in sites:
+            header, _ = s.await_broadcast()
+            assert not header.included and header.num_contributors == 0, s.name
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+    assert torch.equal(server.rounds.weights, before)
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["aborted"] and "max_abs_weight" in record["aborted"], record["aborted"]
 
 
 @pytest.mark.parametrize("withholding", [["site-a"], ["site-a", "site-b"]], ids=["one-site", "the-whole-relay"])

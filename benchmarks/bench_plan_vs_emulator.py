@@ -49,7 +49,7 @@ def _predict(scenario: Scenario, layout: ParamLayout, step_time_s: float, rounds
     training = dataclasses.replace(scenario.training, rounds=rounds)
     return plan(
         training, numel=layout.numel, sites=[s.clock_site() for s in scenario.sites],
-        step_time_s=step_time_s, layout=layout,
+        step_time_s=step_time_s, layout=layout, tiers=scenario.tier_clock(),
     )
 
 

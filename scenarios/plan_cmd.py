@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from geoloco.scenarios.progress import human_bytes, human_seconds
 
 if TYPE_CHECKING:  # torch; `geoloco --help` stays fast without it
     from geoloco.algorithms.simulation.clock import SiteConfig
+    from geoloco.algorithms.simulation.sim_regions import TwoTierClock
     from geoloco.algorithms.training import TrainingConfig
     from geoloco.scenarios.workloads import WorkloadSpec
 
@@ -197,6 +199,10 @@ class RunFile:
     reproduces ``geoloco simulate``'s clock."""
     faults: int = 0
     """A scenario's ``[[faults]]``: the plan is of the same run without them (said in its header)."""
+    tiers: TwoTierClock | None = None
+    """``[[regions]]`` and ``[coordinator_link]``: the relays and the coordinator's shared link."""
+    regions: list[str] = field(default_factory=list)
+    """The regions' names, for the header."""
 
 
 def load_run_file(path: Path) -> RunFile:
@@ -208,9 +214,9 @@ def load_run_file(path: Path) -> RunFile:
         from geoloco.scenarios.research import load_run_config, prepare_raw
 
         workload, config = load_run_config(prepare_raw(raw, [], source), source)
-        _refuse_two_tiers(source, config.regions, config.coordinator_link)
         return RunFile(source, kind, config.training, workload, list(config.sites),
-                       step_time_s=config.simulation.step_time_s)
+                       step_time_s=config.simulation.step_time_s, tiers=config.tier_clock(),
+                       regions=[r.name for r in config.regions])
     if kind == COORDINATOR:
         from geoloco.scenarios.coordinator_cmd import parse_config
 
@@ -219,24 +225,10 @@ def load_run_file(path: Path) -> RunFile:
     from geoloco.scenarios.scenario import parse_scenario
 
     scenario = parse_scenario(raw, source)
-    _refuse_two_tiers(source, scenario.regions, scenario.coordinator_link)
     return RunFile(
         source, kind, scenario.training, scenario.workload, [s.clock_site() for s in scenario.sites],
-        faults=len(scenario.faults),
+        faults=len(scenario.faults), tiers=scenario.tier_clock(), regions=[r.name for r in scenario.regions],
     )
-
-
-def _refuse_two_tiers(source: str, regions: list[Any], coordinator_link: Any) -> None:
-    """The planner's clock gives every site its own link to the coordinator; a plan that left the
-    relays and the shared link out would be wrong, so it is not made."""
-    if regions or coordinator_link.shaped:
-        raise ConfigFileError(
-            source, "regions" if regions else "coordinator_link",
-            "the planner gives every site its own link to the coordinator and does not model "
-            "regional relays or a shared coordinator link; measure it with `geoloco simulate` "
-            "(its clock has both tiers), or drop [[regions]] and [coordinator_link] to plan the "
-            "flat network",
-        )
 
 
 # -- building the plans ----------------------------------------------------------------------------
@@ -404,16 +396,25 @@ def build_plans(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
     for name in names:
         training = _with_rounds(args, _training(args, run_file, name), run_file)
         try:
-            plans.append(plan(training, numel=numel, sites=sites, step_time_s=step_time, layout=layout))
+            plans.append(plan(
+                training, numel=numel, sites=sites, step_time_s=step_time, layout=layout,
+                tiers=run_file.tiers if run_file is not None else None,
+            ))
         except (PlanError, ValueError) as err:
             raise ConfigFileError(source, f"algorithm {name}", str(err)) from None
     return plans, {
         "numel": numel, "sites": sites, "step_time_s": step_time, "step_time_source": step_time_source,
         "faults": run_file.faults if run_file is not None else 0,
+        "tiers": run_file.tiers if run_file is not None else None,
+        "regions": run_file.regions if run_file is not None else [],
     }
 
 
 # -- output ----------------------------------------------------------------------------------------
+
+
+def _shaped_rate(bps: float) -> str:
+    return "unshaped" if math.isinf(bps) else _rate(bps)
 
 
 def _rate(bps: float) -> str:
@@ -449,6 +450,14 @@ def format_plans(plans: list[Any], info: dict[str, Any]) -> str:
         f"plan: {info['numel']:,} parameters, {len(sites)} sites, {info['step_time_s']:.4g} s per inner "
         f"step at speed 1 ({info['step_time_source']}; virtual clock: latency + bytes/bandwidth, no training)",
     ]
+    tiers = info.get("tiers")
+    if tiers is not None:
+        link = tiers.link
+        through = f"relays {', '.join(info['regions'])}, then " if info["regions"] else ""
+        lines.append(
+            f"two tiers: sites -> {through}the coordinator's link ({_shaped_rate(link.ingress_bps)} in / "
+            f"{_shaped_rate(link.egress_bps)} out, one transfer at a time)"
+        )
     if info["faults"]:
         lines.append(
             f"the scenario's {info['faults']} [[faults]] are not on the planner's clock: this is the same run "

@@ -35,7 +35,7 @@ from geoloco.algorithms.deadline import AdaptiveDeadlineConfig
 from geoloco.algorithms.optimizers import InnerOptimizerConfig, OuterOptimizerConfig
 from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
 from geoloco.algorithms.simulation.clock import SiteConfig
-from geoloco.algorithms.simulation.sim_regions import CoordinatorLinkSpec, RegionSpec, check_regions
+from geoloco.algorithms.simulation.sim_regions import CoordinatorLinkSpec, RegionSpec, TwoTierClock, check_regions
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.training import TrainingConfig, TrainingKeys
 from geoloco.protos.identity import validate_site_name
@@ -411,6 +411,15 @@ class Scenario:
 
     def site(self, name: str) -> EmulatedSite:
         return next(s for s in self.sites if s.name == name)
+
+    def tier_clock(self) -> TwoTierClock | None:
+        """The simulator's two-tier clock for the relays and the coordinator's shared link, or
+        None when every site has its own link (``SimulatorConfig.tier_clock``)."""
+        if not self.regions and not self.coordinator_link.shaped:
+            return None
+        return TwoTierClock.from_specs(
+            [s.clock_site() for s in self.sites], [s.name for s in self.sites], self.regions, self.coordinator_link
+        )
 
     def region_of(self, site: str) -> RegionSpec | None:
         """The region whose relay ``site`` talks to, or None (flat)."""

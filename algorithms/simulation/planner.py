@@ -15,8 +15,14 @@ values encoded. So for a fixed ``step_time_s`` the planner's times and bytes equ
 simulator's, round for round, except where the simulator's outcome depends on values: secure
 aggregation's message sizes (refused here) and nothing else on the clock.
 
+With ``[[regions]]`` or a shaped ``[coordinator_link]`` (``tiers``) the uploads and the broadcast
+cross the simulator's ``TwoTierClock`` instead: each region's sites reach their relay, the relay's
+partial sum goes up once all have, and the coordinator's link serves one transfer at a time; as
+in the simulator, only rounds that wait for every site (no deadline, no streaming, no ddp).
+
 Assumptions, stated once: aggregation and the outer step take no time; links are full duplex and
-independent per site (no shared bottleneck at the coordinator); without a layout, Streaming
+independent per site (no shared bottleneck at the coordinator unless ``tiers`` declares one);
+without a layout, Streaming
 DiLoCo's fragments are equal shares of the parameter count (a model's own layer groups, strided,
 are usually within a few per cent of that).
 """
@@ -38,6 +44,7 @@ from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, upload_arrivals
 from geoloco.algorithms.simulation.planner_memory import MemoryEstimate, estimate_memory
 from geoloco.algorithms.simulation.planner_sizes import PlanError, encoded_nbytes, fragment_numels
+from geoloco.algorithms.simulation.sim_regions import TwoTierClock
 from geoloco.algorithms.simulation.streaming_sim import streaming_site_time
 from geoloco.algorithms.streaming import StreamingSchedule
 from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapMeter
@@ -172,9 +179,11 @@ def plan(
     step_time_s: float,
     warmup_steps: int | None = None,
     layout: ParamLayout | None = None,
+    tiers: TwoTierClock | None = None,
 ) -> Plan:
     """Predict ``training.rounds`` rounds (plus the algorithm's warm-up) of a model of ``numel``
-    parameters on ``sites``, a reference site taking ``step_time_s`` per inner step."""
+    parameters on ``sites``, a reference site taking ``step_time_s`` per inner step. ``tiers``:
+    the regions' relays and the coordinator's shared link (``SimulatorConfig.tier_clock``)."""
     if numel < 1:
         raise PlanError(f"the model needs at least one parameter, got numel = {numel}")
     if not sites:
@@ -197,6 +206,14 @@ def plan(
             "with [algorithm.asynchronous] enabled = false"
         )
     algo = training.algorithm
+    if tiers is not None and (
+        algo.name == "ddp" or algo.streaming.enabled or training.deadline_enabled
+    ):
+        raise PlanError(
+            "with regions or a shaped coordinator link the planner, like the simulator's two-tier "
+            "clock, predicts rounds that wait for every site: drop the round deadline, streaming "
+            "and the ddp baseline, or drop [[regions]] and [coordinator_link] to plan the flat network"
+        )
     names = [site.name or f"site-{k}" for k, site in enumerate(sites)]
     clocks = [_SiteClock() for _ in sites]
     policy = training.round_policy(len(sites))
@@ -221,7 +238,7 @@ def plan(
             _streaming(training, clocks, sites, names, step_time_s, numel, layout, policy, records, open_s)
         )
     else:
-        records.extend(_plain(training, clocks, sites, names, step_time_s, numel, policy, records, open_s))
+        records.extend(_plain(training, clocks, sites, names, step_time_s, numel, policy, records, open_s, tiers))
     fragments = (
         fragment_numels(numel, algo.streaming.fragments, layout=layout, split=algo.streaming.split)
         if algo.streaming.enabled else [numel]
@@ -279,10 +296,12 @@ def _site_steps(training: TrainingConfig, step_s: float) -> int:
 def _plain(
     training: TrainingConfig, clocks: list[_SiteClock], sites: Sequence[SiteConfig], names: list[str],
     step_time_s: float, numel: int, policy: RoundPolicy, done: list[PlannedRound], open_s: float,
+    tiers: TwoTierClock | None = None,
 ) -> list[PlannedRound]:
     """DiLoCo/FedAvg/FedOpt rounds (``Simulator._diloco_round``'s clock), the first opened at
     ``open_s``. With ``[algorithm.adaptive_uplink]`` each site's codec comes from the same
-    ``CodecPlans`` the simulator and the coordinator use, fed each upload's time on the clock."""
+    ``CodecPlans`` the simulator and the coordinator use, fed each upload's time on the clock.
+    With ``tiers`` the transfers cross the relays and the coordinator's shared link."""
     algo = training.algorithm
     up = encoded_nbytes(algo.uplink_codec, numel)
     down = encoded_nbytes(algo.downlink_codec, numel)
@@ -299,12 +318,15 @@ def _plain(
             ups = [up] * n
         else:
             ups = [encoded_nbytes(link_codecs.codec_for(name, r, numel), numel) for name in names]
-        arrivals = upload_arrivals(starts, compute, ups, sites)
+        if tiers is not None:
+            arrivals = tiers.arrivals([s + c for s, c in zip(starts, compute, strict=True)], ups, numel)
+        else:
+            arrivals = upload_arrivals(starts, compute, ups, sites)
         if link_codecs is not None:  # what the coordinator measures of each upload
             for k, name in enumerate(names):
                 link_codecs.observe_upload(name, ups[k], arrivals[k] - starts[k] - compute[k])
         closed, excluded, _ = _close_round(policy, r, open_s, names, arrivals)
-        ends = download_ends(closed, arrivals, down, sites)
+        ends = tiers.ends(closed, down) if tiers is not None else download_ends(closed, arrivals, down, sites)
         spans = [e - s for e, s in zip(ends, starts, strict=True)]
         for clock, e in zip(clocks, ends, strict=True):
             clock.ready_s = e

@@ -196,8 +196,8 @@ def test_every_kind_of_run_file_prints_a_plan(capsys: pytest.CaptureFixture[str]
     [
         ([str(SCENARIOS / "simulate.toml"), "--params", "1e6", "--sites", "2"], "a simulate file brings its own sites"),
         ([str(SCENARIOS / "quickstart.toml"), "--params", "1e6"], "--step-time: give the seconds per inner step"),
-        ([str(SCENARIOS / "regions.toml"), "--params", "1e6", "--step-time", "0.1"],
-         "regions: the planner gives every site its own link"),
+        ([str(SCENARIOS / "regions.toml"), "--params", "1e6", "--step-time", "0.1", "--compare", "diloco,ddp"],
+         "algorithm ddp: with regions or a shaped coordinator link"),
         ([str(SCENARIOS / "uneven_links.toml"), "--params", "1e6", "--step-time", "0.1"], None),
     ],
 )
@@ -210,6 +210,21 @@ def test_what_a_run_file_cannot_be_planned_with_is_named(
         assert code == 0, err
         return
     assert code == 2 and err.startswith("geoloco plan: error:") and expected in err, err
+
+
+def test_a_scenario_with_regions_is_planned_on_both_tiers(capsys: pytest.CaptureFixture[str]) -> None:
+    """The relays and the coordinator's shared 2 Mbit/s link are on the plan's clock (the
+    simulator's two-tier clock); the same sites flat would be faster."""
+    path = SCENARIOS / "regions.toml"
+    assert main(["plan", str(path), "--step-time", "0.02"]) == 0
+    out = capsys.readouterr().out
+    assert "two tiers: sites -> relays eu, us, then the coordinator's link (2 Mbit/s in / 2 Mbit/s out" in out
+    tiered = _json(capsys, str(path), "--step-time", "0.02")["plans"][0]
+    scenario = load_scenario(path)
+    flat = plan(
+        scenario.training, numel=tiered["numel"], sites=[s.clock_site() for s in scenario.sites], step_time_s=0.02
+    )
+    assert tiered["total_s"] > flat.total_s * 1.2
 
 
 def test_a_scenario_with_faults_says_the_plan_leaves_them_out(capsys: pytest.CaptureFixture[str]) -> None:

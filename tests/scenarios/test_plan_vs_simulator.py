@@ -74,11 +74,25 @@ ADAPTIVE_UPLINK: dict[str, Any] = {
 }
 
 
-def _config(algorithm: dict[str, Any], simulation: dict[str, Any] | None = None) -> SimulatorConfig:
+TWO_REGIONS: dict[str, Any] = {
+    "regions": [
+        {"name": "eu", "sites": ["site-0", "site-1"], "uplink_bps": 3e5, "downlink_bps": 3e5, "latency_s": 0.04},
+        {"name": "us", "sites": ["site-2"], "uplink_bps": 2e5, "downlink_bps": 2e5, "latency_s": 0.02,
+         "upward_codec": "uplink"},
+    ],
+    "coordinator_link": {"ingress_bps": 2.5e5, "egress_bps": 1.5e5},
+}
+"""Two relays (one sending float32 partials, one its uplink codec) behind a slow coordinator link."""
+
+
+def _config(
+    algorithm: dict[str, Any], simulation: dict[str, Any] | None = None, tiers: dict[str, Any] | None = None
+) -> SimulatorConfig:
     return SimulatorConfig.from_dict({
         "algorithm": algorithm,
         "sites": SITES,
         "simulation": {"rounds": 5, "step_time_s": 0.05, "device": "cpu", "eval_every": 100, **(simulation or {})},
+        **(tiers or {}),
     })
 
 
@@ -88,7 +102,7 @@ def _both(config: SimulatorConfig) -> tuple[list[Any], Plan]:
     layout = ParamLayout.from_model(workload.build_model(0))
     predicted = plan(
         config.training, numel=layout.numel, sites=config.sites,
-        step_time_s=float(config.simulation.step_time_s), layout=layout,
+        step_time_s=float(config.simulation.step_time_s), layout=layout, tiers=config.tier_clock(),
     )
     return records, predicted
 
@@ -154,6 +168,52 @@ def test_planner_reproduces_the_simulators_clock_and_bytes(
 ) -> None:
     records, predicted = _both(_config(algorithm, simulation))
     _assert_same(records, predicted)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "tiers"),
+    [
+        pytest.param(
+            {"name": "diloco", "inner_steps": 4, "warmup_steps": 2, "uplink_codec": "int8", "downlink_codec": "int8"},
+            TWO_REGIONS, id="regions",
+        ),
+        pytest.param(
+            {"name": "fedavg", "inner_steps": 3, "uplink_codec": "topk:0.1|int4"},
+            {"coordinator_link": {"ingress_bps": 1e5}}, id="shared-coordinator-link",
+        ),
+    ],
+)
+def test_planner_reproduces_the_simulators_two_tier_clock(algorithm: dict[str, Any], tiers: dict[str, Any]) -> None:
+    records, predicted = _both(_config(algorithm, None, tiers))
+    _assert_same(records, predicted)
+
+
+def test_the_regions_case_is_slower_than_the_flat_network() -> None:
+    """The relays and the coordinator's 150-250 kbit/s link must set the clock in the regions
+    case, or it compares only the flat links."""
+    algorithm = {"name": "diloco", "inner_steps": 4, "uplink_codec": "int8", "downlink_codec": "int8"}
+    _, tiered = _both(_config(algorithm, None, TWO_REGIONS))
+    _, flat = _both(_config(algorithm))
+    assert tiered.total_s > flat.total_s * 1.05
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "simulation"),
+    [
+        ({"name": "ddp", "inner_steps": 3}, None),
+        ({"name": "diloco", "inner_steps": 8, "streaming": {"enabled": True, "fragments": 4}}, None),
+        ({"name": "diloco", "inner_steps": 4}, {"round_deadline_s": 0.5, "min_sites": 2}),
+    ],
+    ids=["ddp", "streaming", "deadline"],
+)
+def test_two_tiers_plan_only_rounds_that_wait_for_every_site(
+    algorithm: dict[str, Any], simulation: dict[str, Any] | None
+) -> None:
+    """What the simulator's two-tier clock refuses, the planner refuses with the way out."""
+    flat = _config(algorithm, simulation)
+    tiers = _config({"name": "diloco", "inner_steps": 4}, None, TWO_REGIONS).tier_clock()
+    with pytest.raises(PlanError, match="wait for every site"):
+        plan(flat.training, numel=100, sites=flat.sites, step_time_s=0.05, tiers=tiers)
 
 
 def test_the_adaptive_overlap_case_stretches_rounds() -> None:

@@ -47,6 +47,7 @@ from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapChoice, O
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.site_agent.client import RoundClosed, RunFinished, SiteAgentError, UpdateRejected
 from geoloco.site_agent.client_broadcast import OpenBroadcast
+from geoloco.site_agent.errors import RejoinRequired
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
 from geoloco.site_agent.trainer import SiteTrainer
 
@@ -260,11 +261,24 @@ class StreamingRounds(RoundRunner):
                     flight.back_s = time.monotonic()
             except RunFinished:
                 flight.finished = True
+            except RoundClosed as why:
+                # The coordinator is at an earlier round (restarted from an older checkpoint):
+                # join again and take the weights it names, as a plain site does.
+                flight.error = RejoinRequired(str(why))
         except BaseException as error:  # noqa: BLE001 (re-raised in the training thread)
             flight.error = error
         finally:
             if opened is not None:
                 opened.cancel()
+
+    def rejoined(self, *, coordinator_round: int, new_session: bool, must_fetch: bool) -> bool:
+        """A fragment already uploaded to the round the coordinator is still at goes up again,
+        as a plain site's update does: a restarted coordinator lost what arrived before its
+        checkpoint, and waits for it; one that kept it takes the same bytes once."""
+        pending = self._pending
+        if pending is not None and pending.round == coordinator_round and not must_fetch:
+            pending.uploaded = False
+        return False
 
     def _overlap_metrics(self, choice: OverlapChoice) -> dict[str, float]:
         """What the overlap rule saw and chose for a fragment (the fidelity check replays it);

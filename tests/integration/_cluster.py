@@ -75,10 +75,11 @@ class Run:
     def agent(
         self, certs: Path, port: int, index: int, results: list[RoundResult] | None = None, *, pause_s: float = 0.0,
         state_dir: Path | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+        interceptors: list[Any] | None = None,
     ) -> SiteAgent:
         """Site ``index``'s agent; ``pause_s``: seconds it sleeps before each batch (a slow site);
         ``state_dir``: where it saves its state (``SiteAgentConfig.state_dir``); ``loss_fn``:
-        instead of the workload's."""
+        instead of the workload's; ``interceptors``: gRPC client interceptors on its calls."""
         model = self.workload.build_model(self.seed)
         name = str(index)
         batches = self.workload.site_batches(index, self.num_sites, self.seed)
@@ -95,6 +96,7 @@ class Run:
                 state_dir=None if state_dir is None else str(state_dir),
             ),
             hooks=SiteHooks(on_round_end=results.append if results is not None else None),
+            interceptors=interceptors or (),
         )
 
     def simulate(self) -> torch.Tensor:

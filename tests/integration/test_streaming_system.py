@@ -19,8 +19,11 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import torch
 from _cluster import AgentThread, Run, make_certs, on_round, wait_for
@@ -140,6 +143,71 @@ def test_streaming_coordinator_resumes_from_its_checkpoint(
         summaries = [t.finish() for t in threads]
         assert second.wait_until_finished(30)
     finally:
+        first.stop(grace=0)
+        if second is not None:
+            second.stop(grace=0)
+    assert {s.weights_digest for s in summaries} == {second.rounds.digest_hex}
+    assert torch.equal(second.rounds.weights, run.simulate())
+
+
+class HoldUpload(grpc.StreamUnaryClientInterceptor):
+    """Holds a site's Upload for round ``round_number`` until ``release`` is set."""
+
+    def __init__(self, round_number: int) -> None:
+        self.round_number = round_number
+        self.held = threading.Event()
+        self.release = threading.Event()
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Iterator[Any]) -> Any:
+        if not details.method.endswith("/Upload"):
+            return continuation(details, requests)
+        requests = iter(requests)
+        first = next(requests)
+        if first.manifest.round == self.round_number and not self.release.is_set():
+            self.held.set()
+            wait_for(self.release)
+
+        def replay() -> Iterator[Any]:
+            yield first
+            yield from requests
+
+        return continuation(details, replay())
+
+
+def test_a_fragment_uploaded_before_a_coordinator_restart_is_sent_again(
+    certs: Path, mlp: object, tmp_path: Path
+) -> None:
+    """Site 0's fragment of round 3 reached the coordinator, site 1's did not, and the
+    coordinator restarted from its checkpoint at round 3, without either. A plain site re-sends
+    its update after the re-join; a streaming site only waited for the broadcast, and the round,
+    which waits for every site here, never closed. Now it re-sends, and the run still ends on the
+    simulator's weights bit for bit."""
+    run = _run(mlp, rounds=6)
+    overrides = {"checkpoint_dir": str(tmp_path / "checkpoints")}
+    first = run.start_coordinator(certs, **overrides)
+    hold = HoldUpload(3)
+    threads = [
+        AgentThread(run.agent(certs, first.port, 0)),
+        AgentThread(run.agent(certs, first.port, 1, interceptors=[hold])),
+    ]
+    second: CoordinatorServer | None = None
+    try:
+        for t in threads:
+            t.start()
+        wait_for(hold.held)
+        deadline = time.monotonic() + 60
+        while first.rounds.status()["contributed"] != ["0"]:
+            assert time.monotonic() < deadline, first.rounds.status()
+            time.sleep(0.02)
+        assert first.rounds.round == 3
+        first.stop(grace=0)
+        second = run.start_coordinator(certs, port=first.port, **overrides)
+        assert second.rounds.round == 3 and second.rounds.status()["contributed"] == []
+        hold.release.set()
+        summaries = [t.finish(60) for t in threads]
+        assert second.wait_until_finished(30)
+    finally:
+        hold.release.set()
         first.stop(grace=0)
         if second is not None:
             second.stop(grace=0)

@@ -41,7 +41,8 @@ class Comparison:
     own_step_error: float
     given_step_s: float | None
     given_step_error: float | None
-    up_error: float
+    up_error: float | None
+    """None with regions: the coordinator sees the relays' partial sums, not the sites' uploads."""
     down_error: float
 
 
@@ -85,7 +86,7 @@ def compare(scenario_path: Path, run_dir: Path, given_step_s: float | None) -> C
     return Comparison(
         scenario=scenario_path.stem, rounds=len(records), measured_round_s=measured_round,
         emulator_step_s=emulator_step, own_step_error=own, given_step_s=given_step_s,
-        given_step_error=given, up_error=(up - measured_up) / measured_up,
+        given_step_error=given, up_error=None if scenario.regions else (up - measured_up) / measured_up,
         down_error=(down - measured_down) / measured_down,
     )
 
@@ -102,9 +103,10 @@ def _measured_step(scenario: Path) -> float:
 def _row(c: Comparison, wall_s: float | None = None) -> str:
     given = "" if c.given_step_error is None else f"{c.given_step_s:.3f} s: **{c.given_step_error:+.1%}**"
     wall = "" if wall_s is None else f"{wall_s:.0f} s"
+    up = "n/a (relays' partials)" if c.up_error is None else f"{c.up_error:+.2%}"
     return (
         f"| {c.scenario} | {c.rounds} | {c.measured_round_s:.2f} s | {c.emulator_step_s:.3f} s: "
-        f"{c.own_step_error:+.1%} | {given} | {c.up_error:+.2%} | {c.down_error:+.2%} | {wall} |"
+        f"{c.own_step_error:+.1%} | {given} | {up} | {c.down_error:+.2%} | {wall} |"
     )
 
 

@@ -456,7 +456,7 @@ def format_plans(plans: list[Any], info: dict[str, Any]) -> str:
         through = f"relays {', '.join(info['regions'])}, then " if info["regions"] else ""
         lines.append(
             f"two tiers: sites -> {through}the coordinator's link ({_shaped_rate(link.ingress_bps)} in / "
-            f"{_shaped_rate(link.egress_bps)} out, one transfer at a time)"
+            f"{_shaped_rate(link.egress_bps)} out, shared fairly by the transfers on it)"
         )
     if info["faults"]:
         lines.append(

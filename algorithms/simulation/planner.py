@@ -17,7 +17,7 @@ aggregation's message sizes (refused here) and nothing else on the clock.
 
 With ``[[regions]]`` or a shaped ``[coordinator_link]`` (``tiers``) the uploads and the broadcast
 cross the simulator's ``TwoTierClock`` instead: each region's sites reach their relay, the relay's
-partial sum goes up once all have, and the coordinator's link serves one transfer at a time; as
+partial sum goes up once all have, and the coordinator's link is shared fairly by the transfers on it; as
 in the simulator, only rounds that wait for every site (no deadline, no streaming, no ddp).
 
 Assumptions, stated once: aggregation and the outer step take no time; links are full duplex and

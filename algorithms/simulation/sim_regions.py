@@ -6,10 +6,15 @@ the number of sites never slows a round there; relays only pay off when the coor
 is the bottleneck. This module adds that link and the relay tier (pure arithmetic, seconds and
 bytes; the real relay is ``geoloco.relay``):
 
-- A transfer over a path of links in series takes ``latency + 8 · bytes / bps`` of its slowest
-  private link, and also queues for the one shared link (the coordinator's ingress for uploads,
-  its egress for broadcasts), which serves transfers one at a time in the order they become ready
-  (FIFO, each at the shared link's full rate): it ends at the later of the two.
+- A transfer over a path of links in series starts ``latency`` after it is ready and moves its
+  bytes at the rate its private link and the one shared link (the coordinator's ingress for
+  uploads, its egress for broadcasts) allow together: the shared link is divided fairly among the
+  transfers crossing it at each moment (max-min: a transfer its private link holds below an
+  equal share takes only what that link carries, the others share the rest), as TCP flows through
+  one bottleneck, and as the emulator's shared token bucket, serving every connection's segments
+  in turn, does. (Serving one transfer at a time at the full rate, as this clock did until
+  2026-12-05, let one region start its next round a whole transfer early and put the planner 17-24 %
+  short of the emulated regions scenario.)
 - Flat: site ``k`` finishes computing at ``c_k``; its upload crosses its own uplink and the
   coordinator's ingress; the round aggregates when every upload is in (no deadline); the
   coordinator sends every site the broadcast through its egress, then down the site's link.
@@ -57,9 +62,10 @@ __all__ = [
     "TwoTierClock",
     "check_regions",
     "check_relayed_round",
+    "fair_rates",
     "flat_round",
     "relayed_round",
-    "shared_fifo",
+    "shared_fair",
 ]
 
 RELAY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
@@ -115,27 +121,68 @@ class TierRound:
         return max(self.ends)
 
 
-def shared_fifo(ready: Sequence[float], nbytes: Sequence[int], bps: float) -> list[float]:
-    """When each transfer is through one shared link that serves them one at a time, in the order
-    they become ready (ties in index order), each at the link's full rate."""
-    done = [0.0] * len(ready)
-    free = float("-inf")
-    for k in sorted(range(len(ready)), key=lambda i: (ready[i], i)):
-        free = max(ready[k], free) + 8.0 * nbytes[k] / bps
-        done[k] = free
+def fair_rates(caps: Sequence[float], shared_bps: float) -> list[float]:
+    """Max-min fair shares of ``shared_bps`` among transfers each capped at ``caps[k]`` bit/s."""
+    rates = [0.0] * len(caps)
+    left, count = shared_bps, len(caps)
+    for k in sorted(range(len(caps)), key=lambda i: caps[i]):
+        share = left / count
+        rates[k] = min(caps[k], share)
+        left -= rates[k]
+        count -= 1
+    return rates
+
+
+def shared_fair(
+    starts: Sequence[float], nbytes: Sequence[int], caps: Sequence[float], shared_bps: float
+) -> list[float]:
+    """When each transfer, moving ``nbytes[k]`` from ``starts[k]`` at most at ``caps[k]`` bit/s
+    (its private link), is through one shared link of ``shared_bps`` divided max-min fairly among
+    the transfers on it at each moment (module doc)."""
+    n = len(starts)
+    if math.isinf(shared_bps):
+        return [s + 8.0 * b / c for s, b, c in zip(starts, nbytes, caps, strict=True)]
+    done = [0.0] * n
+    left = [8.0 * b for b in nbytes]
+    waiting = sorted(range(n), key=lambda i: (starts[i], i))
+    active: list[int] = []
+    now = starts[waiting[0]] if waiting else 0.0
+    w = 0
+    while w < n or active:
+        while w < n and starts[waiting[w]] <= now:
+            k = waiting[w]
+            w += 1
+            if left[k] <= 0.0:
+                done[k] = starts[k]
+            else:
+                active.append(k)
+        if not active:
+            if w == n:
+                break
+            now = starts[waiting[w]]
+            continue
+        rates = fair_rates([caps[k] for k in active], shared_bps)
+        finish = min(left[k] / r for k, r in zip(active, rates, strict=True))
+        step = min(finish, starts[waiting[w]] - now) if w < n else finish
+        now += step
+        still: list[int] = []
+        for k, r in zip(active, rates, strict=True):
+            if left[k] / r <= step:  # this one's last bit went within the step
+                done[k] = now
+            else:
+                left[k] -= r * step
+                still.append(k)
+        active = still
     return done
 
 
 def _through(
     ready: Sequence[float], nbytes: Sequence[int], private: Sequence[tuple[float, float]], shared_bps: float
 ) -> list[float]:
-    """Transfers ready at ``ready`` over their private link ``(bps, latency)`` and one shared link:
-    each ends at the later of its private-link time and its turn on the shared link."""
+    """Transfers ready at ``ready`` over their private link ``(bps, latency)`` and one shared link
+    (``shared_fair``)."""
     starts = [t + latency for t, (_, latency) in zip(ready, private, strict=True)]
-    queued = shared_fifo(starts, nbytes, shared_bps)
-    return [
-        max(q, s + 8.0 * n / bps) for q, s, n, (bps, _) in zip(queued, starts, nbytes, private, strict=True)
-    ]
+    return shared_fair(starts, nbytes, [bps for bps, _ in private], shared_bps)
 
 
 def flat_round(

@@ -12,16 +12,35 @@ from geoloco.algorithms.simulation.planner_sizes import encoded_nbytes
 from geoloco.algorithms.simulation.sim_regions import (
     CoordinatorLink,
     RegionConfig,
+    fair_rates,
     flat_round,
     relayed_round,
-    shared_fifo,
+    shared_fair,
 )
 
+INF = float("inf")
 
-def test_a_shared_link_serves_transfers_one_at_a_time_in_ready_order() -> None:
-    # 1000 bytes at 8000 bit/s take 1 s each; the second waits for the first.
-    assert shared_fifo([0.0, 0.5, 5.0], [1000, 1000, 1000], 8000) == [1.0, 2.0, 6.0]
-    assert shared_fifo([2.0, 0.0], [1000, 1000], 8000) == [3.0, 1.0]
+
+def test_a_shared_link_is_divided_fairly_among_the_transfers_on_it() -> None:
+    # 1000 bytes = 8000 bits; alone at 8000 bit/s a transfer takes 1 s.
+    assert shared_fair([0.0, 0.0], [1000, 1000], [INF, INF], 8000) == [2.0, 2.0]
+    # The first has the link alone for 0.5 s (half its bits), then both share it: the first ends at
+    # 1.5 s; the second sent 4000 bits by then and ends alone 0.5 s later; the third is alone.
+    assert shared_fair([0.0, 0.5, 5.0], [1000, 1000, 1000], [INF, INF, INF], 8000) == [1.5, 2.0, 6.0]
+    assert shared_fair([2.0, 0.0], [1000, 1000], [INF, INF], 8000) == [3.0, 1.0]
+    assert shared_fair([1.0], [0], [INF], 8000) == [1.0]
+
+
+def test_a_transfer_held_below_its_share_by_its_own_link_leaves_the_rest_to_the_others() -> None:
+    assert fair_rates([2000.0, INF, INF], 8000) == [2000.0, 3000.0, 3000.0]
+    assert fair_rates([5000.0, 5000.0], 8000) == [4000.0, 4000.0]
+    # 2000 bit/s private link: 4 s whatever the others do; the other takes 6000 bit/s meanwhile.
+    done = shared_fair([0.0, 0.0], [1000, 1000], [2000.0, INF], 8000)
+    assert done == pytest.approx([4.0, 8000 / 6000])
+
+
+def test_an_unshaped_shared_link_leaves_each_transfer_its_own_link() -> None:
+    assert shared_fair([0.5, 1.0], [1000, 3000], [8000.0, 16000.0], INF) == [1.5, 2.5]
 
 
 def test_flat_with_an_idle_coordinator_link_is_the_plain_clock() -> None:

@@ -77,21 +77,24 @@ class CachedBroadcast:
     error: StatusError | None = None
     included: frozenset[str] = field(default_factory=frozenset)
     """Sites whose update the coordinator took through this relay's partial (its answer)."""
+    sent: frozenset[str] = field(default_factory=frozenset)
+    """Sites whose update went up in the relay's partial, whatever the answer said."""
     claim: str = ""
     """The site the relay asked the coordinator for (``header.included`` is about it)."""
 
     def counts(self, site: str) -> bool:
-        """Whether ``site``'s update is in the round's aggregate. The partial's answer says the
-        coordinator took it; the broadcast has the last word, for the round may still have been
-        aborted after that (the model unchanged, nobody counted) or a secure sum may have left
-        the partial out. The header speaks of the claim site: when the claim went up in the same
-        partial, its ``included`` is the partial's; otherwise only an aborted round
-        (``num_contributors`` 0) is known to have dropped it."""
-        if site not in self.included or self.header is None:
+        """Whether ``site``'s update is in the round's aggregate: the broadcast's word where it
+        has one. Its header speaks of the claim site; when the claim went up in the partial, its
+        ``included`` is the partial's, whatever the answer to the partial said: the round may
+        have been aborted after the partial was taken (nobody counted), a secure sum may have
+        left it out, or the answer may have been lost and the resend refused as late although
+        the first try counted. Otherwise the answer decides, unless the round was aborted
+        (``num_contributors`` 0)."""
+        if self.header is None:
             return False
-        if self.claim in self.included:
-            return self.header.included
-        return self.header.num_contributors > 0
+        if self.claim in self.sent:
+            return site in self.sent and self.header.included
+        return site in self.included and self.header.num_contributors > 0
 
 
 class RelayHub:
@@ -620,6 +623,7 @@ class RelayHub:
             self.cond.wait_for(lambda: self.closing or round_number not in self._forwarding)
             self._fetching.discard(round_number)
             cached.included = self.included.get(round_number, frozenset())
+            cached.sent = frozenset(self.partials.get(round_number, ()))
             self.broadcasts[round_number] = cached
             for old in [n for n in self.broadcasts if n < round_number - KEEP_BROADCASTS]:
                 del self.broadcasts[old]

@@ -26,6 +26,7 @@ from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay,
 
 from geoloco.algorithms.update_guard import UpdateGuardConfig
 from geoloco.coordinator.server import CoordinatorServer
+from geoloco.protos.errors import StatusError
 from geoloco.protos.wire_files import BlobSpill
 from geoloco.relay import RelayServer
 from geoloco.relay.upstream import Upstream
@@ -262,6 +263,57 @@ def test_an_update_refused_at_the_relay_is_reported_so_the_round_does_not_wait_f
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
     assert record["rejected"] == ["site-a"]
+
+
+def test_a_partial_whose_answer_was_lost_still_counts_its_sites(
+    certs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator took relay eu's partial, but the answer never reached the relay and its
+    resend was refused as late (the partial had closed the round). The relay took that for a
+    refusal and told its sites they were left out, so each would put its counted update back
+    into its residual and send it twice. The broadcast says the partial counted, and the
+    sites now hear that."""
+    real_upload = Upstream.upload
+
+    def answer_lost(self: Upstream, manifest: object, data: bytes) -> object:
+        real_upload(self, manifest, data)  # type: ignore[arg-type]
+        if self.config.name != "eu":
+            return None
+        raise StatusError(
+            "round 0 is closed; apply its broadcast (AwaitBroadcast)", code=grpc.StatusCode.FAILED_PRECONDITION
+        )
+
+    monkeypatch.setattr(Upstream, "upload", answer_lost)
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    weights = {"site-a": 1.0, "site-b": 3.0, "site-c": 2.0, "site-d": 2.0}
+    flat_weights, _ = _flat(certs, ups, weights, "none")
+    server = coordinator(certs, numel=numel)
+    relays = {name: relay(certs, name, server.port) for name in REGIONS}
+    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
+    try:
+        for s in sites:
+            s.join()
+
+        def upload(s: Site) -> object:
+            try:
+                return s.upload(ups[s.name], "none", weight=weights[s.name])
+            except grpc.RpcError as err:
+                return err
+
+        with ThreadPoolExecutor(len(sites)) as pool:
+            list(pool.map(upload, sites))
+        _wait_round(server, 1)
+        for s in sites:
+            header, _ = s.await_broadcast()
+            assert header.included and header.num_contributors == 4, s.name
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+    assert torch.equal(server.rounds.weights, flat_weights)
 
 
 def test_a_round_the_coordinator_aborts_after_taking_the_partials_counts_no_relayed_site(

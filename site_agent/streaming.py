@@ -193,7 +193,13 @@ class StreamingRounds(RoundRunner):
         )
         trainer.position_lr_schedule(round_number, self.schedule.interval)
         state.phase = pb.SITE_PHASE_TRAINING
+        # The previous fragment's transfers and merge are reported with this upload, as a plain
+        # site reports its previous round's (``TrainedUpdate.phases_s``).
+        phases = dict(self.transfer_phases_s)
+        self.transfer_phases_s.clear()
+        training_at = time.monotonic()
         result = trainer.train_steps(steps)
+        trained_at = time.monotonic()
         self._meter.record_steps(steps + self._overlap.steps, result.seconds + self._overlap.seconds)
         trainer.lr_schedule_reached(round_number + 1)  # the overlap steps count towards the next round
         # The round's steps: the overlap steps run while the previous fragment travelled, then these.
@@ -204,11 +210,18 @@ class StreamingRounds(RoundRunner):
         update = pseudo_gradient(fragment.gather(state.global_weights), fragment.gather(local))
         del local
         bytes_down_before = self.client.stats.received
+        encoding_at = time.monotonic()
         encoded = self._encode(update, round_number, fragment_index, samples)
+        # ``train``: this round's steps after the merge (the overlap steps ran while the previous
+        # fragment travelled, inside that round's wait).
+        phases.update(
+            train=trained_at - training_at, pseudo_gradient=encoding_at - trained_at,
+            encode=time.monotonic() - encoding_at,
+        )
         trained = TrainedUpdate(
             round=round_number, update=encoded, loss=loss, samples=samples,
             inner_steps=steps + self._overlap.steps, inner_time_s=result.seconds + self._overlap.seconds,
-            started_s=started,
+            started_s=started, phases_s=phases,
         )
         return _InFlight(
             trained=trained, fragment=fragment_index, bytes_down_before=bytes_down_before,
@@ -230,6 +243,7 @@ class StreamingRounds(RoundRunner):
                 # then leaves the moment the round closes, not one round trip later.
                 opened = client.open_broadcast(trained.round)
                 on_time = False
+                upload_started = time.monotonic()
                 try:
                     # A masked fragment is followed by the unmask stages (before the broadcast).
                     response = self.uplink.upload(
@@ -239,6 +253,7 @@ class StreamingRounds(RoundRunner):
                                  **flight.overlap_metrics},
                     )
                     flight.uploaded = True
+                    self._add_phases({"upload": time.monotonic() - upload_started})
                     self.uplink.uploaded()
                     on_time = not response.folded_late
                 except (RoundClosed, RunFinished) as why:
@@ -253,12 +268,16 @@ class StreamingRounds(RoundRunner):
                     opened.cancel()
                     opened = None
             try:
+                waiting_at = time.monotonic()
                 flight.header, flight.data = client.await_broadcast(
                     trained.round, opened=opened, withheld=flight.withheld
                 )
                 opened = None
+                done = time.monotonic()
+                header_at = min(max(client.stats.broadcast_header_s, waiting_at), done)
+                self._add_phases({"wait": header_at - waiting_at, "download": done - header_at})
                 if first_attempt:
-                    flight.back_s = time.monotonic()
+                    flight.back_s = done
             except RunFinished:
                 flight.finished = True
             except RoundClosed as why:

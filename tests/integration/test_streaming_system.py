@@ -37,6 +37,7 @@ from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import FragmentPartition, StreamingConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer
+from geoloco.protos.round_phases import SITE_PHASES, SITE_PHASES_BEFORE_UPLOAD
 from geoloco.scenarios.workloads import build_workload
 from geoloco.site_agent.config import RoundResult
 
@@ -94,6 +95,16 @@ def test_streaming_sites_end_with_the_simulators_weights(
         assert record["downlink_bytes"] < fragment.numel + 2048
         assert record["downlink_bytes"] < partition.numel
     assert all(r.inner_steps == 2 for r in results)
+    # Each fragment's upload carries its site's phases, as a plain site's does: this round's
+    # training and encoding, and the previous fragment's transfers and merge.
+    first, *later = records
+    for site in ("0", "1"):
+        assert set(first["site_phases_s"][site]) == set(SITE_PHASES_BEFORE_UPLOAD)
+        for record in later:
+            phases = record["site_phases_s"][site]
+            assert set(phases) == set(SITE_PHASES), (record["round"], phases)
+            assert all(seconds >= 0 for seconds in phases.values()), phases
+            assert phases["upload"] > 0 and phases["verify"] > 0 and phases["train"] > 0, phases
 
 
 def test_streaming_rounds_weighted_by_steps_carry_each_fragments_steps(

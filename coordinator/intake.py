@@ -33,6 +33,7 @@ from geoloco.algorithms.aggregation import Aggregation, RunningSum
 from geoloco.algorithms.algorithm_config import AlgorithmConfig
 from geoloco.algorithms.async_merge import stale_admission
 from geoloco.algorithms.engine import UNSCREENED, RoundSum, Screen
+from geoloco.algorithms.finite import withheld_reason
 from geoloco.algorithms.privacy.secagg_stages import StageMessage, StageReply
 from geoloco.algorithms.strategy import RoundPlan
 from geoloco.algorithms.weighting import check_inner_steps, most_inner_steps, site_weight
@@ -53,7 +54,7 @@ from geoloco.protos.errors import (
     WrongRoundError,
     quoted,
 )
-from geoloco.protos.upload_check import checked_update, withheld_reason
+from geoloco.protos.upload_check import checked_update
 from geoloco.protos.wire_assembly import UploadAssembler
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
 from geoloco.protos.wire_files import BlobSpill

@@ -9,7 +9,6 @@ norm is summed in float64, so it differs from the float32 norm of a decoded tens
 only compares it with a bound. Robust and central-DP aggregations hold or clip dense updates by
 design and get the decoded tensor.
 
-``withheld_reason`` words the rejection of a site that sent no update and said why, and
 ``finite_metrics`` keeps what an upload's metrics say, for the coordinator and a relay alike.
 """
 
@@ -26,16 +25,7 @@ from geoloco.compression import CodecError, Encoded, decode, decoded_norm
 from geoloco.protos.errors import InvalidUpdateError
 from geoloco.protos.wire_buffers import DEFAULT_CHECKSUM
 
-__all__ = ["MAX_WITHHELD_CHARS", "checked_update", "finite_metrics", "withheld_reason"]
-
-MAX_WITHHELD_CHARS = 200
-"""Characters of a site's reason for withholding its update kept for the log and the record."""
-
-
-def withheld_reason(said: str) -> str:
-    """The rejection reason for a site that sent no update and said why
-    (``AwaitBroadcastRequest.withheld``): the same words at the coordinator and at a relay."""
-    return f"the site sent no update: {said[:MAX_WITHHELD_CHARS]}"
+__all__ = ["checked_update", "finite_metrics"]
 
 
 def finite_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

@@ -28,6 +28,7 @@ import torch
 
 from geoloco.algorithms.aggregation import CountingAggregation, RunningSum
 from geoloco.algorithms.engine import UNSCREENED, RoundEngine, Screen
+from geoloco.algorithms.finite import withheld_reason
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.update_guard import UpdateGuard, UpdateGuardConfig
 from geoloco.algorithms.weighting import site_weight
@@ -43,7 +44,7 @@ from geoloco.protos.errors import (
     clip,
     quoted,
 )
-from geoloco.protos.upload_check import checked_update, finite_metrics, withheld_reason
+from geoloco.protos.upload_check import checked_update, finite_metrics
 from geoloco.protos.wire_assembly import Download, UploadAssembler, read_broadcast_stream
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
 from geoloco.protos.wire_files import BlobSpill

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from geoloco.algorithms.diloco import pseudo_gradient_into_local
-from geoloco.algorithms.finite import all_finite
+from geoloco.algorithms.finite import WITHHELD_NON_FINITE, all_finite
 from geoloco.algorithms.params import ParamLayout
 from geoloco.algorithms.strategy import Strategy
 from geoloco.compression import Encoded
@@ -42,9 +42,7 @@ from geoloco.site_agent.config import RoundResult, SiteHooks
 from geoloco.site_agent.state import SiteState
 from geoloco.site_agent.uplink import SiteUplink, UplinkUpdate
 
-__all__ = ["WITHHELD_NON_FINITE", "RoundRunner", "RoundTrainer", "TrainedUpdate"]
-
-WITHHELD_NON_FINITE = "its pseudo-gradient had NaN/Inf values (lower the inner lr if it happens again)"
+__all__ = ["RoundRunner", "RoundTrainer", "TrainedUpdate"]
 """What a site tells the coordinator when it withholds a non-finite update
 (``AwaitBroadcastRequest.withheld``)."""
 

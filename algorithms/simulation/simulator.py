@@ -16,6 +16,7 @@ transfer costs ``latency + 8 · nbytes / bandwidth``, from the bytes really prod
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +27,7 @@ from geoloco.algorithms.config import require
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.diloco import batch_size, compute_gradient, pseudo_gradient
 from geoloco.algorithms.engine import RoundEngine
+from geoloco.algorithms.finite import WITHHELD_NON_FINITE, all_finite, withheld_reason
 from geoloco.algorithms.link_codec import CodecPlans, switch_codec
 from geoloco.algorithms.lr_schedule import InnerLRSchedule
 from geoloco.algorithms.optimizers import (
@@ -243,6 +245,16 @@ class Simulator:
             steps = len(result.losses)
             pseudo = pseudo_gradient(self.global_flat, self.trainer.flatten())
             self._use_assigned_codec(site, plan.round, plan.fragment)
+            if not all_finite(pseudo):
+                # Sends nothing and says so with its wait: rejected, not waited for (no bytes).
+                self._withhold(site, round_, plan.fragment)
+                del pseudo
+                weights.append(0.0)
+                site_steps.append(steps)
+                compute.append(seconds)
+                known[k] = 0
+                payloads.append(None)
+                continue
             encoded = self.uplinks.encode(site.name, pseudo, plan, round_.aggregation)
             del pseudo
             weights.append(strategy.site_weight(result.samples, steps))
@@ -305,7 +317,7 @@ class Simulator:
         self.global_flat = update.global_flat
         utilization = self._close_round_clock(aggregate_s, arrivals, update.downlink.nbytes, compute)
         return {
-            "train_loss": sum(losses) / len(losses),
+            "train_loss": sum(losses) / len(losses) if losses else math.nan,
             "bytes_up": upload_sizes,
             "bytes_down": [update.downlink.nbytes] * len(self.sites),
             "compute_s": compute,
@@ -314,6 +326,26 @@ class Simulator:
             "peak_bytes_in_flight": [max(up, update.downlink.nbytes) for up in upload_sizes],
             "closed": (outcome, stepped),
         }
+
+    def _withhold(self, site: SimSite, round_: Round, fragment: int) -> None:
+        """A non-finite pseudo-gradient, as the site agent handles it (``RoundRunner._withhold``):
+        the fragment's error-feedback residual and the inner optimizer's state are reset, and the
+        round rejects the site with the words the coordinator records."""
+        if site.uplink is None:
+            raise ValueError(
+                f"site {site.name}'s pseudo-gradient of round {round_.number} has NaN/Inf values; the "
+                "simulated secure aggregation cannot leave a site out of a round's sum (a real site "
+                "withdraws from it): lower the inner lr, or clip gradients ([inner_optimizer] "
+                "grad_clip_norm)"
+            )
+        logger.warning(
+            "site %s: the pseudo-gradient of round %d has NaN/Inf values; it sends nothing and "
+            "resets its error-feedback residual and inner optimizer state", site.name, round_.number,
+        )
+        site.uplink.encoders[fragment] = self.strategy.uplink_encoder(site.name)
+        if site.optimizer is not None:
+            site.optimizer.state.clear()
+        round_.reject(site.name, withheld_reason(WITHHELD_NON_FINITE))
 
     def _verified(self, round_: Round, site: str, payload: Payload | None, weight: float) -> bool:
         """Whether ``site``'s upload of ``round_`` measures its link: not when the engine

@@ -28,6 +28,7 @@ import torch
 
 from geoloco.algorithms.diloco import pseudo_gradient
 from geoloco.algorithms.engine import RoundEngine
+from geoloco.algorithms.finite import all_finite
 from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, transfer_time
 from geoloco.algorithms.simulation.sim_state import SimSite, SimTrainer
 from geoloco.algorithms.simulation.sim_uplinks import Payload, SimUplinks
@@ -173,6 +174,13 @@ class StreamingRounds:
             site_steps.append(overlap + rest_steps)
             stream.local = trainer.flatten()
             pseudo = pseudo_gradient(global_fragment, fragment.gather(stream.local))
+            if not all_finite(pseudo):
+                raise ValueError(
+                    f"site {site.name}'s fragment of round {plan.round} has NaN/Inf values; the simulator "
+                    "does not model a streaming site's recovery from them (a real site withholds the "
+                    "fragment, resets its residual and optimizer state and goes on from the global "
+                    "weights): lower the inner lr, or clip gradients ([inner_optimizer] grad_clip_norm)"
+                )
             losses.extend(first_losses + rest_losses)
             encoded = uplinks.encode(site.name, pseudo, plan, round_.aggregation)
             del pseudo

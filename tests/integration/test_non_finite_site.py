@@ -20,6 +20,8 @@ import pytest
 import torch
 from _cluster import AgentThread, Run, make_certs
 
+from geoloco.algorithms.simulation.clock import SiteConfig
+from geoloco.algorithms.simulation.simulator import SimulationConfig, Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.coordinator.metrics import read_metrics
@@ -73,3 +75,46 @@ def test_a_site_withholds_a_non_finite_update_and_counts_again_after_it(
     assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
     assert bool(torch.isfinite(server.rounds.weights).all())
     assert summaries[2].rounds_included == 3
+    if streaming is None:
+        # The simulator withholds the same update and recovers the same way: the same weights
+        # bit for bit (it used to stop on the codec's NaN refusal).
+        simulated = _simulate_poisoned(run, site=2, call=POISONED_CALL)
+        assert torch.equal(server.rounds.weights, simulated)
+    else:
+        # Streaming's recovery is not simulated: a clear error, not the codec's.
+        with pytest.raises(ValueError, match="does not model a streaming site's recovery"):
+            _simulate_poisoned(run, site=2, call=POISONED_CALL)
+
+
+class _PoisonedWorkload:
+    """The run's workload with one NaN loss: site ``site``'s inner step number ``call`` (the
+    simulator trains the sites of a round one after another, ``INNER_STEPS`` steps each)."""
+
+    def __init__(self, base: Any, *, num_sites: int, site: int, call: int) -> None:
+        self.base = base
+        round_number, step = divmod(call, INNER_STEPS)
+        self.poisoned = (round_number * num_sites + site) * INNER_STEPS + step
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        loss = self.base.loss(model, batch)
+        self.calls += 1
+        return loss * math.nan if self.calls - 1 == self.poisoned else loss
+
+
+def _simulate_poisoned(run: Run, *, site: int, call: int) -> torch.Tensor:
+    config = SimulatorConfig(
+        algorithm=run.algorithm, inner_optimizer=run.inner,
+        sites=[SiteConfig() for _ in range(run.num_sites)],
+        simulation=SimulationConfig(rounds=run.rounds, seed=run.seed, device="cpu", eval_every=10**6, min_sites=2),
+    )
+    simulator = Simulator(config, _PoisonedWorkload(run.workload, num_sites=run.num_sites, site=site, call=call))
+    records = list(simulator.run())
+    withheld = [r for r in records if str(site) not in r.participants]
+    assert [r.round for r in withheld] == [1], [r.participants for r in records]
+    reason = withheld[0].rejected_reasons[str(site)]
+    assert reason.startswith("the site sent no update: its pseudo-gradient had NaN/Inf"), reason
+    return simulator.global_flat

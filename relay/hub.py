@@ -229,15 +229,24 @@ class RelayHub:
             self.members.pop(site, None)
             self.cond.notify_all()
 
-    def withheld(self, site: str, round_number: int, why: str) -> None:
-        """``site`` sends no update to round ``round_number`` (``AwaitBroadcastRequest.withheld``):
-        refused here, so the partial names it as rejected with ``why`` and the coordinator does
-        not wait for it either; in a secure run it withdraws from the round instead."""
+    def withheld(self, site: str, request: pb.AwaitBroadcastRequest) -> None:
+        """``site`` sends no update to round ``request.round`` (``request.withheld`` says why):
+        refused here, so the partial names it as rejected and the coordinator does not wait for
+        it either; in a secure run it withdraws from the round instead. Only for the relay's open
+        round: the round numbers the relay follows are the coordinator's, never a site's (one
+        naming a later round would otherwise end the open round and every update in it), and
+        the session and process are checked first, as for its wait. An upload of the site still
+        arriving is dropped, as the coordinator drops it: it would count the site twice."""
+        round_number, why = int(request.round), request.withheld
         with self.cond:
-            self._learn_round(round_number)
+            self.check_session(request.session_id)
+            self.check_instance(site, request.instance_id)
             r = self.round
+            if round_number != r.number:
+                return
             plain = self.run is not None and self.run.secure is None
-            if plain and r.number == round_number and not r.forwarded and site not in r.updates:
+            if plain and not r.forwarded and site not in r.updates:
+                r.assemblers.pop(site, None)
                 if r.core is None:
                     # No upload opened the round yet, and perhaps none will (every site of the
                     # relay withholding): the round opens here, so its close rule can send the
@@ -251,7 +260,6 @@ class RelayHub:
     def withdrew(self, site: str, round_number: int) -> None:
         """``site`` gave up secure round ``round_number`` (it will not upload): not waited for."""
         with self.cond:
-            self._learn_round(round_number)
             if self.round.number == round_number:
                 self.round.withdrawn.add(site)
             self.cond.notify_all()
@@ -284,8 +292,12 @@ class RelayHub:
             if site not in self.members:
                 raise NotAMemberError(f"site {site!r} has not joined through relay {self.config.name!r}; call Join")
             self.members[site] = self.clock()
-            self._learn_round(manifest.round)
             r = self.round
+            if manifest.round > r.number:
+                # The relay's rounds are the coordinator's: a site cannot move them on.
+                raise WrongRoundError(
+                    f"round {manifest.round} is not open yet; relay {self.config.name!r} is at round {r.number}"
+                )
             if manifest.round < r.number or r.forwarded:
                 raise WrongRoundError(
                     f"round {manifest.round} is closed at relay {self.config.name!r} (its partial sum "

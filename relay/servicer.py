@@ -134,7 +134,7 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
         site = self._site(context, request.site)
         self._up(site, request)
         if request.withheld:  # it sends no update: neither the relay nor the coordinator waits for it
-            self.hub.withheld(site, int(request.round), request.withheld)
+            self.hub.withheld(site, request)
         while True:
             answer = self.hub.wait_broadcast(site, request, timeout_s=self.progress_interval_s)
             if isinstance(answer, pb.RoundProgress):

@@ -14,6 +14,7 @@ partial mean ``Σ w_k g_k / W`` with weight ``W``; the flat coordinator adds eve
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +26,14 @@ import torch
 from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay, updates
 
 from geoloco.algorithms.update_guard import UpdateGuardConfig
+from geoloco.compression import parse_codec
 from geoloco.coordinator.server import CoordinatorServer
+from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import StatusError
+from geoloco.protos.wire_assembly import Download, read_broadcast_stream
+from geoloco.protos.wire_chunks import upload_requests
 from geoloco.protos.wire_files import BlobSpill
+from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay import RelayServer
 from geoloco.relay.upstream import Upstream
 
@@ -314,6 +320,115 @@ def test_a_partial_whose_answer_was_lost_still_counts_its_sites(
             r.stop(grace=0)
         server.stop(grace=0)
     assert torch.equal(server.rounds.weights, flat_weights)
+
+
+def test_a_site_cannot_move_its_relay_to_a_later_round(certs: Path, tmp_path: Path) -> None:
+    """The relay follows the coordinator's rounds, never a site's: an upload or a withheld notice
+    naming a later round used to end the relay's open round, and every update in it. Now the
+    upload is refused as the coordinator refuses it, the notice changes nothing (its wait gets
+    the coordinator's answer), one from another session is refused like its wait, and the round
+    goes on with every site."""
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    weights = {"site-a": 1.0, "site-b": 3.0, "site-c": 2.0, "site-d": 2.0}
+    flat_weights, _ = _flat(certs, ups, weights, "none")
+    server = coordinator(certs, numel=numel)
+    relays = {name: relay(certs, name, server.port) for name in REGIONS}
+    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
+    try:
+        for s in sites:
+            s.join()
+        a = sites[0]
+        with pytest.raises(grpc.RpcError) as ahead:
+            a.upload(ups[a.name], "none", round_number=5, weight=weights[a.name])
+        assert ahead.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "round 5 is not open yet" in (ahead.value.details() or "")
+        notice = a.stub.AwaitBroadcast(
+            pb.AwaitBroadcastRequest(session_id=a.session, round=7, withheld="no update"), timeout=10
+        )
+        with pytest.raises(grpc.RpcError) as waited:  # the coordinator's answer to the wait, passed on
+            list(notice)
+        assert waited.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "round 7 is not open yet" in (waited.value.details() or "")
+        stale = a.stub.AwaitBroadcast(pb.AwaitBroadcastRequest(session_id="stale", round=0, withheld="x"), timeout=5)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stale)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert [r.hub.round.number for r in relays.values()] == [0, 0]
+        with ThreadPoolExecutor(len(sites)) as pool:
+            done = list(pool.map(lambda s: s.upload(ups[s.name], "none", weight=weights[s.name]), sites))
+        assert all(d.complete for d in done)
+        _wait_round(server, 1)
+        for s in sites:
+            header, _ = s.await_broadcast()
+            assert header.included and header.num_contributors == 4, s.name
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+    assert torch.equal(server.rounds.weights, flat_weights)
+
+
+def test_a_site_that_withholds_while_its_upload_arrives_is_left_out_once(certs: Path, tmp_path: Path) -> None:
+    """Site a's upload is half in at the relay when the site says it sends no update this round
+    (``withheld``). The coordinator drops such an upload; the relay used to let it finish, so
+    its partial listed site a as counted and as rejected, and the coordinator refused the whole
+    partial. Now the upload stream is stopped and the round counts the other three."""
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    server = coordinator(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3)
+    relays = {name: relay(certs, name, server.port) for name in REGIONS}
+    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
+    a, *others = sites
+    try:
+        for s in sites:
+            s.join()
+        encoded = parse_codec("none").encode(ups[a.name], seed=0)
+        data = encoded.to_bytes()
+        manifest = pb.UploadManifest(
+            session_id=a.session, round=0, sample_weight=1.0, inner_steps=1,
+            blob=blob_manifest(data, codec=encoded.spec, shape=[numel], dtype="float32", chunk_size=64),
+        )
+        release = threading.Event()
+
+        def half_then_rest() -> Iterator[object]:
+            requests = iter(upload_requests(manifest, data))
+            yield next(requests)  # the manifest
+            yield next(requests)  # the first chunk
+            release.wait(30)
+            yield from requests
+
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(a.stub.Upload, half_then_rest(), timeout=30)
+            hub = relays["eu"].hub
+            deadline = time.monotonic() + 10
+            while a.name not in hub.round.assemblers:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            notice = a.stub.AwaitBroadcast(
+                pb.AwaitBroadcastRequest(session_id=a.session, round=0, withheld="no update"), timeout=30
+            )
+            release.set()
+            with pytest.raises(grpc.RpcError) as stopped:
+                stream.result()
+            assert stopped.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with ThreadPoolExecutor(len(others)) as pool:
+            done = list(pool.map(lambda s: s.upload(ups[s.name], "none"), others))
+        assert all(d.complete for d in done)
+        _wait_round(server, 1)
+        header = read_broadcast_stream(notice, Download())
+        assert not header.included and header.num_contributors == 3
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
+    assert record["rejected"] == ["site-a"]
 
 
 def test_a_round_the_coordinator_aborts_after_taking_the_partials_counts_no_relayed_site(

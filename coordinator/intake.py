@@ -54,14 +54,12 @@ from geoloco.protos.errors import (
     WrongRoundError,
     quoted,
 )
-from geoloco.protos.upload_check import checked_update
+from geoloco.protos.upload_check import check_metrics, checked_update
 from geoloco.protos.wire_assembly import UploadAssembler
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
 from geoloco.protos.wire_files import BlobSpill
 
 __all__ = [
-    "MAX_METRIC_NAME_CHARS",
-    "MAX_SITE_METRICS",
     "Chunks",
     "PlainIntake",
     "PlainUpload",
@@ -73,12 +71,6 @@ logger = logging.getLogger(__name__)
 
 Chunks = Iterable[tuple[Any, int]]
 """An Upload stream's chunks after its manifest: (chunk with ``.index``/``.data``, message bytes)."""
-
-MAX_SITE_METRICS = 32
-"""Entries an upload's ``metrics`` map may have (they go into every round's record)."""
-MAX_METRIC_NAME_CHARS = 64
-"""Characters of one metric's name."""
-
 
 def run_most_inner_steps(algorithm: AlgorithmConfig) -> int | None:
     """The most inner steps an update of this run may report (``weighting.most_inner_steps``);
@@ -404,26 +396,12 @@ class PlainIntake:
                 ctx.round.core.reject(site, why)
                 self.rejected(site, spec.round, why)
             raise InvalidUpdateError(f"upload refused: {why}")
-        self._check_metrics(spec.metrics)
+        check_metrics(spec.metrics)
         if spec.total_bytes > self.max_upload_bytes:
             raise ManifestTooLargeError(
                 f"upload announces {spec.total_bytes} bytes, more than the {self.max_upload_bytes} "
                 "this coordinator accepts for this model"
             )
-
-    @staticmethod
-    def _check_metrics(metrics: dict[str, float]) -> None:
-        """The ``metrics`` map goes into the round's record and the status page: keep it small."""
-        if len(metrics) > MAX_SITE_METRICS:
-            raise InvalidUpdateError(
-                f"upload metrics has {len(metrics)} entries; at most {MAX_SITE_METRICS} are allowed"
-            )
-        for name in metrics:
-            if len(name) > MAX_METRIC_NAME_CHARS:
-                raise InvalidUpdateError(
-                    f"upload metrics name {quoted(name)} has {len(name)} characters; at most "
-                    f"{MAX_METRIC_NAME_CHARS} are allowed"
-                )
 
     def open(self, site: str, spec: UploadSpec) -> PlainUpload:
         """Check an Upload stream's manifest and return the (new or resumed) assembler."""

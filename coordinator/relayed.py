@@ -48,8 +48,6 @@ from geoloco.coordinator import events as ev
 from geoloco.coordinator.domain import OPEN_PHASES, UploadProgress, UploadSpec
 from geoloco.coordinator.errors import rejection_message
 from geoloco.coordinator.intake import (
-    MAX_METRIC_NAME_CHARS,
-    MAX_SITE_METRICS,
     Chunks,
     PlainIntake,
     PlainUpload,
@@ -59,7 +57,7 @@ from geoloco.coordinator.secure_intake import SecureIntake
 from geoloco.protos.errors import IdentityError, InvalidUpdateError, UpdateRejectedError, quoted
 from geoloco.protos.identity import validate_site_name
 from geoloco.protos.transport_tls import peer_relay
-from geoloco.protos.upload_check import checked_update
+from geoloco.protos.upload_check import MAX_METRIC_NAME_CHARS, MAX_SITE_METRICS, checked_update
 
 __all__ = ["RELAYED_CODEC", "RelayedSite", "RelayedUploads", "relay_link"]
 

@@ -9,7 +9,8 @@ norm is summed in float64, so it differs from the float32 norm of a decoded tens
 only compares it with a bound. Robust and central-DP aggregations hold or clip dense updates by
 design and get the decoded tensor.
 
-``finite_metrics`` keeps what an upload's metrics say, for the coordinator and a relay alike.
+``finite_metrics`` keeps what an upload's metrics say and ``check_metrics`` bounds them, for the
+coordinator and a relay alike.
 """
 
 from __future__ import annotations
@@ -22,10 +23,27 @@ import torch
 from geoloco.algorithms.finite import all_finite
 from geoloco.algorithms.update_guard import update_norm
 from geoloco.compression import CodecError, Encoded, decode, decoded_norm
-from geoloco.protos.errors import InvalidUpdateError
+from geoloco.protos.errors import InvalidUpdateError, quoted
 from geoloco.protos.wire_buffers import DEFAULT_CHECKSUM
 
-__all__ = ["checked_update", "finite_metrics"]
+__all__ = ["MAX_METRIC_NAME_CHARS", "MAX_SITE_METRICS", "check_metrics", "checked_update", "finite_metrics"]
+
+MAX_SITE_METRICS = 32
+"""Entries an upload's ``metrics`` map may have (they go into every round's record)."""
+MAX_METRIC_NAME_CHARS = 64
+"""Characters of one metric's name."""
+
+
+def check_metrics(metrics: Mapping[str, float]) -> None:
+    """The ``metrics`` map goes into the round's record and the status page: keep it small."""
+    if len(metrics) > MAX_SITE_METRICS:
+        raise InvalidUpdateError(f"upload metrics has {len(metrics)} entries; at most {MAX_SITE_METRICS} are allowed")
+    for name in metrics:
+        if len(name) > MAX_METRIC_NAME_CHARS:
+            raise InvalidUpdateError(
+                f"upload metrics name {quoted(name)} has {len(name)} characters; at most "
+                f"{MAX_METRIC_NAME_CHARS} are allowed"
+            )
 
 
 def finite_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

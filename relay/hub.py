@@ -31,7 +31,7 @@ from geoloco.algorithms.engine import UNSCREENED, RoundEngine, Screen
 from geoloco.algorithms.finite import withheld_reason
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.update_guard import UpdateGuard, UpdateGuardConfig
-from geoloco.algorithms.weighting import site_weight
+from geoloco.algorithms.weighting import check_inner_steps, site_weight
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import (
     InvalidUpdateError,
@@ -44,7 +44,7 @@ from geoloco.protos.errors import (
     clip,
     quoted,
 )
-from geoloco.protos.upload_check import checked_update, finite_metrics
+from geoloco.protos.upload_check import check_metrics, checked_update, finite_metrics
 from geoloco.protos.wire_assembly import Download, UploadAssembler, read_broadcast_stream
 from geoloco.protos.wire_buffers import MAX_CHUNK_SIZE, ManifestTooLargeError
 from geoloco.protos.wire_files import BlobSpill
@@ -247,15 +247,19 @@ class RelayHub:
             plain = self.run is not None and self.run.secure is None
             if plain and not r.forwarded and site not in r.updates:
                 r.assemblers.pop(site, None)
-                if r.core is None:
-                    # No upload opened the round yet, and perhaps none will (every site of the
-                    # relay withholding): the round opens here, so its close rule can send the
-                    # partial that reports the refusals. Its first upload sets its running sum.
-                    r.core = self.engine.open(r.number, CountingAggregation(), r.opened_s)
-                    self.engine.maybe_start(r.core, self.clock(), members=len(self.members))
-                if site not in r.core.rejected:
-                    r.core.reject(site, withheld_reason(why))
+                self._reject(r, site, withheld_reason(why))
         self.withdrew(site, round_number)
+
+    def _reject(self, r: RelayRound, site: str, why: str) -> None:
+        """``site`` is refused from plain round ``r`` before its update was added (lock held)."""
+        if r.core is None:
+            # No upload opened the round yet, and perhaps none will (every site of the relay
+            # refused): the round opens here, so its close rule can send the partial that reports
+            # the refusals. Its first upload sets its running sum.
+            r.core = self.engine.open(r.number, CountingAggregation(), r.opened_s)
+            self.engine.maybe_start(r.core, self.clock(), members=len(self.members))
+        if site not in r.core.rejected:
+            r.core.reject(site, why)
 
     def withdrew(self, site: str, round_number: int) -> None:
         """``site`` gave up secure round ``round_number`` (it will not upload): not waited for."""
@@ -365,6 +369,19 @@ class RelayHub:
             site_weight(run.weighting, samples=float(manifest.sample_weight), inner_steps=int(manifest.inner_steps))
         except ValueError as err:
             raise InvalidUpdateError(f"upload refused: {err}") from None
+        # What the coordinator would refuse of this site's own upload, refused here for the site
+        # alone (recorded, so the partial reports it and nobody waits for it): passed on, it
+        # would make the coordinator refuse the whole partial and every site in it.
+        why = check_inner_steps(int(manifest.inner_steps), run.most_inner_steps)
+        if why is None:
+            try:
+                check_metrics(manifest.metrics)
+            except InvalidUpdateError as err:
+                why = str(err)
+        if why is not None:
+            if run.secure is None and not r.forwarded:
+                self._reject(r, site, why)
+            raise InvalidUpdateError(f"upload refused: {why}")
         r.shape, r.fragment = shape, manifest.fragment
 
     def still_open(self, site: str, assembler: UploadAssembler, instance: str = "") -> None:

@@ -6,8 +6,10 @@ import json
 import logging
 from dataclasses import dataclass
 
+from geoloco.algorithms.algorithm_config import AlgorithmConfig
 from geoloco.algorithms.config import ConfigError, config_from_dict
 from geoloco.algorithms.update_guard import UpdateGuardConfig
+from geoloco.coordinator.intake import run_most_inner_steps
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.relay.masked import SecureRun
 
@@ -30,6 +32,9 @@ class RunInfo:
     guard: UpdateGuardConfig
     secure: SecureRun | None = None
     """Secure aggregation: the partial is the ring sum of masked uploads (``relay.masked``)."""
+    most_inner_steps: int | None = None
+    """The most inner steps a site's update may report, as the coordinator bounds it (None: no
+    bound, or a coordinator whose settings do not say)."""
 
     @classmethod
     def of(cls, response: pb.JoinResponse) -> RunInfo:
@@ -42,7 +47,18 @@ class RunInfo:
             quorum=int(c.quorum),
             heartbeat_timeout_s=c.heartbeat_timeout_ms / 1000 if c.heartbeat_timeout_ms else 15.0,
             secure=SecureRun.of(c.config_json),
+            most_inner_steps=_most_inner_steps(c.config_json),
         )
+
+
+def _most_inner_steps(config_json: str) -> int | None:
+    """``run_most_inner_steps`` of the coordinator's ``[algorithm]``; None when it cannot be read."""
+    try:
+        table = json.loads(config_json or "{}").get("algorithm") or {}
+        return run_most_inner_steps(config_from_dict(AlgorithmConfig, table))
+    except (ValueError, AttributeError, TypeError, ConfigError):
+        logger.warning("the coordinator's algorithm settings cannot be read; the relay does not bound inner steps")
+        return None
 
 
 def _guard_config(config_json: str) -> UpdateGuardConfig:

@@ -431,6 +431,55 @@ def test_a_site_that_withholds_while_its_upload_arrives_is_left_out_once(certs: 
     assert record["rejected"] == ["site-a"]
 
 
+@pytest.mark.parametrize(
+    ("inner_steps", "metrics", "why"),
+    [
+        (10**6, {"train_loss": 1.5}, "inner steps"),
+        (1, {f"m{k}": 1.0 for k in range(40)}, "at most 32 are allowed"),
+    ],
+    ids=["inner-steps-beyond-the-round", "too-many-metrics"],
+)
+def test_what_the_coordinator_would_refuse_of_one_site_the_relay_refuses_for_that_site_alone(
+    certs: Path, tmp_path: Path, inner_steps: int, metrics: dict[str, float], why: str
+) -> None:
+    """Site a's upload claims more inner steps than a round runs, or carries too many metrics:
+    the coordinator refuses such an upload of a direct site, alone. The relay passed it on, and
+    the coordinator refused the whole partial, every site of the region with it. Now the relay
+    refuses site a, reports it, and the round counts the other three."""
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    server = coordinator(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3)
+    relays = {name: relay(certs, name, server.port) for name in REGIONS}
+    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
+    a, *others = sites
+    try:
+        for s in sites:
+            s.join()
+        encoded = parse_codec("none").encode(ups[a.name], seed=0)
+        data = encoded.to_bytes()
+        manifest = pb.UploadManifest(
+            session_id=a.session, round=0, sample_weight=1.0, inner_steps=inner_steps, metrics=metrics,
+            blob=blob_manifest(data, codec=encoded.spec, shape=[numel], dtype="float32", chunk_size=64),
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            a.stub.Upload(upload_requests(manifest, data), timeout=20)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert why in (refused.value.details() or "")
+        with ThreadPoolExecutor(len(others)) as pool:
+            done = list(pool.map(lambda s: s.upload(ups[s.name], "none"), others))
+        assert all(d.complete for d in done)
+        _wait_round(server, 1)
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
+    assert record["rejected"] == ["site-a"] and why in record["rejected_reasons"]["site-a"]
+
+
 def test_a_round_the_coordinator_aborts_after_taking_the_partials_counts_no_relayed_site(
     certs: Path, tmp_path: Path
 ) -> None:

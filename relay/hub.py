@@ -679,7 +679,11 @@ class RelayHub:
             if site in self.members:
                 self.members[site] = self.clock()
             r = self.round
-            upward_pending = round_number == r.number and not r.forwarded and not r.empty
+            # While the open round's partial is still to go up, its upstream wait goes with it
+            # (``RelayServer.forward_if_due``), claimed for a site of the partial, whose
+            # ``included`` then speaks for the partial (``CachedBroadcast.counts``); a wait the
+            # first waiting site started could be claimed for one that withheld.
+            upward_pending = round_number == r.number and not r.forwarded
         if not upward_pending:
             self.fetch_broadcast(round_number, site)
         with self.cond:

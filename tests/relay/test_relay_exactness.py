@@ -403,13 +403,16 @@ def test_a_site_that_withholds_while_its_upload_arrives_is_left_out_once(certs: 
         with ThreadPoolExecutor(1) as pool:
             stream = pool.submit(a.stub.Upload, half_then_rest(), timeout=30)
             hub = relays["eu"].hub
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 20
             while a.name not in hub.round.assemblers:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             notice = a.stub.AwaitBroadcast(
                 pb.AwaitBroadcastRequest(session_id=a.session, round=0, withheld="no update"), timeout=30
             )
+            while a.name in hub.round.assemblers:  # the notice reached the relay
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             release.set()
             with pytest.raises(grpc.RpcError) as stopped:
                 stream.result()
@@ -478,6 +481,61 @@ def test_what_the_coordinator_would_refuse_of_one_site_the_relay_refuses_for_tha
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
     assert record["rejected"] == ["site-a"] and why in record["rejected_reasons"]["site-a"]
+
+
+def test_the_broadcast_a_relay_fetches_speaks_for_a_site_of_its_partial(
+    certs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Site a withholds its update and is the first of relay eu's sites to wait; then eu's
+    partial (site b alone) is taken but its answer is lost. The broadcast's ``included`` is
+    about the site the relay asked for: had the first waiting site's wait started the upstream
+    wait, it would speak of site a, say nothing of the partial, and site b would be told it was
+    left out (and send its counted update again)."""
+    real_upload = Upstream.upload
+
+    def answer_lost(self: Upstream, manifest: object, data: bytes) -> object:
+        real_upload(self, manifest, data)  # type: ignore[arg-type]
+        if self.config.name != "eu":
+            return None
+        raise StatusError("round 0 is closed", code=grpc.StatusCode.FAILED_PRECONDITION)
+
+    monkeypatch.setattr(Upstream, "upload", answer_lost)
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    server = coordinator(certs, numel=numel, min_sites=3)
+    relays = {name: relay(certs, name, server.port) for name in REGIONS}
+    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
+    a, b, *others = sites
+    try:
+        for s in sites:
+            s.join()
+        notice = a.stub.AwaitBroadcast(
+            pb.AwaitBroadcastRequest(session_id=a.session, round=0, withheld="no update"), timeout=30
+        )
+        hub = relays["eu"].hub
+        deadline = time.monotonic() + 20
+        while hub.round.core is None or a.name not in hub.round.core.rejected:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+        def upload(s: Site) -> object:
+            try:
+                return s.upload(ups[s.name], "none")
+            except grpc.RpcError as err:
+                return err
+
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(upload, [b, *others]))
+        _wait_round(server, 1)
+        header, _ = b.await_broadcast()
+        assert header.included and header.num_contributors == 3
+        assert not read_broadcast_stream(notice, Download()).included
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
 
 
 def test_a_round_the_coordinator_aborts_after_taking_the_partials_counts_no_relayed_site(

@@ -138,10 +138,10 @@ class RelayHub:
         """round -> site -> weight of the partial that went upward (for the metrics record)."""
         self._fetching: set[int] = set()
         self._forwarding: set[int] = set()
-        """Rounds whose partial went upward and whose answer has not come back. The relay asks for
-        their broadcast while the partial travels (``RelayServer.forward_if_due``), so the
-        broadcast may arrive before that answer; which sites it counted (``included``) is known
-        only from the answer, and its cached copy waits for it."""
+        """Rounds whose partial is being built or went upward and whose answer has not come
+        back. The relay asks for their broadcast as the partial goes up
+        (``RelayServer.forward_if_due``), so the broadcast may arrive before that answer; its
+        cached copy waits for it (``CachedBroadcast`` needs both to say who counted)."""
         self._verify_lock = threading.Lock()
         self.records: list[dict[str, Any]] = []
         """One record per round whose partial went upward (drained by the server's writer)."""
@@ -157,7 +157,9 @@ class RelayHub:
         (``geoloco.protos.wire_files``)."""
         self.residuals: dict[int, torch.Tensor] = {}
         """fragment -> the relay's error-feedback residual of its upward codec (sum space)."""
-        self._sent_residual: tuple[int, torch.Tensor | None] | None = None
+        self._sent_residuals: dict[int, tuple[int, torch.Tensor | None]] = {}
+        """round -> (fragment, the residual before its partial): settled with the round's broadcast
+        (``_settle_residual``), which says whether the partial counted."""
         """(fragment, residual before) of the partial on its way up: put back if it is refused."""
         self.closing = False
         self.run_finished = False
@@ -232,11 +234,11 @@ class RelayHub:
     def withheld(self, site: str, request: pb.AwaitBroadcastRequest) -> None:
         """``site`` sends no update to round ``request.round`` (``request.withheld`` says why):
         refused here, so the partial names it as rejected and the coordinator does not wait for
-        it either; in a secure run it withdraws from the round instead. Only for the relay's open
+        it either (an upload of it still arriving is dropped); in a secure run it withdraws from
+        the round instead. Only for the relay's open
         round: the round numbers the relay follows are the coordinator's, never a site's (one
         naming a later round would otherwise end the open round and every update in it), and
-        the session and process are checked first, as for its wait. An upload of the site still
-        arriving is dropped, as the coordinator drops it: it would count the site twice."""
+        the session and process are checked first, as for its wait."""
         round_number, why = int(request.round), request.withheld
         with self.cond:
             self.check_session(request.session_id)
@@ -246,12 +248,13 @@ class RelayHub:
                 return
             plain = self.run is not None and self.run.secure is None
             if plain and not r.forwarded and site not in r.updates:
-                r.assemblers.pop(site, None)
                 self._reject(r, site, withheld_reason(why))
         self.withdrew(site, round_number)
 
     def _reject(self, r: RelayRound, site: str, why: str) -> None:
-        """``site`` is refused from plain round ``r`` before its update was added (lock held)."""
+        """``site`` is refused from plain round ``r`` before its update was added (lock held):
+        an upload of it still arriving is dropped (it would count the site twice)."""
+        r.assemblers.pop(site, None)
         if r.core is None:
             # No upload opened the round yet, and perhaps none will (every site of the relay
             # refused): the round opens here, so its close rule can send the partial that reports
@@ -379,8 +382,12 @@ class RelayHub:
             except InvalidUpdateError as err:
                 why = str(err)
         if why is not None:
-            if run.secure is None and not r.forwarded:
+            if r.forwarded:
+                pass
+            elif run.secure is None:
                 self._reject(r, site, why)
+            else:
+                r.withdrawn.add(site)  # a secure round does not wait for it either
             raise InvalidUpdateError(f"upload refused: {why}")
         r.shape, r.fragment = shape, manifest.fragment
 
@@ -537,20 +544,24 @@ class RelayHub:
             if not self.engine.decide(r.core, now=now, expected=live - r.withdrawn).close:
                 return None
             r.forwarded = True
+            self._forwarding.add(r.number)
             mean = r.mean()
             sites = list(r.updates)
             rejected = dict(r.rejected)
             session = self.session_id
             run = self.run
             assert run is not None
-        if run.secure is not None:
-            manifest, data = masked_partial(r, session, run.secure)
-        else:
-            manifest, data = self._plain_partial(r, session, run, mean, sites, rejected)
-        with self.cond:
-            # Only now: a partial that failed to build never goes up, and nothing may wait for
-            # its answer. Its broadcast cannot come earlier unless the round closed without it.
-            self._forwarding.add(r.number)
+        try:
+            if run.secure is not None:
+                manifest, data = masked_partial(r, session, run.secure)
+            else:
+                manifest, data = self._plain_partial(r, session, run, mean, sites, rejected)
+        except BaseException:
+            # A partial that failed to build never goes up: nothing may wait for its answer.
+            with self.cond:
+                self._forwarding.discard(r.number)
+                self.cond.notify_all()
+            raise
         return r, manifest, data
 
     def _plain_partial(
@@ -565,7 +576,7 @@ class RelayHub:
             encoded, residual = encode_partial(mean, r.weight, codec, before, seed=r.number)
         else:  # every update was refused or withheld: the partial only reports that
             encoded, residual = encode_partial(mean, 1.0, "none", None)
-        self._sent_residual = (fragment, before)
+        self._sent_residuals[r.number] = (fragment, before)
         if residual is not None:
             self.residuals[fragment] = residual
         data = encoded.to_bytes()
@@ -595,15 +606,6 @@ class RelayHub:
     def forwarded(self, r: RelayRound, outcome: str, sites: Iterable[str]) -> None:
         """The coordinator's answer to round ``r``'s partial; then fetch its broadcast once."""
         with self.cond:
-            if outcome != "accepted" and self._sent_residual is not None:
-                # The partial never counted: its sites keep their updates (WRONG_ROUND), so the
-                # relay's residual goes back to what it was before this partial.
-                fragment, before = self._sent_residual
-                if before is None:
-                    self.residuals.pop(fragment, None)
-                else:
-                    self.residuals[fragment] = before
-            self._sent_residual = None
             if self.engine.guard is not None:
                 self.engine.guard.round_done(r.number, list(sites) if outcome == "accepted" else None)
             r.outcome = outcome
@@ -654,6 +656,7 @@ class RelayHub:
             self._fetching.discard(round_number)
             cached.included = self.included.get(round_number, frozenset())
             cached.sent = frozenset(self.partials.get(round_number, ()))
+            self._settle_residual(round_number, cached)
             self.broadcasts[round_number] = cached
             for old in [n for n in self.broadcasts if n < round_number - KEEP_BROADCASTS]:
                 del self.broadcasts[old]
@@ -665,6 +668,26 @@ class RelayHub:
                 self._learn_round(cached.header.next_round.round)
                 self._record(round_number)
             self.cond.notify_all()
+
+    def _settle_residual(self, round_number: int, cached: CachedBroadcast) -> None:
+        """The relay's upward error feedback follows what its sites are told (lock held): when
+        the round's partial did not count (refused, aborted, left out), its sites keep their
+        updates, so the relay's residual goes back to what it was before the partial. Without a
+        broadcast (the wait failed) the partial's answer decides, and the next fetch of the round
+        finds nothing left to settle."""
+        sent = self._sent_residuals.pop(round_number, None)
+        for old in [n for n in self._sent_residuals if n < round_number - KEEP_BROADCASTS]:
+            del self._sent_residuals[old]
+        if sent is None:
+            return
+        counted = cached.counts(cached.claim) if cached.header is not None else bool(cached.included)
+        if counted:
+            return
+        fragment, before = sent
+        if before is None:
+            self.residuals.pop(fragment, None)
+        else:
+            self.residuals[fragment] = before
 
     def wait_broadcast(
         self, site: str, request: pb.AwaitBroadcastRequest, *, timeout_s: float
@@ -683,7 +706,9 @@ class RelayHub:
             # (``RelayServer.forward_if_due``), claimed for a site of the partial, whose
             # ``included`` then speaks for the partial (``CachedBroadcast.counts``); a wait the
             # first waiting site started could be claimed for one that withheld.
-            upward_pending = round_number == r.number and not r.forwarded
+            upward_pending = round_number in self._forwarding or (
+                round_number == r.number and not r.forwarded and not (r.core is None and r.withdrawn)
+            )
         if not upward_pending:
             self.fetch_broadcast(round_number, site)
         with self.cond:

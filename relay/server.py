@@ -92,12 +92,11 @@ class RelayServer:
             return False
         r, manifest, data = taken
         sites = [s.site for s in manifest.relayed_sites if not s.rejected]
-        if sites:
-            # The broadcast wait goes upward ahead of the partial, as a site's does ahead of its
-            # upload: the broadcast then leaves the coordinator the moment the round closes,
-            # not one round trip of the relay's link later.
-            self.hub.fetch_broadcast(r.number, sites[0])
         try:
+            if sites:
+                # The broadcast wait goes upward with the partial, asked for a site of it (whose
+                # ``included`` then speaks for the partial), as a site's goes ahead of its upload.
+                self.hub.fetch_broadcast(r.number, sites[0])
             self.upstream.upload(manifest, data)
             outcome = "accepted"
             logger.info(

@@ -43,8 +43,6 @@ from geoloco.site_agent.state import SiteState
 from geoloco.site_agent.uplink import SiteUplink, UplinkUpdate
 
 __all__ = ["RoundRunner", "RoundTrainer", "TrainedUpdate"]
-"""What a site tells the coordinator when it withholds a non-finite update
-(``AwaitBroadcastRequest.withheld``)."""
 
 logger = logging.getLogger(__name__)
 

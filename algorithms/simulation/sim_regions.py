@@ -163,14 +163,14 @@ def shared_fair(
             continue
         rates = fair_rates([caps[k] for k in active], shared_bps)
         finish = min(left[k] / r for k, r in zip(active, rates, strict=True))
-        step = min(finish, starts[waiting[w]] - now) if w < n else finish
+        step = max(0.0, min(finish, starts[waiting[w]] - now) if w < n else finish)
         now += step
         still: list[int] = []
         for k, r in zip(active, rates, strict=True):
             if left[k] / r <= step:  # this one's last bit went within the step
                 done[k] = now
             else:
-                left[k] -= r * step
+                left[k] = max(0.0, left[k] - r * step)
                 still.append(k)
         active = still
     return done

@@ -149,7 +149,7 @@ def test_relayed_round_is_bitwise_the_flat_round_when_sums_are_exact(certs: Path
         assert all(links[f"site:{name}->relay"] > 0 for name in names)
 
 
-def test_the_relay_asks_for_the_broadcast_ahead_of_its_partial_and_counts_its_sites_from_the_answer(
+def test_a_broadcast_that_arrives_before_the_partials_answer_waits_for_it(
     certs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A relay's upward broadcast wait goes out before its partial, as a site's goes out before
@@ -536,6 +536,58 @@ def test_the_broadcast_a_relay_fetches_speaks_for_a_site_of_its_partial(
         for r in relays.values():
             r.stop(grace=0)
         server.stop(grace=0)
+
+
+@pytest.mark.parametrize("case", ["answer-lost", "round-aborted"])
+def test_the_relays_error_feedback_follows_what_its_sites_are_told(
+    certs: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """With ``upward_codec = "uplink"`` the relay keeps what int8 dropped of its partial in its
+    own residual. It must follow the same verdict as its sites: a partial that counted although
+    its answer was lost keeps the new residual (rewinding it would send the old one twice); a
+    partial whose round was aborted goes back to the residual before it, as its sites take their
+    updates back."""
+    real_upload = Upstream.upload
+
+    def answer_lost(self: Upstream, manifest: object, data: bytes) -> object:
+        real_upload(self, manifest, data)  # type: ignore[arg-type]
+        raise StatusError("round 0 is closed", code=grpc.StatusCode.FAILED_PRECONDITION)
+
+    if case == "answer-lost":
+        monkeypatch.setattr(Upstream, "upload", answer_lost)
+        guard = UpdateGuardConfig()
+        ups = updates(37, dyadic=False, seed=4)
+    else:
+        guard = UpdateGuardConfig(max_abs_weight=10.0)
+        ups = {name: torch.full((37,), 50.0) + torch.linspace(0, 1, 37) for name in SITES}
+    server = coordinator(certs, codec="int8", numel=37, update_guard=guard)
+    relays = {name: relay(certs, name, server.port, upward_codec="uplink") for name in REGIONS}
+    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
+    try:
+        for s in sites:
+            s.join()
+
+        def upload(s: Site) -> object:
+            try:
+                return s.upload(ups[s.name], "int8")
+            except grpc.RpcError as err:
+                return err
+
+        with ThreadPoolExecutor(len(sites)) as pool:
+            list(pool.map(upload, sites))
+        _wait_round(server, 1)
+        headers = [s.await_broadcast()[0] for s in sites]
+        kept = [0 in r.hub.residuals for r in relays.values()]
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+    if case == "answer-lost":
+        assert all(h.included for h in headers) and kept == [True, True]
+    else:
+        assert not any(h.included for h in headers) and kept == [False, False]
 
 
 def test_a_round_the_coordinator_aborts_after_taking_the_partials_counts_no_relayed_site(

@@ -7,7 +7,9 @@ coordinator's own protocol and talks to the coordinator on their behalf with its
 * Identity. A call from a relay names the site it is made for (the request's ``site`` field);
   the site must be in the relay's ``[relays]`` list, otherwise the call is refused with
   PERMISSION_DENIED, so a relay cannot forge another region's sites. The site is then a member
-  like any other: membership, heartbeats, quorum and broadcasts need no relay-specific code.
+  like any other: membership, heartbeats, quorum and broadcasts need no relay-specific code. A
+  listed site dropped as silent (or gone) after its update reached the relay still counts
+  through the partial, as a direct site's finished upload does when it leaves.
 * Partial sums. A relay's Upload carries ``relayed_sites`` (site, weight, inner steps) and, as
   its blob, the weighted mean of those sites' verified updates (codec ``none``, float32, or the
   run's uplink codec with the relay's own error feedback). It
@@ -54,7 +56,7 @@ from geoloco.coordinator.intake import (
     run_most_inner_steps,
 )
 from geoloco.coordinator.secure_intake import SecureIntake
-from geoloco.protos.errors import IdentityError, InvalidUpdateError, UpdateRejectedError, quoted
+from geoloco.protos.errors import IdentityError, InvalidUpdateError, NotAMemberError, UpdateRejectedError, quoted
 from geoloco.protos.identity import validate_site_name
 from geoloco.protos.transport_tls import peer_relay
 from geoloco.protos.upload_check import MAX_METRIC_NAME_CHARS, MAX_SITE_METRICS, checked_update
@@ -288,7 +290,17 @@ class RelayedUploads:
         ctx = intake.ctx
         with ctx.cond:
             for r in relayed:
-                intake.membership.member(r.site, spec.session_id)
+                try:
+                    intake.membership.member(r.site, spec.session_id)
+                except NotAMemberError:
+                    # Dropped as silent (or left) after its update reached the relay, which may
+                    # wait longer than the heartbeat timeout for the region's other sites: its
+                    # update counts, as a direct site's finished upload does when it leaves.
+                    # Refusing the partial would leave out every site of the region.
+                    logger.info(
+                        "round %d: relay %s's partial carries site %s, no longer a member; it counts",
+                        spec.round, relay, r.site,
+                    )
             ctx.check_upload_round(spec.round)
             cr = ctx.round
             existing = self._uploads.get(relay)

@@ -290,14 +290,19 @@ class SnapshotWriter:
                     "recoverable and grows until a snapshot succeeds", round_number,
                 )
 
-        self._thread = threading.Thread(target=write, name="geoloco-snapshot", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=write, name="geoloco-snapshot", daemon=True)
+        thread.start()
+        # Published once started: a shutdown joining from another thread must never find a
+        # thread that has not started (``Thread.join`` raises then; seen once under load).
+        self._thread = thread
 
     def join(self) -> None:
         """Wait for the snapshot in progress (before the live state changes, and at shutdown)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            if self._thread is thread:
+                self._thread = None
 
     @property
     def busy(self) -> bool:

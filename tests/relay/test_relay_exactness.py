@@ -590,6 +590,39 @@ def test_the_relays_error_feedback_follows_what_its_sites_are_told(
         assert not any(h.included for h in headers) and kept == [False, False]
 
 
+def test_sites_dropped_as_silent_after_reaching_their_relay_still_count(certs: Path) -> None:
+    """A relay may wait longer for its region's sites than the coordinator waits for a silent
+    site; the sites here send no heartbeats and the coordinator drops them after 1 s. Their
+    updates, already at the relay, count, as a direct site's finished upload does when it
+    leaves. The coordinator used to refuse the whole partial (not a member), and the round,
+    waiting for four updates, never closed."""
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    weights = {"site-a": 1.0, "site-b": 3.0, "site-c": 2.0, "site-d": 2.0}
+    flat_weights, _ = _flat(certs, ups, weights, "none")
+    server = coordinator(certs, numel=numel, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
+    relays = {name: relay(certs, name, server.port) for name in REGIONS}
+    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
+    try:
+        for s in sites:
+            s.join()
+        deadline = time.monotonic() + 20
+        while server.rounds.members:  # every site dropped as silent
+            assert time.monotonic() < deadline, server.rounds.members
+            time.sleep(0.05)
+        with ThreadPoolExecutor(len(sites)) as pool:
+            done = list(pool.map(lambda s: s.upload(ups[s.name], "none", weight=weights[s.name]), sites))
+        assert all(d.complete for d in done)
+        _wait_round(server, 1)
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+    assert torch.equal(server.rounds.weights, flat_weights)
+
+
 def test_a_round_the_coordinator_aborts_after_taking_the_partials_counts_no_relayed_site(
     certs: Path, tmp_path: Path
 ) -> None:

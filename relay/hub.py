@@ -382,9 +382,8 @@ class RelayHub:
             except InvalidUpdateError as err:
                 why = str(err)
         if why is not None:
-            if r.forwarded:
-                pass
-            elif run.secure is None:
+            # (``open_upload`` refused the upload already if the round went up.)
+            if run.secure is None:
                 self._reject(r, site, why)
             else:
                 r.withdrawn.add(site)  # a secure round does not wait for it either

@@ -18,7 +18,9 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -41,6 +43,51 @@ from geoloco.relay.upstream import Upstream
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@contextmanager
+def _regions(
+    certs: Path, *, relay_options: dict[str, Any] | None = None, **coordinator_options: Any
+) -> Iterator[tuple[CoordinatorServer, dict[str, RelayServer], list[Site]]]:
+    """A coordinator, one relay per region and every site joined through its relay; all
+    stopped afterwards (the coordinator object stays readable)."""
+    server = coordinator(certs, **coordinator_options)
+    relays = {name: relay(certs, name, server.port, **(relay_options or {})) for name in REGIONS}
+    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
+    try:
+        for s in sites:
+            s.join()
+        yield server, relays, sites
+    finally:
+        for s in sites:
+            s.close()
+        for r in relays.values():
+            r.stop(grace=0)
+        server.stop(grace=0)
+
+
+def _upload_or_error(site: Site, update: torch.Tensor, codec: str, weight: float = 1.0) -> object:
+    """The site's upload answer, or the error it got (uploads run concurrently in a pool)."""
+    try:
+        return site.upload(update, codec, weight=weight)
+    except grpc.RpcError as err:
+        return err
+
+
+def _answer_lost(monkeypatch: pytest.MonkeyPatch, relay_name: str | None = None) -> None:
+    """Relay ``relay_name``'s partial (every relay's: None) reaches the coordinator, but the
+    answer is lost and the resend refused as late."""
+    real_upload = Upstream.upload
+
+    def answer_lost(self: Upstream, manifest: object, data: bytes) -> object:
+        response = real_upload(self, manifest, data)  # type: ignore[arg-type]
+        if relay_name is not None and self.config.name != relay_name:
+            return response
+        raise StatusError(
+            "round 0 is closed; apply its broadcast (AwaitBroadcast)", code=grpc.StatusCode.FAILED_PRECONDITION
+        )
+
+    monkeypatch.setattr(Upstream, "upload", answer_lost)
 
 
 def _wait_round(server: CoordinatorServer, number: int) -> None:
@@ -238,21 +285,13 @@ def test_an_update_refused_at_the_relay_is_reported_so_the_round_does_not_wait_f
     ups = updates(numel, dyadic=True)
     ups["site-a"] = torch.full((numel,), 1e20)  # finite, but far beyond any norm bound
     weights = dict.fromkeys(SITES, 1.0)
-    server = coordinator(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3)
-    relays = {name: relay(certs, name, server.port) for name in REGIONS}
-    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
-    try:
-        for s in sites:
-            s.join()
-
-        def upload(s: Site) -> object:
-            try:
-                return s.upload(ups[s.name], "none", weight=weights[s.name])
-            except grpc.RpcError as err:
-                return err
-
+    with _regions(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3) as (server, relays, sites):
         with ThreadPoolExecutor(len(sites)) as pool:
-            answers = dict(zip([s.name for s in sites], pool.map(upload, sites), strict=True))
+            answers = dict(zip(
+                [s.name for s in sites],
+                pool.map(lambda s: _upload_or_error(s, ups[s.name], "none", weights[s.name]), sites),
+                strict=True,
+            ))
         refused = answers.pop("site-a")
         assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "update_guard" in (refused.details() or "")
@@ -260,12 +299,6 @@ def test_an_update_refused_at_the_relay_is_reported_so_the_round_does_not_wait_f
         _wait_round(server, 1)
         header, _ = sites[0].await_broadcast()
         assert not header.included and header.num_contributors == 3
-    finally:
-        for s in sites:
-            s.close()
-        for r in relays.values():
-            r.stop(grace=0)
-        server.stop(grace=0)
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
     assert record["rejected"] == ["site-a"]
@@ -279,46 +312,18 @@ def test_a_partial_whose_answer_was_lost_still_counts_its_sites(
     refusal and told its sites they were left out, so each would put its counted update back
     into its residual and send it twice. The broadcast says the partial counted, and the
     sites now hear that."""
-    real_upload = Upstream.upload
-
-    def answer_lost(self: Upstream, manifest: object, data: bytes) -> object:
-        real_upload(self, manifest, data)  # type: ignore[arg-type]
-        if self.config.name != "eu":
-            return None
-        raise StatusError(
-            "round 0 is closed; apply its broadcast (AwaitBroadcast)", code=grpc.StatusCode.FAILED_PRECONDITION
-        )
-
-    monkeypatch.setattr(Upstream, "upload", answer_lost)
+    _answer_lost(monkeypatch, "eu")
     numel = 37
     ups = updates(numel, dyadic=True)
     weights = {"site-a": 1.0, "site-b": 3.0, "site-c": 2.0, "site-d": 2.0}
     flat_weights, _ = _flat(certs, ups, weights, "none")
-    server = coordinator(certs, numel=numel)
-    relays = {name: relay(certs, name, server.port) for name in REGIONS}
-    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
-    try:
-        for s in sites:
-            s.join()
-
-        def upload(s: Site) -> object:
-            try:
-                return s.upload(ups[s.name], "none", weight=weights[s.name])
-            except grpc.RpcError as err:
-                return err
-
+    with _regions(certs, numel=numel) as (server, relays, sites):
         with ThreadPoolExecutor(len(sites)) as pool:
-            list(pool.map(upload, sites))
+            list(pool.map(lambda s: _upload_or_error(s, ups[s.name], "none", weights[s.name]), sites))
         _wait_round(server, 1)
         for s in sites:
             header, _ = s.await_broadcast()
             assert header.included and header.num_contributors == 4, s.name
-    finally:
-        for s in sites:
-            s.close()
-        for r in relays.values():
-            r.stop(grace=0)
-        server.stop(grace=0)
     assert torch.equal(server.rounds.weights, flat_weights)
 
 
@@ -332,12 +337,7 @@ def test_a_site_cannot_move_its_relay_to_a_later_round(certs: Path, tmp_path: Pa
     ups = updates(numel, dyadic=True)
     weights = {"site-a": 1.0, "site-b": 3.0, "site-c": 2.0, "site-d": 2.0}
     flat_weights, _ = _flat(certs, ups, weights, "none")
-    server = coordinator(certs, numel=numel)
-    relays = {name: relay(certs, name, server.port) for name in REGIONS}
-    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
-    try:
-        for s in sites:
-            s.join()
+    with _regions(certs, numel=numel) as (server, relays, sites):
         a = sites[0]
         with pytest.raises(grpc.RpcError) as ahead:
             a.upload(ups[a.name], "none", round_number=5, weight=weights[a.name])
@@ -362,12 +362,6 @@ def test_a_site_cannot_move_its_relay_to_a_later_round(certs: Path, tmp_path: Pa
         for s in sites:
             header, _ = s.await_broadcast()
             assert header.included and header.num_contributors == 4, s.name
-    finally:
-        for s in sites:
-            s.close()
-        for r in relays.values():
-            r.stop(grace=0)
-        server.stop(grace=0)
     assert torch.equal(server.rounds.weights, flat_weights)
 
 
@@ -378,13 +372,8 @@ def test_a_site_that_withholds_while_its_upload_arrives_is_left_out_once(certs: 
     partial. Now the upload stream is stopped and the round counts the other three."""
     numel = 37
     ups = updates(numel, dyadic=True)
-    server = coordinator(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3)
-    relays = {name: relay(certs, name, server.port) for name in REGIONS}
-    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
-    a, *others = sites
-    try:
-        for s in sites:
-            s.join()
+    with _regions(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3) as (server, relays, sites):
+        a, *others = sites
         encoded = parse_codec("none").encode(ups[a.name], seed=0)
         data = encoded.to_bytes()
         manifest = pb.UploadManifest(
@@ -423,12 +412,6 @@ def test_a_site_that_withholds_while_its_upload_arrives_is_left_out_once(certs: 
         _wait_round(server, 1)
         header = read_broadcast_stream(notice, Download())
         assert not header.included and header.num_contributors == 3
-    finally:
-        for s in sites:
-            s.close()
-        for r in relays.values():
-            r.stop(grace=0)
-        server.stop(grace=0)
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
     assert record["rejected"] == ["site-a"]
@@ -451,13 +434,8 @@ def test_what_the_coordinator_would_refuse_of_one_site_the_relay_refuses_for_tha
     refuses site a, reports it, and the round counts the other three."""
     numel = 37
     ups = updates(numel, dyadic=True)
-    server = coordinator(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3)
-    relays = {name: relay(certs, name, server.port) for name in REGIONS}
-    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
-    a, *others = sites
-    try:
-        for s in sites:
-            s.join()
+    with _regions(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3) as (server, relays, sites):
+        a, *others = sites
         encoded = parse_codec("none").encode(ups[a.name], seed=0)
         data = encoded.to_bytes()
         manifest = pb.UploadManifest(
@@ -472,12 +450,6 @@ def test_what_the_coordinator_would_refuse_of_one_site_the_relay_refuses_for_tha
             done = list(pool.map(lambda s: s.upload(ups[s.name], "none"), others))
         assert all(d.complete for d in done)
         _wait_round(server, 1)
-    finally:
-        for s in sites:
-            s.close()
-        for r in relays.values():
-            r.stop(grace=0)
-        server.stop(grace=0)
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
     assert record["rejected"] == ["site-a"] and why in record["rejected_reasons"]["site-a"]
@@ -491,24 +463,11 @@ def test_the_broadcast_a_relay_fetches_speaks_for_a_site_of_its_partial(
     about the site the relay asked for: had the first waiting site's wait started the upstream
     wait, it would speak of site a, say nothing of the partial, and site b would be told it was
     left out (and send its counted update again)."""
-    real_upload = Upstream.upload
-
-    def answer_lost(self: Upstream, manifest: object, data: bytes) -> object:
-        real_upload(self, manifest, data)  # type: ignore[arg-type]
-        if self.config.name != "eu":
-            return None
-        raise StatusError("round 0 is closed", code=grpc.StatusCode.FAILED_PRECONDITION)
-
-    monkeypatch.setattr(Upstream, "upload", answer_lost)
+    _answer_lost(monkeypatch, "eu")
     numel = 37
     ups = updates(numel, dyadic=True)
-    server = coordinator(certs, numel=numel, min_sites=3)
-    relays = {name: relay(certs, name, server.port) for name in REGIONS}
-    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
-    a, b, *others = sites
-    try:
-        for s in sites:
-            s.join()
+    with _regions(certs, numel=numel, min_sites=3) as (server, relays, sites):
+        a, b, *others = sites
         notice = a.stub.AwaitBroadcast(
             pb.AwaitBroadcastRequest(session_id=a.session, round=0, withheld="no update"), timeout=30
         )
@@ -517,25 +476,12 @@ def test_the_broadcast_a_relay_fetches_speaks_for_a_site_of_its_partial(
         while hub.round.core is None or a.name not in hub.round.core.rejected:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-
-        def upload(s: Site) -> object:
-            try:
-                return s.upload(ups[s.name], "none")
-            except grpc.RpcError as err:
-                return err
-
         with ThreadPoolExecutor(3) as pool:
-            list(pool.map(upload, [b, *others]))
+            list(pool.map(lambda s: _upload_or_error(s, ups[s.name], "none"), [b, *others]))
         _wait_round(server, 1)
         header, _ = b.await_broadcast()
         assert header.included and header.num_contributors == 3
         assert not read_broadcast_stream(notice, Download()).included
-    finally:
-        for s in sites:
-            s.close()
-        for r in relays.values():
-            r.stop(grace=0)
-        server.stop(grace=0)
 
 
 @pytest.mark.parametrize("case", ["answer-lost", "round-aborted"])
@@ -547,43 +493,21 @@ def test_the_relays_error_feedback_follows_what_its_sites_are_told(
     its answer was lost keeps the new residual (rewinding it would send the old one twice); a
     partial whose round was aborted goes back to the residual before it, as its sites take their
     updates back."""
-    real_upload = Upstream.upload
-
-    def answer_lost(self: Upstream, manifest: object, data: bytes) -> object:
-        real_upload(self, manifest, data)  # type: ignore[arg-type]
-        raise StatusError("round 0 is closed", code=grpc.StatusCode.FAILED_PRECONDITION)
-
     if case == "answer-lost":
-        monkeypatch.setattr(Upstream, "upload", answer_lost)
+        _answer_lost(monkeypatch)
         guard = UpdateGuardConfig()
         ups = updates(37, dyadic=False, seed=4)
     else:
         guard = UpdateGuardConfig(max_abs_weight=10.0)
         ups = {name: torch.full((37,), 50.0) + torch.linspace(0, 1, 37) for name in SITES}
-    server = coordinator(certs, codec="int8", numel=37, update_guard=guard)
-    relays = {name: relay(certs, name, server.port, upward_codec="uplink") for name in REGIONS}
-    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
-    try:
-        for s in sites:
-            s.join()
-
-        def upload(s: Site) -> object:
-            try:
-                return s.upload(ups[s.name], "int8")
-            except grpc.RpcError as err:
-                return err
-
+    with _regions(
+        certs, codec="int8", numel=37, update_guard=guard, relay_options={"upward_codec": "uplink"}
+    ) as (server, relays, sites):
         with ThreadPoolExecutor(len(sites)) as pool:
-            list(pool.map(upload, sites))
+            list(pool.map(lambda s: _upload_or_error(s, ups[s.name], "int8"), sites))
         _wait_round(server, 1)
         headers = [s.await_broadcast()[0] for s in sites]
         kept = [0 in r.hub.residuals for r in relays.values()]
-    finally:
-        for s in sites:
-            s.close()
-        for r in relays.values():
-            r.stop(grace=0)
-        server.stop(grace=0)
     if case == "answer-lost":
         assert all(h.included for h in headers) and kept == [True, True]
     else:
@@ -600,12 +524,7 @@ def test_sites_dropped_as_silent_after_reaching_their_relay_still_count(certs: P
     ups = updates(numel, dyadic=True)
     weights = {"site-a": 1.0, "site-b": 3.0, "site-c": 2.0, "site-d": 2.0}
     flat_weights, _ = _flat(certs, ups, weights, "none")
-    server = coordinator(certs, numel=numel, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
-    relays = {name: relay(certs, name, server.port) for name in REGIONS}
-    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
-    try:
-        for s in sites:
-            s.join()
+    with _regions(certs, numel=numel, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0) as (server, relays, sites):
         deadline = time.monotonic() + 20
         while server.rounds.members:  # every site dropped as silent
             assert time.monotonic() < deadline, server.rounds.members
@@ -614,12 +533,6 @@ def test_sites_dropped_as_silent_after_reaching_their_relay_still_count(certs: P
             done = list(pool.map(lambda s: s.upload(ups[s.name], "none", weight=weights[s.name]), sites))
         assert all(d.complete for d in done)
         _wait_round(server, 1)
-    finally:
-        for s in sites:
-            s.close()
-        for r in relays.values():
-            r.stop(grace=0)
-        server.stop(grace=0)
     assert torch.equal(server.rounds.weights, flat_weights)
 
 
@@ -632,16 +545,11 @@ def test_a_round_the_coordinator_aborts_after_taking_the_partials_counts_no_rela
     used to answer from its partial's acceptance alone, and its sites' work was lost."""
     numel = 37
     ups = {name: torch.full((numel,), 50.0) for name in SITES}  # each norm ~304, inside the bound
-    server = coordinator(
+    with _regions(
         certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl",
         update_guard=UpdateGuardConfig(max_abs_weight=10.0),
-    )
-    before = server.rounds.weights.clone()
-    relays = {name: relay(certs, name, server.port) for name in REGIONS}
-    sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]
-    try:
-        for s in sites:
-            s.join()
+    ) as (server, _relays, sites):
+        before = server.rounds.weights.clone()
         with ThreadPoolExecutor(len(sites)) as pool:
             done = list(pool.map(lambda s: s.upload(ups[s.name], "none", weight=1.0), sites))
         assert all(d.complete for d in done)  # both partials were taken
@@ -649,12 +557,6 @@ def test_a_round_the_coordinator_aborts_after_taking_the_partials_counts_no_rela
         for s in sites:
             header, _ = s.await_broadcast()
             assert not header.included and header.num_contributors == 0, s.name
-    finally:
-        for s in sites:
-            s.close()
-        for r in relays.values():
-            r.stop(grace=0)
-        server.stop(grace=0)
     assert torch.equal(server.rounds.weights, before)
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert record["aborted"] and "max_abs_weight" in record["aborted"], record["aborted"]
@@ -673,25 +575,17 @@ def test_sites_that_withhold_their_update_through_a_relay_are_not_waited_for(
     numel = 37
     ups = updates(numel, dyadic=True)
     uploading = [n for n in SITES if n not in withholding]
-    server = coordinator(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=len(uploading))
-    relays = {name: relay(certs, name, server.port) for name in REGIONS}
-    sites = {n: Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names}
     why = "its pseudo-gradient had NaN/Inf values"
-    try:
-        for s in sites.values():
-            s.join()
+    with _regions(
+        certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=len(uploading)
+    ) as (_server, _relays, joined):
+        sites = {s.name: s for s in joined}
         with ThreadPoolExecutor(4) as pool:
             withheld = [pool.submit(sites[n].await_broadcast, withheld=why) for n in withholding]
             uploads = [pool.submit(sites[n].upload, ups[n], "none") for n in uploading]
             assert all(u.result(timeout=60).complete for u in uploads)
             headers = [w.result(timeout=60)[0] for w in withheld]
         assert all(not h.included and h.num_contributors == len(uploading) for h in headers)
-    finally:
-        for s in sites.values():
-            s.close()
-        for r in relays.values():
-            r.stop(grace=0)
-        server.stop(grace=0)
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == uploading
     assert record["rejected"] == withholding

@@ -56,7 +56,14 @@ from geoloco.coordinator.intake import (
     run_most_inner_steps,
 )
 from geoloco.coordinator.secure_intake import SecureIntake
-from geoloco.protos.errors import IdentityError, InvalidUpdateError, NotAMemberError, UpdateRejectedError, quoted
+from geoloco.protos.errors import (
+    IdentityError,
+    InvalidUpdateError,
+    NotAMemberError,
+    UpdateRejectedError,
+    clip,
+    quoted,
+)
 from geoloco.protos.identity import validate_site_name
 from geoloco.protos.transport_tls import peer_relay
 from geoloco.protos.upload_check import MAX_METRIC_NAME_CHARS, MAX_SITE_METRICS, checked_update
@@ -69,6 +76,8 @@ RELAYED_CODEC = "none"
 """The lossless upward codec: with it the relayed result is the flat one. The run's uplink codec
 is accepted too (the relay keeps its own error-feedback residual)."""
 
+MAX_RELAYED_REASON_CHARS = 400
+"""Characters of a relay's reason for refusing a site kept in the round's record."""
 WEIGHT_SUM_RTOL = 1e-9
 """How far the manifest's ``sample_weight`` may be from the sum of the listed weights (the relay
 adds the same float64 numbers; only the order of a float64 sum can differ)."""
@@ -79,10 +88,15 @@ def relay_link(relay: str) -> str:
     return f"relay:{relay}"
 
 
+def _counting(relayed: Sequence[RelayedSite]) -> list[RelayedSite]:
+    """The sites whose updates a partial's values hold (the others are refusals it reports)."""
+    return [r for r in relayed if not r.rejected]
+
+
 def _partial_numel(intake: PlainIntake, round_number: int, relayed: Sequence[RelayedSite]) -> int:
     """Values a relay's partial for ``round_number`` carries: the round's update size, or none
     when it counts no site (it only reports refusals; its relay may not know the size)."""
-    return intake.ctx.update_numel(round_number) if any(not r.rejected for r in relayed) else 0
+    return intake.ctx.update_numel(round_number) if _counting(relayed) else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +274,7 @@ class RelayedUploads:
                 )
             if why is not None:
                 raise InvalidUpdateError(f"relay {relay!r}'s partial refused: site {r.site!r}: {why}")
-        total = math.fsum(r.weight for r in relayed if not r.rejected)
+        total = math.fsum(r.weight for r in _counting(relayed))
         if not math.isclose(spec.sample_weight, total, rel_tol=WEIGHT_SUM_RTOL):
             raise InvalidUpdateError(
                 f"relay {relay!r}'s sample_weight {spec.sample_weight} is not the sum of its sites' "
@@ -314,7 +328,8 @@ class RelayedUploads:
                 logger.info("round %d: relay %s replaced its partial sum that did not count", cr.number, relay)
                 del self._uploads[relay]
             for r in relayed:
-                self._check_not_in_round(intake, r.site)
+                if not r.rejected:
+                    self._check_not_in_round(intake, r.site)
             assembler = PlainUpload(
                 spec, max_total_bytes=intake.max_upload_bytes, timings=cr.timings, spill=intake.spill
             )
@@ -323,11 +338,18 @@ class RelayedUploads:
             return assembler
 
     @staticmethod
-    def _check_not_in_round(intake: PlainIntake, site: str) -> None:
-        """Refuse a partial naming ``site`` when the site already has an update in the open round
-        (counted, rejected, or its own upload or shards under way; lock held)."""
+    def _in_round(intake: PlainIntake, site: str) -> bool:
+        """Whether ``site`` already has an update in the open round: counted, rejected, or its
+        own upload or shards under way (lock held)."""
         cr = intake.ctx.round
-        if site in cr.rejected or site in cr.contributed or site in cr.uploads or intake.shards.holds(site):
+        return site in cr.rejected or site in cr.contributed or site in cr.uploads or intake.shards.holds(site)
+
+    @classmethod
+    def _check_not_in_round(cls, intake: PlainIntake, site: str) -> None:
+        """Refuse a partial counting ``site`` when the site already has an update in the open
+        round (lock held)."""
+        cr = intake.ctx.round
+        if cls._in_round(intake, site):
             raise UpdateRejectedError(
                 f"site {site!r} already has an update for round {cr.number} (its own upload or "
                 "shards, or another partial's); drop it from the partial sum"
@@ -361,21 +383,23 @@ class RelayedUploads:
             cr = ctx.round
             if self._uploads.get(relay) is not assembler:
                 raise UpdateRejectedError(f"{what} was replaced by a newer one")
-            for r in relayed:
+            for r in _counting(relayed):
                 # Checked again under the lock the add holds: the site's own upload or shards may
                 # have counted while this partial streamed in (a site counts once per round).
                 self._check_not_in_round(intake, r.site)
             now = ctx.clock()
-            counted = [r for r in relayed if not r.rejected]
+            counted = _counting(relayed)
             try:
                 if counted:
                     cr.core.aggregation.add(mean, spec.sample_weight, site=relay_link(relay))
             except ValueError as err:
                 raise InvalidUpdateError(f"{what} could not be added: {err}") from None
             for r in relayed:
-                if r.rejected:
-                    # Refused at the relay, as the coordinator would have: not waited for.
-                    why = f"{r.rejected} (at relay {relay})"
+                if r.rejected and not self._in_round(intake, r.site):
+                    # Refused at the relay, as the coordinator would have: not waited for. A site
+                    # already in the round by another path (its own upload after a failover) keeps
+                    # that update: a relay's refusal speaks only of what reached the relay.
+                    why = f"{clip(r.rejected, MAX_RELAYED_REASON_CHARS)} (at relay {relay})"
                     cr.core.reject(r.site, why)
                     ctx.events.emit(ev.UPDATE_REJECTED, site=r.site, round=spec.round, why=why)
             for r in counted:

@@ -160,7 +160,11 @@ class RelayHub:
         self._sent_residuals: dict[int, tuple[int, torch.Tensor | None]] = {}
         """round -> (fragment, the residual before its partial): settled with the round's broadcast
         (``_settle_residual``), which says whether the partial counted."""
-        """(fragment, residual before) of the partial on its way up: put back if it is refused."""
+        self._disowned: set[int] = set()
+        """Rounds whose partial surely did not count: after refusing it, the coordinator took the
+        report of its sites as left out (``refusals_only``), which replaces only a partial that
+        never counted. The claim site's ``included`` then speaks of another path (its own upload
+        after a failover), not of the partial."""
         self.closing = False
         self.run_finished = False
         """The coordinator said the run is over (a broadcast with ``run_finished``)."""
@@ -570,14 +574,14 @@ class RelayHub:
         """A plain round's partial: the weighted mean, encoded for the way up, and its manifest."""
         codec = run.uplink_codec if self.config.upward_codec == "uplink" else "none"
         fragment = r.fragment or 0
-        before = self.residuals.get(fragment)
         if sites:
+            before = self.residuals.get(fragment)
             encoded, residual = encode_partial(mean, r.weight, codec, before, seed=r.number)
+            self._sent_residuals[r.number] = (fragment, before)
+            if residual is not None:
+                self.residuals[fragment] = residual
         else:  # every update was refused or withheld: the partial only reports that
-            encoded, residual = encode_partial(mean, 1.0, "none", None)
-        self._sent_residuals[r.number] = (fragment, before)
-        if residual is not None:
-            self.residuals[fragment] = residual
+            encoded, _ = encode_partial(mean, 1.0, "none", None)
         data = encoded.to_bytes()
         shape = list(mean.shape)
         del mean
@@ -586,7 +590,7 @@ class RelayHub:
             session_id=session,
             round=r.number,
             fragment=r.fragment or 0,
-            sample_weight=r.weight,
+            sample_weight=r.weight if sites else 0.0,
             inner_steps=sum(r.updates[s].inner_steps for s in sites),
             blob=blob_manifest(
                 data, codec=encoded.spec, shape=shape, dtype="float32", chunk_size=self.config.chunk_size
@@ -602,9 +606,26 @@ class RelayHub:
         )
         return manifest, data
 
-    def forwarded(self, r: RelayRound, outcome: str, sites: Iterable[str]) -> None:
-        """The coordinator's answer to round ``r``'s partial; then fetch its broadcast once."""
+    def refusals_only(self, r: RelayRound, why: str) -> tuple[pb.UploadManifest, bytes] | None:
+        """After the coordinator refused plain round ``r``'s partial: the partial that reports
+        every site of it as refused (``why``), with no values, so the coordinator records them
+        instead of waiting for sites whose updates cannot reach it any more (the relay holds only
+        their sum). None in a secure run, where the coordinator counts sites through the protocol.
+        The sites keep their updates (the broadcast says they were left out)."""
         with self.cond:
+            session, run = self.session_id, self.run
+            if run is None or run.secure is not None:
+                return None
+            rejected = {**r.rejected, **dict.fromkeys(r.updates, why)}
+        return self._plain_partial(r, session, run, torch.zeros(0, dtype=torch.float32), [], rejected)
+
+    def forwarded(self, r: RelayRound, outcome: str, sites: Iterable[str], *, disowned: bool = False) -> None:
+        """The coordinator's answer to round ``r``'s partial; then fetch its broadcast once.
+        ``disowned``: the partial was refused and its sites reported as left out (``_disowned``)."""
+        with self.cond:
+            if disowned:
+                self._disowned.add(r.number)
+            self._disowned -= {n for n in self._disowned if n < r.number - KEEP_BROADCASTS}
             if self.engine.guard is not None:
                 self.engine.guard.round_done(r.number, list(sites) if outcome == "accepted" else None)
             r.outcome = outcome
@@ -654,7 +675,8 @@ class RelayHub:
             self.cond.wait_for(lambda: self.closing or round_number not in self._forwarding)
             self._fetching.discard(round_number)
             cached.included = self.included.get(round_number, frozenset())
-            cached.sent = frozenset(self.partials.get(round_number, ()))
+            sent = () if round_number in self._disowned else self.partials.get(round_number, ())
+            cached.sent = frozenset(sent)
             self._settle_residual(round_number, cached)
             self.broadcasts[round_number] = cached
             for old in [n for n in self.broadcasts if n < round_number - KEEP_BROADCASTS]:

@@ -11,19 +11,39 @@ from pathlib import Path
 
 import grpc
 
-from geoloco.protos.errors import StatusError
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.errors import StatusError, clip
 from geoloco.protos.transport_endpoints import add_coordinator_servicer, build_server, stop_server
 from geoloco.relay.config import RelayConfig
 from geoloco.relay.hub import RelayHub
+from geoloco.relay.partial import RelayRound
 from geoloco.relay.servicer import RelayServicer
 from geoloco.relay.upstream import Traffic, Upstream
 
-__all__ = ["DRIVER_TICK_S", "RelayServer"]
+__all__ = ["DRIVER_TICK_S", "RelayServer", "refusal_of_the_partial"]
 
 logger = logging.getLogger(__name__)
 
 DRIVER_TICK_S = 0.05
 """How often the driver looks for a due partial when nothing woke it."""
+REFUSAL_REASON_CHARS = 300
+"""Characters of the coordinator's refusal passed on as each site's reason."""
+NOT_ABOUT_THE_PARTIAL = frozenset(
+    {pb.ERROR_REASON_STALE_SESSION, pb.ERROR_REASON_RUN_FINISHED, pb.ERROR_REASON_SITE_REPLACED,
+     pb.ERROR_REASON_IDENTITY_MISMATCH, pb.ERROR_REASON_PROTOCOL_VERSION}
+)
+"""Refusals of the relay itself (its session, its identity, the run): reporting its sites
+would be refused for the same reason."""
+
+
+def refusal_of_the_partial(err: StatusError) -> bool:
+    """Whether the coordinator refused the partial's content or its place in the round (its
+    values, a site's weight, a site already counted by another path), as opposed to a broken
+    link (the upload already retried) or a refusal of the relay itself."""
+    return err.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) and (
+        err.reason not in NOT_ABOUT_THE_PARTIAL
+    )
+
 
 
 class RelayServer:
@@ -92,6 +112,7 @@ class RelayServer:
             return False
         r, manifest, data = taken
         sites = [s.site for s in manifest.relayed_sites if not s.rejected]
+        disowned = False
         try:
             if sites:
                 # The broadcast wait goes upward with the partial, asked for a site of it (whose
@@ -106,12 +127,34 @@ class RelayServer:
         except StatusError as err:
             outcome = f"refused: {err}"
             logger.warning("relay %s: round %d partial refused by the coordinator: %s", self.config.name, r.number, err)
+            disowned = refusal_of_the_partial(err) and self._report_refusals(r, err)
         except Exception as err:
             # Still answered below: the round's broadcast waits for the partial's outcome.
             outcome = f"failed: {err}"
             logger.exception("relay %s: sending round %d's partial failed", self.config.name, r.number)
-        self.hub.forwarded(r, outcome, sites)
+        self.hub.forwarded(r, outcome, sites, disowned=disowned)
         return True
+
+    def _report_refusals(self, r: RelayRound, err: StatusError) -> bool:
+        """Tell the coordinator that the refused partial's sites are out of round ``r``
+        (``RelayHub.refusals_only``): one site the coordinator refuses (its own upload counted
+        after a failover, a weight beyond the other regions') would otherwise leave the rest
+        of the region neither counted nor refused, and the round waiting for them. Whether the
+        coordinator took the report (then the partial surely never counted)."""
+        why = f"its relay's partial sum was refused: {clip(str(err), REFUSAL_REASON_CHARS)}"
+        try:
+            built = self.hub.refusals_only(r, why)
+            if built is None:
+                return False
+            self.upstream.upload(*built)
+            logger.info("relay %s: round %d's sites reported as left out", self.config.name, r.number)
+            return True
+        except Exception as report_err:  # noqa: BLE001 - the round's answer below must still come
+            # The round's deadline, or the coordinator dropping the silent sites, then ends it.
+            logger.warning(
+                "relay %s: reporting round %d's sites as left out failed: %s", self.config.name, r.number, report_err
+            )
+            return False
 
     def _write_records(self) -> None:
         with self.hub.cond:

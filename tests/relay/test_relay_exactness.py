@@ -74,6 +74,14 @@ def _upload_or_error(site: Site, update: torch.Tensor, codec: str, weight: float
         return err
 
 
+def _broadcast_or_error(site: Site) -> object:
+    """The site's broadcast header, or the error its wait got."""
+    try:
+        return site.await_broadcast()[0]
+    except grpc.RpcError as err:
+        return err
+
+
 def _answer_lost(monkeypatch: pytest.MonkeyPatch, relay_name: str | None = None) -> None:
     """Relay ``relay_name``'s partial (every relay's: None) reaches the coordinator, but the
     answer is lost and the resend refused as late."""
@@ -529,9 +537,15 @@ def test_sites_dropped_as_silent_after_reaching_their_relay_still_count(certs: P
         while server.rounds.members:  # every site dropped as silent
             assert time.monotonic() < deadline, server.rounds.members
             time.sleep(0.05)
-        with ThreadPoolExecutor(len(sites)) as pool:
+        with ThreadPoolExecutor(2 * len(sites)) as pool:
+            # Each site's wait for the broadcast, which the relay answers itself, tells the relay
+            # the site is alive (the coordinator never hears of it): the relay waits for the
+            # region's two updates instead of sending the first alone. (The relay's own wait
+            # upstream, made for a site the coordinator dropped, is refused: not a member.)
+            for s in sites:
+                pool.submit(_broadcast_or_error, s)
             done = list(pool.map(lambda s: s.upload(ups[s.name], "none", weight=weights[s.name]), sites))
-        assert all(d.complete for d in done)
+            assert all(d.complete for d in done)
         _wait_round(server, 1)
     assert torch.equal(server.rounds.weights, flat_weights)
 
@@ -591,3 +605,35 @@ def test_sites_that_withhold_their_update_through_a_relay_are_not_waited_for(
     assert record["rejected"] == withholding
     reasons = record["rejected_reasons"]
     assert all(reasons[s].startswith(f"the site sent no update: {why}") for s in withholding)
+
+
+def test_a_refused_partial_reports_its_sites_so_the_round_does_not_wait_for_them(
+    certs: Path, tmp_path: Path
+) -> None:
+    """Site a failed over: its own upload counted at the coordinator, then its relay's partial
+    of a and b came and was refused (a counts once). The relay cannot take a out of a sum, so b
+    was neither counted nor refused, and the coordinator, which waits for every member here (no
+    deadline), waited for b until it was dropped as silent. The relay now reports the refused
+    partial's sites as refused; a keeps its own update, b is recorded as left out at once."""
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    with _regions(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3) as (server, _relays, sites):
+        a, b, c, d = sites
+        direct = Site(a.name, certs, f"localhost:{server.port}", session=a.session)
+        try:
+            assert direct.upload(ups[a.name], "none").complete
+        finally:
+            direct.close()
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda s: _upload_or_error(s, ups[s.name], "none"), sites))
+        assert all(isinstance(x, grpc.RpcError) for x in answers[:2]), "eu's partial was refused"
+        assert all(x.complete for x in answers[2:])  # type: ignore[union-attr]
+        _wait_round(server, 1)
+        header, _ = b.await_broadcast()
+        assert not header.included and header.num_contributors == 3
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(record["participants"]) == ["site-a", "site-c", "site-d"]
+    assert record["rejected"] == ["site-b"]
+    reason = record["rejected_reasons"]["site-b"]
+    assert "its relay's partial sum was refused" in reason and "site 'site-a' already has an update" in reason
+    assert "dropped" not in json.dumps(record)

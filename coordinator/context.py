@@ -79,6 +79,9 @@ class RoundContext:
         """round t -> sites whose update counted in round t."""
         self.folded_history: dict[int, frozenset[str]] = {}
         """round t -> sites whose round-t update was folded into round t + 1."""
+        self.refused_history: dict[int, frozenset[str]] = {}
+        """round t -> sites whose round-t update the round refused (its record's ``rejected``):
+        they drop it instead of keeping it in their error-feedback residual."""
         self.bytes_up_total = 0
         self.bytes_down_total = 0
         self.base_uplink_codec = parse_codec(config.algorithm.uplink_codec).spec

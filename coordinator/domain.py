@@ -126,6 +126,8 @@ class BroadcastHeader:
     weights_digest: str
     record: BroadcastRecord | None = None
     start_chunk: int = 0
+    refused: bool = False
+    """The round refused the site's update (``pb.BroadcastHeader.refused``): it drops it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -342,6 +342,8 @@ class RoundPhases:
             self.broadcast = record
             ctx.contributor_history[r.number] = record.contributors
             ctx.contributor_history.pop(r.number - CONTRIBUTOR_HISTORY, None)
+            ctx.refused_history[r.number] = frozenset(outcome.rejected)
+            ctx.refused_history.pop(r.number - CONTRIBUTOR_HISTORY, None)
             ctx.folded_history[r.number - 1] = frozenset(outcome.folded)
             ctx.folded_history.pop(r.number - 1 - CONTRIBUTOR_HISTORY, None)
             now = ctx.clock()
@@ -455,6 +457,7 @@ class RoundPhases:
             return BroadcastHeader(
                 round=round_number,
                 included=site in record.contributors or self.was_folded(site, round_number),
+                refused=site in ctx.refused_history.get(round_number, frozenset()),
                 num_contributors=len(record.contributors),
                 next_round=next_round,
                 run_finished=record.run_finished,
@@ -466,6 +469,7 @@ class RoundPhases:
         return BroadcastHeader(
             round=round_number,
             included=site in contributors or self.was_folded(site, round_number),
+            refused=site in ctx.refused_history.get(round_number, frozenset()),
             num_contributors=len(contributors),
             next_round=next_round,
             run_finished=ctx.phase is RoundPhase.FINISHED,
@@ -516,6 +520,7 @@ class RoundPhases:
             int(t): frozenset(sites) for t, sites in history.get("contributors", {}).items()
         }
         ctx.folded_history = {int(t): frozenset(sites) for t, sites in history.get("folded", {}).items()}
+        ctx.refused_history = {int(t): frozenset(sites) for t, sites in history.get("refused", {}).items()}
         ctx.policy.load_state(history.get("deadline", []))
         if ctx.engine.guard is not None:
             ctx.engine.guard.load_state(history.get("update_norms", []))
@@ -621,8 +626,10 @@ class RoundPhases:
         as plain JSON values: a snapshot written later must not see the next round's changes.
         ``contributors``/``folded``: of round ``last``, just aggregated (the history does not
         hold it yet). The history lets a restarted coordinator still tell a site whether its
-        update counted, so it neither loses nor resends it."""
+        update counted, so it neither loses nor resends it, and whether it was refused, so it
+        drops it."""
         ctx = self.ctx
+        refused = frozenset(record.rejected) if record is not None else frozenset()
         with ctx.cond:  # joins go on while a round is made durable outside the lock
             replaced = self.membership.state()
         history = {
@@ -633,6 +640,10 @@ class RoundPhases:
             "folded": {
                 str(t): sorted(sites) for t, sites in {**ctx.folded_history, last - 1: folded}.items()
                 if t > last - 1 - CONTRIBUTOR_HISTORY and sites
+            },
+            "refused": {
+                str(t): sorted(sites) for t, sites in {**ctx.refused_history, last: refused}.items()
+                if t > last - CONTRIBUTOR_HISTORY and sites
             },
             "deadline": ctx.policy.state(),
             "update_norms": [] if ctx.engine.guard is None else ctx.engine.guard.state(),

@@ -446,7 +446,7 @@ class AwaitBroadcastRequest(_message.Message):
     def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., start_chunk: _Optional[int] = ..., chunk_stride: _Optional[int] = ..., shard: _Optional[_Union[ShardRef, _Mapping]] = ..., instance_id: _Optional[str] = ..., withheld: _Optional[str] = ...) -> None: ...
 
 class BroadcastHeader(_message.Message):
-    __slots__ = ("action", "round", "included", "num_contributors", "delta", "weights_digest", "next_round", "run_finished", "start_chunk", "shard_rows", "shard_weights_digest")
+    __slots__ = ("action", "round", "included", "num_contributors", "delta", "weights_digest", "next_round", "run_finished", "start_chunk", "shard_rows", "shard_weights_digest", "refused")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
@@ -458,6 +458,7 @@ class BroadcastHeader(_message.Message):
     START_CHUNK_FIELD_NUMBER: _ClassVar[int]
     SHARD_ROWS_FIELD_NUMBER: _ClassVar[int]
     SHARD_WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     action: BroadcastAction
     round: int
     included: bool
@@ -469,7 +470,8 @@ class BroadcastHeader(_message.Message):
     start_chunk: int
     shard_rows: bool
     shard_weights_digest: Checksum
-    def __init__(self, action: _Optional[_Union[BroadcastAction, str]] = ..., round: _Optional[int] = ..., included: bool = ..., num_contributors: _Optional[int] = ..., delta: _Optional[_Union[BlobManifest, _Mapping]] = ..., weights_digest: _Optional[_Union[Checksum, _Mapping]] = ..., next_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., run_finished: bool = ..., start_chunk: _Optional[int] = ..., shard_rows: bool = ..., shard_weights_digest: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
+    refused: bool
+    def __init__(self, action: _Optional[_Union[BroadcastAction, str]] = ..., round: _Optional[int] = ..., included: bool = ..., num_contributors: _Optional[int] = ..., delta: _Optional[_Union[BlobManifest, _Mapping]] = ..., weights_digest: _Optional[_Union[Checksum, _Mapping]] = ..., next_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., run_finished: bool = ..., start_chunk: _Optional[int] = ..., shard_rows: bool = ..., shard_weights_digest: _Optional[_Union[Checksum, _Mapping]] = ..., refused: bool = ...) -> None: ...
 
 class RoundProgress(_message.Message):
     __slots__ = ("round", "uploads_complete", "quorum", "deadline_remaining_ms")

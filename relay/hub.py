@@ -82,6 +82,9 @@ class CachedBroadcast:
     """Sites whose update went up in the relay's partial, whatever the answer said."""
     claim: str = ""
     """The site the relay asked the coordinator for (``header.included`` is about it)."""
+    refused: frozenset[str] = field(default_factory=frozenset)
+    """Sites whose update the relay refused this round (``header.refused`` for each): a site
+    of a partial the coordinator refused is not among them; its update was never judged."""
 
     def counts(self, site: str) -> bool:
         """Whether ``site``'s update is in the round's aggregate: the broadcast's word where it
@@ -136,6 +139,8 @@ class RelayHub:
         """round -> sites the coordinator counted through this relay's partial."""
         self.partials: dict[int, dict[str, float]] = {}
         """round -> site -> weight of the partial that went upward (for the metrics record)."""
+        self.refused: dict[int, frozenset[str]] = {}
+        """round -> sites whose update the relay refused (``CachedBroadcast.refused``)."""
         self._fetching: set[int] = set()
         self._forwarding: set[int] = set()
         """Rounds whose partial is being built or went upward and whose answer has not come
@@ -632,8 +637,9 @@ class RelayHub:
             self.included[r.number] = frozenset(sites) if outcome == "accepted" else frozenset()
             self._forwarding.discard(r.number)
             self.partials[r.number] = {s: r.updates[s].weight for s in r.updates}
+            self.refused[r.number] = frozenset(r.rejected)
             for old in [n for n in self.partials if n < r.number - KEEP_BROADCASTS]:
-                del self.partials[old], self.included[old]
+                del self.partials[old], self.included[old], self.refused[old]
             claim = next(iter(r.updates), None)
             self.cond.notify_all()
         if claim is not None:
@@ -677,6 +683,7 @@ class RelayHub:
             cached.included = self.included.get(round_number, frozenset())
             sent = () if round_number in self._disowned else self.partials.get(round_number, ())
             cached.sent = frozenset(sent)
+            cached.refused = self.refused.get(round_number, frozenset())
             self._settle_residual(round_number, cached)
             self.broadcasts[round_number] = cached
             for old in [n for n in self.broadcasts if n < round_number - KEEP_BROADCASTS]:
@@ -756,6 +763,7 @@ class RelayHub:
             header = pb.BroadcastHeader()
             header.CopyFrom(cached.header)
             header.included = cached.counts(site)
+            header.refused = site in cached.refused
             header.start_chunk = request.start_chunk
             return header, cached.data
 

@@ -25,6 +25,9 @@ Rules the loop follows (the coordinator's side is in ``geoloco.coordinator.round
   work reaches the model one round late instead of never. Holding ``θ_t`` it can apply round
   ``t``'s delta; if the coordinator moved further on, it chases the newer deltas without training
   or, when they are gone (RESYNC), fetches the full weights.
+* **Refused update.** One the round refused (the header's ``refused``: beyond the update guard's
+  bounds, or refused at the relay) is dropped with the fragment's residual instead
+  (``uplink.keep_or_drop``), as the simulator does.
 * **Replica check.** After every delta the site compares its weights digest with the header's;
   a mismatch fetches the full weights.
 * **Coordinator restart.** Calls fail UNAVAILABLE and are retried with backoff and jitter; the

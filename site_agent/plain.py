@@ -26,7 +26,7 @@ from geoloco.site_agent.client import OpenBroadcast, RoundClosed, RunFinished, U
 from geoloco.site_agent.persist import prefixed, unprefixed
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
 from geoloco.site_agent.trainer import SiteTrainer
-from geoloco.site_agent.uplink import StrategyUplink, UplinkUpdate
+from geoloco.site_agent.uplink import StrategyUplink, UplinkUpdate, keep_or_drop
 
 __all__ = ["PendingUpdate", "PlainRounds", "SyncRounds"]
 
@@ -233,11 +233,12 @@ class SyncRounds(RoundRunner):
             pending.state = PENDING_DROPPED
         return False
 
-    def _upload_late(self, pending: PendingUpdate) -> bool:
+    def _upload_late(self, pending: PendingUpdate) -> tuple[bool, bool]:
         """``late_updates = "fold"``: offer the update that missed its round to the next one,
-        which the coordinator opened before it broadcast the missed round. True when it was
-        folded in (discounted); otherwise (two rounds late by now, the run over) it goes back to
-        the residual like any update that missed its round."""
+        which the coordinator opened before it broadcast the missed round. (folded, refused):
+        folded in (discounted); refused by the next round (dropped, as a refused update of its
+        own round is); otherwise (two rounds late by now, the run over) it goes back to the
+        residual like any update that missed its round."""
         trained = pending.trained
         assert trained.update is not None
         try:
@@ -245,18 +246,22 @@ class SyncRounds(RoundRunner):
                 self.client, trained.update, round_number=trained.round,
                 inner_steps=trained.inner_steps, metrics={"train_loss": trained.loss, "late": 1.0},
             )
-        except (RoundClosed, RunFinished, UpdateRejected) as why:
+        except UpdateRejected as why:
+            logger.info("site %s: late update for round %d refused (%s)", self.site, trained.round, why)
+            return False, True
+        except (RoundClosed, RunFinished) as why:
             logger.info("site %s: late update for round %d not folded in (%s)",
                         self.site, trained.round, why)
-            return False
+            return False, False
         pending.state = PENDING_UPLOADED
         logger.info("site %s: late update for round %d folded into the next round",
                     self.site, trained.round)
-        return True
+        return True, False
 
     def _resolve(self, pending: PendingUpdate, opened: OpenBroadcast | None) -> None:
         """Wait for ``pending``'s round's broadcast and apply it; the update goes back into
-        the residual when the round did not aggregate it."""
+        the residual when the round did not aggregate it, unless it refused it
+        (``keep_or_drop``)."""
         bytes_down_before = self.client.stats.received
         answer = self._await_broadcast(pending.round, opened, withheld=pending.withheld)
         if answer is None:
@@ -264,11 +269,11 @@ class SyncRounds(RoundRunner):
             return
         header, data = answer
         trained = pending.trained
-        included = bool(header.included)
+        included, refused = bool(header.included), bool(header.refused)
         if pending.fold_late and not included:
-            included = self._upload_late(pending)
+            included, refused = self._upload_late(pending)
         if not included and trained.update is not None:
-            self.uplink.restore(trained.update)
+            keep_or_drop(self.uplink, trained.update, refused=refused, site=self.site, round_number=trained.round)
         resynced = self._apply_broadcast(pending.round, header, data)
         del answer, data  # the download buffer (model-sized for a lossless downlink) goes now
         self.pending = None

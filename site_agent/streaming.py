@@ -22,9 +22,10 @@ The upload carries what the overlap rule saw and chose (``step_s``, ``transfer_s
 ``overlap_steps``, ``next_round_steps``) and how long the previous merge waited for its broadcast
 after the overlap steps (``merge_wait_s``; 0 when the transfer was hidden).
 
-Failures follow the plain agent's rules: a late or rejected upload goes back into its fragment's
-residual; a digest mismatch or RESYNC fetches the full global weights, which then replace the
-site's weights (its local progress since the last merge is lost, as for a freshly joined site);
+Failures follow the plain agent's rules: a late upload, or one in an aborted round, goes back into
+its fragment's residual, a refused one is dropped (``BroadcastHeader.refused``); a digest mismatch
+or RESYNC fetches the full global weights, which then replace the site's weights (its local
+progress since the last merge is lost, as for a freshly joined site);
 a site that restarts (SIGKILL) joins, fetches ``θ_g`` and starts from it. Each round's upload is
 its own aggregation on the coordinator: with secure aggregation each fragment sync is its own
 secure sum (key stages beside the round's steps after the merge, the fragment's update masked
@@ -50,6 +51,7 @@ from geoloco.site_agent.client_broadcast import OpenBroadcast
 from geoloco.site_agent.errors import RejoinRequired
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
 from geoloco.site_agent.trainer import SiteTrainer
+from geoloco.site_agent.uplink import keep_or_drop
 
 __all__ = ["StreamingRounds"]
 
@@ -320,8 +322,9 @@ class StreamingRounds(RoundRunner):
         trained = flight.trained
         assert header is not None
         if not header.included and trained.update is not None:
-            # Its fragment's (secure) sum did not include it: keep it in the residual.
-            self.uplink.restore(trained.update)
+            # Its fragment's (secure) sum did not include it: kept in the residual, unless refused.
+            keep_or_drop(self.uplink, trained.update, refused=header.refused, site=self.site,
+                         round_number=trained.round)
         resynced = self._apply_broadcast(trained.round, header, flight.data)
         state.take_broadcast_header(header)
         if flight.withheld:

@@ -12,12 +12,13 @@ Two kinds behind one interface, used by every round runner (``geoloco.site_agent
 
 Per round a runner calls ``begin_round`` before training, ``encode`` after it, ``upload`` and
 then ``uploaded`` (secure: the unmask stages, before the broadcast exists); ``restore`` puts an
-update that the round did not aggregate back into its residual, ``reset`` drops a fragment's
-residual (after a non-finite update).
+update that the round did not aggregate back into its residual (``keep_or_drop``: unless the round
+refused it), ``reset`` drops a fragment's residual (after a non-finite update).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -34,7 +35,9 @@ from geoloco.site_agent.client import CoordinatorClient
 from geoloco.site_agent.persist import SiteStateError, prefixed, unprefixed
 from geoloco.site_agent.secure_site import SecureUplink
 
-__all__ = ["MaskedUplink", "SiteUplink", "StrategyUplink", "UplinkUpdate"]
+__all__ = ["MaskedUplink", "SiteUplink", "StrategyUplink", "UplinkUpdate", "keep_or_drop"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -274,3 +277,20 @@ class MaskedUplink:
     def residual(self, fragment: int = 0) -> torch.Tensor | None:
         encoder = self.secure.encoders.get(fragment)
         return None if encoder is None else encoder.residual
+
+
+def keep_or_drop(uplink: SiteUplink, update: UplinkUpdate, *, refused: bool, site: str, round_number: int) -> None:
+    """An update its round did not aggregate: back into the residual when it missed the round
+    (late, or the round aborted: nothing was wrong with it); dropped when the round refused it
+    (``BroadcastHeader.refused``: beyond the update guard's bounds, or refused at the relay),
+    with the fragment's residual, which holds what the codec left of it. Kept, a refused update
+    would go up again next round inside a larger one, and be refused again. The simulator
+    follows the same rule (``geoloco.algorithms.simulation.sim_uplinks``)."""
+    if refused:
+        logger.warning(
+            "site %s: round %d refused its update; it is dropped with its error-feedback residual, "
+            "not kept for the next round", site, round_number,
+        )
+        uplink.reset(update.fragment)
+        return
+    uplink.restore(update)

@@ -40,6 +40,7 @@ from geoloco.algorithms.privacy.private_aggregation import (
     secure_index_seed,
 )
 from geoloco.algorithms.privacy.secure_sum import InMemorySecureSum
+from geoloco.algorithms.round import RoundOutcome
 from geoloco.algorithms.simulation.robust_attack import Attack
 from geoloco.algorithms.strategy import RoundPlan, Strategy
 from geoloco.algorithms.streaming import FragmentUplink
@@ -52,6 +53,8 @@ __all__ = [
     "SecureUplinks",
     "SimUplinks",
     "build_uplinks",
+    "drop_refused",
+    "keep_aborted",
     "round_noise_multiplier",
 ]
 
@@ -93,6 +96,16 @@ class SimUplinks(Protocol):
         """An upload that missed its round goes back into the site's residual."""
         ...
 
+    def keeps(self, site: str, fragment: int) -> bool:
+        """Whether ``keep`` puts anything back for ``site`` (error feedback): only then is an
+        admitted upload held until the round's step, for ``keep_aborted``."""
+        ...
+
+    def drop(self, site: str, fragment: int) -> None:
+        """The round refused ``site``'s upload: its residual, which holds what the codec left
+        of that upload, starts afresh (the real site resets it on ``BroadcastHeader.refused``)."""
+        ...
+
 
 class PlainUplinks:
     """Sites encode with their own uplink; the round sums the decoded updates, plainly or with
@@ -130,6 +143,12 @@ class PlainUplinks:
     def keep(self, site: str, payload: Payload, fragment: int) -> None:
         assert isinstance(payload, Encoded)
         self.uplinks[site].restore(payload, fragment=fragment)
+
+    def keeps(self, site: str, fragment: int) -> bool:
+        return self.uplinks[site].encoders[fragment].error_feedback is not None
+
+    def drop(self, site: str, fragment: int) -> None:
+        self.uplinks[site].encoders[fragment] = self.strategy.uplink_encoder(site)
 
 
 class SecureUplinks:
@@ -182,6 +201,12 @@ class SecureUplinks:
     def keep(self, site: str, payload: Payload, fragment: int) -> None:
         raise ValueError("a secure round waits for every site (no deadline): nothing can miss it")
 
+    def keeps(self, site: str, fragment: int) -> bool:
+        return False
+
+    def drop(self, site: str, fragment: int) -> None:
+        raise ValueError("a masked upload cannot be refused for its values: nobody may measure it")
+
 
 class AttackedUplinks:
     """Poisoned sites (``SiteConfig.attack``, ``geoloco.algorithms.simulation.robust_attack``): their
@@ -215,6 +240,37 @@ class AttackedUplinks:
 
     def keep(self, site: str, payload: Payload, fragment: int) -> None:
         self.inner.keep(site, payload, fragment)
+
+    def keeps(self, site: str, fragment: int) -> bool:
+        return self.inner.keeps(site, fragment)
+
+    def drop(self, site: str, fragment: int) -> None:
+        self.inner.drop(site, fragment)
+
+
+def drop_refused(uplinks: SimUplinks, outcome: RoundOutcome, fragment: int) -> None:
+    """Every update the round refused is dropped with what its encoding left in the residual,
+    as the real site drops it (``BroadcastHeader.refused``); a site that withheld a non-finite
+    update has a fresh residual already, and gets another."""
+    for name in outcome.rejected:
+        uplinks.drop(name, fragment)
+
+
+def keep_aborted(
+    uplinks: SimUplinks, outcome: RoundOutcome, fragment: int, *, early: Mapping[str, Payload],
+    names: Sequence[str], payloads: Sequence[Payload | None],
+) -> None:
+    """An aborted round's counted updates go back into their sites' residuals, as the real site
+    keeps an update whose round did not aggregate it without refusing it (the broadcast's
+    ``included`` and ``refused`` both false); refused updates are dropped on both sides. An
+    update is in ``early`` (site -> upload admitted as it arrived, held for this when the site
+    ``keeps``) or still in ``payloads`` (admitted at the close)."""
+    for name in outcome.contributors:
+        payload = early.get(name)
+        if payload is None:
+            payload = payloads[list(names).index(name)]
+        if payload is not None and uplinks.keeps(name, fragment):
+            uplinks.keep(name, payload, fragment)
 
 
 def build_uplinks(

@@ -43,7 +43,13 @@ from geoloco.algorithms.simulation.clock import download_ends, upload_arrivals
 from geoloco.algorithms.simulation.robust_attack import parse_attack
 from geoloco.algorithms.simulation.sim_config import MEASURE, SimulationConfig, SimulatorConfig
 from geoloco.algorithms.simulation.sim_state import SimSite, SimTrainer
-from geoloco.algorithms.simulation.sim_uplinks import Payload, build_uplinks, round_noise_multiplier
+from geoloco.algorithms.simulation.sim_uplinks import (
+    Payload,
+    build_uplinks,
+    drop_refused,
+    keep_aborted,
+    round_noise_multiplier,
+)
 from geoloco.algorithms.simulation.streaming_sim import StreamingRounds
 from geoloco.algorithms.strategy import UPDATE_GRADIENT, AlgorithmConfig, DataParallel, Strategy, build_strategy
 from geoloco.algorithms.streaming import FragmentUplink
@@ -239,6 +245,7 @@ class Simulator:
         compute: list[float] = []
         losses: list[float] = []
         known: dict[int, int] = {}
+        held_for_abort: dict[str, Payload] = {}
         for k, site in enumerate(self.sites):
             self.trainer.load(self.global_flat)
             result, seconds = self._inner_steps(site, plan.inner_steps)
@@ -270,6 +277,8 @@ class Simulator:
                     round_, site.name, encoded, weights[k], screen=self.uplinks.screen(encoded), arrival=arrival
                 ):
                     held = None
+                    if self.uplinks.keeps(site.name, plan.fragment):
+                        held_for_abort[site.name] = encoded
             del encoded
             payloads.append(held)
         # The other sizes are known once every site has encoded (the secure protocol's messages).
@@ -313,6 +322,10 @@ class Simulator:
             else:
                 self.uplinks.keep(site.name, payload, plan.fragment)
         stepped = engine.step(round_, self.global_flat, plan, list(outcome.contributors))
+        drop_refused(self.uplinks, outcome, plan.fragment)
+        if stepped.aborted is not None:
+            keep_aborted(self.uplinks, outcome, plan.fragment, early=held_for_abort, names=names, payloads=payloads)
+        del held_for_abort
         update = stepped.result.update
         self.global_flat = update.global_flat
         utilization = self._close_round_clock(aggregate_s, arrivals, update.downlink.nbytes, compute)
@@ -391,7 +404,9 @@ class Simulator:
             encoded, weight, arrival, fragment = site.late
             site.late = None
             if arrival <= aggregate_s:
-                self.engine.fold_late(round_, site.name, encoded, weight, screen=self.uplinks.screen(encoded))
+                folded = self.engine.fold_late(round_, site.name, encoded, weight, screen=self.uplinks.screen(encoded))
+                if not folded.ok:
+                    self.uplinks.drop(site.name, fragment)
             else:
                 self.uplinks.keep(site.name, encoded, fragment)
 

@@ -31,7 +31,7 @@ from geoloco.algorithms.engine import RoundEngine
 from geoloco.algorithms.finite import all_finite
 from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, transfer_time
 from geoloco.algorithms.simulation.sim_state import SimSite, SimTrainer
-from geoloco.algorithms.simulation.sim_uplinks import Payload, SimUplinks
+from geoloco.algorithms.simulation.sim_uplinks import Payload, SimUplinks, drop_refused, keep_aborted
 from geoloco.algorithms.strategy import Strategy
 from geoloco.algorithms.streaming import merge_fragment_
 from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapChoice, OverlapMeter
@@ -146,6 +146,7 @@ class StreamingRounds:
         weights: list[float] = []
         computed: list[tuple[float, float, float | None, float]] = []
         known: dict[int, int] = {}
+        held_for_abort: dict[str, Payload] = {}
         losses: list[float] = []
         site_steps: list[int] = []
         for k, (site, stream) in enumerate(zip(sites, self.streams, strict=True)):
@@ -200,6 +201,8 @@ class StreamingRounds:
                     round_, site.name, encoded, weights[k], screen=uplinks.screen(encoded), arrival=arrival
                 ):
                     held = None
+                    if uplinks.keeps(site.name, p):
+                        held_for_abort[site.name] = encoded
             del encoded
             payloads.append(held)
         # The other sizes are known once every site has encoded (the secure protocol's messages).
@@ -229,6 +232,10 @@ class StreamingRounds:
             if site.name in outcome.excluded and payload is not None:
                 uplinks.keep(site.name, payload, p)
         stepped = engine.step(round_, global_flat, plan, list(outcome.contributors))
+        drop_refused(uplinks, outcome, p)
+        if stepped.aborted is not None:
+            keep_aborted(uplinks, outcome, p, early=held_for_abort, names=names, payloads=payloads)
+        del held_for_abort
         update = stepped.result.update
         ends = download_ends(aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in sites])
         for site, stream, timing, end in zip(sites, self.streams, times, ends, strict=True):

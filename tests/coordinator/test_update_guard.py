@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _round_helpers import FakeClock, join, tiny_weights, upload
+from _round_helpers import FakeClock, join, tiny_weights, upload, wait_broadcast
 
 from geoloco.algorithms.aggregation import RunningSum
 from geoloco.algorithms.config import ConfigError
@@ -146,8 +146,7 @@ def test_an_update_far_above_recent_rounds_is_rejected_and_the_history_survives_
     tmp_path: Path,
 ) -> None:
     rounds = make(tmp_path, update_guard=UpdateGuardConfig(norm_floor=10.0, norm_factor=20.0))
-    for site in "ab":
-        join(rounds, site)
+    sessions = {site: join(rounds, site).session_id for site in "ab"}
     record = round_of(rounds, {"a": unit(rounds.numel, 1.0, 1), "b": unit(rounds.numel, 2.0, 2)})
     assert record.aborted is None
     # The bound is now max(10, 20 x median(1, 2)) = 30, no longer the floor's 10.
@@ -158,11 +157,20 @@ def test_an_update_far_above_recent_rounds_is_rejected_and_the_history_survives_
         upload(rounds, "b", unit(rounds.numel, 1.0, 5))
     record = rounds.poll()
     assert record is not None and record.participants == ["a"] and record.rejected == ["b"]
+    # The broadcast tells b its update was refused (it drops it, with its residual), not
+    # merely left out (it would keep it for the next round).
+    for site, refused in (("a", False), ("b", True)):
+        header = wait_broadcast(rounds, site, sessions[site], 1, timeout_s=1).header
+        assert header is not None and header.refused is refused and header.included is not refused
     rounds.close()
     # The norm history is in the checkpoint: a restarted coordinator keeps the same bound.
     again = make(tmp_path, update_guard=UpdateGuardConfig(norm_floor=10.0, norm_factor=20.0))
     assert again.round == 2
     assert again.engine.guard.norm_bound() == pytest.approx(20.0 * 2.0)  # median of 1, 2, 25
+    # And still tells b, asking again after the restart, that round 1 refused its update.
+    session = join(again, "b").session_id
+    header = wait_broadcast(again, "b", session, 1, timeout_s=1).header
+    assert header is not None and header.refused and not header.included
     again.close()
 
 

@@ -10,6 +10,7 @@ exactly what the simulator's ``attack = "scale:F"`` does to a site's upload.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,6 +52,11 @@ def poison(agent: SiteAgent, factor: float) -> None:
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_certs(tmp_path_factory.mktemp("certs"), ["0", "1"])
+
+
+@pytest.fixture(scope="module")
+def certs3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs3"), ["0", "1", "2"])
 
 
 def test_rounds_the_guard_aborts_are_aborted_by_the_simulator_too(certs: Path, tmp_path: Path) -> None:
@@ -112,3 +118,97 @@ def test_without_the_guards_bound_the_same_rounds_go_through() -> None:
     assert record.aborted is None and record.participants == ["0", "1"]
     assert not torch.equal(simulator.global_flat, before)
     assert float(simulator.global_flat.abs().max()) > GUARD.max_abs_weight
+
+
+class _FirstRoundScaled:
+    """The simulator's uplinks with ``site``'s round-0 update scaled by ``factor`` (what
+    ``poison_first_update`` does to a real site's first update); everything else delegated."""
+
+    def __init__(self, inner: Any, site: str, factor: float) -> None:
+        self.inner, self.site, self.factor = inner, site, factor
+
+    def encode(self, site: str, update: torch.Tensor, plan: Any, aggregation: Any) -> Any:
+        if site == self.site and plan.round == 0:
+            update = update * self.factor
+        return self.inner.encode(site, update, plan, aggregation)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def poison_first_update(agent: SiteAgent, factor: float) -> None:
+    """Make ``agent`` upload ``factor`` times its first pseudo-gradient, then honest ones. The
+    update is formed whole (``encode``), not piece by piece in the residual, so it can be scaled."""
+
+    def on_join(info: JoinInfo) -> None:
+        uplink = agent._rounds.uplink  # type: ignore[union-attr]
+        encode = uplink.encode
+        if getattr(encode, "poisoned", False):
+            return
+        calls = [0]
+
+        def scaled(update: torch.Tensor, **kwargs: object) -> object:
+            calls[0] += 1
+            return encode(update * factor if calls[0] == 1 else update, **kwargs)
+
+        scaled.poisoned = True  # type: ignore[attr-defined]
+        uplink.encode = scaled  # type: ignore[method-assign]
+        uplink.encode_added = lambda *args, **kwargs: None  # type: ignore[method-assign]
+
+    agent.hooks.on_join = on_join
+
+
+def test_a_refused_update_is_dropped_and_an_aborted_rounds_updates_are_kept_as_the_simulator_does(
+    certs3: Path, tmp_path: Path
+) -> None:
+    """Error feedback decides what becomes of an update its round did not aggregate. Site 1's
+    first update is far beyond the guard's norm floor: refused, and with every site needed
+    (min_sites = 3) the round aborts, so sites 0 and 2 counted for nothing. The real site kept
+    every update that was not aggregated in its residual, the refused one too, and sent it again
+    inside the next one, refused again, round after round (every round aborted); the simulator
+    dropped the refused update but kept what int8 left of it in the residual, and dropped the
+    aborted round's counted ones. Now both drop the refused update with its residual
+    (``BroadcastHeader.refused``) and keep the aborted round's others, and end on the same
+    weights bit for bit."""
+    run = Run(
+        workload=build_workload("mlp"),
+        num_sites=3,
+        rounds=3,
+        seed=5,
+        algorithm=AlgorithmConfig(inner_steps=3, uplink_codec="int8", downlink_codec="none"),
+    )
+    factor = 1e7
+    metrics = tmp_path / "metrics.jsonl"
+    server = run.start_coordinator(certs3, metrics_path=str(metrics))
+    agents = [run.agent(certs3, server.port, k) for k in range(3)]
+    poison_first_update(agents[1], factor)
+    threads = [AgentThread(agent) for agent in agents]
+    try:
+        for t in threads:
+            t.start()
+        summaries = [t.finish() for t in threads]
+        assert server.wait_until_finished(60)
+    finally:
+        server.stop(grace=0)
+    assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
+    records = read_metrics(metrics)
+
+    config = SimulatorConfig(
+        algorithm=run.algorithm,
+        inner_optimizer=run.inner,
+        sites=[SiteConfig() for _ in range(3)],
+        simulation=SimulationConfig(rounds=run.rounds, seed=run.seed, device="cpu", eval_every=10**6, min_sites=3),
+    )
+    simulator = Simulator(config, run.workload)
+    simulator.uplinks = _FirstRoundScaled(simulator.uplinks, "1", factor)  # type: ignore[assignment]
+    predicted = list(simulator.run())
+
+    assert [r["aborted"] is not None for r in records] == [r.aborted is not None for r in predicted]
+    assert [r.aborted is not None for r in predicted] == [True, False, False]
+    assert records[0]["rejected"] == predicted[0].rejected == ["1"]
+    for real, sim in zip(records[1:], predicted[1:], strict=True):
+        assert sorted(real["participants"]) == sorted(sim.participants) == ["0", "1", "2"]
+    assert torch.equal(server.rounds.weights, simulator.global_flat)
+    # Nothing of the refused update is left: its residual (what int8 dropped of 1e7 times the
+    # update) was dropped with it.
+    assert float(server.rounds.weights.abs().max()) < 10.0

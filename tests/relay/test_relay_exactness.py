@@ -307,6 +307,9 @@ def test_an_update_refused_at_the_relay_is_reported_so_the_round_does_not_wait_f
         _wait_round(server, 1)
         header, _ = sites[0].await_broadcast()
         assert not header.included and header.num_contributors == 3
+        assert header.refused, "site-a drops its refused update instead of keeping it"
+        header, _ = sites[1].await_broadcast()
+        assert header.included and not header.refused
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
     assert record["rejected"] == ["site-a"]
@@ -631,6 +634,7 @@ def test_a_refused_partial_reports_its_sites_so_the_round_does_not_wait_for_them
         _wait_round(server, 1)
         header, _ = b.await_broadcast()
         assert not header.included and header.num_contributors == 3
+        assert not header.refused, "b's update was never judged: it keeps it for the next round"
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == ["site-a", "site-c", "site-d"]
     assert record["rejected"] == ["site-b"]

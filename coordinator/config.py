@@ -322,6 +322,12 @@ class CoordinatorConfig:
             "relays",
             f"late updates are not folded through relays: {works}",
         )
+        require(
+            not self.algorithm.partial_updates.enabled,
+            "relays",
+            "partial parameter updates: each site uploads only its own group's parameters, a relay "
+            f"adds updates of one shape, so every partial would be refused: {works}",
+        )
 
     def _validate_privacy(self) -> None:
         """What only the coordinator adds to ``TrainingConfig.validate``: wire limits."""

@@ -401,6 +401,12 @@ def check_relayed_round(privacy: PrivacyConfig, algorithm: AlgorithmConfig) -> N
         f"got {algorithm.late_updates!r}; with [[regions]] allowed: 'drop' (late updates are not "
         "folded through relays); or drop [[regions]]",
     )
+    require(
+        not algorithm.partial_updates.enabled,
+        "algorithm.partial_updates.enabled",
+        "must be false with [[regions]] (each site uploads only its own group's parameters, a "
+        "relay adds updates of one shape); or drop [[regions]]",
+    )
 
 
 # -- the clock a simulated run uses ----------------------------------------------------------------

@@ -115,6 +115,8 @@ def test_an_unshaped_coordinator_link_without_regions_is_the_plain_clock(make_wo
         ({"regions": REGIONS, "algorithm": {"clip_to_median_norm": 2.0}}, "algorithm.clip_to_median_norm",
          "must be unset with [[regions]]"),
         ({"regions": REGIONS, "algorithm": {"late_updates": "fold"}}, "algorithm.late_updates", "allowed: 'drop'"),
+        ({"regions": REGIONS, "algorithm": {"partial_updates": {"enabled": True}}},
+         "algorithm.partial_updates.enabled", "must be false with [[regions]]"),
     ],
 )
 def test_a_bad_regions_declaration_names_the_key(extra: dict, key: str, words: str) -> None:

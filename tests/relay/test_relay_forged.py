@@ -344,6 +344,7 @@ def test_a_relay_refuses_a_site_outside_its_list(certs: Path, server: Coordinato
         ),
         ({"algorithm": {"aggregation": "median"}}, "robust aggregation"),
         ({"algorithm": {"late_updates": "fold"}}, "late updates are not folded through relays"),
+        ({"algorithm": {"partial_updates": {"enabled": True}}}, "partial parameter updates"),
         ({"relays": {"eu": ["site-a"], "us": ["site-a"]}}, "already listed under relay 'eu'"),
         ({"relays": {"eu": []}}, "must list at least one site"),
         ({"relays": {"e u": ["site-a"]}}, "relay name"),

@@ -188,9 +188,14 @@ class RoundContext:
         else:
             remaining = 0.0
         codec = self.uplink_codec_for(site, r.number) if site and self.link_codecs is not None else ""
+        try:
+            numel = self.strategy.upload_numel(r.number, site) if site else self.update_numel(r.number)
+        except ValueError:  # a site name partial updates cannot place (refused at its upload)
+            numel = 0
         return RoundInfo(
             round=r.number, round_seed=self.round_seed(r.number), deadline_remaining_s=remaining,
-            uplink_codec=codec, fastest_step_s=self.fastest_step_s(),
+            uplink_codec=codec, fastest_step_s=self.fastest_step_s(), upload_numel=numel,
+            fragment=self.fragment_of(r.number),
         )
 
     def uplink_codec_for(self, site: str, round_number: int) -> str:

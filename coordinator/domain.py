@@ -63,6 +63,10 @@ class RoundInfo:
     fastest_step_s: float = 0.0
     """Asynchronous merges with Dynamic Local Updates: the fastest member's seconds per inner
     step (``RoundContext.fastest_step_s``); 0: unknown or not used."""
+    upload_numel: int = 0
+    """Values in the site's upload for the round (``pb.RoundInfo.upload_numel``)."""
+    fragment: int = 0
+    """The fragment the round synchronises (0 without streaming)."""
 
 
 @dataclass(frozen=True, slots=True)

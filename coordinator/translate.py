@@ -115,6 +115,8 @@ def round_info(info: RoundInfo) -> pb.RoundInfo:
         deadline_remaining_ms=int(info.deadline_remaining_s * 1000),
         uplink_codec=info.uplink_codec,
         fastest_step_s=info.fastest_step_s,
+        upload_numel=info.upload_numel,
+        fragment=info.fragment,
     )
 
 

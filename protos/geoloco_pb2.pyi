@@ -168,18 +168,22 @@ class RunConfig(_message.Message):
     def __init__(self, inner_steps: _Optional[int] = ..., uplink_codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., seed: _Optional[int] = ..., weighting: _Optional[_Union[Weighting, str]] = ..., total_rounds: _Optional[int] = ..., quorum: _Optional[int] = ..., round_deadline_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round", "round_seed", "deadline_remaining_ms", "uplink_codec", "fastest_step_s")
+    __slots__ = ("round", "round_seed", "deadline_remaining_ms", "uplink_codec", "fastest_step_s", "upload_numel", "fragment")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_SEED_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
     UPLINK_CODEC_FIELD_NUMBER: _ClassVar[int]
     FASTEST_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     round: int
     round_seed: int
     deadline_remaining_ms: int
     uplink_codec: str
     fastest_step_s: float
-    def __init__(self, round: _Optional[int] = ..., round_seed: _Optional[int] = ..., deadline_remaining_ms: _Optional[int] = ..., uplink_codec: _Optional[str] = ..., fastest_step_s: _Optional[float] = ...) -> None: ...
+    upload_numel: int
+    fragment: int
+    def __init__(self, round: _Optional[int] = ..., round_seed: _Optional[int] = ..., deadline_remaining_ms: _Optional[int] = ..., uplink_codec: _Optional[str] = ..., fastest_step_s: _Optional[float] = ..., upload_numel: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("site", "protocol_version", "software_version", "has_weights", "weights_round", "weights_digest", "instance_id")

@@ -224,7 +224,7 @@ class RelayHub:
             self.run = run
             self.members[site] = self.clock()
             self.ever_joined.add(site)
-            self._learn_round(response.round.round)
+            self._learn_round(response.round)
             self.cond.notify_all()
 
     def heard(self, site: str, response: pb.HeartbeatResponse | None = None) -> None:
@@ -232,7 +232,7 @@ class RelayHub:
             if site in self.members:
                 self.members[site] = self.clock()
             if response is not None and not response.rejoin_required:
-                self._learn_round(response.round.round)
+                self._learn_round(response.round)
             self.cond.notify_all()
 
     def left(self, site: str) -> None:
@@ -285,10 +285,14 @@ class RelayHub:
         with self.cond:
             return {s for s, seen in self.members.items() if now - seen <= timeout}
 
-    def _learn_round(self, number: int) -> None:
-        """The coordinator is at round ``number``: a partial of an older round that never went
-        upward is too late (its sites catch up from the broadcast)."""
+    def _learn_round(self, info: pb.RoundInfo) -> None:
+        """The coordinator is at round ``info.round``: a partial of an older round that never
+        went upward is too late (its sites catch up from the broadcast). The round's upload size
+        and fragment, when the coordinator says them, are what the relay holds its uploads to."""
+        number = int(info.round)
         r = self.round
+        if number == r.number and r.expected is None and info.upload_numel:
+            r.expected = (int(info.upload_numel), int(info.fragment))
         if number <= r.number:
             return
         if not r.empty and not r.forwarded:
@@ -296,7 +300,10 @@ class RelayHub:
                 "relay %s: the coordinator moved on to round %d before round %d's partial of %s went up",
                 self.config.name, number, r.number, ", ".join(r.updates) or "no complete upload",
             )
-        self.round = RelayRound(number=number, opened_s=self.clock())
+        self.round = RelayRound(
+            number=number, opened_s=self.clock(),
+            expected=(int(info.upload_numel), int(info.fragment)) if info.upload_numel else None,
+        )
 
     # -- uploads from the sites --
 
@@ -370,6 +377,16 @@ class RelayHub:
                 f"[n] with n <= {run.numel} (the model's size)"
             )
         shape = (int(blob.shape[0]),)
+        if run.secure is None and r.expected is not None and (shape[0], manifest.fragment) != r.expected:
+            # The coordinator said what the round takes: a site's other manifest is refused for
+            # the site alone, and cannot set the shape of the region's partial for the others.
+            numel, fragment = r.expected
+            wrong = (
+                f"its upload for round {r.number} is fragment {manifest.fragment} of shape {list(shape)}; "
+                f"the round takes fragment {fragment} of shape [{numel}]"
+            )
+            self._reject(r, site, wrong)
+            raise InvalidUpdateError(f"upload refused: {wrong}")
         if r.shape is not None and (shape != r.shape or manifest.fragment != r.fragment):
             raise InvalidUpdateError(
                 f"upload for round {r.number} is fragment {manifest.fragment} of shape {list(shape)}; the "
@@ -693,7 +710,7 @@ class RelayHub:
                 self._broadcast_waits.pop(number).set()
             if cached.header is not None:
                 self.run_finished = self.run_finished or cached.header.run_finished
-                self._learn_round(cached.header.next_round.round)
+                self._learn_round(cached.header.next_round)
                 self._record(round_number)
             self.cond.notify_all()
 

@@ -93,6 +93,9 @@ class RelayRound:
     fragment: int | None = None
     shape: tuple[int, ...] | None = None
     """Fragment and shape of the round's uploads, fixed by its first upload."""
+    expected: tuple[int, int] | None = None
+    """(upload size, fragment) the coordinator said the round takes (``pb.RoundInfo``); None
+    from a coordinator that does not say, and the first upload's manifest decides."""
     assemblers: dict[str, UploadAssembler] = field(default_factory=dict)
     """site -> its upload's chunks (resumable across streams, as at the coordinator)."""
     updates: dict[str, SiteUpdate] = field(default_factory=dict)

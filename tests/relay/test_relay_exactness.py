@@ -641,3 +641,28 @@ def test_a_refused_partial_reports_its_sites_so_the_round_does_not_wait_for_them
     reason = record["rejected_reasons"]["site-b"]
     assert "its relay's partial sum was refused" in reason and "site 'site-a' already has an update" in reason
     assert "dropped" not in json.dumps(record)
+
+
+def test_one_sites_wrong_shape_cannot_set_the_shape_of_its_regions_partial(certs: Path, tmp_path: Path) -> None:
+    """Site a's manifest is a float32 vector shorter than the model, which a relay could not
+    tell from a Streaming DiLoCo fragment: the first manifest of a round fixed its shape, so
+    site b's honest upload was refused and the coordinator refused the partial of a alone. The
+    coordinator now says what each round takes (``RoundInfo.upload_numel``, ``fragment``): the
+    relay refuses a alone and the round counts the other three."""
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    with _regions(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3) as (server, _relays, sites):
+        a, *others = sites
+        with pytest.raises(grpc.RpcError) as refused:
+            a.upload(ups[a.name][: numel - 5], "none")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the round takes fragment 0 of shape [37]" in (refused.value.details() or "")
+        with ThreadPoolExecutor(len(others)) as pool:
+            done = list(pool.map(lambda s: s.upload(ups[s.name], "none"), others))
+        assert all(d.complete for d in done)
+        _wait_round(server, 1)
+        header, _ = a.await_broadcast()
+        assert header.refused and not header.included
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
+    assert record["rejected"] == ["site-a"] and "shape [37]" in record["rejected_reasons"]["site-a"]

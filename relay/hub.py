@@ -141,6 +141,9 @@ class RelayHub:
         """round -> site -> weight of the partial that went upward (for the metrics record)."""
         self.refused: dict[int, frozenset[str]] = {}
         """round -> sites whose update the relay refused (``CachedBroadcast.refused``)."""
+        self.outcomes: dict[int, str] = {}
+        """round -> the coordinator's answer to its partial (``RelayRound.outcome``), for the
+        sites' answers."""
         self._fetching: set[int] = set()
         self._forwarding: set[int] = set()
         """Rounds whose partial is being built or went upward and whose answer has not come
@@ -456,10 +459,15 @@ class RelayHub:
             return pb.UploadResponse(complete=False, received_bytes=assembler.received_bytes)
 
     def _not_counted(self, number: int) -> str:
+        """Why a site's update of round ``number`` did not count through the relay (lock held)."""
+        outcome = self.outcomes.get(number, "")
+        what = (
+            f"was {clip(outcome, 300)}" if outcome.startswith(("refused", "failed"))
+            else "did not reach the coordinator in time"
+        )
         return (
-            f"round {number}'s partial sum from relay {self.config.name!r} did not reach the "
-            "coordinator in time; keep the update in the error-feedback residual and apply the "
-            "round's broadcast (AwaitBroadcast)"
+            f"round {number}'s partial sum from relay {self.config.name!r} {what}; the round's "
+            "broadcast (AwaitBroadcast) says whether to keep the update for the next round"
         )
 
     def _verify_and_add(self, site: str, assembler: UploadAssembler) -> None:
@@ -655,8 +663,9 @@ class RelayHub:
             self._forwarding.discard(r.number)
             self.partials[r.number] = {s: r.updates[s].weight for s in r.updates}
             self.refused[r.number] = frozenset(r.rejected)
+            self.outcomes[r.number] = outcome
             for old in [n for n in self.partials if n < r.number - KEEP_BROADCASTS]:
-                del self.partials[old], self.included[old], self.refused[old]
+                del self.partials[old], self.included[old], self.refused[old], self.outcomes[old]
             claim = next(iter(r.updates), None)
             self.cond.notify_all()
         if claim is not None:

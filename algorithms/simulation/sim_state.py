@@ -4,7 +4,9 @@ Scaling choice: there is ONE model instance for all sites. Before a site's inner
 starting weights are loaded into it; what each site owns is only its inner-optimizer state (one
 torch optimizer per site over the same shared parameters, each keeping its own state), its
 uplink error-feedback residual and its data stream. Sites run one after another within a round,
-so memory is ``model + N × (optimizer state + residual)``.
+so memory is ``model + N × (optimizer state + residual)``, plus, with error feedback, the round's
+encoded uploads until its outer step (an aborted round gives them back to the residuals, as the
+real sites keep theirs: ``sim_uplinks.keep_aborted``).
 
 ``SimTrainer`` runs a site's inner steps on that model and converts them to virtual seconds
 (``step_time_s / speed_factor`` per step, or the measured wall time with

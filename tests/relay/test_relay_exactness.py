@@ -630,6 +630,7 @@ def test_a_refused_partial_reports_its_sites_so_the_round_does_not_wait_for_them
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda s: _upload_or_error(s, ups[s.name], "none"), sites))
         assert all(isinstance(x, grpc.RpcError) for x in answers[:2]), "eu's partial was refused"
+        assert "was refused: coordinator: site 'site-a' already has an update" in answers[1].details()  # type: ignore[union-attr]
         assert all(x.complete for x in answers[2:])  # type: ignore[union-attr]
         _wait_round(server, 1)
         header, _ = b.await_broadcast()

@@ -331,7 +331,10 @@ class PlainIntake:
 
     # -- opening an upload --
 
-    def validate(self, site: str, spec: UploadSpec) -> None:
+    def validate(self, site: str, spec: UploadSpec, *, computed_from: int | None = None) -> None:
+        """Refuse what the manifest alone shows is wrong. ``computed_from``: an asynchronous
+        update's base version; its weight is held to the other sites' as it will enter the merge,
+        discounted by its staleness (as the merge admits it and the simulator screens it)."""
         ctx = self.ctx
         if spec.site and spec.site != site:
             raise InvalidUpdateError(
@@ -379,6 +382,10 @@ class PlainIntake:
                 "this round, a finite number > 0"
             )
         mean_weight = self.upload_weight(spec)
+        if computed_from is not None:
+            mean_weight = stale_admission(
+                ctx.config.algorithm.asynchronous, base=computed_from, into=spec.round, weight=mean_weight
+            ).weight
         why = check_inner_steps(int(spec.inner_steps), run_most_inner_steps(ctx.config.algorithm))
         if why is None:
             why = ctx.engine.screen(
@@ -662,15 +669,15 @@ class PlainIntake:
         verdict = stale_admission(self.ctx.config.algorithm.asynchronous, base=spec.round, into=into, weight=1.0)
         if verdict.refused is not None:
             raise WrongRoundError(
-                f"site {site!r}'s update cannot enter merge {into}: {verdict.refused}; keep it in the "
-                "error-feedback residual and go on from the newest broadcast"
+                f"site {site!r}'s update cannot enter merge {into}: {verdict.refused}; drop it and go on "
+                "from the newest broadcast"
             )
         return verdict.staleness
 
     def _new_async_upload(self, site: str, spec: UploadSpec, respec: UploadSpec) -> PlainUpload:
         """A checked assembler for an asynchronous update (``spec`` as sent, ``respec`` naming the
         merge it goes to); its manifest's bytes are counted (lock held)."""
-        self.validate(site, respec)
+        self.validate(site, respec, computed_from=spec.round)
         assembler = PlainUpload(
             respec, max_total_bytes=self.max_upload_bytes, timings=self.ctx.round.timings, spill=self.spill
         )
@@ -702,7 +709,7 @@ class PlainIntake:
                     if site in ctx.members:  # left behind by ``next_round``: beyond max_staleness
                         raise WrongRoundError(
                             f"site {site!r}'s update could not enter merge {into}: it is too stale by "
-                            "now; keep it in the error-feedback residual and go on from the newest broadcast"
+                            "now; drop it and go on from the newest broadcast"
                         )
                     raise _discarded(site, into)
                 ctx.held_updates[site] = HeldUpdate(assembler, decoded, Screen(norm, finite))

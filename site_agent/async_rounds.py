@@ -19,8 +19,9 @@ once, each on its own thread:
   for the next merge when the site's previous update is already in the open one, and answers
   with the merge's number; the site's update after that waits until that merge is open (one
   update per site and merge, one held). An update the coordinator cannot take now (its merge is
-  being applied) is sent again after the next broadcast; one beyond ``max_staleness`` goes back
-  into the error-feedback residual, as a synchronous round's missed update does.
+  being applied) is sent again after the next broadcast; one beyond ``max_staleness`` is dropped
+  with the error-feedback residual (its steps are lost), as one the update guard refuses is, and
+  as the simulator drops both; one in a merge that aborted goes back into the residual.
 
 Training does not wait for the link: while the uploader has not yet taken the previous update (a
 link slower than the phases, or down), the site trains on from its own weights, and the update it
@@ -61,7 +62,7 @@ from geoloco.site_agent.errors import SiteAgentError
 from geoloco.site_agent.persist import prefixed, unprefixed
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
 from geoloco.site_agent.trainer import RoundTraining, SiteTrainer
-from geoloco.site_agent.uplink import StrategyUplink
+from geoloco.site_agent.uplink import StrategyUplink, keep_or_drop
 
 __all__ = ["COMPUTE_S_TOTAL", "REBASED_AT_STEP", "AsyncRounds"]
 
@@ -420,11 +421,13 @@ class AsyncRounds(RoundRunner):
         verdict = stale_admission(self.state.algorithm.asynchronous, base=base_round, into=into, weight=1.0)
         return verdict.refused is not None
 
-    def _restore(self, trained: TrainedUpdate) -> None:
-        """An update that will not be merged goes back into the error-feedback residual."""
+    def _restore(self, trained: TrainedUpdate, *, refused: bool = False) -> None:
+        """An update that will not be merged goes back into the error-feedback residual, unless
+        it was refused or too stale to enter (``refused``): then it is dropped with the residual
+        (``uplink.keep_or_drop``), as the simulator drops it."""
         if trained.update is not None:
             with self._uplink_lock:
-                self.uplink.restore(trained.update)
+                keep_or_drop(self.uplink, trained.update, refused=refused, site=self.site, round_number=trained.round)
 
     # -- threads -------------------------------------------------------------------------------
 
@@ -492,7 +495,7 @@ class AsyncRounds(RoundRunner):
                 self._apply_broadcast(round_number, header, data)
                 state.take_broadcast_header(header)
             del answer, data
-            self._resolve(round_number, included=bool(header.included))
+            self._resolve(round_number, included=bool(header.included), refused=bool(header.refused))
             with self._changed:
                 self._changed.notify_all()
         with self._changed:
@@ -551,9 +554,9 @@ class AsyncRounds(RoundRunner):
                 # update is too stale: try the next merge, unless it is over the bound by then.
                 version = state.held_round
                 if self._too_stale(trained.round, later=1):
-                    logger.info("site %s: update from version %d dropped into the residual (%s)",
+                    logger.info("site %s: update from version %d is too stale, dropped (%s)",
                                 self.site, trained.round, why)
-                    self._finish(trained, included=False)
+                    self._finish(trained, included=False, refused=True)
                     return
                 if not self._wait_for_version_after(version):
                     self._restore(trained)
@@ -565,7 +568,7 @@ class AsyncRounds(RoundRunner):
             except UpdateRejected as why:
                 logger.error("site %s: the coordinator rejected the update from version %d: %s",
                              self.site, trained.round, why)
-                self._finish(trained, included=False)
+                self._finish(trained, included=False, refused=True)
                 return
             self._add_phases({"upload": time.monotonic() - started})
             merged = response.merged_round if response.HasField("merged_round") else state.held_round
@@ -582,27 +585,33 @@ class AsyncRounds(RoundRunner):
                 self._resolve(merged, included=None)
             return
 
-    def _resolve(self, merge: int, *, included: bool | None) -> None:
+    def _resolve(self, merge: int, *, included: bool | None, refused: bool = False) -> None:
         """Merge ``merge``'s broadcast was applied: the site's update in it (if any) counted or
         not (``included``; None: unknown, the broadcast was applied before the upload's answer
-        came, so it counted). Updates awaiting earlier merges the follower skipped (it fetched
-        the weights instead) are taken to have counted."""
+        came, so it counted), and if not, whether the merge refused it (``refused``: an update
+        held for the merge that the update guard refused when it opened). Updates awaiting
+        earlier merges the follower skipped (it fetched the weights instead) are taken to have
+        counted."""
         with self._changed:
             resolved = sorted((m, o) for m, o in self._awaiting.items() if m <= merge)
             for m, _ in resolved:
                 del self._awaiting[m]
         for m, outgoing in resolved:
             counted = included if (m == merge and included is not None) else True
-            if not counted:
+            dropped = refused and m == merge
+            if not counted and not dropped:
                 logger.info("site %s: its update was not counted in merge %d (aborted or lost); back "
                             "into the residual", self.site, m)
-            self._finish(outgoing.trained, included=counted, merged=m, nbytes=outgoing.nbytes)
+            self._finish(outgoing.trained, included=counted, refused=dropped, merged=m, nbytes=outgoing.nbytes)
 
-    def _finish(self, trained: TrainedUpdate, *, included: bool, merged: int | None = None, nbytes: int = 0) -> None:
+    def _finish(
+        self, trained: TrainedUpdate, *, included: bool, refused: bool = False, merged: int | None = None,
+        nbytes: int = 0,
+    ) -> None:
         """Count the phase and tell ``hooks.on_round_end``; an update not merged goes back into
-        the residual first."""
+        the residual first, or is dropped with it when ``refused`` (``_restore``)."""
         if not included:
-            self._restore(trained)
+            self._restore(trained, refused=refused)
         self._round_end(
             trained, round_number=trained.round if merged is None else merged, included=included,
             num_contributors=0, resynced=False, bytes_up=nbytes, bytes_down=0,

@@ -69,6 +69,7 @@ from geoloco.algorithms.async_merge import AsyncMerge, dynamic_local_steps, stal
 from geoloco.algorithms.device import resolve_device
 from geoloco.algorithms.diloco import pseudo_gradient, rebase_local
 from geoloco.algorithms.engine import RoundEngine, Stepped
+from geoloco.algorithms.finite import all_finite
 from geoloco.algorithms.params import ParamLayout, weights_digest
 from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.round import Round, RoundOutcome, RoundPolicy
@@ -171,6 +172,9 @@ class _Merging:
     loss: float
     nbytes: int
     carried: list[tuple[int, float, float]]
+    payload: Payload | None = None
+    """The upload, held until the merge steps when the site's error feedback would take it
+    back (an aborted merge gives it back, as the real site keeps an update not merged)."""
 
 
 class _LazyUplinks(dict[str, FragmentUplink]):
@@ -400,6 +404,10 @@ class DecoupledSimulator:
         base_version, losses, samples = self._train_phase(site, trainer_site, phase, now)
         pseudo = pseudo_gradient(self._versions[base_version], self.trainer.flatten())
         self._release(phase)
+        if not all_finite(pseudo):
+            del pseudo
+            self._withhold(now, site, trainer_site, phase, base_version)
+            return
         plan = self._plan(base_version)
         round_ = self._round
         assert round_ is not None
@@ -426,6 +434,27 @@ class DecoupledSimulator:
         self._push(arrival, _ARRIVAL, site.index, upload)
         if self.asynchronous:
             self._push(now, _START, site.index, (site.incarnation, site.token))
+
+    def _withhold(self, now: float, site: _Site, trainer_site: SimSite, phase: _Phase, base: int) -> None:
+        """A pseudo-gradient with NaN/Inf values, as the real asynchronous site handles it: not
+        sent, its error-feedback residual and inner optimizer state reset, its steps lost; it goes
+        on from the newest version."""
+        if not self.asynchronous:
+            raise ValueError(
+                f"site {site.name}'s pseudo-gradient from version {base} has NaN/Inf values; the "
+                "chaos simulator's lock-step rounds do not model a site withholding its update: "
+                "lower the inner lr, or clip gradients ([inner_optimizer] grad_clip_norm)"
+            )
+        logger.warning(
+            "site %s: the pseudo-gradient from version %d has NaN/Inf values; it sends nothing and "
+            "resets its error-feedback residual and inner optimizer state", site.name, base,
+        )
+        self.uplinks.drop(site.name, 0)
+        if trainer_site.optimizer is not None:
+            trainer_site.optimizer.state.clear()
+        site.steps_done += phase.steps
+        self.ledger.lost(phase.steps, "non_finite")
+        self._push(now, _START, site.index, (site.incarnation, site.token))
 
     def _train_phase(
         self, site: _Site, trainer_site: SimSite, phase: _Phase, now: float
@@ -541,7 +570,10 @@ class DecoupledSimulator:
             self.config.algorithm.asynchronous, base=upload.base, into=round_.number, weight=upload.weight
         )
         if admission.refused is not None:
-            round_.reject(site.name, admission.refused)
+            # Dropped, with what its encoding left in the residual, as the real site drops an
+            # update too stale to enter (the coordinator refuses it at the manifest, WRONG_ROUND,
+            # and records nothing).
+            self.uplinks.drop(site.name, 0)
             self.ledger.lost(upload.steps, "stale")
             return
         self._admit(now, site, upload, staleness=admission.staleness, weight=admission.weight)
@@ -553,12 +585,15 @@ class DecoupledSimulator:
             round_, site.name, upload.payload, weight, screen=self.uplinks.screen(upload.payload), now=now
         )
         if not admission.ok:
+            # Dropped with its residual, as the real site drops a refused update.
+            self.uplinks.drop(site.name, 0)
             self.ledger.lost(upload.steps, "rejected")
             return
         carried, site.carried = site.carried, []
         self._merging[site.name] = _Merging(
             steps=upload.steps, start=upload.start, finish=upload.finish, staleness=staleness,
             loss=upload.loss, nbytes=upload.nbytes, carried=carried,
+            payload=upload.payload if self.uplinks.keeps(site.name, 0) else None,
         )
 
     def _maybe_close(self, now: float, *, timer: bool = False) -> None:
@@ -596,8 +631,15 @@ class DecoupledSimulator:
         stepped = self.engine.step(round_, self.global_flat, plan, contributors)
         update = stepped.result.update
         merging, self._merging = self._merging, {}
-        for held in merging.values():
+        for name, held in merging.items():
             chunks = [(held.steps, held.start, held.finish), *held.carried]
+            if stepped.aborted is not None and held.payload is not None:
+                # Back into the site's residual, as the real site keeps an update its merge did
+                # not take: its steps reach the model inside the site's next update.
+                self.uplinks.keep(name, held.payload, 0)
+                site = next(s for s in self.sites if s.name == name)
+                site.carried = [*chunks, *site.carried]
+                continue
             for steps, start, finish in chunks:
                 if stepped.aborted is None:
                     self.ledger.useful(steps, start, finish)

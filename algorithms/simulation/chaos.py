@@ -53,12 +53,13 @@ __all__ = [
 
 INFINITY = math.inf
 
-LOST_REASONS = ("failed", "upload_lost", "stale", "rejected", "aborted", "restarted", "late")
+LOST_REASONS = ("failed", "upload_lost", "stale", "rejected", "aborted", "restarted", "late", "non_finite")
 """Why computed steps did not reach the global model (``StepLedger.lost_by_reason`` keys):
 the site failed mid-phase; its upload was cut by its failure; the update was more than
-``max_staleness`` versions behind; the update guard refused it; its merge was aborted; a
-lock-step restart voided its round; a synchronous round closed without it and no error-feedback
-residual kept it."""
+``max_staleness`` versions behind; the update guard refused it; its merge was aborted and no
+error-feedback residual kept it; a lock-step restart voided its round; a synchronous round
+closed without it and no error-feedback residual kept it; its pseudo-gradient had NaN/Inf values
+(not sent)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -156,3 +156,25 @@ def test_a_site_whose_update_was_refused_sends_its_next_one_into_the_same_merge(
     assert record is not None and sorted(record.participants) == ["a", "b"]
     assert record.rejected == []  # its refused update is not the merge's last word on it
     assert upload(rounds, "a", _update(33, rounds.numel), round_number=1).merged_round == 1
+
+
+def test_a_stale_update_is_weighed_against_the_others_as_it_enters_the_merge() -> None:
+    """The guard's weight history holds the weights updates entered their merges with,
+    discounted by their staleness (here 0.01 per version), and a merge admits an update with
+    its discounted weight, as the simulator screens it. The manifest's check held the
+    undiscounted weight against that history, so an update two versions stale (weight 1e-4
+    in the merge) was refused as 1 against the others' 0.01, every time."""
+    clock = FakeClock()
+    merge = AsyncConfig(enabled=True, min_quorum=1, discount_per_version=0.01)
+    rounds = make(clock, algorithm=AlgorithmConfig(inner_steps=2, asynchronous=merge))
+    for site in ("a", "b", "c", "d"):
+        join(rounds, site)
+    for k, site in enumerate(("d", "a", "b", "c")):  # one merge each, from version 0: 1, 0.01, 1e-4, 1e-6
+        assert upload(rounds, site, _update(k, rounds.numel), round_number=0).complete
+        clock.advance(5.0)
+        assert rounds.poll() is not None
+    assert upload(rounds, "a", _update(9, rounds.numel), round_number=2).complete  # 2 stale: 1e-4
+    clock.advance(5.0)
+    record = rounds.poll()
+    assert record is not None and record.participants == ["a"]
+    assert record.sample_weights["a"] == pytest.approx(1e-4)

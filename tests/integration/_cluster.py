@@ -27,7 +27,7 @@ from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos.transport_tls import TLSFiles
 from geoloco.scenarios.certs import init_ca, issue_coordinator, issue_site
 from geoloco.site_agent.agent import SiteAgent, SiteRunSummary
-from geoloco.site_agent.config import RoundResult, SiteAgentConfig, SiteHooks
+from geoloco.site_agent.config import JoinInfo, RoundResult, SiteAgentConfig, SiteHooks
 
 
 def make_certs(directory: Path, sites: list[str]) -> Path:
@@ -165,3 +165,25 @@ def on_round(round_number: int, event: threading.Event) -> Callable[[RoundRecord
             event.set()
 
     return callback
+
+
+def poison_first_update(agent: SiteAgent, factor: float) -> None:
+    """Make ``agent`` upload ``factor`` times its first pseudo-gradient, then honest ones. The
+    update is formed whole (``encode``), not piece by piece in the residual, so it can be scaled."""
+
+    def on_join(info: JoinInfo) -> None:
+        uplink = agent._rounds.uplink  # type: ignore[union-attr]
+        encode = uplink.encode
+        if getattr(encode, "poisoned", False):
+            return
+        calls = [0]
+
+        def scaled(update: torch.Tensor, **kwargs: object) -> object:
+            calls[0] += 1
+            return encode(update * factor if calls[0] == 1 else update, **kwargs)
+
+        scaled.poisoned = True  # type: ignore[attr-defined]
+        uplink.encode = scaled  # type: ignore[method-assign]
+        uplink.encode_added = lambda *args, **kwargs: None  # type: ignore[method-assign]
+
+    agent.hooks.on_join = on_join

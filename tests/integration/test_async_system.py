@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _cluster import AgentThread, Run, make_certs
+from _cluster import AgentThread, Run, make_certs, poison_first_update
 
 from geoloco.algorithms.async_merge import AsyncConfig
 from geoloco.algorithms.config import ConfigError
@@ -201,3 +201,33 @@ def test_a_restarted_asynchronous_site_resumes_from_its_saved_state(certs: Path,
     finally:
         server.stop(grace=0)
     assert summary.run_finished and summary.weights_digest == server.rounds.digest_hex
+
+
+def test_an_update_the_guard_refuses_is_dropped_and_the_site_counts_again(certs: Path, tmp_path: Path) -> None:
+    """Site 1's first update is far beyond the update guard's norm floor and is refused. The
+    site used to keep it in its error-feedback residual, so every later update carried it and
+    was refused too: the site never counted again. It now drops it with the residual, as the
+    simulator does, and its next updates enter merges."""
+    merge = AsyncConfig(enabled=True, min_quorum=1)
+    run = Run(
+        workload=build_workload("mlp"), num_sites=3, rounds=10, seed=3,
+        algorithm=AlgorithmConfig(inner_steps=4, uplink_codec="int8", asynchronous=merge),
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    server = run.start_coordinator(certs, metrics_path=str(metrics), min_sites=1)
+    agents = [run.agent(certs, server.port, k, pause_s=0.01) for k in range(3)]
+    poison_first_update(agents[1], 1e7)
+    threads = [AgentThread(agent) for agent in agents]
+    try:
+        for t in threads:
+            t.start()
+        summaries = [t.finish(120) for t in threads]
+        assert server.wait_until_finished(30)
+    finally:
+        server.stop(grace=0)
+    assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
+    records = read_metrics(metrics)
+    refused = [r["round"] for r in records if "1" in r["rejected"]]
+    assert len(refused) == 1, refused
+    assert any("1" in r["participants"] for r in records if r["round"] > refused[0])
+    assert float(server.rounds.weights.abs().max()) < 10.0

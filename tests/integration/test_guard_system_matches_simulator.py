@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _cluster import AgentThread, Run, make_certs
+from _cluster import AgentThread, Run, make_certs, poison_first_update
 
 from geoloco.algorithms.simulation.clock import SiteConfig
 from geoloco.algorithms.simulation.simulator import SimulationConfig, Simulator, SimulatorConfig
@@ -134,28 +134,6 @@ class _FirstRoundScaled:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
-
-
-def poison_first_update(agent: SiteAgent, factor: float) -> None:
-    """Make ``agent`` upload ``factor`` times its first pseudo-gradient, then honest ones. The
-    update is formed whole (``encode``), not piece by piece in the residual, so it can be scaled."""
-
-    def on_join(info: JoinInfo) -> None:
-        uplink = agent._rounds.uplink  # type: ignore[union-attr]
-        encode = uplink.encode
-        if getattr(encode, "poisoned", False):
-            return
-        calls = [0]
-
-        def scaled(update: torch.Tensor, **kwargs: object) -> object:
-            calls[0] += 1
-            return encode(update * factor if calls[0] == 1 else update, **kwargs)
-
-        scaled.poisoned = True  # type: ignore[attr-defined]
-        uplink.encode = scaled  # type: ignore[method-assign]
-        uplink.encode_added = lambda *args, **kwargs: None  # type: ignore[method-assign]
-
-    agent.hooks.on_join = on_join
 
 
 def test_a_refused_update_is_dropped_and_an_aborted_rounds_updates_are_kept_as_the_simulator_does(

@@ -212,6 +212,9 @@ class CoordinatorRound:
     core: Round
     departed: set[str] = field(default_factory=set)
     """Sites that left or were dropped during the round without contributing."""
+    left_out: set[str] = field(default_factory=set)
+    """Rejected sites whose update nobody judged (their relay's partial was refused): not
+    waited for, but not told their update was refused (``BroadcastHeader.refused``)."""
     uploads: dict[str, Any] = field(default_factory=dict)
     """site -> its upload (``geoloco.coordinator.intake.PlainUpload``)."""
     held: dict[str, Any] = field(default_factory=dict)

@@ -800,10 +800,11 @@ class PlainIntake:
         """Whether an upload for ``round_number`` is a late update to fold into the open round:
         exactly one round late, folding on, and the site's update did not count in its round."""
         ctx = self.ctx
-        return ctx.phase in OPEN_PHASES and ctx.engine.late_foldable(
-            round_number, ctx.round.number,
-            counted=site in ctx.contributor_history.get(round_number, frozenset()),
+        # An update its own round refused is not offered again one round late either.
+        settled = site in ctx.contributor_history.get(round_number, frozenset()) or site in ctx.refused_history.get(
+            round_number, frozenset()
         )
+        return ctx.phase in OPEN_PHASES and ctx.engine.late_foldable(round_number, ctx.round.number, counted=settled)
 
     def _open_late(self, site: str, spec: UploadSpec) -> PlainUpload:
         """The (new or resumed) assembler of a late update; called with the lock held."""

@@ -241,6 +241,7 @@ class RoundPhases:
         r, outcome = closed.round, closed.outcome
         timings = r.timings
         contributors = list(outcome.contributors)
+        refused = frozenset(outcome.rejected) - r.left_out
         # The previous round's snapshot reads the live weights and outer state the step changes.
         # Its wait is the checkpoint's time, not the outer step's: t0 starts after it, or a slow
         # disk would be counted twice and the phases would sum to more than the round's wall.
@@ -320,7 +321,7 @@ class RoundPhases:
             checkpoint_start = time.perf_counter()
             snapshot = self.make_durable(
                 r.number, plan.fragment, contributors, new_weights, new_digest,
-                frozenset(outcome.folded), replay, sync=aborted is not None,
+                frozenset(outcome.folded), refused, replay, sync=aborted is not None,
                 snapshot_due=finished or next_round % ctx.config.checkpoint_every == 0,
             )
             timings.record("checkpoint", time.perf_counter() - checkpoint_start)
@@ -342,7 +343,7 @@ class RoundPhases:
             self.broadcast = record
             ctx.contributor_history[r.number] = record.contributors
             ctx.contributor_history.pop(r.number - CONTRIBUTOR_HISTORY, None)
-            ctx.refused_history[r.number] = frozenset(outcome.rejected)
+            ctx.refused_history[r.number] = refused
             ctx.refused_history.pop(r.number - CONTRIBUTOR_HISTORY, None)
             ctx.folded_history[r.number - 1] = frozenset(outcome.folded)
             ctx.folded_history.pop(r.number - 1 - CONTRIBUTOR_HISTORY, None)
@@ -551,6 +552,7 @@ class RoundPhases:
         weights: torch.Tensor,
         digest: str,
         folded: frozenset[str],
+        refused: frozenset[str],
         record: RoundRecord,
         *,
         sync: bool,
@@ -565,7 +567,9 @@ class RoundPhases:
         config = ctx.config
         assert config.checkpoint_dir is not None
         next_round = round_number + 1
-        metadata = self._durable_metadata(digest, frozenset(contributors), folded, last=round_number, record=record)
+        metadata = self._durable_metadata(
+            digest, frozenset(contributors), folded, refused, last=round_number, record=record
+        )
         log = self.round_log
         if log is not None and not sync and self._chain and log.observed == round_number:
             log.commit(
@@ -618,18 +622,18 @@ class RoundPhases:
         digest: str,
         contributors: frozenset[str],
         folded: frozenset[str],
+        refused: frozenset[str],
         *,
         last: int,
         record: RoundRecord | None,
     ) -> dict[str, Any]:
         """What a checkpoint (or round-log entry) of round ``last + 1`` holds besides tensors,
         as plain JSON values: a snapshot written later must not see the next round's changes.
-        ``contributors``/``folded``: of round ``last``, just aggregated (the history does not
-        hold it yet). The history lets a restarted coordinator still tell a site whether its
+        ``contributors``/``folded``/``refused``: of round ``last``, just aggregated (the history
+        does not hold it yet). The history lets a restarted coordinator still tell a site whether its
         update counted, so it neither loses nor resends it, and whether it was refused, so it
         drops it."""
         ctx = self.ctx
-        refused = frozenset(record.rejected) if record is not None else frozenset()
         with ctx.cond:  # joins go on while a round is made durable outside the lock
             replaced = self.membership.state()
         history = {

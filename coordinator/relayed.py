@@ -110,6 +110,8 @@ class RelayedSite:
     """The site's own upload metrics, passed on by the relay."""
     rejected: str = ""
     """Non-empty: the relay refused the site's update (why); it is not in the sum."""
+    left_out: bool = False
+    """With ``rejected``: not judged, only left out (``pb.RelayedSite.left_out``)."""
 
 
 class RelayedUploads:
@@ -401,6 +403,8 @@ class RelayedUploads:
                     # that update: a relay's refusal speaks only of what reached the relay.
                     why = f"{clip(r.rejected, MAX_RELAYED_REASON_CHARS)} (at relay {relay})"
                     cr.core.reject(r.site, why)
+                    if r.left_out:
+                        cr.left_out.add(r.site)
                     ctx.events.emit(ev.UPDATE_REJECTED, site=r.site, round=spec.round, why=why)
             for r in counted:
                 ctx.engine.admit(cr.core, r.site, None, r.weight, screen=UNSCREENED, now=now)

@@ -89,7 +89,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise IdentityError("only a relay's certificate (geoloco:relay:NAME) may upload relayed_sites")
             relay = self.relays.insecure_relay(manifest.site)
         relayed = [
-            RelayedSite(r.site, r.weight, r.inner_steps, dict(r.metrics), r.rejected) for r in manifest.relayed_sites
+            RelayedSite(r.site, r.weight, r.inner_steps, dict(r.metrics), r.rejected, r.left_out)
+            for r in manifest.relayed_sites
         ]
         try:
             progress = self.relays.receive(

@@ -353,7 +353,7 @@ class UploadManifest(_message.Message):
     def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., sample_weight: _Optional[float] = ..., blob: _Optional[_Union[BlobManifest, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., inner_steps: _Optional[int] = ..., instance_id: _Optional[str] = ..., relayed_sites: _Optional[_Iterable[_Union[RelayedSite, _Mapping]]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., shard_split: _Optional[str] = ...) -> None: ...
 
 class RelayedSite(_message.Message):
-    __slots__ = ("site", "weight", "inner_steps", "metrics", "rejected")
+    __slots__ = ("site", "weight", "inner_steps", "metrics", "rejected", "left_out")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -366,12 +366,14 @@ class RelayedSite(_message.Message):
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
     site: str
     weight: float
     inner_steps: int
     metrics: _containers.ScalarMap[str, float]
     rejected: str
-    def __init__(self, site: _Optional[str] = ..., weight: _Optional[float] = ..., inner_steps: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., rejected: _Optional[str] = ...) -> None: ...
+    left_out: bool
+    def __init__(self, site: _Optional[str] = ..., weight: _Optional[float] = ..., inner_steps: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., rejected: _Optional[str] = ..., left_out: bool = ...) -> None: ...
 
 class UploadRequest(_message.Message):
     __slots__ = ("manifest", "chunk")

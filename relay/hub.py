@@ -55,7 +55,7 @@ from geoloco.relay.partial import RelayRound, RelayWait, SiteUpdate, encode_part
 from geoloco.relay.run_info import RunInfo
 from geoloco.relay.upstream import Traffic, Upstream
 
-__all__ = ["CachedBroadcast", "RelayHub", "RunInfo"]
+__all__ = ["ASK_COORDINATOR", "AskCoordinator", "CachedBroadcast", "RelayHub", "RunInfo"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,15 @@ KEEP_BROADCASTS = 3
 """Rounds whose broadcast stays cached for sites that ask late."""
 SHORT_INSTANCE = 8
 """Characters of an instance id in messages (as the coordinator writes them)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AskCoordinator:
+    """``RelayHub.wait_broadcast``'s answer when only the coordinator can tell the site whether
+    its update counted: the relay passes the site's wait through."""
+
+
+ASK_COORDINATOR = AskCoordinator()
 
 
 @dataclass(slots=True)
@@ -85,6 +94,10 @@ class CachedBroadcast:
     refused: frozenset[str] = field(default_factory=frozenset)
     """Sites whose update the relay refused this round (``header.refused`` for each): a site
     of a partial the coordinator refused is not among them; its update was never judged."""
+    disowned: bool = False
+    """The round's partial surely did not count (``RelayHub._disowned``): ``header`` speaks of
+    the claim site's own update, and the other sites ask the coordinator themselves
+    (``AskCoordinator``): one of them may have counted by its own upload after a failover."""
 
     def counts(self, site: str) -> bool:
         """Whether ``site``'s update is in the round's aggregate: the broadcast's word where it
@@ -96,6 +109,8 @@ class CachedBroadcast:
         (``num_contributors`` 0)."""
         if self.header is None:
             return False
+        if self.disowned:
+            return site == self.claim and self.header.included
         if self.claim in self.sent:
             return site in self.sent and self.header.included
         return site in self.included and self.header.num_contributors > 0
@@ -266,6 +281,8 @@ class RelayHub:
     def _reject(self, r: RelayRound, site: str, why: str) -> None:
         """``site`` is refused from plain round ``r`` before its update was added (lock held):
         an upload of it still arriving is dropped (it would count the site twice)."""
+        if site in r.updates:
+            return  # its verified update is in the partial already; a later manifest cannot undo it
         r.assemblers.pop(site, None)
         if r.core is None:
             # No upload opened the round yet, and perhaps none will (every site of the relay
@@ -298,6 +315,9 @@ class RelayHub:
             r.expected = (int(info.upload_numel), int(info.fragment))
         if number <= r.number:
             return
+        if r.core is not None and not r.forwarded:
+            # Its sites still ask for the round's broadcast: those refused here drop their updates.
+            self.refused[r.number] = frozenset(r.rejected)
         if not r.empty and not r.forwarded:
             logger.warning(
                 "relay %s: the coordinator moved on to round %d before round %d's partial of %s went up",
@@ -599,9 +619,10 @@ class RelayHub:
 
     def _plain_partial(
         self, r: RelayRound, session: str, run: RunInfo, mean: torch.Tensor, sites: list[str],
-        rejected: dict[str, str],
+        rejected: dict[str, str], *, left_out: frozenset[str] = frozenset(),
     ) -> tuple[pb.UploadManifest, bytes]:
-        """A plain round's partial: the weighted mean, encoded for the way up, and its manifest."""
+        """A plain round's partial: the weighted mean, encoded for the way up, and its manifest;
+        ``left_out``: refused sites whose updates were not judged (``pb.RelayedSite.left_out``)."""
         codec = run.uplink_codec if self.config.upward_codec == "uplink" else "none"
         fragment = r.fragment or 0
         if sites:
@@ -632,7 +653,10 @@ class RelayHub:
                 )
                 for s in sites
             ]
-            + [pb.RelayedSite(site=s, weight=0.0, rejected=why) for s, why in rejected.items()],
+            + [
+                pb.RelayedSite(site=s, weight=0.0, rejected=why, left_out=s in left_out)
+                for s, why in rejected.items() if s not in sites
+            ],
         )
         return manifest, data
 
@@ -647,7 +671,10 @@ class RelayHub:
             if run is None or run.secure is not None:
                 return None
             rejected = {**r.rejected, **dict.fromkeys(r.updates, why)}
-        return self._plain_partial(r, session, run, torch.zeros(0, dtype=torch.float32), [], rejected)
+            left_out = frozenset(r.updates)
+        return self._plain_partial(
+            r, session, run, torch.zeros(0, dtype=torch.float32), [], rejected, left_out=left_out
+        )
 
     def forwarded(self, r: RelayRound, outcome: str, sites: Iterable[str], *, disowned: bool = False) -> None:
         """The coordinator's answer to round ``r``'s partial; then fetch its broadcast once.
@@ -665,7 +692,9 @@ class RelayHub:
             self.refused[r.number] = frozenset(r.rejected)
             self.outcomes[r.number] = outcome
             for old in [n for n in self.partials if n < r.number - KEEP_BROADCASTS]:
-                del self.partials[old], self.included[old], self.refused[old], self.outcomes[old]
+                del self.partials[old], self.included[old], self.outcomes[old]
+            for old in [n for n in self.refused if n < r.number - KEEP_BROADCASTS]:
+                del self.refused[old]
             claim = next(iter(r.updates), None)
             self.cond.notify_all()
         if claim is not None:
@@ -707,8 +736,8 @@ class RelayHub:
             self.cond.wait_for(lambda: self.closing or round_number not in self._forwarding)
             self._fetching.discard(round_number)
             cached.included = self.included.get(round_number, frozenset())
-            sent = () if round_number in self._disowned else self.partials.get(round_number, ())
-            cached.sent = frozenset(sent)
+            cached.disowned = round_number in self._disowned
+            cached.sent = frozenset(self.partials.get(round_number, ()))
             cached.refused = self.refused.get(round_number, frozenset())
             self._settle_residual(round_number, cached)
             self.broadcasts[round_number] = cached
@@ -734,7 +763,12 @@ class RelayHub:
             del self._sent_residuals[old]
         if sent is None:
             return
-        counted = cached.counts(cached.claim) if cached.header is not None else bool(cached.included)
+        if cached.disowned:
+            counted = False
+        elif cached.header is not None:
+            counted = cached.counts(cached.claim)
+        else:
+            counted = bool(cached.included)
         if counted:
             return
         fragment, before = sent
@@ -745,10 +779,12 @@ class RelayHub:
 
     def wait_broadcast(
         self, site: str, request: pb.AwaitBroadcastRequest, *, timeout_s: float
-    ) -> tuple[pb.BroadcastHeader, bytes | None] | pb.RoundProgress:
+    ) -> tuple[pb.BroadcastHeader, bytes | None] | pb.RoundProgress | AskCoordinator:
         """Round ``request.round``'s broadcast for ``site`` (its own ``included``), or a progress
-        message after ``timeout_s``. A process replaced while it waits is refused (module doc):
-        the header's ``included`` would speak of its successor's update."""
+        message after ``timeout_s``, or ``ASK_COORDINATOR`` when only the coordinator knows
+        whether the site counted (``CachedBroadcast.disowned``). A process replaced while it
+        waits is refused (module doc): the header's ``included`` would speak of its successor's
+        update."""
         round_number = request.round
         with self.cond:
             self.check_session(request.session_id)
@@ -785,6 +821,8 @@ class RelayHub:
             if cached.error is not None:
                 self.broadcasts.pop(round_number, None)  # the next call asks the coordinator again
                 raise cached.error
+            if cached.disowned and site != cached.claim:
+                return ASK_COORDINATOR
             assert cached.header is not None
             header = pb.BroadcastHeader()
             header.CopyFrom(cached.header)

@@ -24,7 +24,7 @@ from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.protos.transport_tls import resolve_site
 from geoloco.protos.wire_assembly import read_upload_manifest, upload_chunks
 from geoloco.protos.wire_chunks import ChunkRef, broadcast_responses, message_nbytes
-from geoloco.relay.hub import RelayHub
+from geoloco.relay.hub import AskCoordinator, RelayHub
 from geoloco.relay.upstream import Traffic, Upstream
 
 __all__ = ["RelayServicer"]
@@ -137,6 +137,16 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
             self.hub.withheld(site, request)
         while True:
             answer = self.hub.wait_broadcast(site, request, timeout_s=self.progress_interval_s)
+            if isinstance(answer, AskCoordinator):
+                # The round's partial was refused and one of its sites may have counted by its own
+                # upload (a failover): the coordinator answers for the site, delta and all.
+                forwarded = pb.AwaitBroadcastRequest()
+                forwarded.CopyFrom(request)
+                forwarded.site = site
+                forwarded.ClearField("withheld")
+                for message in self.upstream.stream("AwaitBroadcast", forwarded):
+                    yield self._down(site, message)
+                return
             if isinstance(answer, pb.RoundProgress):
                 if not context.is_active():
                     return

@@ -270,7 +270,7 @@ class SyncRounds(RoundRunner):
         header, data = answer
         trained = pending.trained
         included, refused = bool(header.included), bool(header.refused)
-        if pending.fold_late and not included:
+        if pending.fold_late and not included and not refused:
             included, refused = self._upload_late(pending)
         if not included and trained.update is not None:
             keep_or_drop(self.uplink, trained.update, refused=refused, site=self.site, round_number=trained.round)

@@ -636,7 +636,7 @@ class DecoupledSimulator:
             if stepped.aborted is not None and held.payload is not None:
                 # Back into the site's residual, as the real site keeps an update its merge did
                 # not take: its steps reach the model inside the site's next update.
-                self.uplinks.keep(name, held.payload, 0)
+                self.uplinks.give_back(name, held.payload, 0)
                 site = next(s for s in self.sites if s.name == name)
                 site.carried = [*chunks, *site.carried]
                 continue

@@ -97,8 +97,12 @@ class SimUplinks(Protocol):
         ...
 
     def keeps(self, site: str, fragment: int) -> bool:
-        """Whether ``keep`` puts anything back for ``site`` (error feedback): only then is an
-        admitted upload held until the round's step, for ``keep_aborted``."""
+        """Whether ``give_back`` puts anything back for ``site`` (error feedback): only then is
+        an admitted upload held until the round's step, for ``keep_aborted``."""
+        ...
+
+    def give_back(self, site: str, payload: Payload, fragment: int) -> None:
+        """The round took ``site``'s upload and then aborted: back into the site's residual."""
         ...
 
     def drop(self, site: str, fragment: int) -> None:
@@ -146,6 +150,9 @@ class PlainUplinks:
 
     def keeps(self, site: str, fragment: int) -> bool:
         return self.uplinks[site].encoders[fragment].error_feedback is not None
+
+    def give_back(self, site: str, payload: Payload, fragment: int) -> None:
+        self.keep(site, payload, fragment)
 
     def drop(self, site: str, fragment: int) -> None:
         self.uplinks[site].encoders[fragment] = self.strategy.uplink_encoder(site)
@@ -202,7 +209,12 @@ class SecureUplinks:
         raise ValueError("a secure round waits for every site (no deadline): nothing can miss it")
 
     def keeps(self, site: str, fragment: int) -> bool:
-        return False
+        return bool(self.encoders[fragment][site].error_feedback)
+
+    def give_back(self, site: str, payload: Payload, fragment: int) -> None:
+        # What the site masked and sent is in its encoder: back into its residual, as the real
+        # masked site does when its round did not sum it (``SecureUplink.restore``).
+        self.encoders[fragment][site].restore()
 
     def drop(self, site: str, fragment: int) -> None:
         raise ValueError("a masked upload cannot be refused for its values: nobody may measure it")
@@ -244,6 +256,9 @@ class AttackedUplinks:
     def keeps(self, site: str, fragment: int) -> bool:
         return self.inner.keeps(site, fragment)
 
+    def give_back(self, site: str, payload: Payload, fragment: int) -> None:
+        self.inner.give_back(site, payload, fragment)
+
     def drop(self, site: str, fragment: int) -> None:
         self.inner.drop(site, fragment)
 
@@ -270,7 +285,7 @@ def keep_aborted(
         if payload is None:
             payload = payloads[list(names).index(name)]
         if payload is not None and uplinks.keeps(name, fragment):
-            uplinks.keep(name, payload, fragment)
+            uplinks.give_back(name, payload, fragment)
 
 
 def build_uplinks(

@@ -17,7 +17,7 @@ from geoloco.algorithms.strategy import AlgorithmConfig
 from geoloco.algorithms.update_guard import UpdateGuard, UpdateGuardConfig
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.rounds import RoundStateMachine
-from geoloco.protos.errors import InvalidUpdateError, UpdateRejectedError
+from geoloco.protos.errors import InvalidUpdateError, UpdateRejectedError, WrongRoundError
 
 
 def make(tmp_path: Path | None = None, **overrides: object) -> RoundStateMachine:
@@ -287,3 +287,23 @@ def test_the_bounds_equal_the_medians_of_the_window_bit_for_bit() -> None:
                 assert guard.peer_bound(site, kind) == expected  # type: ignore[arg-type]
         pooled = [v[0] for r in history for v in r.values()]
         assert guard.norm_bound() == max(1e-9, 3.0 * statistics.median(pooled))
+
+
+def test_an_update_its_round_refused_is_not_folded_into_the_next_one(tmp_path: Path) -> None:
+    """With late_updates = "fold" a site may offer an update that missed its round to the next
+    one. A site whose update its round refused did not miss it: its next offer for that round
+    is refused as late, not folded, as the simulator folds only stragglers."""
+    rounds = make(
+        algorithm=AlgorithmConfig(inner_steps=1, late_updates="fold"),
+        update_guard=UpdateGuardConfig(norm_floor=10.0),
+    )
+    for site in "ab":
+        join(rounds, site)
+    assert upload(rounds, "a", unit(rounds.numel, 1.0, 1)).complete
+    with pytest.raises(InvalidUpdateError, match="exceeds the bound 10"):
+        upload(rounds, "b", unit(rounds.numel, 40.0, 2))
+    record = rounds.poll()
+    assert record is not None and record.rejected == ["b"]
+    with pytest.raises(WrongRoundError):
+        upload(rounds, "b", unit(rounds.numel, 1.0, 3), round_number=0)
+    rounds.close()

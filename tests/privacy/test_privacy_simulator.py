@@ -54,3 +54,33 @@ def test_simulator_rejects_topk_and_ddp_with_secure_aggregation() -> None:
         _config({"secure_aggregation": True, "clip_norm": 1.0}, uplink_codec="topk:0.01")
     with pytest.raises(ConfigError, match="privacy"):
         _config({"secure_aggregation": True, "clip_norm": 1.0}, name="ddp")
+
+
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_an_aborted_secure_round_gives_the_masked_updates_back_to_the_residuals(error_feedback: bool) -> None:
+    """A secure round the update guard aborts after the sum (site 1 scales its update so the
+    mean pushes a weight beyond max_abs_weight): with error feedback every site's update goes
+    back into its residual whole, as the real masked site restores an update its round did not
+    sum; the simulator used to keep only what the fixed-point encoding lost."""
+    from geoloco.algorithms.simulation.simulator import Simulator
+    from geoloco.scenarios.workloads import build_workload
+
+    config = SimulatorConfig.from_dict({
+        "algorithm": {
+            "inner_steps": 3, "weighting": "uniform", "uplink_codec": "none", "error_feedback": error_feedback,
+        },
+        "sites": [{}, {"attack": "scale:100000"}, {}],
+        "run": {"rounds": 1, "eval_every": 10},
+        "simulation": {"device": "cpu"},
+        "update_guard": {"max_abs_weight": 2.0},
+        "privacy": {"secure_aggregation": True, "clip_norm": 100000.0},
+    })
+    simulator = Simulator(config, build_workload("mlp"))
+    (record,) = list(simulator.run())
+    assert record.aborted is not None and "max_abs_weight" in record.aborted
+    for site in ("0", "2"):
+        residual = simulator.uplinks.inner.encoders[0][site].residual  # type: ignore[attr-defined]
+        if error_feedback:
+            assert residual is not None and float(residual.norm()) > 0.02  # the whole update (~0.1)
+        else:
+            assert residual is None

@@ -617,7 +617,9 @@ def test_a_refused_partial_reports_its_sites_so_the_round_does_not_wait_for_them
     of a and b came and was refused (a counts once). The relay cannot take a out of a sum, so b
     was neither counted nor refused, and the coordinator, which waits for every member here (no
     deadline), waited for b until it was dropped as silent. The relay now reports the refused
-    partial's sites as refused; a keeps its own update, b is recorded as left out at once."""
+    partial's sites as refused; a keeps its own update, b is recorded as left out at once, and
+    each hears the truth (a counted, b left out but not refused) from the relay or the
+    coordinator alike."""
     numel = 37
     ups = updates(numel, dyadic=True)
     with _regions(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3) as (server, _relays, sites):
@@ -636,6 +638,17 @@ def test_a_refused_partial_reports_its_sites_so_the_round_does_not_wait_for_them
         header, _ = b.await_broadcast()
         assert not header.included and header.num_contributors == 3
         assert not header.refused, "b's update was never judged: it keeps it for the next round"
+        # The coordinator says the same to b (after a failover, or a restart against it).
+        b_direct = Site(b.name, certs, f"localhost:{server.port}", session=b.session)
+        try:
+            header, _ = b_direct.await_broadcast()
+        finally:
+            b_direct.close()
+        assert not header.included and not header.refused
+        # And a, asking its relay, hears that it counted (by its own upload): only the
+        # coordinator knows that, so the relay passes the wait through.
+        header, _ = a.await_broadcast()
+        assert header.included and not header.refused
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == ["site-a", "site-c", "site-d"]
     assert record["rejected"] == ["site-b"]
@@ -667,3 +680,28 @@ def test_one_sites_wrong_shape_cannot_set_the_shape_of_its_regions_partial(certs
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == ["site-b", "site-c", "site-d"]
     assert record["rejected"] == ["site-a"] and "shape [37]" in record["rejected_reasons"]["site-a"]
+
+
+def test_a_counted_sites_later_manifest_of_another_shape_leaves_its_update_in(certs: Path, tmp_path: Path) -> None:
+    """Site a's update is in the relay's sum when the site sends a manifest of another shape
+    for the same round. The relay refused the site for it, so the partial listed a as counted
+    and refused at once; the coordinator refused the partial and the region was left out. The
+    counted update stays now, the manifest alone is refused."""
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    with _regions(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=4) as (server, relays, sites):
+        a, *others = sites
+        with ThreadPoolExecutor(len(sites)) as pool:
+            first = pool.submit(_upload_or_error, a, ups[a.name], "none")
+            deadline = time.monotonic() + 20
+            while "site-a" not in relays["eu"].hub.round.updates:  # in the sum; the partial waits for b
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with pytest.raises(grpc.RpcError) as refused:
+                a.upload(ups[a.name][: numel - 5], "none")
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            done = list(pool.map(lambda s: s.upload(ups[s.name], "none"), others))
+            assert all(d.complete for d in done) and first.result().complete  # type: ignore[union-attr]
+        _wait_round(server, 1)
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(record["participants"]) == SITES and record["rejected"] == []

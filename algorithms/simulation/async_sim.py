@@ -175,6 +175,8 @@ class _Merging:
     payload: Payload | None = None
     """The upload, held until the merge steps when the site's error feedback would take it
     back (an aborted merge gives it back, as the real site keeps an update not merged)."""
+    incarnation: int = 0
+    """The site's process that sent it: one that failed since has another residual."""
 
 
 class _LazyUplinks(dict[str, FragmentUplink]):
@@ -593,7 +595,7 @@ class DecoupledSimulator:
         self._merging[site.name] = _Merging(
             steps=upload.steps, start=upload.start, finish=upload.finish, staleness=staleness,
             loss=upload.loss, nbytes=upload.nbytes, carried=carried,
-            payload=upload.payload if self.uplinks.keeps(site.name, 0) else None,
+            payload=upload.payload if self.uplinks.keeps(site.name, 0) else None, incarnation=upload.incarnation,
         )
 
     def _maybe_close(self, now: float, *, timer: bool = False) -> None:
@@ -633,11 +635,12 @@ class DecoupledSimulator:
         merging, self._merging = self._merging, {}
         for name, held in merging.items():
             chunks = [(held.steps, held.start, held.finish), *held.carried]
-            if stepped.aborted is not None and held.payload is not None:
+            site = next(s for s in self.sites if s.name == name)
+            if stepped.aborted is not None and held.payload is not None and site.incarnation == held.incarnation:
                 # Back into the site's residual, as the real site keeps an update its merge did
-                # not take: its steps reach the model inside the site's next update.
+                # not take: its steps reach the model inside the site's next update. (A site that
+                # failed since lost its residual, and this update with it.)
                 self.uplinks.give_back(name, held.payload, 0)
-                site = next(s for s in self.sites if s.name == name)
                 site.carried = [*chunks, *site.carried]
                 continue
             for steps, start, finish in chunks:

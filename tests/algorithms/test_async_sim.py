@@ -262,3 +262,20 @@ def test_an_aborted_merge_gives_its_updates_back_to_the_residuals(make_workload,
     assert any(r.aborted for r in records)
     lost = simulator.ledger.lost_by_reason["aborted"]
     assert (lost == 0) if error_feedback else (lost > 0)
+
+
+def test_an_aborted_merge_does_not_give_back_the_update_of_a_site_that_failed_since(make_workload) -> None:
+    """Sites fail and come back (chaos) while site 1's updates make merges abort: a failed
+    site's new process has a fresh residual, so the update its old process sent is lost with
+    the failure, not given back (which stopped the run: no residual to restore into)."""
+    config = _config(
+        algorithm={"uplink_codec": "int8", "asynchronous": {"enabled": True, "min_quorum": 2, "grace_window_s": 0.5}},
+        sites=[{}, {"attack": "scale:1000"}, {}, {}],
+        update_guard={"max_abs_weight": 2.0},
+        run={"max_wall_clock_s": 60.0},
+        simulation={"rounds": 20, "chaos": {"enabled": True, "seed": 0, "mtbf_s": 1.0, "repair_s": 0.3}},
+    )
+    simulator = DecoupledSimulator(SimulatorConfig.from_dict(config), make_workload(hidden=8))
+    records = list(simulator.run())
+    assert any(r.aborted for r in records)
+    assert simulator.ledger.lost_by_reason["failed"] > 0

@@ -674,13 +674,21 @@ class DecoupledSimulator:
 
     def _measured(self, site: _Site, step_s: float) -> None:
         """``site``'s last phase took ``step_s`` per step: its speed for Dynamic Local Updates,
-        and the fastest site's (recomputed over all sites only when the fastest one slowed)."""
+        and the fastest site's (recomputed over the sites that are up only when the fastest one
+        slowed or failed: the coordinator takes the fastest of its members)."""
         site.step_s = step_s
         if self._fastest_step_s is None or step_s < self._fastest_step_s:
             self._fastest_step_s, self._fastest_site = step_s, site.index
         elif site.index == self._fastest_site and step_s > self._fastest_step_s:
-            fastest = min(self.sites, key=lambda s: math.inf if s.step_s is None else s.step_s)
-            self._fastest_step_s, self._fastest_site = fastest.step_s, fastest.index
+            self._recompute_fastest()
+
+    def _recompute_fastest(self) -> None:
+        up = [s for s in self.sites if s.up and s.step_s is not None]
+        if not up:
+            self._fastest_step_s, self._fastest_site = None, -1
+            return
+        fastest = min(up, key=lambda s: s.step_s if s.step_s is not None else math.inf)
+        self._fastest_step_s, self._fastest_site = fastest.step_s, fastest.index
 
     def _open(self, now: float) -> None:
         """Open the round (merge) ``self.version``; held asynchronous updates enter it first."""
@@ -722,6 +730,8 @@ class DecoupledSimulator:
         self.live.discard(site.name)
         if self.merge_rule is not None:
             self.merge_rule.sites_up = len(self.live)
+        if site.index == self._fastest_site:  # a site that is down sets no one's phase length
+            self._recompute_fastest()
         repaired = site.timeline.down_at(now)
         repair_s = repaired[1] if repaired is not None else now
         self._push(repair_s, _REPAIR, site.index, site.incarnation)
@@ -757,6 +767,8 @@ class DecoupledSimulator:
     def _repair(self, now: float, site: _Site) -> None:
         site.up = True
         self.live.add(site.name)
+        if site.step_s is not None and (self._fastest_step_s is None or site.step_s < self._fastest_step_s):
+            self._fastest_step_s, self._fastest_site = site.step_s, site.index
         if self.merge_rule is not None:
             self.merge_rule.sites_up = len(self.live)
         site.joined_s = now

@@ -279,3 +279,24 @@ def test_an_aborted_merge_does_not_give_back_the_update_of_a_site_that_failed_si
     records = list(simulator.run())
     assert any(r.aborted for r in records)
     assert simulator.ledger.lost_by_reason["failed"] > 0
+
+
+def test_the_fastest_site_that_sets_phase_lengths_is_one_that_is_up(make_workload) -> None:
+    """Dynamic Local Updates size a phase by the fastest site's speed; the coordinator takes the
+    fastest of its members. A fast site that failed kept shortening the others' phases in the
+    simulator until it came back."""
+    config = _config(
+        algorithm={"inner_steps": 8, "asynchronous": {"enabled": True, "dynamic_local_updates": True}},
+        run={"max_wall_clock_s": 600.0},
+        simulation={"chaos": {"enabled": True, "seed": 0, "mtbf_s": 1e9}},
+    )
+    simulator = DecoupledSimulator(SimulatorConfig.from_dict(config), make_workload(hidden=8))
+    next(iter(simulator.run()))
+    fast, middle, slow = simulator.sites
+    for site, step_s in ((fast, 0.05), (middle, 0.2), (slow, 0.4)):
+        simulator._measured(site, step_s)
+    assert simulator._fastest_step_s == 0.05
+    simulator._fail(simulator.clock_s, fast)
+    assert simulator._fastest_step_s == 0.2
+    simulator._repair(simulator.clock_s, fast)
+    assert simulator._fastest_step_s == 0.05

@@ -23,10 +23,11 @@ from geoloco.coordinator import events as ev
 from geoloco.coordinator.config import CoordinatorConfig
 from geoloco.coordinator.domain import CoordinatorRound, RoundInfo, RoundPhase
 from geoloco.protos.errors import RunFinishedError, UpdateRejectedError, WrongRoundError
+from geoloco.protos.protocol_version import COUNTED_HISTORY_ROUNDS
 
 __all__ = ["CONTRIBUTOR_HISTORY", "Member", "RoundContext"]
 
-CONTRIBUTOR_HISTORY = 64
+CONTRIBUTOR_HISTORY = COUNTED_HISTORY_ROUNDS
 """Rounds whose contributor sets are kept, so a late site learns whether its update counted."""
 
 

@@ -7,7 +7,7 @@ not cover, so the round would fail later and less clearly.
 
 from __future__ import annotations
 
-__all__ = ["PROTOCOL_VERSION"]
+__all__ = ["COUNTED_HISTORY_ROUNDS", "PROTOCOL_VERSION"]
 
 PROTOCOL_VERSION = 4
 """Sent in Join; bump on incompatible changes to the meaning of geoloco.proto.
@@ -21,3 +21,8 @@ site's and its neighbours' advertisements and identity bindings, and the unmask 
 its share holders' signatures; a version-3 site derives the neighbour graph from the
 advertisements it receives and would refuse the round.
 """
+
+COUNTED_HISTORY_ROUNDS = 64
+"""Rounds back for which a coordinator still answers a site's AwaitBroadcast with whether its
+update counted or was refused (``BroadcastHeader.included``/``refused``), a restarted one too:
+what a site may ask after it skipped a round's broadcast."""

@@ -57,8 +57,9 @@ from geoloco.algorithms.async_merge import dynamic_local_steps, stale_admission
 from geoloco.algorithms.diloco import pseudo_gradient_into_local, rebase_local
 from geoloco.algorithms.finite import all_finite
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos.protocol_version import COUNTED_HISTORY_ROUNDS
 from geoloco.site_agent.client import AgentStopped, RoundClosed, RunFinished, UpdateRejected
-from geoloco.site_agent.errors import SiteAgentError
+from geoloco.site_agent.errors import RejoinRequired, SiteAgentError
 from geoloco.site_agent.persist import prefixed, unprefixed
 from geoloco.site_agent.runner import RoundRunner, TrainedUpdate
 from geoloco.site_agent.trainer import RoundTraining, SiteTrainer
@@ -75,6 +76,8 @@ version (absent when it took in none)."""
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+_KEEP_VERDICTS = 8
+"""Merges whose broadcast's word on this site's update the follower keeps (``_verdicts``)."""
 """How often a waiting thread looks at the stop flag and the other threads' failures."""
 _MAX_TRAJECTORY_PHASES = 4
 """While the uploader is busy, a site trains on from its own weights for at most this many phases
@@ -164,6 +167,10 @@ class AsyncRounds(RoundRunner):
         self._awaiting: dict[int, _Outgoing] = {}
         """Updates the coordinator took, by the merge they entered (or are held for), until that
         merge's broadcast says whether they counted."""
+        self._verdicts: dict[int, tuple[bool, bool]] = {}
+        """merge -> (included, refused) as its broadcast said, for the last ``_KEEP_VERDICTS``
+        merges the follower applied: an update registered after its merge's broadcast was
+        applied is settled by it."""
         self._last_merge: int | None = None
         """The merge the latest uploaded update entered (or is held for)."""
         self._failure: BaseException | None = None
@@ -246,9 +253,10 @@ class AsyncRounds(RoundRunner):
         merge, from its durable state after a restart too, so it is never counted twice); an
         update queued behind it, never sent, goes back into the residual instead. In a new
         session, updates the old one took into merges it did not make durable (at or after the
-        round it resumed at) go back into the residual too, and those before it count as
-        merged. An update computed from a version the coordinator does not have (it started a
-        new run) goes back into the residual."""
+        round it resumed at) go back into the residual too, and for those before it the
+        coordinator says whether they counted (``_ask_verdict``). An update computed from a
+        version the coordinator does not have (it started a new run) goes back into the
+        residual."""
         self._stop_threads()
         self._failure = None
         interrupted, self._in_flight = self._in_flight, None
@@ -259,8 +267,12 @@ class AsyncRounds(RoundRunner):
         if new_session:
             self._last_merge = None
             awaiting, self._awaiting = self._awaiting, {}
+            self._verdicts.clear()
             for merge, taken in sorted(awaiting.items()):
-                self._finish(taken.trained, included=merge < coordinator_round, merged=merge)
+                # A merge the restarted coordinator made durable says itself whether the update
+                # counted (its history survives the restart); a later one is gone with its session.
+                counted, dropped = self._ask_verdict(merge) if merge < coordinator_round else (False, False)
+                self._finish(taken.trained, included=counted, refused=dropped, merged=merge)
         queued = self._queued
         if queued is not None and queued.trained.round > coordinator_round:
             logger.info(
@@ -491,6 +503,10 @@ class AsyncRounds(RoundRunner):
             header, data = answer
             if header.next_round.fastest_step_s > 0:
                 self._fastest_step_s = header.next_round.fastest_step_s
+            with self._changed:  # before the held version moves: an update registered then finds it
+                self._verdicts[round_number] = (bool(header.included), bool(header.refused))
+                for old in [m for m in self._verdicts if m < round_number - _KEEP_VERDICTS]:
+                    del self._verdicts[old]
             with self._weights_lock:
                 self._apply_broadcast(round_number, header, data)
                 state.take_broadcast_header(header)
@@ -588,21 +604,43 @@ class AsyncRounds(RoundRunner):
     def _resolve(self, merge: int, *, included: bool | None, refused: bool = False) -> None:
         """Merge ``merge``'s broadcast was applied: the site's update in it (if any) counted or
         not (``included``; None: unknown, the broadcast was applied before the upload's answer
-        came, so it counted), and if not, whether the merge refused it (``refused``: an update
-        held for the merge that the update guard refused when it opened). Updates awaiting
-        earlier merges the follower skipped (it fetched the weights instead) are taken to have
-        counted."""
+        came), and if not, whether the merge refused it (``refused``: an update held for the
+        merge that the update guard refused when it opened). An update awaiting a merge whose
+        broadcast the follower took meanwhile is settled by what it said (``_verdicts``); one
+        awaiting a merge the follower skipped (it fetched the weights instead) by asking the
+        coordinator (``_ask_verdict``)."""
         with self._changed:
             resolved = sorted((m, o) for m, o in self._awaiting.items() if m <= merge)
             for m, _ in resolved:
                 del self._awaiting[m]
+            verdicts = dict(self._verdicts)
         for m, outgoing in resolved:
-            counted = included if (m == merge and included is not None) else True
-            dropped = refused and m == merge
+            if m == merge and included is not None:
+                counted, dropped = included, refused and not included
+            elif m in verdicts:
+                counted, was_refused = verdicts[m]
+                dropped = was_refused and not counted
+            else:
+                counted, dropped = self._ask_verdict(m)
             if not counted and not dropped:
                 logger.info("site %s: its update was not counted in merge %d (aborted or lost); back "
                             "into the residual", self.site, m)
             self._finish(outgoing.trained, included=counted, refused=dropped, merged=m, nbytes=outgoing.nbytes)
+
+    def _ask_verdict(self, merge: int) -> tuple[bool, bool]:
+        """(included, refused) of this site's update in ``merge``, from the coordinator: for an
+        older merge it answers RESYNC, header only, from the history it keeps (and restores
+        after a restart). Taken to have counted when it cannot say: asked too late (beyond that
+        history) or not reachable now, as before the coordinator kept one."""
+        if merge <= self.state.coordinator_round - COUNTED_HISTORY_ROUNDS:
+            return True, False
+        try:
+            header, _ = self.client.await_broadcast(merge)
+        except (SiteAgentError, RejoinRequired) as err:
+            logger.info("site %s: could not ask whether its update counted in merge %d (%s); taken as counted",
+                        self.site, merge, err)
+            return True, False
+        return bool(header.included), bool(header.refused) and not header.included
 
     def _finish(
         self, trained: TrainedUpdate, *, included: bool, refused: bool = False, merged: int | None = None,

@@ -225,13 +225,14 @@ class UpdateEncoder:
 
         After ``encode``, ``e = u − D(c)``; adding ``D(c)`` back makes the residual the whole
         ``u``, so the site's work reaches the global model one round late instead of never.
-        Without error feedback the update is dropped.
+        Without error feedback the update is dropped; so is one whose residual was reset since it
+        was encoded (a later update was refused or not finite: the reset drops what was pending).
         """
         if self.error_feedback is None:
             return
         residual = self.error_feedback.residual
         if residual is None:
-            raise ValueError("restore() needs a preceding encode() of the same update")
+            return
         decoded = decode(encoded, device=residual.device).reshape(residual.shape)
         residual.add_(decoded.to(residual.dtype))
 

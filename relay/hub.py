@@ -55,7 +55,7 @@ from geoloco.relay.partial import RelayRound, RelayWait, SiteUpdate, encode_part
 from geoloco.relay.run_info import RunInfo
 from geoloco.relay.upstream import Traffic, Upstream
 
-__all__ = ["ASK_COORDINATOR", "AskCoordinator", "CachedBroadcast", "RelayHub", "RunInfo"]
+__all__ = ["AskCoordinator", "CachedBroadcast", "RelayHub", "RunInfo"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,12 @@ SHORT_INSTANCE = 8
 @dataclass(frozen=True, slots=True)
 class AskCoordinator:
     """``RelayHub.wait_broadcast``'s answer when only the coordinator can tell the site whether
-    its update counted: the relay passes the site's wait through."""
+    its update counted: the relay asks it for the header alone (``start_chunk`` past the last
+    chunk), takes its ``included`` and ``refused``, and serves ``header`` with them and the
+    cached ``data``, so the delta crosses the relay's link once."""
 
-
-ASK_COORDINATOR = AskCoordinator()
+    header: pb.BroadcastHeader
+    data: bytes | None
 
 
 @dataclass(slots=True)
@@ -660,25 +662,34 @@ class RelayHub:
         )
         return manifest, data
 
-    def refusals_only(self, r: RelayRound, why: str) -> tuple[pb.UploadManifest, bytes] | None:
+    def refusals_only(
+        self, r: RelayRound, why: str, *, judged: bool
+    ) -> tuple[pb.UploadManifest, bytes] | None:
         """After the coordinator refused plain round ``r``'s partial: the partial that reports
         every site of it as refused (``why``), with no values, so the coordinator records them
         instead of waiting for sites whose updates cannot reach it any more (the relay holds only
         their sum). None in a secure run, where the coordinator counts sites through the protocol.
-        The sites keep their updates (the broadcast says they were left out)."""
+        ``judged``: the coordinator refused the partial's content (its norm, a weight), so its
+        sites drop their updates as refused ones; otherwise it refused its place in the round (a
+        site counted by another path) and they are only left out (``RelayedSite.left_out``), and
+        keep them."""
         with self.cond:
             session, run = self.session_id, self.run
             if run is None or run.secure is not None:
                 return None
             rejected = {**r.rejected, **dict.fromkeys(r.updates, why)}
-            left_out = frozenset(r.updates)
+            left_out = frozenset() if judged else frozenset(r.updates)
         return self._plain_partial(
             r, session, run, torch.zeros(0, dtype=torch.float32), [], rejected, left_out=left_out
         )
 
-    def forwarded(self, r: RelayRound, outcome: str, sites: Iterable[str], *, disowned: bool = False) -> None:
+    def forwarded(
+        self, r: RelayRound, outcome: str, sites: Iterable[str], *, disowned: bool = False,
+        refused: frozenset[str] = frozenset(),
+    ) -> None:
         """The coordinator's answer to round ``r``'s partial; then fetch its broadcast once.
-        ``disowned``: the partial was refused and its sites reported as left out (``_disowned``)."""
+        ``disowned``: the partial was refused and its sites reported as left out (``_disowned``);
+        ``refused``: sites of a partial refused for its content, which drop their updates."""
         with self.cond:
             if disowned:
                 self._disowned.add(r.number)
@@ -689,7 +700,7 @@ class RelayHub:
             self.included[r.number] = frozenset(sites) if outcome == "accepted" else frozenset()
             self._forwarding.discard(r.number)
             self.partials[r.number] = {s: r.updates[s].weight for s in r.updates}
-            self.refused[r.number] = frozenset(r.rejected)
+            self.refused[r.number] = frozenset(r.rejected) | refused
             self.outcomes[r.number] = outcome
             for old in [n for n in self.partials if n < r.number - KEEP_BROADCASTS]:
                 del self.partials[old], self.included[old], self.outcomes[old]
@@ -781,7 +792,7 @@ class RelayHub:
         self, site: str, request: pb.AwaitBroadcastRequest, *, timeout_s: float
     ) -> tuple[pb.BroadcastHeader, bytes | None] | pb.RoundProgress | AskCoordinator:
         """Round ``request.round``'s broadcast for ``site`` (its own ``included``), or a progress
-        message after ``timeout_s``, or ``ASK_COORDINATOR`` when only the coordinator knows
+        message after ``timeout_s``, or ``AskCoordinator`` when only the coordinator knows
         whether the site counted (``CachedBroadcast.disowned``). A process replaced while it
         waits is refused (module doc): the header's ``included`` would speak of its successor's
         update."""
@@ -821,14 +832,15 @@ class RelayHub:
             if cached.error is not None:
                 self.broadcasts.pop(round_number, None)  # the next call asks the coordinator again
                 raise cached.error
-            if cached.disowned and site != cached.claim:
-                return ASK_COORDINATOR
             assert cached.header is not None
             header = pb.BroadcastHeader()
             header.CopyFrom(cached.header)
-            header.included = cached.counts(site)
-            header.refused = site in cached.refused
             header.start_chunk = request.start_chunk
+            if cached.disowned and site != cached.claim:
+                return AskCoordinator(header, cached.data)
+            header.included = cached.counts(site)
+            # In a disowned round the claim's own header speaks of its own update, refusal too.
+            header.refused = site in cached.refused or (cached.disowned and cached.header.refused)
             return header, cached.data
 
     def _cached_ok_or_failed(self, round_number: int) -> bool:

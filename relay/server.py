@@ -113,6 +113,7 @@ class RelayServer:
         r, manifest, data = taken
         sites = [s.site for s in manifest.relayed_sites if not s.rejected]
         disowned = False
+        refused: frozenset[str] = frozenset()
         try:
             if sites:
                 # The broadcast wait goes upward with the partial, asked for a site of it (whose
@@ -127,27 +128,32 @@ class RelayServer:
         except StatusError as err:
             outcome = f"refused: {err}"
             logger.warning("relay %s: round %d partial refused by the coordinator: %s", self.config.name, r.number, err)
-            disowned = refusal_of_the_partial(err) and self._report_refusals(r, err)
+            if refusal_of_the_partial(err):
+                judged = err.code == grpc.StatusCode.INVALID_ARGUMENT  # its content, not its place
+                disowned = self._report_refusals(r, err, judged=judged)
+                if judged:
+                    refused = frozenset(sites)
         except Exception as err:
             # Still answered below: the round's broadcast waits for the partial's outcome.
             outcome = f"failed: {err}"
             logger.exception("relay %s: sending round %d's partial failed", self.config.name, r.number)
-        self.hub.forwarded(r, outcome, sites, disowned=disowned)
+        self.hub.forwarded(r, outcome, sites, disowned=disowned, refused=refused)
         return True
 
-    def _report_refusals(self, r: RelayRound, err: StatusError) -> bool:
+    def _report_refusals(self, r: RelayRound, err: StatusError, *, judged: bool) -> bool:
         """Tell the coordinator that the refused partial's sites are out of round ``r``
-        (``RelayHub.refusals_only``): one site the coordinator refuses (its own upload counted
-        after a failover, a weight beyond the other regions') would otherwise leave the rest
-        of the region neither counted nor refused, and the round waiting for them. Whether the
-        coordinator took the report (then the partial surely never counted)."""
+        (``RelayHub.refusals_only``; ``judged``: refused for its content): one site the
+        coordinator refuses (its own upload counted after a failover, a weight beyond the other
+        regions') would otherwise leave the rest of the region neither counted nor refused, and
+        the round waiting for them. Whether the coordinator took the report (then the partial
+        surely never counted)."""
         why = f"its relay's partial sum was refused: {clip(str(err), REFUSAL_REASON_CHARS)}"
         try:
-            built = self.hub.refusals_only(r, why)
+            built = self.hub.refusals_only(r, why, judged=judged)
             if built is None:
                 return False
             self.upstream.upload(*built)
-            logger.info("relay %s: round %d's sites reported as left out", self.config.name, r.number)
+            logger.info("relay %s: round %d's sites reported to the coordinator", self.config.name, r.number)
             return True
         except Exception as report_err:  # noqa: BLE001 - the round's answer below must still come
             # The round's deadline, or the coordinator dropping the silent sites, then ends it.

@@ -21,6 +21,7 @@ import grpc
 from geoloco.algorithms.privacy.secagg_messages import STAGE_WITHDRAW
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
+from geoloco.protos.errors import StatusError
 from geoloco.protos.transport_tls import resolve_site
 from geoloco.protos.wire_assembly import read_upload_manifest, upload_chunks
 from geoloco.protos.wire_chunks import ChunkRef, broadcast_responses, message_nbytes
@@ -139,12 +140,12 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
             answer = self.hub.wait_broadcast(site, request, timeout_s=self.progress_interval_s)
             if isinstance(answer, AskCoordinator):
                 # The round's partial was refused and one of its sites may have counted by its own
-                # upload (a failover): the coordinator answers for the site, delta and all.
-                forwarded = pb.AwaitBroadcastRequest()
-                forwarded.CopyFrom(request)
-                forwarded.site = site
-                forwarded.ClearField("withheld")
-                for message in self.upstream.stream("AwaitBroadcast", forwarded):
+                # upload (a failover): the coordinator says so for the site; the delta is the
+                # relay's cached one.
+                header, data = answer.header, answer.data
+                verdict = self._ask_coordinator(site, request, header)
+                header.included, header.refused = verdict.included, verdict.refused
+                for message in broadcast_responses(header, data, stride=request.chunk_stride):
                     yield self._down(site, message)
                 return
             if isinstance(answer, pb.RoundProgress):
@@ -156,6 +157,21 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
             for message in broadcast_responses(header, data, stride=request.chunk_stride):
                 yield self._down(site, message)
             return
+
+    def _ask_coordinator(
+        self, site: str, request: pb.AwaitBroadcastRequest, cached: pb.BroadcastHeader
+    ) -> pb.BroadcastHeader:
+        """The coordinator's header of ``request.round`` for ``site``, without the delta the
+        relay holds (``start_chunk`` past its last chunk; an older round's RESYNC has none)."""
+        forwarded = pb.AwaitBroadcastRequest()
+        forwarded.CopyFrom(request)
+        forwarded.site = site
+        forwarded.ClearField("withheld")
+        forwarded.start_chunk = cached.delta.num_chunks
+        for message in self.upstream.stream("AwaitBroadcast", forwarded):
+            if message.HasField("header"):
+                return message.header
+        raise StatusError("coordinator: no broadcast header; ask again", code=grpc.StatusCode.UNAVAILABLE)
 
     def SecureStage(self, request: pb.SecureStageRequest, context: grpc.ServicerContext) -> pb.SecureStageResponse:
         """Passed to the coordinator unchanged but for the site's name (the caller's certificate):

@@ -159,6 +159,9 @@ class _Site:
     """Virtual seconds per step measured over its last phase (slowdowns included)."""
     carried: list[tuple[int, float, float]] = field(default_factory=list)
     """Late synchronous updates kept in its error-feedback residual: (steps, start, finish)."""
+    residual_epoch: int = 0
+    """Counts the drops of the site's residual (``_drop_residual``): an update encoded before
+    the latest drop has nothing left to go back into."""
 
 
 @dataclass(slots=True)
@@ -177,6 +180,8 @@ class _Merging:
     back (an aborted merge gives it back, as the real site keeps an update not merged)."""
     incarnation: int = 0
     """The site's process that sent it: one that failed since has another residual."""
+    residual_epoch: int = 0
+    """``_Site.residual_epoch`` when it was admitted: one dropped since has lost it."""
 
 
 class _LazyUplinks(dict[str, FragmentUplink]):
@@ -437,6 +442,15 @@ class DecoupledSimulator:
         if self.asynchronous:
             self._push(now, _START, site.index, (site.incarnation, site.token))
 
+    def _drop_residual(self, site: _Site, reason: str) -> None:
+        """Drop ``site``'s error-feedback residual (its update was refused, too stale or not
+        finite), and with it the steps it carried for a later update."""
+        self.uplinks.drop(site.name, 0)
+        site.residual_epoch += 1
+        for steps, _, _ in site.carried:
+            self.ledger.lost(steps, reason)
+        site.carried = []
+
     def _withhold(self, now: float, site: _Site, trainer_site: SimSite, phase: _Phase, base: int) -> None:
         """A pseudo-gradient with NaN/Inf values, as the real asynchronous site handles it: not
         sent, its error-feedback residual and inner optimizer state reset, its steps lost; it goes
@@ -451,7 +465,7 @@ class DecoupledSimulator:
             "site %s: the pseudo-gradient from version %d has NaN/Inf values; it sends nothing and "
             "resets its error-feedback residual and inner optimizer state", site.name, base,
         )
-        self.uplinks.drop(site.name, 0)
+        self._drop_residual(site, "non_finite")
         if trainer_site.optimizer is not None:
             trainer_site.optimizer.state.clear()
         site.steps_done += phase.steps
@@ -575,7 +589,7 @@ class DecoupledSimulator:
             # Dropped, with what its encoding left in the residual, as the real site drops an
             # update too stale to enter (the coordinator refuses it at the manifest, WRONG_ROUND,
             # and records nothing).
-            self.uplinks.drop(site.name, 0)
+            self._drop_residual(site, "stale")
             self.ledger.lost(upload.steps, "stale")
             return
         self._admit(now, site, upload, staleness=admission.staleness, weight=admission.weight)
@@ -588,7 +602,7 @@ class DecoupledSimulator:
         )
         if not admission.ok:
             # Dropped with its residual, as the real site drops a refused update.
-            self.uplinks.drop(site.name, 0)
+            self._drop_residual(site, "rejected")
             self.ledger.lost(upload.steps, "rejected")
             return
         carried, site.carried = site.carried, []
@@ -596,6 +610,7 @@ class DecoupledSimulator:
             steps=upload.steps, start=upload.start, finish=upload.finish, staleness=staleness,
             loss=upload.loss, nbytes=upload.nbytes, carried=carried,
             payload=upload.payload if self.uplinks.keeps(site.name, 0) else None, incarnation=upload.incarnation,
+            residual_epoch=site.residual_epoch,
         )
 
     def _maybe_close(self, now: float, *, timer: bool = False) -> None:
@@ -636,10 +651,11 @@ class DecoupledSimulator:
         for name, held in merging.items():
             chunks = [(held.steps, held.start, held.finish), *held.carried]
             site = next(s for s in self.sites if s.name == name)
-            if stepped.aborted is not None and held.payload is not None and site.incarnation == held.incarnation:
+            same_residual = site.incarnation == held.incarnation and site.residual_epoch == held.residual_epoch
+            if stepped.aborted is not None and held.payload is not None and same_residual:
                 # Back into the site's residual, as the real site keeps an update its merge did
                 # not take: its steps reach the model inside the site's next update. (A site that
-                # failed since lost its residual, and this update with it.)
+                # failed since, or dropped its residual since, lost this update with it.)
                 self.uplinks.give_back(name, held.payload, 0)
                 site.carried = [*chunks, *site.carried]
                 continue

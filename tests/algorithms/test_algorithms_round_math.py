@@ -141,3 +141,17 @@ def test_run_inner_steps_reports_losses_and_samples(make_workload) -> None:
     assert len(result.losses) == 20 and result.samples == 20 * workload.batch
     assert result.losses[-1] < result.losses[0]
     assert not torch.equal(layout.flatten(model), before)
+
+
+def test_restoring_an_update_after_the_residual_was_reset_drops_it() -> None:
+    """An update encoded, then a later one refused or not finite (the site resets the
+    fragment's encoder), then the first one's round aborts: there is no residual left to put it
+    back into, and the reset dropped what was pending, so it is dropped too. It used to raise
+    and stop the site (or the simulator) instead."""
+    first = UpdateEncoder("int8")
+    encoded = first.encode(torch.ones(64), seed=0)
+    fresh = UpdateEncoder("int8")  # what the reset installs
+    fresh.restore(encoded)
+    assert fresh.residual is None
+    first.restore(encoded)
+    assert first.residual is not None and torch.allclose(first.residual, torch.ones(64))

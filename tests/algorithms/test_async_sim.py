@@ -300,3 +300,30 @@ def test_the_fastest_site_that_sets_phase_lengths_is_one_that_is_up(make_workloa
     assert simulator._fastest_step_s == 0.2
     simulator._repair(simulator.clock_s, fast)
     assert simulator._fastest_step_s == 0.05
+
+
+def test_steps_given_back_by_an_aborted_merge_are_lost_with_a_dropped_residual(make_workload, monkeypatch) -> None:
+    """Merge 0 aborts (the first update is 1000 times too large): the sites' updates go back
+    into their residuals, their steps carried. Site 0's next phase is not finite, so its
+    residual is dropped, and the 4 steps it carried with it: they are lost, not counted as
+    useful when the site's next update merges."""
+    import geoloco.algorithms.simulation.async_sim as async_sim
+
+    real = async_sim.pseudo_gradient
+    calls = [0]
+
+    def poisoned(base: Any, local: Any) -> Any:
+        calls[0] += 1
+        update = real(base, local)
+        return update * 1000.0 if calls[0] == 1 else update * math.nan if calls[0] == 4 else update
+
+    monkeypatch.setattr(async_sim, "pseudo_gradient", poisoned)
+    config = _config(
+        algorithm={"uplink_codec": "int8", "asynchronous": {"enabled": True, "min_quorum": 3}},
+        update_guard={"max_abs_weight": 2.0},
+        simulation={"rounds": 8},
+    )
+    simulator = DecoupledSimulator(SimulatorConfig.from_dict(config), make_workload(hidden=8))
+    records = list(simulator.run())
+    assert [r.round for r in records if r.aborted] == [0]
+    assert simulator.ledger.lost_by_reason["non_finite"] == 8  # the NaN phase and the 4 steps carried

@@ -66,10 +66,12 @@ def _regions(
         server.stop(grace=0)
 
 
-def _upload_or_error(site: Site, update: torch.Tensor, codec: str, weight: float = 1.0) -> object:
+def _upload_or_error(
+    site: Site, update: torch.Tensor, codec: str, weight: float = 1.0, *, round_number: int = 0
+) -> object:
     """The site's upload answer, or the error it got (uploads run concurrently in a pool)."""
     try:
-        return site.upload(update, codec, weight=weight)
+        return site.upload(update, codec, weight=weight, round_number=round_number)
     except grpc.RpcError as err:
         return err
 
@@ -705,3 +707,77 @@ def test_a_counted_sites_later_manifest_of_another_shape_leaves_its_update_in(ce
         _wait_round(server, 1)
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(record["participants"]) == SITES and record["rejected"] == []
+
+
+def test_a_failed_over_site_whose_own_upload_was_refused_hears_so_from_its_relay(
+    certs: Path, tmp_path: Path
+) -> None:
+    """Site a's own upload to the coordinator (a failover) was refused (more inner steps than
+    a round runs), then its relay's partial of a and b was refused because a already had an
+    update in the round. The relay served a, the claim of its broadcast wait, its cached header
+    with the relay's own view of refusals (none): a kept a refused update. The claim's header
+    speaks of its own update, refusal included."""
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    with _regions(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=2) as (server, relays, sites):
+        a, b, c, d = sites
+        direct = Site(a.name, certs, f"localhost:{server.port}", session=a.session)
+        try:
+            encoded = parse_codec("none").encode(ups[a.name], seed=0)
+            data = encoded.to_bytes()
+            manifest = pb.UploadManifest(
+                session_id=a.session, round=0, sample_weight=1.0, inner_steps=5,
+                blob=blob_manifest(data, codec=encoded.spec, shape=[numel], dtype="float32", chunk_size=64),
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                direct.stub.Upload(upload_requests(manifest, data), timeout=20)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with ThreadPoolExecutor(4) as pool:
+                first = pool.submit(_upload_or_error, a, ups[a.name], "none")
+                deadline = time.monotonic() + 20
+                while "site-a" not in relays["eu"].hub.round.updates:  # a is the claim
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                list(pool.map(lambda s: _upload_or_error(s, ups[s.name], "none"), [b, c, d]))
+                first.result()
+            _wait_round(server, 1)
+            via_coordinator, _ = direct.await_broadcast()
+        finally:
+            direct.close()
+        via_relay, _ = a.await_broadcast()
+        assert via_coordinator.refused and not via_coordinator.included
+        assert via_relay.refused and not via_relay.included
+
+
+def test_a_partial_refused_for_its_content_tells_its_sites_their_updates_were_refused(
+    certs: Path, tmp_path: Path
+) -> None:
+    """Region eu's sites weigh 150 each in round 0 against us's 1, then 160: the relay, which
+    knows only its own sites' weights (160 is within 100 x the other eu site's 150), passes
+    them; the coordinator holds each against every other site's (median 1) or its own largest
+    (150) and refuses eu's partial in round 1 for its content. Its sites were judged, not just
+    left out: they drop their updates (refused), as a site refused directly does, where a
+    partial refused for its place in the round (a failover) leaves them out."""
+    numel = 37
+    ups = updates(numel, dyadic=True)
+    weights = [
+        {"site-a": 150.0, "site-b": 150.0, "site-c": 1.0, "site-d": 1.0},
+        {"site-a": 160.0, "site-b": 160.0, "site-c": 1.0, "site-d": 1.0},
+    ]
+    with _regions(
+        certs, numel=numel, rounds=2, metrics_path=tmp_path / "metrics.jsonl", min_sites=2
+    ) as (server, _relays, sites):
+        for number in (0, 1):
+            with ThreadPoolExecutor(len(sites)) as pool:
+                answers = list(pool.map(
+                    lambda s: _upload_or_error(s, ups[s.name], "none", weights[number][s.name], round_number=number),
+                    sites,
+                ))
+            _wait_round(server, number + 1)
+        assert all(isinstance(x, grpc.RpcError) for x in answers[:2]), "eu's partial was refused in round 1"
+        header, _ = sites[1].await_broadcast(1)
+        assert header.refused and not header.included
+        header, _ = sites[2].await_broadcast(1)
+        assert header.included and not header.refused
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(records[1]["rejected"]) == ["site-a", "site-b"]

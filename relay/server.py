@@ -45,7 +45,6 @@ def refusal_of_the_partial(err: StatusError) -> bool:
     )
 
 
-
 class RelayServer:
     """One relay: ``start()`` returns the port its sites dial, ``stop()`` ends it."""
 
@@ -158,7 +157,7 @@ class RelayServer:
         except Exception as report_err:  # noqa: BLE001 - the round's answer below must still come
             # The round's deadline, or the coordinator dropping the silent sites, then ends it.
             logger.warning(
-                "relay %s: reporting round %d's sites as left out failed: %s", self.config.name, r.number, report_err
+                "relay %s: reporting round %d's sites failed: %s", self.config.name, r.number, report_err
             )
             return False
 

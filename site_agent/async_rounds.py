@@ -76,9 +76,9 @@ version (absent when it took in none)."""
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+"""How often a waiting thread looks at the stop flag and the other threads' failures."""
 _KEEP_VERDICTS = 8
 """Merges whose broadcast's word on this site's update the follower keeps (``_verdicts``)."""
-"""How often a waiting thread looks at the stop flag and the other threads' failures."""
 _MAX_TRAJECTORY_PHASES = 4
 """While the uploader is busy, a site trains on from its own weights for at most this many phases
 in all; then it waits for the link. Without a bound, a link or coordinator down for minutes would

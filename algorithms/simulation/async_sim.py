@@ -648,11 +648,14 @@ class DecoupledSimulator:
         stepped = self.engine.step(round_, self.global_flat, plan, contributors)
         update = stepped.result.update
         merging, self._merging = self._merging, {}
+        by_name = {s.name: s for s in self.sites} if stepped.aborted is not None else {}
         for name, held in merging.items():
             chunks = [(held.steps, held.start, held.finish), *held.carried]
-            site = next(s for s in self.sites if s.name == name)
-            same_residual = site.incarnation == held.incarnation and site.residual_epoch == held.residual_epoch
-            if stepped.aborted is not None and held.payload is not None and same_residual:
+            site = by_name.get(name)
+            if (
+                site is not None and held.payload is not None
+                and (site.incarnation, site.residual_epoch) == (held.incarnation, held.residual_epoch)
+            ):
                 # Back into the site's residual, as the real site keeps an update its merge did
                 # not take: its steps reach the model inside the site's next update. (A site that
                 # failed since, or dropped its residual since, lost this update with it.)

@@ -589,7 +589,8 @@ class DecoupledSimulator:
             # Dropped, with what its encoding left in the residual, as the real site drops an
             # update too stale to enter (the coordinator refuses it at the manifest, WRONG_ROUND,
             # and records nothing).
-            self._drop_residual(site, "stale")
+            if upload.incarnation == site.incarnation:  # (a failed process's residual is gone)
+                self._drop_residual(site, "stale")
             self.ledger.lost(upload.steps, "stale")
             return
         self._admit(now, site, upload, staleness=admission.staleness, weight=admission.weight)
@@ -600,12 +601,18 @@ class DecoupledSimulator:
         admission = self.engine.admit(
             round_, site.name, upload.payload, weight, screen=self.uplinks.screen(upload.payload), now=now
         )
+        # A held upload of a process that failed since still enters (the coordinator has it),
+        # but the site's residual and carried steps are its new process's.
+        own = upload.incarnation == site.incarnation
         if not admission.ok:
             # Dropped with its residual, as the real site drops a refused update.
-            self._drop_residual(site, "rejected")
+            if own:
+                self._drop_residual(site, "rejected")
             self.ledger.lost(upload.steps, "rejected")
             return
-        carried, site.carried = site.carried, []
+        carried: list[tuple[int, float, float]] = []
+        if own:
+            carried, site.carried = site.carried, []
         self._merging[site.name] = _Merging(
             steps=upload.steps, start=upload.start, finish=upload.finish, staleness=staleness,
             loss=upload.loss, nbytes=upload.nbytes, carried=carried,

@@ -327,3 +327,36 @@ def test_steps_given_back_by_an_aborted_merge_are_lost_with_a_dropped_residual(m
     records = list(simulator.run())
     assert [r.round for r in records if r.aborted] == [0]
     assert simulator.ledger.lost_by_reason["non_finite"] == 8  # the NaN phase and the 4 steps carried
+
+
+def test_a_failed_processs_held_update_leaves_its_successors_residual_alone(make_workload) -> None:
+    """An update held for the next merge still enters it after its site failed (the coordinator
+    holds it); refused there, it used to drop the residual and take the carried steps of the
+    site's new process, which never sent it."""
+    import torch
+
+    from geoloco.algorithms.simulation.async_sim import _Upload
+    from geoloco.compression import parse_codec
+
+    config = _config(
+        algorithm={"uplink_codec": "int8", "asynchronous": {"enabled": True}},
+        run={"max_wall_clock_s": 600.0},
+        simulation={"chaos": {"enabled": True, "seed": 0, "mtbf_s": 1e9}},
+    )
+    simulator = DecoupledSimulator(SimulatorConfig.from_dict(config), make_workload(hidden=8))
+    next(iter(simulator.run()))
+    site = simulator.sites[0]
+    encoder = simulator.uplinks.uplinks[site.name].encoders[0]  # type: ignore[attr-defined]
+    assert encoder.residual is not None
+    residual = encoder.residual.clone()
+    site.carried = [(4, 0.0, 0.4)]
+    huge = parse_codec("int8").encode(torch.full((simulator.layout.numel,), 1e6), seed=0)
+    stale = _Upload(
+        site=0, incarnation=site.incarnation - 1, token=0, payload=huge, weight=1.0, base=simulator.version,
+        steps=4, start=0.0, finish=0.4, nbytes=huge.nbytes, loss=0.0,
+    )
+    simulator._admit(simulator.clock_s, site, stale, staleness=0, weight=1.0)  # refused: beyond the norm floor
+    assert simulator.ledger.lost_by_reason["rejected"] == 4
+    assert site.carried == [(4, 0.0, 0.4)]
+    assert simulator.uplinks.uplinks[site.name].encoders[0] is encoder  # type: ignore[attr-defined]
+    assert torch.equal(encoder.residual, residual)

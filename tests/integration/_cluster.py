@@ -148,6 +148,22 @@ class AgentThread(threading.Thread):
         return self.summary
 
 
+def run_to_end(
+    server: CoordinatorServer, agents: list[SiteAgent], *, finish_s: float = 90.0, wait_s: float = 30.0
+) -> list[SiteRunSummary]:
+    """Run every agent on its own thread until the run ends; the sites' summaries. The
+    coordinator is stopped afterwards, whatever happened (its state stays readable)."""
+    threads = [AgentThread(agent) for agent in agents]
+    try:
+        for t in threads:
+            t.start()
+        summaries = [t.finish(finish_s) for t in threads]
+        assert server.wait_until_finished(wait_s)
+    finally:
+        server.stop(grace=0)
+    return summaries
+
+
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 

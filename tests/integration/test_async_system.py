@@ -10,13 +10,13 @@ replica ends on the coordinator's weights.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _cluster import AgentThread, Run, make_certs, poison_first_update
+from _cluster import AgentThread, Run, make_certs, poison_first_update, run_to_end
 
 from geoloco.algorithms.async_merge import AsyncConfig
 from geoloco.algorithms.config import ConfigError
@@ -29,7 +29,7 @@ from geoloco.algorithms.streaming import StreamingConfig
 from geoloco.coordinator.metrics import read_metrics
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.scenarios.workloads import build_workload
-from geoloco.site_agent.agent import SiteRunSummary
+from geoloco.site_agent.agent import SiteAgent, SiteRunSummary
 from geoloco.site_agent.async_rounds import REBASED_AT_STEP
 from geoloco.site_agent.persist import SiteStateStore
 
@@ -43,20 +43,17 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run_sites(
-    run: Run, certs: Path, metrics: Path, pauses: Sequence[float], **coordinator: Any
+    run: Run, certs: Path, metrics: Path, pauses: Sequence[float], *,
+    prepare: Callable[[list[SiteAgent]], None] | None = None, **coordinator: Any,
 ) -> tuple[list[SiteRunSummary], list[dict[str, Any]], CoordinatorServer]:
     """The coordinator and one agent thread per site (site ``k`` pausing ``pauses[k]`` seconds
-    per batch) until the run ends: the sites' summaries, the coordinator's records, the server."""
+    per batch) until the run ends: the sites' summaries, the coordinator's records, the server.
+    ``prepare``: called with the agents before they start (a test's hooks)."""
     server = run.start_coordinator(certs, metrics_path=str(metrics), **coordinator)
-    threads = [AgentThread(run.agent(certs, server.port, k, pause_s=pause)) for k, pause in enumerate(pauses)]
-    try:
-        for t in threads:
-            t.start()
-        summaries = [t.finish(120) for t in threads]
-        assert server.wait_until_finished(30)
-    finally:
-        server.stop(grace=0)
-    return summaries, read_metrics(metrics), server
+    agents = [run.agent(certs, server.port, k, pause_s=pause) for k, pause in enumerate(pauses)]
+    if prepare is not None:
+        prepare(agents)
+    return run_to_end(server, agents, finish_s=120), read_metrics(metrics), server
 
 
 def test_sites_never_wait_for_each_other_and_stale_updates_are_discounted(certs: Path, tmp_path: Path) -> None:
@@ -213,20 +210,11 @@ def test_an_update_the_guard_refuses_is_dropped_and_the_site_counts_again(certs:
         workload=build_workload("mlp"), num_sites=3, rounds=10, seed=3,
         algorithm=AlgorithmConfig(inner_steps=4, uplink_codec="int8", asynchronous=merge),
     )
-    metrics = tmp_path / "metrics.jsonl"
-    server = run.start_coordinator(certs, metrics_path=str(metrics), min_sites=1)
-    agents = [run.agent(certs, server.port, k, pause_s=0.01) for k in range(3)]
-    poison_first_update(agents[1], 1e7)
-    threads = [AgentThread(agent) for agent in agents]
-    try:
-        for t in threads:
-            t.start()
-        summaries = [t.finish(120) for t in threads]
-        assert server.wait_until_finished(30)
-    finally:
-        server.stop(grace=0)
+    summaries, records, server = _run_sites(
+        run, certs, tmp_path / "metrics.jsonl", [0.01] * 3, min_sites=1,
+        prepare=lambda agents: poison_first_update(agents[1], 1e7),
+    )
     assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
-    records = read_metrics(metrics)
     # (A refusal may leave no trace on its merge's record: the site's next update may enter the
     # same merge, which then counts it.) Kept, the refused update went up inside every later one.
     assert any("1" in r["participants"] for r in records), [r["rejected"] for r in records]

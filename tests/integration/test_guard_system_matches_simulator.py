@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _cluster import AgentThread, Run, make_certs, poison_first_update
+from _cluster import Run, make_certs, poison_first_update, run_to_end
 
 from geoloco.algorithms.simulation.clock import SiteConfig
 from geoloco.algorithms.simulation.simulator import SimulationConfig, Simulator, SimulatorConfig
@@ -72,14 +72,7 @@ def test_rounds_the_guard_aborts_are_aborted_by_the_simulator_too(certs: Path, t
     initial = server.rounds.weights.clone()
     agents = [run.agent(certs, server.port, k) for k in range(2)]
     poison(agents[1], FACTOR)
-    threads = [AgentThread(agent) for agent in agents]
-    try:
-        for t in threads:
-            t.start()
-        summaries = [t.finish() for t in threads]
-        assert server.wait_until_finished(30)
-    finally:
-        server.stop(grace=0)
+    summaries = run_to_end(server, agents)
     assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
     records = read_metrics(metrics)
 
@@ -160,14 +153,7 @@ def test_a_refused_update_is_dropped_and_an_aborted_rounds_updates_are_kept_as_t
     server = run.start_coordinator(certs3, metrics_path=str(metrics))
     agents = [run.agent(certs3, server.port, k) for k in range(3)]
     poison_first_update(agents[1], factor)
-    threads = [AgentThread(agent) for agent in agents]
-    try:
-        for t in threads:
-            t.start()
-        summaries = [t.finish() for t in threads]
-        assert server.wait_until_finished(60)
-    finally:
-        server.stop(grace=0)
+    summaries = run_to_end(server, agents, wait_s=60)
     assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
     records = read_metrics(metrics)
 

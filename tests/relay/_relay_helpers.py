@@ -107,15 +107,27 @@ class Site:
         self.session = response.session_id
         return response
 
-    def upload(
-        self, update: torch.Tensor, codec: str, *, round_number: int = 0, weight: float = 1.0
-    ) -> pb.UploadResponse:
+    def manifest(
+        self, update: torch.Tensor, codec: str, *, round_number: int = 0, weight: float = 1.0,
+        inner_steps: int = 1, metrics: dict[str, float] | None = None,
+    ) -> tuple[pb.UploadManifest, bytes]:
+        """The manifest and bytes of this site's upload of ``update`` (for a test that sends
+        them its own way, or with another inner-step count or metrics)."""
         encoded = parse_codec(codec).encode(update, seed=0)
         data = encoded.to_bytes()
         manifest = pb.UploadManifest(
-            session_id=self.session, round=round_number, sample_weight=weight, inner_steps=1,
-            metrics={"train_loss": 1.5}, instance_id=self.instance,
+            session_id=self.session, round=round_number, sample_weight=weight, inner_steps=inner_steps,
+            metrics={"train_loss": 1.5} if metrics is None else metrics, instance_id=self.instance,
             blob=blob_manifest(data, codec=encoded.spec, shape=[update.numel()], dtype="float32", chunk_size=64),
+        )
+        return manifest, data
+
+    def upload(
+        self, update: torch.Tensor, codec: str, *, round_number: int = 0, weight: float = 1.0, inner_steps: int = 1,
+        metrics: dict[str, float] | None = None,
+    ) -> pb.UploadResponse:
+        manifest, data = self.manifest(
+            update, codec, round_number=round_number, weight=weight, inner_steps=inner_steps, metrics=metrics
         )
         response: pb.UploadResponse = self.stub.Upload(upload_requests(manifest, data), timeout=20)
         return response

@@ -28,14 +28,12 @@ import torch
 from _relay_helpers import REGIONS, SITES, Site, coordinator, make_certs, relay, updates
 
 from geoloco.algorithms.update_guard import UpdateGuardConfig
-from geoloco.compression import parse_codec
 from geoloco.coordinator.server import CoordinatorServer
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos.errors import StatusError
 from geoloco.protos.wire_assembly import Download, read_broadcast_stream
 from geoloco.protos.wire_chunks import upload_requests
 from geoloco.protos.wire_files import BlobSpill
-from geoloco.protos.wire_manifests import blob_manifest
 from geoloco.relay import RelayServer
 from geoloco.relay.upstream import Upstream
 
@@ -387,12 +385,7 @@ def test_a_site_that_withholds_while_its_upload_arrives_is_left_out_once(certs: 
     ups = updates(numel, dyadic=True)
     with _regions(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3) as (server, relays, sites):
         a, *others = sites
-        encoded = parse_codec("none").encode(ups[a.name], seed=0)
-        data = encoded.to_bytes()
-        manifest = pb.UploadManifest(
-            session_id=a.session, round=0, sample_weight=1.0, inner_steps=1,
-            blob=blob_manifest(data, codec=encoded.spec, shape=[numel], dtype="float32", chunk_size=64),
-        )
+        manifest, data = a.manifest(ups[a.name], "none", metrics={})
         release = threading.Event()
 
         def half_then_rest() -> Iterator[object]:
@@ -449,14 +442,8 @@ def test_what_the_coordinator_would_refuse_of_one_site_the_relay_refuses_for_tha
     ups = updates(numel, dyadic=True)
     with _regions(certs, numel=numel, metrics_path=tmp_path / "metrics.jsonl", min_sites=3) as (server, relays, sites):
         a, *others = sites
-        encoded = parse_codec("none").encode(ups[a.name], seed=0)
-        data = encoded.to_bytes()
-        manifest = pb.UploadManifest(
-            session_id=a.session, round=0, sample_weight=1.0, inner_steps=inner_steps, metrics=metrics,
-            blob=blob_manifest(data, codec=encoded.spec, shape=[numel], dtype="float32", chunk_size=64),
-        )
         with pytest.raises(grpc.RpcError) as refused:
-            a.stub.Upload(upload_requests(manifest, data), timeout=20)
+            a.upload(ups[a.name], "none", inner_steps=inner_steps, metrics=metrics)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert why in (refused.value.details() or "")
         with ThreadPoolExecutor(len(others)) as pool:
@@ -723,14 +710,8 @@ def test_a_failed_over_site_whose_own_upload_was_refused_hears_so_from_its_relay
         a, b, c, d = sites
         direct = Site(a.name, certs, f"localhost:{server.port}", session=a.session)
         try:
-            encoded = parse_codec("none").encode(ups[a.name], seed=0)
-            data = encoded.to_bytes()
-            manifest = pb.UploadManifest(
-                session_id=a.session, round=0, sample_weight=1.0, inner_steps=5,
-                blob=blob_manifest(data, codec=encoded.spec, shape=[numel], dtype="float32", chunk_size=64),
-            )
             with pytest.raises(grpc.RpcError) as refused:
-                direct.stub.Upload(upload_requests(manifest, data), timeout=20)
+                direct.upload(ups[a.name], "none", inner_steps=5, metrics={})
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             with ThreadPoolExecutor(4) as pool:
                 first = pool.submit(_upload_or_error, a, ups[a.name], "none")

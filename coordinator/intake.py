@@ -801,9 +801,9 @@ class PlainIntake:
         exactly one round late, folding on, and the site's update did not count in its round."""
         ctx = self.ctx
         # An update its own round refused is not offered again one round late either.
-        settled = site in ctx.contributor_history.get(round_number, frozenset()) or site in ctx.refused_history.get(
-            round_number, frozenset()
-        )
+        counted = ctx.contributor_history.get(round_number, frozenset())
+        refused = ctx.refused_history.get(round_number, frozenset())
+        settled = site in counted or site in refused
         return ctx.phase in OPEN_PHASES and ctx.engine.late_foldable(round_number, ctx.round.number, counted=settled)
 
     def _open_late(self, site: str, spec: UploadSpec) -> PlainUpload:

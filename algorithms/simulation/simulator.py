@@ -355,7 +355,7 @@ class Simulator:
             "site %s: the pseudo-gradient of round %d has NaN/Inf values; it sends nothing and "
             "resets its error-feedback residual and inner optimizer state", site.name, round_.number,
         )
-        site.uplink.encoders[fragment] = self.strategy.uplink_encoder(site.name)
+        self.uplinks.drop(site.name, fragment)
         if site.optimizer is not None:
             site.optimizer.state.clear()
         round_.reject(site.name, withheld_reason(WITHHELD_NON_FINITE))

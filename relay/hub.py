@@ -657,7 +657,7 @@ class RelayHub:
             ]
             + [
                 pb.RelayedSite(site=s, weight=0.0, rejected=why, left_out=s in left_out)
-                for s, why in rejected.items() if s not in sites
+                for s, why in rejected.items()
             ],
         )
         return manifest, data

@@ -48,7 +48,7 @@ import math
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -66,6 +66,9 @@ from geoloco.algorithms.privacy.secagg_crypto import (
 from geoloco.algorithms.privacy.secagg_messages import MIN_SITES, RoundContext
 from geoloco.compression import parse_codec
 from geoloco.compression.sparsify import RandK, random_indices
+
+if TYPE_CHECKING:
+    from geoloco.algorithms.privacy.secagg_in_memory import SiteTraffic
 
 __all__ = [
     "DP_MODES",
@@ -558,8 +561,7 @@ def private_round_in_memory(
     round_index: int,
     index_seed: int,
     drop_after_upload: tuple[int, ...] = (),
-    traffic: dict[int, int] | None = None,
-    masked_traffic: dict[int, int] | None = None,
+    traffic: dict[int, SiteTraffic] | None = None,
 ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """One secure (and optionally DP) round with all parties in this process: the mean update.
 
@@ -581,7 +583,6 @@ def private_round_in_memory(
     }
     total, survivors = run_round_in_memory(
         context, inputs, identity_keys, drop_after_upload=drop_after_upload, traffic=traffic,
-        masked_traffic=masked_traffic,
     )
     mean = decode_secure_sum(
         lift(total, context.modulus_bits), fixed, count=len(survivors), numel=numel,

@@ -19,6 +19,7 @@ from geoloco.algorithms.privacy.private_aggregation import (
     central_dp_mean,
     private_round_in_memory,
 )
+from geoloco.algorithms.privacy.secagg_in_memory import SiteTraffic
 from geoloco.compression import Encoded
 
 __all__ = ["InMemorySecureSum"]
@@ -53,10 +54,8 @@ class InMemorySecureSum:
         self._sites: list[str] = []
         self._mean: torch.Tensor | None = None
         self.survivors: tuple[str, ...] = ()
-        self.traffic: dict[str, int] = {}
-        """site -> bytes it sent in the protocol (keys, shares, masked vector, unmask answers)."""
-        self.masked_traffic: dict[str, int] = {}
-        """site -> the masked vector's part of ``traffic`` (a relay adds it into its ring sum)."""
+        self.traffic: dict[str, SiteTraffic] = {}
+        """site -> its bytes in each stage of the protocol (keys, shares, masked vector, unmask)."""
 
     @property
     def sites(self) -> list[str]:
@@ -72,22 +71,20 @@ class InMemorySecureSum:
 
     def _run(self) -> None:
         by_index = {self._index[s]: u for s, u in self._updates.items()}
-        traffic: dict[int, int] = {}
-        masked: dict[int, int] = {}
+        traffic: dict[int, SiteTraffic] = {}
         mean, survivors = private_round_in_memory(
             self.privacy, self.uplink_codec, dict(sorted(by_index.items())),
             {self._index[s]: e for s, e in self.encoders.items()},
             {self._index[s]: k for s, k in self.identity_keys.items()},
             session=self.session, round_index=self.round_index, index_seed=self.index_seed,
-            traffic=traffic, masked_traffic=masked,
+            traffic=traffic,
         )
         if self.privacy.dp == "central":
             mean = central_dp_mean(mean, len(survivors), self.privacy)
         self._mean = mean
         self._updates.clear()
         self.survivors = tuple(self.expected[k] for k in survivors)
-        self.traffic = {self.expected[k]: n for k, n in traffic.items()}
-        self.masked_traffic = {self.expected[k]: n for k, n in masked.items()}
+        self.traffic = {self.expected[k]: t for k, t in traffic.items()}
 
     def add(
         self, update: Encoded | torch.Tensor, weight: float = 1.0, *, site: str, stale: bool = False

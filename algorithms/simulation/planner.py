@@ -11,9 +11,11 @@ simulator and the coordinator; Streaming DiLoCo sites follow ``streaming_site_ti
 ``adaptive_overlap``, choose τ and their rounds' steps with the simulator's ``OverlapMeter``; with
 ``[algorithm.adaptive_uplink]`` each site's codec comes from the same ``CodecPlans``), and the
 bytes are the codecs' exact wire sizes (``Codec.encoded_nbytes``), which do not depend on the
-values encoded. So for a fixed ``step_time_s`` the planner's times and bytes equal the
-simulator's, round for round, except where the simulator's outcome depends on values: secure
-aggregation's message sizes (refused here) and nothing else on the clock.
+values encoded. A secure round is timed stage by stage as the simulator times it
+(``geoloco.algorithms.simulation.secure_clock``), with each site's message sizes from one run of
+the protocol on a one-element vector (``planner_sizes.secure_traffic``: only the masked vector's
+length depends on the model, and none on the values). So for a fixed ``step_time_s`` the
+planner's times and bytes equal the simulator's, round for round.
 
 With ``[[regions]]`` or a shaped ``[coordinator_link]`` (``tiers``) the uploads and the broadcast
 cross the simulator's ``TwoTierClock`` instead: each region's sites reach their relay, the relay's
@@ -40,11 +42,14 @@ from geoloco.algorithms.aggregation import CountingAggregation
 from geoloco.algorithms.engine import UNSCREENED, RoundEngine
 from geoloco.algorithms.link_codec import CodecPlans
 from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.privacy.secagg_in_memory import SiteTraffic
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, upload_arrivals
 from geoloco.algorithms.simulation.planner_memory import MemoryEstimate, estimate_memory
-from geoloco.algorithms.simulation.planner_sizes import PlanError, encoded_nbytes, fragment_numels
+from geoloco.algorithms.simulation.planner_sizes import PlanError, encoded_nbytes, fragment_numels, secure_traffic
+from geoloco.algorithms.simulation.secure_clock import masked_arrivals, unmasked_at
 from geoloco.algorithms.simulation.sim_regions import TwoTierClock
+from geoloco.algorithms.simulation.sim_uplinks import simulation_session
 from geoloco.algorithms.simulation.streaming_sim import streaming_site_time
 from geoloco.algorithms.streaming import StreamingSchedule
 from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapMeter
@@ -192,11 +197,13 @@ def plan(
         raise PlanError(f"step time must be >= 0 seconds, got {step_time_s}")
     if training.rounds < 1:
         raise PlanError(f"the plan needs rounds >= 1, got {training.rounds}")
-    if training.privacy.secure_aggregation:
+    if training.privacy.secure_aggregation and (
+        training.algorithm.streaming.enabled or training.deadline_enabled or tiers is not None
+    ):
         raise PlanError(
-            "secure aggregation's upload sizes come from its protocol messages, which the planner "
-            "does not model; plan without [privacy] secure_aggregation (the masked update is "
-            "fixed-point, so expect larger uploads) or measure with `geoloco simulate`"
+            "the planner times secure rounds stage by stage for sites linked straight to the "
+            "coordinator, in rounds that wait for every site: drop streaming, the round deadline and "
+            "[[regions]]/[coordinator_link] to plan it, or measure with `geoloco simulate`"
         )
     if training.algorithm.asynchronous.enabled:
         raise PlanError(
@@ -253,6 +260,27 @@ def plan(
     )
 
 
+class _SecureSizes:
+    """Round ``r``'s secure-aggregation bytes per site and stage (``secure_traffic``), run once per
+    length of the round number: the messages carry it as decimal text, and nothing else in their
+    sizes changes from round to round."""
+
+    def __init__(self, training: TrainingConfig, numel: int, num_sites: int) -> None:
+        self.training = training
+        self.numel = numel
+        self.num_sites = num_sites
+        self._by_digits: dict[int, list[SiteTraffic]] = {}
+
+    def __call__(self, round_number: int) -> list[SiteTraffic]:
+        digits = len(str(round_number))
+        if digits not in self._by_digits:
+            self._by_digits[digits] = secure_traffic(
+                self.training.privacy, self.training.algorithm.uplink_codec, numel=self.numel,
+                num_sites=self.num_sites, session=simulation_session(self.training.seed), round_index=round_number,
+            )
+        return self._by_digits[digits]
+
+
 def _data_parallel(
     clocks: list[_SiteClock], sites: Sequence[SiteConfig], step_time_s: float, steps: int,
     up_codec: str, down_codec: str, numel: int, number: int, phase: str, previous_end: float,
@@ -307,6 +335,7 @@ def _plain(
     down = encoded_nbytes(algo.downlink_codec, numel)
     link_codecs = CodecPlans(algo.adaptive_uplink, algo.uplink_codec) if algo.adaptive_uplink.enabled else None
     n = len(sites)
+    secure = _SecureSizes(training, numel, n) if training.privacy.secure_aggregation else None
     out: list[PlannedRound] = []
     end = done[-1].wall_clock_s if done else 0.0
     for r in range(training.rounds):
@@ -314,18 +343,25 @@ def _plain(
         # ``steps · step_time_s / speed_factor``: the simulator's order of operations.
         compute = [k * step_time_s / s.speed_factor for k, s in zip(steps, sites, strict=True)]
         starts = [c.ready_s for c in clocks]
-        if link_codecs is None:
+        traffic = secure(r) if secure is not None else None
+        if traffic is not None:
+            ups = [t.up for t in traffic]
+        elif link_codecs is None:
             ups = [up] * n
         else:
             ups = [encoded_nbytes(link_codecs.codec_for(name, r, numel), numel) for name in names]
         if tiers is not None:
             arrivals = tiers.arrivals([s + c for s, c in zip(starts, compute, strict=True)], ups, numel)
+        elif traffic is not None:
+            arrivals = masked_arrivals(starts, compute, traffic, sites)
         else:
             arrivals = upload_arrivals(starts, compute, ups, sites)
         if link_codecs is not None:  # what the coordinator measures of each upload
             for k, name in enumerate(names):
                 link_codecs.observe_upload(name, ups[k], arrivals[k] - starts[k] - compute[k])
         closed, excluded, _ = _close_round(policy, r, open_s, names, arrivals)
+        if traffic is not None:  # the broadcast waits for the unmasking
+            closed = unmasked_at(closed, arrivals, traffic, sites, [k for k in range(n) if names[k] not in excluded])
         ends = tiers.ends(closed, down) if tiers is not None else download_ends(closed, arrivals, down, sites)
         spans = [e - s for e, s in zip(ends, starts, strict=True)]
         for clock, e in zip(clocks, ends, strict=True):

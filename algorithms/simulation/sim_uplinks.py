@@ -16,9 +16,9 @@ One interface, two implementations, chosen once per run by ``build_uplinks``:
 ``AttackedUplinks`` wraps either for poisoned sites (a research hook, ``SiteConfig.attack``).
 
 The simulator's round asks ``begin`` for the round's aggregation, ``encode`` for each site's
-payload, ``nbytes`` for its size on the wire (``masked_nbytes``: its masked vector's part, which
-a relay sums, for the two-tier clock), and ``keep`` for an update that missed its round; it never
-asks which kind of round it runs.
+payload, ``nbytes`` for its size on the wire (``traffic``: a secure upload's bytes stage by
+stage, which the secure round's clock times and of which a relay sums the masked vector), and
+``keep`` for an update that missed its round; it never asks which kind of round it runs.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from geoloco.algorithms.privacy.private_aggregation import (
     plan_secure_round,
     secure_index_seed,
 )
+from geoloco.algorithms.privacy.secagg_in_memory import SiteTraffic
 from geoloco.algorithms.privacy.secure_sum import InMemorySecureSum
 from geoloco.algorithms.round import RoundOutcome
 from geoloco.algorithms.simulation.robust_attack import Attack
@@ -56,6 +57,7 @@ __all__ = [
     "drop_refused",
     "keep_aborted",
     "round_noise_multiplier",
+    "simulation_session",
 ]
 
 Payload = Encoded | torch.Tensor
@@ -81,10 +83,10 @@ class SimUplinks(Protocol):
         tells it (then the round holds every update until all sites have encoded)."""
         ...
 
-    def masked_nbytes(self, site: str, aggregation: Aggregation) -> int | None:
-        """The masked vector's bytes within ``nbytes`` (a secure round: what a relay adds into
-        its ring sum instead of passing it on), or None for a plain upload (a relay decodes it
-        into its partial sum)."""
+    def traffic(self, site: str, aggregation: Aggregation) -> SiteTraffic | None:
+        """A secure round's upload stage by stage (``nbytes`` is its ``up``; ``masked_up`` is
+        what a relay adds into its ring sum instead of passing it on), or None for a plain
+        upload: one transfer, which a relay decodes into its partial sum."""
         ...
 
     def screen(self, payload: Payload) -> Screen:
@@ -138,7 +140,7 @@ class PlainUplinks:
         assert isinstance(payload, Encoded)
         return payload.nbytes
 
-    def masked_nbytes(self, site: str, aggregation: Aggregation) -> int | None:
+    def traffic(self, site: str, aggregation: Aggregation) -> SiteTraffic | None:
         return None
 
     def screen(self, payload: Payload) -> Screen:
@@ -193,14 +195,14 @@ class SecureUplinks:
 
     def nbytes(self, site: str, payload: Payload, aggregation: Aggregation) -> int:
         assert isinstance(aggregation, InMemorySecureSum)
-        return aggregation.traffic[site]
+        return aggregation.traffic[site].up
 
     def nbytes_now(self, payload: Payload) -> int | None:
         return None
 
-    def masked_nbytes(self, site: str, aggregation: Aggregation) -> int | None:
+    def traffic(self, site: str, aggregation: Aggregation) -> SiteTraffic | None:
         assert isinstance(aggregation, InMemorySecureSum)
-        return aggregation.masked_traffic[site]
+        return aggregation.traffic[site]
 
     def screen(self, payload: Payload) -> Screen:
         return UNSCREENED  # a masked update: nobody may measure it
@@ -244,8 +246,8 @@ class AttackedUplinks:
     def nbytes_now(self, payload: Payload) -> int | None:
         return self.inner.nbytes_now(payload)
 
-    def masked_nbytes(self, site: str, aggregation: Aggregation) -> int | None:
-        return self.inner.masked_nbytes(site, aggregation)
+    def traffic(self, site: str, aggregation: Aggregation) -> SiteTraffic | None:
+        return self.inner.traffic(site, aggregation)
 
     def screen(self, payload: Payload) -> Screen:
         return self.inner.screen(payload)
@@ -286,6 +288,12 @@ def keep_aborted(
             payload = payloads[list(names).index(name)]
         if payload is not None and uplinks.keeps(name, fragment):
             uplinks.give_back(name, payload, fragment)
+
+
+def simulation_session(seed: int) -> str:
+    """The secure-aggregation session of a simulated run (its protocol messages name it, so the
+    planner sizes them with the same one)."""
+    return f"simulation-{seed}"
 
 
 def build_uplinks(

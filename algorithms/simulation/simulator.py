@@ -10,7 +10,8 @@ are encoded and aggregated through one interface whatever the privacy settings
 Time is virtual (``geoloco.algorithms.simulation.clock``): compute is ``step_time_s / speed_factor`` per
 step (or the measured wall time of the real steps with ``step_time_s = "measure"``) and every
 transfer costs ``latency + 8 · nbytes / bandwidth``, from the bytes really produced by the codecs
-(or the secure aggregation protocol).
+(or the secure aggregation protocol, whose stage calls and barriers are timed by
+``geoloco.algorithms.simulation.secure_clock``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.round import Round, RoundPolicy
 from geoloco.algorithms.simulation.clock import download_ends, upload_arrivals
 from geoloco.algorithms.simulation.robust_attack import parse_attack
+from geoloco.algorithms.simulation.secure_clock import masked_arrivals, unmasked_at
 from geoloco.algorithms.simulation.sim_config import MEASURE, SimulationConfig, SimulatorConfig
 from geoloco.algorithms.simulation.sim_state import SimSite, SimTrainer
 from geoloco.algorithms.simulation.sim_uplinks import (
@@ -49,6 +51,7 @@ from geoloco.algorithms.simulation.sim_uplinks import (
     drop_refused,
     keep_aborted,
     round_noise_multiplier,
+    simulation_session,
 )
 from geoloco.algorithms.simulation.streaming_sim import StreamingRounds
 from geoloco.algorithms.strategy import UPDATE_GRADIENT, AlgorithmConfig, DataParallel, Strategy, build_strategy
@@ -102,7 +105,7 @@ class Simulator:
         names = [str(k) for k in range(num_sites)]
         self.uplinks, site_uplinks = build_uplinks(
             self.strategy, config.privacy, names, uplink_codec=algo.uplink_codec,
-            error_feedback=algo.error_feedback, session=f"simulation-{sim.seed}",
+            error_feedback=algo.error_feedback, session=simulation_session(sim.seed),
             attacks={
                 names[k]: parse_attack(site.attack)
                 for k, site in enumerate(config.sites) if site.attack is not None
@@ -289,14 +292,17 @@ class Simulator:
             else:
                 assert p is not None  # an update whose size was not known is still held
                 upload_sizes.append(self.uplinks.nbytes(s.name, p, round_.aggregation))
+        traffic = [self.uplinks.traffic(s.name, round_.aggregation) for s in self.sites]
+        secure = [t for t in traffic if t is not None]
+        configs = [s.config for s in self.sites]
         if self.tiers is not None:
             finished = [s.ready_s + c for s, c in zip(self.sites, compute, strict=True)]
-            masked = [self.uplinks.masked_nbytes(s.name, round_.aggregation) for s in self.sites]
+            masked = [None if t is None else t.masked_up for t in traffic]
             arrivals = self.tiers.arrivals(finished, upload_sizes, self.layout.numel, masked)
+        elif len(secure) == len(self.sites):  # a secure round: its stages on the clock
+            arrivals = masked_arrivals([s.ready_s for s in self.sites], compute, secure, configs)
         else:
-            arrivals = upload_arrivals(
-                [s.ready_s for s in self.sites], compute, upload_sizes, [s.config for s in self.sites]
-            )
+            arrivals = upload_arrivals([s.ready_s for s in self.sites], compute, upload_sizes, configs)
         names = [s.name for s in self.sites]
         aggregate_s = engine.admit_arrivals(
             round_, sites=names, arrivals=arrivals, payloads=payloads, weights=weights, screen=self.uplinks.screen
@@ -328,6 +334,11 @@ class Simulator:
         del held_for_abort
         update = stepped.result.update
         self.global_flat = update.global_flat
+        if self.tiers is None and len(secure) == len(self.sites):  # the broadcast waits for the unmasking
+            aggregate_s = unmasked_at(
+                aggregate_s, arrivals, secure, configs,
+                [k for k, name in enumerate(names) if name in outcome.contributors],
+            )
         utilization = self._close_round_clock(aggregate_s, arrivals, update.downlink.nbytes, compute)
         return {
             "train_loss": sum(losses) / len(losses) if losses else math.nan,

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from geoloco.algorithms.config import ConfigError, config_from_dict
+from geoloco.algorithms.privacy.secagg_in_memory import SiteTraffic
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, transfer_time, upload_arrivals
+from geoloco.algorithms.simulation.secure_clock import masked_arrivals, unmasked_at
 
 
 def _round(*, open_s, starts, compute_s, upload_bytes, download_bytes, sites, deadline_s=None, min_sites=1):
@@ -112,3 +114,28 @@ def test_the_old_step_time_factor_key_says_what_replaced_it() -> None:
         SimulatorConfig.from_dict({"sites": [{}, {"step_time_factor": 2.0}]})
     assert err.value.key == "sites[1].step_time_factor"
     assert "speed_factor = 1 / step_time_factor" in str(err.value)
+
+
+def test_secure_round_hand_checked() -> None:
+    """Two sites on 8 Mbit/s links (1 kB = 1 ms), latencies 10 and 50 ms; per site 1 kB of
+    advertisement up, 2 kB of advertisements down, 3 kB of shares up, 4 kB down, a 100 kB masked
+    vector, an empty survivor list and signature, a 5 kB unmask request and a 6 kB answer.
+
+    keys: K1 = max(0.011, 0.051) = 0.051; K2 = max(0.051 + 0.012 + 0.013, 0.051 + 0.052 + 0.053)
+          = 0.156; shares held at 0.170 (site 0) and 0.210 (site 1).
+    masked: site 0 trains until 0.5 -> 0.5 + 0.11 = 0.61; site 1 trains until 0.2 but holds its
+          shares only at 0.21 -> 0.21 + 0.15 = 0.36. The uploads close at 0.61.
+    unmask: survivor lists at max(0.61, 0.61 + 0.02) + 0.01 = 0.64 and max(0.61, 0.36 + 0.10) +
+          0.05 = 0.66; signatures at 0.65 and 0.71; requests back at 0.71 + 0.015 / 0.055, answers
+          at 0.741 and 0.821: M = 0.821. With site 0 alone in the sum, 0.65 + 0.031 = 0.681.
+    """
+    sites = [SiteConfig(uplink_bps=8e6, downlink_bps=8e6, latency_s=lat) for lat in (0.01, 0.05)]
+    traffic = SiteTraffic(
+        advertise_up=1000, advertise_down=2000, share_up=3000, share_down=4000, masked_up=100_000,
+        request_down=5000, response_up=6000,
+    )
+    arrivals = masked_arrivals([0.0, 0.0], [0.5, 0.2], [traffic, traffic], sites)
+    assert arrivals == pytest.approx([0.61, 0.36])
+    assert unmasked_at(0.61, arrivals, [traffic, traffic], sites, [0, 1]) == pytest.approx(0.821)
+    assert unmasked_at(0.61, arrivals, [traffic, traffic], sites, [0]) == pytest.approx(0.681)
+    assert unmasked_at(0.61, arrivals, [traffic, traffic], sites, []) == 0.61

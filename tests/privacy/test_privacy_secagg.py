@@ -13,7 +13,7 @@ from scipy import stats
 from geoloco.algorithms.fixed_point import lift
 from geoloco.algorithms.privacy.secagg_client import SecAggClient
 from geoloco.algorithms.privacy.secagg_crypto import default_threshold, neighbour_graph, num_chunks
-from geoloco.algorithms.privacy.secagg_in_memory import StageCost, run_round_in_memory
+from geoloco.algorithms.privacy.secagg_in_memory import SiteTraffic, StageCost, run_round_in_memory
 from geoloco.algorithms.privacy.secagg_messages import (
     MIN_SITES,
     RoundContext,
@@ -312,13 +312,15 @@ def test_traffic_counts_the_masked_upload_at_the_modulus_width() -> None:
     n, numel = 4, 1000
     for bits in (32, 16):
         context = RoundContext(session="s", round_index=0, numel=numel, chunk_size=300, modulus_bits=bits)
-        traffic: dict[int, int] = {}
+        traffic: dict[int, SiteTraffic] = {}
         run_round_in_memory(context, _inputs(n, numel, np.random.default_rng(0), 100), identity_keys(n),
                             traffic=traffic)
         payload = numel * bits // 8
         for s in range(n):
             # Masked values at b/8 bytes each, plus a few kilobytes of keys, shares and signatures.
-            assert payload < traffic[s] < payload + 4096, traffic
+            assert traffic[s].masked_up == payload, traffic
+            assert payload < traffic[s].up < payload + 4096, traffic
+            assert all(v > 0 for v in dataclasses.astuple(traffic[s])), traffic
 
 
 def test_server_refuses_an_advertisement_for_another_round_or_session() -> None:

@@ -27,6 +27,7 @@ from torch import nn
 
 from geoloco.algorithms.aggregation import Aggregation
 from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
+from geoloco.algorithms.privacy.secagg_in_memory import SiteTraffic
 from geoloco.algorithms.simulation.sim_uplinks import Payload
 from geoloco.algorithms.simulation.simulator import Simulator, SimulatorConfig
 from geoloco.algorithms.strategy import RoundPlan
@@ -81,20 +82,20 @@ def _simulate(privacy: PrivacyConfig) -> tuple[list[dict[str, torch.Tensor]], li
     torch.testing.assert_close(sim.global_flat, tiny_weights(NUMEL)[0], rtol=0, atol=0)
     updates: list[dict[str, torch.Tensor]] = [{} for _ in range(ROUNDS)]
     masked: dict[str, int] = {}
-    encode, masked_nbytes = sim.uplinks.encode, sim.uplinks.masked_nbytes
+    encode, traffic = sim.uplinks.encode, sim.uplinks.traffic
 
     def keep_update(site: str, update: torch.Tensor, plan: RoundPlan, aggregation: Aggregation) -> Payload:
         updates[plan.round][SITES[int(site)]] = update.detach().clone()
         return encode(site, update, plan, aggregation)
 
-    def keep_masked(site: str, aggregation: Aggregation) -> int | None:
-        n = masked_nbytes(site, aggregation)
-        assert n is not None  # a secure round's upload holds a masked vector
-        masked[SITES[int(site)]] = n
-        return n
+    def keep_masked(site: str, aggregation: Aggregation) -> SiteTraffic | None:
+        stages = traffic(site, aggregation)
+        assert stages is not None  # a secure round's upload holds a masked vector
+        masked[SITES[int(site)]] = stages.masked_up
+        return stages
 
     sim.uplinks.encode = keep_update  # type: ignore[method-assign]
-    sim.uplinks.masked_nbytes = keep_masked  # type: ignore[method-assign]
+    sim.uplinks.traffic = keep_masked  # type: ignore[method-assign]
     weights = []
     for record in sim.run():
         assert len(record.participants) == len(SITES)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from geoloco.algorithms.privacy.private_aggregation import PrivacyConfig
 from geoloco.algorithms.simulation.planner import plan
 from geoloco.scenarios.cli import main
 from geoloco.scenarios.plan_cmd import parse_link
@@ -64,6 +66,24 @@ def test_streaming_scenario_uses_its_fragments(capsys: pytest.CaptureFixture[str
     assert p["rounds"] == load_scenario(SCENARIOS / "streaming.toml").run.rounds
 
 
+def test_a_secure_scenario_is_planned_stage_by_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its uploads are the masked vector (4 bytes a parameter at 32-bit modulus) and the
+    protocol's messages; its rounds are longer than the same sites' plain rounds by at least
+    four one-way latencies of the slowest site (the survivor list, the signature, the unmask
+    request and its answer come after the uploads close)."""
+    path = SCENARIOS / "secure.toml"
+    (p,) = _json(capsys, str(path), "--params", "40000", "--step-time", "0.05")["plans"]
+    scenario = load_scenario(path)
+    up = p["bytes"]["boston"]["up"]
+    assert 4 * 40000 * scenario.run.rounds < up < (4 * 40000 + 8000) * scenario.run.rounds
+    plain = plan(
+        dataclasses.replace(scenario.training, privacy=PrivacyConfig()), numel=40000,
+        sites=[s.clock_site() for s in scenario.sites], step_time_s=0.05,
+    )
+    slowest = max(s.latency_s for s in scenario.sites)
+    assert p["mean_round_s"] > plain.mean_round_s + 4 * slowest
+
+
 def test_parse_link_units() -> None:
     assert parse_link("1gbit,50ms") == (1e9, pytest.approx(0.05))
     assert parse_link("1e8,0.03") == (1e8, 0.03)
@@ -84,7 +104,8 @@ def test_parse_link_units() -> None:
           "--fragments", "3"], "must divide inner_steps"),
         (["--params", "1e6", "--step-time", "0.1", "--rounds", "1", "--codec", "int9"], "uplink_codec"),
         ([str(SCENARIOS / "quickstart.toml"), "--params", "1e6", "--step-time", "0.1", "--sites", "2"], "[[sites]]"),
-        ([str(SCENARIOS / "secure.toml"), "--params", "1e6", "--step-time", "0.1"], "secure aggregation"),
+        ([str(SCENARIOS / "secure.toml"), "--params", "1e6", "--step-time", "0.1", "--compare", "diloco,streaming"],
+         "the planner times secure rounds stage by stage"),
         (["missing.toml", "--params", "1e6", "--step-time", "0.1"], "file not found"),
     ],
 )

@@ -7,6 +7,7 @@ the planner repeats the simulator's arithmetic in the same order).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,14 +86,20 @@ TWO_REGIONS: dict[str, Any] = {
 """Two relays (one sending float32 partials, one its uplink codec) behind a slow coordinator link."""
 
 
+SECURE: dict[str, Any] = {"secure_aggregation": True, "clip_norm": 1.0}
+"""Secure aggregation (its stage calls and barriers on the clock, ``secure_clock``)."""
+
+
 def _config(
-    algorithm: dict[str, Any], simulation: dict[str, Any] | None = None, tiers: dict[str, Any] | None = None
+    algorithm: dict[str, Any], simulation: dict[str, Any] | None = None, tiers: dict[str, Any] | None = None,
+    privacy: dict[str, Any] | None = None,
 ) -> SimulatorConfig:
     return SimulatorConfig.from_dict({
         "algorithm": algorithm,
         "sites": SITES,
         "simulation": {"rounds": 5, "step_time_s": 0.05, "device": "cpu", "eval_every": 100, **(simulation or {})},
         **(tiers or {}),
+        **({"privacy": privacy} if privacy else {}),
     })
 
 
@@ -185,6 +192,22 @@ def test_planner_reproduces_the_simulators_clock_and_bytes(
 )
 def test_planner_reproduces_the_simulators_two_tier_clock(algorithm: dict[str, Any], tiers: dict[str, Any]) -> None:
     records, predicted = _both(_config(algorithm, None, tiers))
+    _assert_same(records, predicted)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "privacy"),
+    [
+        # 11 rounds: the round number's length changes the messages' sizes at round 10.
+        pytest.param({"name": "diloco", "inner_steps": 2, "weighting": "uniform"}, SECURE, id="secure"),
+        pytest.param(
+            {"name": "fedavg", "inner_steps": 1, "uplink_codec": "randk:0.25", "weighting": "uniform"},
+            {**SECURE, "dp": "distributed", "noise_multiplier": 0.5, "modulus_bits": 16}, id="secure-distributed-dp",
+        ),
+    ],
+)
+def test_planner_reproduces_the_simulators_secure_rounds(algorithm: dict[str, Any], privacy: dict[str, Any]) -> None:
+    records, predicted = _both(_config(algorithm, {"rounds": 11}, privacy=privacy))
     _assert_same(records, predicted)
 
 
@@ -292,8 +315,8 @@ def test_planner_refuses_what_it_cannot_predict() -> None:
         "algorithm": {"name": "diloco"}, "privacy": {"secure_aggregation": True, "clip_norm": 1.0},
         "sites": SITES,
     })
-    with pytest.raises(PlanError, match="secure aggregation"):
-        plan(secure.training, numel=10, sites=secure.sites, step_time_s=0.1)
+    with pytest.raises(PlanError, match="the round deadline"):
+        plan(dataclasses.replace(secure.training, round_deadline_s=1.0), numel=10, sites=secure.sites, step_time_s=0.1)
     asynchronous = SimulatorConfig.from_dict({
         "algorithm": {"name": "diloco", "asynchronous": {"enabled": True}}, "sites": SITES,
     })

@@ -353,9 +353,9 @@ class SecureUplink:
         except SecAggAbort as why:
             logger.warning("site %s: secure round %d aborted: %s", self.site, self._round.context.round_index, why)
         except RoundClosed as why:
-            # The coordinator had the threshold of answers and finished the round before this
-            # one arrived (the usual case for the slowest sites): nothing went wrong, and the
-            # broadcast says whether this site's update counted.
+            # The unmask stage closed without this answer (its deadline passed, or the
+            # coordinator stopped waiting for this site): the broadcast says whether this site's
+            # update counted.
             logger.info(
                 "site %s: round %d finished without this site's unmask answer (%s); the broadcast "
                 "says whether its update counted", self.site, self._round.context.round_index, why,

@@ -32,7 +32,7 @@ are usually within a few per cent of that).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from geoloco.algorithms.aggregation import CountingAggregation
 from geoloco.algorithms.engine import UNSCREENED, RoundEngine
 from geoloco.algorithms.link_codec import CodecPlans
 from geoloco.algorithms.params import ParamLayout
+from geoloco.algorithms.privacy.dp_accountant import PrivacyAccountant
 from geoloco.algorithms.privacy.secagg_in_memory import SiteTraffic
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, upload_arrivals
@@ -49,7 +50,7 @@ from geoloco.algorithms.simulation.planner_memory import MemoryEstimate, estimat
 from geoloco.algorithms.simulation.planner_sizes import PlanError, encoded_nbytes, fragment_numels, secure_traffic
 from geoloco.algorithms.simulation.secure_clock import masked_arrivals, unmasked_at
 from geoloco.algorithms.simulation.sim_regions import TwoTierClock
-from geoloco.algorithms.simulation.sim_uplinks import simulation_session
+from geoloco.algorithms.simulation.sim_uplinks import round_noise_multiplier, simulation_session
 from geoloco.algorithms.simulation.streaming_sim import streaming_site_time
 from geoloco.algorithms.streaming import StreamingSchedule
 from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapMeter
@@ -197,13 +198,16 @@ def plan(
         raise PlanError(f"step time must be >= 0 seconds, got {step_time_s}")
     if training.rounds < 1:
         raise PlanError(f"the plan needs rounds >= 1, got {training.rounds}")
-    if training.privacy.secure_aggregation and (
-        training.algorithm.streaming.enabled or training.deadline_enabled or tiers is not None
-    ):
+    if training.privacy.secure_aggregation and (training.algorithm.streaming.enabled or tiers is not None):
         raise PlanError(
             "the planner times secure rounds stage by stage for sites linked straight to the "
-            "coordinator, in rounds that wait for every site: drop streaming, the round deadline and "
-            "[[regions]]/[coordinator_link] to plan it, or measure with `geoloco simulate`"
+            "coordinator: drop streaming and [[regions]]/[coordinator_link] to plan it, or measure "
+            "with `geoloco simulate` (which charges those rounds' protocol as one upload)"
+        )
+    if training.privacy.secure_aggregation and training.algorithm.adaptive_uplink.enabled:
+        raise PlanError(
+            "a secure sum adds every site's masked update in one codec, so the simulator and the "
+            "coordinator refuse [algorithm.adaptive_uplink] with it: disable one of the two"
         )
     if training.algorithm.asynchronous.enabled:
         raise PlanError(
@@ -261,24 +265,55 @@ def plan(
 
 
 class _SecureSizes:
-    """Round ``r``'s secure-aggregation bytes per site and stage (``secure_traffic``), run once per
-    length of the round number: the messages carry it as decimal text, and nothing else in their
-    sizes changes from round to round."""
+    """Round ``r``'s secure-aggregation bytes per site and stage (``secure_traffic``). The
+    messages write the round number and site numbers as decimal text: on the full graph every
+    site's neighbours are the same every round, so the sizes change only with the round number's
+    length and the protocol runs once per length; SecAgg+ draws each round's neighbours anew, so
+    with more than ten sites (two-digit numbers) it runs once per round (about 2 s a round at
+    256 sites on one core)."""
 
     def __init__(self, training: TrainingConfig, numel: int, num_sites: int) -> None:
         self.training = training
         self.numel = numel
         self.num_sites = num_sites
-        self._by_digits: dict[int, list[SiteTraffic]] = {}
+        self._every_round = training.privacy.neighbours != "full" and num_sites > 10
+        self._cached: dict[int, list[SiteTraffic]] = {}
 
     def __call__(self, round_number: int) -> list[SiteTraffic]:
-        digits = len(str(round_number))
-        if digits not in self._by_digits:
-            self._by_digits[digits] = secure_traffic(
+        key = round_number if self._every_round else len(str(round_number))
+        if key not in self._cached:
+            if self._every_round:
+                self._cached.clear()
+            self._cached[key] = secure_traffic(
                 self.training.privacy, self.training.algorithm.uplink_codec, numel=self.numel,
                 num_sites=self.num_sites, session=simulation_session(self.training.seed), round_index=round_number,
             )
-        return self._by_digits[digits]
+        return self._cached[key]
+
+
+class _PrivacyBudget:
+    """The simulator's stop on ``[privacy] epsilon_budget``: no round whose release would push the
+    accounted epsilon past the budget (``round_noise_multiplier`` of the round's update size)."""
+
+    def __init__(self, training: TrainingConfig, update_numel: Callable[[int], int], num_sites: int) -> None:
+        privacy = training.privacy
+        self.privacy = privacy
+        self.codec = training.algorithm.uplink_codec
+        self.update_numel = update_numel
+        self.num_sites = num_sites
+        self.accountant = PrivacyAccountant(privacy.delta) if privacy.dp != "off" else None
+
+    def allows(self, round_number: int) -> bool:
+        """Whether round ``round_number`` runs (and, if so, its release is accounted)."""
+        if self.accountant is None:
+            return True
+        z = round_noise_multiplier(
+            self.privacy, self.codec, numel=self.update_numel(round_number), num_sites=self.num_sites
+        )
+        if not self.accountant.allows(z, self.privacy.epsilon_budget):
+            return False
+        self.accountant.step(z)
+        return True
 
 
 def _data_parallel(
@@ -336,9 +371,12 @@ def _plain(
     link_codecs = CodecPlans(algo.adaptive_uplink, algo.uplink_codec) if algo.adaptive_uplink.enabled else None
     n = len(sites)
     secure = _SecureSizes(training, numel, n) if training.privacy.secure_aggregation else None
+    budget = _PrivacyBudget(training, lambda r: numel, n)
     out: list[PlannedRound] = []
     end = done[-1].wall_clock_s if done else 0.0
     for r in range(training.rounds):
+        if not budget.allows(r):
+            break
         steps = [_site_steps(training, step_time_s / s.speed_factor) for s in sites]
         # ``steps · step_time_s / speed_factor``: the simulator's order of operations.
         compute = [k * step_time_s / s.speed_factor for k, s in zip(steps, sites, strict=True)]
@@ -397,9 +435,12 @@ def _streaming(
     n = len(sites)
     meters = [OverlapMeter() for _ in sites]
     choices = [bounds.fixed] * n
+    budget = _PrivacyBudget(training, lambda r: sizes[schedule.fragment_for_round(r)], n)
     out: list[PlannedRound] = []
     end = done[-1].wall_clock_s if done else 0.0
     for r in range(training.rounds):
+        if not budget.allows(r):
+            break
         p = schedule.fragment_for_round(r)
         up = encoded_nbytes(algo.uplink_codec, sizes[p])
         down = encoded_nbytes(algo.downlink_codec, sizes[p])

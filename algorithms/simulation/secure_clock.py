@@ -22,8 +22,12 @@ and ``down_k(b)`` alike, the bytes of each call from ``SiteTraffic``, ``s_k`` th
   ``M``, the last answer: the broadcast starts there (``A_t`` of the plain clock,
   ``geoloco.algorithms.simulation.clock``).
 
-As on the plain clock, masking, unmasking and the outer step take no virtual time. The simulator
-and the planner both time a secure round here, so the planner equals the simulator on it.
+As on the plain clock, masking, unmasking and the outer step take no virtual time, and a stage
+call is answered the moment its stage closes: a real call is held at most a second
+(``geoloco.coordinator.rounds.SECURE_STAGE_WAIT_S``) and asked again, so a stage that closes in
+between reaches the site up to a round trip later; this is a lower bound. The simulator's flat
+secure rounds and the planner are timed here, so the planner equals the simulator on them;
+Streaming DiLoCo's and the regions' secure rounds still charge the protocol as one upload.
 """
 
 from __future__ import annotations

@@ -211,6 +211,32 @@ def test_planner_reproduces_the_simulators_secure_rounds(algorithm: dict[str, An
     _assert_same(records, predicted)
 
 
+def test_planner_reproduces_secagg_plus_neighbours_drawn_each_round() -> None:
+    """Twelve sites on SecAgg+'s graph: each round draws every site's neighbours anew, and the
+    messages name them as decimal text, so one- and two-digit neighbours change the sizes from
+    round to round (by a byte or two): the planner sizes every round, as the simulator's
+    protocol run does."""
+    config = SimulatorConfig.from_dict({
+        "algorithm": {"name": "diloco", "inner_steps": 1, "weighting": "uniform"},
+        "sites": [{**SITES[k % 3], "name": f"s{k}"} for k in range(12)],
+        "simulation": {"rounds": 3, "step_time_s": 0.05, "device": "cpu", "eval_every": 100},
+        "privacy": {**SECURE, "neighbours": "secagg+"},
+    })
+    records, predicted = _both(config)
+    _assert_same(records, predicted)
+    per_round = [r.bytes_up for r in predicted.rounds]
+    assert len({tuple(b) for b in per_round}) > 1, per_round
+
+
+def test_planner_stops_where_the_privacy_budget_stops_the_simulator() -> None:
+    records, predicted = _both(_config(
+        {"name": "fedavg", "inner_steps": 1, "weighting": "uniform"}, {"rounds": 6},
+        privacy={"dp": "central", "clip_norm": 1.0, "noise_multiplier": 2.0, "epsilon_budget": 4.5},
+    ))
+    _assert_same(records, predicted)
+    assert 0 < len(predicted.rounds) < 6
+
+
 def test_the_regions_case_is_slower_than_the_flat_network() -> None:
     """The relays and the coordinator's 150-250 kbit/s link must set the clock in the regions
     case, or it compares only the flat links."""
@@ -315,8 +341,13 @@ def test_planner_refuses_what_it_cannot_predict() -> None:
         "algorithm": {"name": "diloco"}, "privacy": {"secure_aggregation": True, "clip_norm": 1.0},
         "sites": SITES,
     })
-    with pytest.raises(PlanError, match="the round deadline"):
-        plan(dataclasses.replace(secure.training, round_deadline_s=1.0), numel=10, sites=secure.sites, step_time_s=0.1)
+    adaptive = dataclasses.replace(
+        secure.training.algorithm, adaptive_uplink=dataclasses.replace(
+            secure.training.algorithm.adaptive_uplink, enabled=True
+        ),
+    )
+    with pytest.raises(PlanError, match="adaptive_uplink"):
+        plan(dataclasses.replace(secure.training, algorithm=adaptive), numel=10, sites=secure.sites, step_time_s=0.1)
     asynchronous = SimulatorConfig.from_dict({
         "algorithm": {"name": "diloco", "asynchronous": {"enabled": True}}, "sites": SITES,
     })

@@ -21,8 +21,9 @@ order a round meets them:
   optimizer sees it and the new weights finite and within bounds before anyone else does;
   otherwise, or if the arithmetic fails in any other way, the round is *aborted*: the model is
   unchanged (``Strategy.no_change``) and the outer optimizer's state is rewound to what goes with
-  the unchanged weights. Because this lives here, the simulator predicts an aborted round exactly
-  as the coordinator has it.
+  the unchanged weights: the coordinator's checkpoint of them, or in a host without checkpoints
+  (the simulators) a copy the engine keeps while the step runs. Because this lives here, the
+  simulator predicts an aborted round exactly as the coordinator has it.
 
 The engine takes time as an argument and never sleeps, reads a socket or writes a file; hosts
 pass what only they can do (restoring the outer state from a checkpoint) as a callable.
@@ -30,6 +31,7 @@ pass what only they can do (restoring the outer state from a checkpoint) as a ca
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -179,8 +181,11 @@ class RoundEngine:
     ``strategy``: the run's outer optimizer and downlink; None for a host that only counts
     arrivals and never steps (the planner). ``guard``: the update guard, or None (the planner).
     ``fresh_strategy``: builds the strategy anew; its state is the rewind of last resort.
-    ``restore_outer``: a host's better rewind (the checkpoint that holds the unchanged weights);
-    returns a sentence saying what it did, or None when it could not.
+    ``restore_outer``: a host's own rewind (the checkpoint that holds the unchanged weights);
+    returns a sentence saying what it did, or None when it could not. Without one the engine
+    copies the outer state before each step that the guard may throw away (one copy of the
+    momentum and downlink residual while the step runs), so the rewind is exact, as the
+    coordinator's from its checkpoint is; a coordinator without checkpoints resets the state.
     """
 
     def __init__(
@@ -378,6 +383,7 @@ class RoundEngine:
         why: str | None = round_.aborted or None
         result: RoundSum | None = None
         if why is None:
+            before = self._outer_copy()
             stepped = False
             aggregation = round_.aggregation
             if self.guard is not None:
@@ -397,7 +403,8 @@ class RoundEngine:
                 why = f"the aggregation failed: {type(err).__name__}: {text[:200]}"
                 result = None
             if why is not None and stepped:
-                why += self._rewind(global_flat)
+                why += self._rewind(global_flat, before)
+            del before
         if self.guard is not None:
             self.guard.round_done(round_.number, None if why is not None or result is None else result.contributors)
         if why is not None:
@@ -413,20 +420,34 @@ class RoundEngine:
         update = self.strategy.aggregate_round(global_flat, aggregation, plan)
         return RoundSum(update, contributors, update.mean_norm)
 
-    def _rewind(self, global_flat: torch.Tensor) -> str:
+    def _outer_copy(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The outer state as it is before a step, for a host that cannot restore it itself
+        (``restore_outer``); None for one that can, or when no guard could refuse the step."""
+        if self.restore_outer is not None or self.guard is None or self.strategy is None:
+            return None
+        tensors = {k: v.detach().clone() for k, v in self.strategy.state_tensors().items()}
+        return tensors, copy.deepcopy(self.strategy.state_meta())
+
+    def _rewind(
+        self, global_flat: torch.Tensor, before: tuple[dict[str, torch.Tensor], dict[str, Any]] | None
+    ) -> str:
         """After an outer step whose result is thrown away, put the outer optimizer's state
         (momentum, downlink residual) back to what goes with the unchanged weights: the host's
-        (a checkpoint of these weights) when it has it, else a fresh state. Left as the step made
-        it, the refused step's momentum would push every following round out of bounds too."""
+        (a checkpoint of these weights) when it has it, or ``before`` (the copy taken before the
+        step), else a fresh state. Left as the step made it, the refused step's momentum would
+        push every following round out of bounds too."""
+        assert self.strategy is not None
         try:
             if self.restore_outer is not None:
                 said = self.restore_outer(global_flat)
                 if said is not None:
                     return said
+            if before is not None:
+                self.strategy.load_state(*before)
+                return "; the outer optimizer state is put back as it was before the step"
             if self.fresh_strategy is None:
                 return "; the outer optimizer state could not be rewound (no way to build it anew)"
             fresh = self.fresh_strategy()
-            assert self.strategy is not None
             self.strategy.load_state(fresh.state_tensors(), fresh.state_meta())
             return "; the outer optimizer state is reset (no checkpoint holds these weights)"
         except Exception:

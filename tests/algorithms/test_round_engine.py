@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+import pytest
 import torch
 
 from geoloco.algorithms.aggregation import RunningSum
@@ -88,8 +89,14 @@ def test_late_updates_fold_once_with_the_discount_and_only_one_round_late() -> N
     assert round_.contributed == {}, "a folded update does not count towards the quorum"
 
 
-def test_an_aborted_step_leaves_the_weights_and_rewinds_the_outer_state() -> None:
+@pytest.mark.parametrize("host_restores", [False, True], ids=["own-copy", "host-without-checkpoint"])
+def test_an_aborted_step_leaves_the_weights_and_rewinds_the_outer_state(host_restores: bool) -> None:
+    """Without a host's rewind the engine puts back the state it copied before the step (the
+    momentum of round 0, as a coordinator's checkpoint of those weights holds it); a host whose
+    rewind finds nothing (a coordinator without checkpoints) gets a fresh state."""
     e = engine(UpdateGuardConfig(max_abs_weight=1.0))
+    if host_restores:
+        e.restore_outer = lambda weights: None
     weights = torch.zeros(NUMEL)
     # A first round inside the bounds gives the outer optimizer momentum.
     first = e.open(0, RunningSum(NUMEL), 0.0)
@@ -99,15 +106,22 @@ def test_an_aborted_step_leaves_the_weights_and_rewinds_the_outer_state() -> Non
     assert stepped.aborted is None
     weights = stepped.result.update.global_flat
     assert e.strategy is not None and e.strategy.state_tensors(), "the step left momentum"
+    after_first = {k: v.clone() for k, v in e.strategy.state_tensors().items()}
+    fresh = strategy().state_tensors()
+    assert not _same(after_first, fresh)
     # The next round's mean pushes a weight past max_abs_weight: aborted, nothing changes.
     second = e.open(1, RunningSum(NUMEL), 1.0)
     e.admit(second, "a", torch.full((NUMEL,), -100.0), 1.0, screen=UNSCREENED, now=1.0)
     stepped = e.step(second, weights, e.strategy.configure_round(1, ["a"]), ["a"])
     assert stepped.aborted is not None and "beyond max_abs_weight" in stepped.aborted
-    assert "reset" in stepped.aborted
     assert torch.equal(stepped.result.update.global_flat, weights)
-    fresh = strategy().state_tensors()
-    assert all(torch.equal(v, fresh[k]) for k, v in e.strategy.state_tensors().items())
+    expected = fresh if host_restores else after_first
+    assert ("reset" if host_restores else "put back as it was before the step") in stepped.aborted
+    assert _same(e.strategy.state_tensors(), expected)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
 
 
 def test_the_simulator_rejects_a_poisoned_update_as_the_coordinator_does() -> None:

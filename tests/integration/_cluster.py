@@ -183,9 +183,10 @@ def on_round(round_number: int, event: threading.Event) -> Callable[[RoundRecord
     return callback
 
 
-def poison_first_update(agent: SiteAgent, factor: float) -> None:
-    """Make ``agent`` upload ``factor`` times its first pseudo-gradient, then honest ones. The
-    update is formed whole (``encode``), not piece by piece in the residual, so it can be scaled."""
+def poison_update(agent: SiteAgent, factor: float, *, nth: int = 1) -> None:
+    """Make ``agent`` upload ``factor`` times its ``nth`` pseudo-gradient (1: its first), and
+    honest ones otherwise. The update is formed whole (``encode``), not piece by piece in the
+    residual, so it can be scaled."""
 
     def on_join(info: JoinInfo) -> None:
         uplink = agent._rounds.uplink  # type: ignore[union-attr]
@@ -196,7 +197,7 @@ def poison_first_update(agent: SiteAgent, factor: float) -> None:
 
         def scaled(update: torch.Tensor, **kwargs: object) -> object:
             calls[0] += 1
-            return encode(update * factor if calls[0] == 1 else update, **kwargs)
+            return encode(update * factor if calls[0] == nth else update, **kwargs)
 
         scaled.poisoned = True  # type: ignore[attr-defined]
         uplink.encode = scaled  # type: ignore[method-assign]

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _cluster import AgentThread, Run, make_certs, poison_first_update, run_to_end
+from _cluster import AgentThread, Run, make_certs, poison_update, run_to_end
 
 from geoloco.algorithms.async_merge import AsyncConfig
 from geoloco.algorithms.config import ConfigError
@@ -212,7 +212,7 @@ def test_an_update_the_guard_refuses_is_dropped_and_the_site_counts_again(certs:
     )
     summaries, records, server = _run_sites(
         run, certs, tmp_path / "metrics.jsonl", [0.01] * 3, min_sites=1,
-        prepare=lambda agents: poison_first_update(agents[1], 1e7),
+        prepare=lambda agents: poison_update(agents[1], 1e7),
     )
     assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
     # (A refusal may leave no trace on its merge's record: the site's next update may enter the

@@ -48,7 +48,7 @@ from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, upload_arrivals
 from geoloco.algorithms.simulation.planner_memory import MemoryEstimate, estimate_memory
 from geoloco.algorithms.simulation.planner_sizes import PlanError, encoded_nbytes, fragment_numels, secure_traffic
-from geoloco.algorithms.simulation.secure_clock import masked_arrivals, unmasked_at
+from geoloco.algorithms.simulation.secure_clock import keys_held, masked_arrivals, unmasked_at
 from geoloco.algorithms.simulation.sim_regions import TwoTierClock
 from geoloco.algorithms.simulation.sim_uplinks import round_noise_multiplier, simulation_session
 from geoloco.algorithms.simulation.streaming_sim import streaming_site_time
@@ -198,11 +198,11 @@ def plan(
         raise PlanError(f"step time must be >= 0 seconds, got {step_time_s}")
     if training.rounds < 1:
         raise PlanError(f"the plan needs rounds >= 1, got {training.rounds}")
-    if training.privacy.secure_aggregation and (training.algorithm.streaming.enabled or tiers is not None):
+    if training.privacy.secure_aggregation and tiers is not None:
         raise PlanError(
             "the planner times secure rounds stage by stage for sites linked straight to the "
-            "coordinator: drop streaming and [[regions]]/[coordinator_link] to plan it, or measure "
-            "with `geoloco simulate` (which charges those rounds' protocol as one upload)"
+            "coordinator: drop [[regions]]/[coordinator_link] to plan it, or measure with `geoloco "
+            "simulate` (which charges those rounds' protocol as one upload)"
         )
     if training.privacy.secure_aggregation and training.algorithm.adaptive_uplink.enabled:
         raise PlanError(
@@ -272,20 +272,21 @@ class _SecureSizes:
     with more than ten sites (two-digit numbers) it runs once per round (about 2 s a round at
     256 sites on one core)."""
 
-    def __init__(self, training: TrainingConfig, numel: int, num_sites: int) -> None:
+    def __init__(self, training: TrainingConfig, num_sites: int) -> None:
         self.training = training
-        self.numel = numel
         self.num_sites = num_sites
         self._every_round = training.privacy.neighbours != "full" and num_sites > 10
-        self._cached: dict[int, list[SiteTraffic]] = {}
+        self._cached: dict[tuple[int, int], list[SiteTraffic]] = {}
 
-    def __call__(self, round_number: int) -> list[SiteTraffic]:
-        key = round_number if self._every_round else len(str(round_number))
+    def __call__(self, round_number: int, numel: int) -> list[SiteTraffic]:
+        """The sizes of round ``round_number``'s secure sum of ``numel`` values (a Streaming
+        DiLoCo round's: its fragment's)."""
+        key = (numel, round_number if self._every_round else len(str(round_number)))
         if key not in self._cached:
             if self._every_round:
                 self._cached.clear()
             self._cached[key] = secure_traffic(
-                self.training.privacy, self.training.algorithm.uplink_codec, numel=self.numel,
+                self.training.privacy, self.training.algorithm.uplink_codec, numel=numel,
                 num_sites=self.num_sites, session=simulation_session(self.training.seed), round_index=round_number,
             )
         return self._cached[key]
@@ -370,7 +371,7 @@ def _plain(
     down = encoded_nbytes(algo.downlink_codec, numel)
     link_codecs = CodecPlans(algo.adaptive_uplink, algo.uplink_codec) if algo.adaptive_uplink.enabled else None
     n = len(sites)
-    secure = _SecureSizes(training, numel, n) if training.privacy.secure_aggregation else None
+    secure = _SecureSizes(training, n) if training.privacy.secure_aggregation else None
     budget = _PrivacyBudget(training, lambda r: numel, n)
     out: list[PlannedRound] = []
     end = done[-1].wall_clock_s if done else 0.0
@@ -381,7 +382,7 @@ def _plain(
         # ``steps · step_time_s / speed_factor``: the simulator's order of operations.
         compute = [k * step_time_s / s.speed_factor for k, s in zip(steps, sites, strict=True)]
         starts = [c.ready_s for c in clocks]
-        traffic = secure(r) if secure is not None else None
+        traffic = secure(r, numel) if secure is not None else None
         if traffic is not None:
             ups = [t.up for t in traffic]
         elif link_codecs is None:
@@ -436,16 +437,20 @@ def _streaming(
     meters = [OverlapMeter() for _ in sites]
     choices = [bounds.fixed] * n
     budget = _PrivacyBudget(training, lambda r: sizes[schedule.fragment_for_round(r)], n)
+    secure = _SecureSizes(training, n) if training.privacy.secure_aggregation else None
     out: list[PlannedRound] = []
     end = done[-1].wall_clock_s if done else 0.0
     for r in range(training.rounds):
         if not budget.allows(r):
             break
         p = schedule.fragment_for_round(r)
+        traffic = secure(r, sizes[p]) if secure is not None else None
         up = encoded_nbytes(algo.uplink_codec, sizes[p])
+        ups = [up] * n if traffic is None else [t.up for t in traffic]
         down = encoded_nbytes(algo.downlink_codec, sizes[p])
         times = []
         steps = []
+        computed = []
         for k, (site, clock) in enumerate(zip(sites, clocks, strict=True)):
             overlap = choices[k].overlap_steps if r > 0 else 0
             rest = choices[k].round_steps - overlap
@@ -454,14 +459,29 @@ def _streaming(
             meters[k].record_steps(overlap + rest, first_s + rest_s)
             choices[k] = meters[k].choose(bounds)  # when its upload starts, as the site does
             steps.append(overlap + rest)
+            computed.append((first_s, rest_s))
             times.append(
                 streaming_site_time(
                     start_s=clock.ready_s, overlap_compute_s=first_s, rest_compute_s=rest_s,
-                    previous_broadcast_s=clock.broadcast_s, upload_bytes=up, site=site,
+                    previous_broadcast_s=clock.broadcast_s, upload_bytes=ups[k], site=site,
                 )
             )
+        if traffic is not None:  # the masked uploads wait for the key stages (``streaming_sim``)
+            held = keys_held(
+                [t.start_s + first_s + t.stall_s for t, (first_s, _) in zip(times, computed, strict=True)],
+                traffic, sites,
+            )
+            times = [
+                streaming_site_time(
+                    start_s=clock.ready_s, overlap_compute_s=first_s, rest_compute_s=rest_s,
+                    previous_broadcast_s=clock.broadcast_s, upload_bytes=t.masked_up, site=site, keys_held_s=h,
+                )
+                for clock, (first_s, rest_s), t, h, site in zip(clocks, computed, traffic, held, sites, strict=True)
+            ]
         arrivals = [t.arrival_s for t in times]
         closed, excluded, _ = _close_round(policy, r, open_s, names, arrivals)
+        if traffic is not None:  # the broadcast waits for the unmasking
+            closed = unmasked_at(closed, arrivals, traffic, sites, [k for k in range(n) if names[k] not in excluded])
         ends = download_ends(closed, arrivals, down, sites)
         for meter, clock, timing, e in zip(meters, clocks, times, ends, strict=True):
             meter.record_transfer(e - timing.upload_s)
@@ -471,7 +491,7 @@ def _streaming(
         new_end = max(ends)
         out.append(
             PlannedRound(
-                round=r, phase="train", inner_steps=max(steps), bytes_up=[up] * n,
+                round=r, phase="train", inner_steps=max(steps), bytes_up=ups,
                 bytes_down=[down] * n, round_time_s=new_end - end, wall_clock_s=new_end,
                 compute_s=[t.compute_s for t in times], utilization=[t.utilization for t in times],
                 excluded=excluded, fragment=p,

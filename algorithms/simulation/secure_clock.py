@@ -26,8 +26,9 @@ As on the plain clock, masking, unmasking and the outer step take no virtual tim
 call is answered the moment its stage closes: a real call is held at most a second
 (``geoloco.coordinator.rounds.SECURE_STAGE_WAIT_S``) and asked again, so a stage that closes in
 between reaches the site up to a round trip later; this is a lower bound. The simulator's flat
-secure rounds and the planner are timed here, so the planner equals the simulator on them;
-Streaming DiLoCo's and the regions' secure rounds still charge the protocol as one upload.
+and streaming secure rounds (``streaming_sim``: the key stages start with the steps after the
+merge) and the planner's are timed here, so the planner equals the simulator on them; the
+regions' secure rounds still charge the protocol as one upload.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from collections.abc import Sequence
 from geoloco.algorithms.privacy.secagg_in_memory import SiteTraffic
 from geoloco.algorithms.simulation.clock import SiteConfig, transfer_time
 
-__all__ = ["masked_arrivals", "unmasked_at"]
+__all__ = ["keys_held", "masked_arrivals", "unmasked_at"]
 
 
 def _up(site: SiteConfig, nbytes: int) -> float:
@@ -48,22 +49,29 @@ def _down(site: SiteConfig, nbytes: int) -> float:
     return transfer_time(nbytes, site.downlink_bps, site.latency_s)
 
 
+def keys_held(starts: Sequence[float], traffic: Sequence[SiteTraffic], sites: Sequence[SiteConfig]) -> list[float]:
+    """``h_k``: when each site holds the shares addressed to it, the key stages having started at
+    ``starts`` (every site of the round takes part in them)."""
+    advertised = max(s + _up(site, t.advertise_up) for s, t, site in zip(starts, traffic, sites, strict=True))
+    shared = max(
+        advertised + _down(site, t.advertise_down) + _up(site, t.share_up)
+        for t, site in zip(traffic, sites, strict=True)
+    )
+    return [shared + _down(site, t.share_down) for t, site in zip(traffic, sites, strict=True)]
+
+
 def masked_arrivals(
     starts: Sequence[float],
     compute_s: Sequence[float],
     traffic: Sequence[SiteTraffic],
     sites: Sequence[SiteConfig],
 ) -> list[float]:
-    """``a_k``: when each site's masked upload has fully arrived (after the key stages, which
-    every site of the round takes part in)."""
-    advertised = max(s + _up(site, t.advertise_up) for s, t, site in zip(starts, traffic, sites, strict=True))
-    shared = max(
-        advertised + _down(site, t.advertise_down) + _up(site, t.share_up)
-        for t, site in zip(traffic, sites, strict=True)
-    )
+    """``a_k``: when each site's masked upload has fully arrived, its key stages and its inner
+    steps having started at ``starts``."""
+    held = keys_held(starts, traffic, sites)
     return [
-        max(start + compute, shared + _down(site, t.share_down)) + _up(site, t.masked_up)
-        for start, compute, t, site in zip(starts, compute_s, traffic, sites, strict=True)
+        max(start + compute, h) + _up(site, t.masked_up)
+        for start, compute, h, t, site in zip(starts, compute_s, held, traffic, sites, strict=True)
     ]
 
 

@@ -30,6 +30,7 @@ from geoloco.algorithms.diloco import pseudo_gradient
 from geoloco.algorithms.engine import RoundEngine
 from geoloco.algorithms.finite import all_finite
 from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, transfer_time
+from geoloco.algorithms.simulation.secure_clock import keys_held, unmasked_at
 from geoloco.algorithms.simulation.sim_state import SimSite, SimTrainer
 from geoloco.algorithms.simulation.sim_uplinks import Payload, SimUplinks, drop_refused, keep_aborted
 from geoloco.algorithms.strategy import Strategy
@@ -68,12 +69,18 @@ def streaming_site_time(
     previous_broadcast_s: float | None,
     upload_bytes: int,
     site: SiteConfig,
+    keys_held_s: float | None = None,
 ) -> SiteStreamTime:
     """A site's round: ``overlap_compute_s`` of steps, stall until ``previous_broadcast_s`` (the
-    broadcast it merges now), ``rest_compute_s`` of steps, then its upload travels."""
+    broadcast it merges now), ``rest_compute_s`` of steps, then its upload travels. A masked
+    upload (secure aggregation) waits for the round's shares too (``keys_held_s``, from
+    ``secure_clock.keys_held``: the key stages start with the steps after the merge), and so do
+    the site's next steps: masking them is on its training thread."""
     merge_ready = start_s + overlap_compute_s
     stall = 0.0 if previous_broadcast_s is None else max(0.0, previous_broadcast_s - merge_ready)
     upload = merge_ready + stall + rest_compute_s
+    if keys_held_s is not None:
+        upload = max(upload, keys_held_s)
     arrival = upload + transfer_time(upload_bytes, site.uplink_bps, site.latency_s)
     return SiteStreamTime(
         start_s=start_s,
@@ -213,6 +220,7 @@ class StreamingRounds:
             else:
                 assert pl is not None  # an update whose size was not known is still held
                 upload_sizes.append(uplinks.nbytes(s.name, pl, round_.aggregation))
+        configs = [s.config for s in sites]
         times = [
             streaming_site_time(
                 start_s=start, overlap_compute_s=first_s, rest_compute_s=rest_s,
@@ -220,6 +228,21 @@ class StreamingRounds:
             )
             for (start, first_s, previous, rest_s), size, site in zip(computed, upload_sizes, sites, strict=True)
         ]
+        traffic = [uplinks.traffic(s.name, round_.aggregation) for s in sites]
+        secure = [t for t in traffic if t is not None]
+        staged = len(secure) == len(sites)  # a secure round: its stages on the clock (``secure_clock``)
+        if staged:
+            held = keys_held(
+                [t.start_s + first_s + t.stall_s for t, (_, first_s, _, _) in zip(times, computed, strict=True)],
+                secure, configs,
+            )
+            times = [
+                streaming_site_time(
+                    start_s=start, overlap_compute_s=first_s, rest_compute_s=rest_s,
+                    previous_broadcast_s=previous, upload_bytes=t.masked_up, site=site.config, keys_held_s=h,
+                )
+                for (start, first_s, previous, rest_s), t, h, site in zip(computed, secure, held, sites, strict=True)
+            ]
         arrivals = [t.arrival_s for t in times]
         aggregate_s = engine.admit_arrivals(
             round_, sites=names, arrivals=arrivals, payloads=payloads, weights=weights, screen=uplinks.screen
@@ -237,7 +260,11 @@ class StreamingRounds:
             keep_aborted(uplinks, outcome, p, early=held_for_abort, names=names, payloads=payloads)
         del held_for_abort
         update = stepped.result.update
-        ends = download_ends(aggregate_s, arrivals, update.downlink.nbytes, [s.config for s in sites])
+        if staged:  # the broadcast waits for the unmasking
+            aggregate_s = unmasked_at(
+                aggregate_s, arrivals, secure, configs, [k for k, n in enumerate(names) if n in outcome.contributors]
+            )
+        ends = download_ends(aggregate_s, arrivals, update.downlink.nbytes, configs)
         for site, stream, timing, end in zip(sites, self.streams, times, ends, strict=True):
             stream.merge_round = plan.round
             stream.broadcast_s = end

@@ -204,6 +204,11 @@ def test_planner_reproduces_the_simulators_two_tier_clock(algorithm: dict[str, A
             {"name": "fedavg", "inner_steps": 1, "uplink_codec": "randk:0.25", "weighting": "uniform"},
             {**SECURE, "dp": "distributed", "noise_multiplier": 0.5, "modulus_bits": 16}, id="secure-distributed-dp",
         ),
+        pytest.param(
+            {"name": "diloco", "inner_steps": 4, "weighting": "uniform",
+             "streaming": {"enabled": True, "fragments": 2, "overlap_steps": 1}},
+            SECURE, id="secure-streaming",
+        ),
     ],
 )
 def test_planner_reproduces_the_simulators_secure_rounds(algorithm: dict[str, Any], privacy: dict[str, Any]) -> None:
@@ -348,6 +353,9 @@ def test_planner_refuses_what_it_cannot_predict() -> None:
     )
     with pytest.raises(PlanError, match="adaptive_uplink"):
         plan(dataclasses.replace(secure.training, algorithm=adaptive), numel=10, sites=secure.sites, step_time_s=0.1)
+    tiers = _config({"name": "diloco", "inner_steps": 4}, None, TWO_REGIONS).tier_clock()
+    with pytest.raises(PlanError, match="stage by stage"):
+        plan(secure.training, numel=10, sites=secure.sites, step_time_s=0.1, tiers=tiers)
     asynchronous = SimulatorConfig.from_dict({
         "algorithm": {"name": "diloco", "asynchronous": {"enabled": True}}, "sites": SITES,
     })

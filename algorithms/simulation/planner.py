@@ -467,7 +467,7 @@ def _streaming(
                 )
             )
         if traffic is not None:  # the masked uploads wait for the key stages (``streaming_sim``)
-            shares_at = keys_held(
+            keys_at = keys_held(
                 [t.start_s + first_s + t.stall_s for t, (first_s, _) in zip(times, computed, strict=True)],
                 traffic, sites,
             )
@@ -476,7 +476,7 @@ def _streaming(
                     start_s=clock.ready_s, overlap_compute_s=first_s, rest_compute_s=rest_s,
                     previous_broadcast_s=clock.broadcast_s, upload_bytes=t.masked_up, site=site, keys_held_s=h,
                 )
-                for clock, (first_s, rest_s), t, h, site in zip(clocks, computed, traffic, shares_at, sites, strict=True)
+                for clock, (first_s, rest_s), t, h, site in zip(clocks, computed, traffic, keys_at, sites, strict=True)
             ]
         arrivals = [t.arrival_s for t in times]
         closed, excluded, _ = _close_round(policy, r, open_s, names, arrivals)

@@ -232,7 +232,7 @@ class StreamingRounds:
         secure = [t for t in traffic if t is not None]
         staged = len(secure) == len(sites)  # a secure round: its stages on the clock (``secure_clock``)
         if staged:
-            shares_at = keys_held(
+            keys_at = keys_held(
                 [t.start_s + first_s + t.stall_s for t, (_, first_s, _, _) in zip(times, computed, strict=True)],
                 secure, configs,
             )
@@ -241,7 +241,7 @@ class StreamingRounds:
                     start_s=start, overlap_compute_s=first_s, rest_compute_s=rest_s,
                     previous_broadcast_s=previous, upload_bytes=t.masked_up, site=site.config, keys_held_s=h,
                 )
-                for (start, first_s, previous, rest_s), t, h, site in zip(computed, secure, shares_at, sites, strict=True)
+                for (start, first_s, previous, rest_s), t, h, site in zip(computed, secure, keys_at, sites, strict=True)
             ]
         arrivals = [t.arrival_s for t in times]
         aggregate_s = engine.admit_arrivals(

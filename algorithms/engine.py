@@ -22,7 +22,8 @@ order a round meets them:
   otherwise, or if the arithmetic fails in any other way, the round is *aborted*: the model is
   unchanged (``Strategy.no_change``) and the outer optimizer's state is rewound to what goes with
   the unchanged weights: the coordinator's checkpoint of them, or in a host without checkpoints
-  (the simulators) a copy the engine keeps while the step runs. Because this lives here, the
+  (the simulators, a coordinator without ``checkpoint_dir``) a copy the engine keeps while the
+  step runs. Because this lives here, the
   simulator predicts an aborted round exactly as the coordinator has it.
 
 The engine takes time as an argument and never sleeps, reads a socket or writes a file; hosts
@@ -42,7 +43,7 @@ import torch
 from geoloco.algorithms.aggregation import Aggregation
 from geoloco.algorithms.finite import all_finite
 from geoloco.algorithms.round import CloseDecision, Round, RoundOutcome, RoundPolicy
-from geoloco.algorithms.strategy import RoundPlan, RoundUpdate, Strategy
+from geoloco.algorithms.strategy import FragmentOuter, RoundPlan, RoundUpdate, Strategy
 from geoloco.algorithms.update_guard import GuardedAggregation, RoundAbortedError, UpdateGuard, update_norm
 from geoloco.compression import Encoded, decoded_norm
 
@@ -175,6 +176,15 @@ aggregate into new weights (plain: ``Strategy.aggregate_round``; central DP adds
 aggregation unmasks first)."""
 
 
+@dataclass(slots=True)
+class _OuterCopy:
+    """One fragment's outer state (``FragmentOuter``) as it was before a step."""
+
+    fragment: FragmentOuter
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
 class RoundEngine:
     """The lifecycle of a run's rounds (module doc): one per coordinator, simulator or planner.
 
@@ -182,10 +192,11 @@ class RoundEngine:
     arrivals and never steps (the planner). ``guard``: the update guard, or None (the planner).
     ``fresh_strategy``: builds the strategy anew; its state is the rewind of last resort.
     ``restore_outer``: a host's own rewind (the checkpoint that holds the unchanged weights);
-    returns a sentence saying what it did, or None when it could not. Without one the engine
-    copies the outer state before each step that the guard may throw away (one copy of the
-    momentum and downlink residual while the step runs), so the rewind is exact, as the
-    coordinator's from its checkpoint is; a coordinator without checkpoints resets the state.
+    returns a sentence saying what it did, or None when it could not. Without one (the
+    simulators, a coordinator without checkpoints) the engine copies the state of the fragment
+    the step changes before each step the guard may throw away (its momentum, or Adam's two
+    moments, and its downlink residual: up to three copies of the fragment while the step runs),
+    so every host rewinds alike and exactly.
     """
 
     def __init__(
@@ -383,7 +394,7 @@ class RoundEngine:
         why: str | None = round_.aborted or None
         result: RoundSum | None = None
         if why is None:
-            before = self._outer_copy()
+            before = self._outer_copy(plan)
             stepped = False
             aggregation = round_.aggregation
             if self.guard is not None:
@@ -420,17 +431,18 @@ class RoundEngine:
         update = self.strategy.aggregate_round(global_flat, aggregation, plan)
         return RoundSum(update, contributors, update.mean_norm)
 
-    def _outer_copy(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-        """The outer state as it is before a step, for a host that cannot restore it itself
-        (``restore_outer``); None for one that can, or when no guard could refuse the step."""
+    def _outer_copy(self, plan: RoundPlan) -> _OuterCopy | None:
+        """The outer state of the fragment ``plan`` steps, as it is before the step, for a host
+        that cannot restore it itself (``restore_outer``); None for one that can, or when no
+        guard could refuse the step."""
         if self.restore_outer is not None or self.guard is None or self.strategy is None:
             return None
-        tensors = {k: v.detach().clone() for k, v in self.strategy.state_tensors().items()}
-        return tensors, copy.deepcopy(self.strategy.state_meta())
+        fragment = self.strategy.fragments[plan.fragment]
+        tensors = {k: v.detach().clone() for k, v in fragment.state_tensors().items()}
+        meta = {"outer": fragment.outer.state_meta(), "downlink": fragment.downlink.state_meta()}
+        return _OuterCopy(fragment, tensors, copy.deepcopy(meta))
 
-    def _rewind(
-        self, global_flat: torch.Tensor, before: tuple[dict[str, torch.Tensor], dict[str, Any]] | None
-    ) -> str:
+    def _rewind(self, global_flat: torch.Tensor, before: _OuterCopy | None) -> str:
         """After an outer step whose result is thrown away, put the outer optimizer's state
         (momentum, downlink residual) back to what goes with the unchanged weights: the host's
         (a checkpoint of these weights) when it has it, or ``before`` (the copy taken before the
@@ -443,7 +455,7 @@ class RoundEngine:
                 if said is not None:
                     return said
             if before is not None:
-                self.strategy.load_state(*before)
+                before.fragment.load_state(before.tensors, before.meta)
                 return "; the outer optimizer state is put back as it was before the step"
             if self.fresh_strategy is None:
                 return "; the outer optimizer state could not be rewound (no way to build it anew)"

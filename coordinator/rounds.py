@@ -184,8 +184,10 @@ class RoundStateMachine:
             ctx, self.intake, self.membership, layout=layout, weights=GlobalWeights.of(weights), privacy=self.privacy,
             eval_fn=eval_fn,
         )
-        self.engine.restore_outer = self.phases.restore_outer
         if config.checkpoint_dir is not None:
+            # The rewind after a thrown-away step comes from the checkpoint of the unchanged
+            # weights; without checkpoints the engine keeps a copy across each step instead.
+            self.engine.restore_outer = self.phases.restore_outer
             self.phases.enable_round_log()
         start_round = start_round_of(config, self.phases, set_aside=set_aside_previous_run)
         now = self.clock()

@@ -179,14 +179,16 @@ def test_a_refused_update_is_dropped_and_an_aborted_rounds_updates_are_kept_as_t
     assert float(server.rounds.weights.abs().max()) < 10.0
 
 
-def test_a_step_thrown_away_rewinds_the_outer_state_as_the_coordinators_checkpoint_does(
-    certs: Path, tmp_path: Path
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpointed", "without-checkpoints"])
+def test_a_step_thrown_away_rewinds_the_outer_state_alike_on_every_host(
+    certs: Path, tmp_path: Path, checkpoints: bool
 ) -> None:
     """Round 0 moves the weights and gives the outer momentum a value; site 1's second update
     pushes round 1's new weights beyond ``max_abs_weight``, so that step is thrown away after it
-    ran. The coordinator puts the momentum back from its checkpoint of the unchanged weights; the
-    simulator reset it to zero, and from round 2 on the two moved apart. Now the simulator's
-    engine puts back a copy taken before the step, and both end on the same weights bit for bit."""
+    ran and the momentum goes back to what it was with the unchanged weights: from the
+    coordinator's checkpoint of them, or without checkpoints (and in the simulator) from the
+    copy the round engine kept across the step. The simulator predicts the rounds after it, bit
+    for bit."""
     run = Run(
         workload=build_workload("mlp"),
         num_sites=2,
@@ -196,7 +198,8 @@ def test_a_step_thrown_away_rewinds_the_outer_state_as_the_coordinators_checkpoi
     )
     metrics = tmp_path / "metrics.jsonl"
     server = run.start_coordinator(
-        certs, metrics_path=str(metrics), update_guard=GUARD, checkpoint_dir=str(tmp_path / "checkpoints"),
+        certs, metrics_path=str(metrics), update_guard=GUARD,
+        checkpoint_dir=str(tmp_path / "checkpoints") if checkpoints else None,
     )
     agents = [run.agent(certs, server.port, k) for k in range(2)]
     poison_update(agents[1], FACTOR, nth=2)
@@ -219,5 +222,6 @@ def test_a_step_thrown_away_rewinds_the_outer_state_as_the_coordinators_checkpoi
     assert [r.aborted is not None for r in predicted] == [False, True, False, False]
     assert torch.equal(server.rounds.weights, simulator.global_flat)
     assert "beyond max_abs_weight" in predicted[1].aborted
-    assert "restored from the checkpoint" in records[1]["aborted"]
+    rewound = "restored from the checkpoint" if checkpoints else "put back as it was before the step"
+    assert rewound in records[1]["aborted"]
     assert "put back as it was before the step" in predicted[1].aborted

@@ -72,7 +72,12 @@ def compare(scenario_path: Path, run_dir: Path, given_step_s: float | None) -> C
     measured_round = sum(r["round_wall_s"] for r in steady) / len(steady)
     names = [s.name for s in scenario.sites]
     measured_up = sum(sum(r["bytes_up"].values()) for r in steady) / (len(steady) * len(names))
-    measured_down = sum(r["downlink_bytes"] for r in steady) / len(steady)
+    # Per site and round, as measured (a secure round's protocol messages come down too); with
+    # regions the coordinator counts its bytes to each relay, so the broadcast is compared.
+    if scenario.regions:
+        measured_down = sum(r["downlink_bytes"] for r in steady) / len(steady)
+    else:
+        measured_down = sum(sum(r["bytes_down"][n] for n in names) for r in steady) / (len(steady) * len(names))
 
     def error(step: float) -> tuple[float, float, float]:
         predicted = _predict(scenario, layout, step, len(records))
@@ -80,7 +85,10 @@ def compare(scenario_path: Path, run_dir: Path, given_step_s: float | None) -> C
         mean = sum(r.round_time_s for r in train) / len(train)
         # Per site and round, as measured: adaptive uplink codecs differ by site and round.
         up = sum(sum(r.bytes_up) for r in train) / (len(train) * len(names))
-        down = sum(r.bytes_down[0] for r in train) / len(train)
+        down = (
+            sum(r.bytes_down[0] for r in train) / len(train) if scenario.regions
+            else sum(sum(r.bytes_down) for r in train) / (len(train) * len(names))
+        )
         return (mean - measured_round) / measured_round, up, down
 
     own, up, down = error(emulator_step)

@@ -361,6 +361,14 @@ class RoundStateMachine:
             w = self.phases.weights
             return w.cpu if w.digest == digest else None
 
+    def count_stage_bytes(self, site: str, up: int, down: int) -> None:
+        """A secure-aggregation stage call's request (up) and reply (down), counted in the
+        current round beside the masked upload and the broadcast: a secure round's protocol
+        is on the site's link too (a long-polled stage asked again counts each time)."""
+        with self._cond:
+            self._ctx.count_up(site, up)
+            self._ctx.count_down(site, down)
+
     def count_bytes_down(self, site: str, nbytes: int) -> None:
         """Bytes sent to ``site`` (FetchModel, AwaitBroadcast), counted in the current round."""
         with self._cond:

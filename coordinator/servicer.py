@@ -253,7 +253,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             wait_s=min(request.wait_ms / 1000, SECURE_STAGE_WAIT_S),
             instance=request.instance_id,
         )
-        return secagg_wire.stage_response(request.stage, reply)
+        response = secagg_wire.stage_response(request.stage, reply)
+        self.rounds.count_stage_bytes(site, request.ByteSize(), response.ByteSize())
+        return response
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
         site = self._site(context, request.site)

@@ -133,6 +133,12 @@ class SiteTraffic:
         """Everything the site sent the coordinator in the round."""
         return self.advertise_up + self.share_up + self.masked_up + self.signature_up + self.response_up
 
+    @property
+    def down(self) -> int:
+        """Everything the coordinator sent the site in the round's protocol (the broadcast not
+        included)."""
+        return self.advertise_down + self.share_down + self.survivors_down + self.request_down
+
 
 @dataclass(slots=True)
 class StageCost:

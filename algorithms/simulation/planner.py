@@ -11,11 +11,13 @@ simulator and the coordinator; Streaming DiLoCo sites follow ``streaming_site_ti
 ``adaptive_overlap``, choose τ and their rounds' steps with the simulator's ``OverlapMeter``; with
 ``[algorithm.adaptive_uplink]`` each site's codec comes from the same ``CodecPlans``), and the
 bytes are the codecs' exact wire sizes (``Codec.encoded_nbytes``), which do not depend on the
-values encoded. A secure round is timed stage by stage as the simulator times it
-(``geoloco.algorithms.simulation.secure_clock``), with each site's message sizes from one run of
-the protocol on a one-element vector (``planner_sizes.secure_traffic``: only the masked vector's
-length depends on the model, and none on the values). So for a fixed ``step_time_s`` the
-planner's times and bytes equal the simulator's, round for round.
+values encoded. A secure round (flat or Streaming DiLoCo) is timed stage by stage as the
+simulator times it (``geoloco.algorithms.simulation.secure_clock``), with each site's message
+sizes from runs of the protocol on a one-element vector (``planner_sizes.secure_traffic``: only
+the masked vector's length depends on the model, and none on the values; ``_SecureSizes`` says
+how often it runs). With DP the plan stops, as the simulator does, before the round whose
+release would pass ``epsilon_budget``. So for a fixed ``step_time_s`` the planner's times and
+bytes equal the simulator's, round for round.
 
 With ``[[regions]]`` or a shaped ``[coordinator_link]`` (``tiers``) the uploads and the broadcast
 cross the simulator's ``TwoTierClock`` instead: each region's sites reach their relay, the relay's
@@ -187,9 +189,10 @@ def plan(
     layout: ParamLayout | None = None,
     tiers: TwoTierClock | None = None,
 ) -> Plan:
-    """Predict ``training.rounds`` rounds (plus the algorithm's warm-up) of a model of ``numel``
-    parameters on ``sites``, a reference site taking ``step_time_s`` per inner step. ``tiers``:
-    the regions' relays and the coordinator's shared link (``SimulatorConfig.tier_clock``)."""
+    """Predict ``training.rounds`` rounds (plus the algorithm's warm-up; fewer when DP's
+    ``epsilon_budget`` stops the run first) of a model of ``numel`` parameters on ``sites``, a
+    reference site taking ``step_time_s`` per inner step. ``tiers``: the regions' relays and the
+    coordinator's shared link (``SimulatorConfig.tier_clock``)."""
     if numel < 1:
         raise PlanError(f"the model needs at least one parameter, got numel = {numel}")
     if not sites:
@@ -409,7 +412,8 @@ def _plain(
         new_end = max(ends)
         out.append(
             PlannedRound(
-                round=r, phase="train", inner_steps=max(steps), bytes_up=ups, bytes_down=[down] * n,
+                round=r, phase="train", inner_steps=max(steps), bytes_up=ups,
+                bytes_down=[down] * n if traffic is None else [down + t.down for t in traffic],
                 round_time_s=new_end - end, wall_clock_s=new_end, compute_s=compute,
                 utilization=[c / sp if sp > 0 else 1.0 for c, sp in zip(compute, spans, strict=True)],
                 excluded=excluded,
@@ -492,7 +496,8 @@ def _streaming(
         out.append(
             PlannedRound(
                 round=r, phase="train", inner_steps=max(steps), bytes_up=ups,
-                bytes_down=[down] * n, round_time_s=new_end - end, wall_clock_s=new_end,
+                bytes_down=[down] * n if traffic is None else [down + t.down for t in traffic],
+                round_time_s=new_end - end, wall_clock_s=new_end,
                 compute_s=[t.compute_s for t in times], utilization=[t.utilization for t in times],
                 excluded=excluded, fragment=p,
             )

@@ -343,7 +343,8 @@ class Simulator:
         return {
             "train_loss": sum(losses) / len(losses) if losses else math.nan,
             "bytes_up": upload_sizes,
-            "bytes_down": [update.downlink.nbytes] * len(self.sites),
+            # A secure round's protocol messages come down besides the broadcast.
+            "bytes_down": [update.downlink.nbytes + (0 if t is None else t.down) for t in traffic],
             "compute_s": compute,
             "utilization": utilization,
             "site_inner_steps": site_steps,

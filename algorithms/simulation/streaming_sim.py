@@ -51,7 +51,8 @@ class SiteStreamTime:
     compute_s: float
     """Seconds spent in the round's inner steps."""
     upload_s: float
-    """When it started uploading its fragment (all steps done)."""
+    """When it started uploading its fragment (all steps done; a masked one, its round's shares
+    held too) and went on to its next round's steps."""
     arrival_s: float
     """When the upload had fully arrived at the coordinator."""
 
@@ -276,7 +277,8 @@ class StreamingRounds:
         return update.global_flat, aggregate_s, {
             "train_loss": sum(losses) / len(losses),
             "bytes_up": upload_sizes,
-            "bytes_down": [down] * len(sites),
+            # A secure round's protocol messages come down besides the broadcast.
+            "bytes_down": [down + (0 if t is None else t.down) for t in traffic],
             "compute_s": [t.compute_s for t in times],
             "utilization": [t.utilization for t in times],
             "end_s": max(ends),

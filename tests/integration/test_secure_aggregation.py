@@ -249,6 +249,13 @@ def test_secure_diloco_matches_plain_diloco_over_grpc(certs: Path) -> None:
     difference = float((secure_weights - plain_weights).abs().max())
     assert 0 < difference < 1e-5, difference
     assert abs(secure - plain) <= 1e-5 * abs(plain), (secure, plain)
+    # The protocol is on the links too: each site's stage calls (keys, shares, survivor list,
+    # signature, unmask answer) come on top of its masked upload (4 bytes a value at 32 bits, as
+    # the plain fp32 upload) and of the broadcast (the same codec both ways).
+    for plain_round, secure_round in zip(plain_records, secure_records, strict=True):
+        for site, up in plain_round.bytes_up.items():
+            assert secure_round.bytes_up[site] > up + 500, (plain_round.bytes_up, secure_round.bytes_up)
+            assert secure_round.bytes_down[site] > plain_round.bytes_down[site] + 500
 
 
 def test_central_dp_without_secure_aggregation_stops_at_the_epsilon_budget(certs: Path, tmp_path: Path) -> None:

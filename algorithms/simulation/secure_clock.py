@@ -3,8 +3,8 @@
 A secure round is not one upload. The real site (``geoloco.site_agent.secure_site``) makes six
 calls a round, and the coordinator answers a stage's calls only once the stage closes, when every
 site of the round has called (``geoloco.coordinator.secure_round``). Charged as one upload of all
-its bytes, a round missed four one-way latencies of the slowest site after the uploads closed
-and the key stages' barriers before them. With ``up_k(b) = latency_k + 8 · b / uplink_bps_k``
+its bytes, a round missed up to six one-way latencies of the slowest site after the uploads
+closed and the key stages' barriers before them. With ``up_k(b) = latency_k + 8 · b / uplink_bps_k``
 and ``down_k(b)`` alike, the bytes of each call from ``SiteTraffic``, ``s_k`` the time site
 ``k`` holds ``θ_t`` and ``c_k`` the time it has finished its inner steps:
 

@@ -35,6 +35,10 @@ __all__ = ["StepTiming", "time_steps_alone", "time_steps_together"]
 
 WARMUP_STEPS = 2
 """Steps run before the clock starts (the first ones allocate and warm caches)."""
+MIN_TIMED_S = 1.0
+"""Seconds the timed steps span at least, beyond the steps asked for: eight 10-ms steps were 80
+ms of a shared machine, and the measured step moved by 15-40 % from one measurement to the next
+(``benchmarks/pages/planner.md``)."""
 _START_TIMEOUT_S = 300.0
 """How long the processes may take to build their workloads before the measurement gives up."""
 
@@ -98,13 +102,19 @@ def _prepare(workload: WorkloadSpec, training: TrainingConfig, site: int, num_si
     return _Site(model, optimizer, built.site_batches(site, num_sites, seed), throttle.wrap_loss(built.loss), sleep)
 
 
-def _time_steps(site: _Site, steps: int, barrier: Barrier | None = None) -> float:
-    """Mean unthrottled seconds of ``steps`` inner steps (after the warm-up); with ``barrier``
-    the timed steps start when every process is ready."""
+def _time_steps(site: _Site, steps: int, barrier: Barrier | None = None, min_s: float = 0.0) -> float:
+    """Mean unthrottled seconds of at least ``steps`` inner steps (after the warm-up), and of as
+    many more as it takes to span ``min_s`` seconds of wall clock; with ``barrier`` the timed
+    steps start when every process is ready."""
     elapsed = 0.0
-    for step in range(steps + WARMUP_STEPS):
-        if step == WARMUP_STEPS and barrier is not None:
-            barrier.wait(timeout=_START_TIMEOUT_S)
+    timed = 0
+    started = 0.0
+    step = 0
+    while step < WARMUP_STEPS or timed < steps or time.perf_counter() - started < min_s:
+        if step == WARMUP_STEPS:
+            if barrier is not None:
+                barrier.wait(timeout=_START_TIMEOUT_S)
+            started = time.perf_counter()
         t0 = time.perf_counter()
         site.optimizer.zero_grad(set_to_none=True)
         site.loss(site.model, next(site.batches)).backward()
@@ -114,7 +124,9 @@ def _time_steps(site: _Site, steps: int, barrier: Barrier | None = None) -> floa
             compute -= site.sleep.take()
         if step >= WARMUP_STEPS:
             elapsed += compute
-    return elapsed / steps
+            timed += 1
+        step += 1
+    return elapsed / timed
 
 
 def _site_threads() -> int:
@@ -133,10 +145,12 @@ def time_steps_alone(workload: WorkloadSpec, training: TrainingConfig, num_sites
     threads = _site_threads()
     torch.set_num_threads(threads)
     try:
-        seconds = _time_steps(_prepare(workload, training, 0, num_sites), steps)
+        seconds = _time_steps(_prepare(workload, training, 0, num_sites), steps, min_s=MIN_TIMED_S)
     finally:
         torch.set_num_threads(before)
-    return StepTiming(seconds, f"timed here, one site alone on {threads} thread(s), {steps} steps")
+    return StepTiming(
+        seconds, f"timed here, one site alone on {threads} thread(s), {steps}+ steps over {MIN_TIMED_S:g}+ s"
+    )
 
 
 def _worker(workload: WorkloadSpec, training: TrainingConfig, site: int, num_sites: int, steps: int,
@@ -144,7 +158,7 @@ def _worker(workload: WorkloadSpec, training: TrainingConfig, site: int, num_sit
     torch.set_num_threads(_site_threads())
     try:
         prepared = _prepare(workload, training, site, num_sites, speed_factor)
-        results.put((site, _time_steps(prepared, steps, barrier)))
+        results.put((site, _time_steps(prepared, steps, barrier, min_s=MIN_TIMED_S)))
     except BaseException as err:  # noqa: BLE001 (reported to the parent, which names the site)
         barrier.abort()
         results.put((site, f"{type(err).__name__}: {err}"))
@@ -197,6 +211,6 @@ def time_steps_together(
     return StepTiming(
         sum(per_site) / num_sites,
         f"timed here as the emulator runs the sites: {num_sites} processes at once, {_site_threads()} "
-        f"thread(s) each, each at its speed factor, {steps} steps",
+        f"thread(s) each, each at its speed factor, {steps}+ steps over {MIN_TIMED_S:g}+ s",
         per_site,
     )

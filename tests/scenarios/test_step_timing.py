@@ -83,6 +83,10 @@ def test_a_slowed_sites_time_leaves_out_the_throttles_sleep(
     site = step_timing._Site(model, optimizer, built.site_batches(0, 2, 0), throttle.wrap_loss(loss), sleep)
     assert step_timing._time_steps(site, 5) == pytest.approx(0.001)
     assert throttle.steps == 5 + step_timing.WARMUP_STEPS
+    # With a minimum span the timer goes on past the steps asked for: 4 ms of wall clock a step
+    # (1 ms compute, 3 ms asleep), 2 asked, 30 ms at least: 8 timed steps, still 1 ms each.
+    assert step_timing._time_steps(site, 2, min_s=0.03) == pytest.approx(0.001)
+    assert throttle.steps == 5 + 8 + 2 * step_timing.WARMUP_STEPS
 
 
 def test_every_site_is_timed_at_once_in_its_own_process(scenario: Path) -> None:

@@ -85,3 +85,19 @@ def test_round_steps_far_from_the_clocks_disagree() -> None:
 def test_skipped_without_adaptive_overlap() -> None:
     scenario = load_scenario(ROOT / "scenarios" / "transatlantic.toml")
     assert overlap_fidelity(scenario, []).skipped == "the scenario does not use adaptive_overlap"
+
+
+def test_skipped_with_secure_aggregation(tmp_path: Path) -> None:
+    """A secure round's stage calls are on the streaming simulator's clock, not this one's: a
+    prediction without them would mark a faithful run as off."""
+    text = (ROOT / "scenarios" / "streaming.toml").read_text().replace('uplink_codec = "int8"', 'uplink_codec = "none"')
+    text += (
+        '\n[[sites]]\nname = "ap-south"\nlatency_s = 0.05\n'
+        '\n[privacy]\nsecure_aggregation = true\nclip_norm = 1.0\n'
+    )
+    path = tmp_path / "secure_streaming.toml"
+    path.write_text(text.replace("[algorithm]\n", '[algorithm]\nweighting = "uniform"\n', 1))
+    secure = load_scenario(path)
+    assert secure.privacy.secure_aggregation and secure.algorithm.streaming.adaptive_overlap
+    records = _records(secure, [0.05] * len(secure.sites), 0.01)
+    assert overlap_fidelity(secure, records).skipped == "secure aggregation's stage calls are not on the overlap clock"

@@ -21,15 +21,16 @@ keeps the residual when the codec changes between rounds), so every coordinate a
 eventually, as with a fixed top-k codec.
 
 What counts as a measurement. Only an upload the coordinator verified and admitted into a round
-measures a link (the coordinator observes it in the same critical section as the admission; the
-simulator leaves out the uploads its round engine rejected): the bytes a site streams before they
-are checked are its claim, and 1 MB of refused junk sent at loopback speed would otherwise make it
-the "typical" site and give an honest site ``topk:0.001`` for rounds. And a time below
-``min_upload_s`` is not told apart from another: timer resolution, thread scheduling and the
-RPC's own costs dominate it (on loopback, sub-millisecond uploads jitter by 2x). So ``t_ref`` is
+measures a link (the coordinator observes it in the same critical section as the admission, or of
+the fold of a late update one round on; an upload that missed its round and was dropped is never
+measured; the simulator and the planner measure the same uploads in the same order): the bytes a
+site streams before they are checked are its claim, and 1 MB of refused junk sent at loopback speed
+would otherwise make it the "typical" site and give an honest site ``topk:0.001`` for rounds. And a
+time below ``min_upload_s`` is not told apart from another: timer resolution, thread scheduling and
+the RPC's own costs dominate it (on loopback, sub-millisecond uploads jitter by 2x). So ``t_ref`` is
 at least ``min_upload_s``: a site whose dense upload takes no longer keeps the dense codec however
-its time compares with the others' (sparsifying an upload that short would save nothing), and a
-slow site is given a payload that takes about ``t_ref`` on its link, not a share of the noise.
+its time compares with the others' (sparsifying an upload that short would save nothing), and a slow
+site is given a payload that takes about ``t_ref`` on its link, not a share of the noise.
 
 Each round's plan (``CodecPlans``) is made the first time the round's codec is asked for (the
 coordinator: the round's info in a join or a broadcast header, or an upload's check; the

@@ -267,6 +267,28 @@ def plan(
     )
 
 
+def _measure_uploads(
+    link_codecs: CodecPlans, names: list[str], ups: list[int], arrivals: list[float], starts: list[float],
+    compute: list[float], excluded: list[str], late: dict[int, tuple[int, float, float]], closed: float,
+    policy: RoundPolicy,
+) -> dict[int, tuple[int, float, float]]:
+    """Feed the link meter what the coordinator measures, in the simulator's order: last round's
+    late uploads (``late``: site -> bytes, transfer seconds, arrival) that arrived before this
+    round closed at ``closed`` and were folded, then this round's on-time uploads. Returns this
+    round's late uploads, kept to be folded next round when the policy folds them."""
+    for k, (nbytes, seconds, arrival) in sorted(late.items()):
+        if arrival <= closed:
+            link_codecs.observe_upload(names[k], nbytes, seconds)
+    kept: dict[int, tuple[int, float, float]] = {}
+    for k, name in enumerate(names):
+        seconds = arrivals[k] - starts[k] - compute[k]
+        if name not in excluded:
+            link_codecs.observe_upload(name, ups[k], seconds)
+        elif policy.folds_late_updates:
+            kept[k] = (ups[k], seconds, arrivals[k])
+    return kept
+
+
 class _SecureSizes:
     """Round ``r``'s secure-aggregation bytes per site and stage (``secure_traffic``). The
     messages write the round number and site numbers as decimal text: on the full graph every
@@ -376,6 +398,7 @@ def _plain(
     n = len(sites)
     secure = _SecureSizes(training, n) if training.privacy.secure_aggregation else None
     budget = _PrivacyBudget(training, lambda r: numel, n)
+    late: dict[int, tuple[int, float, float]] = {}
     out: list[PlannedRound] = []
     end = done[-1].wall_clock_s if done else 0.0
     for r in range(training.rounds):
@@ -398,10 +421,9 @@ def _plain(
             arrivals = masked_arrivals(starts, compute, traffic, sites)
         else:
             arrivals = upload_arrivals(starts, compute, ups, sites)
-        if link_codecs is not None:  # what the coordinator measures of each upload
-            for k, name in enumerate(names):
-                link_codecs.observe_upload(name, ups[k], arrivals[k] - starts[k] - compute[k])
         closed, excluded, _ = _close_round(policy, r, open_s, names, arrivals)
+        if link_codecs is not None:  # what the coordinator measures: the uploads it admits
+            late = _measure_uploads(link_codecs, names, ups, arrivals, starts, compute, excluded, late, closed, policy)
         if traffic is not None:  # the broadcast waits for the unmasking
             closed = unmasked_at(closed, arrivals, traffic, sites, [k for k in range(n) if names[k] not in excluded])
         ends = tiers.ends(closed, down) if tiers is not None else download_ends(closed, arrivals, down, sites)

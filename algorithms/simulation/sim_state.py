@@ -35,7 +35,20 @@ from geoloco.algorithms.time_budget import TimeBudget, run_inner_steps_within, s
 from geoloco.algorithms.workload import Workload
 from geoloco.compression import Encoded
 
-__all__ = ["SimSite", "SimTrainer"]
+__all__ = ["LateUpdate", "SimSite", "SimTrainer"]
+
+
+@dataclass(frozen=True, slots=True)
+class LateUpdate:
+    """An update that missed its round's deadline, to fold into the next round."""
+
+    encoded: Encoded
+    weight: float
+    arrival_s: float
+    """When it arrived on the virtual clock (folded only if before the next round aggregates)."""
+    fragment: int
+    upload_s: float
+    """Its transfer's seconds, which the coordinator measures of the link when it folds it."""
 
 
 @dataclass(slots=True)
@@ -56,9 +69,9 @@ class SimSite:
     """The inner lr schedule over ``optimizer``, positioned by this site's cumulative inner steps."""
     ready_s: float = 0.0
     """Virtual time at which this site holds the current global weights."""
-    late: tuple[Encoded, float, float, int] | None = None
-    """Its last round's update that missed the deadline, its weight, its arrival time and its
-    fragment, kept to be folded into the next round (``late_updates = "fold"``)."""
+    late: LateUpdate | None = None
+    """Its last round's update that missed the deadline, kept to be folded into the next round
+    (``late_updates = "fold"``)."""
 
 
 class SimTrainer:

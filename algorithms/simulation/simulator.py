@@ -44,7 +44,7 @@ from geoloco.algorithms.simulation.clock import download_ends, upload_arrivals
 from geoloco.algorithms.simulation.robust_attack import parse_attack
 from geoloco.algorithms.simulation.secure_clock import masked_arrivals, unmasked_at
 from geoloco.algorithms.simulation.sim_config import MEASURE, SimulationConfig, SimulatorConfig
-from geoloco.algorithms.simulation.sim_state import SimSite, SimTrainer
+from geoloco.algorithms.simulation.sim_state import LateUpdate, SimSite, SimTrainer
 from geoloco.algorithms.simulation.sim_uplinks import (
     Payload,
     build_uplinks,
@@ -307,13 +307,14 @@ class Simulator:
         aggregate_s = engine.admit_arrivals(
             round_, sites=names, arrivals=arrivals, payloads=payloads, weights=weights, screen=self.uplinks.screen
         )
-        if self.link_codecs is not None:  # what the coordinator would measure of each upload
+        # Last round's late updates arrived before this round's uploads: folded (and measured) first.
+        self._fold_late_updates(round_, aggregate_s)
+        if self.link_codecs is not None:  # what the coordinator measures: the uploads it admitted
             for k, site in enumerate(self.sites):
-                if self._verified(round_, site.name, payloads[k], weights[k]):
+                if site.name in round_.contributed:
                     self.link_codecs.observe_upload(
                         site.name, upload_sizes[k], arrivals[k] - site.ready_s - compute[k]
                     )
-        self._fold_late_updates(round_, aggregate_s)
         outcome = engine.close(round_, now=aggregate_s, expected=names)
         # The others go back to the sites' residuals (with error feedback) so their work arrives
         # next round, or wait to be folded into the next round's average.
@@ -324,7 +325,9 @@ class Simulator:
             assert payload is not None  # only updates in the round were added early
             if self.policy.folds_late_updates:
                 assert isinstance(payload, Encoded)  # privacy rounds never fold
-                site.late = (payload, weights[k], arrivals[k], plan.fragment)
+                site.late = LateUpdate(
+                    payload, weights[k], arrivals[k], plan.fragment, upload_s=arrivals[k] - site.ready_s - compute[k],
+                )
             else:
                 self.uplinks.keep(site.name, payload, plan.fragment)
         stepped = engine.step(round_, self.global_flat, plan, list(outcome.contributors))
@@ -372,17 +375,6 @@ class Simulator:
             site.optimizer.state.clear()
         round_.reject(site.name, withheld_reason(WITHHELD_NON_FINITE))
 
-    def _verified(self, round_: Round, site: str, payload: Payload | None, weight: float) -> bool:
-        """Whether ``site``'s upload of ``round_`` measures its link: not when the engine
-        rejected it, as the coordinator measures only the uploads it admitted
-        (``geoloco.algorithms.link_codec``); one the round closed on before it arrived is
-        measured when the guard would take it."""
-        if site in round_.rejected:
-            return False
-        if site in round_.contributed or payload is None:
-            return True
-        return self.engine.screen(self.uplinks.screen(payload), site=site, weight=weight) is None
-
     def _use_assigned_codec(self, site: SimSite, round_number: int, fragment: int) -> None:
         """Adaptive uplink codecs: switch the site's encoder to its codec for this round (its
         error-feedback residual carries over), as the site agent does."""
@@ -411,16 +403,19 @@ class Simulator:
         real site drops a refused update); those that did not arrive go back into their site's
         residual (the real coordinator accepts an update exactly one round late, no later)."""
         for site in self.sites:
-            if site.late is None:
+            late, site.late = site.late, None
+            if late is None:
                 continue
-            encoded, weight, arrival, fragment = site.late
-            site.late = None
-            if arrival <= aggregate_s:
-                folded = self.engine.fold_late(round_, site.name, encoded, weight, screen=self.uplinks.screen(encoded))
+            if late.arrival_s <= aggregate_s:
+                folded = self.engine.fold_late(
+                    round_, site.name, late.encoded, late.weight, screen=self.uplinks.screen(late.encoded)
+                )
                 if not folded.ok:
-                    self.uplinks.drop(site.name, fragment)
+                    self.uplinks.drop(site.name, late.fragment)
+                elif self.link_codecs is not None:  # the coordinator measures a late upload it folds
+                    self.link_codecs.observe_upload(site.name, late.encoded.nbytes, late.upload_s)
             else:
-                self.uplinks.keep(site.name, encoded, fragment)
+                self.uplinks.keep(site.name, late.encoded, late.fragment)
 
     def _close_round_clock(
         self, aggregate_s: float, arrivals: list[float], downlink_bytes: int, compute: list[float]

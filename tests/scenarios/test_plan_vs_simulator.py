@@ -168,6 +168,14 @@ def _assert_same(records: list[Any], predicted: Plan) -> None:
         ),
         pytest.param(STREAMING_ADAPTIVE, {"rounds": 10}, id="streaming-adaptive-overlap"),
         pytest.param(ADAPTIVE_UPLINK, {"rounds": 6}, id="adaptive-uplink"),
+        pytest.param(
+            {**ADAPTIVE_UPLINK, "late_updates": "fold"}, {"rounds": 6, "round_deadline_s": 0.4, "min_sites": 1},
+            id="adaptive-uplink-folded-stragglers",
+        ),
+        pytest.param(
+            {**ADAPTIVE_UPLINK, "late_updates": "drop"}, {"rounds": 6, "round_deadline_s": 0.4, "min_sites": 1},
+            id="adaptive-uplink-dropped-stragglers",
+        ),
     ],
 )
 def test_planner_reproduces_the_simulators_clock_and_bytes(
@@ -286,6 +294,26 @@ def test_the_adaptive_uplink_case_gives_the_slow_link_a_sparser_codec() -> None:
     dense = predicted.rounds[0].bytes_up
     assert dense[0] == dense[1]
     assert any(r.bytes_up[1] < dense[1] for r in predicted.rounds[1:])
+
+
+@pytest.mark.parametrize("late_updates", ["fold", "drop"])
+def test_a_stragglers_upload_measures_its_link_only_when_the_coordinator_takes_it(late_updates: str) -> None:
+    """The coordinator measures the uploads it admits: on time, or one round late when it folds
+    them. Site 1 (50 kbit/s) misses every deadline from round 1 on: with its late uploads folded
+    they measure its link and it gets a sparser codec; with them dropped its link is never
+    measured and it keeps the run's codec. The simulator measured every upload the guard would
+    take, so it gave the dropped straggler a codec the coordinator never would."""
+    records, predicted = _both(_config(
+        {**ADAPTIVE_UPLINK, "late_updates": late_updates}, {"rounds": 6, "round_deadline_s": 0.4, "min_sites": 1},
+    ))
+    assert all("1" in r.excluded for r in records[1:])
+    dense = records[0].bytes_up["1"]
+    later = [r.bytes_up["1"] for r in records[2:]]
+    if late_updates == "fold":
+        assert all(b < dense for b in later), later
+    else:
+        assert later == [dense] * len(later)
+    assert [r.bytes_up for r in predicted.rounds] == [list(r.bytes_up.values()) for r in records]
 
 
 def test_deadline_case_excludes_a_straggler() -> None:

@@ -779,8 +779,9 @@ class PlainIntake:
 
     def _observe_link(self, site: str, assembler: PlainUpload) -> None:
         """An admitted upload that came whole in one stream measured ``site``'s uplink (lock
-        held, in the same critical section as the admission, so the next round's codec plan,
-        made when this round closes, has seen it)."""
+        held, in the same critical section as the admission, so any codec plan made after it,
+        lazily at the first header or join that asks for a round's codec, has seen it; a late
+        update folded into round t + 1 therefore informs round t + 2's plan)."""
         if assembler.link_sample is not None:
             self.ctx.observe_upload(site, *assembler.link_sample)
             assembler.link_sample = None

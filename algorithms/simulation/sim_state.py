@@ -47,8 +47,10 @@ class LateUpdate:
     arrival_s: float
     """When it arrived on the virtual clock (folded only if before the next round aggregates)."""
     fragment: int
+    nbytes: int
     upload_s: float
-    """Its transfer's seconds, which the coordinator measures of the link when it folds it."""
+    """Its size and its transfer's seconds, which the coordinator measures of the link when it
+    folds it."""
 
 
 @dataclass(slots=True)

@@ -326,7 +326,8 @@ class Simulator:
             if self.policy.folds_late_updates:
                 assert isinstance(payload, Encoded)  # privacy rounds never fold
                 site.late = LateUpdate(
-                    payload, weights[k], arrivals[k], plan.fragment, upload_s=arrivals[k] - site.ready_s - compute[k],
+                    payload, weights[k], arrivals[k], plan.fragment, nbytes=upload_sizes[k],
+                    upload_s=arrivals[k] - site.ready_s - compute[k],
                 )
             else:
                 self.uplinks.keep(site.name, payload, plan.fragment)
@@ -413,7 +414,7 @@ class Simulator:
                 if not folded.ok:
                     self.uplinks.drop(site.name, late.fragment)
                 elif self.link_codecs is not None:  # the coordinator measures a late upload it folds
-                    self.link_codecs.observe_upload(site.name, late.encoded.nbytes, late.upload_s)
+                    self.link_codecs.observe_upload(site.name, late.nbytes, late.upload_s)
             else:
                 self.uplinks.keep(site.name, late.encoded, late.fragment)
 

@@ -48,7 +48,10 @@ def _regions(
     certs: Path, *, relay_options: dict[str, Any] | None = None, **coordinator_options: Any
 ) -> Iterator[tuple[CoordinatorServer, dict[str, RelayServer], list[Site]]]:
     """A coordinator, one relay per region and every site joined through its relay; all
-    stopped afterwards (the coordinator object stays readable)."""
+    stopped afterwards (the coordinator object stays readable). The test's sites send no
+    heartbeats: unless a test is about dropping them, the coordinator waits for them long enough
+    that a loaded machine does not drop one between two of its calls."""
+    coordinator_options.setdefault("heartbeat_timeout_s", 120.0)
     server = coordinator(certs, **coordinator_options)
     relays = {name: relay(certs, name, server.port, **(relay_options or {})) for name in REGIONS}
     sites = [Site(n, certs, f"localhost:{relays[r].port}") for r, names in REGIONS.items() for n in names]

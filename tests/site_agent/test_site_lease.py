@@ -81,12 +81,15 @@ def test_a_second_agent_with_the_same_name_replaces_the_first_which_stops(
     assert "this one" in message and "stops" in message
 
     # The older agent reported only rounds broadcast before the newer one joined; the newer one
-    # trained every round from there to the end, and each counted.
+    # trained every round from there to the end, and each counted. A newer process that joins
+    # while the round it joins at is already closing (the older one's update in it) trains from
+    # the next round: which of the two happens is the machine's timing.
     taken_at = new_seen.joined[0]
     assert all(r.round < taken_at for r in old_seen.rounds), ([r.round for r in old_seen.rounds], taken_at)
-    assert [r.round for r in new_seen.rounds] == list(range(taken_at, ROUNDS))
+    trained = [r.round for r in new_seen.rounds]
+    assert trained in (list(range(taken_at, ROUNDS)), list(range(taken_at + 1, ROUNDS))), (trained, taken_at)
     assert all(r.included for r in new_seen.rounds)
-    assert summary.run_finished and summary.rounds_included == summary.rounds_trained == ROUNDS - taken_at
+    assert summary.run_finished and summary.rounds_included == summary.rounds_trained == len(trained)
 
     messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "geoloco.coordinator.membership"]
     replaced = [m for level, m in messages if level == logging.WARNING]

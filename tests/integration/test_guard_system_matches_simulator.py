@@ -59,14 +59,32 @@ def certs3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_certs(tmp_path_factory.mktemp("certs3"), ["0", "1", "2"])
 
 
-def test_rounds_the_guard_aborts_are_aborted_by_the_simulator_too(certs: Path, tmp_path: Path) -> None:
-    run = Run(
+def _two_site_run(rounds: int) -> Run:
+    """Two sites of the small MLP, dense both ways and without error feedback, so an update the
+    guard refuses or a round it aborts leaves nothing behind in a residual."""
+    return Run(
         workload=build_workload("mlp"),
         num_sites=2,
-        rounds=3,
+        rounds=rounds,
         seed=5,
         algorithm=AlgorithmConfig(inner_steps=3, uplink_codec="none", downlink_codec="none", error_feedback=False),
     )
+
+
+def _guarded_simulator(run: Run, sites: list[SiteConfig]) -> Simulator:
+    """The simulator of ``run`` on ``sites`` under the coordinator's guard (``GUARD``)."""
+    config = SimulatorConfig(
+        algorithm=run.algorithm,
+        inner_optimizer=run.inner,
+        sites=sites,
+        simulation=SimulationConfig(rounds=run.rounds, seed=run.seed, device="cpu", eval_every=10**6),
+        update_guard=GUARD,
+    )
+    return Simulator(config, run.workload)
+
+
+def test_rounds_the_guard_aborts_are_aborted_by_the_simulator_too(certs: Path, tmp_path: Path) -> None:
+    run = _two_site_run(rounds=3)
     metrics = tmp_path / "metrics.jsonl"
     server = run.start_coordinator(certs, metrics_path=str(metrics), update_guard=GUARD)
     initial = server.rounds.weights.clone()
@@ -76,14 +94,7 @@ def test_rounds_the_guard_aborts_are_aborted_by_the_simulator_too(certs: Path, t
     assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
     records = read_metrics(metrics)
 
-    config = SimulatorConfig(
-        algorithm=run.algorithm,
-        inner_optimizer=run.inner,
-        sites=[SiteConfig(), SiteConfig(attack=f"scale:{FACTOR}")],
-        simulation=SimulationConfig(rounds=run.rounds, seed=run.seed, device="cpu", eval_every=10**6),
-        update_guard=GUARD,
-    )
-    simulator = Simulator(config, run.workload)
+    simulator = _guarded_simulator(run, [SiteConfig(), SiteConfig(attack=f"scale:{FACTOR}")])
     predicted = list(simulator.run())
 
     assert [r["aborted"] is not None for r in records] == [r.aborted is not None for r in predicted] == [True] * 3
@@ -189,13 +200,7 @@ def test_a_step_thrown_away_rewinds_the_outer_state_alike_on_every_host(
     coordinator's checkpoint of them, or without checkpoints (and in the simulator) from the
     copy the round engine kept across the step. The simulator predicts the rounds after it, bit
     for bit."""
-    run = Run(
-        workload=build_workload("mlp"),
-        num_sites=2,
-        rounds=4,
-        seed=5,
-        algorithm=AlgorithmConfig(inner_steps=3, uplink_codec="none", downlink_codec="none", error_feedback=False),
-    )
+    run = _two_site_run(rounds=4)
     metrics = tmp_path / "metrics.jsonl"
     server = run.start_coordinator(
         certs, metrics_path=str(metrics), update_guard=GUARD,
@@ -207,14 +212,7 @@ def test_a_step_thrown_away_rewinds_the_outer_state_alike_on_every_host(
     assert {s.weights_digest for s in summaries} == {server.rounds.digest_hex}
     records = read_metrics(metrics)
 
-    config = SimulatorConfig(
-        algorithm=run.algorithm,
-        inner_optimizer=run.inner,
-        sites=[SiteConfig(), SiteConfig()],
-        simulation=SimulationConfig(rounds=run.rounds, seed=run.seed, device="cpu", eval_every=10**6),
-        update_guard=GUARD,
-    )
-    simulator = Simulator(config, run.workload)
+    simulator = _guarded_simulator(run, [SiteConfig(), SiteConfig()])
     simulator.uplinks = _RoundScaled(simulator.uplinks, "1", FACTOR, at=1)  # type: ignore[assignment]
     predicted = list(simulator.run())
 

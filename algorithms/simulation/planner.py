@@ -34,7 +34,7 @@ are usually within a few per cent of that).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,6 @@ from geoloco.algorithms.aggregation import CountingAggregation
 from geoloco.algorithms.engine import UNSCREENED, RoundEngine
 from geoloco.algorithms.link_codec import CodecPlans
 from geoloco.algorithms.params import ParamLayout
-from geoloco.algorithms.privacy.dp_accountant import PrivacyAccountant
 from geoloco.algorithms.privacy.secagg_in_memory import SiteTraffic
 from geoloco.algorithms.round import RoundPolicy
 from geoloco.algorithms.simulation.clock import SiteConfig, download_ends, upload_arrivals
@@ -52,7 +51,7 @@ from geoloco.algorithms.simulation.planner_memory import MemoryEstimate, estimat
 from geoloco.algorithms.simulation.planner_sizes import PlanError, encoded_nbytes, fragment_numels, secure_traffic
 from geoloco.algorithms.simulation.secure_clock import keys_held, masked_arrivals, unmasked_at
 from geoloco.algorithms.simulation.sim_regions import TwoTierClock
-from geoloco.algorithms.simulation.sim_uplinks import round_noise_multiplier, simulation_session
+from geoloco.algorithms.simulation.sim_uplinks import PrivacyBudget, simulation_session
 from geoloco.algorithms.simulation.streaming_sim import streaming_site_time
 from geoloco.algorithms.streaming import StreamingSchedule
 from geoloco.algorithms.streaming_overlap import OverlapBounds, OverlapMeter
@@ -317,31 +316,6 @@ class _SecureSizes:
         return self._cached[key]
 
 
-class _PrivacyBudget:
-    """The simulator's stop on ``[privacy] epsilon_budget``: no round whose release would push the
-    accounted epsilon past the budget (``round_noise_multiplier`` of the round's update size)."""
-
-    def __init__(self, training: TrainingConfig, update_numel: Callable[[int], int], num_sites: int) -> None:
-        privacy = training.privacy
-        self.privacy = privacy
-        self.codec = training.algorithm.uplink_codec
-        self.update_numel = update_numel
-        self.num_sites = num_sites
-        self.accountant = PrivacyAccountant(privacy.delta) if privacy.dp != "off" else None
-
-    def allows(self, round_number: int) -> bool:
-        """Whether round ``round_number`` runs (and, if so, its release is accounted)."""
-        if self.accountant is None:
-            return True
-        z = round_noise_multiplier(
-            self.privacy, self.codec, numel=self.update_numel(round_number), num_sites=self.num_sites
-        )
-        if not self.accountant.allows(z, self.privacy.epsilon_budget):
-            return False
-        self.accountant.step(z)
-        return True
-
-
 def _data_parallel(
     clocks: list[_SiteClock], sites: Sequence[SiteConfig], step_time_s: float, steps: int,
     up_codec: str, down_codec: str, numel: int, number: int, phase: str, previous_end: float,
@@ -397,7 +371,9 @@ def _plain(
     link_codecs = CodecPlans(algo.adaptive_uplink, algo.uplink_codec) if algo.adaptive_uplink.enabled else None
     n = len(sites)
     secure = _SecureSizes(training, n) if training.privacy.secure_aggregation else None
-    budget = _PrivacyBudget(training, lambda r: numel, n)
+    budget = PrivacyBudget(
+        training.privacy, training.algorithm.uplink_codec, update_numel=lambda r: numel, num_sites=n
+    )
     late: dict[int, tuple[int, float, float]] = {}
     out: list[PlannedRound] = []
     end = done[-1].wall_clock_s if done else 0.0
@@ -462,7 +438,10 @@ def _streaming(
     n = len(sites)
     meters = [OverlapMeter() for _ in sites]
     choices = [bounds.fixed] * n
-    budget = _PrivacyBudget(training, lambda r: sizes[schedule.fragment_for_round(r)], n)
+    budget = PrivacyBudget(
+        training.privacy, algo.uplink_codec, update_numel=lambda r: sizes[schedule.fragment_for_round(r)],
+        num_sites=n,
+    )
     secure = _SecureSizes(training, n) if training.privacy.secure_aggregation else None
     out: list[PlannedRound] = []
     end = done[-1].wall_clock_s if done else 0.0

@@ -23,7 +23,8 @@ stage, which the secure round's clock times and of which a relay sums the masked
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -32,6 +33,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from geoloco.algorithms.aggregation import Aggregation, new_aggregation
 from geoloco.algorithms.config import require
 from geoloco.algorithms.engine import UNSCREENED, Screen
+from geoloco.algorithms.privacy.dp_accountant import PrivacyAccountant
 from geoloco.algorithms.privacy.private_aggregation import (
     PrivacyConfig,
     PrivateUpdateEncoder,
@@ -51,6 +53,7 @@ __all__ = [
     "AttackedUplinks",
     "Payload",
     "PlainUplinks",
+    "PrivacyBudget",
     "SecureUplinks",
     "SimUplinks",
     "build_uplinks",
@@ -59,6 +62,8 @@ __all__ = [
     "round_noise_multiplier",
     "simulation_session",
 ]
+
+logger = logging.getLogger(__name__)
 
 Payload = Encoded | torch.Tensor
 
@@ -331,3 +336,39 @@ def round_noise_multiplier(privacy: PrivacyConfig, uplink_codec: str, *, numel: 
         privacy, uplink_codec, numel=numel, num_sites=num_sites, session="simulation", round_index=0,
     )
     return effective_noise_multiplier(privacy, fixed, context.numel)
+
+
+class PrivacyBudget:
+    """A simulated run's privacy accounting and its stop on ``[privacy] epsilon_budget``: no round
+    whose release would push the accounted epsilon past the budget. The simulator and the planner
+    both ask it before each DiLoCo-family round, so they stop at the same round."""
+
+    def __init__(
+        self, privacy: PrivacyConfig, uplink_codec: str, *, update_numel: Callable[[int], int], num_sites: int
+    ) -> None:
+        self.privacy = privacy
+        self.uplink_codec = uplink_codec
+        self.update_numel = update_numel
+        """Round -> the size of its released update (a Streaming DiLoCo round's: its fragment's)."""
+        self.num_sites = num_sites
+        self.accountant = PrivacyAccountant(privacy.delta) if privacy.dp != "off" else None
+
+    def noise_multiplier(self, round_number: int) -> float:
+        """What the accountant composes for round ``round_number``: one release of its update."""
+        return round_noise_multiplier(
+            self.privacy, self.uplink_codec, numel=self.update_numel(round_number), num_sites=self.num_sites
+        )
+
+    def allows(self, round_number: int) -> bool:
+        """Whether round ``round_number`` runs; if it does, its release is accounted now."""
+        if self.accountant is None:
+            return True
+        z = self.noise_multiplier(round_number)
+        if not self.accountant.allows(z, self.privacy.epsilon_budget):
+            logger.info(
+                "stopping before round %d: epsilon would reach %.3f, budget %.3f",
+                round_number, self.accountant.epsilon_after(z), self.privacy.epsilon_budget,
+            )
+            return False
+        self.accountant.step(z)
+        return True

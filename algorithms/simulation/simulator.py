@@ -37,7 +37,6 @@ from geoloco.algorithms.optimizers import (
     split_flat_optimizer_state,
 )
 from geoloco.algorithms.params import ParamLayout, weights_digest
-from geoloco.algorithms.privacy.private_aggregation import PrivacyAccountant
 from geoloco.algorithms.record import RoundRecord
 from geoloco.algorithms.round import Round, RoundPolicy
 from geoloco.algorithms.simulation.clock import download_ends, upload_arrivals
@@ -47,10 +46,10 @@ from geoloco.algorithms.simulation.sim_config import MEASURE, SimulationConfig, 
 from geoloco.algorithms.simulation.sim_state import LateUpdate, SimSite, SimTrainer
 from geoloco.algorithms.simulation.sim_uplinks import (
     Payload,
+    PrivacyBudget,
     build_uplinks,
     drop_refused,
     keep_aborted,
-    round_noise_multiplier,
     simulation_session,
 )
 from geoloco.algorithms.simulation.streaming_sim import StreamingRounds
@@ -136,7 +135,10 @@ class Simulator:
         self.ddp_lr_schedule: InnerLRSchedule | None = None
         if self.data_parallel:
             self.ddp_lr_schedule = config.inner_optimizer.build_schedule(self.strategy.outer.optimizer, **horizon)
-        self.accountant = PrivacyAccountant(config.privacy.delta) if config.privacy.dp != "off" else None
+        self.privacy_budget = PrivacyBudget(
+            config.privacy, algo.uplink_codec, update_numel=self.strategy.update_numel, num_sites=num_sites,
+        )
+        self.accountant = self.privacy_budget.accountant
         self.policy: RoundPolicy = config.training.round_policy(num_sites)
         self.engine = RoundEngine(
             self.strategy, self.policy, UpdateGuard(config.update_guard), fresh_strategy=new_strategy
@@ -229,10 +231,7 @@ class Simulator:
     def round_noise_multiplier(self, round_number: int) -> float:
         """What the accountant composes for round ``round_number``: one release of its update
         (with streaming, of its fragment's)."""
-        return round_noise_multiplier(
-            self.config.privacy, self.config.algorithm.uplink_codec,
-            numel=self.strategy.update_numel(round_number), num_sites=len(self.sites),
-        )
+        return self.privacy_budget.noise_multiplier(round_number)
 
     def _diloco_round(self, round_number: int) -> dict[str, Any]:
         """Every site trains from ``θ_t`` and uploads; the round closes by the policy on the
@@ -504,15 +503,7 @@ class Simulator:
                     algo.inner_steps, round_number * algo.inner_steps,
                 )
             else:
-                z = self.round_noise_multiplier(round_number)
-                if self.accountant is not None and not self.accountant.allows(
-                    z, self.config.privacy.epsilon_budget
-                ):
-                    logger.info(
-                        "stopping before round %d: epsilon would reach %.3f, budget %.3f",
-                        round_number, self.accountant.epsilon_after(z),
-                        self.config.privacy.epsilon_budget,
-                    )
+                if not self.privacy_budget.allows(round_number):
                     return
                 if self.streaming is not None:
                     self.global_flat, self.open_s, stats = self.streaming.round(
@@ -520,8 +511,6 @@ class Simulator:
                     )
                 else:
                     stats = self._diloco_round(round_number)
-                if self.accountant is not None:
-                    self.accountant.step(z)
             # Streaming rounds report their steps too (adaptive overlap may stretch them).
             steps = max(stats["site_inner_steps"]) if stats.get("site_inner_steps") else algo.inner_steps
             due = self.config.evaluates_after(
